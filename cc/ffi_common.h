@@ -1,0 +1,90 @@
+// Helpers shared by every XLA FFI handler (cc/ffi_*.cc).
+//
+// Conventions for a jax_ep FFI target:
+//  * typed FFI API, `.Ctx<Stream>()` first, work enqueued on that (XLA's)
+//    stream only, no host synchronisation (so it can run inside command
+//    buffers / CUDA graphs when it uses no host-side state);
+//  * targets that talk to other ranks take two attributes, produced by
+//    jax_ep._ffi.call(): `ep_groups` (i32 array: every EP group of the mesh, one
+//    row of `num_ranks` PEs each, in axis order) and `num_ranks` (i32); call
+//    GetPeerTable() to get this process's PeerTable;
+//  * every handler is defined with XLA_FFI_DEFINE_HANDLER_SYMBOL and listed in
+//    cc/ffi_targets.h, which module.cc turns into jax_ep._C.registrations().
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "runtime.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_ep {
+
+namespace ffi = xla::ffi;
+using Stream = ffi::PlatformStream<cudaStream_t>;
+
+inline ffi::Error CudaFfiError(cudaError_t e, const char* what, const char* file, int line) {
+  return ffi::Error(ffi::ErrorCode::kInternal,
+                    std::string("jax_ep: CUDA error '") + cudaGetErrorString(e) + "' in " + what +
+                        " (" + file + ":" + std::to_string(line) + ")");
+}
+
+// Return an ffi::Error from the enclosing handler when a CUDA call fails.
+#define JAX_EP_CUDA_RETURN(expr)                                                   \
+  do {                                                                             \
+    cudaError_t jax_ep_e_ = (expr);                                                \
+    if (jax_ep_e_ != cudaSuccess)                                                  \
+      return ::jax_ep::CudaFfiError(jax_ep_e_, #expr, __FILE__, __LINE__);         \
+  } while (0)
+
+// Check a kernel launch (launch-configuration errors only: no sync).
+#define JAX_EP_LAUNCH_CHECK(name) JAX_EP_CUDA_RETURN(cudaGetLastError())
+
+// Propagate an ffi::Error from a helper.
+#define JAX_EP_RETURN_IF_ERROR(expr)                 \
+  do {                                               \
+    ::xla::ffi::Error jax_ep_err_ = (expr);          \
+    if (jax_ep_err_.failure()) return jax_ep_err_;   \
+  } while (0)
+
+inline ffi::Error NotInitialized() {
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition, kNotInitialized);
+}
+
+inline ffi::Error InvalidArgument(const std::string& msg) {
+  return ffi::Error::InvalidArgument("jax_ep: " + msg);
+}
+
+// The live runtime, or the kNotInitialized error.
+inline ffi::Error GetRuntime(Runtime** out) {
+  *out = runtime();
+  return *out ? ffi::Error::Success() : NotInitialized();
+}
+
+// PeerTable of the EP group that holds this process, from the `ep_groups` and
+// `num_ranks` attributes (see jax_ep/_ffi.py: rows = groups, PEs in axis order).
+inline ffi::Error GetPeerTable(ffi::Span<const int32_t> ep_groups, int32_t num_ranks,
+                               PeerTable* out) {
+  Runtime* rt = runtime();
+  if (!rt) return NotInitialized();
+  if (num_ranks < 1 || num_ranks > kMaxRanks)
+    return InvalidArgument("EP group size " + std::to_string(num_ranks) + " outside [1, " +
+                           std::to_string(kMaxRanks) + "]");
+  if (ep_groups.size() % num_ranks != 0)
+    return InvalidArgument("ep_groups length is not a multiple of num_ranks");
+  for (size_t g = 0; g < ep_groups.size(); g += num_ranks) {
+    for (int32_t i = 0; i < num_ranks; ++i) {
+      if (ep_groups[g + i] != rt->my_pe) continue;
+      const char* err = nullptr;
+      if (!rt->peer_table(ep_groups.begin() + g, num_ranks, out, &err))
+        return ffi::Error(ffi::ErrorCode::kFailedPrecondition, std::string("jax_ep: ") + err);
+      return ffi::Error::Success();
+    }
+  }
+  return InvalidArgument("this process (PE " + std::to_string(rt->my_pe) +
+                         ") is in none of the EP groups passed to the call");
+}
+
+}  // namespace jax_ep

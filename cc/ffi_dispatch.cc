@@ -1,0 +1,158 @@
+// XLA FFI targets of the intranode (normal) dispatch:
+//   "jax_ep_dispatch"        rows of x (+ optional scale rows) -> out rows
+//   "jax_ep_bench_transfer"  raw transfer ceilings for bench/ (debug only)
+// Both enqueue on XLA's stream and never synchronise the host.
+#include <string>
+
+#include "ffi_common.h"
+#include "kernels/dispatch.cuh"
+
+namespace jax_ep {
+
+// Surfaces a spin timeout a previous kernel of this process left behind.
+ffi::Error CheckDeviceError() {
+  if (int e = take_device_error()) {
+    return ffi::Error(ffi::ErrorCode::kInternal,
+                      "jax_ep: a previous dispatch/combine kernel timed out waiting for a peer "
+                      "rank (error " + std::to_string(e) +
+                      "): ranks called different ops or a peer died; results since are "
+                      "invalid, restart the job");
+  }
+  return ffi::Error::Success();
+}
+
+namespace {
+
+ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scales,
+                        ffi::Buffer<ffi::S32> row_src, ffi::Buffer<ffi::S32> slot_row,
+                        ffi::Buffer<ffi::PRED> send_mask, ffi::Span<const int32_t> ep_groups,
+                        int32_t num_ranks, int32_t mode, int32_t rank_major, int32_t num_sms,
+                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> out_scales) {
+  JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
+  PeerTable peers;
+  JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, &peers));
+  Runtime* rt = runtime();
+  const int R = peers.num_ranks;
+
+  auto xd = x.dimensions();
+  if (xd.size() != 2) return InvalidArgument("dispatch: x must be [T, W]");
+  const int T = static_cast<int>(xd[0]);
+  const long long W = xd[1];
+  auto od = out->dimensions();
+  if (od.size() != 2 || od[1] != W) return InvalidArgument("dispatch: out must be [C, W]");
+  const int C = static_cast<int>(od[0]);
+  auto sd = slot_row.dimensions();
+  if (sd.size() != 3 || sd[0] != R || sd[1] != T)
+    return InvalidArgument("dispatch: slot_row must be [R, T, K] with R = EP group size");
+  const int K = static_cast<int>(sd[2]);
+  if (K > 32) return InvalidArgument("dispatch: top-k above 32 is not supported natively");
+  if (row_src.element_count() != static_cast<size_t>(C))
+    return InvalidArgument("dispatch: row_src must be [C]");
+  if (send_mask.element_count() != static_cast<size_t>(T) * R)
+    return InvalidArgument("dispatch: send_mask must be [T, R]");
+
+  DispatchArgs a;
+  a.peers = peers;
+  a.ctrl_off = ctrl_offset(rt->sym_bytes, kOpDispatch);
+  a.x = x.untyped_data();
+  a.x_row_bytes = static_cast<long long>(x.size_bytes() / (T > 0 ? T : 1));
+  a.row_bytes = static_cast<long long>(out->size_bytes() / (C > 0 ? C : 1));
+  a.out = out->untyped_data();
+  a.row_src = row_src.typed_data();
+  a.slot_row = slot_row.typed_data();
+  a.send_mask = send_mask.typed_data();
+  a.T = T;
+  a.K = K;
+  a.C = C;
+  a.hidden = static_cast<int>(W);
+  a.mode = mode;
+  a.rank_major = rank_major != 0;
+  a.host_err = device_error_word();
+
+  const size_t so_rows = out_scales->element_count();
+  a.s_row_bytes = C > 0 ? static_cast<long long>(so_rows / C) * 4 : 0;
+  a.out_scales = out_scales->untyped_data();
+  if (mode == kDispatchCopy) {
+    if (a.x_row_bytes != a.row_bytes) return InvalidArgument("dispatch: x and out row sizes differ");
+    if (a.s_row_bytes) {
+      if (scales.element_count() != static_cast<size_t>(T) * (a.s_row_bytes / 4))
+        return InvalidArgument("dispatch: scales must be [T, S] matching out_scales [C, S]");
+      a.scales = scales.typed_data();
+    }
+  } else {
+    if (W % 128 != 0) return InvalidArgument("dispatch: fp8 cast needs hidden % 128 == 0");
+    if (out->element_type() != ffi::DataType::F8E4M3FN)
+      return InvalidArgument("dispatch: fp8 cast output must be float8_e4m3fn");
+    const ffi::DataType want = mode == kDispatchCastBf16 ? ffi::DataType::BF16 : ffi::DataType::F32;
+    if (x.element_type() != want) return InvalidArgument("dispatch: x dtype does not match the cast mode");
+    if (a.s_row_bytes != (W / 128) * 4) return InvalidArgument("dispatch: out_scales must be [C, H/128]");
+  }
+
+  size_t scales_off = 0;
+  const size_t need = dispatch_stage_bytes(R, T, a.row_bytes, a.s_row_bytes, &scales_off);
+  const size_t have = stage_half_bytes(rt->sym_bytes);
+  if (need > have)
+    return InvalidArgument("dispatch: needs " + std::to_string(need >> 20) + " MiB of staging per "
+                           "parity but the symmetric buffer gives " + std::to_string(have >> 20) +
+                           " MiB: pass a larger buffer_bytes to jax_ep.initialize() (about 4x "
+                           "R*T*row bytes)");
+  a.stage_off[0] = stage_offset(rt->sym_bytes, kOpDispatch, 0);
+  a.stage_off[1] = stage_offset(rt->sym_bytes, kOpDispatch, 1);
+  a.stage_scales_off = scales_off;
+
+  if (T == 0 && C == 0) return ffi::Error::Success();
+  LaunchConfig lc = make_launch_config(T > 0 ? T : 1, num_sms, rt->num_sms);
+  JAX_EP_CUDA_RETURN(launch_dispatch(a, lc, stream));
+  return ffi::Error::Success();
+}
+
+ffi::Error BenchTransferImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> src,
+                             ffi::Buffer<ffi::S32> token, ffi::Span<const int32_t> ep_groups,
+                             int32_t num_ranks, int32_t mode, int32_t num_sms,
+                             ffi::Result<ffi::Buffer<ffi::S32>> token_out) {
+  JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
+  PeerTable peers;
+  JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, &peers));
+  Runtime* rt = runtime();
+  const size_t bytes = src.element_count() & ~size_t(15);
+  if (bytes > stage_half_bytes(rt->sym_bytes))
+    return InvalidArgument("bench_transfer: larger than a staging half");
+  const int blocks = num_sms > 0 ? num_sms : 2 * rt->num_sms;
+  JAX_EP_CUDA_RETURN(launch_bench_transfer(peers, rt->sym_bytes, src.untyped_data(), bytes, mode,
+                                           blocks, device_error_word(), stream));
+  JAX_EP_CUDA_RETURN(cudaMemcpyAsync(token_out->untyped_data(), token.untyped_data(),
+                                     token.size_bytes(), cudaMemcpyDeviceToDevice, stream));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_ep
+
+// Not marked command-buffer compatible (the default): safe either way, since
+// epochs live on the device, but kept out of graphs until measured there.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::DispatchImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<jax_ep::Stream>()
+                                  .Arg<xla::ffi::AnyBuffer>()                      // x [T, W]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()          // scales [T, S]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()          // row_src [C]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()          // slot_row [R, T, K]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::PRED>>()         // send_mask [T, R]
+                                  .Attr<xla::ffi::Span<const int32_t>>("ep_groups")
+                                  .Attr<int32_t>("num_ranks")
+                                  .Attr<int32_t>("mode")
+                                  .Attr<int32_t>("rank_major")
+                                  .Attr<int32_t>("num_sms")
+                                  .Ret<xla::ffi::AnyBuffer>()                      // out [C, W]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());        // out_scales [C, S]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpBenchTransfer, jax_ep::BenchTransferImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<jax_ep::Stream>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Attr<xla::ffi::Span<const int32_t>>("ep_groups")
+                                  .Attr<int32_t>("num_ranks")
+                                  .Attr<int32_t>("mode")
+                                  .Attr<int32_t>("num_sms")
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>());

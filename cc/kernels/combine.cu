@@ -1,0 +1,212 @@
+// Intranode combine: the expert side reduces, for every received (source s,
+// token t), its rows in k order (p = sum_k w_row * f32(y[row_k]); rank_major:
+// p = y[row]), casts p to y's dtype and writes it into rank s's staging at
+// [this rank, t]; the source waits for the chunk flags and sums the partials
+// of ranks 0..R-1 in that order in f32. One row per (token, rank) crosses the
+// link, as in dispatch; the arithmetic is jax_ep.reference's, op for op
+// (__fmul_rn / __fadd_rn: no FMA contraction), so results are deterministic.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "kernels/dispatch.cuh"
+
+namespace jax_ep {
+
+namespace {
+
+__device__ __forceinline__ char* sym_at(const PeerTable& p, int r, size_t off) {
+  return static_cast<char*>(p.peers[r]) + off;
+}
+
+// Vector of N elements of T packed in V bytes, to/from f32.
+template <typename T> struct Cvt;
+template <> struct Cvt<__nv_bfloat16> {
+  __device__ __forceinline__ static float f(__nv_bfloat16 v) { return __bfloat162float(v); }
+  __device__ __forceinline__ static __nv_bfloat16 t(float v) { return __float2bfloat16_rn(v); }
+};
+template <> struct Cvt<__half> {
+  __device__ __forceinline__ static float f(__half v) { return __half2float(v); }
+  __device__ __forceinline__ static __half t(float v) { return __float2half_rn(v); }
+};
+template <> struct Cvt<float> {
+  __device__ __forceinline__ static float f(float v) { return v; }
+  __device__ __forceinline__ static float t(float v) { return v; }
+};
+
+template <int V> struct Raw { using type = typename VecT<V>::type; };
+
+// Warp reduces n rows (weights w or 1) into dst (may be remote). V = vector
+// bytes per lane access, T = element type.
+template <typename T, int V>
+__device__ __forceinline__ void warp_reduce_rows(const char* y, long long row_bytes,
+                                                 const int* rows, const float* w, int n,
+                                                 bool weighted, char* dst, int lane) {
+  using Vec = typename VecT<V>::type;
+  constexpr int E = V / sizeof(T);
+  const long long nv = row_bytes / V;
+  for (long long i = lane; i < nv; i += 32) {
+    float acc[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[e] = 0.f;
+    for (int k = 0; k < n; ++k) {
+      Vec v = reinterpret_cast<const Vec*>(y + static_cast<long long>(rows[k]) * row_bytes)[i];
+      const T* tv = reinterpret_cast<const T*>(&v);
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        float f = Cvt<T>::f(tv[e]);
+        acc[e] = __fadd_rn(acc[e], weighted ? __fmul_rn(w[k], f) : f);
+      }
+    }
+    Vec o;
+    T* to = reinterpret_cast<T*>(&o);
+#pragma unroll
+    for (int e = 0; e < E; ++e) to[e] = Cvt<T>::t(acc[e]);
+    reinterpret_cast<Vec*>(dst)[i] = o;
+  }
+}
+
+// Warp sums n staged partial rows (in the given order) into out.
+template <typename T, int V>
+__device__ __forceinline__ void warp_sum_partials(const char* const* src, int n, char* out,
+                                                  long long row_bytes, int lane) {
+  using Vec = typename VecT<V>::type;
+  constexpr int E = V / sizeof(T);
+  const long long nv = row_bytes / V;
+  for (long long i = lane; i < nv; i += 32) {
+    float acc[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[e] = 0.f;
+    for (int k = 0; k < n; ++k) {
+      Vec v = reinterpret_cast<const Vec*>(src[k])[i];
+      const T* tv = reinterpret_cast<const T*>(&v);
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[e] = __fadd_rn(acc[e], Cvt<T>::f(tv[e]));
+    }
+    Vec o;
+    T* to = reinterpret_cast<T*>(&o);
+#pragma unroll
+    for (int e = 0; e < E; ++e) to[e] = Cvt<T>::t(acc[e]);
+    reinterpret_cast<Vec*>(out)[i] = o;
+  }
+}
+
+constexpr int kMaxK = 32;
+
+template <typename T, int V>
+__global__ void __launch_bounds__(512, 1)
+combine_kernel(CombineArgs a, int send_warps, int recv_warps, int chunk, int num_chunks) {
+  const int me = a.peers.rank, R = a.peers.num_ranks;
+  OpCtrl* ctrl = reinterpret_cast<OpCtrl*>(sym_at(a.peers, me, a.ctrl_off));
+  const unsigned int epoch = current_epoch(ctrl);
+  const size_t stage = a.stage_off[epoch & 1u];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int NT = a.T, K = a.K;
+  const char* y = static_cast<const char*>(a.y);
+
+  if (warp < send_warps) {
+    // ---- expert side: partial of every received (s, t) to rank s ----
+    int rows[kMaxK];
+    float w[kMaxK];
+    for (int j = blockIdx.x; j < num_chunks; j += gridDim.x) {
+      const int t1 = min(NT, (j + 1) * chunk);
+      for (int t = j * chunk + warp; t < t1; t += send_warps) {
+        for (int i = 1; i <= R; ++i) {  // peers first, self last
+          const int s = (me + i) % R;
+          const long long st = static_cast<long long>(s) * NT + t;
+          const int32_t* li = a.recv_local_idx + st * K;
+          const int32_t* sr = a.slot_row + st * K;
+          bool received = false;
+          int n = 0;
+          for (int k = 0; k < K; ++k) {
+            if (__ldg(li + k) < 0) continue;
+            received = true;
+            const int row = __ldg(sr + k);
+            if (row < 0 || row >= a.C) continue;
+            if (a.rank_major) {  // one row per (s, t): the same for every k
+              if (n == 0) { rows[0] = row; w[0] = 1.f; n = 1; }
+            } else {
+              rows[n] = row;
+              w[n] = a.row_weights ? __ldg(a.row_weights + row) : 1.f;
+              ++n;
+            }
+          }
+          if (!received) continue;
+          char* dst = sym_at(a.peers, s, stage) + (static_cast<long long>(me) * NT + t) * a.row_bytes;
+          if (n == 0) {
+            warp_zero_row<V>(dst, a.row_bytes, lane);
+          } else if (a.rank_major) {
+            void* d[1] = {dst};
+            warp_copy_row_multi<V>(y + static_cast<long long>(rows[0]) * a.row_bytes, d, 1,
+                                   a.row_bytes, lane);
+          } else {
+            warp_reduce_rows<T, V>(y, a.row_bytes, rows, w, n, a.row_weights != nullptr, dst,
+                                   lane);
+          }
+        }
+      }
+      __threadfence_system();
+      named_barrier(1, 32 * send_warps);
+      if (threadIdx.x == 0) {
+        for (int s = 0; s < R; ++s) {
+          OpCtrl* rc = reinterpret_cast<OpCtrl*>(sym_at(a.peers, s, a.ctrl_off));
+          st_release_sys(&rc->flags[me][j], epoch);
+        }
+      }
+    }
+  } else {
+    // ---- source side: sum the partials of ranks 0..R-1 ----
+    const int rw = warp - send_warps;
+    const char* my_stage = sym_at(a.peers, me, stage);
+    const char* src[kMaxRanks];
+    for (int j = blockIdx.x; j < num_chunks; j += gridDim.x) {
+      const int t1 = min(NT, (j + 1) * chunk);
+      for (int t = j * chunk + rw; t < t1; t += recv_warps) {
+        int n = 0;
+        for (int r = 0; r < R; ++r) {
+          if (!a.send_mask[static_cast<long long>(t) * R + r]) continue;
+          wait_flag(&ctrl->flags[r][j], epoch, a.host_err, a.timeout_ns);
+          src[n++] = my_stage + (static_cast<long long>(r) * NT + t) * a.row_bytes;
+        }
+        char* out = static_cast<char*>(a.out) + static_cast<long long>(t) * a.row_bytes;
+        if (n == 0)
+          warp_zero_row<V>(out, a.row_bytes, lane);
+        else
+          warp_sum_partials<T, V>(src, n, out, a.row_bytes, lane);
+      }
+    }
+  }
+  finish_call(ctrl, epoch);
+}
+
+template <typename T>
+cudaError_t launch_typed(const CombineArgs& a, const LaunchConfig& lc, cudaStream_t stream) {
+  const int num_chunks = (a.T + lc.chunk - 1) / lc.chunk;
+  const int v = row_vec_bytes(a.row_bytes);
+  if (v >= 16)
+    combine_kernel<T, 16><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc.send_warps,
+                                                                       lc.recv_warps, lc.chunk, num_chunks);
+  else if (v >= 8)
+    combine_kernel<T, 8><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc.send_warps,
+                                                                      lc.recv_warps, lc.chunk, num_chunks);
+  else if (v >= 4 && sizeof(T) <= 4)
+    combine_kernel<T, 4><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc.send_warps,
+                                                                      lc.recv_warps, lc.chunk, num_chunks);
+  else
+    combine_kernel<T, sizeof(T)><<<lc.num_blocks, lc.threads(), 0, stream>>>(
+        a, lc.send_warps, lc.recv_warps, lc.chunk, num_chunks);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_combine(const CombineArgs& a, const LaunchConfig& lc, cudaStream_t stream) {
+  if (a.K > kMaxK) return cudaErrorInvalidValue;
+  switch (a.dtype) {
+    case kBf16: return launch_typed<__nv_bfloat16>(a, lc, stream);
+    case kF16: return launch_typed<__half>(a, lc, stream);
+    case kF32: return launch_typed<float>(a, lc, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace jax_ep

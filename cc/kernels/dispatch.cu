@@ -1,0 +1,308 @@
+// Intranode dispatch: each token row crosses the link once per destination
+// rank (send_mask), into that rank's staging at [source rank, token]; the
+// receiver gathers staging rows into the output layout (slot_row), reading
+// its own tokens straight from x (copy mode) and zeroing unused rows.
+//
+// One kernel, warp-specialised: "sender" warps push chunks of tokens and raise
+// one flag per (destination, chunk); "receiver" warps first do the work that
+// needs nobody (zero rows, own tokens), then gather remote chunks as their
+// flags arrive, so the local gather overlaps the NVLink transfer.
+#include <cuda_fp8.h>
+#include <cuda_bf16.h>
+
+#include "kernels/dispatch.cuh"
+
+namespace jax_ep {
+
+namespace {
+
+__device__ __forceinline__ char* sym_at(const PeerTable& p, int r, size_t off) {
+  return static_cast<char*>(p.peers[r]) + off;
+}
+
+// Loads 8 consecutive input elements as f32.
+template <typename Tin> struct Load8;
+template <> struct Load8<__nv_bfloat16> {
+  __device__ __forceinline__ static void run(const void* p, float* f) {
+    int4 v = *reinterpret_cast<const int4*>(p);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float2 t = __bfloat1622float2(h[i]);
+      f[2 * i] = t.x;
+      f[2 * i + 1] = t.y;
+    }
+  }
+};
+template <> struct Load8<float> {
+  __device__ __forceinline__ static void run(const void* p, float* f) {
+    const float4* q = reinterpret_cast<const float4*>(p);
+    float4 a = q[0], b = q[1];
+    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+    f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+  }
+};
+
+// Warp casts one row of H elements to fp8-e4m3 with one f32 scale per 128
+// channels and stores it to n destinations. Lane l owns 8 consecutive
+// elements of a 256-element step, so 16 lanes hold one 128-group. The
+// arithmetic is jax_ep.reference.fp8_cast as XLA compiles it: amax =
+// max(max|x|, 1e-4); scale = amax * fl(1/448) (XLA turns the division by a
+// constant into this product); q = satfinite_rn(x * (448 / amax)).
+template <typename Tin>
+__device__ __forceinline__ void warp_cast_row(const Tin* __restrict__ src, char* const* dst,
+                                              char* const* dst_scales, int n, int H, int lane) {
+  const float kInv448 = 1.0f / 448.0f;  // folded in f32 at compile time, = fl(1/448)
+  for (int base = 0; base < H; base += 256) {
+    const int e0 = base + 8 * lane;
+    const bool active = e0 < H;
+    float f[8];
+    float amax = 0.f;
+    if (active) {
+      Load8<Tin>::run(src + e0, f);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
+    }
+#pragma unroll
+    for (int o = 8; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (!active) continue;
+    amax = fmaxf(amax, 1e-4f);
+    const float scale = __fmul_rn(amax, kInv448);
+    const float inv = __fdiv_rn(448.0f, amax);
+    uint2 q;
+    unsigned short* qs = reinterpret_cast<unsigned short*>(&q);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float2 v = make_float2(__fmul_rn(f[2 * i], inv), __fmul_rn(f[2 * i + 1], inv));
+      qs[i] = __nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, __NV_E4M3);
+    }
+    for (int d = 0; d < n; ++d) {
+      *reinterpret_cast<uint2*>(dst[d] + e0) = q;
+      if ((lane & 15) == 0) reinterpret_cast<float*>(dst_scales[d])[e0 / 128] = scale;
+    }
+  }
+}
+
+// Output rows of received slot (s, t): expert_major has one per k (distinct),
+// rank_major one row shared by every k.
+__device__ __forceinline__ int gather_rows(const DispatchArgs& a, int s, int t, void** rows,
+                                           void** srows) {
+  const int32_t* sr = a.slot_row + (static_cast<long long>(s) * a.T + t) * a.K;
+  const int kmax = a.rank_major ? 1 : a.K;
+  int n = 0;
+  for (int k = 0; k < kmax; ++k) {
+    const int row = __ldg(sr + k);
+    if (row >= 0 && row < a.C) {
+      rows[n] = static_cast<char*>(a.out) + static_cast<long long>(row) * a.row_bytes;
+      if (a.s_row_bytes) srows[n] = static_cast<char*>(a.out_scales) + static_cast<long long>(row) * a.s_row_bytes;
+      ++n;
+    }
+  }
+  return n;
+}
+
+constexpr int kMaxDst = 32;  // K bound for one gather (checked on the host)
+
+__global__ void __launch_bounds__(512, 1)
+dispatch_kernel(DispatchArgs a, int send_warps, int recv_warps, int chunk, int num_chunks) {
+  const int me = a.peers.rank, R = a.peers.num_ranks;
+  OpCtrl* ctrl = reinterpret_cast<OpCtrl*>(sym_at(a.peers, me, a.ctrl_off));
+  const unsigned int epoch = current_epoch(ctrl);
+  const int parity = epoch & 1u;
+  const size_t stage = a.stage_off[parity];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const bool stage_local = a.mode != kDispatchCopy;  // own rows need the cast too
+  const int T = a.T;
+
+  if (warp < send_warps) {
+    // ---- sender: chunk j of my tokens to every rank that wants them ----
+    for (int j = blockIdx.x; j < num_chunks; j += gridDim.x) {
+      const int t1 = min(T, (j + 1) * chunk);
+      for (int t = j * chunk + warp; t < t1; t += send_warps) {
+        char* dst[kMaxRanks];
+        char* dsts[kMaxRanks];
+        int n = 0;
+        for (int i = 1; i <= R; ++i) {  // peers first, self last
+          const int r = (me + i) % R;
+          if (r == me && !stage_local) continue;
+          if (!a.send_mask[static_cast<long long>(t) * R + r]) continue;
+          const long long slot = static_cast<long long>(me) * T + t;
+          dst[n] = sym_at(a.peers, r, stage) + slot * a.row_bytes;
+          dsts[n] = sym_at(a.peers, r, stage + a.stage_scales_off) + slot * a.s_row_bytes;
+          ++n;
+        }
+        if (n == 0) continue;
+        if (a.mode == kDispatchCopy) {
+          warp_copy_row_any(static_cast<const char*>(a.x) + t * a.x_row_bytes,
+                            reinterpret_cast<void* const*>(dst), n, a.row_bytes, lane);
+          if (a.s_row_bytes)
+            warp_copy_row_any(static_cast<const char*>(a.scales) + t * a.s_row_bytes,
+                              reinterpret_cast<void* const*>(dsts), n, a.s_row_bytes, lane);
+        } else if (a.mode == kDispatchCastBf16) {
+          warp_cast_row(reinterpret_cast<const __nv_bfloat16*>(
+                            static_cast<const char*>(a.x) + t * a.x_row_bytes),
+                        dst, dsts, n, a.hidden, lane);
+        } else {
+          warp_cast_row(reinterpret_cast<const float*>(
+                            static_cast<const char*>(a.x) + t * a.x_row_bytes),
+                        dst, dsts, n, a.hidden, lane);
+        }
+      }
+      // Make this thread's stores visible system-wide, then one thread
+      // publishes the chunk to every rank that waits for it.
+      __threadfence_system();
+      named_barrier(1, 32 * send_warps);
+      if (threadIdx.x == 0) {
+        for (int r = 0; r < R; ++r) {
+          if (r == me && !stage_local) continue;
+          OpCtrl* rc = reinterpret_cast<OpCtrl*>(sym_at(a.peers, r, a.ctrl_off));
+          st_release_sys(&rc->flags[me][j], epoch);
+        }
+      }
+    }
+  } else {
+    // ---- receiver ----
+    const int rw = warp - send_warps;
+    const int nrw = gridDim.x * recv_warps;
+    const int gw = blockIdx.x * recv_warps + rw;
+    void* rows[kMaxDst];
+    void* srows[kMaxDst];
+    // 1. rows nobody fills: zero.
+    for (int c = gw; c < a.C; c += nrw) {
+      if (__ldg(a.row_src + c) >= 0) continue;
+      warp_zero_row_any(static_cast<char*>(a.out) + static_cast<long long>(c) * a.row_bytes,
+                        a.row_bytes, lane);
+      if (a.s_row_bytes)
+        warp_zero_row_any(static_cast<char*>(a.out_scales) + static_cast<long long>(c) * a.s_row_bytes,
+                          a.s_row_bytes, lane);
+    }
+    // 2. my own tokens, straight from x (copy mode).
+    if (!stage_local) {
+      for (int t = gw; t < T; t += nrw) {
+        const int n = gather_rows(a, me, t, rows, srows);
+        if (n == 0) continue;
+        warp_copy_row_any(static_cast<const char*>(a.x) + t * a.x_row_bytes, rows, n,
+                          a.row_bytes, lane);
+        if (a.s_row_bytes)
+          warp_copy_row_any(static_cast<const char*>(a.scales) + t * a.s_row_bytes, srows, n,
+                            a.s_row_bytes, lane);
+      }
+    }
+    // 3. staged chunks, in the order the senders produce them.
+    const char* my_stage = sym_at(a.peers, me, stage);
+    for (int i = 1; i <= R; ++i) {
+      const int s = (me + i) % R;
+      if (s == me && !stage_local) continue;
+      for (int j = blockIdx.x; j < num_chunks; j += gridDim.x) {
+        if (!wait_flag(&ctrl->flags[s][j], epoch, a.host_err, a.timeout_ns)) continue;
+        const int t1 = min(T, (j + 1) * chunk);
+        for (int t = j * chunk + rw; t < t1; t += recv_warps) {
+          const int n = gather_rows(a, s, t, rows, srows);
+          if (n == 0) continue;
+          const long long slot = static_cast<long long>(s) * T + t;
+          warp_copy_row_any(my_stage + slot * a.row_bytes, rows, n, a.row_bytes, lane);
+          if (a.s_row_bytes)
+            warp_copy_row_any(my_stage + a.stage_scales_off + slot * a.s_row_bytes, srows, n,
+                              a.s_row_bytes, lane);
+        }
+      }
+    }
+  }
+  finish_call(ctrl, epoch);
+}
+
+// ---- bench: raw transfer ceilings ------------------------------------------
+
+// One-block barrier over the group on the bench op's flags.
+__global__ void bench_barrier_kernel(PeerTable p, size_t ctrl_off, int* host_err) {
+  OpCtrl* ctrl = reinterpret_cast<OpCtrl*>(sym_at(p, p.rank, ctrl_off));
+  const unsigned int epoch = current_epoch(ctrl);
+  if (threadIdx.x < p.num_ranks) {
+    OpCtrl* rc = reinterpret_cast<OpCtrl*>(sym_at(p, threadIdx.x, ctrl_off));
+    __threadfence_system();
+    st_release_sys(&rc->flags[p.rank][0], epoch);
+    wait_flag(&ctrl->flags[threadIdx.x][0], epoch, host_err, kDefaultTimeoutNs);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    *reinterpret_cast<volatile unsigned int*>(&ctrl->epoch) = epoch;
+    __threadfence_system();
+  }
+}
+
+__global__ void __launch_bounds__(512)
+bench_write_kernel(const int4* __restrict__ src, int4* dst, size_t n16) {
+  const size_t stride = size_t(gridDim.x) * blockDim.x;
+  size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (; i + 3 * stride < n16; i += 4 * stride) {
+    int4 v0 = src[i], v1 = src[i + stride], v2 = src[i + 2 * stride], v3 = src[i + 3 * stride];
+    dst[i] = v0; dst[i + stride] = v1; dst[i + 2 * stride] = v2; dst[i + 3 * stride] = v3;
+  }
+  for (; i < n16; i += stride) dst[i] = src[i];
+  __threadfence_system();
+}
+
+}  // namespace
+
+size_t dispatch_stage_bytes(int R, int T, long long row_bytes, long long s_row_bytes,
+                            size_t* scales_off) {
+  size_t rows = size_t(R) * size_t(T);
+  size_t a = (rows * size_t(row_bytes) + 255) & ~size_t(255);
+  if (scales_off) *scales_off = a;
+  return a + rows * size_t(s_row_bytes);
+}
+
+size_t combine_stage_bytes(int R, int T, long long row_bytes) {
+  return size_t(R) * size_t(T) * size_t(row_bytes);
+}
+
+LaunchConfig make_launch_config(int num_tokens, int num_sms_requested, int device_sms) {
+  LaunchConfig lc;
+  int sms = num_sms_requested > 0 ? num_sms_requested : device_sms;
+  if (sms > device_sms) sms = device_sms;
+  if (sms < 1) sms = 1;
+  // Chunk: enough chunks to feed every block, at most kMaxChunks, and not so
+  // small that flags dominate.
+  int chunk = (num_tokens + sms - 1) / sms;
+  if (chunk > 32) chunk = 32;
+  if (chunk < 1) chunk = 1;
+  while ((num_tokens + chunk - 1) / chunk > kMaxChunks) chunk *= 2;
+  lc.chunk = chunk;
+  lc.num_blocks = sms;
+  lc.send_warps = 8;
+  lc.recv_warps = 8;
+  return lc;
+}
+
+cudaError_t launch_dispatch(const DispatchArgs& a, const LaunchConfig& lc, cudaStream_t stream) {
+  const int num_chunks = (a.T + lc.chunk - 1) / lc.chunk;
+  dispatch_kernel<<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc.send_warps, lc.recv_warps,
+                                                              lc.chunk, num_chunks);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_bench_transfer(const PeerTable& peers, size_t sym_bytes, const void* src,
+                                  size_t bytes, int mode, int num_blocks, int* host_err,
+                                  cudaStream_t stream) {
+  const size_t ctrl_off = ctrl_offset(sym_bytes, kOpBench);
+  const int peer = (peers.rank + 1) % peers.num_ranks;
+  void* dst = static_cast<char*>(peers.peers[peer]) + stage_offset(sym_bytes, kOpBench, 0);
+  const bool sender = (mode == 0 || mode == 1) || peers.rank == 0;
+  bench_barrier_kernel<<<1, 32, 0, stream>>>(peers, ctrl_off, host_err);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  if (sender && bytes > 0) {
+    if (mode == 1 || mode == 2) {
+      err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream);
+    } else {
+      bench_write_kernel<<<num_blocks, 512, 0, stream>>>(static_cast<const int4*>(src),
+                                                          static_cast<int4*>(dst), bytes / 16);
+      err = cudaGetLastError();
+    }
+    if (err != cudaSuccess) return err;
+  }
+  bench_barrier_kernel<<<1, 32, 0, stream>>>(peers, ctrl_off, host_err);
+  return cudaGetLastError();
+}
+
+}  // namespace jax_ep

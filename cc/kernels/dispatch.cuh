@@ -1,0 +1,83 @@
+// Host interface of the intranode dispatch / combine / bench kernels.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/launch.cuh"
+#include "runtime.h"
+
+namespace jax_ep {
+
+// Dispatch: rows of x [T, *] move to the ranks in send_mask and land in
+// out [C, *] at the rows the handle names (slot_row [R, T, K]); rows whose
+// row_src is -1 are zeroed. Optionally a second row stream (fp8 scales).
+enum DispatchMode : int {
+  kDispatchCopy = 0,     // x rows (any dtype) and optional scale rows, as bits
+  kDispatchCastBf16 = 1, // x bf16 -> fp8 e4m3 + f32 scales per 128 channels
+  kDispatchCastF32 = 2,  // x f32  -> same
+};
+
+struct DispatchArgs {
+  PeerTable peers;
+  size_t ctrl_off = 0;
+  size_t stage_off[2] = {0, 0};  // parity halves (same offset on every rank)
+  size_t stage_scales_off = 0;   // scale rows inside a half
+  const void* x = nullptr;
+  long long x_row_bytes = 0;     // input row bytes (x)
+  long long row_bytes = 0;       // staged / output row bytes of stream 0
+  const void* scales = nullptr;  // [T, S] f32 or nullptr (copy mode)
+  long long s_row_bytes = 0;     // scale row bytes (0: no second stream)
+  void* out = nullptr;
+  void* out_scales = nullptr;
+  const int32_t* row_src = nullptr;   // [C]
+  const int32_t* slot_row = nullptr;  // [R, T, K]
+  const bool* send_mask = nullptr;    // [T, R]
+  int T = 0, K = 0, C = 0;
+  int hidden = 0;                // elements per row (cast modes)
+  int mode = kDispatchCopy;
+  bool rank_major = false;       // one output row per (s, t): use slot k = 0
+  int* host_err = nullptr;
+  unsigned long long timeout_ns = kDefaultTimeoutNs;
+};
+
+enum RowDtype : int { kBf16 = 0, kF32 = 1, kF16 = 2 };
+
+struct CombineArgs {
+  PeerTable peers;
+  size_t ctrl_off = 0;
+  size_t stage_off[2] = {0, 0};
+  const void* y = nullptr;            // [C, W]
+  long long row_bytes = 0;
+  int W = 0;
+  int dtype = kBf16;
+  const float* row_weights = nullptr; // [C] or nullptr (= 1)
+  const int32_t* slot_row = nullptr;  // [R, T, K]
+  const int32_t* recv_local_idx = nullptr;  // [R, T, K]
+  const bool* send_mask = nullptr;    // [T, R]
+  void* out = nullptr;                // [T, W]
+  int T = 0, K = 0, C = 0;
+  bool rank_major = false;
+  int* host_err = nullptr;
+  unsigned long long timeout_ns = kDefaultTimeoutNs;
+};
+
+// Bytes of one parity half that dispatch / combine need.
+size_t dispatch_stage_bytes(int R, int T, long long row_bytes, long long s_row_bytes,
+                            size_t* scales_off);
+size_t combine_stage_bytes(int R, int T, long long row_bytes);
+
+cudaError_t launch_dispatch(const DispatchArgs& a, const LaunchConfig& lc, cudaStream_t stream);
+cudaError_t launch_combine(const CombineArgs& a, const LaunchConfig& lc, cudaStream_t stream);
+
+// Ceiling measurements (bench only): every rank moves `bytes` from src into
+// the peer's staging. mode: 0 SM writes both ways, 1 copy engine both ways,
+// 2 copy engine rank 0 -> 1 only, 3 SM writes rank 0 -> 1 only. Bracketed by
+// two device-side barriers so the call covers the whole transfer.
+cudaError_t launch_bench_transfer(const PeerTable& peers, size_t sym_bytes, const void* src,
+                                  size_t bytes, int mode, int num_blocks, int* host_err,
+                                  cudaStream_t stream);
+
+}  // namespace jax_ep

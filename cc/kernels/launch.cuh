@@ -1,0 +1,216 @@
+// Shared pieces of the intranode dispatch/combine kernels: the launch config,
+// the layout of the symmetric buffer they use, and device helpers (vector
+// row copies, system-scope flags, a timeout-guarded spin).
+//
+// Protocol (both ops): each call has an epoch e (a device-side counter, so the
+// kernels are safe to replay in CUDA graphs). A sender writes its rows for
+// rank r straight into r's staging buffer (P2P stores through the peer table),
+// then stores e into r's flag [sender][chunk] with release semantics. The
+// receiver spins (acquire) until that flag is >= e. Staging is double-buffered
+// by epoch parity: call e on rank a can only start after call e-1 on a
+// finished, which waited for every peer's call e-1 flags, which peers only
+// raise after finishing call e-2 (and so after consuming parity e%2). So no
+// barrier, ack or reset is needed between calls.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "runtime.h"
+
+namespace jax_ep {
+
+// ---- launch configuration --------------------------------------------------
+struct LaunchConfig {
+  int num_blocks = 0;    // grid (<= SMs: blocks spin, so all must be resident)
+  int send_warps = 8;    // warps per block that push rows to peers
+  int recv_warps = 8;    // warps per block that gather / reduce locally
+  int chunk = 32;        // tokens per flag
+  int threads() const { return 32 * (send_warps + recv_warps); }
+};
+
+// Picks the grid and chunk size for T tokens given an SM budget (num_sms <= 0:
+// every SM of the device).
+LaunchConfig make_launch_config(int num_tokens, int num_sms_requested, int device_sms);
+
+// ---- symmetric buffer layout -------------------------------------------------
+constexpr int kMaxChunks = 2048;            // flags per (op, source rank)
+constexpr size_t kCtrlBytes = size_t(1) << 20;  // control region (end of buffer)
+
+enum OpKind : int { kOpDispatch = 0, kOpCombine = 1, kOpBench = 2, kNumOps = 3 };
+
+struct OpCtrl {
+  unsigned int epoch;   // last finished epoch (local only)
+  unsigned int done;    // blocks finished in the current call
+  unsigned int pad[30];
+  unsigned int flags[kMaxRanks][kMaxChunks];  // written by source ranks
+};
+static_assert(sizeof(OpCtrl) * kNumOps <= kCtrlBytes, "control region too small");
+
+// The control region sits at the END of the symmetric buffer (other targets,
+// e.g. the runtime self-test, scribble from offset 0): byte offset of op's block.
+inline size_t ctrl_offset(size_t sym_bytes, int op) {
+  return ((sym_bytes - kCtrlBytes) & ~size_t(255)) + sizeof(OpCtrl) * size_t(op);
+}
+
+// Staging: before the control region the buffer is split into 2 data regions
+// (dispatch, combine; the bench op reuses dispatch's), each halved by epoch
+// parity. Returns the size of one parity half / its byte offset.
+inline size_t stage_half_bytes(size_t sym_bytes) {
+  size_t data = sym_bytes > 2 * kCtrlBytes ? ((sym_bytes - kCtrlBytes) & ~size_t(255)) : 0;
+  return (data / 4) & ~size_t(255);
+}
+inline size_t stage_offset(size_t sym_bytes, int op, int parity) {
+  int region = op == kOpCombine ? 1 : 0;
+  return stage_half_bytes(sym_bytes) * size_t(2 * region + parity);
+}
+
+// Error codes the kernels leave in host-mapped memory (read by the next call).
+enum KernelError : int { kErrNone = 0, kErrTimeout = 1 };
+
+// ---- device helpers ----------------------------------------------------------
+#ifdef __CUDACC__
+
+__device__ __forceinline__ unsigned long long global_timer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ unsigned int ld_acquire_sys(const unsigned int* p) {
+  unsigned int v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys(unsigned int* p, unsigned int v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ unsigned int ld_volatile(const unsigned int* p) {
+  return *reinterpret_cast<const volatile unsigned int*>(p);
+}
+
+// Barrier over the first `nthreads` threads of the block (the sender warps),
+// so the receiver warps never wait on senders inside a block.
+__device__ __forceinline__ void named_barrier(int id, int nthreads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(nthreads) : "memory");
+}
+
+// Epoch of this call: one more than the last finished one.
+__device__ __forceinline__ unsigned int current_epoch(const OpCtrl* ctrl) {
+  return ld_volatile(&ctrl->epoch) + 1u;
+}
+
+// Every block calls this once at its end; the last one publishes the epoch.
+__device__ __forceinline__ void finish_call(OpCtrl* ctrl, unsigned int epoch) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    unsigned int prev = atomicAdd(&ctrl->done, 1u);
+    if (prev == gridDim.x - 1) {
+      ctrl->done = 0;
+      *reinterpret_cast<volatile unsigned int*>(&ctrl->epoch) = epoch;
+      __threadfence();
+    }
+  }
+}
+
+// Spin (every lane of the warp) until *flag >= epoch. On timeout, raise the
+// error in host-mapped memory and return false (the caller moves on; data is
+// then garbage, and the next FFI call reports the error).
+__device__ __forceinline__ bool wait_flag(const unsigned int* flag, unsigned int epoch,
+                                          int* host_err, unsigned long long timeout_ns) {
+  if (static_cast<int>(ld_acquire_sys(flag) - epoch) >= 0) return true;
+  unsigned long long t0 = global_timer_ns();
+  while (true) {
+    for (int i = 0; i < 64; ++i)
+      if (static_cast<int>(ld_acquire_sys(flag) - epoch) >= 0) return true;
+    if (global_timer_ns() - t0 > timeout_ns) {
+      if (host_err) *reinterpret_cast<volatile int*>(host_err) = kErrTimeout;
+      return false;
+    }
+  }
+}
+
+// Vector type and count for copying rows of `bytes` bytes (all rows of a
+// stream share the alignment of their row size; buffers are 256-B aligned).
+template <int V> struct VecT;
+template <> struct VecT<16> { using type = int4; };
+template <> struct VecT<8> { using type = int2; };
+template <> struct VecT<4> { using type = int; };
+template <> struct VecT<2> { using type = short; };
+template <> struct VecT<1> { using type = char; };
+
+__host__ __device__ inline int row_vec_bytes(long long bytes) {
+  return (bytes % 16 == 0) ? 16 : (bytes % 8 == 0) ? 8 : (bytes % 4 == 0) ? 4 : (bytes % 2 == 0) ? 2 : 1;
+}
+
+// Warp copies one row to up to `n` destinations (dst[i] may be remote).
+// UNROLL independent loads in flight per lane.
+template <int V, int UNROLL = 4>
+__device__ __forceinline__ void warp_copy_row_multi(const void* __restrict__ src, void* const* dst,
+                                                    int n, long long bytes, int lane) {
+  using T = typename VecT<V>::type;
+  const T* s = reinterpret_cast<const T*>(src);
+  const long long nv = bytes / V;
+  long long i = lane;
+  for (; i + 32 * (UNROLL - 1) < nv; i += 32 * UNROLL) {
+    T v[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) v[u] = s[i + 32 * u];
+    for (int d = 0; d < n; ++d) {
+      T* o = reinterpret_cast<T*>(dst[d]);
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) o[i + 32 * u] = v[u];
+    }
+  }
+  for (; i < nv; i += 32) {
+    T v = s[i];
+    for (int d = 0; d < n; ++d) reinterpret_cast<T*>(dst[d])[i] = v;
+  }
+}
+
+template <int V>
+__device__ __forceinline__ void warp_zero_row(void* dst, long long bytes, int lane) {
+  using T = typename VecT<V>::type;
+  T z;
+  memset(&z, 0, sizeof(T));
+  T* o = reinterpret_cast<T*>(dst);
+  for (long long i = lane; i < bytes / V; i += 32) o[i] = z;
+}
+
+// Runtime-dispatched wrappers (the width is uniform per row stream).
+__device__ __forceinline__ void warp_copy_row_any(const void* src, void* const* dst, int n,
+                                                  long long bytes, int lane) {
+  switch (row_vec_bytes(bytes)) {
+    case 16: warp_copy_row_multi<16>(src, dst, n, bytes, lane); break;
+    case 8: warp_copy_row_multi<8>(src, dst, n, bytes, lane); break;
+    case 4: warp_copy_row_multi<4>(src, dst, n, bytes, lane); break;
+    case 2: warp_copy_row_multi<2>(src, dst, n, bytes, lane); break;
+    default: warp_copy_row_multi<1>(src, dst, n, bytes, lane); break;
+  }
+}
+__device__ __forceinline__ void warp_zero_row_any(void* dst, long long bytes, int lane) {
+  switch (row_vec_bytes(bytes)) {
+    case 16: warp_zero_row<16>(dst, bytes, lane); break;
+    case 8: warp_zero_row<8>(dst, bytes, lane); break;
+    case 4: warp_zero_row<4>(dst, bytes, lane); break;
+    case 2: warp_zero_row<2>(dst, bytes, lane); break;
+    default: warp_zero_row<1>(dst, bytes, lane); break;
+  }
+}
+
+#endif  // __CUDACC__
+
+// ---- host helpers ------------------------------------------------------------
+// Host-mapped error word the kernels write on timeout (one per process).
+int* device_error_word();  // device pointer of the mapped word
+int take_device_error();   // reads and clears it (host side, no sync)
+
+// Default spin timeout.
+constexpr unsigned long long kDefaultTimeoutNs = 10ull * 1000 * 1000 * 1000;
+
+}  // namespace jax_ep

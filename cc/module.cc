@@ -1,0 +1,69 @@
+// jax_ep._C: the nanobind module. Exposes the runtime lifecycle
+// (runtime_lifecycle.h) and the FFI handler capsules (ffi_targets.h).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <string>
+
+#include "ffi_targets.h"
+#include "runtime.h"
+#include "runtime_lifecycle.h"
+#include "xla/ffi/api/api.h"
+
+#define JAX_EP_DECLARE_TARGET(name, sym) XLA_FFI_DECLARE_HANDLER_SYMBOL(sym);
+JAX_EP_FFI_TARGETS(JAX_EP_DECLARE_TARGET)
+#undef JAX_EP_DECLARE_TARGET
+
+namespace nb = nanobind;
+
+NB_MODULE(_C, m) {
+  m.doc() = "jax_ep native runtime (NVSHMEM) and XLA FFI targets";
+  m.attr("NOT_INITIALIZED_MESSAGE") = jax_ep::kNotInitialized;
+  m.attr("MAX_RANKS") = jax_ep::kMaxRanks;
+
+  m.def("registrations", [] {
+    nb::dict d;
+#define JAX_EP_ADD_TARGET(name, sym) d[name] = nb::capsule(reinterpret_cast<void*>(&sym));
+    JAX_EP_FFI_TARGETS(JAX_EP_ADD_TARGET)
+#undef JAX_EP_ADD_TARGET
+    return d;
+  }, "{target name: PyCapsule of its XLA FFI handler}");
+
+  m.def("nvshmem_status", &jax_ep::nvshmem_status);
+  m.def("nvshmem_unique_id", [] {
+    std::string id = jax_ep::nvshmem_unique_id();
+    return nb::bytes(id.data(), id.size());
+  });
+  m.def("nvshmem_init",
+        [](nb::bytes uid, int rank, int nranks, int device) {
+          std::string s(uid.c_str(), uid.size());
+          nb::gil_scoped_release release;  // blocks until every PE has joined
+          return jax_ep::nvshmem_init(s, rank, nranks, device);
+        },
+        nb::arg("uid"), nb::arg("rank"), nb::arg("nranks"), nb::arg("device"));
+  m.def("runtime_attach",
+        [](int device, size_t bytes) {
+          nb::gil_scoped_release release;
+          jax_ep::runtime_attach(device, bytes);
+        },
+        nb::arg("device"), nb::arg("bytes"));
+  m.def("runtime_detach", [] {
+    nb::gil_scoped_release release;
+    jax_ep::runtime_detach();
+  });
+  m.def("nvshmem_finalize", [] {
+    nb::gil_scoped_release release;
+    jax_ep::nvshmem_fini();
+  });
+  m.def("runtime_info", []() -> nb::object {
+    jax_ep::Runtime* rt = jax_ep::runtime();
+    if (!rt) return nb::none();
+    nb::dict d;
+    d["my_pe"] = rt->my_pe;
+    d["n_pes"] = rt->n_pes;
+    d["sym_bytes"] = rt->sym_bytes;
+    d["device"] = rt->device;
+    d["num_sms"] = rt->num_sms;
+    return d;
+  });
+}

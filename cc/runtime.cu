@@ -1,0 +1,147 @@
+// Native runtime: NVSHMEM bootstrap, the symmetric buffer and peer tables.
+// Compiled by nvcc into the same module as the kernels: NVSHMEM keeps its
+// device-side state per module and fills it in nvshmem_init.
+#include "runtime.h"
+#include "runtime_lifecycle.h"
+
+#include <cuda_runtime.h>
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace jax_ep {
+namespace {
+
+Runtime g_runtime;
+Runtime* g_live = nullptr;
+std::vector<void*> g_pe_base;  // nvshmem_ptr(sym_base, pe) for every PE, cached
+
+void cuda_check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string("jax_ep: ") + what + " failed: " + cudaGetErrorString(e));
+}
+
+}  // namespace
+
+Runtime* runtime() { return g_live; }
+
+bool Runtime::peer_table(const int32_t* group_pes, int group_size, PeerTable* out,
+                         const char** err) const {
+  if (group_size < 1 || group_size > kMaxRanks) {
+    *err = "EP group size outside [1, kMaxRanks]";
+    return false;
+  }
+  PeerTable t;
+  t.num_ranks = group_size;
+  t.rank = -1;
+  for (int i = 0; i < group_size; ++i) {
+    int pe = group_pes[i];
+    if (pe < 0 || pe >= n_pes) {
+      *err = "EP group names a PE outside [0, n_pes)";
+      return false;
+    }
+    if (pe == my_pe) t.rank = i;
+    t.peers[i] = g_pe_base[pe];
+    if (!t.peers[i]) {
+      *err = "a PE of the EP group is not reachable by CUDA P2P (NVLink) from this GPU";
+      return false;
+    }
+  }
+  if (t.rank < 0) {
+    *err = "this PE is not a member of the EP group";
+    return false;
+  }
+  *out = t;
+  return true;
+}
+
+int nvshmem_status() { return nvshmemx_init_status(); }
+
+std::string nvshmem_unique_id() {
+  nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
+  int rc = nvshmemx_get_uniqueid(&id);
+  if (rc != 0) throw std::runtime_error("jax_ep: nvshmemx_get_uniqueid failed (" + std::to_string(rc) + ")");
+  return std::string(reinterpret_cast<const char*>(&id), sizeof(id));
+}
+
+bool nvshmem_init(const std::string& uid, int rank, int nranks, int device) {
+  cuda_check(cudaSetDevice(device), "cudaSetDevice");
+  nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
+  nvshmemi_version_t version = {NVSHMEM_VENDOR_MAJOR_VERSION, NVSHMEM_VENDOR_MINOR_VERSION,
+                                NVSHMEM_VENDOR_PATCH_VERSION};
+  int provided = 0;
+  if (nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED) {
+    // Someone else (XLA with --xla_gpu_experimental_enable_nvshmem) owns
+    // NVSHMEM: a nested init only takes a reference and sets up this module's
+    // device state.
+    int rc = nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided, 0, nullptr, version);
+    if (rc != 0) throw std::runtime_error("jax_ep: attaching to the existing NVSHMEM failed (" + std::to_string(rc) + ")");
+    return false;
+  }
+  if (uid.size() != sizeof(nvshmemx_uniqueid_t))
+    throw std::runtime_error("jax_ep: NVSHMEM unique id has the wrong size");
+  nvshmemx_uniqueid_t id;
+  std::memcpy(&id, uid.data(), sizeof(id));
+  int rc = nvshmemx_set_attr_uniqueid_args(rank, nranks, &id, &attr);
+  if (rc != 0) throw std::runtime_error("jax_ep: nvshmemx_set_attr_uniqueid_args failed (" + std::to_string(rc) + ")");
+  // The body of nvshmemx_init_attr without its exit() on failure.
+  nvshmemx_init_init_attr_ver_only(attr);
+  rc = nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided, NVSHMEMX_INIT_WITH_UNIQUEID,
+                            &attr, version);
+  if (rc != 0)
+    throw std::runtime_error("jax_ep: nvshmemx_init_attr(UNIQUEID) failed (" + std::to_string(rc) +
+                             "); see NVSHMEM_DEBUG=WARN output");
+  if (nvshmem_my_pe() != rank || nvshmem_n_pes() != nranks)
+    throw std::runtime_error("jax_ep: NVSHMEM came up as PE " + std::to_string(nvshmem_my_pe()) + "/" +
+                             std::to_string(nvshmem_n_pes()) + ", expected " + std::to_string(rank) +
+                             "/" + std::to_string(nranks) +
+                             " (an earlier NVSHMEM world is still bootstrapped in this process)");
+  return true;
+}
+
+void runtime_attach(int device, size_t bytes) {
+  if (g_live) throw std::runtime_error("jax_ep: runtime already attached");
+  cuda_check(cudaSetDevice(device), "cudaSetDevice");
+  void* base = nvshmem_malloc(bytes);  // collective
+  if (!base)
+    throw std::runtime_error(
+        "jax_ep: nvshmem_malloc(" + std::to_string(bytes >> 20) +
+        " MiB) failed: the NVSHMEM symmetric heap does not fit in the GPU memory JAX left free. "
+        "Lower XLA_PYTHON_CLIENT_MEM_FRACTION (e.g. 0.6) or set XLA_PYTHON_CLIENT_PREALLOCATE=false "
+        "before JAX starts, or pass a smaller buffer_bytes to jax_ep.initialize()");
+  cuda_check(cudaMemset(base, 0, bytes), "cudaMemset(symmetric buffer)");
+  cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  Runtime rt;
+  rt.my_pe = nvshmem_my_pe();
+  rt.n_pes = nvshmem_n_pes();
+  rt.sym_base = base;
+  rt.sym_bytes = bytes;
+  rt.device = device;
+  cuda_check(cudaDeviceGetAttribute(&rt.num_sms, cudaDevAttrMultiProcessorCount, device),
+             "cudaDeviceGetAttribute");
+  g_pe_base.assign(rt.n_pes, nullptr);
+  for (int pe = 0; pe < rt.n_pes; ++pe)
+    g_pe_base[pe] = pe == rt.my_pe ? base : nvshmem_ptr(base, pe);
+  nvshmem_barrier_all();  // every PE has zeroed its buffer before anyone uses it
+  g_runtime = rt;
+  g_live = &g_runtime;
+}
+
+void runtime_detach() {
+  if (!g_live) return;
+  cuda_check(cudaSetDevice(g_runtime.device), "cudaSetDevice");
+  // Work queued by XLA on other streams may still touch the buffer.
+  cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  g_live = nullptr;
+  nvshmem_free(g_runtime.sym_base);  // collective
+  g_runtime = Runtime();
+  g_pe_base.clear();
+}
+
+void nvshmem_fini() { nvshmem_finalize(); }
+
+}  // namespace jax_ep

@@ -1,0 +1,27 @@
+// Process-level lifecycle of the native runtime, driven from Python
+// (jax_ep/runtime.py through jax_ep._C). All functions throw
+// std::runtime_error with a readable message on failure.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace jax_ep {
+
+// nvshmemx_init_status(): 0 = not initialised, 1 = bootstrapped, >= 2 = initialised.
+int nvshmem_status();
+// Rank 0's NVSHMEM unique id, as raw bytes (shared through JAX's KV store).
+std::string nvshmem_unique_id();
+// Initialise NVSHMEM on CUDA `device` as PE `rank` of `nranks` with rank 0's id.
+// When NVSHMEM is already initialised in the process (e.g. by XLA), attaches to
+// it instead (returns false: "not owned", never finalised by us).
+bool nvshmem_init(const std::string& uid, int rank, int nranks, int device);
+// Collective: allocate the symmetric buffer and publish the Runtime.
+void runtime_attach(int device, size_t bytes);
+// Collective: free the symmetric buffer; runtime() becomes nullptr.
+void runtime_detach();
+// Collective: nvshmem_finalize().
+void nvshmem_fini();
+
+}  // namespace jax_ep

@@ -1,0 +1,308 @@
+"""A DeepSeek-V3-style MoE FFN block on jax_ep, in plain JAX.
+
+Pieces (all functional; parameters are plain dict pytrees):
+
+* router: ``scores = sigmoid(x @ W)`` (or softmax), group-limited top-k
+  (experts split into ``n_groups`` groups, only the best ``topk_groups`` groups
+  are eligible per token), an aux-loss-free per-expert ``bias`` that is added to
+  the scores for the *selection only* (the weights use the raw scores), weights
+  normalised over the top-k (sigmoid) and multiplied by ``route_scale``.
+* routed experts: SwiGLU ``down(silu(x @ gate) * (x @ up))``, run as three
+  ``jax.lax.ragged_dot`` calls over the rows :func:`jax_ep.dispatch` grouped by
+  local expert, then :func:`jax_ep.combine` (which applies the routing weights
+  on the expert side and sums over ranks in f32).
+* a shared expert (a plain SwiGLU every token goes through).
+* :func:`update_routing_bias`: DeepSeek-V3's bias update
+  ``bias += rate * sign(mean_load - load)``, using the per-expert load the layer
+  returns.
+
+Sharding. On a mesh with an EP axis (default ``'ep'``) and other axes (e.g.
+``('data', 'ep')``), only the routed part runs inside ``jax.shard_map``: tokens
+are split over *all* ``token_axes`` (every device gets ``N / num_devices``
+tokens), the expert weights ``[E, ...]`` are sharded ``P('ep')`` (each rank
+holds its ``L = E / R`` experts, replicated over the other axes). Router and
+shared expert stay ordinary jitted code, so the block composes with pjit-style
+sharded layers around it.
+
+:func:`moe_block_dense` is the same layer without EP (every token through its
+top-k experts with a dense einsum + gather): the oracle for tests.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jax_ep
+
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Shapes and routing options of one MoE block.
+
+    Attributes:
+      d_model: model width H.
+      d_ff: hidden width of each routed expert.
+      num_experts: routed experts E (divisible by the EP axis size).
+      topk: experts per token K.
+      n_groups / topk_groups: group-limited routing (E divisible by n_groups;
+        ``n_groups=1`` disables it).
+      score_func: ``"sigmoid"`` (V3) or ``"softmax"`` (V2).
+      norm_topk_prob: renormalise the K selected scores to sum to 1 (V3 does
+        this for sigmoid scores).
+      route_scale: routed scaling factor applied to the weights (V3: 2.5).
+      n_shared: shared experts (merged into one SwiGLU of width
+        ``n_shared * d_ff``; 0 = none).
+      dtype: parameter / activation dtype of the experts (router math is f32).
+    """
+
+    d_model: int
+    d_ff: int
+    num_experts: int
+    topk: int
+    n_groups: int = 1
+    topk_groups: int = 1
+    score_func: str = "sigmoid"
+    norm_topk_prob: bool = True
+    route_scale: float = 1.0
+    n_shared: int = 1
+    dtype: jnp.dtype = jnp.float32
+
+    def __post_init__(self):
+        if self.num_experts % self.n_groups:
+            raise ValueError("num_experts must be divisible by n_groups")
+        if not 1 <= self.topk_groups <= self.n_groups:
+            raise ValueError("need 1 <= topk_groups <= n_groups")
+        if self.topk > self.topk_groups * (self.num_experts // self.n_groups):
+            raise ValueError("topk exceeds the experts in the topk_groups groups")
+        if self.score_func not in ("sigmoid", "softmax"):
+            raise ValueError("score_func must be 'sigmoid' or 'softmax'")
+
+
+# ----------------------------------------------------------------------------- params
+
+
+def init_moe_params(key: jax.Array, cfg: MoEConfig) -> dict:
+    """Parameters: ``{"router": {"kernel"}, "experts": {"gate", "up", "down"},
+    "shared": {"gate", "up", "down"}}``. Experts are ``[E, H, F]`` / ``[E, F, H]``."""
+    H, F, E = cfg.d_model, cfg.d_ff, cfg.num_experts
+    ks = jax.random.split(key, 7)
+
+    def normal(k, shape, fan_in, dtype):
+        return (jax.random.normal(k, shape, F32) / math.sqrt(fan_in)).astype(dtype)
+
+    p = {
+        "router": {"kernel": normal(ks[0], (H, E), H, F32)},
+        "experts": {
+            "gate": normal(ks[1], (E, H, F), H, cfg.dtype),
+            "up": normal(ks[2], (E, H, F), H, cfg.dtype),
+            "down": normal(ks[3], (E, F, H), F, cfg.dtype),
+        },
+    }
+    if cfg.n_shared > 0:
+        S = cfg.n_shared * F
+        p["shared"] = {
+            "gate": normal(ks[4], (H, S), H, cfg.dtype),
+            "up": normal(ks[5], (H, S), H, cfg.dtype),
+            "down": normal(ks[6], (S, H), S, cfg.dtype),
+        }
+    return p
+
+
+def init_routing_bias(cfg: MoEConfig) -> jax.Array:
+    """The aux-loss-free selection bias ``[E]`` (state, not a trained parameter)."""
+    return jnp.zeros((cfg.num_experts,), F32)
+
+
+def param_specs(params: dict, ep_axis: str = "ep") -> dict:
+    """PartitionSpecs: routed experts ``P(ep_axis)`` on their expert dim, the rest replicated."""
+    def spec(path, _):
+        keys = [getattr(k, "key", None) for k in path]
+        return P(ep_axis) if "experts" in keys else P()
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+# ----------------------------------------------------------------------------- routing
+
+
+def route(params: dict, bias: jax.Array, x: jax.Array, cfg: MoEConfig):
+    """Router of DeepSeek-V3. ``x [N, H]`` -> (topk_idx ``[N, K]`` int32,
+    topk_weights ``[N, K]`` f32, scores ``[N, E]`` f32)."""
+    N = x.shape[0]
+    E, K, G = cfg.num_experts, cfg.topk, cfg.n_groups
+    logits = jnp.dot(x.astype(F32), params["router"]["kernel"].astype(F32))
+    if cfg.score_func == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    else:
+        scores = jax.nn.softmax(logits, axis=-1)
+    sel = jax.lax.stop_gradient(scores) + jax.lax.stop_gradient(bias)[None, :]
+    if G > 1:
+        grouped = sel.reshape(N, G, E // G)
+        if E // G >= 2:  # V3: sum of the best two scores of each group
+            group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+        else:
+            group_score = grouped[..., 0]
+        _, top_groups = jax.lax.top_k(group_score, cfg.topk_groups)  # [N, topk_groups]
+        keep = jnp.any(top_groups[:, :, None] == jnp.arange(G)[None, None, :], axis=1)
+        sel = jnp.where(jnp.repeat(keep, E // G, axis=1), sel, -jnp.inf)
+    _, idx = jax.lax.top_k(sel, K)
+    w = jnp.take_along_axis(scores, idx, axis=1)
+    if cfg.norm_topk_prob:
+        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+    w = w * cfg.route_scale
+    return idx.astype(jnp.int32), w.astype(F32), scores
+
+
+def expert_load(topk_idx: jax.Array, num_experts: int) -> jax.Array:
+    """Tokens routed to each expert, ``[E]`` int32 (over the whole global batch under jit)."""
+    valid = topk_idx >= 0
+    return jnp.zeros((num_experts,), jnp.int32).at[jnp.where(valid, topk_idx, 0)].add(
+        valid.astype(jnp.int32))
+
+
+def update_routing_bias(bias: jax.Array, load: jax.Array, rate: float = 1e-3) -> jax.Array:
+    """Aux-loss-free load balancing (DeepSeek-V3 §2.1.2): raise the bias of
+    under-loaded experts, lower it for over-loaded ones, by ``rate`` per step."""
+    load = load.astype(F32)
+    return bias + rate * jnp.sign(jnp.mean(load) - load)
+
+
+# ----------------------------------------------------------------------------- experts
+
+
+def swiglu(x, gate, up, down):
+    h = jax.nn.silu(jnp.dot(x, gate)) * jnp.dot(x, up)
+    return jnp.dot(h.astype(down.dtype), down)
+
+
+def routed_experts_local(x, gate, up, down, group_sizes):
+    """SwiGLU over rows grouped by local expert: ``x [C, H]``, weights ``[L, ...]``."""
+    h = jax.nn.silu(jax.lax.ragged_dot(x, gate, group_sizes)) * jax.lax.ragged_dot(
+        x, up, group_sizes)
+    return jax.lax.ragged_dot(h.astype(down.dtype), down, group_sizes)
+
+
+def make_ep_config(cfg: MoEConfig, tokens_per_rank: int, ep_axis: str = "ep",
+                   backend: str = "auto", **overrides) -> jax_ep.EpConfig:
+    """The :class:`jax_ep.EpConfig` of this block for ``tokens_per_rank`` tokens per device."""
+    return jax_ep.EpConfig(num_experts=cfg.num_experts, topk=cfg.topk,
+                           max_tokens_per_rank=tokens_per_rank, hidden=cfg.d_model,
+                           axis_name=ep_axis, backend=backend, **overrides)
+
+
+def routed_ep(experts: dict, x: jax.Array, topk_idx: jax.Array, topk_w: jax.Array,
+              mesh: Mesh, ep_cfg: jax_ep.EpConfig, token_axes: Sequence[str]):
+    """The routed part: ``shard_map`` over ``token_axes`` with dispatch ->
+    ragged_dot SwiGLU -> combine. Global ``x [N, H]`` -> (``[N, H]``, dropped
+    pairs ``[num_devices]`` int32, one count per device)."""
+    tok = P(tuple(token_axes))
+    ep = P(ep_cfg.axis_name)
+
+    def per_rank(x, idx, w, gate, up, down):
+        d = jax_ep.dispatch(x, idx, w, ep_cfg)
+        y = routed_experts_local(d.x, gate, up, down, d.group_sizes)
+        out = jax_ep.combine(y.astype(x.dtype), d, ep_cfg)
+        return out, d.num_dropped.reshape(1)
+
+    fn = jax.shard_map(per_rank, mesh=mesh,
+                       in_specs=(tok, tok, tok, ep, ep, ep),
+                       out_specs=(tok, tok), check_vma=True)
+    args = (x, topk_idx, topk_w, experts["gate"], experts["up"], experts["down"])
+    explicit = _explicit_axes(mesh)
+    if not explicit:  # Auto axes: shard_map moves the operands where they must be
+        return fn(*args)
+    # Explicit-sharding mesh: move the operands ourselves and put the result back
+    # where x was, so the caller sees no change of sharding.
+    x_spec = jax.typeof(x).sharding.spec
+    args = tuple(jax.sharding.reshard(a, NamedSharding(mesh, s))
+                 for a, s in zip(args, (tok, tok, tok, ep, ep, ep)))
+    out, dropped = fn(*args)
+    return jax.sharding.reshard(out, NamedSharding(mesh, x_spec)), dropped
+
+
+def _explicit_axes(mesh) -> bool:
+    types = getattr(mesh, "axis_types", None) or ()
+    return any(t == jax.sharding.AxisType.Explicit for t in types)
+
+
+def make_mesh(shape: Sequence[int], names: Sequence[str], devices=None) -> Mesh:
+    """``jax.make_mesh`` with Auto axes (jit places the non-EP parts of the model)."""
+    auto = (jax.sharding.AxisType.Auto,) * len(names)
+    kw = {} if devices is None else {"devices": devices}
+    return jax.make_mesh(tuple(shape), tuple(names), axis_types=auto, **kw)
+
+
+# ----------------------------------------------------------------------------- the block
+
+
+def moe_block(params: dict, bias: jax.Array, x: jax.Array, cfg: MoEConfig, mesh: Mesh,
+              *, ep_axis: str = "ep", token_axes: Optional[Sequence[str]] = None,
+              backend: str = "auto", ep_overrides: Optional[dict] = None):
+    """The MoE FFN block through jax_ep. Call under ``jax.jit``.
+
+    Args:
+      params: from :func:`init_moe_params` (experts sharded ``P(ep_axis)``).
+      bias: ``[E]`` routing bias (selection only, no gradient).
+      x: ``[..., H]`` tokens; the leading dims are flattened to N, which must
+        be divisible by the number of devices in ``token_axes``.
+      mesh: a mesh holding ``ep_axis``.
+      token_axes: mesh axes the tokens are split over inside the routed part
+        (default: all axes of ``mesh``, EP axis included).
+      backend: jax_ep backend ("auto" | "reference" | "native").
+      ep_overrides: extra :class:`jax_ep.EpConfig` fields (capacity,
+        expert_alignment, ...).
+
+    Returns:
+      ``(out [..., H], aux)`` with ``aux = {"load": [E] int32 tokens per expert,
+      "num_dropped": int32 total (token, expert) pairs dropped}``.
+    """
+    token_axes = tuple(mesh.axis_names if token_axes is None else token_axes)
+    lead, H = x.shape[:-1], x.shape[-1]
+    xf = x.reshape(-1, H)
+    N = xf.shape[0]
+    n_dev = math.prod(mesh.shape[a] for a in token_axes)
+    if N % n_dev:
+        raise ValueError(f"{N} tokens do not split over {n_dev} devices of axes {token_axes}")
+    idx, w, _ = route(params, bias, xf, cfg)
+    ep_cfg = make_ep_config(cfg, N // n_dev, ep_axis, backend, **(ep_overrides or {}))
+    routed, dropped = routed_ep(params["experts"], xf.astype(cfg.dtype), idx, w, mesh, ep_cfg,
+                                token_axes)
+    out = routed.astype(F32)
+    if "shared" in params:
+        s = params["shared"]
+        out = out + swiglu(xf.astype(cfg.dtype), s["gate"], s["up"], s["down"]).astype(F32)
+    aux = {"load": expert_load(idx, cfg.num_experts), "num_dropped": jnp.sum(dropped)}
+    return out.astype(x.dtype).reshape(*lead, H), aux
+
+
+def moe_block_dense(params: dict, bias: jax.Array, x: jax.Array, cfg: MoEConfig):
+    """The same block with no EP and no communication: every token through its
+    top-k experts via a dense einsum over all experts plus a gather. For tests
+    (cost O(N * E)); returns ``(out, aux)`` like :func:`moe_block`."""
+    lead, H = x.shape[:-1], x.shape[-1]
+    xf = x.reshape(-1, H)
+    idx, w, _ = route(params, bias, xf, cfg)
+    e = params["experts"]
+    xe = xf.astype(cfg.dtype)
+    h = jax.nn.silu(jnp.einsum("nh,ehf->nef", xe, e["gate"])) * jnp.einsum(
+        "nh,ehf->nef", xe, e["up"])
+    y_all = jnp.einsum("nef,efh->neh", h.astype(e["down"].dtype), e["down"])  # [N, E, H]
+    y_sel = jnp.take_along_axis(y_all, idx[:, :, None], axis=1)  # [N, K, H]
+    out = jnp.einsum("nk,nkh->nh", w, y_sel.astype(F32))
+    if "shared" in params:
+        s = params["shared"]
+        out = out + swiglu(xe, s["gate"], s["up"], s["down"]).astype(F32)
+    aux = {"load": expert_load(idx, cfg.num_experts), "num_dropped": jnp.int32(0)}
+    return out.astype(x.dtype).reshape(*lead, H), aux
+
+
+def shard_params(params: dict, mesh: Mesh, ep_axis: str = "ep") -> dict:
+    """Place ``params`` on ``mesh``: experts ``P(ep_axis)``, the rest replicated."""
+    specs = param_specs(params, ep_axis)
+    return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs)

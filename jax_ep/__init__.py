@@ -1,0 +1,18 @@
+"""jax_ep: expert-parallel dispatch and combine for JAX.
+
+Per-rank functions, called inside ``jax.shard_map`` over ``EpConfig.axis_name``:
+:func:`dispatch`, :func:`combine`, :func:`get_dispatch_layout`. The native
+backend (CUDA kernels over NVSHMEM, one GPU per process) is used after
+:func:`initialize`; otherwise the pure-JAX reference backend runs anywhere.
+"""
+from .api import combine, dispatch, get_dispatch_layout
+from .config import EpConfig
+from .reference import fp8_cast
+from .runtime import finalize, initialize, is_initialized
+from .types import Dispatched, Handle
+
+__all__ = [
+    "EpConfig", "Dispatched", "Handle", "dispatch", "combine", "get_dispatch_layout",
+    "initialize", "finalize", "is_initialized", "fp8_cast",
+]
+__version__ = "0.1.0"

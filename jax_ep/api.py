@@ -1,0 +1,169 @@
+"""Public dispatch / combine / layout functions and their gradients.
+
+Every function here is called per rank inside ``jax.shard_map`` over
+``config.axis_name`` (``check_vma=True`` works; the axis may be one axis of a
+larger mesh). Shapes below are per rank: T tokens, H hidden, K top-k, E
+experts, R ranks on the axis, L = E / R local experts, C rows of capacity.
+
+Gradients follow DESIGN.md §2 and are backend-independent: the backward of
+dispatch is a combine of the row gradients (unweighted) plus the return of the
+``weights`` gradients to ``topk_weights``; the backward of combine is a
+dispatch of ``d_out`` (weighted on the expert side) plus
+``d_w = <d_out[t], y_row>``. Both reuse the forward ``handle``.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from . import backend as _backend
+from . import validate
+from .config import EpConfig
+from .reference import F32, fp8_cast
+from .types import Dispatched, Handle
+
+
+# -- differentiable pieces (backend and config static) ------------------------
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _move_rows(be, cfg, x, handle):
+    return be.dispatch_rows(x, None, handle, cfg)[0]
+
+
+def _move_rows_fwd(be, cfg, x, handle):
+    return _move_rows(be, cfg, x, handle), handle
+
+
+def _move_rows_bwd(be, cfg, handle, g):
+    return be.combine_rows(g, None, handle, cfg), None
+
+
+_move_rows.defvjp(_move_rows_fwd, _move_rows_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _move_weights(be, cfg, w, handle):
+    return be.dispatch_weights(w, handle, cfg)
+
+
+def _move_weights_fwd(be, cfg, w, handle):
+    return _move_weights(be, cfg, w, handle), handle
+
+
+def _move_weights_bwd(be, cfg, handle, g):
+    return be.return_weights(g, handle, cfg), None
+
+
+_move_weights.defvjp(_move_weights_fwd, _move_weights_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _combine(be, cfg, y, w, handle):
+    return be.combine_rows(y, w, handle, cfg)
+
+
+def _combine_fwd(be, cfg, y, w, handle):
+    return _combine(be, cfg, y, w, handle), (y, w, handle)
+
+
+def _combine_bwd(be, cfg, res, g):
+    y, w, handle = res
+    g_rows = be.dispatch_rows(g, None, handle, cfg)[0].astype(F32)  # [C, H]
+    if w is None:  # rank_major: the user weighted on the expert side
+        return g_rows.astype(y.dtype), None, None
+    dy = (w[:, None] * g_rows).astype(y.dtype)
+    dw = jnp.sum(g_rows * y.astype(F32), axis=1)
+    return dy, dw, None
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+# -- public API ---------------------------------------------------------------
+def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, config: EpConfig,
+             x_scales: Optional[jax.Array] = None) -> Dispatched:
+    """Send each token to the ranks holding its top-k experts.
+
+    Args:
+      x: ``[T, H]`` bf16 / f32 tokens, or fp8-e4m3 (then ``x_scales`` is required).
+      topk_idx: ``[T, K]`` int32 expert ids in ``[-1, E)``; -1 = slot unused. Ids
+        outside that range are treated as -1 and counted in ``num_dropped``.
+      topk_weights: ``[T, K]`` f32 routing weights.
+      config: :class:`EpConfig`.
+      x_scales: ``[T, H/128]`` f32 dequantisation scales of an fp8 ``x``.
+
+    Returns:
+      :class:`Dispatched` (``x [C, H]``, ``group_sizes [L]`` / ``weights [C]``
+      for expert_major, ``topk_idx [C, K]`` / ``topk_weights [C, K]`` for
+      rank_major, ``num_valid``, ``num_dropped``, ``handle``). Each token
+      crosses the link at most once per destination rank. With
+      ``config.fp8_dispatch`` a bf16/f32 ``x`` is sent as fp8 and ``x_scales``
+      is filled. fp8 data is forward-only (no gradient flows through it).
+    """
+    R = validate.axis_size(config)
+    validate.dispatch_args(x, topk_idx, topk_weights, x_scales, config, R)
+    be = _backend.select(config)
+    handle, group_sizes, num_valid, num_dropped = be.route(topk_idx, config, R)
+    if config.check_overflow:
+        num_dropped = validate.raise_on_drops(num_dropped, config)
+
+    if config.fp8_dispatch and x.dtype != jnp.float8_e4m3fn:
+        x, x_scales = fp8_cast(jax.lax.stop_gradient(x))
+    if x.dtype == jnp.float8_e4m3fn:
+        recv_x, recv_scales = be.dispatch_rows(x, x_scales, handle, config)
+    else:
+        recv_x, recv_scales = _move_rows(be, config, x, handle), None
+    recv_w = _move_weights(be, config, topk_weights.astype(F32), handle)
+
+    if config.layout == "expert_major":
+        return Dispatched(x=recv_x, x_scales=recv_scales, group_sizes=group_sizes,
+                          weights=recv_w, topk_idx=None, topk_weights=None,
+                          num_valid=num_valid, num_dropped=num_dropped, handle=handle)
+    rows = handle.row_src
+    R_, T, K = handle.recv_local_idx.shape
+    recv_idx = handle.recv_local_idx.reshape(R_ * T, K)[jnp.maximum(rows, 0)]
+    recv_idx = jnp.where((rows >= 0)[:, None], recv_idx, -1)
+    return Dispatched(x=recv_x, x_scales=recv_scales, group_sizes=None, weights=None,
+                      topk_idx=recv_idx, topk_weights=recv_w, num_valid=num_valid,
+                      num_dropped=num_dropped, handle=handle)
+
+
+def combine(y: jax.Array, dispatched: Dispatched, config: EpConfig) -> jax.Array:
+    """Bring expert outputs back to their tokens and reduce them.
+
+    Args:
+      y: ``[C, H]`` bf16 / f32, one row per row of ``dispatched.x``.
+        expert_major: the expert's output for that (token, expert) pair; the
+        routing weight ``dispatched.weights`` is applied here, on the expert
+        side. rank_major: the already weighted sum over this rank's experts.
+      dispatched: the :class:`Dispatched` returned by :func:`dispatch`.
+      config: the same :class:`EpConfig`.
+
+    Returns:
+      ``[T, H]`` in y's dtype: ``out[t] = sum over ranks r (ascending) of
+      cast(sum over k on r (ascending) of w_k * y_(t,k))``, accumulated in f32.
+      Deterministic. Rows that were dropped contribute zero.
+    """
+    R = validate.axis_size(config)
+    validate.combine_args(y, dispatched, config, R)
+    be = _backend.select(config)
+    w = dispatched.weights if config.layout == "expert_major" else None
+    return _combine(be, config, y, w, dispatched.handle)
+
+
+def get_dispatch_layout(topk_idx: jax.Array, config: EpConfig):
+    """Routing statistics of this rank's tokens (no communication).
+
+    Args:
+      topk_idx: ``[T, K]`` int32 in ``[-1, E)``.
+    Returns:
+      ``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32,
+      is_token_in_rank [T, R] bool)``. A token counts once per rank and once
+      per expert however many of its slots point there; ids outside
+      ``[0, E)`` count nowhere.
+    """
+    R = validate.axis_size(config)
+    validate.topk_idx(topk_idx, config, R)
+    return _backend.select(config).layout(topk_idx, config, R)

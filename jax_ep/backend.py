@@ -1,0 +1,81 @@
+"""The interface every backend implements, and backend selection.
+
+All methods run per rank inside ``jax.shard_map`` over ``cfg.axis_name`` and
+see per-rank shapes. ``R`` = size of the EP axis, ``T`` = tokens per rank,
+``C`` = capacity (``cfg.capacity_for(R, T)``).
+
+The split keeps the differentiation rules in one place (``jax_ep.api``):
+dispatch = ``route`` + ``dispatch_rows`` (+ ``dispatch_weights``); combine =
+``combine_rows``; the backward of dispatch is ``combine_rows`` without weights
+plus ``return_weights``; the backward of combine is ``dispatch_rows`` of the
+output cotangent, weighted on the expert side.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Optional, Protocol
+
+import jax
+
+from .config import EpConfig
+from .types import Handle
+
+
+class Backend(Protocol):
+    name: str
+
+    def layout(self, topk_idx: jax.Array, cfg: EpConfig, R: int):
+        """-> (num_tokens_per_rank [R] i32, num_tokens_per_expert [E] i32,
+        is_token_in_rank [T, R] bool). Counts are over this rank's tokens;
+        invalid ids (outside [0, E)) count nowhere; a token counts once per rank."""
+
+    def route(self, topk_idx: jax.Array, cfg: EpConfig, R: int):
+        """Exchange routing metadata. -> (handle, group_sizes [L] i32 or None,
+        num_valid i32[], num_dropped i32[])."""
+
+    def dispatch_rows(self, x: jax.Array, x_scales: Optional[jax.Array], handle: Handle,
+                      cfg: EpConfig):
+        """Pure data movement of per-token rows ``x [T, W]`` (any dtype, any W)
+        into the output layout -> (recv ``[C, W]``, recv_scales ``[C, H/128]``
+        or None). Unused rows are zero. Bit-exact."""
+
+    def dispatch_weights(self, topk_weights: jax.Array, handle: Handle, cfg: EpConfig):
+        """``[T, K]`` f32 -> ``[C]`` (expert_major: weight of each row's pair) or
+        ``[C, K]`` (rank_major: weights of this rank's slots, 0 elsewhere)."""
+
+    def combine_rows(self, y: jax.Array, row_weights: Optional[jax.Array], handle: Handle,
+                     cfg: EpConfig):
+        """``y [C, W]`` -> ``[T, W]`` in y's dtype.
+
+        Expert side: for every received (source s, token t), the partial
+        ``p = sum_k w_row * f32(y[row_k])`` over the slots k (ascending) stored
+        on this rank (expert_major; ``w_row = 1`` when row_weights is None),
+        or ``p = f32(y[row])`` (rank_major). p is cast to y's dtype and sent
+        back; the source sums the partials of ranks 0..R-1 in that order in
+        f32 and casts to y's dtype."""
+
+    def return_weights(self, d_recv_w: jax.Array, handle: Handle, cfg: EpConfig):
+        """Transpose of ``dispatch_weights``: ``[C]`` or ``[C, K]`` -> ``[T, K]`` f32."""
+
+
+_notice_printed = False
+
+
+def select(cfg: EpConfig) -> Backend:
+    """Pick the backend for ``cfg.backend``; ``auto`` = native when initialised."""
+    global _notice_printed
+    from . import reference
+
+    if cfg.backend == "reference":
+        return reference.BACKEND
+    from . import runtime
+
+    if cfg.backend == "native":
+        return runtime.native_backend()  # raises with a clear message if not initialised
+    if runtime.is_initialized():
+        return runtime.native_backend()
+    if not _notice_printed:
+        _notice_printed = True
+        print(f"jax_ep: native runtime not initialised ({runtime.unavailable_reason()}); "
+              "using the reference backend", file=sys.stderr)
+    return reference.BACKEND

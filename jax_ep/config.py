@@ -1,0 +1,113 @@
+"""The one configuration type of jax_ep."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Optional
+
+Layout = Literal["expert_major", "rank_major"]
+Backend = Literal["auto", "reference", "native"]
+
+_LAYOUTS = ("expert_major", "rank_major")
+_BACKENDS = ("auto", "reference", "native")
+
+
+@dataclasses.dataclass(frozen=True)
+class EpConfig:
+    """Static description of one expert-parallel (EP) group and its buffers.
+
+    Frozen and hashable, so it can be closed over by ``jax.jit`` and passed as a
+    static argument.
+
+    Attributes:
+      num_experts: E, total routed experts. Must be divisible by the size R of
+        ``axis_name``; rank r holds experts ``[r*L, (r+1)*L)`` with ``L = E // R``.
+      topk: K, experts picked per token.
+      max_tokens_per_rank: static upper bound on T, the tokens each rank passes
+        to ``dispatch``. Native buffers are sized from it.
+      hidden: H, the model width (row length of ``x``).
+      axis_name: the mesh axis that forms the EP group (may be one axis of a
+        larger mesh, e.g. ``('data', 'ep')``).
+      layout: ``"expert_major"`` (rows grouped by local expert, feeds
+        ``jax.lax.ragged_dot``) or ``"rank_major"`` (DeepEP-compatible, one row
+        per (source token, this rank)).
+      expert_alignment: each expert group starts at a multiple of this
+        (expert_major only).
+      capacity: C, static rows of the dispatch output. ``None`` = the worst
+        case, so nothing is ever dropped.
+      num_sms: SMs the native communication kernels may occupy (``None``: a
+        default chosen from the device).
+      backend: ``"auto"`` (native when the runtime is initialised, reference
+        otherwise), ``"reference"`` (pure JAX) or ``"native"``.
+      fp8_dispatch: cast a bf16/f32 ``x`` to fp8-e4m3 with per-token
+        per-128-channel f32 scales before sending (H % 128 == 0).
+      check_overflow: raise (through ``jax.debug.callback`` / checkify-free
+        host callback) when a capacity overflow drops rows instead of only
+        reporting ``num_dropped``.
+      buffer_bytes: NVSHMEM symmetric buffer size for the native backend
+        (``None``: sized from the shapes above).
+    """
+
+    num_experts: int
+    topk: int
+    max_tokens_per_rank: int
+    hidden: int
+    axis_name: str = "ep"
+    layout: Layout = "expert_major"
+    expert_alignment: int = 1
+    capacity: Optional[int] = None
+    num_sms: Optional[int] = None
+    backend: Backend = "auto"
+    fp8_dispatch: bool = False
+    check_overflow: bool = False
+    buffer_bytes: Optional[int] = None
+
+    def __post_init__(self):
+        def pos_int(name, v):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"EpConfig.{name} must be a positive int, got {v!r}")
+
+        for name in ("num_experts", "topk", "max_tokens_per_rank", "hidden", "expert_alignment"):
+            pos_int(name, getattr(self, name))
+        if self.topk > self.num_experts:
+            raise ValueError(
+                f"EpConfig.topk ({self.topk}) must not exceed num_experts ({self.num_experts})")
+        if self.layout not in _LAYOUTS:
+            raise ValueError(f"EpConfig.layout must be one of {_LAYOUTS}, got {self.layout!r}")
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"EpConfig.backend must be one of {_BACKENDS}, got {self.backend!r}")
+        if self.capacity is not None:
+            pos_int("capacity", self.capacity)
+        if self.num_sms is not None:
+            pos_int("num_sms", self.num_sms)
+        if self.buffer_bytes is not None:
+            pos_int("buffer_bytes", self.buffer_bytes)
+        if not isinstance(self.axis_name, str):
+            raise TypeError(f"EpConfig.axis_name must be a str, got {self.axis_name!r}")
+        if self.fp8_dispatch and self.hidden % 128 != 0:
+            raise ValueError(
+                f"EpConfig.fp8_dispatch needs hidden % 128 == 0, got hidden={self.hidden}")
+
+    def local_experts(self, num_ranks: int) -> int:
+        """L = E / R, checked."""
+        if self.num_experts % num_ranks != 0:
+            raise ValueError(
+                f"num_experts ({self.num_experts}) must be divisible by the size of "
+                f"axis {self.axis_name!r} ({num_ranks})")
+        return self.num_experts // num_ranks
+
+    def capacity_for(self, num_ranks: int, num_tokens: int) -> int:
+        """Static row count C of the dispatch output on each rank.
+
+        Worst case (dropless): rank_major receives at most one row per
+        (source rank, token): ``R*T``. expert_major receives at most
+        ``min(K, L)`` rows per received token, plus up to ``align-1`` padding
+        rows per local expert, rounded up to a multiple of the alignment.
+        """
+        if self.capacity is not None:
+            return self.capacity
+        L = self.local_experts(num_ranks)
+        if self.layout == "rank_major":
+            return max(1, num_ranks * num_tokens)
+        a = self.expert_alignment
+        rows = num_ranks * num_tokens * min(self.topk, L) + L * (a - 1)
+        return max(a, -(-rows // a) * a)

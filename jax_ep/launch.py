@@ -1,0 +1,416 @@
+"""Start one process per GPU (or per CPU) for a multi-process jax_ep job.
+
+NVSHMEM needs one GPU per OS process, so the native backend runs as a
+multi-process JAX job (``jax.distributed``). This module is both the launcher
+and the helper the launched script calls.
+
+Launcher (one node)::
+
+    python -m jax_ep.launch -n 2 examples/train_moe.py --backend native
+    jax-ep-launch -n 2 examples/train_moe.py --backend native     # same
+    python -m jax_ep.launch -n 2 --platform cpu my_script.py      # CPU + gloo
+    python -m jax_ep.launch -n 2 -m my_package.my_module --flag   # a module
+
+It starts N copies of ``python script.py args`` (or ``python -m module``),
+prefixes every output line with ``[rank i]``, forwards SIGINT/SIGTERM to all of
+them, and when one exits non-zero, terminates the others (SIGTERM, then SIGKILL
+after ``--grace`` seconds) and exits non-zero naming that rank and its exit
+code. Each child runs in its own process group, and the whole group is
+signalled, so nothing is left behind.
+
+Environment each child gets::
+
+    JAX_EP_COORDINATOR      host:port of the jax.distributed coordinator
+                            (process 0's host; a free local port on one node)
+    JAX_EP_NUM_PROCESSES    total processes (all nodes)
+    JAX_EP_PROCESS_ID       global process index (node_rank * n + local_rank)
+    JAX_EP_LOCAL_RANK       index of the process on its node
+    JAX_EP_LOCAL_DEVICE_IDS the device(s) this process drives ("1"); all GPUs
+                            stay visible (no CUDA_VISIBLE_DEVICES), JAX is told
+                            to use only this one via ``local_device_ids``
+    JAX_EP_PLATFORM         "gpu" or "cpu"
+    NCCL_NVLS_ENABLE=0, NVSHMEM_DISABLE_NVLS=1   (never NVLink multicast)
+    PYTHONUNBUFFERED=1
+    CPU only: JAX_PLATFORMS=cpu and XLA_FLAGS with
+              --xla_force_host_platform_device_count=<--cpu-devices, default 1>
+
+Script side: call :func:`init_distributed` first, before anything touches a
+JAX device::
+
+    from jax_ep.launch import init_distributed
+    info = init_distributed(native=True)   # jax.distributed + jax_ep.initialize()
+
+Multi-host. Either run the launcher on every node with the same
+``--coordinator`` (process 0's node, any free port), ``--nnodes`` and that
+node's ``--node-rank``::
+
+    node0$ python -m jax_ep.launch -n 8 --nnodes 2 --node-rank 0 --coordinator node0:29500 train.py
+    node1$ python -m jax_ep.launch -n 8 --nnodes 2 --node-rank 1 --coordinator node0:29500 train.py
+
+(``--coordinator`` defaults to ``$JAX_EP_COORDINATOR``, else
+``$MASTER_ADDR:$MASTER_PORT``.) Or skip the launcher under SLURM
+(``srun --ntasks-per-node=<gpus> python train.py``): :func:`init_distributed`
+then reads, in this order of precedence:
+
+* ``JAX_EP_NUM_PROCESSES`` / ``JAX_EP_PROCESS_ID`` / ``JAX_EP_LOCAL_RANK`` /
+  ``JAX_EP_LOCAL_DEVICE_IDS`` / ``JAX_EP_COORDINATOR`` (set by this launcher), else
+* ``SLURM_NTASKS`` (processes), ``SLURM_PROCID`` (process id),
+  ``SLURM_LOCALID`` (local rank = the GPU it drives), and the coordinator from
+  ``JAX_EP_COORDINATOR`` or ``MASTER_ADDR`` + ``MASTER_PORT``; when neither is
+  set, JAX's own SLURM detection picks the first node of the job.
+
+With none of these set (a plain ``python script.py``) it does nothing to
+``jax.distributed`` (single process, JAX's default device layout).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import List, Optional, Sequence
+
+__all__ = ["main", "init_distributed", "DistributedInfo", "free_port", "child_env"]
+
+_PREFIX = "jax_ep.launch"
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _detect_gpus() -> int:
+    """Number of NVIDIA GPUs on this host, without importing jax."""
+    return len([p for p in glob.glob("/dev/nvidia*") if re.fullmatch(r"/dev/nvidia\d+", p)])
+
+
+def _cpu_xla_flags(flags: str, devices: int) -> str:
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", flags or "")
+    return (" ".join(flags.split()) + f" --xla_force_host_platform_device_count={devices}").strip()
+
+
+def child_env(base: dict, *, local_rank: int, nproc: int, node_rank: int, nnodes: int,
+              coordinator: str, platform: str, cpu_devices: int = 1) -> dict:
+    """The environment of local process ``local_rank`` (see the module docstring)."""
+    env = dict(base)
+    env.update({
+        "JAX_EP_COORDINATOR": coordinator,
+        "JAX_EP_NUM_PROCESSES": str(nproc * nnodes),
+        "JAX_EP_PROCESS_ID": str(node_rank * nproc + local_rank),
+        "JAX_EP_LOCAL_RANK": str(local_rank),
+        "JAX_EP_PLATFORM": platform,
+        "NCCL_NVLS_ENABLE": "0",
+        "NVSHMEM_DISABLE_NVLS": "1",
+        "PYTHONUNBUFFERED": "1",
+    })
+    if platform == "cpu":
+        env["JAX_EP_LOCAL_DEVICE_IDS"] = ",".join(str(j) for j in range(cpu_devices))
+        env["JAX_PLATFORMS"] = "cpu"
+        env["XLA_FLAGS"] = _cpu_xla_flags(env.get("XLA_FLAGS", ""), cpu_devices)
+    else:
+        env["JAX_EP_LOCAL_DEVICE_IDS"] = str(local_rank)
+    return env
+
+
+class _Child:
+    def __init__(self, rank: int, cmd: List[str], env: dict, out_lock: threading.Lock):
+        self.rank = rank
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, start_new_session=True)
+        self.threads = [
+            threading.Thread(target=self._pump, args=(self.proc.stdout, sys.stdout, out_lock),
+                             daemon=True),
+            threading.Thread(target=self._pump, args=(self.proc.stderr, sys.stderr, out_lock),
+                             daemon=True),
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _pump(self, src, dst, lock):
+        prefix = f"[rank {self.rank}] "
+        for raw in iter(src.readline, b""):
+            line = raw.decode("utf-8", errors="replace")
+            if not line.endswith("\n"):
+                line += "\n"
+            with lock:
+                try:
+                    dst.write(prefix + line)
+                    dst.flush()
+                except (BrokenPipeError, ValueError):
+                    pass
+        src.close()
+
+    def signal_group(self, sig: int) -> None:
+        if self.proc.poll() is not None and sig != signal.SIGKILL:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)  # its own session: pid == pgid
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _log(msg: str) -> None:
+    sys.stderr.write(f"{_PREFIX}: {msg}\n")
+    sys.stderr.flush()
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+def _parse(argv: Optional[Sequence[str]]):
+    p = argparse.ArgumentParser(
+        prog="python -m jax_ep.launch",
+        description="Run N local processes of a jax_ep script (one GPU each).",
+        epilog="Everything after the script (or -m module) is passed to it unchanged.")
+    p.add_argument("-n", "--nproc", type=int, default=None,
+                   help="processes on this node (default: number of GPUs, or 2 on CPU)")
+    p.add_argument("--platform", choices=("auto", "gpu", "cpu"), default="auto",
+                   help="gpu: one GPU per process via local_device_ids; cpu: JAX_PLATFORMS=cpu, "
+                        "gloo collectives (default auto: gpu when /dev/nvidia* exist)")
+    p.add_argument("--cpu-devices", type=int, default=1,
+                   help="CPU devices per process with --platform cpu (default 1)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's index (default 0)")
+    p.add_argument("--coordinator", default=None,
+                   help="host:port of the coordinator (process 0). Default: $JAX_EP_COORDINATOR, "
+                        "else $MASTER_ADDR:$MASTER_PORT, else a free local port (one node)")
+    p.add_argument("--grace", type=float, default=5.0,
+                   help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)")
+    p.add_argument("-m", dest="module", default=None, help="run a module (like python -m)")
+    p.add_argument("script", nargs="?", help="the Python script to run")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    ns = p.parse_args(argv)
+    if ns.module is None and ns.script is None:
+        p.error("give a script (or -m module) to run")
+    if ns.module is not None and ns.script is not None:
+        ns.args = [ns.script] + ns.args
+        ns.script = None
+    return p, ns
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``python -m jax_ep.launch`` and ``jax-ep-launch``; returns the exit code."""
+    parser, ns = _parse(argv)
+    platform = ns.platform
+    if platform == "auto":
+        platform = "gpu" if _detect_gpus() > 0 else "cpu"
+    nproc = ns.nproc
+    if nproc is None:
+        nproc = _detect_gpus() if platform == "gpu" else 2
+    if nproc < 1:
+        parser.error("-n must be >= 1")
+    if platform == "gpu" and 0 < _detect_gpus() < nproc:
+        _log(f"warning: {nproc} processes but only {_detect_gpus()} GPUs on this host")
+    if ns.nnodes < 1 or not 0 <= ns.node_rank < ns.nnodes:
+        parser.error("need nnodes >= 1 and 0 <= node-rank < nnodes")
+
+    coordinator = ns.coordinator or os.environ.get("JAX_EP_COORDINATOR")
+    if not coordinator and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        coordinator = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    if not coordinator:
+        if ns.nnodes > 1:
+            parser.error("--nnodes > 1 needs --coordinator host:port (process 0's node)")
+        coordinator = f"127.0.0.1:{free_port()}"
+
+    if ns.module is not None:
+        cmd = [sys.executable, "-u", "-m", ns.module] + list(ns.args)
+    else:
+        cmd = [sys.executable, "-u", ns.script] + list(ns.args)
+
+    out_lock = threading.Lock()
+    children: List[_Child] = []
+    stop = {"sig": None}
+
+    def on_signal(sig, _frame):
+        if stop["sig"] is None:
+            stop["sig"] = sig
+            for c in children:
+                c.signal_group(sig)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    failure = None  # (rank, code)
+    deadline = None
+    try:
+        _log(f"{nproc} process(es) on {platform}, coordinator {coordinator}: "
+             f"{' '.join(shlex.quote(c) for c in cmd)}")
+        base = dict(os.environ)
+        for i in range(nproc):
+            env = child_env(base, local_rank=i, nproc=nproc, node_rank=ns.node_rank,
+                            nnodes=ns.nnodes, coordinator=coordinator, platform=platform,
+                            cpu_devices=ns.cpu_devices)
+            children.append(_Child(ns.node_rank * nproc + i, cmd, env, out_lock))
+
+        while True:
+            codes = [c.proc.poll() for c in children]
+            if failure is None and stop["sig"] is None:
+                for c, code in zip(children, codes):
+                    if code is not None and code != 0:
+                        failure = (c.rank, code)
+                        if not all(k is not None for k in codes):
+                            _log(f"rank {c.rank} {_describe(code)}; terminating the other ranks")
+                            for o in children:
+                                o.signal_group(signal.SIGTERM)
+                            deadline = time.monotonic() + ns.grace
+                        break
+            if all(code is not None for code in codes):
+                break
+            if stop["sig"] is not None and deadline is None:
+                deadline = time.monotonic() + ns.grace
+            if deadline is not None and time.monotonic() > deadline:
+                for c in children:
+                    if c.proc.poll() is None:
+                        _log(f"rank {c.rank} still running after {ns.grace:g}s; killing it")
+                    c.signal_group(signal.SIGKILL)
+                deadline = float("inf")
+            time.sleep(0.02)
+    finally:
+        for c in children:  # no orphans: kill anything left in the children's groups
+            c.signal_group(signal.SIGKILL)
+        for c in children:
+            try:
+                c.proc.wait(timeout=ns.grace + 5)
+            except subprocess.TimeoutExpired:
+                pass
+            for t in c.threads:
+                t.join(timeout=2)
+        for s, h in old.items():
+            signal.signal(s, h)
+
+    if stop["sig"] is not None:
+        name = signal.Signals(stop["sig"]).name
+        _log(f"stopped by {name}")
+        return 128 + int(stop["sig"])
+    if failure is not None:
+        rank, code = failure
+        _log(f"FAILED: rank {rank} {_describe(code)}")
+        return code if 0 < code < 256 else 1
+    return 0
+
+
+# --------------------------------------------------------------------------- script side
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedInfo:
+    """What :func:`init_distributed` found and did."""
+    process_id: int = 0
+    num_processes: int = 1
+    local_rank: int = 0
+    coordinator: Optional[str] = None
+    platform: Optional[str] = None
+    local_device_ids: Optional[tuple] = None
+    distributed: bool = False   # jax.distributed.initialize was called
+    native: bool = False        # jax_ep.initialize() was called
+
+
+_INFO: Optional[DistributedInfo] = None
+
+
+def _env_int(name: str) -> Optional[int]:
+    v = os.environ.get(name)
+    return int(v) if v not in (None, "") else None
+
+
+def init_distributed(native: bool = False, platform: Optional[str] = None,
+                     initialization_timeout: int = 300) -> DistributedInfo:
+    """Join the multi-process job described by the environment, once.
+
+    Reads the launcher's ``JAX_EP_*`` variables, else SLURM's (see the module
+    docstring); calls ``jax.distributed.initialize`` with
+    ``local_device_ids=[local_rank]`` on GPUs (on CPU it first selects the gloo
+    collectives), and then ``jax_ep.initialize()`` when ``native``. A plain
+    single process is left alone (``jax_ep.initialize()`` is still called when
+    ``native``). Call it before anything creates JAX devices. Idempotent.
+
+    Args:
+      native: also initialise the jax_ep native runtime (NVSHMEM).
+      platform: "gpu" or "cpu"; default ``$JAX_EP_PLATFORM``, else cpu when
+        ``$JAX_PLATFORMS`` is "cpu", else gpu.
+    """
+    global _INFO
+    if _INFO is not None:
+        if native and not _INFO.native:
+            import jax_ep
+            jax_ep.initialize()
+            _INFO = dataclasses.replace(_INFO, native=True)
+        return _INFO
+
+    import jax
+
+    num = _env_int("JAX_EP_NUM_PROCESSES")
+    if num is not None:
+        pid = _env_int("JAX_EP_PROCESS_ID") or 0
+        local = _env_int("JAX_EP_LOCAL_RANK")
+        coord = os.environ.get("JAX_EP_COORDINATOR")
+        ids = os.environ.get("JAX_EP_LOCAL_DEVICE_IDS")
+        if local is None:
+            local = int(ids.split(",")[0]) if ids else 0
+        ids = tuple(int(i) for i in ids.split(",")) if ids else (local,)
+    elif _env_int("SLURM_NTASKS") is not None:
+        num = _env_int("SLURM_NTASKS")
+        pid = _env_int("SLURM_PROCID") or 0
+        local = _env_int("SLURM_LOCALID") or 0
+        coord = os.environ.get("JAX_EP_COORDINATOR")
+        if not coord and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+            coord = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        ids = (local,)
+    else:
+        num, pid, local, coord, ids = 1, 0, 0, None, None
+
+    if platform is None:
+        platform = os.environ.get("JAX_EP_PLATFORM")
+    if platform is None:
+        platform = "cpu" if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu" else "gpu"
+
+    distributed = False
+    if num > 1:
+        kwargs = dict(num_processes=num, process_id=pid,
+                      initialization_timeout=initialization_timeout)
+        if coord:
+            kwargs["coordinator_address"] = coord
+        if platform == "cpu":
+            jax.config.update("jax_platforms", "cpu")
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        else:
+            kwargs["local_device_ids"] = list(ids)
+        jax.distributed.initialize(**kwargs)
+        distributed = True
+
+    if native:
+        import jax_ep
+        jax_ep.initialize()
+
+    _INFO = DistributedInfo(process_id=pid, num_processes=num, local_rank=local,
+                            coordinator=coord, platform=platform,
+                            local_device_ids=tuple(ids) if ids else None,
+                            distributed=distributed, native=native)
+    return _INFO
+
+
+if __name__ == "__main__":
+    sys.exit(main())

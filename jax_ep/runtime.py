@@ -1,0 +1,252 @@
+"""Process-level native runtime: NVSHMEM bootstrap and the symmetric buffer.
+
+One GPU per process: each JAX process is one NVSHMEM PE (PE = ``jax.process_index()``).
+Typical use::
+
+    jax.distributed.initialize(coordinator, num_processes=N, process_id=i,
+                               local_device_ids=[i])
+    jax_ep.initialize()            # collective over all processes
+    ...                            # backend="auto"/"native" now uses the kernels
+    jax_ep.finalize()              # collective
+
+Without the compiled extension, without a CUDA GPU, or with several GPUs in one
+process, ``initialize`` leaves the runtime down (``unavailable_reason()`` says
+why) and ``backend="auto"`` falls back to the pure-JAX reference backend.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib
+import glob
+import os
+import sys
+from typing import Optional
+
+DEFAULT_BUFFER_BYTES = 1 << 30  # symmetric buffer per process
+_HEAP_GRANULE = 512 << 20       # NVSHMEM grows its heap in 512 MiB granules
+_HEAP_SLACK = 128 << 20         # NVSHMEM's own allocations from the heap
+_UID_TIMEOUT_MS = 120_000
+
+_state = {
+    "initialized": False,
+    "owns_nvshmem": False,   # we called nvshmem_init (and may finalize)
+    "nvshmem_up": False,     # NVSHMEM is initialised in this process
+    "generation": 0,         # initialize() calls, for unique KV-store keys
+    "reason": "jax_ep.initialize() not called",
+}
+_ext = {"module": None, "error": None, "registered": False}
+
+
+def _preload_nvshmem() -> None:
+    """Load the wheel's libnvshmem_host.so.3 globally so ``_C`` resolves it.
+
+    The extension's RPATH finds it in an installed tree; this also covers
+    in-place/editable builds, where ``_C`` does not sit next to ``nvidia/``.
+    """
+    try:
+        import nvidia.nvshmem as m
+    except ImportError:
+        return
+    for d in m.__path__:
+        for lib in sorted(glob.glob(os.path.join(d, "lib", "libnvshmem_host.so*"))):
+            try:
+                ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+                return
+            except OSError:
+                pass
+
+
+def _extension():
+    """The ``jax_ep._C`` module or None (the reason is kept in ``_ext``)."""
+    if _ext["module"] is None and _ext["error"] is None:
+        _preload_nvshmem()
+        try:
+            _ext["module"] = importlib.import_module(__package__ + "._C")
+        except ImportError as e:
+            _ext["error"] = f"native extension not available ({e})"
+    return _ext["module"]
+
+
+def _register_targets() -> None:
+    """Register every FFI target of ``_C`` with XLA for the CUDA platform, once."""
+    C = _extension()
+    if C is None or _ext["registered"]:
+        return
+    import jax
+
+    for name, capsule in C.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+    _ext["registered"] = True
+
+
+def extension_available() -> bool:
+    return _extension() is not None
+
+
+def unavailable_reason() -> str:
+    """Why the native runtime is not up (empty string when it is)."""
+    if _state["initialized"]:
+        return ""
+    if not extension_available():
+        return _ext["error"] or "native extension not built (no CUDA toolkit at install time)"
+    return _state["reason"]
+
+
+def is_initialized() -> bool:
+    return _state["initialized"]
+
+
+def info() -> Optional[dict]:
+    """``{my_pe, n_pes, sym_bytes, device, num_sms}`` of the live runtime, or None."""
+    C = _extension()
+    return C.runtime_info() if C is not None else None
+
+
+def _kv_client():
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def _share_unique_id(C, rank: int, nranks: int) -> bytes:
+    """Rank 0 creates the NVSHMEM unique id; everyone reads it from JAX's KV store."""
+    if nranks == 1:
+        return C.nvshmem_unique_id()
+    client = _kv_client()
+    if client is None:
+        raise RuntimeError("jax_ep.initialize: several processes but no jax.distributed client; "
+                           "call jax.distributed.initialize() first")
+    key = f"jax_ep/nvshmem_uid/{_state['generation']}"
+    if rank == 0:
+        uid = C.nvshmem_unique_id()
+        client.key_value_set_bytes(key, uid)
+        return uid
+    return bytes(client.blocking_key_value_get_bytes(key, _UID_TIMEOUT_MS))
+
+
+def _set_nvshmem_env(buffer_bytes: int) -> None:
+    # Read by NVSHMEM at init only. Respect what the user set, except that the
+    # heap must hold the buffer.
+    os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")  # one host, no NIC needed
+    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")          # no NVLink multicast
+    need = -(-(buffer_bytes + _HEAP_SLACK) // _HEAP_GRANULE) * _HEAP_GRANULE
+    cur = os.environ.get("NVSHMEM_SYMMETRIC_SIZE", "")
+    if not cur.isdigit() or int(cur) < need:
+        os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(need)
+
+
+def _not_up(reason: str) -> bool:
+    _state["reason"] = reason
+    print(f"jax_ep: native runtime not started: {reason}", file=sys.stderr)
+    return False
+
+
+def initialize(buffer_bytes: Optional[int] = None) -> bool:
+    """Start the native runtime in this process. Collective over all processes.
+
+    Call after ``jax.distributed.initialize`` (when there are several processes).
+    Bootstraps NVSHMEM (rank 0's unique id travels through JAX's distributed
+    key-value store; an NVSHMEM that XLA already started is reused) and
+    allocates the symmetric buffer with ``nvshmem_malloc``.
+
+    Args:
+      buffer_bytes: symmetric buffer per process (default 1 GiB). It comes out
+        of the GPU memory JAX did not preallocate; lower
+        ``XLA_PYTHON_CLIENT_MEM_FRACTION`` if it does not fit.
+
+    Returns:
+      True when the runtime is up; False (with a one-line notice, see
+      ``unavailable_reason()``) when this process cannot run it: no extension,
+      no CUDA GPU, or more than one GPU per process.
+
+    Environment: sets ``NVSHMEM_REMOTE_TRANSPORT=none`` and
+    ``NVSHMEM_DISABLE_NVLS=1`` unless already set, and raises
+    ``NVSHMEM_SYMMETRIC_SIZE`` to fit the buffer.
+    """
+    if _state["initialized"]:
+        return True
+    C = _extension()
+    if C is None:
+        return _not_up(unavailable_reason())
+    buffer_bytes = DEFAULT_BUFFER_BYTES if buffer_bytes is None else int(buffer_bytes)
+    if buffer_bytes < 1:
+        raise ValueError(f"jax_ep.initialize: buffer_bytes must be positive, got {buffer_bytes}")
+
+    import jax
+
+    # JAX must create its GPU client (and CUDA primary context) before NVSHMEM.
+    gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
+    if not gpus:
+        return _not_up("no CUDA GPU visible to JAX in this process")
+    if len(gpus) != 1:
+        return _not_up(
+            f"this process drives {len(gpus)} GPUs; the NVSHMEM transport needs one GPU per "
+            "process (jax.distributed.initialize(..., local_device_ids=[i]) or jax-ep-launch)")
+    device = int(gpus[0].local_hardware_id)
+    rank, nranks = jax.process_index(), jax.process_count()
+    _register_targets()
+    _set_nvshmem_env(buffer_bytes)
+
+    _state["generation"] += 1
+    if not _state["nvshmem_up"]:
+        if C.nvshmem_status() >= 2:  # started by XLA: attach, never finalize it
+            C.nvshmem_init(b"", rank, nranks, device)
+            _state["owns_nvshmem"] = False
+        else:
+            uid = _share_unique_id(C, rank, nranks)
+            _state["owns_nvshmem"] = C.nvshmem_init(uid, rank, nranks, device)
+        _state["nvshmem_up"] = True
+    C.runtime_attach(device, buffer_bytes)  # raises naming XLA_PYTHON_CLIENT_MEM_FRACTION
+    _state["initialized"] = True
+    _state["reason"] = ""
+    return True
+
+
+def _keep_nvshmem() -> bool:
+    # NVSHMEM_... re-init policy, see finalize().
+    return os.environ.get("JAX_EP_KEEP_NVSHMEM", "0") == "1"
+
+
+def finalize() -> None:
+    """Free the symmetric buffer and shut NVSHMEM down. Collective.
+
+    ``initialize()`` may be called again afterwards. With
+    ``JAX_EP_KEEP_NVSHMEM=1`` NVSHMEM itself stays up (only the buffer is
+    freed) and a later ``initialize()`` reuses it. An NVSHMEM started by XLA is
+    never finalised here.
+    """
+    if not _state["initialized"]:
+        return
+    C = _extension()
+    _state["initialized"] = False
+    _state["reason"] = "jax_ep.finalize() was called"
+    C.runtime_detach()
+    if _state["owns_nvshmem"] and not _keep_nvshmem():
+        C.nvshmem_finalize()
+        _state["nvshmem_up"] = False
+        _state["owns_nvshmem"] = False
+
+
+def not_initialized_message() -> str:
+    C = _extension()
+    if C is not None:
+        return C.NOT_INITIALIZED_MESSAGE
+    return ("jax_ep native runtime is not initialised in this process: call jax_ep.initialize() "
+            "(after jax.distributed.initialize) before using backend='native'")
+
+
+def native_backend():
+    """The native backend; raises when the runtime is not up in this process."""
+    if not _state["initialized"]:
+        raise RuntimeError(f"{not_initialized_message()} ({unavailable_reason()})")
+    from .native import BACKEND
+    return BACKEND
+
+
+# Targets are registered on import so that a jitted FFI call works (and fails
+# with the kNotInitialized message) even before initialize().
+try:
+    _register_targets()
+except Exception as e:  # keep `import jax_ep` working; the reason is reported later
+    _ext["error"] = f"registering the FFI targets failed ({e})"
+    _ext["module"] = None
