@@ -11,4 +11,7 @@
 #define JAX_EP_FFI_TARGETS(X)        \
   X("jax_ep_layout", JaxEpLayout)    \
   X("jax_ep_ping", JaxEpPing)        \
+  X("jax_ep_dispatch", JaxEpDispatch)  \
+  X("jax_ep_combine", JaxEpCombine)    \
+  X("jax_ep_bench_transfer", JaxEpBenchTransfer) \
   /* dispatch / combine targets: append here (one X(...) per line) */

@@ -196,7 +196,7 @@ def _worker():
     put = lambda a: jax.make_array_from_callback(a.shape, sh, lambda i: a[i])
     xs, ids, ws = put(x), put(idx), put(w)
     out, dropped = jax.jit(f)(xs, ids, ws)
-    gw = jax.jit(jax.grad(lambda w: jnp.sum(f(xs, ids, w)[0])))(ws)
+    gw = jax.jit(jax.grad(lambda x, i, w: jnp.sum(f(x, i, w)[0]), argnums=2))(xs, ids, ws)
 
     valid = idx >= 0
     sc = np.where(valid, scale[np.maximum(idx, 0)], 0.0)

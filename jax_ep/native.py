@@ -1,0 +1,130 @@
+"""Native backend: the intranode dispatch / combine CUDA kernels as per-rank ops.
+
+Implements :class:`jax_ep.backend.Backend`. Routing metadata (``route``) is
+still exchanged the reference way (a small XLA all_to_all of ``[R, T, K]``
+int32); the rows themselves move through ``jax_ep_dispatch`` /
+``jax_ep_combine`` (cc/ffi_dispatch.cc, cc/ffi_combine.cc): P2P stores over
+NVLink into the peers' NVSHMEM staging, one copy per (token, rank), on XLA's
+stream. Results are bit-identical to the reference backend (dispatch) and
+equal to it op for op in f32 (combine).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _ffi
+from . import reference as _ref
+from .config import EpConfig
+from .types import Handle
+
+FP8 = jnp.float8_e4m3fn
+
+# DispatchMode in cc/kernels/dispatch.cuh
+_COPY, _CAST_BF16, _CAST_F32 = 0, 1, 2
+
+
+def _num_sms(cfg: EpConfig) -> np.int32:
+    return np.int32(cfg.num_sms or 0)  # 0: every SM of the device
+
+
+def _empty_f32(n_rows: int):
+    return jnp.zeros((n_rows, 0), jnp.float32)
+
+
+def dispatch_raw(x, x_scales, handle: Handle, cfg: EpConfig, *, cast_fp8: bool = False,
+                 num_sms: Optional[int] = None):
+    """The FFI call. ``cast_fp8``: x bf16/f32 is cast to fp8 (+ scales) in the kernel."""
+    T = x.shape[0]
+    C = handle.capacity
+    W = x.shape[1]
+    if cast_fp8:
+        if x.dtype == jnp.bfloat16:
+            mode = _CAST_BF16
+        elif x.dtype == jnp.float32:
+            mode = _CAST_F32
+        else:
+            raise TypeError(f"jax_ep native dispatch: fp8 cast needs bf16/f32 x, got {x.dtype}")
+        if W % 128:
+            raise ValueError(f"jax_ep native dispatch: fp8 cast needs H % 128 == 0, got {W}")
+        out_dtype, S = FP8, W // 128
+        scales = _empty_f32(T)
+    else:
+        mode, out_dtype = _COPY, x.dtype
+        if x_scales is not None:
+            scales = x_scales.astype(jnp.float32)
+            S = scales.shape[1]
+        else:
+            scales, S = _empty_f32(T), 0
+    sms = np.int32(num_sms) if num_sms is not None else _num_sms(cfg)
+    out, out_scales = _ffi.call(
+        "jax_ep_dispatch",
+        [((C, W), out_dtype), ((C, S), jnp.float32)],
+        x, scales, handle.row_src, handle.slot_row, handle.send_mask,
+        ep_axis=cfg.axis_name, has_side_effect=True,
+        mode=np.int32(mode), rank_major=np.int32(handle.layout == "rank_major"), num_sms=sms)
+    return out, (out_scales if (cast_fp8 or x_scales is not None) else None)
+
+
+def combine_raw(y, row_weights, handle: Handle, cfg: EpConfig, *, num_sms: Optional[int] = None):
+    T = handle.num_tokens
+    rank_major = handle.layout == "rank_major"
+    weighted = row_weights is not None and not rank_major
+    w = row_weights.astype(jnp.float32) if weighted else jnp.zeros((0,), jnp.float32)
+    sms = np.int32(num_sms) if num_sms is not None else _num_sms(cfg)
+    (out,) = _ffi.call(
+        "jax_ep_combine",
+        [((T, y.shape[1]), y.dtype)],
+        y, w, handle.slot_row, handle.recv_local_idx, handle.send_mask,
+        ep_axis=cfg.axis_name, has_side_effect=True,
+        rank_major=np.int32(rank_major), weighted=np.int32(weighted), num_sms=sms)
+    return out
+
+
+def bench_transfer(src_u8, token, cfg: EpConfig, mode: int, num_sms: int = 0):
+    """Ceiling measurement (bench only): move ``src_u8`` to the peer.
+
+    mode 0: SM writes both ways, 1: copy engine both ways, 2: copy engine rank
+    0 -> 1 only, 3: SM writes rank 0 -> 1 only. Returns a copy of ``token``
+    (chain it to make calls data-dependent)."""
+    (out,) = _ffi.call(
+        "jax_ep_bench_transfer", [(token.shape, jnp.int32)], src_u8, token,
+        ep_axis=cfg.axis_name, has_side_effect=True, mode=np.int32(mode),
+        num_sms=np.int32(num_sms))
+    return out
+
+
+class NativeBackend:
+    name = "native"
+
+    def layout(self, topk_idx, cfg: EpConfig, R: int):
+        from . import native_layout
+        return native_layout.layout(topk_idx, cfg, R)
+
+    def route(self, topk_idx, cfg: EpConfig, R: int):
+        return _ref.BACKEND.route(topk_idx, cfg, R)
+
+    def dispatch_rows(self, x, x_scales, handle: Handle, cfg: EpConfig):
+        # Pure data movement (also the backward of combine): never casts.
+        return dispatch_raw(x, x_scales, handle, cfg)
+
+    def dispatch_rows_fp8(self, x, handle: Handle, cfg: EpConfig):
+        """bf16/f32 ``x [T, H]`` -> (fp8 ``[C, H]``, scales ``[C, H/128]``), cast in
+        the send kernel with ``reference.fp8_cast``'s arithmetic (bit-identical to
+        ``dispatch_rows(*reference.fp8_cast(x))``, one pass over x)."""
+        return dispatch_raw(x, None, handle, cfg, cast_fp8=True)
+
+    def dispatch_weights(self, topk_weights, handle: Handle, cfg: EpConfig):
+        return _ref.BACKEND.dispatch_weights(topk_weights, handle, cfg)
+
+    def combine_rows(self, y, row_weights, handle: Handle, cfg: EpConfig):
+        return combine_raw(y, row_weights, handle, cfg)
+
+    def return_weights(self, d_recv_w, handle: Handle, cfg: EpConfig):
+        return _ref.BACKEND.return_weights(d_recv_w, handle, cfg)
+
+
+BACKEND = NativeBackend()

@@ -1,0 +1,110 @@
+"""The examples: the DeepSeek-V3-style MoE block through jax_ep equals its dense
+(no-EP) twin in value and gradient, and the training example learns."""
+from __future__ import annotations
+
+import os
+import sys
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+import moe_layer as ml  # noqa: E402
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake CPU) devices")
+
+
+def _tree_close(a, b, rtol, atol):
+    la, lb = jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for (path, x), y in zip(la, lb):
+        x, y = np.asarray(x), np.asarray(y)
+        scale = max(1.0, float(np.abs(y).max()))
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=atol * scale,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+CASES = {
+    # V3: sigmoid, group-limited (4 groups, best 2), bias, routed scale, shared expert
+    "v3_sigmoid_groups": dict(cfg=dict(num_experts=8, topk=3, n_groups=4, topk_groups=2,
+                                       score_func="sigmoid", route_scale=2.5, n_shared=1),
+                              mesh=(2, 4), bias=True),
+    # V2-like: softmax, no groups, no renormalisation, no shared expert, ep over all 8
+    "softmax_no_shared": dict(cfg=dict(num_experts=16, topk=2, score_func="softmax",
+                                       norm_topk_prob=False, n_shared=0),
+                              mesh=(1, 8), bias=False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_moe_block_matches_dense(case):
+    c = CASES[case]
+    cfg = ml.MoEConfig(d_model=32, d_ff=16, **c["cfg"])
+    mesh = ml.make_mesh(c["mesh"], ("data", "ep"))
+    params = ml.init_moe_params(jax.random.key(0), cfg)
+    bias = (0.1 * jax.random.normal(jax.random.key(2), (cfg.num_experts,))
+            if c["bias"] else ml.init_routing_bias(cfg))
+    x = jax.random.normal(jax.random.key(1), (4, 16, 32), jnp.float32)
+    ct = jax.random.normal(jax.random.key(3), x.shape, jnp.float32)  # output cotangent
+
+    def loss_ep(p, x):
+        out, aux = ml.moe_block(p, bias, x, cfg, mesh, backend="reference")
+        return jnp.sum(out * ct), (out, aux)
+
+    def loss_dense(p, x):
+        out, aux = ml.moe_block_dense(p, bias, x, cfg)
+        return jnp.sum(out * ct), (out, aux)
+
+    (_, (o1, a1)), g1 = jax.jit(jax.value_and_grad(loss_ep, (0, 1), has_aux=True))(
+        ml.shard_params(params, mesh), x)
+    (_, (o2, a2)), g2 = jax.jit(jax.value_and_grad(loss_dense, (0, 1), has_aux=True))(params, x)
+
+    assert int(a1["num_dropped"]) == 0
+    np.testing.assert_array_equal(np.asarray(a1["load"]), np.asarray(a2["load"]))
+    assert int(a1["load"].sum()) == x.shape[0] * x.shape[1] * cfg.topk
+    np.testing.assert_allclose(np.asarray(o1), np.asarray(o2), rtol=1e-5, atol=1e-5)
+    _tree_close(g1, g2, rtol=1e-5, atol=2e-6)
+    # every parameter gets a gradient (router included, through the routing weights)
+    for leaf in jax.tree.leaves(g1[0]):
+        assert float(jnp.abs(leaf).max()) > 0
+
+
+def test_router_group_limit_and_bias():
+    cfg = ml.MoEConfig(d_model=8, d_ff=4, num_experts=8, topk=2, n_groups=4, topk_groups=1)
+    params = ml.init_moe_params(jax.random.key(0), cfg)
+    x = jax.random.normal(jax.random.key(1), (64, 8))
+    idx, w, _ = ml.route(params, ml.init_routing_bias(cfg), x, cfg)
+    assert np.all(np.asarray(idx[:, 0]) // 2 == np.asarray(idx[:, 1]) // 2)  # one group
+    np.testing.assert_allclose(np.asarray(w.sum(1)), 1.0, rtol=1e-6)
+    # a large bias on expert 5 makes every token select it, the weight stays the raw score
+    bias = jnp.zeros((8,)).at[5].set(100.0)
+    idx_b, w_b, scores = ml.route(params, bias, x, cfg)
+    assert np.all(np.any(np.asarray(idx_b) == 5, axis=1))
+    raw = jnp.take_along_axis(scores, idx_b, 1)
+    np.testing.assert_allclose(np.asarray(w_b), np.asarray(raw / raw.sum(1, keepdims=True)),
+                               rtol=1e-6)
+    # the update rule lowers the bias of over-loaded experts and raises the others
+    load = jnp.array([10, 0, 0, 0, 0, 30, 0, 0])
+    nb = ml.update_routing_bias(jnp.zeros((8,)), load, 0.01)
+    assert float(nb[5]) < 0 and float(nb[0]) < 0 and float(nb[1]) > 0
+
+
+def test_training_example_learns():
+    import train_moe
+
+    args = train_moe.parse_args(["--steps", "40", "--log-every", "20", "--no-comm-timing"])
+    res = train_moe.train(args, verbose=False)
+    assert res["finite"]
+    assert all(np.isfinite(res["losses"]))
+    end = float(np.mean(res["losses"][-5:]))
+    assert end < res["first_loss"] - 0.5, (res["first_loss"], res["losses"][-5:])
+    grads_finite = all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(res["params"]))
+    assert grads_finite
