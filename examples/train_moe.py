@@ -186,6 +186,11 @@ def loss_fn(params, biases, batch, args, moe_cfg, mesh, backend):
     return jnp.sum(nll * mask) / jnp.sum(mask), auxes
 
 
+def _tree_norm(tree):
+    norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
+    return norm(tree)
+
+
 # ----------------------------------------------------------------------------- progress
 
 
@@ -346,7 +351,7 @@ def train(args, verbose=True):
         params = optax.apply_updates(params, updates)
         biases = [ml.update_routing_bias(b, a["load"], args.bias_rate)
                   for b, a in zip(biases, auxes)]
-        gnorm = optax.global_norm(grads)
+        gnorm = _tree_norm(grads)
         finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
         dropped = sum(a["num_dropped"] for a in auxes)
         load = jnp.stack([a["load"] for a in auxes])

@@ -16,3 +16,11 @@ __all__ = [
     "initialize", "finalize", "is_initialized", "fp8_cast",
 ]
 __version__ = "0.1.0"
+
+from . import runtime as _runtime
+
+if not _runtime.extension_available():
+    import sys as _sys
+
+    print("jax_ep: native extension not built; only the reference (pure-JAX) backend is "
+          "available", file=_sys.stderr)

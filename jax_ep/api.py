@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from . import backend as _backend
 from . import validate
 from .config import EpConfig
-from .reference import F32, fp8_cast
-from .types import Dispatched, Handle
+from .reference import F32
+from .types import Dispatched
 
 
 # -- differentiable pieces (backend and config static) ------------------------
@@ -110,8 +110,8 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, config:
         num_dropped = validate.raise_on_drops(num_dropped, config)
 
     if config.fp8_dispatch and x.dtype != jnp.float8_e4m3fn:
-        x, x_scales = fp8_cast(jax.lax.stop_gradient(x))
-    if x.dtype == jnp.float8_e4m3fn:
+        recv_x, recv_scales = be.dispatch_rows_fp8(jax.lax.stop_gradient(x), handle, config)
+    elif x.dtype == jnp.float8_e4m3fn:
         recv_x, recv_scales = be.dispatch_rows(x, x_scales, handle, config)
     else:
         recv_x, recv_scales = _move_rows(be, config, x, handle), None

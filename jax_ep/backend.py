@@ -39,6 +39,10 @@ class Backend(Protocol):
         into the output layout -> (recv ``[C, W]``, recv_scales ``[C, H/128]``
         or None). Unused rows are zero. Bit-exact."""
 
+    def dispatch_rows_fp8(self, x: jax.Array, handle: Handle, cfg: EpConfig):
+        """bf16/f32 ``x [T, H]`` -> (fp8 ``[C, H]``, f32 scales ``[C, H/128]``),
+        bit-identical to ``dispatch_rows(*reference.fp8_cast(x))``."""
+
     def dispatch_weights(self, topk_weights: jax.Array, handle: Handle, cfg: EpConfig):
         """``[T, K]`` f32 -> ``[C]`` (expert_major: weight of each row's pair) or
         ``[C, K]`` (rank_major: weights of this rank's slots, 0 elsewhere)."""

@@ -154,6 +154,9 @@ class ReferenceBackend:
 
         return place(x), (None if x_scales is None else place(x_scales))
 
+    def dispatch_rows_fp8(self, x, handle: Handle, cfg: EpConfig):
+        return self.dispatch_rows(*fp8_cast(x), handle, cfg)
+
     def dispatch_weights(self, topk_weights, handle: Handle, cfg: EpConfig):
         R, T, K = handle.recv_local_idx.shape
         recv = self._send_rows(topk_weights, handle, cfg).reshape(R, T, K)

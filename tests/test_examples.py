@@ -102,9 +102,8 @@ def test_training_example_learns():
 
     args = train_moe.parse_args(["--steps", "40", "--log-every", "20", "--no-comm-timing"])
     res = train_moe.train(args, verbose=False)
-    assert res["finite"]
+    assert res["finite"]  # every gradient of every step
     assert all(np.isfinite(res["losses"]))
     end = float(np.mean(res["losses"][-5:]))
     assert end < res["first_loss"] - 0.5, (res["first_loss"], res["losses"][-5:])
-    grads_finite = all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(res["params"]))
-    assert grads_finite
+    assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(res["params"]))
