@@ -101,6 +101,10 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   a.stage_scales_off = scales_off;
 
   if (T == 0 && C == 0) return ffi::Error::Success();
+  if (debug_poison()) {
+    JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.out, 0xFF, out->size_bytes(), stream));
+    JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.out_scales, 0xFF, out_scales->size_bytes(), stream));
+  }
   LaunchConfig lc = make_launch_config(T > 0 ? T : 1, num_sms, rt->num_sms);
   JAX_EP_CUDA_RETURN(launch_dispatch(a, lc, stream));
   return ffi::Error::Success();

@@ -299,6 +299,12 @@ def train(args, verbose=True):
     if "JAX_EP_NUM_PROCESSES" in os.environ or backend == "native":
         from jax_ep.launch import init_distributed
         info = init_distributed(native=(backend == "native"))
+        if backend == "native" and not info.native:
+            from jax_ep import runtime
+            raise SystemExit(f"--backend native: the jax_ep native runtime did not start "
+                             f"({runtime.unavailable_reason()}); run one process per GPU "
+                             "with `python -m jax_ep.launch -n <gpus> ...`, or use "
+                             "--backend reference")
     is_main = jax.process_index() == 0
     say = print if (verbose and is_main) else (lambda *a, **k: None)
 

@@ -325,7 +325,7 @@ class DistributedInfo:
     platform: Optional[str] = None
     local_device_ids: Optional[tuple] = None
     distributed: bool = False   # jax.distributed.initialize was called
-    native: bool = False        # jax_ep.initialize() was called
+    native: bool = False        # the jax_ep native runtime is up
 
 
 _INFO: Optional[DistributedInfo] = None
@@ -337,7 +337,7 @@ def _env_int(name: str) -> Optional[int]:
 
 
 def init_distributed(native: bool = False, platform: Optional[str] = None,
-                     initialization_timeout: int = 300) -> DistributedInfo:
+                     initialization_timeout: int = 300, **native_kwargs) -> DistributedInfo:
     """Join the multi-process job described by the environment, once.
 
     Reads the launcher's ``JAX_EP_*`` variables, else SLURM's (see the module
@@ -348,16 +348,16 @@ def init_distributed(native: bool = False, platform: Optional[str] = None,
     ``native``). Call it before anything creates JAX devices. Idempotent.
 
     Args:
-      native: also initialise the jax_ep native runtime (NVSHMEM).
+      native: also initialise the jax_ep native runtime (NVSHMEM);
+        ``info.native`` says whether it came up (``jax_ep.initialize`` prints
+        why not). ``native_kwargs`` (e.g. ``buffer_bytes``) go to it.
       platform: "gpu" or "cpu"; default ``$JAX_EP_PLATFORM``, else cpu when
         ``$JAX_PLATFORMS`` is "cpu", else gpu.
     """
     global _INFO
     if _INFO is not None:
         if native and not _INFO.native:
-            import jax_ep
-            jax_ep.initialize()
-            _INFO = dataclasses.replace(_INFO, native=True)
+            _INFO = dataclasses.replace(_INFO, native=_start_native(native_kwargs))
         return _INFO
 
     import jax
@@ -401,15 +401,20 @@ def init_distributed(native: bool = False, platform: Optional[str] = None,
         jax.distributed.initialize(**kwargs)
         distributed = True
 
-    if native:
-        import jax_ep
-        jax_ep.initialize()
+    native = _start_native(native_kwargs) if native else False
 
     _INFO = DistributedInfo(process_id=pid, num_processes=num, local_rank=local,
                             coordinator=coord, platform=platform,
                             local_device_ids=tuple(ids) if ids else None,
                             distributed=distributed, native=native)
     return _INFO
+
+
+def _start_native(kwargs) -> bool:
+    import jax_ep
+
+    ok = jax_ep.initialize(**kwargs)
+    return bool(ok) if ok is not None else bool(jax_ep.is_initialized())
 
 
 if __name__ == "__main__":

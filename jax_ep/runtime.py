@@ -63,7 +63,16 @@ def _extension():
         try:
             _ext["module"] = importlib.import_module(__package__ + "._C")
         except ImportError as e:
-            _ext["error"] = f"native extension not available ({e})"
+            hint = ""
+            if "NVSHMEM" in str(e):
+                try:
+                    from importlib.metadata import version
+                    installed = version("nvidia-nvshmem-cu13")
+                except Exception:
+                    installed = "unknown"
+                hint = (f"; jax_ep._C must run with the nvidia-nvshmem-cu13 release it was "
+                        f"built against (installed: {installed})")
+            _ext["error"] = f"native extension not available ({e}{hint})"
     return _ext["module"]
 
 

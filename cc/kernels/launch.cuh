@@ -210,6 +210,10 @@ __device__ __forceinline__ void warp_zero_row_any(void* dst, long long bytes, in
 int* device_error_word();  // device pointer of the mapped word
 int take_device_error();   // reads and clears it (host side, no sync)
 
+// JAX_EP_DEBUG_POISON=1: FFI handlers fill outputs with 0xFF (NaN in every
+// float type) before the kernels run, so a row nobody writes shows up.
+bool debug_poison();
+
 // Default spin timeout.
 constexpr unsigned long long kDefaultTimeoutNs = 10ull * 1000 * 1000 * 1000;
 

@@ -1,0 +1,182 @@
+"""Run a worker function as an N-process JAX job, one GPU per process.
+
+    from harness import run, nprocs
+    results = run("test_runtime:_layout_worker", n=nprocs(), kwargs={...})
+
+Each child process (``python harness.py ...``) does
+``jax.distributed.initialize("127.0.0.1:<port>", num_processes=n,
+process_id=i, local_device_ids=[i])`` (skipped for ``distributed=False``, a
+plain single process), then ``jax_ep.initialize()`` (unless
+``init_native=False``), then calls ``worker(rank, n, **kwargs)`` and writes its
+JSON-serialisable return value back. ``run`` returns the list of results in
+rank order, or fails the test with every rank's output when a rank exits
+non-zero, times out or returns nothing. The parent never touches a GPU.
+
+Number of processes: ``nprocs()`` = ``$JAX_EP_TEST_NPROCS`` (default 2).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def nprocs() -> int:
+    return int(os.environ.get("JAX_EP_TEST_NPROCS", "2"))
+
+
+def gpu_count() -> int:
+    """CUDA GPUs on this host, counted without creating a CUDA context here."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+def skip_reason(n: Optional[int] = None) -> Optional[str]:
+    """Why a GPU job of ``n`` processes cannot run here (None when it can)."""
+    n = nprocs() if n is None else n
+    g = gpu_count()
+    if g < n:
+        return f"needs >= {n} CUDA GPUs, found {g}"
+    from jax_ep import runtime
+
+    if not runtime.extension_available():
+        return runtime.unavailable_reason()
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_env(extra: Optional[dict]) -> dict:
+    env = dict(os.environ)
+    env.update(NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1", PYTHONUNBUFFERED="1")
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
+    if env.get("JAX_PLATFORMS", "") == "cpu":
+        env.pop("JAX_PLATFORMS")
+    # The CPU test suite's fake host devices are of no use here.
+    env.pop("XLA_FLAGS", None)
+    paths = [HERE, ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.update(extra or {})
+    return env
+
+
+def run(worker: str, n: Optional[int] = None, *, kwargs: Optional[dict] = None,
+        timeout: float = 300.0, env: Optional[dict] = None, init_native: bool = True,
+        distributed: bool = True) -> list:
+    """Run ``worker`` ("module:function", module importable from tests/gpu) on n ranks."""
+    import pytest
+
+    n = nprocs() if n is None else n
+    if not distributed and n != 1:
+        raise ValueError("distributed=False needs n == 1")
+    port = _free_port()
+    tmp = tempfile.mkdtemp(prefix="jax_ep_job_")
+    procs, logs = [], []
+    for rank in range(n):
+        spec = dict(worker=worker, rank=rank, n=n, port=port, kwargs=kwargs or {},
+                    init_native=init_native, distributed=distributed,
+                    result=os.path.join(tmp, f"result{rank}.json"))
+        log = open(os.path.join(tmp, f"rank{rank}.log"), "w+")
+        logs.append(log)
+        procs.append(subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), json.dumps(spec)], cwd=ROOT,
+            env=_child_env(env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+
+    deadline = time.monotonic() + timeout
+    failed = None
+    while any(p.poll() is None for p in procs):
+        bad = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+        if bad:
+            failed = f"rank {bad[0]} exited with code {procs[bad[0]].returncode}"
+            break
+        if time.monotonic() > deadline:
+            failed = f"timed out after {timeout:.0f} s"
+            break
+        time.sleep(0.2)
+    if failed is None:
+        bad = [r for r, p in enumerate(procs) if p.returncode != 0]
+        if bad:
+            failed = f"rank {bad[0]} exited with code {procs[bad[0]].returncode}"
+    for p in procs:  # stop the rest (their whole process group)
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+    def output(rank):
+        logs[rank].flush()
+        logs[rank].seek(0)
+        text = logs[rank].read()
+        return text[-6000:]
+
+    results = []
+    if failed is None:
+        for rank in range(n):
+            path = os.path.join(tmp, f"result{rank}.json")
+            if not os.path.exists(path):
+                failed = f"rank {rank} returned no result"
+                break
+            with open(path) as f:
+                results.append(json.load(f))
+    if failed is not None:
+        detail = "\n".join(f"----- rank {r} output (tail) -----\n{output(r)}" for r in range(n))
+        pytest.fail(f"GPU job {worker} on {n} process(es): {failed}\n{detail}", pytrace=False)
+    if os.environ.get("JAX_EP_TEST_SHOW_OUTPUT"):
+        for r in range(n):
+            print(f"----- rank {r} -----\n{output(r)}")
+    return results
+
+
+def _child(spec: dict) -> None:
+    rank, n = spec["rank"], spec["n"]
+    import jax
+
+    if spec["distributed"]:
+        jax.distributed.initialize(f"127.0.0.1:{spec['port']}", num_processes=n,
+                                   process_id=rank, local_device_ids=[rank])
+    jax.devices()  # create the GPU client before NVSHMEM starts
+    if spec["init_native"]:
+        import jax_ep
+
+        if not jax_ep.initialize():
+            from jax_ep import runtime
+            raise SystemExit(f"jax_ep.initialize() failed: {runtime.unavailable_reason()}")
+    mod_name, fn_name = spec["worker"].split(":")
+    fn = getattr(importlib.import_module(mod_name), fn_name)
+    result: Any = fn(rank, n, **spec["kwargs"])
+    with open(spec["result"], "w") as f:
+        json.dump(result, f)
+    print(f"[harness] rank {rank}: done", flush=True)
+    if spec["distributed"]:
+        jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    _child(json.loads(sys.argv[1]))
