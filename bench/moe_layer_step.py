@@ -65,6 +65,13 @@ def parse_args(argv=None):
     p.add_argument("--num-sms", type=int, default=None)
     p.add_argument("--buffer-bytes", type=int, default=None,
                    help="NVSHMEM symmetric buffer per process (jax_ep.initialize(buffer_bytes))")
+    p.add_argument("--experts-impl", choices=("padded", "ragged_dot"), default="padded",
+                   help="routed-expert matmuls: padded = batched einsum over a fixed number of "
+                        "rows per expert (default; XLA's ragged_dot may expand to a dense "
+                        "[L, C, H] problem at these sizes); ragged_dot = jax.lax.ragged_dot")
+    p.add_argument("--expert-capacity-factor", type=float, default=2.0,
+                   help="padded experts: rows per local expert = factor * R*T*K/E "
+                        "(rounded up to 8); overflow is dropped and counted")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--inner", type=int, default=1, help="chained steps per timed call")
@@ -153,6 +160,13 @@ def main(argv=None):
     if args.num_sms is not None:
         overrides["num_sms"] = args.num_sms
 
+    R_ep = n_dev // args.data
+    expert_cap = None
+    if args.experts_impl == "padded":
+        mean_rows = R_ep * args.tokens * args.topk / args.experts
+        expert_cap = min(R_ep * args.tokens,
+                         int(math.ceil(args.expert_capacity_factor * mean_rows / 8) * 8))
+
     # parameters and inputs created on the devices, already sharded
     key = jax.random.key(0)
     p_shapes = jax.eval_shape(lambda: ml.init_moe_params(key, cfg))
@@ -169,7 +183,9 @@ def main(argv=None):
         f"T={args.tokens} tokens/GPU, H={args.hidden}, E={args.experts} "
         f"({args.experts // (n_dev // args.data)}/GPU), top-{args.topk} "
         f"(groups {args.n_groups}/{args.topk_groups}), d_ff={args.d_ff}, "
-        f"shared={args.n_shared}, {args.dtype}; medians of {args.iters} calls after "
+        f"shared={args.n_shared}, {args.dtype}; experts: {args.experts_impl}"
+        f"{f' ({expert_cap} rows/expert)' if expert_cap else ''}; "
+        f"medians of {args.iters} calls after "
         f"{args.warmup} warm-up, {args.inner} step(s) per call\n")
     if native_err:
         say(f"native backend unavailable: {native_err}\n")
@@ -182,7 +198,8 @@ def main(argv=None):
 
         # every array is an argument: multi-process jit cannot close over global arrays
         def loss(p, x, bias, ct, be=be):
-            out, aux = ml.moe_block(p, bias, x, cfg, mesh, backend=be, ep_overrides=overrides)
+            out, aux = ml.moe_block(p, bias, x, cfg, mesh, backend=be, ep_overrides=overrides,
+                                    expert_impl=args.experts_impl, expert_capacity=expert_cap)
             return jnp.sum(out.astype(F32) * ct.astype(F32)), (out, aux["num_dropped"])
 
         grad_fn = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)

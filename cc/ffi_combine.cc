@@ -1,5 +1,6 @@
 // XLA FFI target "jax_ep_combine": expert-side partial sums go back to their
 // source ranks and are reduced there (see cc/kernels/combine.cu).
+#include <cstdlib>
 #include <string>
 
 #include "ffi_common.h"
@@ -64,6 +65,8 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F
   a.C = C;
   a.rank_major = rank_major != 0;
   a.host_err = device_error_word();
+  // Bench breakdown only (JAX_EP_DEBUG_SKIP bits, see DispatchArgs::skip): read per call.
+  if (const char* sk = std::getenv("JAX_EP_DEBUG_SKIP")) a.skip = std::atoi(sk);
 
   const size_t need = combine_stage_bytes(R, T, a.row_bytes);
   const size_t have = stage_half_bytes(rt->sym_bytes);

@@ -2,6 +2,7 @@
 //   "jax_ep_dispatch"        rows of x (+ optional scale rows) -> out rows
 //   "jax_ep_bench_transfer"  raw transfer ceilings for bench/ (debug only)
 // Both enqueue on XLA's stream and never synchronise the host.
+#include <cstdlib>
 #include <string>
 
 #include "ffi_common.h"
@@ -68,6 +69,9 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   a.mode = mode;
   a.rank_major = rank_major != 0;
   a.host_err = device_error_word();
+  // Bench breakdown only (JAX_EP_DEBUG_SKIP bits, see DispatchArgs::skip): read per call.
+  if (const char* sk = std::getenv("JAX_EP_DEBUG_SKIP")) a.skip = std::atoi(sk);
+  if (const char* dm = std::getenv("JAX_EP_FP8_DIV_MODE")) a.div_mode = std::atoi(dm);
 
   const size_t so_rows = out_scales->element_count();
   a.s_row_bytes = C > 0 ? static_cast<long long>(so_rows / C) * 4 : 0;

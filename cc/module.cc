@@ -55,6 +55,7 @@ NB_MODULE(_C, m) {
     nb::gil_scoped_release release;
     jax_ep::nvshmem_fini();
   });
+  m.def("device_free_bytes", &jax_ep::device_free_bytes, nb::arg("device"));
   m.def("runtime_info", []() -> nb::object {
     jax_ep::Runtime* rt = jax_ep::runtime();
     if (!rt) return nb::none();

@@ -144,4 +144,11 @@ void runtime_detach() {
 
 void nvshmem_fini() { nvshmem_finalize(); }
 
+size_t device_free_bytes(int device) {
+  cuda_check(cudaSetDevice(device), "cudaSetDevice");
+  size_t free_b = 0, total_b = 0;
+  cuda_check(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");
+  return free_b;
+}
+
 }  // namespace jax_ep

@@ -21,6 +21,8 @@ bool nvshmem_init(const std::string& uid, int rank, int nranks, int device);
 void runtime_attach(int device, size_t bytes);
 // Collective: free the symmetric buffer; runtime() becomes nullptr.
 void runtime_detach();
+// Free bytes on CUDA `device` (cudaMemGetInfo), to size-check the heap.
+size_t device_free_bytes(int device);
 // Collective: nvshmem_finalize().
 void nvshmem_fini();
 

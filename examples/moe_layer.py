@@ -11,6 +11,10 @@ Pieces (all functional; parameters are plain dict pytrees):
   ``jax.lax.ragged_dot`` calls over the rows :func:`jax_ep.dispatch` grouped by
   local expert, then :func:`jax_ep.combine` (which applies the routing weights
   on the expert side and sums over ranks in f32).
+  ``expert_impl="padded"`` runs the experts as batched einsums over a fixed
+  number of rows per local expert instead (for XLA builds whose ragged_dot
+  lowers to a dense ``[L, C, H]`` problem; rows past that capacity are dropped
+  and counted).
 * a shared expert (a plain SwiGLU every token goes through).
 * :func:`update_routing_bias`: DeepSeek-V3's bias update
   ``bias += rate * sign(mean_load - load)``, using the per-expert load the layer
@@ -188,6 +192,27 @@ def routed_experts_local(x, gate, up, down, group_sizes):
     return jax.lax.ragged_dot(h.astype(down.dtype), down, group_sizes)
 
 
+def routed_experts_padded(x, gate, up, down, group_sizes, expert_capacity: int):
+    """The same SwiGLU with plain batched matmuls: each local expert's group is
+    gathered into a fixed ``[L, expert_capacity, H]`` block (rows past the
+    capacity are dropped, and counted), run through ``einsum``, and scattered
+    back to ``[C, H]``. Use it where ``ragged_dot`` lowers poorly (XLA may
+    expand ragged_dot into an ``[L, C, H]`` dense problem, notably for the
+    weight gradient). -> (y ``[C, H]``, dropped rows int32)."""
+    C, H = x.shape
+    starts = jnp.cumsum(group_sizes) - group_sizes  # [L]
+    j = jnp.arange(expert_capacity, dtype=group_sizes.dtype)
+    valid = j[None, :] < group_sizes[:, None]  # [L, Ce]
+    rows = starts[:, None] + j[None, :]
+    xg = jnp.where(valid[..., None], x[jnp.where(valid, rows, 0)], jnp.zeros((), x.dtype))
+    h = jax.nn.silu(jnp.einsum("leh,lhf->lef", xg, gate)) * jnp.einsum("leh,lhf->lef", xg, up)
+    yg = jnp.einsum("lef,lfh->leh", h.astype(down.dtype), down)
+    y = jnp.zeros((C, yg.shape[-1]), yg.dtype).at[jnp.where(valid, rows, C)].set(
+        yg, mode="drop")
+    dropped = jnp.sum(jnp.maximum(group_sizes - expert_capacity, 0)).astype(jnp.int32)
+    return y, dropped
+
+
 def make_ep_config(cfg: MoEConfig, tokens_per_rank: int, ep_axis: str = "ep",
                    backend: str = "auto", **overrides) -> jax_ep.EpConfig:
     """The :class:`jax_ep.EpConfig` of this block for ``tokens_per_rank`` tokens per device."""
@@ -197,18 +222,28 @@ def make_ep_config(cfg: MoEConfig, tokens_per_rank: int, ep_axis: str = "ep",
 
 
 def routed_ep(experts: dict, x: jax.Array, topk_idx: jax.Array, topk_w: jax.Array,
-              mesh: Mesh, ep_cfg: jax_ep.EpConfig, token_axes: Sequence[str]):
+              mesh: Mesh, ep_cfg: jax_ep.EpConfig, token_axes: Sequence[str],
+              expert_impl: str = "ragged_dot", expert_capacity: Optional[int] = None):
     """The routed part: ``shard_map`` over ``token_axes`` with dispatch ->
-    ragged_dot SwiGLU -> combine. Global ``x [N, H]`` -> (``[N, H]``, dropped
+    SwiGLU experts -> combine. Global ``x [N, H]`` -> (``[N, H]``, dropped
     pairs ``[num_devices]`` int32, one count per device)."""
     tok = P(tuple(token_axes))
     ep = P(ep_cfg.axis_name)
+    if expert_impl not in ("ragged_dot", "padded"):
+        raise ValueError(f"expert_impl must be 'ragged_dot' or 'padded', got {expert_impl!r}")
 
     def per_rank(x, idx, w, gate, up, down):
         d = jax_ep.dispatch(x, idx, w, ep_cfg)
-        y = routed_experts_local(d.x, gate, up, down, d.group_sizes)
+        dropped = d.num_dropped
+        if expert_impl == "ragged_dot":
+            y = routed_experts_local(d.x, gate, up, down, d.group_sizes)
+        else:  # default capacity: R*T, the most rows one expert can receive (dropless)
+            R = jax.lax.axis_size(ep_cfg.axis_name)
+            cap = expert_capacity or min(d.x.shape[0], R * x.shape[0])
+            y, over = routed_experts_padded(d.x, gate, up, down, d.group_sizes, cap)
+            dropped = dropped + over
         out = jax_ep.combine(y.astype(x.dtype), d, ep_cfg)
-        return out, d.num_dropped.reshape(1)
+        return out, dropped.reshape(1)
 
     fn = jax.shard_map(per_rank, mesh=mesh,
                        in_specs=(tok, tok, tok, ep, ep, ep),
@@ -243,7 +278,8 @@ def make_mesh(shape: Sequence[int], names: Sequence[str], devices=None) -> Mesh:
 
 def moe_block(params: dict, bias: jax.Array, x: jax.Array, cfg: MoEConfig, mesh: Mesh,
               *, ep_axis: str = "ep", token_axes: Optional[Sequence[str]] = None,
-              backend: str = "auto", ep_overrides: Optional[dict] = None):
+              backend: str = "auto", ep_overrides: Optional[dict] = None,
+              expert_impl: str = "ragged_dot", expert_capacity: Optional[int] = None):
     """The MoE FFN block through jax_ep. Call under ``jax.jit``.
 
     Args:
@@ -257,6 +293,10 @@ def moe_block(params: dict, bias: jax.Array, x: jax.Array, cfg: MoEConfig, mesh:
       backend: jax_ep backend ("auto" | "reference" | "native").
       ep_overrides: extra :class:`jax_ep.EpConfig` fields (capacity,
         expert_alignment, ...).
+      expert_impl: ``"ragged_dot"`` (default; ``jax.lax.ragged_dot`` on the
+        grouped rows) or ``"padded"`` (:func:`routed_experts_padded`, batched
+        matmuls over ``expert_capacity`` rows per local expert; default
+        capacity R*T = dropless).
 
     Returns:
       ``(out [..., H], aux)`` with ``aux = {"load": [E] int32 tokens per expert,
@@ -272,7 +312,7 @@ def moe_block(params: dict, bias: jax.Array, x: jax.Array, cfg: MoEConfig, mesh:
     idx, w, _ = route(params, bias, xf, cfg)
     ep_cfg = make_ep_config(cfg, N // n_dev, ep_axis, backend, **(ep_overrides or {}))
     routed, dropped = routed_ep(params["experts"], xf.astype(cfg.dtype), idx, w, mesh, ep_cfg,
-                                token_axes)
+                                token_axes, expert_impl, expert_capacity)
     out = routed.astype(F32)
     if "shared" in params:
         s = params["shared"]

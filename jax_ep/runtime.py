@@ -133,15 +133,28 @@ def _share_unique_id(C, rank: int, nranks: int) -> bytes:
     return bytes(client.blocking_key_value_get_bytes(key, _UID_TIMEOUT_MS))
 
 
+_USER_HEAP = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")  # as set before jax_ep came in
+
+
+def _parse_size(v: Optional[str]) -> int:
+    """NVSHMEM size syntax: bytes with an optional K/M/G/T suffix; 0 if unset/bad."""
+    if not v:
+        return 0
+    v = v.strip().upper().rstrip("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(v[-1:], 1)
+    try:
+        return int(float(v.rstrip("KMGT")) * mult)
+    except ValueError:
+        return 0
+
+
 def _set_nvshmem_env(buffer_bytes: int) -> None:
     # Read by NVSHMEM at init only. Respect what the user set, except that the
     # heap must hold the buffer.
     os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")  # one host, no NIC needed
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")          # no NVLink multicast
     need = -(-(buffer_bytes + _HEAP_SLACK) // _HEAP_GRANULE) * _HEAP_GRANULE
-    cur = os.environ.get("NVSHMEM_SYMMETRIC_SIZE", "")
-    if not cur.isdigit() or int(cur) < need:
-        os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(need)
+    os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(max(need, _parse_size(_USER_HEAP)))
 
 
 def _not_up(reason: str) -> bool:
@@ -196,6 +209,19 @@ def initialize(buffer_bytes: Optional[int] = None) -> bool:
     _register_targets()
     _set_nvshmem_env(buffer_bytes)
 
+    if not _state["nvshmem_up"]:
+        # Same answer on every rank (same JAX settings), so no rank is left
+        # waiting in a collective when this raises.
+        heap = int(os.environ["NVSHMEM_SYMMETRIC_SIZE"])
+        free = C.device_free_bytes(device)
+        if heap > free:
+            raise RuntimeError(
+                f"jax_ep.initialize: the NVSHMEM symmetric heap ({heap >> 20} MiB for "
+                f"buffer_bytes={buffer_bytes}) does not fit in the {free >> 20} MiB of GPU memory "
+                "JAX left free; lower XLA_PYTHON_CLIENT_MEM_FRACTION (now "
+                f"{os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION', 'unset: 0.75')}) or set "
+                "XLA_PYTHON_CLIENT_PREALLOCATE=false before JAX starts, or pass a smaller "
+                "buffer_bytes")
     _state["generation"] += 1
     if not _state["nvshmem_up"]:
         if C.nvshmem_status() >= 2:  # started by XLA: attach, never finalize it

@@ -2,6 +2,7 @@
 # Build jax_ep in place on the GPU machine (no network) and run the GPU tests
 # and, when present, the benchmarks. Logs go to $OUT (default ./gpu_check_out).
 #   bash scripts/gpu_check.sh            # JAX_EP_TEST_NPROCS=4 for 4 GPUs, etc.
+# Knobs: GPU_TESTS (pytest paths, default tests/gpu), SKIP_BENCH=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_check_out}"
@@ -30,12 +31,12 @@ fi
   >> "$OUT/build.log" 2>&1
 
 echo "== tests" >&2
-"$PY" -m pytest -m gpu tests/gpu -x -v -rs -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+"$PY" -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -x -v -rs -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
 test_rc=$?
 t_test=$(( $(date +%s) - t0 - t_build ))
 
 bench_rc=skipped
-if [ -f bench/run.sh ]; then
+if [ -f bench/run.sh ] && [ "${SKIP_BENCH:-0}" != 1 ]; then
   echo "== bench" >&2
   bash bench/run.sh > "$OUT/bench.log" 2>&1
   bench_rc=$?

@@ -41,6 +41,10 @@ CASES = {
     "softmax_no_shared": dict(cfg=dict(num_experts=16, topk=2, score_func="softmax",
                                        norm_topk_prob=False, n_shared=0),
                               mesh=(1, 8), bias=False),
+    # the same V3 layer with the padded (batched einsum) expert implementation
+    "v3_padded_experts": dict(cfg=dict(num_experts=8, topk=3, n_groups=4, topk_groups=2,
+                                       score_func="sigmoid", route_scale=2.5, n_shared=1),
+                              mesh=(2, 4), bias=True, impl="padded"),
 }
 
 
@@ -56,7 +60,8 @@ def test_moe_block_matches_dense(case):
     ct = jax.random.normal(jax.random.key(3), x.shape, jnp.float32)  # output cotangent
 
     def loss_ep(p, x):
-        out, aux = ml.moe_block(p, bias, x, cfg, mesh, backend="reference")
+        out, aux = ml.moe_block(p, bias, x, cfg, mesh, backend="reference",
+                                expert_impl=c.get("impl", "ragged_dot"))
         return jnp.sum(out * ct), (out, aux)
 
     def loss_dense(p, x):
@@ -81,12 +86,13 @@ def test_router_group_limit_and_bias():
     cfg = ml.MoEConfig(d_model=8, d_ff=4, num_experts=8, topk=2, n_groups=4, topk_groups=1)
     params = ml.init_moe_params(jax.random.key(0), cfg)
     x = jax.random.normal(jax.random.key(1), (64, 8))
-    idx, w, _ = ml.route(params, ml.init_routing_bias(cfg), x, cfg)
+    route = jax.jit(lambda p, b, x: ml.route(p, b, x, cfg))
+    idx, w, _ = route(params, ml.init_routing_bias(cfg), x)
     assert np.all(np.asarray(idx[:, 0]) // 2 == np.asarray(idx[:, 1]) // 2)  # one group
     np.testing.assert_allclose(np.asarray(w.sum(1)), 1.0, rtol=1e-6)
     # a large bias on expert 5 makes every token select it, the weight stays the raw score
     bias = jnp.zeros((8,)).at[5].set(100.0)
-    idx_b, w_b, scores = ml.route(params, bias, x, cfg)
+    idx_b, w_b, scores = route(params, bias, x)
     assert np.all(np.any(np.asarray(idx_b) == 5, axis=1))
     raw = jnp.take_along_axis(scores, idx_b, 1)
     np.testing.assert_allclose(np.asarray(w_b), np.asarray(raw / raw.sum(1, keepdims=True)),

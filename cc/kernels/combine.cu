@@ -65,10 +65,15 @@ __device__ __forceinline__ void warp_reduce_rows(const char* y, long long row_by
   }
 }
 
-// Warp sums n staged partial rows (in the given order) into out.
+// Warp forms out[t] = cast(sum over the partials q = 0..n-1 in order of
+// f32(partial_q)), where partial q is the staged row src[q] of a peer, or, at
+// q == local_pos, this rank's own partial cast(sum_k w_k * f32(y[rows[k]]))
+// formed here from y (it never goes through the staging buffer).
 template <typename T, int V>
-__device__ __forceinline__ void warp_sum_partials(const char* const* src, int n, char* out,
-                                                  long long row_bytes, int lane) {
+__device__ __forceinline__ void warp_combine_token(const char* const* src, int n, int local_pos,
+                                                   const char* y, long long row_bytes,
+                                                   const int* rows, const float* w, int n_rows,
+                                                   bool weighted, char* out, int lane) {
   using Vec = typename VecT<V>::type;
   constexpr int E = V / sizeof(T);
   const long long nv = row_bytes / V;
@@ -76,11 +81,28 @@ __device__ __forceinline__ void warp_sum_partials(const char* const* src, int n,
     float acc[E];
 #pragma unroll
     for (int e = 0; e < E; ++e) acc[e] = 0.f;
-    for (int k = 0; k < n; ++k) {
-      Vec v = reinterpret_cast<const Vec*>(src[k])[i];
-      const T* tv = reinterpret_cast<const T*>(&v);
+    for (int q = 0; q < n; ++q) {
+      if (q == local_pos) {
+        float pa[E];
 #pragma unroll
-      for (int e = 0; e < E; ++e) acc[e] = __fadd_rn(acc[e], Cvt<T>::f(tv[e]));
+        for (int e = 0; e < E; ++e) pa[e] = 0.f;
+        for (int k = 0; k < n_rows; ++k) {
+          Vec v = reinterpret_cast<const Vec*>(y + static_cast<long long>(rows[k]) * row_bytes)[i];
+          const T* tv = reinterpret_cast<const T*>(&v);
+#pragma unroll
+          for (int e = 0; e < E; ++e) {
+            float f = Cvt<T>::f(tv[e]);
+            pa[e] = __fadd_rn(pa[e], weighted ? __fmul_rn(w[k], f) : f);
+          }
+        }
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[e] = __fadd_rn(acc[e], Cvt<T>::f(Cvt<T>::t(pa[e])));
+      } else {
+        Vec v = reinterpret_cast<const Vec*>(src[q])[i];
+        const T* tv = reinterpret_cast<const T*>(&v);
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[e] = __fadd_rn(acc[e], Cvt<T>::f(tv[e]));
+      }
     }
     Vec o;
     T* to = reinterpret_cast<T*>(&o);
@@ -92,6 +114,31 @@ __device__ __forceinline__ void warp_sum_partials(const char* const* src, int n,
 
 constexpr int kMaxK = 32;
 
+// Rows (and weights) of this rank's slots for received (s, t); *received =
+// whether (s, t) was sent here at all (then a partial is owed, maybe zero).
+__device__ __forceinline__ int slot_rows(const CombineArgs& a, int s, int t, int* rows, float* w,
+                                         bool* received) {
+  const long long st = static_cast<long long>(s) * a.T + t;
+  const int32_t* li = a.recv_local_idx + st * a.K;
+  const int32_t* sr = a.slot_row + st * a.K;
+  *received = false;
+  int n = 0;
+  for (int k = 0; k < a.K; ++k) {
+    if (__ldg(li + k) < 0) continue;
+    *received = true;
+    const int row = __ldg(sr + k);
+    if (row < 0 || row >= a.C) continue;
+    if (a.rank_major) {  // one row per (s, t): the same for every k
+      if (n == 0) { rows[0] = row; w[0] = 1.f; n = 1; }
+    } else {
+      rows[n] = row;
+      w[n] = a.row_weights ? __ldg(a.row_weights + row) : 1.f;
+      ++n;
+    }
+  }
+  return n;
+}
+
 template <typename T, int V>
 __global__ void __launch_bounds__(512, 1)
 combine_kernel(CombineArgs a, int send_warps, int recv_warps, int chunk, int num_chunks) {
@@ -100,37 +147,22 @@ combine_kernel(CombineArgs a, int send_warps, int recv_warps, int chunk, int num
   const unsigned int epoch = current_epoch(ctrl);
   const size_t stage = a.stage_off[epoch & 1u];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int NT = a.T, K = a.K;
+  const int NT = a.T;
   const char* y = static_cast<const char*>(a.y);
+  const bool weighted = a.row_weights != nullptr && !a.rank_major;
+  int rows[kMaxK];
+  float w[kMaxK];
 
   if (warp < send_warps) {
-    // ---- expert side: partial of every received (s, t) to rank s ----
-    int rows[kMaxK];
-    float w[kMaxK];
+    // ---- expert side: partial of every (s, t) received from a peer s ----
     for (int j = blockIdx.x; j < num_chunks; j += gridDim.x) {
       const int t1 = min(NT, (j + 1) * chunk);
       for (int t = j * chunk + warp; t < t1; t += send_warps) {
-        for (int i = 1; i <= R; ++i) {  // peers first, self last
+        for (int i = 1; i < R; ++i) {
           const int s = (me + i) % R;
-          const long long st = static_cast<long long>(s) * NT + t;
-          const int32_t* li = a.recv_local_idx + st * K;
-          const int32_t* sr = a.slot_row + st * K;
-          bool received = false;
-          int n = 0;
-          for (int k = 0; k < K; ++k) {
-            if (__ldg(li + k) < 0) continue;
-            received = true;
-            const int row = __ldg(sr + k);
-            if (row < 0 || row >= a.C) continue;
-            if (a.rank_major) {  // one row per (s, t): the same for every k
-              if (n == 0) { rows[0] = row; w[0] = 1.f; n = 1; }
-            } else {
-              rows[n] = row;
-              w[n] = a.row_weights ? __ldg(a.row_weights + row) : 1.f;
-              ++n;
-            }
-          }
-          if (!received) continue;
+          bool received;
+          const int n = slot_rows(a, s, t, rows, w, &received);
+          if (!received || (a.skip & 1)) continue;
           char* dst = sym_at(a.peers, s, stage) + (static_cast<long long>(me) * NT + t) * a.row_bytes;
           if (n == 0) {
             warp_zero_row<V>(dst, a.row_bytes, lane);
@@ -139,8 +171,7 @@ combine_kernel(CombineArgs a, int send_warps, int recv_warps, int chunk, int num
             warp_copy_row_multi<V>(y + static_cast<long long>(rows[0]) * a.row_bytes, d, 1,
                                    a.row_bytes, lane);
           } else {
-            warp_reduce_rows<T, V>(y, a.row_bytes, rows, w, n, a.row_weights != nullptr, dst,
-                                   lane);
+            warp_reduce_rows<T, V>(y, a.row_bytes, rows, w, n, weighted, dst, lane);
           }
         }
       }
@@ -148,30 +179,40 @@ combine_kernel(CombineArgs a, int send_warps, int recv_warps, int chunk, int num
       named_barrier(1, 32 * send_warps);
       if (threadIdx.x == 0) {
         for (int s = 0; s < R; ++s) {
+          if (s == me) continue;
           OpCtrl* rc = reinterpret_cast<OpCtrl*>(sym_at(a.peers, s, a.ctrl_off));
           st_release_sys(&rc->flags[me][j], epoch);
         }
       }
     }
   } else {
-    // ---- source side: sum the partials of ranks 0..R-1 ----
+    // ---- source side: sum the partials of ranks 0..R-1 (own one formed here) ----
     const int rw = warp - send_warps;
     const char* my_stage = sym_at(a.peers, me, stage);
     const char* src[kMaxRanks];
     for (int j = blockIdx.x; j < num_chunks; j += gridDim.x) {
       const int t1 = min(NT, (j + 1) * chunk);
       for (int t = j * chunk + rw; t < t1; t += recv_warps) {
-        int n = 0;
+        int n = 0, local_pos = -1, n_rows = 0;
         for (int r = 0; r < R; ++r) {
           if (!a.send_mask[static_cast<long long>(t) * R + r]) continue;
-          wait_flag(&ctrl->flags[r][j], epoch, a.host_err, a.timeout_ns);
-          src[n++] = my_stage + (static_cast<long long>(r) * NT + t) * a.row_bytes;
+          if (r == me) {
+            bool received;
+            n_rows = slot_rows(a, me, t, rows, w, &received);
+            local_pos = n;
+            src[n++] = nullptr;
+          } else {
+            wait_flag(&ctrl->flags[r][j], epoch, a.host_err, a.timeout_ns);
+            src[n++] = my_stage + (static_cast<long long>(r) * NT + t) * a.row_bytes;
+          }
         }
         char* out = static_cast<char*>(a.out) + static_cast<long long>(t) * a.row_bytes;
+        if (a.skip & 2) continue;
         if (n == 0)
           warp_zero_row<V>(out, a.row_bytes, lane);
         else
-          warp_sum_partials<T, V>(src, n, out, a.row_bytes, lane);
+          warp_combine_token<T, V>(src, n, local_pos, y, a.row_bytes, rows, w, n_rows, weighted,
+                                   out, lane);
       }
     }
   }

@@ -49,9 +49,23 @@ template <> struct Load8<float> {
 // arithmetic is jax_ep.reference.fp8_cast as XLA compiles it: amax =
 // max(max|x|, 1e-4); scale = amax * fl(1/448) (XLA turns the division by a
 // constant into this product); q = satfinite_rn(x * (448 / amax)).
+__device__ __forceinline__ float fp8_inv(float amax, int div_mode) {
+  switch (div_mode) {
+    case 1: return __fdividef(448.0f, amax);
+    case 2: return __fmul_rn(448.0f, __frcp_rn(amax));
+    case 3: {
+      float r;
+      asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(448.0f), "f"(amax));
+      return r;
+    }
+    default: return __fdiv_rn(448.0f, amax);
+  }
+}
+
 template <typename Tin>
 __device__ __forceinline__ void warp_cast_row(const Tin* __restrict__ src, char* const* dst,
-                                              char* const* dst_scales, int n, int H, int lane) {
+                                              char* const* dst_scales, int n, int H, int lane,
+                                              int div_mode) {
   const float kInv448 = 1.0f / 448.0f;  // folded in f32 at compile time, = fl(1/448)
   for (int base = 0; base < H; base += 256) {
     const int e0 = base + 8 * lane;
@@ -68,7 +82,7 @@ __device__ __forceinline__ void warp_cast_row(const Tin* __restrict__ src, char*
     if (!active) continue;
     amax = fmaxf(amax, 1e-4f);
     const float scale = __fmul_rn(amax, kInv448);
-    const float inv = __fdiv_rn(448.0f, amax);
+    const float inv = fp8_inv(amax, div_mode);
     uint2 q;
     unsigned short* qs = reinterpret_cast<unsigned short*>(&q);
 #pragma unroll
@@ -85,8 +99,8 @@ __device__ __forceinline__ void warp_cast_row(const Tin* __restrict__ src, char*
 
 // Output rows of received slot (s, t): expert_major has one per k (distinct),
 // rank_major one row shared by every k.
-__device__ __forceinline__ int gather_rows(const DispatchArgs& a, int s, int t, void** rows,
-                                           void** srows) {
+__device__ __forceinline__ int gather_rows(const DispatchArgs& a, int s, int t, char** rows,
+                                           char** srows) {
   const int32_t* sr = a.slot_row + (static_cast<long long>(s) * a.T + t) * a.K;
   const int kmax = a.rank_major ? 1 : a.K;
   int n = 0;
@@ -111,7 +125,6 @@ dispatch_kernel(DispatchArgs a, int send_warps, int recv_warps, int chunk, int n
   const int parity = epoch & 1u;
   const size_t stage = a.stage_off[parity];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const bool stage_local = a.mode != kDispatchCopy;  // own rows need the cast too
   const int T = a.T;
 
   if (warp < send_warps) {
@@ -122,16 +135,15 @@ dispatch_kernel(DispatchArgs a, int send_warps, int recv_warps, int chunk, int n
         char* dst[kMaxRanks];
         char* dsts[kMaxRanks];
         int n = 0;
-        for (int i = 1; i <= R; ++i) {  // peers first, self last
+        for (int i = 1; i < R; ++i) {  // peers only: own rows are gathered from x
           const int r = (me + i) % R;
-          if (r == me && !stage_local) continue;
           if (!a.send_mask[static_cast<long long>(t) * R + r]) continue;
           const long long slot = static_cast<long long>(me) * T + t;
           dst[n] = sym_at(a.peers, r, stage) + slot * a.row_bytes;
           dsts[n] = sym_at(a.peers, r, stage + a.stage_scales_off) + slot * a.s_row_bytes;
           ++n;
         }
-        if (n == 0) continue;
+        if (n == 0 || (a.skip & 1)) continue;
         if (a.mode == kDispatchCopy) {
           warp_copy_row_any(static_cast<const char*>(a.x) + t * a.x_row_bytes,
                             reinterpret_cast<void* const*>(dst), n, a.row_bytes, lane);
@@ -141,11 +153,11 @@ dispatch_kernel(DispatchArgs a, int send_warps, int recv_warps, int chunk, int n
         } else if (a.mode == kDispatchCastBf16) {
           warp_cast_row(reinterpret_cast<const __nv_bfloat16*>(
                             static_cast<const char*>(a.x) + t * a.x_row_bytes),
-                        dst, dsts, n, a.hidden, lane);
+                        dst, dsts, n, a.hidden, lane, a.div_mode);
         } else {
           warp_cast_row(reinterpret_cast<const float*>(
                             static_cast<const char*>(a.x) + t * a.x_row_bytes),
-                        dst, dsts, n, a.hidden, lane);
+                        dst, dsts, n, a.hidden, lane, a.div_mode);
         }
       }
       // Make this thread's stores visible system-wide, then one thread
@@ -154,7 +166,7 @@ dispatch_kernel(DispatchArgs a, int send_warps, int recv_warps, int chunk, int n
       named_barrier(1, 32 * send_warps);
       if (threadIdx.x == 0) {
         for (int r = 0; r < R; ++r) {
-          if (r == me && !stage_local) continue;
+          if (r == me) continue;
           OpCtrl* rc = reinterpret_cast<OpCtrl*>(sym_at(a.peers, r, a.ctrl_off));
           st_release_sys(&rc->flags[me][j], epoch);
         }
@@ -165,10 +177,10 @@ dispatch_kernel(DispatchArgs a, int send_warps, int recv_warps, int chunk, int n
     const int rw = warp - send_warps;
     const int nrw = gridDim.x * recv_warps;
     const int gw = blockIdx.x * recv_warps + rw;
-    void* rows[kMaxDst];
-    void* srows[kMaxDst];
+    char* rows[kMaxDst];
+    char* srows[kMaxDst];
     // 1. rows nobody fills: zero.
-    for (int c = gw; c < a.C; c += nrw) {
+    for (int c = (a.skip & 2) ? a.C : gw; c < a.C; c += nrw) {
       if (__ldg(a.row_src + c) >= 0) continue;
       warp_zero_row_any(static_cast<char*>(a.out) + static_cast<long long>(c) * a.row_bytes,
                         a.row_bytes, lane);
@@ -176,34 +188,40 @@ dispatch_kernel(DispatchArgs a, int send_warps, int recv_warps, int chunk, int n
         warp_zero_row_any(static_cast<char*>(a.out_scales) + static_cast<long long>(c) * a.s_row_bytes,
                           a.s_row_bytes, lane);
     }
-    // 2. my own tokens, straight from x (copy mode).
-    if (!stage_local) {
-      for (int t = gw; t < T; t += nrw) {
-        const int n = gather_rows(a, me, t, rows, srows);
-        if (n == 0) continue;
-        warp_copy_row_any(static_cast<const char*>(a.x) + t * a.x_row_bytes, rows, n,
-                          a.row_bytes, lane);
+    // 2. my own tokens, straight from x (cast here too in the fp8 modes).
+    for (int t = (a.skip & 2) ? T : gw; t < T; t += nrw) {
+      const int n = gather_rows(a, me, t, rows, srows);
+      if (n == 0) continue;
+      const char* xr = static_cast<const char*>(a.x) + t * a.x_row_bytes;
+      if (a.mode == kDispatchCopy) {
+        warp_copy_row_any(xr, reinterpret_cast<void* const*>(rows), n, a.row_bytes, lane);
         if (a.s_row_bytes)
-          warp_copy_row_any(static_cast<const char*>(a.scales) + t * a.s_row_bytes, srows, n,
-                            a.s_row_bytes, lane);
+          warp_copy_row_any(static_cast<const char*>(a.scales) + t * a.s_row_bytes,
+                            reinterpret_cast<void* const*>(srows), n, a.s_row_bytes, lane);
+      } else if (a.mode == kDispatchCastBf16) {
+        warp_cast_row(reinterpret_cast<const __nv_bfloat16*>(xr), rows, srows, n, a.hidden, lane,
+                      a.div_mode);
+      } else {
+        warp_cast_row(reinterpret_cast<const float*>(xr), rows, srows, n, a.hidden, lane,
+                      a.div_mode);
       }
     }
     // 3. staged chunks, in the order the senders produce them.
     const char* my_stage = sym_at(a.peers, me, stage);
-    for (int i = 1; i <= R; ++i) {
+    for (int i = 1; i < R; ++i) {
       const int s = (me + i) % R;
-      if (s == me && !stage_local) continue;
       for (int j = blockIdx.x; j < num_chunks; j += gridDim.x) {
         if (!wait_flag(&ctrl->flags[s][j], epoch, a.host_err, a.timeout_ns)) continue;
-        const int t1 = min(T, (j + 1) * chunk);
+        const int t1 = (a.skip & 2) ? 0 : min(T, (j + 1) * chunk);
         for (int t = j * chunk + rw; t < t1; t += recv_warps) {
           const int n = gather_rows(a, s, t, rows, srows);
           if (n == 0) continue;
           const long long slot = static_cast<long long>(s) * T + t;
-          warp_copy_row_any(my_stage + slot * a.row_bytes, rows, n, a.row_bytes, lane);
+          warp_copy_row_any(my_stage + slot * a.row_bytes, reinterpret_cast<void* const*>(rows), n,
+                            a.row_bytes, lane);
           if (a.s_row_bytes)
-            warp_copy_row_any(my_stage + a.stage_scales_off + slot * a.s_row_bytes, srows, n,
-                              a.s_row_bytes, lane);
+            warp_copy_row_any(my_stage + a.stage_scales_off + slot * a.s_row_bytes,
+                              reinterpret_cast<void* const*>(srows), n, a.s_row_bytes, lane);
         }
       }
     }
@@ -261,16 +279,17 @@ LaunchConfig make_launch_config(int num_tokens, int num_sms_requested, int devic
   int sms = num_sms_requested > 0 ? num_sms_requested : device_sms;
   if (sms > device_sms) sms = device_sms;
   if (sms < 1) sms = 1;
-  // Chunk: enough chunks to feed every block, at most kMaxChunks, and not so
-  // small that flags dominate.
+  // Chunk: at most one token per sender warp, so each block streams several
+  // chunks and the receivers start on early chunks while later ones are in
+  // flight (pipelining); kept >= 1 and within kMaxChunks.
+  lc.send_warps = 8;
+  lc.recv_warps = 8;
   int chunk = (num_tokens + sms - 1) / sms;
-  if (chunk > 32) chunk = 32;
+  if (chunk > lc.send_warps) chunk = lc.send_warps;
   if (chunk < 1) chunk = 1;
   while ((num_tokens + chunk - 1) / chunk > kMaxChunks) chunk *= 2;
   lc.chunk = chunk;
   lc.num_blocks = sms;
-  lc.send_warps = 8;
-  lc.recv_warps = 8;
   return lc;
 }
 

@@ -39,6 +39,8 @@ struct DispatchArgs {
   int hidden = 0;                // elements per row (cast modes)
   int mode = kDispatchCopy;
   bool rank_major = false;       // one output row per (s, t): use slot k = 0
+  int skip = 0;                  // debug/bench breakdown: bit0 no data sends, bit1 no local gather
+  int div_mode = 3;              // 448/amax as XLA's GPU division rounds it (div.full.f32)
   int* host_err = nullptr;
   unsigned long long timeout_ns = kDefaultTimeoutNs;
 };
@@ -60,6 +62,7 @@ struct CombineArgs {
   void* out = nullptr;                // [T, W]
   int T = 0, K = 0, C = 0;
   bool rank_major = false;
+  int skip = 0;                       // as DispatchArgs::skip
   int* host_err = nullptr;
   unsigned long long timeout_ns = kDefaultTimeoutNs;
 };

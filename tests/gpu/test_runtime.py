@@ -170,6 +170,11 @@ def _not_initialized_worker(rank, n):
         res["backend_error"] = None
     except RuntimeError as e:
         res["backend_error"] = str(e)
+    try:  # far more than an H200 has: must fail cleanly, naming the JAX knob
+        jax_ep.initialize(buffer_bytes=400 << 30)
+        res["oom_error"] = None
+    except RuntimeError as e:
+        res["oom_error"] = str(e)
     res["initialized"] = jax_ep.initialize(buffer_bytes=32 << 20)
     res["info"] = runtime.info()
     res["ping_ok"] = _ping_ok(rank, n, mesh, size=1024)
@@ -201,8 +206,9 @@ def test_initialize_finalize_initialize(keep_nvshmem):
 
 def test_not_initialized_error_then_single_process():
     (res,) = harness.run("test_runtime:_not_initialized_worker", 1, init_native=False,
-                         distributed=False)
+                         distributed=False, env={"CUDA_VISIBLE_DEVICES": "0"})
     assert res["ffi_error"] and "not initialised" in res["ffi_error"], res
     assert res["backend_error"] and "jax_ep.initialize()" in res["backend_error"], res
+    assert res["oom_error"] and "XLA_PYTHON_CLIENT_MEM_FRACTION" in res["oom_error"], res
     assert res["initialized"] and res["info"]["n_pes"] == 1, res
     assert res["ping_ok"], res

@@ -1,0 +1,372 @@
+"""jax_ep benchmark: V3-train dispatch / combine on 2 GPUs (one process each).
+
+    python bench/ep_bench.py --nproc 2 [--out DIR] [--quick]
+
+Spawns the worker processes itself. Per-op device time: a chain of N
+data-dependent calls inside one jit, timed N=10 and N=20 (median of >= 20
+runs each after warm-up); per op = (t20 - t10) / 10, which cancels the fixed
+launch/host overhead of a multi-process jit call. Reports µs and GB/s two
+ways: DeepEP's (bytes received incl. local rows / time) and link bytes per
+direction / time as a % of the bidirectional ceiling measured in the same run.
+Writes <date>-h200x2.{md,json,png} into --out.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--worker", type=int, default=-1)
+    ap.add_argument("--port", type=int, default=0)
+    args = ap.parse_args()
+    if args.worker >= 0:
+        return worker(args)
+    port = _free_port()
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1", PYTHONUNBUFFERED="1")
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, __file__, "--nproc", str(args.nproc), "--out", args.out, "--port", str(port)]
+    if args.quick:
+        cmd.append("--quick")
+    procs = [subprocess.Popen(cmd + ["--worker", str(r)], env=env) for r in range(args.nproc)]
+    rc = 0
+    for p in procs:
+        rc |= p.wait()
+    return rc
+
+
+def worker(args):
+    import jax
+
+    rank = args.worker
+    jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.nproc,
+                               process_id=rank, local_device_ids=[rank])
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    sys.path.insert(0, ROOT)
+    import jax_ep
+    from jax_ep import native, reference
+    from jax_ep.config import EpConfig
+
+    ok = jax_ep.initialize()
+    R = args.nproc
+    mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+    spec = P("ep")
+    log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    log(f"devices={jax.devices()} native={ok} jax={jax.__version__}")
+
+    def glob(arr):
+        arr = np.asarray(arr)
+        return jax.make_array_from_callback(arr.shape, NamedSharding(mesh, spec), lambda i: arr[i])
+
+    def timed(fn_n, ins, reps):
+        """median seconds of one jitted call (after warm-up)."""
+        out = fn_n(*ins)
+        jax.block_until_ready(out)
+        out = fn_n(*ins)
+        jax.block_until_ready(out)
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn_n(*ins))
+            ts.append(time.perf_counter() - t0)
+        return float(np.median(ts))
+
+    def per_op(build, ins, reps=20):
+        """build(n) -> per-rank fn doing n chained ops. -> (us per op, us of n=10 / 10)."""
+        fs = {}
+        for n in (10, 20):
+            fs[n] = jax.jit(jax.shard_map(build(n), mesh=mesh, in_specs=(spec,) * len(ins),
+                                          out_specs=spec))
+        t10 = timed(fs[10], ins, reps)
+        t20 = timed(fs[20], ins, reps)
+        return (t20 - t10) / 10 * 1e6, t10 / 10 * 1e6
+
+    def routing(T, K, E, seed):
+        rng = np.random.default_rng(seed)
+        idx = np.argsort(rng.random((R * T, E)), axis=1)[:, :K].astype(np.int32)  # uniform, distinct
+        return idx
+
+    def dep(x, o):
+        # data dependence of the next call on this one's output, at ~no cost
+        return x.at[0, 0].add((o.reshape(-1)[0] * 0).astype(x.dtype))
+
+    results = {"machine": "2x NVIDIA H200 (NV18)", "date": datetime.date.today().isoformat(),
+               "jax": jax.__version__, "rows": [], "sweep": []}
+
+    def cfg_for(T, H, K, E, layout, backend):
+        backend = backend if backend in ("native", "reference") else "reference"
+        return EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
+                        backend=backend)
+
+    def route_stats(T, H, K, E, layout, idx):
+        """(received rows incl. local, link rows per direction) on rank 0 (numpy)."""
+        L = E // R
+        dest = idx.reshape(R, T, K) // L
+        sent = np.zeros((R, T, R), bool)
+        for r in range(R):
+            sent[:, :, r] = (dest == r).any(-1)
+        recv_tokens = sent[:, :, 0].sum()          # (s, t) pairs arriving at rank 0
+        link_rows = sent[1:, :, 0].sum()           # from the other rank(s)
+        if layout == "expert_major":
+            recv_rows = (dest == 0).sum()
+        else:
+            recv_rows = recv_tokens
+        return int(recv_rows), int(recv_tokens), int(link_rows)
+
+    def bench_config(T, H, K, E, ops, seed=0, reps=20):
+        idx = routing(T, K, E, seed)
+        x = (np.random.default_rng(seed + 1).standard_normal((R * T, H))).astype(np.float32)
+        xb = glob(x.astype(jnp.bfloat16))
+        gidx = glob(idx)
+        out = {}
+        for op in ops:
+            kind, layout, be = op[:3]
+            skip = op[3] if len(op) > 3 else 0
+            os.environ["JAX_EP_DEBUG_SKIP"] = str(skip)
+            cfg = cfg_for(T, H, K, E, layout, be)
+            bk = native.BACKEND if be == "native" else reference.BACKEND
+            try:
+                if kind == "route":
+                    def build(n, cfg=cfg, bk=bk):
+                        def f(x, i):
+                            acc = jnp.zeros((), jnp.int32)
+                            for _ in range(n):
+                                h = bk.route(i + acc, cfg, R)[0]
+                                # always 0, but not provably so: keeps the routes chained
+                                acc = acc + jnp.where(h.slot_row.reshape(-1)[0] < -5, 1, 0)
+                            return x[:1] + acc.astype(x.dtype)
+                        return f
+                elif kind == "dispatch":
+                    def build(n, cfg=cfg, bk=bk):
+                        def f(x, i):
+                            h = bk.route(i, cfg, R)[0]
+                            for _ in range(n):
+                                o = bk.dispatch_rows(x, None, h, cfg)[0]
+                                x = dep(x, o)
+                            return x
+                        return f
+                elif kind == "dispatch_fp8":
+                    def build(n, cfg=cfg, bk=bk):
+                        def f(x, i):
+                            h = bk.route(i, cfg, R)[0]
+                            for _ in range(n):
+                                if bk is native.BACKEND:
+                                    o = native.BACKEND.dispatch_rows_fp8(x, h, cfg)[0]
+                                else:
+                                    q, s = reference.fp8_cast(x)
+                                    o = bk.dispatch_rows(q, s, h, cfg)[0]
+                                x = dep(x, o.reshape(-1)[:1].astype(jnp.float32))
+                            return x
+                        return f
+                elif kind == "combine":
+                    def build(n, cfg=cfg, bk=bk):
+                        def f(x, i):
+                            h = bk.route(i, cfg, R)[0]
+                            y = bk.dispatch_rows(x, None, h, cfg)[0]
+                            w = (jnp.ones((h.capacity,), jnp.float32) * 0.5
+                                 if cfg.layout == "expert_major" else None)
+                            o = x
+                            for _ in range(n):
+                                o = bk.combine_rows(y, w, h, cfg)
+                                y = dep(y, o)
+                            return o
+                        return f
+                elif kind == "roundtrip":
+                    def build(n, cfg=cfg, bk=bk):
+                        def f(x, i):
+                            h = bk.route(i, cfg, R)[0]
+                            w = (jnp.ones((h.capacity,), jnp.float32) * 0.5
+                                 if cfg.layout == "expert_major" else None)
+                            for _ in range(n):
+                                y = bk.dispatch_rows(x, None, h, cfg)[0]
+                                x = bk.combine_rows(y, w, h, cfg)
+                            return x
+                        return f
+                elif kind == "ragged_a2a":
+                    def build(n, cfg=cfg):
+                        def f(x, i):
+                            # token rows to each rank, deduplicated, as ragged_all_to_all
+                            L = E // R
+                            dest = i // L
+                            T_ = x.shape[0]
+                            send = jnp.stack([(dest == r).any(-1) for r in range(R)], 0)  # [R, T]
+                            order = jnp.argsort(~send, axis=1, stable=True)
+                            sizes = send.sum(1).astype(jnp.int32)
+                            rows = jnp.concatenate([x[order[r]] for r in range(R)], 0)
+                            in_off = jnp.arange(R, dtype=jnp.int32) * T_
+                            recv_sizes = jax.lax.all_to_all(sizes[:, None], "ep", 0, 0)[:, 0]
+                            out_off = jax.lax.all_to_all((jnp.arange(R, dtype=jnp.int32) * T_)[:, None],
+                                                         "ep", 0, 0)[:, 0]
+                            buf = jnp.zeros((R * T_, x.shape[1]), x.dtype)
+                            for _ in range(n):
+                                buf = jax.lax.ragged_all_to_all(rows, buf, in_off, sizes, out_off,
+                                                                recv_sizes, axis_name="ep")
+                                rows = dep(rows, buf)
+                            return buf[:T_]
+                        return f
+                us, us_naive = per_op(build, [xb, gidx], reps)
+                out[op] = (us, us_naive)
+                log(f"  T={T} {kind:12s} {layout:12s} {be:9s} skip={skip} {us:9.1f} us/op (n10/10: {us_naive:.1f})")
+            except Exception as e:  # noqa: BLE001
+                out[op] = (None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                log(f"  T={T} {kind} {layout} {be}: FAILED {out[op][1]}")
+            finally:
+                os.environ["JAX_EP_DEBUG_SKIP"] = "0"
+        return out, idx
+
+    # ---- ceilings -------------------------------------------------------------
+    T, H, K, E = 4096, 7168, 8, 256
+    nbytes = T * H * 2  # one V3-train bf16 [T, H] per direction
+    src = glob(np.random.default_rng(5).integers(0, 255, (R * nbytes,), dtype=np.uint8))
+    tok = glob(np.zeros((R, ), np.int32))
+    cfg0 = cfg_for(T, H, K, E, "rank_major", "native")
+    ceil = {}
+    for mode, name in [(0, "sm_write_both"), (1, "ce_copy_both"), (2, "ce_copy_one_way"),
+                       (3, "sm_write_one_way")]:
+        def build(n, mode=mode):
+            def f(s, t):
+                for _ in range(n):
+                    t = native.bench_transfer(s, t, cfg0, mode)
+                return t
+            return f
+        try:
+            us, _ = per_op(build, [src, tok])
+            ceil[name] = nbytes / (us * 1e-6) / 1e9
+            log(f"ceiling {name}: {us:.1f} us for {nbytes/1e6:.1f} MB -> {ceil[name]:.1f} GB/s per direction")
+        except Exception as e:  # noqa: BLE001
+            ceil[name] = None
+            log(f"ceiling {name}: FAILED {e}")
+    results["ceilings_GBps_per_direction"] = ceil
+    bidir = max([v for k, v in ceil.items() if v and k.endswith("both")] or [275.0])
+
+    # ---- V3-train table ----------------------------------------------------------
+    ops = [("route", "rank_major", "reference"),
+           ("dispatch", "rank_major", "native"), ("dispatch", "expert_major", "native"),
+           ("combine", "rank_major", "native"), ("combine", "expert_major", "native"),
+           ("roundtrip", "rank_major", "native"), ("roundtrip", "expert_major", "native"),
+           ("dispatch_fp8", "rank_major", "native"),
+           ("dispatch", "rank_major", "reference"), ("dispatch", "expert_major", "reference"),
+           ("combine", "rank_major", "reference"),
+           ("roundtrip", "rank_major", "reference"), ("roundtrip", "expert_major", "reference"),
+           ("dispatch_fp8", "rank_major", "reference"),
+           ("ragged_a2a", "rank_major", "xla"),
+           # breakdown (JAX_EP_DEBUG_SKIP): 1 = no data sent (flags + local work only),
+           # 2 = sends only (no receive-side gather / reduce), 3 = flags only
+           ("dispatch", "rank_major", "native", 1), ("dispatch", "rank_major", "native", 2),
+           ("dispatch", "rank_major", "native", 3),
+           ("combine", "rank_major", "native", 1), ("combine", "rank_major", "native", 2),
+           ("combine", "rank_major", "native", 3),
+           ("dispatch_fp8", "rank_major", "native", 1), ("dispatch_fp8", "rank_major", "native", 2)]
+    log("V3-train T=4096 H=7168 K=8 E=256 bf16, uniform routing")
+    res, idx = bench_config(T, H, K, E, ops)
+    for op, (us, extra) in res.items():
+        kind, layout, be = op[:3]
+        skip = op[3] if len(op) > 3 else 0
+        if skip:
+            kind = f"{kind} [skip={skip}: " + {1: "no data sent", 2: "send only", 3: "flags only"}[skip] + "]"
+        row = {"op": kind, "layout": layout, "backend": be, "us": us,
+               "note": extra if us is None else f"n10/10={extra:.1f}us"}
+        if us is not None and kind != "route" and not skip:
+            recv_rows, recv_tokens, link_rows = route_stats(T, H, K, E, layout, idx)
+            bpr = H * (1 if kind == "dispatch_fp8" else 2) + (H // 128 * 4 if kind == "dispatch_fp8" else 0)
+            if kind in ("dispatch", "dispatch_fp8", "ragged_a2a"):
+                recv_b, link_b = recv_rows * bpr, link_rows * bpr
+            elif kind == "combine":
+                recv_b, link_b = recv_tokens * bpr, link_rows * bpr
+            else:  # round trip: both
+                recv_b, link_b = (recv_rows + recv_tokens) * bpr, 2 * link_rows * bpr
+            row["deepep_GBps"] = recv_b / (us * 1e-6) / 1e9
+            row["link_GBps"] = link_b / (us * 1e-6) / 1e9
+            row["pct_of_bidir_ceiling"] = 100 * row["link_GBps"] / bidir
+        results["rows"].append(row)
+
+    # ---- sweep over T --------------------------------------------------------------
+    Ts = [128, 256, 512, 1024, 2048, 4096] + ([] if args.quick else [8192])
+    for Tn in Ts:
+        sops = [("dispatch", "rank_major", "native"), ("combine", "rank_major", "native"),
+                ("roundtrip", "rank_major", "native"), ("roundtrip", "rank_major", "reference")]
+        r2, _ = bench_config(Tn, H, K, E, sops, reps=10)
+        for op, (us, _) in r2.items():
+            results["sweep"].append({"T": Tn, "op": op[0], "layout": op[1], "backend": op[2], "us": us})
+
+    if rank == 0:
+        write_outputs(results, args.out, bidir)
+    jax_ep.finalize()
+    return 0
+
+
+def write_outputs(results, out_dir, bidir):
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"{results['date']}-h200x2")
+    with open(stem + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+    L = [f"# jax_ep benchmark — {results['machine']}, {results['date']} (jax {results['jax']})", "",
+         "V3-train: T=4096 tokens/rank, H=7168, top-8 of 256 experts, uniform random routing, bf16.",
+         "Per-op device time = (t(20 chained calls) - t(10 chained calls)) / 10 inside one jit, medians of 20 runs.",
+         "DeepEP GB/s = bytes received incl. local rows / time; link GB/s = bytes crossing NVLink per direction / time.",
+         "", "## Ceilings measured in this run (GB/s per direction, 58.7 MB per direction)", ""]
+    for k, v in results["ceilings_GBps_per_direction"].items():
+        L.append(f"- {k}: {'n/a' if v is None else f'{v:.1f}'}")
+    L += [f"- bidirectional ceiling used for %: {bidir:.1f}", "",
+          "## V3-train", "", "| op | layout | backend | µs | DeepEP GB/s | link GB/s | % bidir ceiling | note |",
+          "|---|---|---|---|---|---|---|---|"]
+    for r in results["rows"]:
+        us = "—" if r["us"] is None else f"{r['us']:.1f}"
+        g = lambda k: f"{r[k]:.0f}" if k in r else "—"
+        L.append(f"| {r['op']} | {r['layout']} | {r['backend']} | {us} | {g('deepep_GBps')} | "
+                 f"{g('link_GBps')} | {g('pct_of_bidir_ceiling')} | {r['note']} |")
+    L += ["", "## Sweep over T (rank_major, µs per op)", "", "| T | op | backend | µs |", "|---|---|---|---|"]
+    for r in results["sweep"]:
+        L.append(f"| {r['T']} | {r['op']} | {r['backend']} | {'—' if r['us'] is None else f'{r[chr(117)+chr(115)]:.1f}'} |")
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(L) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        keys = sorted({(r["op"], r["backend"]) for r in results["sweep"]})
+        for k in keys:
+            pts = [(r["T"], r["us"]) for r in results["sweep"]
+                   if (r["op"], r["backend"]) == k and r["us"] is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"{k[0]} ({k[1]})")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens per rank T (H=7168, top-8 of 256, bf16, rank_major)")
+        ax.set_ylabel("µs per op")
+        ax.set_title(f"jax_ep on {results['machine']}, {results['date']}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(stem + ".png", dpi=120)
+    except Exception as e:  # noqa: BLE001
+        print(f"plot failed: {e}")
+    print("\n".join(L))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
