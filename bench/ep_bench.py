@@ -35,7 +35,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="sweep up to T=4096 only")
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--skip-ref", action="store_true", help="native ops only (iteration)")
     ap.add_argument("--worker", type=int, default=-1)
     ap.add_argument("--port", type=int, default=0)
     args = ap.parse_args()
@@ -46,8 +48,9 @@ def main():
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
     env.pop("XLA_FLAGS", None)
     cmd = [sys.executable, __file__, "--nproc", str(args.nproc), "--out", args.out, "--port", str(port)]
-    if args.quick:
-        cmd.append("--quick")
+    for flag in ("quick", "no_sweep", "skip_ref"):
+        if getattr(args, flag):
+            cmd.append("--" + flag.replace("_", "-"))
     procs = [subprocess.Popen(cmd + ["--worker", str(r)], env=env) for r in range(args.nproc)]
     rc = 0
     for p in procs:
@@ -280,6 +283,8 @@ def worker(args):
            ("combine", "rank_major", "native", 1), ("combine", "rank_major", "native", 2),
            ("combine", "rank_major", "native", 3),
            ("dispatch_fp8", "rank_major", "native", 1), ("dispatch_fp8", "rank_major", "native", 2)]
+    if args.skip_ref:
+        ops = [o for o in ops if o[2] == "native"]
     log("V3-train T=4096 H=7168 K=8 E=256 bf16, uniform routing")
     res, idx = bench_config(T, H, K, E, ops)
     for op, (us, extra) in res.items():
@@ -304,7 +309,7 @@ def worker(args):
         results["rows"].append(row)
 
     # ---- sweep over T --------------------------------------------------------------
-    Ts = [128, 256, 512, 1024, 2048, 4096] + ([] if args.quick else [8192])
+    Ts = [] if args.no_sweep else [128, 256, 512, 1024, 2048, 4096] + ([] if args.quick else [8192])
     for Tn in Ts:
         sops = [("dispatch", "rank_major", "native"), ("combine", "rank_major", "native"),
                 ("roundtrip", "rank_major", "native"), ("roundtrip", "rank_major", "reference")]

@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 DEST=${OUT:-bench/results}
-python3 bench/ep_bench.py --nproc 2 --out "$DEST" ${BENCH_ARGS:-} 2>&1 | grep -v "WatchTasks\|GRPC\|CANCELLED" | tee "$DEST/bench.log"
+python3 bench/ep_bench.py --nproc 2 --out "$DEST" ${BENCH_ARGS:-} 2>&1 | grep -v "WatchTasks\|GRPC\|CANCELLED" | tee "$DEST/ep_bench.log"

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Build jax_ep in place on the GPU machine (no network) and run the GPU tests
-# and, when present, the benchmarks. Logs go to $OUT (default ./gpu_check_out).
+# and, when present, the benchmarks. Logs go to $OUT (default /tmp/jax_ep_gpu_check).
 #   bash scripts/gpu_check.sh            # JAX_EP_TEST_NPROCS=4 for 4 GPUs, etc.
 # Knobs: GPU_TESTS (pytest paths, default tests/gpu), SKIP_BENCH=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-$PWD/gpu_check_out}"
+OUT="${OUT:-/tmp/jax_ep_gpu_check}"
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"

@@ -35,8 +35,35 @@ template <> struct Cvt<float> {
 
 template <int V> struct Raw { using type = typename VecT<V>::type; };
 
-// Warp reduces n rows (weights w or 1) into dst (may be remote). V = vector
-// bytes per lane access, T = element type.
+constexpr int kU = 4;  // vectors in flight per lane per row (latency hiding)
+
+// Adds sum_k w_k * f32(y[rows[k]]) (k ascending) for the lane's kU vectors at
+// i0 + 32u into pa.
+template <typename T, int V>
+__device__ __forceinline__ void accum_rows(const char* y, long long row_bytes, const int* rows,
+                                           const float* w, int n, bool weighted, long long i0,
+                                           long long nv, float (&pa)[kU][V / sizeof(T)]) {
+  using Vec = typename VecT<V>::type;
+  constexpr int E = V / sizeof(T);
+  for (int k = 0; k < n; ++k) {
+    const Vec* yr = reinterpret_cast<const Vec*>(y + static_cast<long long>(rows[k]) * row_bytes);
+    Vec v[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      if (i0 + 32 * u < nv) v[u] = yr[i0 + 32 * u];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const T* tv = reinterpret_cast<const T*>(&v[u]);
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const float f = Cvt<T>::f(tv[e]);
+        pa[u][e] = __fadd_rn(pa[u][e], weighted ? __fmul_rn(w[k], f) : f);
+      }
+    }
+  }
+}
+
+// Warp reduces n rows (weights w or 1) into dst (may be remote), cast to T.
 template <typename T, int V>
 __device__ __forceinline__ void warp_reduce_rows(const char* y, long long row_bytes,
                                                  const int* rows, const float* w, int n,
@@ -44,24 +71,22 @@ __device__ __forceinline__ void warp_reduce_rows(const char* y, long long row_by
   using Vec = typename VecT<V>::type;
   constexpr int E = V / sizeof(T);
   const long long nv = row_bytes / V;
-  for (long long i = lane; i < nv; i += 32) {
-    float acc[E];
+  for (long long i0 = lane; i0 < nv; i0 += 32 * kU) {
+    float pa[kU][E];
 #pragma unroll
-    for (int e = 0; e < E; ++e) acc[e] = 0.f;
-    for (int k = 0; k < n; ++k) {
-      Vec v = reinterpret_cast<const Vec*>(y + static_cast<long long>(rows[k]) * row_bytes)[i];
-      const T* tv = reinterpret_cast<const T*>(&v);
+    for (int u = 0; u < kU; ++u)
 #pragma unroll
-      for (int e = 0; e < E; ++e) {
-        float f = Cvt<T>::f(tv[e]);
-        acc[e] = __fadd_rn(acc[e], weighted ? __fmul_rn(w[k], f) : f);
-      }
+      for (int e = 0; e < E; ++e) pa[u][e] = 0.f;
+    accum_rows<T, V>(y, row_bytes, rows, w, n, weighted, i0, nv, pa);
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      if (i0 + 32 * u >= nv) continue;
+      Vec o;
+      T* to = reinterpret_cast<T*>(&o);
+#pragma unroll
+      for (int e = 0; e < E; ++e) to[e] = Cvt<T>::t(pa[u][e]);
+      reinterpret_cast<Vec*>(dst)[i0 + 32 * u] = o;
     }
-    Vec o;
-    T* to = reinterpret_cast<T*>(&o);
-#pragma unroll
-    for (int e = 0; e < E; ++e) to[e] = Cvt<T>::t(acc[e]);
-    reinterpret_cast<Vec*>(dst)[i] = o;
   }
 }
 
@@ -77,42 +102,74 @@ __device__ __forceinline__ void warp_combine_token(const char* const* src, int n
   using Vec = typename VecT<V>::type;
   constexpr int E = V / sizeof(T);
   const long long nv = row_bytes / V;
-  for (long long i = lane; i < nv; i += 32) {
-    float acc[E];
+  for (long long i0 = lane; i0 < nv; i0 += 32 * kU) {
+    float acc[kU][E];
 #pragma unroll
-    for (int e = 0; e < E; ++e) acc[e] = 0.f;
+    for (int u = 0; u < kU; ++u)
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[u][e] = 0.f;
     for (int q = 0; q < n; ++q) {
       if (q == local_pos) {
-        float pa[E];
+        float pa[kU][E];
 #pragma unroll
-        for (int e = 0; e < E; ++e) pa[e] = 0.f;
-        for (int k = 0; k < n_rows; ++k) {
-          Vec v = reinterpret_cast<const Vec*>(y + static_cast<long long>(rows[k]) * row_bytes)[i];
-          const T* tv = reinterpret_cast<const T*>(&v);
+        for (int u = 0; u < kU; ++u)
 #pragma unroll
-          for (int e = 0; e < E; ++e) {
-            float f = Cvt<T>::f(tv[e]);
-            pa[e] = __fadd_rn(pa[e], weighted ? __fmul_rn(w[k], f) : f);
-          }
-        }
+          for (int e = 0; e < E; ++e) pa[u][e] = 0.f;
+        accum_rows<T, V>(y, row_bytes, rows, w, n_rows, weighted, i0, nv, pa);
 #pragma unroll
-        for (int e = 0; e < E; ++e) acc[e] = __fadd_rn(acc[e], Cvt<T>::f(Cvt<T>::t(pa[e])));
+        for (int u = 0; u < kU; ++u)
+#pragma unroll
+          for (int e = 0; e < E; ++e)
+            acc[u][e] = __fadd_rn(acc[u][e], Cvt<T>::f(Cvt<T>::t(pa[u][e])));
       } else {
-        Vec v = reinterpret_cast<const Vec*>(src[q])[i];
-        const T* tv = reinterpret_cast<const T*>(&v);
+        const Vec* sr = reinterpret_cast<const Vec*>(src[q]);
+        Vec v[kU];
 #pragma unroll
-        for (int e = 0; e < E; ++e) acc[e] = __fadd_rn(acc[e], Cvt<T>::f(tv[e]));
+        for (int u = 0; u < kU; ++u)
+          if (i0 + 32 * u < nv) v[u] = sr[i0 + 32 * u];
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const T* tv = reinterpret_cast<const T*>(&v[u]);
+#pragma unroll
+          for (int e = 0; e < E; ++e) acc[u][e] = __fadd_rn(acc[u][e], Cvt<T>::f(tv[e]));
+        }
       }
     }
-    Vec o;
-    T* to = reinterpret_cast<T*>(&o);
 #pragma unroll
-    for (int e = 0; e < E; ++e) to[e] = Cvt<T>::t(acc[e]);
-    reinterpret_cast<Vec*>(out)[i] = o;
+    for (int u = 0; u < kU; ++u) {
+      if (i0 + 32 * u >= nv) continue;
+      Vec o;
+      T* to = reinterpret_cast<T*>(&o);
+#pragma unroll
+      for (int e = 0; e < E; ++e) to[e] = Cvt<T>::t(acc[u][e]);
+      reinterpret_cast<Vec*>(out)[i0 + 32 * u] = o;
+    }
   }
 }
 
 constexpr int kMaxK = 32;
+
+// Walks one warp's tokens: t = j*chunk + rw (+ k*recv_warps) inside chunk j,
+// for the chunks j = block, block + grid, ... .
+struct TokCursor {
+  int j, t, rw, chunk, step, T, num_chunks, grid;
+  __device__ TokCursor(int j0, int rw_, int chunk_, int step_, int T_, int nc, int g)
+      : j(j0), t(j0 * chunk_ + rw_), rw(rw_), chunk(chunk_), step(step_), T(T_), num_chunks(nc),
+        grid(g) {
+    settle();
+  }
+  __device__ bool valid() const { return j < num_chunks; }
+  __device__ void settle() {
+    while (j < num_chunks && t >= min(T, (j + 1) * chunk)) {
+      j += grid;
+      t = j * chunk + rw;
+    }
+  }
+  __device__ void next() {
+    t += step;
+    settle();
+  }
+};
 
 // Rows (and weights) of this rank's slots for received (s, t); *received =
 // whether (s, t) was sent here at all (then a partial is owed, maybe zero).
@@ -186,34 +243,76 @@ combine_kernel(CombineArgs a, int send_warps, int recv_warps, int chunk, int num
       }
     }
   } else {
-    // ---- source side: sum the partials of ranks 0..R-1 (own one formed here) ----
+    // ---- source side: sum the partials of ranks 0..R-1 ----
+    // Per token two steps over this warp's token list (its tokens of this
+    // block's chunks): A needs nobody: this rank's own partial cast(p_me) is
+    // formed from y and parked in out[t] (exact: it is stored in y's dtype
+    // anyway), or out[t] is finished when no peer is involved. B waits for the
+    // peers' chunk flags and sums ranks 0..R-1 in order (own partial read back
+    // from out[t]). B runs whenever its next token is ready, A otherwise, so
+    // the local reduction hides behind the transfer.
     const int rw = warp - send_warps;
     const char* my_stage = sym_at(a.peers, me, stage);
     const char* src[kMaxRanks];
-    for (int j = blockIdx.x; j < num_chunks; j += gridDim.x) {
-      const int t1 = min(NT, (j + 1) * chunk);
-      for (int t = j * chunk + rw; t < t1; t += recv_warps) {
-        int n = 0, local_pos = -1, n_rows = 0;
-        for (int r = 0; r < R; ++r) {
-          if (!a.send_mask[static_cast<long long>(t) * R + r]) continue;
-          if (r == me) {
-            bool received;
-            n_rows = slot_rows(a, me, t, rows, w, &received);
-            local_pos = n;
-            src[n++] = nullptr;
-          } else {
-            wait_flag(&ctrl->flags[r][j], epoch, a.host_err, a.timeout_ns);
-            src[n++] = my_stage + (static_cast<long long>(r) * NT + t) * a.row_bytes;
-          }
+    const bool work = !(a.skip & 2);
+    const long long RB = a.row_bytes;
+    TokCursor ca(blockIdx.x, rw, chunk, recv_warps, NT, num_chunks, gridDim.x);
+    TokCursor cb = ca;
+    int na = 0, nb = 0;  // tokens done by A / B (B never overtakes A)
+    while (cb.valid()) {
+      const int tb = cb.t, jb = cb.j;
+      const bool* mb = a.send_mask + static_cast<long long>(tb) * R;
+      if (nb < na) {
+        bool ready = true;
+        for (int r = 0; r < R && ready; ++r)
+          if (r != me && mb[r]) ready = flag_ready_warp(&ctrl->flags[r][jb], epoch);
+        if (!ready && !ca.valid()) {  // nothing else to do: block on the flags
+          for (int r = 0; r < R; ++r)
+            if (r != me && mb[r]) wait_flag(&ctrl->flags[r][jb], epoch, a.host_err, a.timeout_ns);
+          ready = true;
         }
-        char* out = static_cast<char*>(a.out) + static_cast<long long>(t) * a.row_bytes;
-        if (a.skip & 2) continue;
-        if (n == 0)
-          warp_zero_row<V>(out, a.row_bytes, lane);
-        else
-          warp_combine_token<T, V>(src, n, local_pos, y, a.row_bytes, rows, w, n_rows, weighted,
-                                   out, lane);
+        if (ready) {
+          int n = 0, remote = 0;
+          for (int r = 0; r < R; ++r) {
+            if (!mb[r]) continue;
+            if (r == me) {
+              src[n++] = static_cast<const char*>(a.out) + tb * RB;
+            } else {
+              src[n++] = my_stage + (static_cast<long long>(r) * NT + tb) * RB;
+              ++remote;
+            }
+          }
+          if (remote && work)
+            warp_combine_token<T, V>(src, n, -1, y, RB, rows, w, 0, false,
+                                     static_cast<char*>(a.out) + tb * RB, lane);
+          ++nb;
+          cb.next();
+          continue;
+        }
       }
+      // step A for the next token
+      const int ta = ca.t;
+      const bool* ma = a.send_mask + static_cast<long long>(ta) * R;
+      int remote = 0;
+      for (int r = 0; r < R; ++r) remote += (r != me && ma[r]);
+      char* out = static_cast<char*>(a.out) + ta * RB;
+      if (work) {
+        if (ma[me]) {
+          bool received;
+          const int n_rows = slot_rows(a, me, ta, rows, w, &received);
+          if (remote) {
+            if (n_rows == 0) warp_zero_row<V>(out, RB, lane);
+            else warp_reduce_rows<T, V>(y, RB, rows, w, n_rows, weighted, out, lane);
+          } else {
+            src[0] = nullptr;
+            warp_combine_token<T, V>(src, 1, 0, y, RB, rows, w, n_rows, weighted, out, lane);
+          }
+        } else if (!remote) {
+          warp_zero_row<V>(out, RB, lane);
+        }
+      }
+      ++na;
+      ca.next();
     }
   }
   finish_call(ctrl, epoch);

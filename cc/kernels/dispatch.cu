@@ -66,33 +66,45 @@ template <typename Tin>
 __device__ __forceinline__ void warp_cast_row(const Tin* __restrict__ src, char* const* dst,
                                               char* const* dst_scales, int n, int H, int lane,
                                               int div_mode) {
+  constexpr int U = 4;  // 256-element steps in flight per lane (latency hiding)
   const float kInv448 = 1.0f / 448.0f;  // folded in f32 at compile time, = fl(1/448)
-  for (int base = 0; base < H; base += 256) {
-    const int e0 = base + 8 * lane;
-    const bool active = e0 < H;
-    float f[8];
-    float amax = 0.f;
-    if (active) {
-      Load8<Tin>::run(src + e0, f);
+  for (int base = 0; base < H; base += 256 * U) {
+    float f[U][8];
+    float amax[U];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
+    for (int u = 0; u < U; ++u) {
+      const int e0 = base + 256 * u + 8 * lane;
+      amax[u] = 0.f;
+      if (e0 < H) {
+        Load8<Tin>::run(src + e0, f[u]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) amax[u] = fmaxf(amax[u], fabsf(f[u][i]));
+      }
     }
 #pragma unroll
-    for (int o = 8; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    if (!active) continue;
-    amax = fmaxf(amax, 1e-4f);
-    const float scale = __fmul_rn(amax, kInv448);
-    const float inv = fp8_inv(amax, div_mode);
-    uint2 q;
-    unsigned short* qs = reinterpret_cast<unsigned short*>(&q);
+    for (int u = 0; u < U; ++u) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float2 v = make_float2(__fmul_rn(f[2 * i], inv), __fmul_rn(f[2 * i + 1], inv));
-      qs[i] = __nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, __NV_E4M3);
+      for (int o = 8; o >= 1; o >>= 1)
+        amax[u] = fmaxf(amax[u], __shfl_xor_sync(0xffffffffu, amax[u], o));
     }
-    for (int d = 0; d < n; ++d) {
-      *reinterpret_cast<uint2*>(dst[d] + e0) = q;
-      if ((lane & 15) == 0) reinterpret_cast<float*>(dst_scales[d])[e0 / 128] = scale;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int e0 = base + 256 * u + 8 * lane;
+      if (e0 >= H) continue;
+      const float am = fmaxf(amax[u], 1e-4f);
+      const float scale = __fmul_rn(am, kInv448);
+      const float inv = fp8_inv(am, div_mode);
+      uint2 q;
+      unsigned short* qs = reinterpret_cast<unsigned short*>(&q);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float2 v = make_float2(__fmul_rn(f[u][2 * i], inv), __fmul_rn(f[u][2 * i + 1], inv));
+        qs[i] = __nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, __NV_E4M3);
+      }
+      for (int d = 0; d < n; ++d) {
+        *reinterpret_cast<uint2*>(dst[d] + e0) = q;
+        if ((lane & 15) == 0) reinterpret_cast<float*>(dst_scales[d])[e0 / 128] = scale;
+      }
     }
   }
 }
@@ -179,50 +191,73 @@ dispatch_kernel(DispatchArgs a, int send_warps, int recv_warps, int chunk, int n
     const int gw = blockIdx.x * recv_warps + rw;
     char* rows[kMaxDst];
     char* srows[kMaxDst];
-    // 1. rows nobody fills: zero.
-    for (int c = (a.skip & 2) ? a.C : gw; c < a.C; c += nrw) {
-      if (__ldg(a.row_src + c) >= 0) continue;
-      warp_zero_row_any(static_cast<char*>(a.out) + static_cast<long long>(c) * a.row_bytes,
-                        a.row_bytes, lane);
-      if (a.s_row_bytes)
-        warp_zero_row_any(static_cast<char*>(a.out_scales) + static_cast<long long>(c) * a.s_row_bytes,
-                          a.s_row_bytes, lane);
-    }
-    // 2. my own tokens, straight from x (cast here too in the fp8 modes).
-    for (int t = (a.skip & 2) ? T : gw; t < T; t += nrw) {
-      const int n = gather_rows(a, me, t, rows, srows);
-      if (n == 0) continue;
-      const char* xr = static_cast<const char*>(a.x) + t * a.x_row_bytes;
-      if (a.mode == kDispatchCopy) {
-        warp_copy_row_any(xr, reinterpret_cast<void* const*>(rows), n, a.row_bytes, lane);
-        if (a.s_row_bytes)
-          warp_copy_row_any(static_cast<const char*>(a.scales) + t * a.s_row_bytes,
-                            reinterpret_cast<void* const*>(srows), n, a.s_row_bytes, lane);
-      } else if (a.mode == kDispatchCastBf16) {
-        warp_cast_row(reinterpret_cast<const __nv_bfloat16*>(xr), rows, srows, n, a.hidden, lane,
-                      a.div_mode);
-      } else {
-        warp_cast_row(reinterpret_cast<const float*>(xr), rows, srows, n, a.hidden, lane,
-                      a.div_mode);
-      }
-    }
-    // 3. staged chunks, in the order the senders produce them.
     const char* my_stage = sym_at(a.peers, me, stage);
-    for (int i = 1; i < R; ++i) {
-      const int s = (me + i) % R;
-      for (int j = blockIdx.x; j < num_chunks; j += gridDim.x) {
-        if (!wait_flag(&ctrl->flags[s][j], epoch, a.host_err, a.timeout_ns)) continue;
-        const int t1 = (a.skip & 2) ? 0 : min(T, (j + 1) * chunk);
-        for (int t = j * chunk + rw; t < t1; t += recv_warps) {
-          const int n = gather_rows(a, s, t, rows, srows);
-          if (n == 0) continue;
-          const long long slot = static_cast<long long>(s) * T + t;
-          warp_copy_row_any(my_stage + slot * a.row_bytes, reinterpret_cast<void* const*>(rows), n,
+    // Two work lists per warp, interleaved: remote chunks (peer i, chunk j of
+    // this block; this warp's tokens in it) whenever their flag is up, and
+    // otherwise local work that needs nobody: zero rows, then own tokens
+    // straight from x (cast here in the fp8 modes). So the local gather hides
+    // behind the transfer and only the last chunks are left after it.
+    const bool work = !(a.skip & 2);
+    int zc = work ? gw : a.C;   // zero-row cursor
+    int lt = work ? gw : T;     // local-token cursor
+    int pi = 1, pj = blockIdx.x;  // remote cursor
+    if (pj >= num_chunks) pi = R;
+    while (true) {
+      const bool remote_left = pi < R;
+      const int s = remote_left ? (me + pi) % R : 0;
+      bool do_remote = false;
+      if (remote_left) do_remote = flag_ready_warp(&ctrl->flags[s][pj], epoch);
+      if (!do_remote) {
+        // local work item, if any
+        while (zc < a.C && __ldg(a.row_src + zc) >= 0) zc += nrw;
+        if (zc < a.C) {
+          warp_zero_row_any(static_cast<char*>(a.out) + static_cast<long long>(zc) * a.row_bytes,
                             a.row_bytes, lane);
           if (a.s_row_bytes)
-            warp_copy_row_any(my_stage + a.stage_scales_off + slot * a.s_row_bytes,
-                              reinterpret_cast<void* const*>(srows), n, a.s_row_bytes, lane);
+            warp_zero_row_any(static_cast<char*>(a.out_scales) + static_cast<long long>(zc) * a.s_row_bytes,
+                              a.s_row_bytes, lane);
+          zc += nrw;
+          continue;
         }
+        if (lt < T) {
+          const int t = lt;
+          lt += nrw;
+          const int n = gather_rows(a, me, t, rows, srows);
+          if (n == 0) continue;
+          const char* xr = static_cast<const char*>(a.x) + t * a.x_row_bytes;
+          if (a.mode == kDispatchCopy) {
+            warp_copy_row_any(xr, reinterpret_cast<void* const*>(rows), n, a.row_bytes, lane);
+            if (a.s_row_bytes)
+              warp_copy_row_any(static_cast<const char*>(a.scales) + t * a.s_row_bytes,
+                                reinterpret_cast<void* const*>(srows), n, a.s_row_bytes, lane);
+          } else if (a.mode == kDispatchCastBf16) {
+            warp_cast_row(reinterpret_cast<const __nv_bfloat16*>(xr), rows, srows, n, a.hidden,
+                          lane, a.div_mode);
+          } else {
+            warp_cast_row(reinterpret_cast<const float*>(xr), rows, srows, n, a.hidden, lane,
+                          a.div_mode);
+          }
+          continue;
+        }
+        if (!remote_left) break;
+        wait_flag(&ctrl->flags[s][pj], epoch, a.host_err, a.timeout_ns);
+      }
+      // remote chunk (s, pj): this warp's tokens
+      const int t1 = work ? min(T, (pj + 1) * chunk) : 0;
+      for (int t = pj * chunk + rw; t < t1; t += recv_warps) {
+        const int n = gather_rows(a, s, t, rows, srows);
+        if (n == 0) continue;
+        const long long slot = static_cast<long long>(s) * T + t;
+        warp_copy_row_any(my_stage + slot * a.row_bytes, reinterpret_cast<void* const*>(rows), n,
+                          a.row_bytes, lane);
+        if (a.s_row_bytes)
+          warp_copy_row_any(my_stage + a.stage_scales_off + slot * a.s_row_bytes,
+                            reinterpret_cast<void* const*>(srows), n, a.s_row_bytes, lane);
+      }
+      pj += gridDim.x;
+      if (pj >= num_chunks) {
+        pj = blockIdx.x;
+        ++pi;
       }
     }
   }

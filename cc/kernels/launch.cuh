@@ -135,6 +135,13 @@ __device__ __forceinline__ bool wait_flag(const unsigned int* flag, unsigned int
   }
 }
 
+// Non-blocking: true (uniformly over the warp) when every lane's acquire load
+// saw *flag >= epoch, so every lane may read what the flag publishes.
+__device__ __forceinline__ bool flag_ready_warp(const unsigned int* flag, unsigned int epoch) {
+  const unsigned int v = ld_acquire_sys(flag);
+  return __all_sync(0xffffffffu, static_cast<int>(v - epoch) >= 0);
+}
+
 // Vector type and count for copying rows of `bytes` bytes (all rows of a
 // stream share the alignment of their row size; buffers are 256-B aligned).
 template <int V> struct VecT;
