@@ -11,14 +11,15 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 t0=$(date +%s)
 
-nvidia-smi -L > "$OUT/gpus.txt" 2>&1 || true
-{ "$PY" -V; "$PY" -c "import jax, jaxlib; print('jax', jax.__version__)"; nvcc --version | tail -1; } \
-  > "$OUT/env.txt" 2>&1
+# At most 8 files come back from $OUT: build.log, gpu_tests.log, ep_bench.log,
+# the bench's .md/.json/.png and examples.log.
+{ nvidia-smi -L; "$PY" -V; "$PY" -c "import jax, jaxlib; print('jax', jax.__version__)"; nvcc --version | tail -1; } \
+  > /tmp/jax_ep_env.txt 2>&1
 
 # --no-build-isolation: the machine has no network; its nanobind, jaxlib,
 # NVSHMEM wheel and scikit-build-core are used as installed.
 echo "== build" >&2
-"$PY" -m pip install --no-build-isolation --no-deps -v . > "$OUT/build.log" 2>&1
+{ cat /tmp/jax_ep_env.txt; "$PY" -m pip install --no-build-isolation --no-deps -v .; } > "$OUT/build.log" 2>&1
 build_rc=$?
 t_build=$(( $(date +%s) - t0 ))
 # Tests (and the processes they spawn) import jax_ep from this tree: put the
@@ -31,24 +32,40 @@ fi
   >> "$OUT/build.log" 2>&1
 
 echo "== tests" >&2
-"$PY" -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -x -v -rs -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+"$PY" -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -v -rs -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
 test_rc=$?
 t_test=$(( $(date +%s) - t0 - t_build ))
 
 bench_rc=skipped
 if [ -f bench/run.sh ] && [ "${SKIP_BENCH:-0}" != 1 ]; then
   echo "== bench" >&2
-  bash bench/run.sh > "$OUT/bench.log" 2>&1
+  bash bench/run.sh > /tmp/jax_ep_bench.out 2>&1  # run.sh keeps its own log: $OUT/ep_bench.log
   bench_rc=$?
 fi
 
+# Issue 5 on GPUs: the training example and the MoE-layer step time, one process per GPU.
+ex_rc=skipped
+if [ "${SKIP_EXAMPLES:-0}" != 1 ] && [ "$build_rc" = 0 ]; then
+  echo "== examples" >&2
+  N="${JAX_EP_TEST_NPROCS:-2}"
+  { echo "== train_moe.py (native, $N GPUs)"
+    timeout 240 "$PY" -m jax_ep.launch -n "$N" examples/train_moe.py --backend native --platform gpu \
+      --steps 150; echo "rc=$?"
+    echo "== moe_layer_step.py (native vs reference, $N GPUs)"
+    timeout 300 "$PY" -m jax_ep.launch -n "$N" bench/moe_layer_step.py; echo "rc=$?"
+  } > "$OUT/examples.log" 2>&1
+  ex_rc=0
+fi
+
 echo "===== gpu_check summary ====="
-cat "$OUT/gpus.txt" "$OUT/env.txt"
+cat /tmp/jax_ep_env.txt
 echo "build: rc=$build_rc (${t_build}s)  $(grep -m1 '^extension:' "$OUT/build.log")"
 [ "$build_rc" = 0 ] || tail -40 "$OUT/build.log"
 echo "tests: rc=$test_rc (${t_test}s)  $(tail -1 "$OUT/gpu_tests.log")"
 [ "$test_rc" = 0 ] || grep -E "FAILED|ERROR|Error|error" "$OUT/gpu_tests.log" | tail -30
 echo "bench: rc=$bench_rc"
-[ -f "$OUT/bench.log" ] && tail -20 "$OUT/bench.log"
+[ -f "$OUT/ep_bench.log" ] && tail -30 "$OUT/ep_bench.log" || tail -30 /tmp/jax_ep_bench.out
+echo "examples: rc=$ex_rc"
+[ -f "$OUT/examples.log" ] && grep -E "^==|rc=|loss|tokens/s|share|\|" "$OUT/examples.log" | tail -24
 echo "total: $(( $(date +%s) - t0 ))s; logs in $OUT"
 [ "$build_rc" = 0 ] && [ "$test_rc" = 0 ]
