@@ -3,8 +3,8 @@
     python bench/ep_bench.py --nproc 2 [--out DIR] [--quick]
 
 Spawns the worker processes itself. Per-op device time: a chain of N
-data-dependent calls inside one jit, timed N=10 and N=20 (median of >= 20
-runs each after warm-up); per op = (t20 - t10) / 10, which cancels the fixed
+data-dependent calls inside one jit, timed N=10 and N=30 (median of >= 20
+runs each after warm-up); per op = (t30 - t10) / 20, which cancels the fixed
 launch/host overhead of a multi-process jit call. Reports µs and GB/s two
 ways: DeepEP's (bytes received incl. local rows / time) and link bytes per
 direction / time as a % of the bidirectional ceiling measured in the same run.
@@ -38,6 +38,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="sweep up to T=4096 only")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--skip-ref", action="store_true", help="native ops only (iteration)")
+    ap.add_argument("--only-fp8", action="store_true", help="fp8 dispatch ops only (iteration)")
     ap.add_argument("--worker", type=int, default=-1)
     ap.add_argument("--port", type=int, default=0)
     args = ap.parse_args()
@@ -48,7 +49,7 @@ def main():
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
     env.pop("XLA_FLAGS", None)
     cmd = [sys.executable, __file__, "--nproc", str(args.nproc), "--out", args.out, "--port", str(port)]
-    for flag in ("quick", "no_sweep", "skip_ref"):
+    for flag in ("quick", "no_sweep", "skip_ref", "only_fp8"):
         if getattr(args, flag):
             cmd.append("--" + flag.replace("_", "-"))
     procs = [subprocess.Popen(cmd + ["--worker", str(r)], env=env) for r in range(args.nproc)]
@@ -97,15 +98,17 @@ def worker(args):
             ts.append(time.perf_counter() - t0)
         return float(np.median(ts))
 
+    N0, N1 = 10, 30
+
     def per_op(build, ins, reps=20):
         """build(n) -> per-rank fn doing n chained ops. -> (us per op, us of n=10 / 10)."""
         fs = {}
-        for n in (10, 20):
+        for n in (N0, N1):
             fs[n] = jax.jit(jax.shard_map(build(n), mesh=mesh, in_specs=(spec,) * len(ins),
                                           out_specs=spec))
-        t10 = timed(fs[10], ins, reps)
-        t20 = timed(fs[20], ins, reps)
-        return (t20 - t10) / 10 * 1e6, t10 / 10 * 1e6
+        t0 = timed(fs[N0], ins, reps)
+        t1 = timed(fs[N1], ins, reps)
+        return (t1 - t0) / (N1 - N0) * 1e6, t0 / N0 * 1e6
 
     def routing(T, K, E, seed):
         rng = np.random.default_rng(seed)
@@ -119,10 +122,10 @@ def worker(args):
     results = {"machine": "2x NVIDIA H200 (NV18)", "date": datetime.date.today().isoformat(),
                "jax": jax.__version__, "rows": [], "sweep": []}
 
-    def cfg_for(T, H, K, E, layout, backend):
+    def cfg_for(T, H, K, E, layout, backend, num_sms=None):
         backend = backend if backend in ("native", "reference") else "reference"
         return EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
-                        backend=backend)
+                        backend=backend, num_sms=num_sms)
 
     def route_stats(T, H, K, E, layout, idx):
         """(received rows incl. local, link rows per direction) on rank 0 (numpy)."""
@@ -148,8 +151,12 @@ def worker(args):
         for op in ops:
             kind, layout, be = op[:3]
             skip = op[3] if len(op) > 3 else 0
+            sms = op[4] if len(op) > 4 else None
+            extra_env = op[5] if len(op) > 5 else ()
             os.environ["JAX_EP_DEBUG_SKIP"] = str(skip)
-            cfg = cfg_for(T, H, K, E, layout, be)
+            for k_, v_ in extra_env:
+                os.environ[k_] = v_
+            cfg = cfg_for(T, H, K, E, layout, be, sms)
             bk = native.BACKEND if be == "native" else reference.BACKEND
             try:
                 if kind == "route":
@@ -232,12 +239,14 @@ def worker(args):
                         return f
                 us, us_naive = per_op(build, [xb, gidx], reps)
                 out[op] = (us, us_naive)
-                log(f"  T={T} {kind:12s} {layout:12s} {be:9s} skip={skip} {us:9.1f} us/op (n10/10: {us_naive:.1f})")
+                log(f"  T={T} {kind:12s} {layout:12s} {be:9s} skip={skip} sms={sms} {us:9.1f} us/op (n10/10: {us_naive:.1f})")
             except Exception as e:  # noqa: BLE001
                 out[op] = (None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
                 log(f"  T={T} {kind} {layout} {be}: FAILED {out[op][1]}")
             finally:
                 os.environ["JAX_EP_DEBUG_SKIP"] = "0"
+                for k_, _ in extra_env:
+                    os.environ.pop(k_, None)
         return out, idx
 
     # ---- ceilings -------------------------------------------------------------
@@ -247,7 +256,7 @@ def worker(args):
     tok = glob(np.zeros((R, ), np.int32))
     cfg0 = cfg_for(T, H, K, E, "rank_major", "native")
     ceil = {}
-    for mode, name in [(0, "sm_write_both"), (1, "ce_copy_both"), (2, "ce_copy_one_way"),
+    for mode, name in [] if args.only_fp8 else [(0, "sm_write_both"), (1, "ce_copy_both"), (2, "ce_copy_one_way"),
                        (3, "sm_write_one_way")]:
         def build(n, mode=mode):
             def f(s, t):
@@ -282,24 +291,37 @@ def worker(args):
            ("dispatch", "rank_major", "native", 3),
            ("combine", "rank_major", "native", 1), ("combine", "rank_major", "native", 2),
            ("combine", "rank_major", "native", 3),
-           ("dispatch_fp8", "rank_major", "native", 1), ("dispatch_fp8", "rank_major", "native", 2)]
+           ("dispatch_fp8", "rank_major", "native", 1), ("dispatch_fp8", "rank_major", "native", 2),
+           # fewer SMs (cfg.num_sms), leaving the rest to overlapped compute
+           ("dispatch", "rank_major", "native", 0, 32), ("combine", "rank_major", "native", 0, 32),
+           ("dispatch", "rank_major", "native", 0, 64), ("combine", "rank_major", "native", 0, 64),
+           # experimental wide fp8 cast (16 elements / 16-byte store per lane)
+           ("dispatch_fp8", "rank_major", "native", 0, None, (("JAX_EP_FP8_WIDE", "1"),))]
     if args.skip_ref:
         ops = [o for o in ops if o[2] == "native"]
+    if args.only_fp8:
+        ops = [o for o in ops if o[0] == "dispatch_fp8" and o[2] == "native"]
     log("V3-train T=4096 H=7168 K=8 E=256 bf16, uniform routing")
     res, idx = bench_config(T, H, K, E, ops)
     for op, (us, extra) in res.items():
         kind, layout, be = op[:3]
         skip = op[3] if len(op) > 3 else 0
+        sms = op[4] if len(op) > 4 else None
         if skip:
             kind = f"{kind} [skip={skip}: " + {1: "no data sent", 2: "send only", 3: "flags only"}[skip] + "]"
+        if sms:
+            kind = f"{kind} [num_sms={sms}]"
+        if len(op) > 5:
+            kind = f"{kind} [" + " ".join(f"{k_}={v_}" for k_, v_ in op[5]) + "]"
         row = {"op": kind, "layout": layout, "backend": be, "us": us,
                "note": extra if us is None else f"n10/10={extra:.1f}us"}
-        if us is not None and kind != "route" and not skip:
+        if us is not None and kind.split()[0] != "route" and not skip:
             recv_rows, recv_tokens, link_rows = route_stats(T, H, K, E, layout, idx)
-            bpr = H * (1 if kind == "dispatch_fp8" else 2) + (H // 128 * 4 if kind == "dispatch_fp8" else 0)
-            if kind in ("dispatch", "dispatch_fp8", "ragged_a2a"):
+            base = kind.split()[0]
+            bpr = H * (1 if base == "dispatch_fp8" else 2) + (H // 128 * 4 if base == "dispatch_fp8" else 0)
+            if base in ("dispatch", "dispatch_fp8", "ragged_a2a"):
                 recv_b, link_b = recv_rows * bpr, link_rows * bpr
-            elif kind == "combine":
+            elif base == "combine":
                 recv_b, link_b = recv_tokens * bpr, link_rows * bpr
             else:  # round trip: both
                 recv_b, link_b = (recv_rows + recv_tokens) * bpr, 2 * link_rows * bpr
@@ -330,7 +352,7 @@ def write_outputs(results, out_dir, bidir):
         json.dump(results, f, indent=1)
     L = [f"# jax_ep benchmark — {results['machine']}, {results['date']} (jax {results['jax']})", "",
          "V3-train: T=4096 tokens/rank, H=7168, top-8 of 256 experts, uniform random routing, bf16.",
-         "Per-op device time = (t(20 chained calls) - t(10 chained calls)) / 10 inside one jit, medians of 20 runs.",
+         "Per-op time = (t(30 chained calls) - t(10 chained calls)) / 20, each chain one jit call, medians of 20 runs (sweep: 10).",
          "DeepEP GB/s = bytes received incl. local rows / time; link GB/s = bytes crossing NVLink per direction / time.",
          "", "## Ceilings measured in this run (GB/s per direction, 58.7 MB per direction)", ""]
     for k, v in results["ceilings_GBps_per_direction"].items():

@@ -72,6 +72,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   // Bench breakdown only (JAX_EP_DEBUG_SKIP bits, see DispatchArgs::skip): read per call.
   if (const char* sk = std::getenv("JAX_EP_DEBUG_SKIP")) a.skip = std::atoi(sk);
   if (const char* dm = std::getenv("JAX_EP_FP8_DIV_MODE")) a.div_mode = std::atoi(dm);
+  if (const char* wd = std::getenv("JAX_EP_FP8_WIDE")) a.cast_wide = std::atoi(wd) != 0;
 
   const size_t so_rows = out_scales->element_count();
   a.s_row_bytes = C > 0 ? static_cast<long long>(so_rows / C) * 4 : 0;

@@ -31,6 +31,20 @@ fi
 "$PY" -c "import jax_ep.runtime as r; print('extension:', r.extension_available(), r.unavailable_reason())" \
   >> "$OUT/build.log" 2>&1
 
+# Issue 5 on GPUs: the training example and the MoE-layer step time, one process per GPU.
+ex_rc=skipped
+if [ "${SKIP_EXAMPLES:-0}" != 1 ] && [ "$build_rc" = 0 ]; then
+  echo "== examples" >&2
+  N="${JAX_EP_TEST_NPROCS:-2}"
+  { echo "== train_moe.py (native, $N GPUs)"
+    timeout 240 "$PY" -m jax_ep.launch -n "$N" examples/train_moe.py --backend native --platform gpu \
+      --steps ${TRAIN_STEPS:-150}; echo "rc=$?"
+    echo "== moe_layer_step.py (native vs reference, $N GPUs)"
+    timeout 300 "$PY" -m jax_ep.launch -n "$N" bench/moe_layer_step.py ${MOE_STEP_ARGS:-}; echo "rc=$?"
+  } > "$OUT/examples.log" 2>&1
+  ex_rc=0
+fi
+
 echo "== tests" >&2
 "$PY" -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -v -rs -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
 test_rc=$?
@@ -41,20 +55,6 @@ if [ -f bench/run.sh ] && [ "${SKIP_BENCH:-0}" != 1 ]; then
   echo "== bench" >&2
   bash bench/run.sh > /tmp/jax_ep_bench.out 2>&1  # run.sh keeps its own log: $OUT/ep_bench.log
   bench_rc=$?
-fi
-
-# Issue 5 on GPUs: the training example and the MoE-layer step time, one process per GPU.
-ex_rc=skipped
-if [ "${SKIP_EXAMPLES:-0}" != 1 ] && [ "$build_rc" = 0 ]; then
-  echo "== examples" >&2
-  N="${JAX_EP_TEST_NPROCS:-2}"
-  { echo "== train_moe.py (native, $N GPUs)"
-    timeout 240 "$PY" -m jax_ep.launch -n "$N" examples/train_moe.py --backend native --platform gpu \
-      --steps 150; echo "rc=$?"
-    echo "== moe_layer_step.py (native vs reference, $N GPUs)"
-    timeout 300 "$PY" -m jax_ep.launch -n "$N" bench/moe_layer_step.py; echo "rc=$?"
-  } > "$OUT/examples.log" 2>&1
-  ex_rc=0
 fi
 
 echo "===== gpu_check summary ====="

@@ -1,10 +1,13 @@
-// Intranode combine: the expert side reduces, for every received (source s,
-// token t), its rows in k order (p = sum_k w_row * f32(y[row_k]); rank_major:
-// p = y[row]), casts p to y's dtype and writes it into rank s's staging at
-// [this rank, t]; the source waits for the chunk flags and sums the partials
-// of ranks 0..R-1 in that order in f32. One row per (token, rank) crosses the
-// link, as in dispatch; the arithmetic is jax_ep.reference's, op for op
-// (__fmul_rn / __fadd_rn: no FMA contraction), so results are deterministic.
+// Intranode combine. Sender warps (expert side) reduce, for every (source s,
+// token t) received from a peer s, this rank's rows in k order (p = sum_k
+// w_row * f32(y[row_k]); rank_major: p = y[row]), cast p to y's dtype and
+// write it into s's staging at [this rank, t], raising one flag per chunk.
+// Receiver warps (source side) form this rank's own partial for its tokens
+// straight from y (never staged), then, as the peers' chunks arrive, sum the
+// partials of ranks 0..R-1 in that order in f32 and cast. One row per
+// (token, rank) crosses the link, as in dispatch; the arithmetic is
+// jax_ep.reference's, op for op (__fmul_rn / __fadd_rn: no FMA contraction),
+// so results are deterministic and equal to the reference's.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -18,7 +21,7 @@ __device__ __forceinline__ char* sym_at(const PeerTable& p, int r, size_t off) {
   return static_cast<char*>(p.peers[r]) + off;
 }
 
-// Vector of N elements of T packed in V bytes, to/from f32.
+// Element type <-> f32 (round to nearest even).
 template <typename T> struct Cvt;
 template <> struct Cvt<__nv_bfloat16> {
   __device__ __forceinline__ static float f(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -32,8 +35,6 @@ template <> struct Cvt<float> {
   __device__ __forceinline__ static float f(float v) { return v; }
   __device__ __forceinline__ static float t(float v) { return v; }
 };
-
-template <int V> struct Raw { using type = typename VecT<V>::type; };
 
 constexpr int kU = 4;  // vectors in flight per lane per row (latency hiding)
 

@@ -3,10 +3,11 @@
 // receiver gathers staging rows into the output layout (slot_row), reading
 // its own tokens straight from x (copy mode) and zeroing unused rows.
 //
-// One kernel, warp-specialised: "sender" warps push chunks of tokens and raise
-// one flag per (destination, chunk); "receiver" warps first do the work that
-// needs nobody (zero rows, own tokens), then gather remote chunks as their
-// flags arrive, so the local gather overlaps the NVLink transfer.
+// One kernel, warp-specialised: "sender" warps push chunks of tokens (16-byte
+// P2P stores; in the fp8 modes they cast first) and raise one flag per
+// (destination, chunk); "receiver" warps gather a peer's chunk as soon as its
+// flag is up and otherwise do the work that needs nobody (zero rows, own
+// tokens), so the local gather overlaps the NVLink transfer.
 #include <cuda_fp8.h>
 #include <cuda_bf16.h>
 
@@ -109,6 +110,66 @@ __device__ __forceinline__ void warp_cast_row(const Tin* __restrict__ src, char*
   }
 }
 
+// Same cast, 16 elements per lane (8 lanes per 128-group): one 16-byte fp8
+// store per lane instead of an 8-byte one (experimental, JAX_EP_FP8_WIDE=1).
+template <typename Tin>
+__device__ __forceinline__ void warp_cast_row_wide(const Tin* __restrict__ src, char* const* dst,
+                                                   char* const* dst_scales, int n, int H,
+                                                   int lane, int div_mode) {
+  constexpr int U = 2;
+  const float kInv448 = 1.0f / 448.0f;
+  for (int base = 0; base < H; base += 512 * U) {
+    float f[U][16];
+    float amax[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int e0 = base + 512 * u + 16 * lane;
+      amax[u] = 0.f;
+      if (e0 < H) {
+        Load8<Tin>::run(src + e0, f[u]);
+        Load8<Tin>::run(src + e0 + 8, f[u] + 8);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) amax[u] = fmaxf(amax[u], fabsf(f[u][i]));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int o = 4; o >= 1; o >>= 1)
+        amax[u] = fmaxf(amax[u], __shfl_xor_sync(0xffffffffu, amax[u], o));
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int e0 = base + 512 * u + 16 * lane;
+      if (e0 >= H) continue;
+      const float am = fmaxf(amax[u], 1e-4f);
+      const float scale = __fmul_rn(am, kInv448);
+      const float inv = fp8_inv(am, div_mode);
+      uint4 q;
+      unsigned short* qs = reinterpret_cast<unsigned short*>(&q);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        float2 v = make_float2(__fmul_rn(f[u][2 * i], inv), __fmul_rn(f[u][2 * i + 1], inv));
+        qs[i] = __nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, __NV_E4M3);
+      }
+      for (int d = 0; d < n; ++d) {
+        *reinterpret_cast<uint4*>(dst[d] + e0) = q;
+        if ((lane & 7) == 0) reinterpret_cast<float*>(dst_scales[d])[e0 / 128] = scale;
+      }
+    }
+  }
+}
+
+template <typename Tin, bool kWide>
+__device__ __forceinline__ void cast_row(const DispatchArgs& a, const void* src, char* const* dst,
+                                         char* const* dst_scales, int n, int lane) {
+  const Tin* x = reinterpret_cast<const Tin*>(src);
+  if (kWide)
+    warp_cast_row_wide(x, dst, dst_scales, n, a.hidden, lane, a.div_mode);
+  else
+    warp_cast_row(x, dst, dst_scales, n, a.hidden, lane, a.div_mode);
+}
+
 // Output rows of received slot (s, t): expert_major has one per k (distinct),
 // rank_major one row shared by every k.
 __device__ __forceinline__ int gather_rows(const DispatchArgs& a, int s, int t, char** rows,
@@ -129,6 +190,9 @@ __device__ __forceinline__ int gather_rows(const DispatchArgs& a, int s, int t, 
 
 constexpr int kMaxDst = 32;  // K bound for one gather (checked on the host)
 
+// kWide: the experimental wide fp8 cast, a separate instantiation so that its
+// register pressure never touches the default kernel.
+template <bool kWide>
 __global__ void __launch_bounds__(512, 1)
 dispatch_kernel(DispatchArgs a, int send_warps, int recv_warps, int chunk, int num_chunks) {
   const int me = a.peers.rank, R = a.peers.num_ranks;
@@ -163,13 +227,11 @@ dispatch_kernel(DispatchArgs a, int send_warps, int recv_warps, int chunk, int n
             warp_copy_row_any(static_cast<const char*>(a.scales) + t * a.s_row_bytes,
                               reinterpret_cast<void* const*>(dsts), n, a.s_row_bytes, lane);
         } else if (a.mode == kDispatchCastBf16) {
-          warp_cast_row(reinterpret_cast<const __nv_bfloat16*>(
-                            static_cast<const char*>(a.x) + t * a.x_row_bytes),
-                        dst, dsts, n, a.hidden, lane, a.div_mode);
+          cast_row<__nv_bfloat16, kWide>(a, static_cast<const char*>(a.x) + t * a.x_row_bytes, dst, dsts,
+                                  n, lane);
         } else {
-          warp_cast_row(reinterpret_cast<const float*>(
-                            static_cast<const char*>(a.x) + t * a.x_row_bytes),
-                        dst, dsts, n, a.hidden, lane, a.div_mode);
+          cast_row<float, kWide>(a, static_cast<const char*>(a.x) + t * a.x_row_bytes, dst, dsts, n,
+                          lane);
         }
       }
       // Make this thread's stores visible system-wide, then one thread
@@ -231,11 +293,9 @@ dispatch_kernel(DispatchArgs a, int send_warps, int recv_warps, int chunk, int n
               warp_copy_row_any(static_cast<const char*>(a.scales) + t * a.s_row_bytes,
                                 reinterpret_cast<void* const*>(srows), n, a.s_row_bytes, lane);
           } else if (a.mode == kDispatchCastBf16) {
-            warp_cast_row(reinterpret_cast<const __nv_bfloat16*>(xr), rows, srows, n, a.hidden,
-                          lane, a.div_mode);
+            cast_row<__nv_bfloat16, kWide>(a, xr, rows, srows, n, lane);
           } else {
-            warp_cast_row(reinterpret_cast<const float*>(xr), rows, srows, n, a.hidden, lane,
-                          a.div_mode);
+            cast_row<float, kWide>(a, xr, rows, srows, n, lane);
           }
           continue;
         }
@@ -330,8 +390,12 @@ LaunchConfig make_launch_config(int num_tokens, int num_sms_requested, int devic
 
 cudaError_t launch_dispatch(const DispatchArgs& a, const LaunchConfig& lc, cudaStream_t stream) {
   const int num_chunks = (a.T + lc.chunk - 1) / lc.chunk;
-  dispatch_kernel<<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc.send_warps, lc.recv_warps,
-                                                              lc.chunk, num_chunks);
+  if (a.cast_wide && a.mode != kDispatchCopy)
+    dispatch_kernel<true><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc.send_warps,
+                                                                      lc.recv_warps, lc.chunk, num_chunks);
+  else
+    dispatch_kernel<false><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc.send_warps,
+                                                                       lc.recv_warps, lc.chunk, num_chunks);
   return cudaGetLastError();
 }
 

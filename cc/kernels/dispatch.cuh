@@ -40,6 +40,7 @@ struct DispatchArgs {
   int mode = kDispatchCopy;
   bool rank_major = false;       // one output row per (s, t): use slot k = 0
   int skip = 0;                  // debug/bench breakdown: bit0 no data sends, bit1 no local gather
+  bool cast_wide = false;        // fp8 cast with 16 elements per lane (experimental)
   int div_mode = 3;              // 448/amax as XLA's GPU division rounds it (div.full.f32)
   int* host_err = nullptr;
   unsigned long long timeout_ns = kDefaultTimeoutNs;

@@ -23,6 +23,9 @@
 namespace jax_ep {
 
 // ---- launch configuration --------------------------------------------------
+// Receiver warps spin on flags raised by sender warps of other blocks (and
+// ranks), so every block of a grid must be resident at once: the grid is at
+// most the SM count and a block (512 threads, <= 128 registers) fits one SM.
 struct LaunchConfig {
   int num_blocks = 0;    // grid (<= SMs: blocks spin, so all must be resident)
   int send_warps = 8;    // warps per block that push rows to peers
