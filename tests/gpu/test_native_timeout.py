@@ -1,0 +1,58 @@
+"""A peer that never arrives: the waiting kernel gives up on a device-side
+timeout and the next native call raises a clear error (no hang)."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import harness
+
+_REASON = harness.skip_reason()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
+
+
+def _absent_peer_worker(rank, n):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jax_ep import native, reference
+    from jax_ep.config import EpConfig
+
+    T, H, K, E = 64, 256, 2, 8 * n
+    cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout="rank_major")
+    mesh = jax.make_mesh((n,), ("ep",))
+    rng = np.random.default_rng(rank)
+    idx = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
+    g = lambda a: jax.make_array_from_process_local_data(NamedSharding(mesh, P("ep")), a)
+    spec = P("ep")
+
+    # Every rank takes part in the routing (XLA collectives) ...
+    route = jax.jit(jax.shard_map(lambda i: reference.BACKEND.route(i, cfg, n)[0], mesh=mesh,
+                                  in_specs=spec, out_specs=spec))
+    handle = jax.block_until_ready(route(g(idx)))
+    x = g(rng.standard_normal((T, H)).astype(np.float32))
+    send = jax.jit(jax.shard_map(lambda a, h: native.dispatch_raw(a, None, h, cfg)[0],
+                                 mesh=mesh, in_specs=(spec, spec), out_specs=spec))
+    if rank != 0:
+        time.sleep(25)  # ... but only rank 0 calls dispatch: its peer never arrives
+        return {"rank": rank}
+    t0 = time.monotonic()
+    jax.block_until_ready(send(x, handle))  # gives up after the device-side timeout
+    first_s = time.monotonic() - t0
+    err = None
+    try:
+        jax.block_until_ready(send(x, handle))
+    except Exception as e:  # noqa: BLE001 - the message is what is checked
+        err = str(e)
+    return {"rank": rank, "first_s": first_s, "error": err}
+
+
+def test_absent_peer_times_out_with_clear_error():
+    res = harness.run("test_native_timeout:_absent_peer_worker", timeout=120)
+    r0 = res[0]
+    assert r0["error"] is not None, r0
+    assert "timed out waiting for a peer" in r0["error"], r0["error"]
+    assert 5 < r0["first_s"] < 60, r0
