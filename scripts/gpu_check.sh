@@ -64,7 +64,7 @@ echo "build: rc=$build_rc (${t_build}s)  $(grep -m1 '^extension:' "$OUT/build.lo
 echo "tests: rc=$test_rc (${t_test}s)  $(tail -1 "$OUT/gpu_tests.log")"
 [ "$test_rc" = 0 ] || grep -E "FAILED|ERROR|Error|error" "$OUT/gpu_tests.log" | tail -30
 echo "bench: rc=$bench_rc"
-[ -f "$OUT/ep_bench.log" ] && tail -30 "$OUT/ep_bench.log" || tail -30 /tmp/jax_ep_bench.out
+if [ -f "$OUT/ep_bench.log" ]; then tail -30 "$OUT/ep_bench.log"; elif [ -f /tmp/jax_ep_bench.out ]; then tail -30 /tmp/jax_ep_bench.out; fi
 echo "examples: rc=$ex_rc"
 [ -f "$OUT/examples.log" ] && grep -E "^==|rc=|loss|tokens/s|share|\|" "$OUT/examples.log" | tail -24
 echo "total: $(( $(date +%s) - t0 ))s; logs in $OUT"
