@@ -8,7 +8,7 @@ runs each after warm-up); per op = (t30 - t10) / 20, which cancels the fixed
 launch/host overhead of a multi-process jit call. Reports µs and GB/s two
 ways: DeepEP's (bytes received incl. local rows / time) and link bytes per
 direction / time as a % of the bidirectional ceiling measured in the same run.
-Writes <date>-h200x2.{md,json,png} into --out.
+Writes <date>-h200x<nproc>.{md,json,png} into --out.
 """
 from __future__ import annotations
 
@@ -119,7 +119,8 @@ def worker(args):
         # data dependence of the next call on this one's output, at ~no cost
         return x.at[0, 0].add((o.reshape(-1)[0] * 0).astype(x.dtype))
 
-    results = {"machine": "2x NVIDIA H200 (NV18)", "date": datetime.date.today().isoformat(),
+    results = {"machine": f"{R}x {jax.local_devices()[0].device_kind}", "nproc": R,
+               "date": datetime.date.today().isoformat(),
                "jax": jax.__version__, "rows": [], "sweep": []}
 
     def cfg_for(T, H, K, E, layout, backend, num_sms=None):
@@ -347,7 +348,7 @@ def worker(args):
 
 def write_outputs(results, out_dir, bidir):
     os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, f"{results['date']}-h200x2")
+    stem = os.path.join(out_dir, f"{results['date']}-h200x{results['nproc']}")
     with open(stem + ".json", "w") as f:
         json.dump(results, f, indent=1)
     L = [f"# jax_ep benchmark — {results['machine']}, {results['date']} (jax {results['jax']})", "",
