@@ -14,40 +14,17 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-NPROC = 2
+import harness
+
+NPROC = harness.nprocs()  # JAX_EP_TEST_NPROCS, default 2
 _HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-# ----------------------------------------------------------------------------
-# pytest side
-# ----------------------------------------------------------------------------
-def _gpu_count() -> int:
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
-        return sum(1 for l in out.stdout.splitlines() if l.startswith("GPU "))
-    except Exception:
-        return 0
-
-
-def _native_built() -> bool:
-    try:
-        from jax_ep import runtime
-        return runtime.extension_available()
-    except Exception:
-        return False
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_free_port = harness._free_port
 
 
 _RESULTS = {}
@@ -90,10 +67,9 @@ def _run_job():
 
 
 def _check(prefix: str):
-    if _gpu_count() < NPROC:
-        pytest.skip(f"needs {NPROC} CUDA GPUs")
-    if not _native_built():
-        pytest.skip("jax_ep native extension not built")
+    reason = harness.skip_reason(NPROC)
+    if reason:
+        pytest.skip(reason)
     res = _run_job()
     names = [n for n in res["status"] if n.startswith(prefix)]
     if not names:
