@@ -81,6 +81,25 @@ def _combine_bwd(be, cfg, res, g):
 _combine.defvjp(_combine_fwd, _combine_bwd)
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _fp8_rows(be, cfg, x, handle):
+    return be.dispatch_rows_fp8(x, handle, cfg)
+
+
+def _fp8_rows_fwd(be, cfg, x, handle):
+    return _fp8_rows(be, cfg, x, handle), None
+
+
+def _fp8_rows_bwd(be, cfg, res, g):
+    raise TypeError(
+        "jax_ep.dispatch with EpConfig.fp8_dispatch=True is forward-only: a gradient "
+        "through the fp8 cast would be silently wrong. Dispatch bf16/f32 where x needs a "
+        "gradient (e.g. training), or stop_gradient(x) if none is wanted.")
+
+
+_fp8_rows.defvjp(_fp8_rows_fwd, _fp8_rows_bwd)
+
+
 # -- public API ---------------------------------------------------------------
 def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, config: EpConfig,
              x_scales: Optional[jax.Array] = None) -> Dispatched:
@@ -100,7 +119,8 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, config:
       rank_major, ``num_valid``, ``num_dropped``, ``handle``). Each token
       crosses the link at most once per destination rank. With
       ``config.fp8_dispatch`` a bf16/f32 ``x`` is sent as fp8 and ``x_scales``
-      is filled. fp8 data is forward-only (no gradient flows through it).
+      is filled. fp8 dispatch is forward-only: differentiating through
+      ``fp8_dispatch`` raises a TypeError; an fp8 ``x`` gets no gradient.
     """
     R = validate.axis_size(config)
     validate.dispatch_args(x, topk_idx, topk_weights, x_scales, config, R)
@@ -110,9 +130,10 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, config:
         num_dropped = validate.raise_on_drops(num_dropped, config)
 
     if config.fp8_dispatch and x.dtype != jnp.float8_e4m3fn:
-        recv_x, recv_scales = be.dispatch_rows_fp8(jax.lax.stop_gradient(x), handle, config)
-    elif x.dtype == jnp.float8_e4m3fn:
-        recv_x, recv_scales = be.dispatch_rows(x, x_scales, handle, config)
+        recv_x, recv_scales = _fp8_rows(be, config, x, handle)
+    elif x.dtype == jnp.float8_e4m3fn:  # forward-only: fp8 data carries no gradient
+        recv_x, recv_scales = be.dispatch_rows(
+            jax.lax.stop_gradient(x), jax.lax.stop_gradient(x_scales), handle, config)
     else:
         recv_x, recv_scales = _move_rows(be, config, x, handle), None
     recv_w = _move_weights(be, config, topk_weights.astype(F32), handle)

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Literal, Optional
+
+import numpy as np
 
 Layout = Literal["expert_major", "rank_major"]
 Backend = Literal["auto", "reference", "native"]
@@ -63,8 +66,13 @@ class EpConfig:
 
     def __post_init__(self):
         def pos_int(name, v):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            try:
+                iv = operator.index(v)  # ints and NumPy integers; not floats or bools
+            except TypeError:
+                iv = None
+            if iv is None or isinstance(v, (bool, np.bool_)) or iv < 1:
                 raise ValueError(f"EpConfig.{name} must be a positive int, got {v!r}")
+            object.__setattr__(self, name, int(iv))  # keep the config hashable and plain
 
         for name in ("num_experts", "topk", "max_tokens_per_rank", "hidden", "expert_alignment"):
             pos_int(name, getattr(self, name))

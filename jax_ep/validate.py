@@ -64,6 +64,8 @@ def dispatch_args(x, idx, w, x_scales, cfg: EpConfig, R: int):
                         "or float8_e4m3fn with x_scales")
     elif x_scales is not None:
         raise ValueError("x_scales is only meaningful with an fp8 (float8_e4m3fn) x")
+    elif cfg.fp8_dispatch and x.dtype not in (jnp.bfloat16, jnp.float32):
+        raise TypeError(f"EpConfig.fp8_dispatch casts bfloat16 or float32 x, got {x.dtype}")
     if x_scales is not None:
         _shape("x_scales", x_scales, 2)
         if x_scales.shape != (T, H // 128) or x_scales.dtype != jnp.float32:
@@ -79,6 +81,9 @@ def combine_args(y, d, cfg: EpConfig, R: int):
                          f"got {y.shape}")
     if not any(y.dtype == dt for dt in _X_DTYPES):
         raise TypeError(f"y dtype {y.dtype} unsupported: use bfloat16, float32 or float16")
+    if d.handle.num_ranks != R:
+        raise ValueError(f"dispatched was made on an EP axis of {d.handle.num_ranks} ranks, axis "
+                         f"{cfg.axis_name!r} here has {R}")
     if d.handle.layout != cfg.layout:
         raise ValueError(f"dispatched was made with layout {d.handle.layout!r}, config has "
                          f"{cfg.layout!r}")
@@ -95,11 +100,11 @@ def _raise_if_dropped(n, axis):
 
 def raise_on_drops(num_dropped, cfg: EpConfig):
     """Checked mode: pass ``num_dropped`` through a host callback that raises when
-    rows were dropped, so the computation that uses it fails with that message."""
-    out = jax.ShapeDtypeStruct((), jnp.int32, **_vma_kw(num_dropped))
-    return jax.pure_callback(lambda n: _raise_if_dropped(n, cfg.axis_name), out, num_dropped)
+    rows were dropped. An ``io_callback`` (it has a side effect) so XLA keeps it
+    even when the caller never reads ``num_dropped``."""
+    from jax.experimental import io_callback
 
+    from ._ffi import result_type  # the varying-axes type inside shard_map
 
-def _vma_kw(a):
-    vma = getattr(jax.typeof(a), "vma", None)
-    return {"vma": vma} if vma else {}
+    out = result_type((), jnp.int32, like=num_dropped)
+    return io_callback(lambda n: _raise_if_dropped(n, cfg.axis_name), out, num_dropped)

@@ -117,7 +117,8 @@ x = rng.standard_normal((R, T, H)).astype(np.float32)
 idx = random_routing(rng, R, T, K, E, minus_one=0.0)
 w = rng.random((R, T, K)).astype(np.float32)
 try:
-    run_per_rank(lambda a, b, c: jax_ep.dispatch(a, b, c, cfg).num_dropped, mesh, "ep", x, idx, w)
+    # only .x is used: the check must survive XLA's dead-code elimination
+    run_per_rank(lambda a, b, c: jax_ep.dispatch(a, b, c, cfg).x, mesh, "ep", x, idx, w)
 except Exception as e:
     print("RAISED", type(e).__name__, str(e).splitlines()[-1][:300])
 else:
@@ -214,3 +215,26 @@ def test_layout_matches_model():
     want = npm.layout(idx, E, R)
     for g, w_ in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g).reshape(w_.shape), w_)
+
+
+def test_fp8_dispatch_is_forward_only():
+    """Differentiating through the fp8 cast is a clear error, not a silent zero."""
+    R, T, H, K, E = 8, 4, 128, 2, 8
+    mesh = make_mesh((R,), ("ep",))
+    cfg = jax_ep.EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, fp8_dispatch=True,
+                          backend="reference")
+    rng = np.random.default_rng(0)
+    x, idx, w = _inputs(rng, R, T, H, K, E)
+    spec = jax.sharding.PartitionSpec("ep")
+
+    def loss(x):
+        def f(x, i, w):
+            d = jax_ep.dispatch(x, i, w, cfg)
+            return jnp.sum(d.x.astype(jnp.float32) * d.x_scales.repeat(128, axis=1))[None]
+        return jnp.sum(jax.shard_map(f, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(
+            x, idx.reshape(R * T, K), w.reshape(R * T, K)))
+
+    xs = jnp.asarray(x.reshape(R * T, H))
+    assert np.isfinite(float(jax.jit(loss)(xs)))
+    with pytest.raises(TypeError, match="forward-only"):
+        jax.grad(loss)(xs)

@@ -106,3 +106,13 @@ def test_config_is_hashable_and_static():
     a, b = _cfg(), _cfg()
     assert a == b and hash(a) == hash(b)
     assert _cfg(capacity=None).capacity_for(8, 4) >= 8 * 4 * min(K, E // 8)
+
+
+def test_fp8_dispatch_needs_bf16_or_f32():
+    with pytest.raises(TypeError, match="fp8_dispatch casts"):
+        _dispatch(_cfg(fp8_dispatch=True), x_dtype=jnp.float16)
+
+
+def test_numpy_ints_in_config():
+    cfg = _cfg(num_experts=np.int64(E), capacity=np.int32(64))
+    assert cfg == _cfg(capacity=64) and type(cfg.num_experts) is int
