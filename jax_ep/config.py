@@ -26,7 +26,8 @@ class EpConfig:
         ``axis_name``; rank r holds experts ``[r*L, (r+1)*L)`` with ``L = E // R``.
       topk: K, experts picked per token.
       max_tokens_per_rank: static upper bound on T, the tokens each rank passes
-        to ``dispatch``. Native buffers are sized from it.
+        to ``dispatch``; ``jax_ep.initialize(config=...)`` sizes the native
+        buffer from it.
       hidden: H, the model width (row length of ``x``).
       axis_name: the mesh axis that forms the EP group (may be one axis of a
         larger mesh, e.g. ``('data', 'ep')``).
@@ -46,8 +47,9 @@ class EpConfig:
       check_overflow: raise (through ``jax.debug.callback`` / checkify-free
         host callback) when a capacity overflow drops rows instead of only
         reporting ``num_dropped``.
-      buffer_bytes: NVSHMEM symmetric buffer size for the native backend
-        (``None``: sized from the shapes above).
+      buffer_bytes: NVSHMEM symmetric buffer per process that
+        ``jax_ep.initialize(config=...)`` allocates (``None``: sized from the
+        shapes above, see :meth:`native_buffer_bytes`).
     """
 
     num_experts: int
@@ -119,3 +121,19 @@ class EpConfig:
         a = self.expert_alignment
         rows = num_ranks * num_tokens * min(self.topk, L) + L * (a - 1)
         return max(a, -(-rows // a) * a)
+
+    def native_buffer_bytes(self, num_ranks: int) -> int:
+        """Symmetric buffer the native kernels need for this config.
+
+        Staging holds one row per (source rank, token) for dispatch and for
+        combine, each double-buffered by call parity: 4 regions of
+        ``R * T * (row bytes + fp8 scale bytes)``, rows sized for f32 (the
+        widest row dtype), plus 1 MiB of control words. ``buffer_bytes``
+        overrides it."""
+        if self.buffer_bytes is not None:
+            return self.buffer_bytes
+        row = self.hidden * 4 + (self.hidden // 128) * 4
+        stage = num_ranks * self.max_tokens_per_rank * row
+        stage = -(-stage // 256) * 256 + 512  # alignment of the regions
+        return 4 * stage + (2 << 20)
+

@@ -54,7 +54,8 @@ then reads, in this order of precedence:
 
 * ``JAX_EP_NUM_PROCESSES`` / ``JAX_EP_PROCESS_ID`` / ``JAX_EP_LOCAL_RANK`` /
   ``JAX_EP_LOCAL_DEVICE_IDS`` / ``JAX_EP_COORDINATOR`` (set by this launcher), else
-* ``SLURM_NTASKS`` (processes), ``SLURM_PROCID`` (process id),
+* inside an ``srun`` step (``SLURM_STEP_ID`` set): ``SLURM_STEP_NUM_TASKS``
+  (processes), ``SLURM_PROCID`` (process id),
   ``SLURM_LOCALID`` (local rank = the GPU it drives), and the coordinator from
   ``JAX_EP_COORDINATOR`` or ``MASTER_ADDR`` + ``MASTER_PORT``; when neither is
   set, JAX's own SLURM detection picks the first node of the job.
@@ -203,13 +204,31 @@ def _parse(argv: Optional[Sequence[str]]):
                    help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)")
     p.add_argument("-m", dest="module", default=None, help="run a module (like python -m)")
     p.add_argument("script", nargs="?", help="the Python script to run")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
-    ns = p.parse_args(argv)
+    p.add_argument("args", nargs="*", help="its arguments")
+    # Like python itself: everything after the script or `-m module` belongs to
+    # the child, even options that look like the launcher's own.
+    argv = list(sys.argv[1:] if argv is None else argv)
+    valued = {a for act in p._actions if act.nargs is None and act.option_strings
+              for a in act.option_strings if a != "-m"}
+    own, module, script, rest, i = [], None, None, [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "-m":
+            if i + 1 >= len(argv):
+                p.error("-m needs a module name")
+            module, rest = argv[i + 1], argv[i + 2:]
+            break
+        if a.startswith("-") and a != "-":
+            take = 2 if (a in valued and "=" not in a) else 1
+            own += argv[i:i + take]
+            i += take
+            continue
+        script, rest = a, argv[i + 1:]
+        break
+    ns = p.parse_args(own)
+    ns.module, ns.script, ns.args = module, script, rest
     if ns.module is None and ns.script is None:
         p.error("give a script (or -m module) to run")
-    if ns.module is not None and ns.script is not None:
-        ns.args = [ns.script] + ns.args
-        ns.script = None
     return p, ns
 
 
@@ -371,8 +390,9 @@ def init_distributed(native: bool = False, platform: Optional[str] = None,
         if local is None:
             local = int(ids.split(",")[0]) if ids else 0
         ids = tuple(int(i) for i in ids.split(",")) if ids else (local,)
-    elif _env_int("SLURM_NTASKS") is not None:
-        num = _env_int("SLURM_NTASKS")
+    elif _env_int("SLURM_STEP_ID") is not None and _env_int("SLURM_STEP_NUM_TASKS") is not None:
+        # inside an srun step (a bare `python x.py` in an sbatch script is one process)
+        num = _env_int("SLURM_STEP_NUM_TASKS")
         pid = _env_int("SLURM_PROCID") or 0
         local = _env_int("SLURM_LOCALID") or 0
         coord = os.environ.get("JAX_EP_COORDINATOR")

@@ -163,7 +163,7 @@ def _not_up(reason: str) -> bool:
     return False
 
 
-def initialize(buffer_bytes: Optional[int] = None) -> bool:
+def initialize(buffer_bytes: Optional[int] = None, config=None) -> bool:
     """Start the native runtime in this process. Collective over all processes.
 
     Call after ``jax.distributed.initialize`` (when there are several processes).
@@ -172,9 +172,11 @@ def initialize(buffer_bytes: Optional[int] = None) -> bool:
     allocates the symmetric buffer with ``nvshmem_malloc``.
 
     Args:
-      buffer_bytes: symmetric buffer per process (default 1 GiB). It comes out
-        of the GPU memory JAX did not preallocate; lower
-        ``XLA_PYTHON_CLIENT_MEM_FRACTION`` if it does not fit.
+      buffer_bytes: symmetric buffer per process (default: from ``config``,
+        else 1 GiB). It comes out of the GPU memory JAX did not preallocate;
+        lower ``XLA_PYTHON_CLIENT_MEM_FRACTION`` if it does not fit.
+      config: an :class:`EpConfig` (or a list of them) to size the buffer
+        for: the largest ``config.native_buffer_bytes(process_count)``.
 
     Returns:
       True when the runtime is up; False (with a one-line notice, see
@@ -190,6 +192,11 @@ def initialize(buffer_bytes: Optional[int] = None) -> bool:
     C = _extension()
     if C is None:
         return _not_up(unavailable_reason())
+    if buffer_bytes is None and config is not None:
+        import jax
+
+        cfgs = config if isinstance(config, (list, tuple)) else [config]
+        buffer_bytes = max(c.native_buffer_bytes(jax.process_count()) for c in cfgs)
     buffer_bytes = DEFAULT_BUFFER_BYTES if buffer_bytes is None else int(buffer_bytes)
     if buffer_bytes < 1:
         raise ValueError(f"jax_ep.initialize: buffer_bytes must be positive, got {buffer_bytes}")

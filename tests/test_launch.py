@@ -234,3 +234,13 @@ def _hang():
 
 if __name__ == "__main__":
     {"worker": _worker, "fail": _fail, "hang": _hang}[sys.argv[1]]()
+
+
+def test_child_arguments_are_not_taken_by_the_launcher():
+    from jax_ep.launch import _parse
+
+    _, ns = _parse(["-n", "2", "-m", "pkg.mod", "--flag", "--grace", "3"])
+    assert (ns.nproc, ns.module, ns.script, ns.args, ns.grace) == (2, "pkg.mod", None,
+                                                                  ["--flag", "--grace", "3"], 5.0)
+    _, ns = _parse(["--platform=cpu", "train.py", "-n", "5"])
+    assert (ns.platform, ns.script, ns.args, ns.nproc) == ("cpu", "train.py", ["-n", "5"], None)
