@@ -10,6 +10,7 @@ equal to it op for op in f32 (combine).
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import jax
@@ -97,15 +98,46 @@ def bench_transfer(src_u8, token, cfg: EpConfig, mode: int, num_sms: int = 0):
     return out
 
 
-class NativeBackend:
+def all_gather_rows(rows, cfg: EpConfig, R: int):
+    """``rows [T, W]`` per rank -> ``[R, T, W]``: every rank's rows, by source.
+
+    The dispatch kernel with a static handle (every token to every rank, row
+    ``s*T + t`` for source s): NVLink stores and flags, no XLA collective."""
+    T = rows.shape[0]
+    flat = jnp.arange(R * T, dtype=jnp.int32)
+    h = Handle(send_mask=jnp.ones((T, R), jnp.bool_), recv_local_idx=jnp.zeros((R, T, 1), jnp.int32),
+               slot_row=flat.reshape(R, T, 1), row_src=flat, native=None, num_ranks=R,
+               num_tokens=T, capacity=R * T, layout="rank_major")
+    out, _ = dispatch_raw(rows, None, h, cfg)
+    return out.reshape(R, T, rows.shape[1])
+
+
+def _native_metadata() -> bool:
+    # Off until verified on GPUs (see tests/gpu/test_native_metadata.py).
+    return os.environ.get("JAX_EP_NATIVE_METADATA", "0") == "1"
+
+
+class NativeBackend(_ref.ReferenceBackend):
+    """Data rows through the native kernels; the routing metadata and weights
+    (a few bytes per token) through ``_exchange``: XLA's all_to_all by default,
+    or with ``JAX_EP_NATIVE_METADATA=1`` the native all-gather above."""
+
     name = "native"
+    _gather_rows = staticmethod(all_gather_rows)
+
+    def _exchange(self, x, cfg: EpConfig):
+        if not _native_metadata():
+            return super()._exchange(x, cfg)
+        # all_to_all as an all-gather of each token's R slices: R x the bytes,
+        # which for [R, T, K] metadata is a few hundred KB.
+        R, T, W = x.shape
+        g = self._gather_rows(jnp.moveaxis(x, 0, 1).reshape(T, R * W), cfg, R)  # [R(src), T, R*W]
+        me = jax.lax.axis_index(cfg.axis_name)
+        return jax.lax.dynamic_slice_in_dim(g.reshape(R, T, R, W), me, 1, axis=2)[:, :, 0]
 
     def layout(self, topk_idx, cfg: EpConfig, R: int):
         from . import native_layout
         return native_layout.layout(topk_idx, cfg, R)
-
-    def route(self, topk_idx, cfg: EpConfig, R: int):
-        return _ref.BACKEND.route(topk_idx, cfg, R)
 
     def dispatch_rows(self, x, x_scales, handle: Handle, cfg: EpConfig):
         # Pure data movement (also the backward of combine): never casts.
@@ -117,14 +149,8 @@ class NativeBackend:
         ``dispatch_rows(*reference.fp8_cast(x))``, one pass over x)."""
         return dispatch_raw(x, None, handle, cfg, cast_fp8=True)
 
-    def dispatch_weights(self, topk_weights, handle: Handle, cfg: EpConfig):
-        return _ref.BACKEND.dispatch_weights(topk_weights, handle, cfg)
-
     def combine_rows(self, y, row_weights, handle: Handle, cfg: EpConfig):
         return combine_raw(y, row_weights, handle, cfg)
-
-    def return_weights(self, d_recv_w, handle: Handle, cfg: EpConfig):
-        return _ref.BACKEND.return_weights(d_recv_w, handle, cfg)
 
 
 BACKEND = NativeBackend()

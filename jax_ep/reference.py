@@ -76,6 +76,11 @@ def fp8_cast(x: jax.Array):
 class ReferenceBackend:
     name = "reference"
 
+    def _exchange(self, x, cfg: EpConfig):
+        """``x [R, T, W]``: slice r goes to rank r; returns slices by source rank.
+        The one communication primitive of this backend (XLA all_to_all)."""
+        return _a2a(x, cfg.axis_name)
+
     # -- layout -------------------------------------------------------------
     def layout(self, topk_idx, cfg: EpConfig, R: int):
         E = cfg.num_experts
@@ -99,7 +104,7 @@ class ReferenceBackend:
         to_r = dest[None] == ranks[:, None, None]  # [R, T, K]
         send_mask = jnp.any(to_r, axis=2).T  # [T, R]
         send_local = jnp.where(to_r, idx[None] - ranks[:, None, None] * L, -1)
-        recv_local_idx = _a2a(send_local.astype(jnp.int32), cfg.axis_name)  # [R(src), T, K]
+        recv_local_idx = self._exchange(send_local.astype(jnp.int32), cfg)  # [R(src), T, K]
         valid = recv_local_idx >= 0
 
         if cfg.layout == "expert_major":
@@ -144,7 +149,7 @@ class ReferenceBackend:
         """x [T, W] -> received [R*T, W] (source-major), zero where not sent."""
         mask = handle.send_mask.T[:, :, None]  # [R, T, 1]
         send = jnp.where(mask, x[None], jnp.zeros((), x.dtype))
-        recv = _a2a(send, cfg.axis_name)
+        recv = self._exchange(send, cfg)
         return recv.reshape(-1, x.shape[1])
 
     def dispatch_rows(self, x, x_scales: Optional[jax.Array], handle: Handle, cfg: EpConfig):
@@ -182,7 +187,7 @@ class ReferenceBackend:
         else:
             g = d_recv_w[row, jnp.arange(K)[None, None, :]]
         g = jnp.where(ok, g, 0.0).astype(F32)  # [R(src), T, K]
-        back = _a2a(g, cfg.axis_name)  # [R(expert rank), T, K]
+        back = self._exchange(g, cfg)  # [R(expert rank), T, K]
         out = back[0]
         for r in range(1, R):
             out = out + back[r]
@@ -205,7 +210,7 @@ class ReferenceBackend:
             row = handle.slot_row[:, :, 0]
             partial = jnp.where((row >= 0)[..., None], y[jnp.maximum(row, 0)],
                                 jnp.zeros((), y.dtype))
-        back = _a2a(partial, cfg.axis_name)  # [R(expert rank), T, W]
+        back = self._exchange(partial, cfg)  # [R(expert rank), T, W]
         mask = handle.send_mask
         out = jnp.zeros((T, W), F32)
         for r in range(R):  # fixed order: ranks ascending
