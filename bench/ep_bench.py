@@ -184,11 +184,7 @@ def worker(args):
                         def f(x, i):
                             h = bk.route(i, cfg, R)[0]
                             for _ in range(n):
-                                if bk is native.BACKEND:
-                                    o = native.BACKEND.dispatch_rows_fp8(x, h, cfg)[0]
-                                else:
-                                    q, s = reference.fp8_cast(x)
-                                    o = bk.dispatch_rows(q, s, h, cfg)[0]
+                                o = bk.dispatch_rows_fp8(x, h, cfg)[0]
                                 x = dep(x, o.reshape(-1)[:1].astype(jnp.float32))
                             return x
                         return f
