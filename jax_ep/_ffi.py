@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 import jax
 import numpy as np
 
-from . import runtime  # registers the FFI targets
+from . import runtime  # noqa: F401  (importing it registers the FFI targets)
 
 _SDS_PARAMS = frozenset(inspect.signature(jax.ShapeDtypeStruct.__init__).parameters)
 

@@ -1,7 +1,6 @@
 """Reference combine: matches an f64 NumPy model within dtype tolerance, bitwise
 repeatable, and round-trips dispatch (combine of dispatched rows with weights
 w == sum_k w_k * x)."""
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest

@@ -3,7 +3,6 @@ of each token's R slices) gives the reference's handle and weights bit for bit.
 On CPU the native all-gather kernel is stood in for by jax.lax.all_gather;
 tests/gpu/test_native_metadata.py runs the real kernel."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

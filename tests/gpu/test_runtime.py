@@ -86,7 +86,6 @@ def _ping_ok(rank, n, mesh, size=1 << 14):
 
 def _layout_worker(rank, n):
     import jax
-    import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
     from jax_ep import native_layout
@@ -151,8 +150,6 @@ def _reinit_worker(rank, n, cycles=2):
 def _not_initialized_worker(rank, n):
     """No runtime yet: a native FFI call must raise, not crash. Then start it
     (single process: 1 PE) and check it works."""
-    import jax
-
     import jax_ep
     from jax_ep import runtime
 
