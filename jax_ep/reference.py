@@ -122,8 +122,6 @@ class ReferenceBackend:
             num_dropped_recv = jnp.sum(valid & ~stored, dtype=jnp.int32)
             num_valid = jnp.sum(stored, dtype=jnp.int32)
             group_sizes = jnp.clip(start + aligned, 0, C) - jnp.clip(start, 0, C)
-            src_of_slot = jnp.broadcast_to(
-                (jnp.arange(R * T, dtype=jnp.int32)).reshape(R, T, 1), (R, T, K))
         else:
             present = jnp.any(valid, axis=2)  # [R, T]
             pos = _excl_cumsum(present.reshape(-1).astype(jnp.int32), 0).reshape(R, T)
@@ -133,10 +131,9 @@ class ReferenceBackend:
             num_valid = jnp.sum(ok, dtype=jnp.int32)
             group_sizes = None
             stored = ok[..., None] & (jnp.arange(K) == 0)  # one writer per row
-            src_of_slot = jnp.broadcast_to(
-                (jnp.arange(R * T, dtype=jnp.int32)).reshape(R, T, 1), (R, T, K))
 
         target = jnp.where(stored, slot_row, C).reshape(-1)  # C = out of bounds, dropped
+        src_of_slot = jnp.broadcast_to(jnp.arange(R * T, dtype=jnp.int32).reshape(R, T, 1), (R, T, K))
         row_src = jnp.full((C,), -1, jnp.int32).at[target].set(
             src_of_slot.reshape(-1), mode="drop")
         handle = Handle(send_mask=send_mask, recv_local_idx=recv_local_idx,
