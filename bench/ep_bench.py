@@ -212,6 +212,19 @@ def worker(args):
                                 x = bk.combine_rows(y, w, h, cfg)
                             return x
                         return f
+                elif kind == "roundtrip_route":
+                    # the whole API round trip: route (layout + metadata exchange)
+                    # every iteration, made to depend on the previous output
+                    def build(n, cfg=cfg, bk=bk):
+                        def f(x, i):
+                            w = None
+                            for _ in range(n):
+                                bump = (x[0, 0] > 1e30).astype(jnp.int32)  # 0, not provably
+                                h = bk.route(i + bump, cfg, R)[0]
+                                y = bk.dispatch_rows(x, None, h, cfg)[0]
+                                x = bk.combine_rows(y, w, h, cfg)
+                            return x
+                        return f
                 elif kind == "ragged_a2a":
                     def build(n, cfg=cfg):
                         def f(x, i):
@@ -272,7 +285,12 @@ def worker(args):
     bidir = max([v for k, v in ceil.items() if v and k.endswith("both")] or [275.0])
 
     # ---- V3-train table ----------------------------------------------------------
-    ops = [("route", "rank_major", "reference"),
+    meta = (("JAX_EP_NATIVE_METADATA", "1"),)
+    ops = [("route", "rank_major", "reference"), ("route", "rank_major", "native"),
+           ("route", "rank_major", "native", 0, None, meta),
+           ("roundtrip_route", "rank_major", "native"),
+           ("roundtrip_route", "rank_major", "native", 0, None, meta),
+           ("roundtrip_route", "rank_major", "reference"),
            ("dispatch", "rank_major", "native"), ("dispatch", "expert_major", "native"),
            ("combine", "rank_major", "native"), ("combine", "expert_major", "native"),
            ("roundtrip", "rank_major", "native"), ("roundtrip", "expert_major", "native"),
@@ -294,6 +312,10 @@ def worker(args):
            ("dispatch", "rank_major", "native", 0, 64), ("combine", "rank_major", "native", 0, 64),
            # experimental wide fp8 cast (16 elements / 16-byte store per lane)
            ("dispatch_fp8", "rank_major", "native", 0, None, (("JAX_EP_FP8_WIDE", "1"),))]
+    # tokens per chunk (flag); the default at T=4096 is 2
+    for c in ("1", "4", "8"):
+        ops += [(k, "rank_major", "native", 0, None, (("JAX_EP_CHUNK", c),))
+                for k in ("dispatch", "combine", "roundtrip", "dispatch_fp8")]
     if args.skip_ref:
         ops = [o for o in ops if o[2] == "native"]
     if args.only_fp8:
@@ -316,6 +338,7 @@ def worker(args):
             recv_rows, recv_tokens, link_rows = route_stats(T, H, K, E, layout, idx)
             base = kind.split()[0]
             bpr = H * (1 if base == "dispatch_fp8" else 2) + (H // 128 * 4 if base == "dispatch_fp8" else 0)
+            base = "roundtrip" if base == "roundtrip_route" else base
             if base in ("dispatch", "dispatch_fp8", "ragged_a2a"):
                 recv_b, link_b = recv_rows * bpr, link_rows * bpr
             elif base == "combine":

@@ -41,13 +41,15 @@ constexpr int kU = 4;  // vectors in flight per lane per row (latency hiding)
 // Adds sum_k w_k * f32(y[rows[k]]) (k ascending) for the lane's kU vectors at
 // i0 + 32u into pa.
 template <typename T, int V>
-__device__ __forceinline__ void accum_rows(const char* y, long long row_bytes, const int* rows,
-                                           const float* w, int n, bool weighted, long long i0,
-                                           long long nv, float (&pa)[kU][V / sizeof(T)]) {
+__device__ __forceinline__ void accum_rows(const char* y, long long row_bytes, long long off,
+                                           const int* rows, const float* w, int n, bool weighted,
+                                           long long i0, long long nv,
+                                           float (&pa)[kU][V / sizeof(T)]) {
   using Vec = typename VecT<V>::type;
   constexpr int E = V / sizeof(T);
   for (int k = 0; k < n; ++k) {
-    const Vec* yr = reinterpret_cast<const Vec*>(y + static_cast<long long>(rows[k]) * row_bytes);
+    const Vec* yr =
+        reinterpret_cast<const Vec*>(y + static_cast<long long>(rows[k]) * row_bytes + off);
     Vec v[kU];
 #pragma unroll
     for (int u = 0; u < kU; ++u)
@@ -64,21 +66,24 @@ __device__ __forceinline__ void accum_rows(const char* y, long long row_bytes, c
   }
 }
 
-// Warp reduces n rows (weights w or 1) into dst (may be remote), cast to T.
+// Warp reduces bytes [off, off + len) of n rows (weights w or 1) into the
+// same range of dst (may be remote), cast to T.
 template <typename T, int V>
 __device__ __forceinline__ void warp_reduce_rows(const char* y, long long row_bytes,
                                                  const int* rows, const float* w, int n,
-                                                 bool weighted, char* dst, int lane) {
+                                                 bool weighted, char* dst, long long off,
+                                                 long long len, int lane) {
   using Vec = typename VecT<V>::type;
   constexpr int E = V / sizeof(T);
-  const long long nv = row_bytes / V;
+  const long long nv = len / V;
+  dst += off;
   for (long long i0 = lane; i0 < nv; i0 += 32 * kU) {
     float pa[kU][E];
 #pragma unroll
     for (int u = 0; u < kU; ++u)
 #pragma unroll
       for (int e = 0; e < E; ++e) pa[u][e] = 0.f;
-    accum_rows<T, V>(y, row_bytes, rows, w, n, weighted, i0, nv, pa);
+    accum_rows<T, V>(y, row_bytes, off, rows, w, n, weighted, i0, nv, pa);
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       if (i0 + 32 * u >= nv) continue;
@@ -94,15 +99,18 @@ __device__ __forceinline__ void warp_reduce_rows(const char* y, long long row_by
 // Warp forms out[t] = cast(sum over the partials q = 0..n-1 in order of
 // f32(partial_q)), where partial q is the staged row src[q] of a peer, or, at
 // q == local_pos, this rank's own partial cast(sum_k w_k * f32(y[rows[k]]))
-// formed here from y (it never goes through the staging buffer).
+// formed here from y (it never goes through the staging buffer). Only bytes
+// [off, off + len) of the rows.
 template <typename T, int V>
 __device__ __forceinline__ void warp_combine_token(const char* const* src, int n, int local_pos,
                                                    const char* y, long long row_bytes,
                                                    const int* rows, const float* w, int n_rows,
-                                                   bool weighted, char* out, int lane) {
+                                                   bool weighted, char* out, long long off,
+                                                   long long len, int lane) {
   using Vec = typename VecT<V>::type;
   constexpr int E = V / sizeof(T);
-  const long long nv = row_bytes / V;
+  const long long nv = len / V;
+  out += off;
   for (long long i0 = lane; i0 < nv; i0 += 32 * kU) {
     float acc[kU][E];
 #pragma unroll
@@ -116,14 +124,14 @@ __device__ __forceinline__ void warp_combine_token(const char* const* src, int n
         for (int u = 0; u < kU; ++u)
 #pragma unroll
           for (int e = 0; e < E; ++e) pa[u][e] = 0.f;
-        accum_rows<T, V>(y, row_bytes, rows, w, n_rows, weighted, i0, nv, pa);
+        accum_rows<T, V>(y, row_bytes, off, rows, w, n_rows, weighted, i0, nv, pa);
 #pragma unroll
         for (int u = 0; u < kU; ++u)
 #pragma unroll
           for (int e = 0; e < E; ++e)
             acc[u][e] = __fadd_rn(acc[u][e], Cvt<T>::f(Cvt<T>::t(pa[u][e])));
       } else {
-        const Vec* sr = reinterpret_cast<const Vec*>(src[q]);
+        const Vec* sr = reinterpret_cast<const Vec*>(src[q] + off);
         Vec v[kU];
 #pragma unroll
         for (int u = 0; u < kU; ++u)
@@ -150,24 +158,28 @@ __device__ __forceinline__ void warp_combine_token(const char* const* src, int n
 
 constexpr int kMaxK = 32;
 
-// Walks one warp's tokens: t = j*chunk + rw (+ k*recv_warps) inside chunk j,
-// for the chunks j = block, block + grid, ... .
-struct TokCursor {
-  int j, t, rw, chunk, step, T, num_chunks, grid;
-  __device__ TokCursor(int j0, int rw_, int chunk_, int step_, int T_, int nc, int g)
-      : j(j0), t(j0 * chunk_ + rw_), rw(rw_), chunk(chunk_), step(step_), T(T_), num_chunks(nc),
-        grid(g) {
+// Walks one warp's (token, slice) items: item i = rw, rw + step, ... of chunk
+// j (tokens j*chunk.., `slices` items each), for the chunks j = block,
+// block + grid, ... .
+struct ItemCursor {
+  int j, i, rw, chunk, slices, step, T, num_chunks, grid;
+  __device__ ItemCursor(int j0, int rw_, int chunk_, int slices_, int step_, int T_, int nc, int g)
+      : j(j0), i(rw_), rw(rw_), chunk(chunk_), slices(slices_), step(step_), T(T_),
+        num_chunks(nc), grid(g) {
     settle();
   }
+  __device__ int items(int jj) const { return (min(T, (jj + 1) * chunk) - jj * chunk) * slices; }
   __device__ bool valid() const { return j < num_chunks; }
+  __device__ int t() const { return j * chunk + i / slices; }
+  __device__ int sl() const { return i % slices; }
   __device__ void settle() {
-    while (j < num_chunks && t >= min(T, (j + 1) * chunk)) {
+    while (j < num_chunks && i >= items(j)) {
       j += grid;
-      t = j * chunk + rw;
+      i = rw;
     }
   }
   __device__ void next() {
-    t += step;
+    i += step;
     settle();
   }
 };
@@ -199,7 +211,8 @@ __device__ __forceinline__ int slot_rows(const CombineArgs& a, int s, int t, int
 
 template <typename T, int V>
 __global__ void __launch_bounds__(512, 1)
-combine_kernel(CombineArgs a, int send_warps, int recv_warps, int chunk, int num_chunks) {
+combine_kernel(CombineArgs a, int send_warps, int recv_warps, int chunk, int slices,
+               int num_chunks) {
   const int me = a.peers.rank, R = a.peers.num_ranks;
   OpCtrl* ctrl = reinterpret_cast<OpCtrl*>(sym_at(a.peers, me, a.ctrl_off));
   const unsigned int epoch = current_epoch(ctrl);
@@ -208,28 +221,32 @@ combine_kernel(CombineArgs a, int send_warps, int recv_warps, int chunk, int num
   const int NT = a.T;
   const char* y = static_cast<const char*>(a.y);
   const bool weighted = a.row_weights != nullptr && !a.rank_major;
+  const long long RB = a.row_bytes, nvec = RB / V;
   int rows[kMaxK];
   float w[kMaxK];
 
   if (warp < send_warps) {
-    // ---- expert side: partial of every (s, t) received from a peer s ----
+    // ---- expert side: partial of every (s, t) received from a peer s; the
+    // block's warps share chunk j's (token, slice) items ----
     for (int j = blockIdx.x; j < num_chunks; j += gridDim.x) {
-      const int t1 = min(NT, (j + 1) * chunk);
-      for (int t = j * chunk + warp; t < t1; t += send_warps) {
+      const int t0 = j * chunk, nit = (min(NT, t0 + chunk) - t0) * slices;
+      for (int it = warp; it < nit; it += send_warps) {
+        const int t = t0 + it / slices;
+        long long off, len;
+        row_slice(nvec, V, it % slices, slices, &off, &len);
         for (int i = 1; i < R; ++i) {
           const int s = (me + i) % R;
           bool received;
           const int n = slot_rows(a, s, t, rows, w, &received);
           if (!received || (a.skip & 1)) continue;
-          char* dst = sym_at(a.peers, s, stage) + (static_cast<long long>(me) * NT + t) * a.row_bytes;
+          char* dst = sym_at(a.peers, s, stage) + (static_cast<long long>(me) * NT + t) * RB;
           if (n == 0) {
-            warp_zero_row<V>(dst, a.row_bytes, lane);
+            warp_zero_row<V>(dst + off, len, lane);
           } else if (a.rank_major) {
             void* d[1] = {dst};
-            warp_copy_row_multi<V>(y + static_cast<long long>(rows[0]) * a.row_bytes, d, 1,
-                                   a.row_bytes, lane);
+            warp_copy_row_multi<V>(y + static_cast<long long>(rows[0]) * RB, d, 1, off, len, lane);
           } else {
-            warp_reduce_rows<T, V>(y, a.row_bytes, rows, w, n, weighted, dst, lane);
+            warp_reduce_rows<T, V>(y, RB, rows, w, n, weighted, dst, off, len, lane);
           }
         }
       }
@@ -245,23 +262,23 @@ combine_kernel(CombineArgs a, int send_warps, int recv_warps, int chunk, int num
     }
   } else {
     // ---- source side: sum the partials of ranks 0..R-1 ----
-    // Per token two steps over this warp's token list (its tokens of this
-    // block's chunks): A needs nobody: this rank's own partial cast(p_me) is
-    // formed from y and parked in out[t] (exact: it is stored in y's dtype
-    // anyway), or out[t] is finished when no peer is involved. B waits for the
-    // peers' chunk flags and sums ranks 0..R-1 in order (own partial read back
-    // from out[t]). B runs whenever its next token is ready, A otherwise, so
-    // the local reduction hides behind the transfer.
+    // Per (token, slice) item two steps over this warp's item list (its items
+    // of this block's chunks): A needs nobody: this rank's own partial
+    // cast(p_me) is formed from y and parked in out[t] (exact: it is stored in
+    // y's dtype anyway), or out[t] is finished when no peer is involved. B
+    // waits for the peers' chunk flags and sums ranks 0..R-1 in order (own
+    // partial read back from out[t]). B runs whenever its next item is ready,
+    // A otherwise, so the local reduction hides behind the transfer. rank_major
+    // has no A for items with peers: its own partial is one row of y, read by B.
     const int rw = warp - send_warps;
     const char* my_stage = sym_at(a.peers, me, stage);
     const char* src[kMaxRanks];
     const bool work = !(a.skip & 2);
-    const long long RB = a.row_bytes;
-    TokCursor ca(blockIdx.x, rw, chunk, recv_warps, NT, num_chunks, gridDim.x);
-    TokCursor cb = ca;
-    int na = 0, nb = 0;  // tokens done by A / B (B never overtakes A)
+    ItemCursor ca(blockIdx.x, rw, chunk, slices, recv_warps, NT, num_chunks, gridDim.x);
+    ItemCursor cb = ca;
+    int na = 0, nb = 0;  // items done by A / B (B never overtakes A)
     while (cb.valid()) {
-      const int tb = cb.t, jb = cb.j;
+      const int tb = cb.t(), jb = cb.j;
       const bool* mb = a.send_mask + static_cast<long long>(tb) * R;
       if (nb < na) {
         bool ready = true;
@@ -273,43 +290,58 @@ combine_kernel(CombineArgs a, int send_warps, int recv_warps, int chunk, int num
           ready = true;
         }
         if (ready) {
-          int n = 0, remote = 0;
+          int n = 0, remote = 0, local_pos = -1, n_rows = 0;
           for (int r = 0; r < R; ++r) {
             if (!mb[r]) continue;
             if (r == me) {
+              if (a.rank_major) {  // own partial straight from its row of y
+                bool received;
+                n_rows = slot_rows(a, me, tb, rows, w, &received);
+                local_pos = n;
+              }
               src[n++] = static_cast<const char*>(a.out) + tb * RB;
             } else {
               src[n++] = my_stage + (static_cast<long long>(r) * NT + tb) * RB;
               ++remote;
             }
           }
-          if (remote && work)
-            warp_combine_token<T, V>(src, n, -1, y, RB, rows, w, 0, false,
-                                     static_cast<char*>(a.out) + tb * RB, lane);
+          if (remote && work) {
+            long long off, len;
+            row_slice(nvec, V, cb.sl(), slices, &off, &len);
+            warp_combine_token<T, V>(src, n, local_pos, y, RB, rows, w, n_rows, false,
+                                     static_cast<char*>(a.out) + tb * RB, off, len, lane);
+          }
           ++nb;
           cb.next();
           continue;
         }
       }
-      // step A for the next token
-      const int ta = ca.t;
+      // step A for the next item
+      const int ta = ca.t();
       const bool* ma = a.send_mask + static_cast<long long>(ta) * R;
       int remote = 0;
       for (int r = 0; r < R; ++r) remote += (r != me && ma[r]);
       char* out = static_cast<char*>(a.out) + ta * RB;
+      long long off, len;
+      row_slice(nvec, V, ca.sl(), slices, &off, &len);
       if (work) {
         if (ma[me]) {
-          bool received;
-          const int n_rows = slot_rows(a, me, ta, rows, w, &received);
           if (remote) {
-            if (n_rows == 0) warp_zero_row<V>(out, RB, lane);
-            else warp_reduce_rows<T, V>(y, RB, rows, w, n_rows, weighted, out, lane);
+            if (!a.rank_major) {
+              bool received;
+              const int n_rows = slot_rows(a, me, ta, rows, w, &received);
+              if (n_rows == 0) warp_zero_row<V>(out + off, len, lane);
+              else warp_reduce_rows<T, V>(y, RB, rows, w, n_rows, weighted, out, off, len, lane);
+            }
           } else {
+            bool received;
+            const int n_rows = slot_rows(a, me, ta, rows, w, &received);
             src[0] = nullptr;
-            warp_combine_token<T, V>(src, 1, 0, y, RB, rows, w, n_rows, weighted, out, lane);
+            warp_combine_token<T, V>(src, 1, 0, y, RB, rows, w, n_rows, weighted, out, off, len,
+                                     lane);
           }
         } else if (!remote) {
-          warp_zero_row<V>(out, RB, lane);
+          warp_zero_row<V>(out + off, len, lane);
         }
       }
       ++na;
@@ -324,17 +356,17 @@ cudaError_t launch_typed(const CombineArgs& a, const LaunchConfig& lc, cudaStrea
   const int num_chunks = (a.T + lc.chunk - 1) / lc.chunk;
   const int v = row_vec_bytes(a.row_bytes);
   if (v >= 16)
-    combine_kernel<T, 16><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc.send_warps,
-                                                                       lc.recv_warps, lc.chunk, num_chunks);
+    combine_kernel<T, 16><<<lc.num_blocks, lc.threads(), 0, stream>>>(
+        a, lc.send_warps, lc.recv_warps, lc.chunk, lc.slices, num_chunks);
   else if (v >= 8)
-    combine_kernel<T, 8><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc.send_warps,
-                                                                      lc.recv_warps, lc.chunk, num_chunks);
+    combine_kernel<T, 8><<<lc.num_blocks, lc.threads(), 0, stream>>>(
+        a, lc.send_warps, lc.recv_warps, lc.chunk, lc.slices, num_chunks);
   else if (v >= 4 && sizeof(T) <= 4)
-    combine_kernel<T, 4><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc.send_warps,
-                                                                      lc.recv_warps, lc.chunk, num_chunks);
+    combine_kernel<T, 4><<<lc.num_blocks, lc.threads(), 0, stream>>>(
+        a, lc.send_warps, lc.recv_warps, lc.chunk, lc.slices, num_chunks);
   else
     combine_kernel<T, sizeof(T)><<<lc.num_blocks, lc.threads(), 0, stream>>>(
-        a, lc.send_warps, lc.recv_warps, lc.chunk, num_chunks);
+        a, lc.send_warps, lc.recv_warps, lc.chunk, lc.slices, num_chunks);
   return cudaGetLastError();
 }
 

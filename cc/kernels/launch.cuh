@@ -26,20 +26,36 @@ namespace jax_ep {
 // Receiver warps spin on flags raised by sender warps of other blocks (and
 // ranks), so every block of a grid must be resident at once: the grid is at
 // most the SM count and a block (512 threads, <= 128 registers) fits one SM.
+//
+// A chunk (one flag) is `chunk` consecutive tokens, moved by all the sender
+// warps of one block at once: with fewer tokens than warps each token row is
+// cut into `slices` column slices, one warp each. Small chunks make data land
+// in many small waves, so the receive-side work left after the last byte
+// arrives (gather / reduce of the last wave) is small.
 struct LaunchConfig {
   int num_blocks = 0;    // grid (<= SMs: blocks spin, so all must be resident)
   int send_warps = 8;    // warps per block that push rows to peers
   int recv_warps = 8;    // warps per block that gather / reduce locally
-  int chunk = 32;        // tokens per flag
+  int chunk = 2;         // tokens per flag
+  int slices = 4;        // warps per token row inside a chunk (send and receive)
   int threads() const { return 32 * (send_warps + recv_warps); }
 };
 
 // Picks the grid and chunk size for T tokens given an SM budget (num_sms <= 0:
-// every SM of the device).
+// every SM of the device). JAX_EP_CHUNK overrides the tokens per chunk (bench).
 LaunchConfig make_launch_config(int num_tokens, int num_sms_requested, int device_sms);
 
+// Byte range [off, off + len) of slice `sl` of `slices` of a row of `nvec`
+// vectors of `vec` bytes (slices differ by at most one vector).
+__host__ __device__ inline void row_slice(long long nvec, int vec, int sl, int slices,
+                                          long long* off, long long* len) {
+  const long long b = nvec * sl / slices, e = nvec * (sl + 1) / slices;
+  *off = b * vec;
+  *len = (e - b) * vec;
+}
+
 // ---- symmetric buffer layout -------------------------------------------------
-constexpr int kMaxChunks = 2048;            // flags per (op, source rank)
+constexpr int kMaxChunks = 8192;            // flags per (op, source rank)
 constexpr size_t kCtrlBytes = size_t(1) << 20;  // control region (end of buffer)
 
 enum OpKind : int { kOpDispatch = 0, kOpCombine = 1, kOpBench = 2, kNumOps = 3 };
@@ -158,13 +174,15 @@ __host__ __device__ inline int row_vec_bytes(long long bytes) {
   return (bytes % 16 == 0) ? 16 : (bytes % 8 == 0) ? 8 : (bytes % 4 == 0) ? 4 : (bytes % 2 == 0) ? 2 : 1;
 }
 
-// Warp copies one row to up to `n` destinations (dst[i] may be remote).
-// UNROLL independent loads in flight per lane.
+// Warp copies bytes [off, off + bytes) of a row to the same range of up to
+// `n` destination rows (dst[i] may be remote); off and bytes are multiples of
+// V. UNROLL independent loads in flight per lane.
 template <int V, int UNROLL = 4>
 __device__ __forceinline__ void warp_copy_row_multi(const void* __restrict__ src, void* const* dst,
-                                                    int n, long long bytes, int lane) {
+                                                    int n, long long off, long long bytes,
+                                                    int lane) {
   using T = typename VecT<V>::type;
-  const T* s = reinterpret_cast<const T*>(src);
+  const T* s = reinterpret_cast<const T*>(static_cast<const char*>(src) + off);
   const long long nv = bytes / V;
   long long i = lane;
   for (; i + 32 * (UNROLL - 1) < nv; i += 32 * UNROLL) {
@@ -172,14 +190,14 @@ __device__ __forceinline__ void warp_copy_row_multi(const void* __restrict__ src
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) v[u] = s[i + 32 * u];
     for (int d = 0; d < n; ++d) {
-      T* o = reinterpret_cast<T*>(dst[d]);
+      T* o = reinterpret_cast<T*>(static_cast<char*>(dst[d]) + off);
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) o[i + 32 * u] = v[u];
     }
   }
   for (; i < nv; i += 32) {
     T v = s[i];
-    for (int d = 0; d < n; ++d) reinterpret_cast<T*>(dst[d])[i] = v;
+    for (int d = 0; d < n; ++d) reinterpret_cast<T*>(static_cast<char*>(dst[d]) + off)[i] = v;
   }
 }
 
@@ -192,15 +210,16 @@ __device__ __forceinline__ void warp_zero_row(void* dst, long long bytes, int la
   for (long long i = lane; i < bytes / V; i += 32) o[i] = z;
 }
 
-// Runtime-dispatched wrappers (the width is uniform per row stream).
+// Runtime-dispatched wrappers: v = the stream's vector width (row_vec_bytes of
+// its row size), which off and bytes are multiples of.
 __device__ __forceinline__ void warp_copy_row_any(const void* src, void* const* dst, int n,
-                                                  long long bytes, int lane) {
-  switch (row_vec_bytes(bytes)) {
-    case 16: warp_copy_row_multi<16>(src, dst, n, bytes, lane); break;
-    case 8: warp_copy_row_multi<8>(src, dst, n, bytes, lane); break;
-    case 4: warp_copy_row_multi<4>(src, dst, n, bytes, lane); break;
-    case 2: warp_copy_row_multi<2>(src, dst, n, bytes, lane); break;
-    default: warp_copy_row_multi<1>(src, dst, n, bytes, lane); break;
+                                                  long long off, long long bytes, int v, int lane) {
+  switch (v) {
+    case 16: warp_copy_row_multi<16>(src, dst, n, off, bytes, lane); break;
+    case 8: warp_copy_row_multi<8>(src, dst, n, off, bytes, lane); break;
+    case 4: warp_copy_row_multi<4>(src, dst, n, off, bytes, lane); break;
+    case 2: warp_copy_row_multi<2>(src, dst, n, off, bytes, lane); break;
+    default: warp_copy_row_multi<1>(src, dst, n, off, bytes, lane); break;
   }
 }
 __device__ __forceinline__ void warp_zero_row_any(void* dst, long long bytes, int lane) {

@@ -115,6 +115,12 @@ def test_native_overflow():
     _check("overflow")
 
 
+@pytest.mark.gpu
+def test_native_chunking():
+    """Every chunk size (tokens per flag, row slices per warp) gives the same bits."""
+    _check("chunk")
+
+
 # ----------------------------------------------------------------------------
 # worker side
 # ----------------------------------------------------------------------------
@@ -332,6 +338,42 @@ def _worker(rank: int, port: int):
                    f"rel_err gx={errs[0]:.2e} gw={errs[1]:.2e}")
         except Exception as e:  # noqa: BLE001
             report(name, False, f"{type(e).__name__}: {str(e)[:800]}")
+
+    # ---- chunking (JAX_EP_CHUNK): 1, 3 (uneven slices), 8 tokens per flag ------
+    # The default picks 2 at T=4096; every chunking must give the same bits.
+    if not only or only == "chunk":
+        T, H, K, E = 4096, 7168, 8, 256
+        idx = random_routing(rng, R, T, K, E, minus_one=0.1, skew=True)
+        w = rng.random((R, T, K)).astype(np.float32)
+        x = rng.standard_normal((R, T, H)).astype(np.float32).astype(jnp.bfloat16)
+        outs = {}
+        for be in ("reference", "native"):
+            cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H,
+                           layout="rank_major", backend=be)
+
+            def fn(a, b, c, cfg=cfg, be=be):
+                d = jax_ep.dispatch(a, b, c, cfg)
+                y = (d.x.astype(jnp.float32) * 1.5 + 0.25).astype(d.x.dtype)
+                h = d.handle
+                bk = native.BACKEND if be == "native" else reference.BACKEND
+                q = (bk.dispatch_rows_fp8(a, h, cfg) if be == "native"
+                     else bk.dispatch_rows(*reference.fp8_cast(a), h, cfg))
+                return d.x, jax_ep.combine(y, d, cfg), q[0], q[1]
+            f, ins = run(cfg, fn, x, idx, w)
+            for chunk in (("default",) if be == "reference" else ("default", "1", "3", "8")):
+                if chunk != "default":
+                    os.environ["JAX_EP_CHUNK"] = chunk
+                try:
+                    outs[(be, chunk)] = [bits(local(o)) for o in f(*ins)]
+                finally:
+                    os.environ.pop("JAX_EP_CHUNK", None)
+        ref = outs[("reference", "default")]
+        for chunk in ("default", "1", "3", "8"):
+            got = outs[("native", chunk)]
+            same = [bool(np.array_equal(u, v)) for u, v in zip(got, ref)]
+            same_default = [bool(np.array_equal(u, v)) for u, v in zip(got, outs[("native", "default")])]
+            report(f"chunk_{chunk}_rm_T4096_H7168", same[0] and same[2] and same[3] and all(same_default),
+                   f"dispatch/combine/fp8q/fp8s == reference: {same}; == native default: {same_default}")
 
     # ---- sub-axis mesh ('data', 'ep') with data = 1 -----------------------------
     try:
