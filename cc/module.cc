@@ -2,10 +2,12 @@
 // (runtime_lifecycle.h) and the FFI handler capsules (ffi_targets.h).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <string>
 
 #include "ffi_targets.h"
+#include "loopback.h"
 #include "runtime.h"
 #include "runtime_lifecycle.h"
 #include "xla/ffi/api/api.h"
@@ -56,6 +58,19 @@ NB_MODULE(_C, m) {
     jax_ep::nvshmem_fini();
   });
   m.def("device_free_bytes", &jax_ep::device_free_bytes, nb::arg("device"));
+  // Tests only (tests/gpu/test_loopback.py): every rank's kernel on one GPU.
+  m.def("loopback_dispatch",
+        [](const std::vector<uint64_t>& ptrs, const std::vector<int64_t>& ints, size_t sym_bytes,
+           int num_ranks) {
+          nb::gil_scoped_release release;
+          return jax_ep::loopback_dispatch(ptrs, ints, sym_bytes, num_ranks);
+        });
+  m.def("loopback_combine",
+        [](const std::vector<uint64_t>& ptrs, const std::vector<int64_t>& ints, size_t sym_bytes,
+           int num_ranks) {
+          nb::gil_scoped_release release;
+          return jax_ep::loopback_combine(ptrs, ints, sym_bytes, num_ranks);
+        });
   m.def("runtime_info", []() -> nb::object {
     jax_ep::Runtime* rt = jax_ep::runtime();
     if (!rt) return nb::none();

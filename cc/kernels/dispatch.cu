@@ -381,7 +381,7 @@ LaunchConfig make_launch_config(int num_tokens, int num_sms_requested, int devic
   }
   while ((num_tokens + chunk - 1) / chunk > kMaxChunks) chunk *= 2;
   lc.chunk = chunk;
-  lc.slices = chunk >= lc.send_warps ? 1 : lc.send_warps / chunk;
+  lc.slices = slices_for_chunk(chunk, lc.send_warps);
   lc.num_blocks = sms;
   return lc;
 }

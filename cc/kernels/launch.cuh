@@ -45,6 +45,9 @@ struct LaunchConfig {
 // every SM of the device). JAX_EP_CHUNK overrides the tokens per chunk (bench).
 LaunchConfig make_launch_config(int num_tokens, int num_sms_requested, int device_sms);
 
+// Warps per token row when a block's warps share a chunk of `chunk` tokens.
+inline int slices_for_chunk(int chunk, int warps) { return chunk >= warps ? 1 : warps / chunk; }
+
 // Byte range [off, off + len) of slice `sl` of `slices` of a row of `nvec`
 // vectors of `vec` bytes (slices differ by at most one vector).
 __host__ __device__ inline void row_slice(long long nvec, int vec, int sl, int slices,

@@ -1,0 +1,121 @@
+// See loopback.h.
+#include "loopback.h"
+
+#include <cuda_runtime.h>
+
+#include "kernels/dispatch.cuh"
+
+namespace jax_ep {
+
+namespace {
+
+PeerTable loopback_peers(const std::vector<uint64_t>& ptrs, int stride, int sym_index, int R,
+                         int r) {
+  PeerTable p;
+  p.rank = r;
+  p.num_ranks = R;
+  for (int i = 0; i < R; ++i) p.peers[i] = reinterpret_cast<void*>(ptrs[stride * i + sym_index]);
+  return p;
+}
+
+LaunchConfig loopback_config(int T, int num_blocks, int chunk) {
+  LaunchConfig lc = make_launch_config(T > 0 ? T : 1, num_blocks, num_blocks);
+  if (chunk > 0) {
+    lc.chunk = chunk;
+    lc.slices = slices_for_chunk(chunk, lc.send_warps);
+  }
+  return lc;
+}
+
+// Launches fn(r, stream_r) for every rank on its own stream, then waits.
+template <typename F>
+std::string run_ranks(int R, F fn) {
+  std::vector<cudaStream_t> streams(R);
+  for (auto& s : streams) cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  std::string err;
+  for (int r = 0; r < R && err.empty(); ++r) {
+    cudaError_t e = fn(r, streams[r]);
+    if (e != cudaSuccess) err = std::string("launch: ") + cudaGetErrorString(e);
+  }
+  cudaError_t e = cudaDeviceSynchronize();
+  if (err.empty() && e != cudaSuccess) err = std::string("sync: ") + cudaGetErrorString(e);
+  for (auto& s : streams) cudaStreamDestroy(s);
+  if (err.empty() && take_device_error()) err = "device-side timeout";
+  return err;
+}
+
+}  // namespace
+
+std::string loopback_dispatch(const std::vector<uint64_t>& ptrs, const std::vector<int64_t>& ints,
+                              size_t sym_bytes, int R) {
+  if (R < 1 || R > kMaxRanks || ptrs.size() != size_t(8 * R) || ints.size() != 13)
+    return "loopback_dispatch: bad arguments";
+  auto P = [&](int r, int i) { return reinterpret_cast<void*>(ptrs[8 * r + i]); };
+  return run_ranks(R, [&](int r, cudaStream_t st) {
+    DispatchArgs a;
+    a.peers = loopback_peers(ptrs, 8, 7, R, r);
+    a.ctrl_off = ctrl_offset(sym_bytes, kOpDispatch);
+    a.x = P(r, 0);
+    a.scales = ints[6] && ints[7] == kDispatchCopy ? P(r, 1) : nullptr;
+    a.out = P(r, 2);
+    a.out_scales = P(r, 3);
+    a.row_src = static_cast<const int32_t*>(P(r, 4));
+    a.slot_row = static_cast<const int32_t*>(P(r, 5));
+    a.send_mask = static_cast<const bool*>(P(r, 6));
+    a.T = int(ints[0]);
+    a.K = int(ints[1]);
+    a.C = int(ints[2]);
+    a.hidden = int(ints[3]);
+    a.x_row_bytes = ints[4];
+    a.row_bytes = ints[5];
+    a.s_row_bytes = ints[6];
+    a.mode = int(ints[7]);
+    a.rank_major = ints[8] != 0;
+    a.div_mode = int(ints[11]);
+    a.cast_wide = ints[12] != 0;
+    a.host_err = device_error_word();
+    a.timeout_ns = 2ull * 1000 * 1000 * 1000;
+    size_t scales_off = 0;
+    if (dispatch_stage_bytes(R, a.T, a.row_bytes, a.s_row_bytes, &scales_off) >
+        stage_half_bytes(sym_bytes))
+      return cudaErrorInvalidValue;
+    a.stage_off[0] = stage_offset(sym_bytes, kOpDispatch, 0);
+    a.stage_off[1] = stage_offset(sym_bytes, kOpDispatch, 1);
+    a.stage_scales_off = scales_off;
+    return launch_dispatch(a, loopback_config(a.T, int(ints[9]), int(ints[10])), st);
+  });
+}
+
+std::string loopback_combine(const std::vector<uint64_t>& ptrs, const std::vector<int64_t>& ints,
+                             size_t sym_bytes, int R) {
+  if (R < 1 || R > kMaxRanks || ptrs.size() != size_t(7 * R) || ints.size() != 9)
+    return "loopback_combine: bad arguments";
+  auto P = [&](int r, int i) { return reinterpret_cast<void*>(ptrs[7 * r + i]); };
+  return run_ranks(R, [&](int r, cudaStream_t st) {
+    CombineArgs a;
+    a.peers = loopback_peers(ptrs, 7, 6, R, r);
+    a.ctrl_off = ctrl_offset(sym_bytes, kOpCombine);
+    a.y = P(r, 0);
+    a.row_weights = static_cast<const float*>(P(r, 1));
+    a.slot_row = static_cast<const int32_t*>(P(r, 2));
+    a.recv_local_idx = static_cast<const int32_t*>(P(r, 3));
+    a.send_mask = static_cast<const bool*>(P(r, 4));
+    a.out = P(r, 5);
+    a.T = int(ints[0]);
+    a.K = int(ints[1]);
+    a.C = int(ints[2]);
+    a.W = int(ints[3]);
+    a.dtype = int(ints[4]);
+    a.row_bytes = ints[5];
+    a.rank_major = ints[6] != 0;
+    a.host_err = device_error_word();
+    a.timeout_ns = 2ull * 1000 * 1000 * 1000;
+    if (combine_stage_bytes(R, a.T, a.row_bytes) > stage_half_bytes(sym_bytes))
+      return cudaErrorInvalidValue;
+    a.stage_off[0] = stage_offset(sym_bytes, kOpCombine, 0);
+    a.stage_off[1] = stage_offset(sym_bytes, kOpCombine, 1);
+    return launch_combine(a, loopback_config(a.T, int(ints[7]), int(ints[8])), st);
+  });
+}
+
+}  // namespace jax_ep

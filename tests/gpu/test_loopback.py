@@ -1,0 +1,312 @@
+"""The dispatch / combine kernels on ONE GPU: every rank's kernel in one process.
+
+``jax_ep._C.loopback_dispatch`` / ``loopback_combine`` (cc/loopback.cu) run R
+ranks' kernels concurrently on one device, each on its own stream and SM share,
+with plain zeroed device buffers in place of the NVSHMEM symmetric buffer: the
+real protocol (staging, chunk flags, epochs across calls, row slices) with HBM
+standing in for NVLink. Handles and expected rows come from the reference
+backend on CPU (R fake devices). Outputs are poisoned with 0xFF first.
+
+This covers the kernels wherever a single GPU is all there is (and R = 4
+without four GPUs); the multi-process tests (test_native_dispatch.py) cover the
+NVSHMEM transport, FFI and JAX integration. fp8 casts use IEEE division here
+(div_mode 0), the CPU reference's rounding.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import harness
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _skip_reason():
+    if harness.gpu_count() < 1:
+        return "needs a CUDA GPU"
+    from jax_ep import runtime
+
+    if not runtime.extension_available():
+        return runtime.unavailable_reason()
+    try:
+        import torch  # noqa: F401  (device buffers for the raw kernel launches)
+    except ImportError:
+        return "needs torch for device buffers"
+    return None
+
+
+_RESULTS = {}
+
+
+def _results():
+    if "status" not in _RESULTS:
+        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+                   XLA_FLAGS="--xla_force_host_platform_device_count=4")
+        p = subprocess.run([sys.executable, __file__, "--worker"], env=env, capture_output=True,
+                           text=True, timeout=900)
+        sys.stdout.write(p.stdout[-20000:] + p.stderr[-5000:])
+        status = {}
+        for line in p.stdout.splitlines():
+            if line.startswith("RESULT "):
+                r = json.loads(line[7:])
+                status[r["name"]] = r
+        _RESULTS["status"] = status
+        _RESULTS["rc"] = p.returncode
+        _RESULTS["tail"] = p.stdout[-3000:] + p.stderr[-3000:]
+    return _RESULTS
+
+
+def _check(prefix):
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    res = _results()
+    names = [n for n in res["status"] if n.startswith(prefix)]
+    assert names, f"no '{prefix}' cases ran (rc={res['rc']}):\n{res['tail']}"
+    bad = [res["status"][n] for n in names if not res["status"][n]["ok"]]
+    assert not bad, json.dumps(bad, indent=1)
+
+
+@pytest.mark.gpu
+def test_loopback_dispatch_bitexact():
+    _check("dispatch")
+
+
+@pytest.mark.gpu
+def test_loopback_fp8():
+    _check("fp8")
+
+
+@pytest.mark.gpu
+def test_loopback_combine():
+    _check("combine")
+
+
+# ---------------------------------------------------------------------------- worker
+def _worker():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    sys.path[:0] = [os.path.dirname(_HERE), os.path.dirname(os.path.dirname(_HERE))]
+    from ep_testing import make_mesh, random_routing, run_per_rank
+    from jax_ep import reference
+    from jax_ep.config import EpConfig
+    from jax_ep import runtime
+
+    C_ = runtime._extension()  # the jax_ep._C module
+    assert C_ is not None, runtime.unavailable_reason()
+    ref = reference.BACKEND
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rng = np.random.default_rng(7)
+    sym_cache = {}
+
+    def sym_buffers(R, nbytes):
+        # one zeroed "symmetric" buffer per rank, reused across calls (epochs)
+        key = R
+        if key not in sym_cache or sym_cache[key][0] < nbytes:
+            sym_cache[key] = (nbytes, [torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+                                       for _ in range(R)])
+        return sym_cache[key]
+
+    def dev(a):
+        a = np.ascontiguousarray(a)
+        return torch.from_numpy(a.view(np.uint8).reshape(-1).copy()).cuda()
+
+    def poisoned(nbytes):
+        return torch.full((max(nbytes, 16),), 0xFF, dtype=torch.uint8, device="cuda")
+
+    def host(t, like):
+        return t.cpu().numpy()[: like.nbytes].view(like.dtype).reshape(like.shape)
+
+    def bits(a):
+        a = np.asarray(a)
+        return a.view(np.uint8) if a.dtype.itemsize == 1 else a.view(f"u{a.dtype.itemsize}")
+
+    def emit(name, ok, **detail):
+        print("RESULT " + json.dumps(dict(name=name, ok=bool(ok), **detail)), flush=True)
+
+    def handles_and_ref(R, cfg, x, idx, mode):
+        """Per-rank handle fields and the reference's dispatch rows (numpy, [R, ...])."""
+        mesh = make_mesh((R,), ("ep",))
+
+        def fn(x, i):
+            h = ref.route(i, cfg, R)[0]
+            if mode == "cast":
+                out, out_s = ref.dispatch_rows(*reference.fp8_cast(x), h, cfg)
+            elif mode == "given":
+                q, s = reference.fp8_cast(x)
+                out, out_s = ref.dispatch_rows(q, s, h, cfg)
+            else:
+                out, out_s = ref.dispatch_rows(x, None, h, cfg)
+            outs = (h.send_mask, h.recv_local_idx, h.slot_row, h.row_src, out)
+            return outs + ((out_s,) if out_s is not None else ())
+        return run_per_rank(fn, mesh, "ep", x, idx)
+
+    def launch_dispatch(R, x, scales, hd, mode, rank_major, H, chunk=0, wide=False):
+        send_mask, recv_li, slot_row, row_src, out_ref = hd[:5]
+        T, K, C = x.shape[1], slot_row.shape[-1], out_ref.shape[1]
+        out_dtype = out_ref.dtype
+        row_bytes = out_ref.shape[2] * out_ref.dtype.itemsize
+        x_row_bytes = x.shape[2] * x.dtype.itemsize
+        s_row_bytes = (H // 128) * 4 if mode in ("cast", "given") else 0
+        kmode = {"copy": 0, "given": 0}.get(mode, 1 if x.dtype == jnp.bfloat16 else 2)
+        need = 4 * (R * T * (row_bytes + s_row_bytes) + 4096) + (4 << 20)
+        _, syms = sym_buffers(R, need)
+        sym_bytes = syms[0].numel()
+        keep, ptrs = [], []
+        outs, out_ss = [], []
+        for r in range(R):
+            xs = dev(x[r])
+            sc = dev(scales[r]) if scales is not None else poisoned(16)
+            o = poisoned(C * row_bytes)
+            os_ = poisoned(C * s_row_bytes)
+            rs, sr, sm = dev(row_src[r]), dev(slot_row[r]), dev(send_mask[r])
+            keep += [xs, sc, o, os_, rs, sr, sm]
+            outs.append(o)
+            out_ss.append(os_)
+            ptrs += [t.data_ptr() for t in (xs, sc, o, os_, rs, sr, sm, syms[r])]
+        ints = [T, K, C, H, x_row_bytes, row_bytes, s_row_bytes, kmode, int(rank_major),
+                sms // R, chunk, 0, int(wide)]
+        err = C_.loopback_dispatch(ptrs, ints, sym_bytes, R)
+        got = [host(outs[r], out_ref[r]) for r in range(R)]
+        got_s = [host(out_ss[r], hd[5][r]) for r in range(R)] if s_row_bytes else None
+        return err, got, got_s
+
+    # ---- dispatch: bit-identical to the reference ---------------------------------
+    cases = [
+        # name, R, T, H, K, E, layout, align, dtype, capacity, skew, minus_one, chunks
+        ("dispatch_rm_R2_T4096_H7168_K8_E256", 2, 4096, 7168, 8, 256, "rank_major", 1, "bfloat16",
+         None, False, 0.1, (0, 1, 3, 8)),
+        ("dispatch_em_a128_R2_T128_H2880_K2_E8_skew", 2, 128, 2880, 2, 8, "expert_major", 128,
+         "bfloat16", None, True, 0.3, (0, 3)),
+        ("dispatch_em_R4_T7_H2048_K1_E8_f32", 4, 7, 2048, 1, 8, "expert_major", 1, "float32",
+         None, False, 0.0, (0,)),
+        ("dispatch_em_R4_T1024_H7168_K8_E256", 4, 1024, 7168, 8, 256, "expert_major", 1,
+         "bfloat16", None, True, 0.1, (0, 2)),
+        ("dispatch_overflow_em_R2_T128_H2048_K8_E64_cap100", 2, 128, 2048, 8, 64, "expert_major",
+         1, "bfloat16", 100, True, 0.0, (0,)),
+    ]
+    for name, R, T, H, K, E, layout, align, dt, cap, skew, m1, chunks in cases:
+        try:
+            idx = random_routing(rng, R, T, K, E, minus_one=m1, skew=skew)
+            x = rng.standard_normal((R, T, H)).astype(np.float32)
+            x = x.astype(jnp.bfloat16) if dt == "bfloat16" else x
+            cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
+                           expert_alignment=align, capacity=cap, backend="reference")
+            hd = handles_and_ref(R, cfg, x, idx, "copy")
+            for chunk in chunks:
+                err, got, _ = launch_dispatch(R, x, None, hd, "copy", layout == "rank_major", H,
+                                              chunk)
+                same = [bool(np.array_equal(bits(g), bits(e))) for g, e in zip(got, hd[4])]
+                emit(f"{name}_chunk{chunk}", not err and all(same), err=err, same=same)
+        except Exception as e:  # noqa: BLE001
+            emit(name, False, err=f"{type(e).__name__}: {e}"[:800])
+
+    # ---- fp8: cast in the kernel (both cast widths), and fp8 + scales given ----------
+    for name, R, T, H, K, E, layout, mode, xdt, chunks in [
+        ("fp8_cast_bf16_rm_R2_T4096_H7168", 2, 4096, 7168, 8, 256, "rank_major", "cast",
+         "bfloat16", (0, 3, 8)),
+        ("fp8_cast_f32_em_R2_T7_H256", 2, 7, 256, 2, 8, "expert_major", "cast", "float32", (0,)),
+        ("fp8_cast_bf16_em_R4_T128_H2048", 4, 128, 2048, 8, 64, "expert_major", "cast",
+         "bfloat16", (0, 1)),
+        ("fp8_given_em_R4_T128_H7168", 4, 128, 7168, 8, 256, "expert_major", "given", None, (0,)),
+    ]:
+        try:
+            idx = random_routing(rng, R, T, K, E, minus_one=0.1)
+            xf = (rng.standard_normal((R, T, H)) * rng.exponential(2.0, (R, T, 1))).astype(np.float32)
+            xf[0, 0, :128] = 0.0  # an all-zero group: amax clamps to 1e-4
+            x = xf if xdt == "float32" else xf.astype(jnp.bfloat16)
+            cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
+                           backend="reference")
+            hd = handles_and_ref(R, cfg, x, idx, mode)
+            if mode == "given":
+                q, s = jax.jit(jax.vmap(reference.fp8_cast))(x)
+                xin, sin = np.asarray(q), np.asarray(s)
+            else:
+                xin, sin = x, None
+            for chunk in chunks:
+                for wide in ((False, True) if mode == "cast" else (False,)):
+                    err, got, got_s = launch_dispatch(R, xin, sin, hd, mode,
+                                                      layout == "rank_major", H, chunk, wide)
+                    sq = [bool(np.array_equal(bits(g), bits(e))) for g, e in zip(got, hd[4])]
+                    ss = [bool(np.array_equal(bits(g), bits(e))) for g, e in zip(got_s, hd[5])]
+                    emit(f"{name}_chunk{chunk}{'_wide' if wide else ''}",
+                         not err and all(sq) and all(ss), err=err, q_same=sq, scales_same=ss,
+                         q_mismatch=[int((bits(g) != bits(e)).sum()) for g, e in zip(got, hd[4])])
+        except Exception as e:  # noqa: BLE001
+            emit(name, False, err=f"{type(e).__name__}: {e}"[:800])
+
+    # ---- combine: equal to the reference within f32 tolerance; same bits for every
+    # chunking -------------------------------------------------------------------------
+    for name, R, T, H, K, E, layout, dt, weighted, chunks in [
+        ("combine_rm_R2_T4096_H7168_K8_E256_bf16", 2, 4096, 7168, 8, 256, "rank_major",
+         "bfloat16", False, (0, 1, 3, 8)),
+        ("combine_em_R4_T128_H2048_K8_E64_bf16_w", 4, 128, 2048, 8, 64, "expert_major",
+         "bfloat16", True, (0, 1)),
+        ("combine_em_R2_T1024_H7168_K8_E256_bf16_w", 2, 1024, 7168, 8, 256, "expert_major",
+         "bfloat16", True, (0, 2, 3)),
+        ("combine_em_R2_T7_H2048_K1_E8_f32", 2, 7, 2048, 1, 8, "expert_major", "float32", False,
+         (0,)),
+        ("combine_rm_R2_T128_H2880_K2_E8_bf16", 2, 128, 2880, 2, 8, "rank_major", "bfloat16",
+         False, (0, 3)),
+    ]:
+        try:
+            idx = random_routing(rng, R, T, K, E, minus_one=0.2, skew=True)
+            cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
+                           backend="reference")
+            xdt = jnp.bfloat16 if dt == "bfloat16" else np.float32
+            x = rng.standard_normal((R, T, H)).astype(np.float32).astype(xdt)
+            hd = handles_and_ref(R, cfg, x, idx, "copy")
+            send_mask, recv_li, slot_row, row_src, y = hd[:5]
+            y = (y.astype(np.float32) * 1.5 + 0.25).astype(xdt)  # [R, C, H]
+            Cn = y.shape[1]
+            w = rng.random((R, Cn)).astype(np.float32) if weighted else None
+            mesh = make_mesh((R,), ("ep",))
+            from jax_ep.types import Handle
+
+            def fn(sm, li, sr, rs, yy, ww=None):
+                h = Handle(send_mask=sm, recv_local_idx=li, slot_row=sr, row_src=rs, native=None,
+                           num_ranks=R, num_tokens=T, capacity=Cn, layout=layout)
+                return ref.combine_rows(yy, ww, h, cfg)
+            args = [send_mask, recv_li, slot_row, row_src, y] + ([w] if weighted else [])
+            expect = run_per_rank(fn, mesh, "ep", *args)
+            row_bytes = H * np.dtype(xdt).itemsize
+            need = 4 * (R * T * row_bytes + 4096) + (4 << 20)
+            results = {}
+            for chunk in chunks:
+                _, syms = sym_buffers(R, need)
+                keep, ptrs, outs = [], [], []
+                for r in range(R):
+                    ts = [dev(y[r]), dev(w[r]) if weighted else None, dev(slot_row[r]),
+                          dev(recv_li[r]), dev(send_mask[r]), poisoned(T * row_bytes)]
+                    keep += ts
+                    outs.append(ts[5])
+                    ptrs += [0 if t is None else t.data_ptr() for t in ts] + [syms[r].data_ptr()]
+                ints = [T, K, Cn, H, 0 if dt == "bfloat16" else 1, row_bytes,
+                        int(layout == "rank_major"), sms // R, chunk]
+                err = C_.loopback_combine(ptrs, ints, syms[0].numel(), R)
+                got = [host(outs[r], expect[r]) for r in range(R)]
+                results[chunk] = got
+                a = np.stack(got).astype(np.float32)
+                b = np.asarray(expect).astype(np.float32)
+                rel = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+                tol = 1e-2 if dt == "bfloat16" else 1e-6
+                same0 = all(np.array_equal(bits(u), bits(v)) for u, v in zip(got, results[chunks[0]]))
+                exact = all(np.array_equal(bits(u), bits(v)) for u, v in zip(got, expect))
+                emit(f"{name}_chunk{chunk}", not err and np.isfinite(a).all() and rel < tol and same0,
+                     err=err, rel_err=rel, same_bits_as_first_chunking=same0,
+                     bitwise_equal_reference=exact)
+        except Exception as e:  # noqa: BLE001
+            emit(name, False, err=f"{type(e).__name__}: {e}"[:800])
+    return 0
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    sys.exit(_worker())
