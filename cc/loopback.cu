@@ -3,6 +3,8 @@
 
 #include <cuda_runtime.h>
 
+#include <chrono>
+
 #include "kernels/dispatch.cuh"
 
 namespace jax_ep {
@@ -27,17 +29,25 @@ LaunchConfig loopback_config(int T, int num_blocks, int chunk) {
   return lc;
 }
 
-// Launches fn(r, stream_r) for every rank on its own stream, then waits.
+// Launches fn(r, stream_r) for every rank on its own stream, `iters` times
+// back to back, then waits. *seconds: wall time per iteration (host clock
+// around the whole queue: meaningful for iters >> 1 only).
 template <typename F>
-std::string run_ranks(int R, F fn) {
+std::string run_ranks(int R, int iters, double* seconds, F fn) {
   std::vector<cudaStream_t> streams(R);
   for (auto& s : streams) cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
   std::string err;
-  for (int r = 0; r < R && err.empty(); ++r) {
-    cudaError_t e = fn(r, streams[r]);
-    if (e != cudaSuccess) err = std::string("launch: ") + cudaGetErrorString(e);
+  cudaDeviceSynchronize();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < iters && err.empty(); ++i) {
+    for (int r = 0; r < R && err.empty(); ++r) {
+      cudaError_t e = fn(r, streams[r]);
+      if (e != cudaSuccess) err = std::string("launch: ") + cudaGetErrorString(e);
+    }
   }
   cudaError_t e = cudaDeviceSynchronize();
+  const auto t1 = std::chrono::steady_clock::now();
+  *seconds = std::chrono::duration<double>(t1 - t0).count() / (iters > 0 ? iters : 1);
   if (err.empty() && e != cudaSuccess) err = std::string("sync: ") + cudaGetErrorString(e);
   for (auto& s : streams) cudaStreamDestroy(s);
   if (err.empty() && take_device_error()) err = "device-side timeout";
@@ -47,11 +57,11 @@ std::string run_ranks(int R, F fn) {
 }  // namespace
 
 std::string loopback_dispatch(const std::vector<uint64_t>& ptrs, const std::vector<int64_t>& ints,
-                              size_t sym_bytes, int R) {
+                              size_t sym_bytes, int R, int iters, double* seconds) {
   if (R < 1 || R > kMaxRanks || ptrs.size() != size_t(8 * R) || ints.size() != 13)
     return "loopback_dispatch: bad arguments";
   auto P = [&](int r, int i) { return reinterpret_cast<void*>(ptrs[8 * r + i]); };
-  return run_ranks(R, [&](int r, cudaStream_t st) {
+  return run_ranks(R, iters, seconds, [&](int r, cudaStream_t st) {
     DispatchArgs a;
     a.peers = loopback_peers(ptrs, 8, 7, R, r);
     a.ctrl_off = ctrl_offset(sym_bytes, kOpDispatch);
@@ -87,11 +97,11 @@ std::string loopback_dispatch(const std::vector<uint64_t>& ptrs, const std::vect
 }
 
 std::string loopback_combine(const std::vector<uint64_t>& ptrs, const std::vector<int64_t>& ints,
-                             size_t sym_bytes, int R) {
+                             size_t sym_bytes, int R, int iters, double* seconds) {
   if (R < 1 || R > kMaxRanks || ptrs.size() != size_t(7 * R) || ints.size() != 9)
     return "loopback_combine: bad arguments";
   auto P = [&](int r, int i) { return reinterpret_cast<void*>(ptrs[7 * r + i]); };
-  return run_ranks(R, [&](int r, cudaStream_t st) {
+  return run_ranks(R, iters, seconds, [&](int r, cudaStream_t st) {
     CombineArgs a;
     a.peers = loopback_peers(ptrs, 7, 6, R, r);
     a.ctrl_off = ctrl_offset(sym_bytes, kOpCombine);

@@ -17,14 +17,15 @@ namespace jax_ep {
 // ptrs, per rank r at [8r, 8r + 8): x, scales, out, out_scales, row_src,
 // slot_row, send_mask, sym. ints: T, K, C, hidden, x_row_bytes, row_bytes,
 // s_row_bytes, mode, rank_major, num_blocks, chunk (<= 0: default),
-// div_mode, cast_wide. Returns "" or an error message; synchronises the device.
+// div_mode, cast_wide. Runs `iters` calls back to back (*seconds: wall time
+// per call). Returns "" or an error message; synchronises the device.
 std::string loopback_dispatch(const std::vector<uint64_t>& ptrs, const std::vector<int64_t>& ints,
-                              size_t sym_bytes, int num_ranks);
+                              size_t sym_bytes, int num_ranks, int iters, double* seconds);
 
 // ptrs, per rank at [7r, 7r + 7): y, row_weights (0: none), slot_row,
 // recv_local_idx, send_mask, out, sym. ints: T, K, C, W, dtype (0 bf16, 1 f32,
-// 2 f16), row_bytes, rank_major, num_blocks, chunk.
+// 2 f16), row_bytes, rank_major, num_blocks, chunk. As loopback_dispatch.
 std::string loopback_combine(const std::vector<uint64_t>& ptrs, const std::vector<int64_t>& ints,
-                             size_t sym_bytes, int num_ranks);
+                             size_t sym_bytes, int num_ranks, int iters, double* seconds);
 
 }  // namespace jax_ep

@@ -61,16 +61,30 @@ NB_MODULE(_C, m) {
   // Tests only (tests/gpu/test_loopback.py): every rank's kernel on one GPU.
   m.def("loopback_dispatch",
         [](const std::vector<uint64_t>& ptrs, const std::vector<int64_t>& ints, size_t sym_bytes,
-           int num_ranks) {
-          nb::gil_scoped_release release;
-          return jax_ep::loopback_dispatch(ptrs, ints, sym_bytes, num_ranks);
-        });
+           int num_ranks, int iters) {
+          double sec = 0;
+          std::string err;
+          {
+            nb::gil_scoped_release release;
+            err = jax_ep::loopback_dispatch(ptrs, ints, sym_bytes, num_ranks, iters, &sec);
+          }
+          return nb::make_tuple(err, sec);
+        },
+        nb::arg("ptrs"), nb::arg("ints"), nb::arg("sym_bytes"), nb::arg("num_ranks"),
+        nb::arg("iters") = 1);
   m.def("loopback_combine",
         [](const std::vector<uint64_t>& ptrs, const std::vector<int64_t>& ints, size_t sym_bytes,
-           int num_ranks) {
-          nb::gil_scoped_release release;
-          return jax_ep::loopback_combine(ptrs, ints, sym_bytes, num_ranks);
-        });
+           int num_ranks, int iters) {
+          double sec = 0;
+          std::string err;
+          {
+            nb::gil_scoped_release release;
+            err = jax_ep::loopback_combine(ptrs, ints, sym_bytes, num_ranks, iters, &sec);
+          }
+          return nb::make_tuple(err, sec);
+        },
+        nb::arg("ptrs"), nb::arg("ints"), nb::arg("sym_bytes"), nb::arg("num_ranks"),
+        nb::arg("iters") = 1);
   m.def("runtime_info", []() -> nb::object {
     jax_ep::Runtime* rt = jax_ep::runtime();
     if (!rt) return nb::none();

@@ -88,42 +88,124 @@ def test_loopback_combine():
 
 
 # ---------------------------------------------------------------------------- worker
+class Loopback:
+    """Device buffers, reference handles and raw launches for the worker / bench."""
+
+    def __init__(self):
+        import numpy as np
+        import torch
+
+        sys.path[:0] = [os.path.dirname(_HERE), os.path.dirname(os.path.dirname(_HERE))]
+        from jax_ep import runtime
+
+        self.np, self.torch = np, torch
+        self.C = runtime._extension()  # the jax_ep._C module
+        assert self.C is not None, runtime.unavailable_reason()
+        self.sms = torch.cuda.get_device_properties(0).multi_processor_count
+        self._sym = {}
+
+    def sym_buffers(self, R, nbytes):
+        """One zeroed stand-in symmetric buffer per rank, reused across calls (epochs)."""
+        if R not in self._sym or self._sym[R][0].numel() < nbytes:
+            self._sym.pop(R, None)
+            self.torch.cuda.empty_cache()
+            self._sym[R] = [self.torch.zeros(nbytes, dtype=self.torch.uint8, device="cuda")
+                            for _ in range(R)]
+        return self._sym[R]
+
+    def dev(self, a):
+        a = self.np.ascontiguousarray(a)
+        return self.torch.from_numpy(a.view(self.np.uint8).reshape(-1).copy()).cuda()
+
+    def poisoned(self, nbytes):
+        return self.torch.full((max(nbytes, 16),), 0xFF, dtype=self.torch.uint8, device="cuda")
+
+    @staticmethod
+    def host(t, like):
+        return t.cpu().numpy()[: like.nbytes].view(like.dtype).reshape(like.shape)
+
+    def handles_and_ref(self, R, cfg, x, idx, mode):
+        """Per-rank handle fields and the reference's dispatch rows (numpy, [R, ...])."""
+        from ep_testing import make_mesh, run_per_rank
+        from jax_ep import reference
+
+        ref = reference.BACKEND
+        mesh = make_mesh((R,), ("ep",))
+
+        def fn(x, i):
+            h = ref.route(i, cfg, R)[0]
+            if mode in ("cast", "given"):
+                out, out_s = ref.dispatch_rows(*reference.fp8_cast(x), h, cfg)
+            else:
+                out, out_s = ref.dispatch_rows(x, None, h, cfg)
+            outs = (h.send_mask, h.recv_local_idx, h.slot_row, h.row_src, out)
+            return outs + ((out_s,) if out_s is not None else ())
+        return run_per_rank(fn, mesh, "ep", x, idx)
+
+    def dispatch(self, R, x, scales, hd, mode, rank_major, H, chunk=0, wide=False, iters=1,
+                 num_blocks=None):
+        """-> (error, per-rank rows, per-rank scales or None, seconds per call)."""
+        import jax.numpy as jnp
+
+        send_mask, recv_li, slot_row, row_src, out_ref = hd[:5]
+        T, K, C = x.shape[1], slot_row.shape[-1], out_ref.shape[1]
+        row_bytes = out_ref.shape[2] * out_ref.dtype.itemsize
+        x_row_bytes = x.shape[2] * x.dtype.itemsize
+        s_row_bytes = (H // 128) * 4 if mode in ("cast", "given") else 0
+        kmode = {"copy": 0, "given": 0}.get(mode, 1 if x.dtype == jnp.bfloat16 else 2)
+        syms = self.sym_buffers(R, 4 * (R * T * (row_bytes + s_row_bytes) + 4096) + (4 << 20))
+        keep, ptrs, outs, out_ss = [], [], [], []
+        for r in range(R):
+            ts = [self.dev(x[r]), self.dev(scales[r]) if scales is not None else self.poisoned(16),
+                  self.poisoned(C * row_bytes), self.poisoned(C * s_row_bytes),
+                  self.dev(row_src[r]), self.dev(slot_row[r]), self.dev(send_mask[r])]
+            keep += ts
+            outs.append(ts[2])
+            out_ss.append(ts[3])
+            ptrs += [t.data_ptr() for t in ts] + [syms[r].data_ptr()]
+        ints = [T, K, C, H, x_row_bytes, row_bytes, s_row_bytes, kmode, int(rank_major),
+                num_blocks or self.sms // R, chunk, 0, int(wide)]
+        err, sec = self.C.loopback_dispatch(ptrs, ints, syms[0].numel(), R, iters)
+        got = [self.host(outs[r], out_ref[r]) for r in range(R)]
+        got_s = [self.host(out_ss[r], hd[5][r]) for r in range(R)] if s_row_bytes else None
+        return err, got, got_s, sec
+
+    def combine(self, R, y, w, hd, layout, H, chunk=0, iters=1, num_blocks=None):
+        """y [R, C, H] (w [R, C] or None) -> (error, per-rank out [T, H], seconds per call)."""
+        np = self.np
+        send_mask, recv_li, slot_row = hd[0], hd[1], hd[2]
+        T, K, Cn = send_mask.shape[1], slot_row.shape[-1], y.shape[1]
+        row_bytes = H * y.dtype.itemsize
+        syms = self.sym_buffers(R, 4 * (R * T * row_bytes + 4096) + (4 << 20))
+        keep, ptrs, outs = [], [], []
+        for r in range(R):
+            ts = [self.dev(y[r]), self.dev(w[r]) if w is not None else None,
+                  self.dev(slot_row[r]), self.dev(recv_li[r]), self.dev(send_mask[r]),
+                  self.poisoned(T * row_bytes)]
+            keep += ts
+            outs.append(ts[5])
+            ptrs += [0 if t is None else t.data_ptr() for t in ts] + [syms[r].data_ptr()]
+        dt = {2: 0, 4: 1}[y.dtype.itemsize] if y.dtype != np.float16 else 2
+        ints = [T, K, Cn, H, dt, row_bytes, int(layout == "rank_major"),
+                num_blocks or self.sms // R, chunk]
+        err, sec = self.C.loopback_combine(ptrs, ints, syms[0].numel(), R, iters)
+        like = np.zeros((T, H), y.dtype)
+        return err, [self.host(o, like) for o in outs], sec
+
+
 def _worker():
     import jax
     import jax.numpy as jnp
     import numpy as np
-    import torch
 
-    sys.path[:0] = [os.path.dirname(_HERE), os.path.dirname(os.path.dirname(_HERE))]
+    lb = Loopback()
     from ep_testing import make_mesh, random_routing, run_per_rank
     from jax_ep import reference
     from jax_ep.config import EpConfig
-    from jax_ep import runtime
+    from jax_ep.types import Handle
 
-    C_ = runtime._extension()  # the jax_ep._C module
-    assert C_ is not None, runtime.unavailable_reason()
     ref = reference.BACKEND
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     rng = np.random.default_rng(7)
-    sym_cache = {}
-
-    def sym_buffers(R, nbytes):
-        # one zeroed "symmetric" buffer per rank, reused across calls (epochs)
-        key = R
-        if key not in sym_cache or sym_cache[key][0] < nbytes:
-            sym_cache[key] = (nbytes, [torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
-                                       for _ in range(R)])
-        return sym_cache[key]
-
-    def dev(a):
-        a = np.ascontiguousarray(a)
-        return torch.from_numpy(a.view(np.uint8).reshape(-1).copy()).cuda()
-
-    def poisoned(nbytes):
-        return torch.full((max(nbytes, 16),), 0xFF, dtype=torch.uint8, device="cuda")
-
-    def host(t, like):
-        return t.cpu().numpy()[: like.nbytes].view(like.dtype).reshape(like.shape)
 
     def bits(a):
         a = np.asarray(a)
@@ -131,53 +213,6 @@ def _worker():
 
     def emit(name, ok, **detail):
         print("RESULT " + json.dumps(dict(name=name, ok=bool(ok), **detail)), flush=True)
-
-    def handles_and_ref(R, cfg, x, idx, mode):
-        """Per-rank handle fields and the reference's dispatch rows (numpy, [R, ...])."""
-        mesh = make_mesh((R,), ("ep",))
-
-        def fn(x, i):
-            h = ref.route(i, cfg, R)[0]
-            if mode == "cast":
-                out, out_s = ref.dispatch_rows(*reference.fp8_cast(x), h, cfg)
-            elif mode == "given":
-                q, s = reference.fp8_cast(x)
-                out, out_s = ref.dispatch_rows(q, s, h, cfg)
-            else:
-                out, out_s = ref.dispatch_rows(x, None, h, cfg)
-            outs = (h.send_mask, h.recv_local_idx, h.slot_row, h.row_src, out)
-            return outs + ((out_s,) if out_s is not None else ())
-        return run_per_rank(fn, mesh, "ep", x, idx)
-
-    def launch_dispatch(R, x, scales, hd, mode, rank_major, H, chunk=0, wide=False):
-        send_mask, recv_li, slot_row, row_src, out_ref = hd[:5]
-        T, K, C = x.shape[1], slot_row.shape[-1], out_ref.shape[1]
-        out_dtype = out_ref.dtype
-        row_bytes = out_ref.shape[2] * out_ref.dtype.itemsize
-        x_row_bytes = x.shape[2] * x.dtype.itemsize
-        s_row_bytes = (H // 128) * 4 if mode in ("cast", "given") else 0
-        kmode = {"copy": 0, "given": 0}.get(mode, 1 if x.dtype == jnp.bfloat16 else 2)
-        need = 4 * (R * T * (row_bytes + s_row_bytes) + 4096) + (4 << 20)
-        _, syms = sym_buffers(R, need)
-        sym_bytes = syms[0].numel()
-        keep, ptrs = [], []
-        outs, out_ss = [], []
-        for r in range(R):
-            xs = dev(x[r])
-            sc = dev(scales[r]) if scales is not None else poisoned(16)
-            o = poisoned(C * row_bytes)
-            os_ = poisoned(C * s_row_bytes)
-            rs, sr, sm = dev(row_src[r]), dev(slot_row[r]), dev(send_mask[r])
-            keep += [xs, sc, o, os_, rs, sr, sm]
-            outs.append(o)
-            out_ss.append(os_)
-            ptrs += [t.data_ptr() for t in (xs, sc, o, os_, rs, sr, sm, syms[r])]
-        ints = [T, K, C, H, x_row_bytes, row_bytes, s_row_bytes, kmode, int(rank_major),
-                sms // R, chunk, 0, int(wide)]
-        err = C_.loopback_dispatch(ptrs, ints, sym_bytes, R)
-        got = [host(outs[r], out_ref[r]) for r in range(R)]
-        got_s = [host(out_ss[r], hd[5][r]) for r in range(R)] if s_row_bytes else None
-        return err, got, got_s
 
     # ---- dispatch: bit-identical to the reference ---------------------------------
     cases = [
@@ -200,10 +235,10 @@ def _worker():
             x = x.astype(jnp.bfloat16) if dt == "bfloat16" else x
             cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
                            expert_alignment=align, capacity=cap, backend="reference")
-            hd = handles_and_ref(R, cfg, x, idx, "copy")
+            hd = lb.handles_and_ref(R, cfg, x, idx, "copy")
             for chunk in chunks:
-                err, got, _ = launch_dispatch(R, x, None, hd, "copy", layout == "rank_major", H,
-                                              chunk)
+                err, got, _, _ = lb.dispatch(R, x, None, hd, "copy", layout == "rank_major", H,
+                                             chunk)
                 same = [bool(np.array_equal(bits(g), bits(e))) for g, e in zip(got, hd[4])]
                 emit(f"{name}_chunk{chunk}", not err and all(same), err=err, same=same)
         except Exception as e:  # noqa: BLE001
@@ -225,7 +260,7 @@ def _worker():
             x = xf if xdt == "float32" else xf.astype(jnp.bfloat16)
             cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
                            backend="reference")
-            hd = handles_and_ref(R, cfg, x, idx, mode)
+            hd = lb.handles_and_ref(R, cfg, x, idx, mode)
             if mode == "given":
                 q, s = jax.jit(jax.vmap(reference.fp8_cast))(x)
                 xin, sin = np.asarray(q), np.asarray(s)
@@ -233,8 +268,8 @@ def _worker():
                 xin, sin = x, None
             for chunk in chunks:
                 for wide in ((False, True) if mode == "cast" else (False,)):
-                    err, got, got_s = launch_dispatch(R, xin, sin, hd, mode,
-                                                      layout == "rank_major", H, chunk, wide)
+                    err, got, got_s, _ = lb.dispatch(R, xin, sin, hd, mode,
+                                                     layout == "rank_major", H, chunk, wide)
                     sq = [bool(np.array_equal(bits(g), bits(e))) for g, e in zip(got, hd[4])]
                     ss = [bool(np.array_equal(bits(g), bits(e))) for g, e in zip(got_s, hd[5])]
                     emit(f"{name}_chunk{chunk}{'_wide' if wide else ''}",
@@ -263,13 +298,12 @@ def _worker():
                            backend="reference")
             xdt = jnp.bfloat16 if dt == "bfloat16" else np.float32
             x = rng.standard_normal((R, T, H)).astype(np.float32).astype(xdt)
-            hd = handles_and_ref(R, cfg, x, idx, "copy")
+            hd = lb.handles_and_ref(R, cfg, x, idx, "copy")
             send_mask, recv_li, slot_row, row_src, y = hd[:5]
             y = (y.astype(np.float32) * 1.5 + 0.25).astype(xdt)  # [R, C, H]
             Cn = y.shape[1]
             w = rng.random((R, Cn)).astype(np.float32) if weighted else None
             mesh = make_mesh((R,), ("ep",))
-            from jax_ep.types import Handle
 
             def fn(sm, li, sr, rs, yy, ww=None):
                 h = Handle(send_mask=sm, recv_local_idx=li, slot_row=sr, row_src=rs, native=None,
@@ -277,22 +311,9 @@ def _worker():
                 return ref.combine_rows(yy, ww, h, cfg)
             args = [send_mask, recv_li, slot_row, row_src, y] + ([w] if weighted else [])
             expect = run_per_rank(fn, mesh, "ep", *args)
-            row_bytes = H * np.dtype(xdt).itemsize
-            need = 4 * (R * T * row_bytes + 4096) + (4 << 20)
             results = {}
             for chunk in chunks:
-                _, syms = sym_buffers(R, need)
-                keep, ptrs, outs = [], [], []
-                for r in range(R):
-                    ts = [dev(y[r]), dev(w[r]) if weighted else None, dev(slot_row[r]),
-                          dev(recv_li[r]), dev(send_mask[r]), poisoned(T * row_bytes)]
-                    keep += ts
-                    outs.append(ts[5])
-                    ptrs += [0 if t is None else t.data_ptr() for t in ts] + [syms[r].data_ptr()]
-                ints = [T, K, Cn, H, 0 if dt == "bfloat16" else 1, row_bytes,
-                        int(layout == "rank_major"), sms // R, chunk]
-                err = C_.loopback_combine(ptrs, ints, syms[0].numel(), R)
-                got = [host(outs[r], expect[r]) for r in range(R)]
+                err, got, _ = lb.combine(R, y, w, hd, layout, H, chunk)
                 results[chunk] = got
                 a = np.stack(got).astype(np.float32)
                 b = np.asarray(expect).astype(np.float32)
@@ -308,5 +329,53 @@ def _worker():
     return 0
 
 
+def _bench():
+    """Relative kernel timings on ONE GPU (both ranks share its HBM and SMs, and
+    HBM stands in for NVLink: compare variants with it, never report it as link
+    performance). V3-train shapes, R = 2, per-call wall time over 20 queued calls.
+
+        JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2 \
+            python tests/gpu/test_loopback.py --bench
+    """
+    import jax.numpy as jnp
+    import numpy as np
+
+    lb = Loopback()
+    from ep_testing import random_routing
+    from jax_ep.config import EpConfig
+
+    R, T, H, K, E = 2, 4096, 7168, 8, 256
+    rng = np.random.default_rng(3)
+    idx = np.stack([np.argsort(rng.random((T, E)), axis=1)[:, :K] for _ in range(R)]).astype(np.int32)
+    x = rng.standard_normal((R, T, H)).astype(np.float32).astype(jnp.bfloat16)
+    print(f"loopback on 1 GPU ({lb.sms} SMs, {lb.sms // R} per rank), R={R} T={T} H={H} K={K} E={E}")
+    print("| op | layout | chunk | us per call |\n|---|---|---|---|")
+    for layout in ("rank_major", "expert_major"):
+        cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
+                       backend="reference")
+        hd = lb.handles_and_ref(R, cfg, x, idx, "copy")
+        hd8 = lb.handles_and_ref(R, cfg, x, idx, "cast") if layout == "rank_major" else None
+        y = hd[4]
+        w = (rng.random((R, y.shape[1])).astype(np.float32) if layout == "expert_major" else None)
+        for chunk in (0, 1, 2, 4, 8):
+            ops = [("dispatch", lambda it: lb.dispatch(R, x, None, hd, "copy", layout == "rank_major",
+                                                      H, chunk, iters=it)[0::3]),
+                   ("combine", lambda it: lb.combine(R, y, w, hd, layout, H, chunk, iters=it)[0::2])]
+            if hd8 is not None:
+                ops.append(("dispatch_fp8", lambda it: lb.dispatch(R, x, None, hd8, "cast", True, H,
+                                                                  chunk, iters=it)[0::3]))
+            for name, f in ops:
+                f(3)
+                times = []
+                for _ in range(5):
+                    err, sec = f(20)
+                    times.append(sec)
+                print(f"| {name} | {layout} | {chunk or 'default'} | "
+                      f"{'ERR ' + err if err else f'{np.median(times) * 1e6:.1f}'} |", flush=True)
+    return 0
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
     sys.exit(_worker())
+if __name__ == "__main__" and sys.argv[1:2] == ["--bench"]:
+    sys.exit(_bench())
