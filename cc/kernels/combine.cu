@@ -211,8 +211,9 @@ __device__ __forceinline__ int slot_rows(const CombineArgs& a, int s, int t, int
 
 template <typename T, int V>
 __global__ void __launch_bounds__(512, 1)
-combine_kernel(CombineArgs a, int send_warps, int recv_warps, int chunk, int slices,
-               int num_chunks) {
+combine_kernel(CombineArgs a, LaunchConfig lc, int num_chunks) {
+  const int send_warps = lc.send_warps, recv_warps = lc.recv_warps, chunk = lc.chunk;
+  const int slices = lc.slices, publish = lc.publish;
   const int me = a.peers.rank, R = a.peers.num_ranks;
   OpCtrl* ctrl = reinterpret_cast<OpCtrl*>(sym_at(a.peers, me, a.ctrl_off));
   const unsigned int epoch = current_epoch(ctrl);
@@ -250,15 +251,7 @@ combine_kernel(CombineArgs a, int send_warps, int recv_warps, int chunk, int sli
           }
         }
       }
-      __threadfence_system();
-      named_barrier(1, 32 * send_warps);
-      if (threadIdx.x == 0) {
-        for (int s = 0; s < R; ++s) {
-          if (s == me) continue;
-          OpCtrl* rc = reinterpret_cast<OpCtrl*>(sym_at(a.peers, s, a.ctrl_off));
-          st_release_sys(&rc->flags[me][j], epoch);
-        }
-      }
+      publish_chunk(a.peers, a.ctrl_off, j, epoch, send_warps, publish);
     }
   } else {
     // ---- source side: sum the partials of ranks 0..R-1 ----
@@ -356,17 +349,13 @@ cudaError_t launch_typed(const CombineArgs& a, const LaunchConfig& lc, cudaStrea
   const int num_chunks = (a.T + lc.chunk - 1) / lc.chunk;
   const int v = row_vec_bytes(a.row_bytes);
   if (v >= 16)
-    combine_kernel<T, 16><<<lc.num_blocks, lc.threads(), 0, stream>>>(
-        a, lc.send_warps, lc.recv_warps, lc.chunk, lc.slices, num_chunks);
+    combine_kernel<T, 16><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc, num_chunks);
   else if (v >= 8)
-    combine_kernel<T, 8><<<lc.num_blocks, lc.threads(), 0, stream>>>(
-        a, lc.send_warps, lc.recv_warps, lc.chunk, lc.slices, num_chunks);
+    combine_kernel<T, 8><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc, num_chunks);
   else if (v >= 4 && sizeof(T) <= 4)
-    combine_kernel<T, 4><<<lc.num_blocks, lc.threads(), 0, stream>>>(
-        a, lc.send_warps, lc.recv_warps, lc.chunk, lc.slices, num_chunks);
+    combine_kernel<T, 4><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc, num_chunks);
   else
-    combine_kernel<T, sizeof(T)><<<lc.num_blocks, lc.threads(), 0, stream>>>(
-        a, lc.send_warps, lc.recv_warps, lc.chunk, lc.slices, num_chunks);
+    combine_kernel<T, sizeof(T)><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc, num_chunks);
   return cudaGetLastError();
 }
 

@@ -199,8 +199,9 @@ __device__ __forceinline__ void move_row_slice(const DispatchArgs& a, int t, con
 // template so that its register pressure never touches the default kernel.
 template <int EPL>
 __global__ void __launch_bounds__(512, 1)
-dispatch_kernel(DispatchArgs a, int send_warps, int recv_warps, int chunk, int slices,
-                int num_chunks) {
+dispatch_kernel(DispatchArgs a, LaunchConfig lc, int num_chunks) {
+  const int send_warps = lc.send_warps, recv_warps = lc.recv_warps, chunk = lc.chunk;
+  const int slices = lc.slices, publish = lc.publish;
   __shared__ float sm_scales[16][kSmScales];
   const int me = a.peers.rank, R = a.peers.num_ranks;
   OpCtrl* ctrl = reinterpret_cast<OpCtrl*>(sym_at(a.peers, me, a.ctrl_off));
@@ -235,17 +236,7 @@ dispatch_kernel(DispatchArgs a, int send_warps, int recv_warps, int chunk, int s
         move_row_slice<EPL>(a, t, static_cast<const char*>(a.x) + t * a.x_row_bytes, dst, dsts, n,
                             sl, slices, v, sv, lane, sm);
       }
-      // Make this thread's stores visible system-wide, then one thread
-      // publishes the chunk to every rank that waits for it.
-      __threadfence_system();
-      named_barrier(1, 32 * send_warps);
-      if (threadIdx.x == 0) {
-        for (int r = 0; r < R; ++r) {
-          if (r == me) continue;
-          OpCtrl* rc = reinterpret_cast<OpCtrl*>(sym_at(a.peers, r, a.ctrl_off));
-          st_release_sys(&rc->flags[me][j], epoch);
-        }
-      }
+      publish_chunk(a.peers, a.ctrl_off, j, epoch, send_warps, publish);
     }
   } else {
     // ---- receiver ----
@@ -372,13 +363,18 @@ LaunchConfig make_launch_config(int num_tokens, int num_sms_requested, int devic
   if (sms < 1) sms = 1;
   lc.send_warps = 8;
   lc.recv_warps = 8;
-  // Tokens per chunk: 1 when there are few tokens per block, else 2 (a block
-  // then finishes a chunk every ~12 us on V3 rows at the link rate).
-  int chunk = num_tokens >= 16 * sms ? 2 : 1;
+  // Tokens per chunk: one per sender warp when there are enough tokens (the
+  // configuration measured on 2x H200); fewer when T is small, so that every
+  // block gets work. Smaller chunks (row slices) pipeline finer but pay a
+  // publish per chunk: on one GPU (loopback) chunk 8 beat 1, 2 and 4.
+  int chunk = (num_tokens + sms - 1) / sms;
+  if (chunk > lc.send_warps) chunk = lc.send_warps;
+  if (chunk < 1) chunk = 1;
   if (const char* c = std::getenv("JAX_EP_CHUNK")) {
     const int v = std::atoi(c);
     if (v > 0) chunk = v;
   }
+  if (const char* c = std::getenv("JAX_EP_PUBLISH")) lc.publish = std::atoi(c);
   while ((num_tokens + chunk - 1) / chunk > kMaxChunks) chunk *= 2;
   lc.chunk = chunk;
   lc.slices = slices_for_chunk(chunk, lc.send_warps);
@@ -389,11 +385,9 @@ LaunchConfig make_launch_config(int num_tokens, int num_sms_requested, int devic
 cudaError_t launch_dispatch(const DispatchArgs& a, const LaunchConfig& lc, cudaStream_t stream) {
   const int num_chunks = (a.T + lc.chunk - 1) / lc.chunk;
   if (a.cast_wide && a.mode != kDispatchCopy)
-    dispatch_kernel<16><<<lc.num_blocks, lc.threads(), 0, stream>>>(
-        a, lc.send_warps, lc.recv_warps, lc.chunk, lc.slices, num_chunks);
+    dispatch_kernel<16><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc, num_chunks);
   else
-    dispatch_kernel<8><<<lc.num_blocks, lc.threads(), 0, stream>>>(
-        a, lc.send_warps, lc.recv_warps, lc.chunk, lc.slices, num_chunks);
+    dispatch_kernel<8><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc, num_chunks);
   return cudaGetLastError();
 }
 

@@ -38,7 +38,12 @@ struct LaunchConfig {
   int recv_warps = 8;    // warps per block that gather / reduce locally
   int chunk = 2;         // tokens per flag
   int slices = 4;        // warps per token row inside a chunk (send and receive)
-  int threads() const { return 32 * (send_warps + recv_warps); }
+  // How a chunk is published: 0 = the sender warps meet at a barrier and one
+  // thread does a system-scope release (cumulative over the block's writes,
+  // per the PTX memory model); 1 = every sender thread fences first (the
+  // conservative form; JAX_EP_PUBLISH=1, for comparison).
+  int publish = 0;
+  __host__ __device__ int threads() const { return 32 * (send_warps + recv_warps); }
 };
 
 // Picks the grid and chunk size for T tokens given an SM budget (num_sms <= 0:
@@ -119,6 +124,22 @@ __device__ __forceinline__ unsigned int ld_volatile(const unsigned int* p) {
 // so the receiver warps never wait on senders inside a block.
 __device__ __forceinline__ void named_barrier(int id, int nthreads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(nthreads) : "memory");
+}
+
+// Sender warps of a block publish chunk j to every peer: its rows (written by
+// any sender thread of the block) are visible before the flag reads epoch.
+__device__ __forceinline__ void publish_chunk(const PeerTable& p, size_t ctrl_off, int j,
+                                              unsigned int epoch, int send_warps, int mode) {
+  if (mode == 1) __threadfence_system();
+  named_barrier(1, 32 * send_warps);
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    for (int r = 0; r < p.num_ranks; ++r) {
+      if (r == p.rank) continue;
+      OpCtrl* rc = reinterpret_cast<OpCtrl*>(static_cast<char*>(p.peers[r]) + ctrl_off);
+      st_release_sys(&rc->flags[p.rank][j], epoch);
+    }
+  }
 }
 
 // Epoch of this call: one more than the last finished one.

@@ -349,7 +349,7 @@ def _bench():
     idx = np.stack([np.argsort(rng.random((T, E)), axis=1)[:, :K] for _ in range(R)]).astype(np.int32)
     x = rng.standard_normal((R, T, H)).astype(np.float32).astype(jnp.bfloat16)
     print(f"loopback on 1 GPU ({lb.sms} SMs, {lb.sms // R} per rank), R={R} T={T} H={H} K={K} E={E}")
-    print("| op | layout | chunk | us per call |\n|---|---|---|---|")
+    print("| op | layout | chunk | publish | us per call |\n|---|---|---|---|---|")
     for layout in ("rank_major", "expert_major"):
         cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
                        backend="reference")
@@ -357,7 +357,10 @@ def _bench():
         hd8 = lb.handles_and_ref(R, cfg, x, idx, "cast") if layout == "rank_major" else None
         y = hd[4]
         w = (rng.random((R, y.shape[1])).astype(np.float32) if layout == "expert_major" else None)
-        for chunk in (0, 1, 2, 4, 8):
+        variants = ([(c, p) for p in ("0", "1") for c in (0, 1, 2, 4, 8, 16)]
+                    if layout == "rank_major" else [(0, "0"), (0, "1")])
+        for chunk, publish in variants:
+            os.environ["JAX_EP_PUBLISH"] = publish
             ops = [("dispatch", lambda it: lb.dispatch(R, x, None, hd, "copy", layout == "rank_major",
                                                       H, chunk, iters=it)[0::3]),
                    ("combine", lambda it: lb.combine(R, y, w, hd, layout, H, chunk, iters=it)[0::2])]
@@ -370,7 +373,7 @@ def _bench():
                 for _ in range(5):
                     err, sec = f(20)
                     times.append(sec)
-                print(f"| {name} | {layout} | {chunk or 'default'} | "
+                print(f"| {name} | {layout} | {chunk or 'default'} | {publish} | "
                       f"{'ERR ' + err if err else f'{np.median(times) * 1e6:.1f}'} |", flush=True)
     return 0
 
