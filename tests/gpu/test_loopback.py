@@ -244,6 +244,23 @@ def _worker():
         except Exception as e:  # noqa: BLE001
             emit(name, False, err=f"{type(e).__name__}: {e}"[:800])
 
+    # ---- the static all-gather handle of the native metadata path
+    # (jax_ep.native.all_gather_rows): every token to every rank, row s*T + t ----
+    for R, T, W in ((2, 4096, 16), (4, 7, 3)):
+        name = f"dispatch_allgather_R{R}_T{T}_int32x{W}"
+        try:
+            rows = rng.integers(-2**31, 2**31 - 1, (R, T, W), dtype=np.int64).astype(np.int32)
+            flat = np.arange(R * T, dtype=np.int32)
+            hd = (np.ones((R, T, R), np.bool_), np.zeros((R, R, T, 1), np.int32),
+                  np.broadcast_to(flat.reshape(1, R, T, 1), (R, R, T, 1)),
+                  np.broadcast_to(flat, (R, R * T)),
+                  np.broadcast_to(rows.reshape(1, R * T, W), (R, R * T, W)))
+            err, got, _, _ = lb.dispatch(R, rows, None, hd, "copy", True, W)
+            same = [bool(np.array_equal(g, e)) for g, e in zip(got, hd[4])]
+            emit(name, not err and all(same), err=err, same=same)
+        except Exception as e:  # noqa: BLE001
+            emit(name, False, err=f"{type(e).__name__}: {e}"[:800])
+
     # ---- fp8: cast in the kernel (both cast widths), and fp8 + scales given ----------
     for name, R, T, H, K, E, layout, mode, xdt, chunks in [
         ("fp8_cast_bf16_rm_R2_T4096_H7168", 2, 4096, 7168, 8, 256, "rank_major", "cast",
