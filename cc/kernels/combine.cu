@@ -36,14 +36,10 @@ template <> struct Cvt<float> {
   __device__ __forceinline__ static float t(float v) { return v; }
 };
 
-constexpr int kU = 2;  // vectors per lane per row in one step (latency hiding: x kKB rows)
-constexpr int kKB = 4; // rows whose loads are issued together in accum_rows
-constexpr int kQB = 2; // partials whose loads are issued together in warp_combine_token
+constexpr int kU = 4;  // vectors in flight per lane per row (latency hiding)
 
 // Adds sum_k w_k * f32(y[rows[k]]) (k ascending) for the lane's kU vectors at
-// i0 + 32u into pa. The loads of kKB rows are issued before any of them is
-// summed: one row at a time left a K-row reduction waiting out K memory
-// latencies per vector group (3x slower than XLA's gathers at EP = 1).
+// i0 + 32u into pa.
 template <typename T, int V>
 __device__ __forceinline__ void accum_rows(const char* y, long long row_bytes, long long off,
                                            const int* rows, const float* w, int n, bool weighted,
@@ -51,29 +47,20 @@ __device__ __forceinline__ void accum_rows(const char* y, long long row_bytes, l
                                            float (&pa)[kU][V / sizeof(T)]) {
   using Vec = typename VecT<V>::type;
   constexpr int E = V / sizeof(T);
-  for (int k0 = 0; k0 < n; k0 += kKB) {
-    Vec v[kKB][kU];
+  for (int k = 0; k < n; ++k) {
+    const Vec* yr =
+        reinterpret_cast<const Vec*>(y + static_cast<long long>(rows[k]) * row_bytes + off);
+    Vec v[kU];
 #pragma unroll
-    for (int kk = 0; kk < kKB; ++kk) {
-      if (k0 + kk >= n) break;
-      const Vec* yr = reinterpret_cast<const Vec*>(
-          y + static_cast<long long>(rows[k0 + kk]) * row_bytes + off);
+    for (int u = 0; u < kU; ++u)
+      if (i0 + 32 * u < nv) v[u] = yr[i0 + 32 * u];
 #pragma unroll
-      for (int u = 0; u < kU; ++u)
-        if (i0 + 32 * u < nv) v[kk][u] = yr[i0 + 32 * u];
-    }
+    for (int u = 0; u < kU; ++u) {
+      const T* tv = reinterpret_cast<const T*>(&v[u]);
 #pragma unroll
-    for (int kk = 0; kk < kKB; ++kk) {
-      if (k0 + kk >= n) break;
-      const float wk = weighted ? w[k0 + kk] : 1.f;
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const T* tv = reinterpret_cast<const T*>(&v[kk][u]);
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-          const float f = Cvt<T>::f(tv[e]);
-          pa[u][e] = __fadd_rn(pa[u][e], weighted ? __fmul_rn(wk, f) : f);
-        }
+      for (int e = 0; e < E; ++e) {
+        const float f = Cvt<T>::f(tv[e]);
+        pa[u][e] = __fadd_rn(pa[u][e], weighted ? __fmul_rn(w[k], f) : f);
       }
     }
   }
@@ -130,43 +117,30 @@ __device__ __forceinline__ void warp_combine_token(const char* const* src, int n
     for (int u = 0; u < kU; ++u)
 #pragma unroll
       for (int e = 0; e < E; ++e) acc[u][e] = 0.f;
-    // Partials in groups of kQB: the staged rows' loads of a group are issued
-    // together (and before the local partial's), then summed in q order.
-    for (int q0 = 0; q0 < n; q0 += kQB) {
-      Vec v[kQB][kU];
-#pragma unroll
-      for (int qq = 0; qq < kQB; ++qq) {
-        const int q = q0 + qq;
-        if (q >= n) break;
-        if (q == local_pos) continue;
-        const Vec* sr = reinterpret_cast<const Vec*>(src[q] + off);
+    for (int q = 0; q < n; ++q) {
+      if (q == local_pos) {
+        float pa[kU][E];
 #pragma unroll
         for (int u = 0; u < kU; ++u)
-          if (i0 + 32 * u < nv) v[qq][u] = sr[i0 + 32 * u];
-      }
 #pragma unroll
-      for (int qq = 0; qq < kQB; ++qq) {
-        const int q = q0 + qq;
-        if (q >= n) break;
-        if (q == local_pos) {
-          float pa[kU][E];
+          for (int e = 0; e < E; ++e) pa[u][e] = 0.f;
+        accum_rows<T, V>(y, row_bytes, off, rows, w, n_rows, weighted, i0, nv, pa);
 #pragma unroll
-          for (int u = 0; u < kU; ++u)
+        for (int u = 0; u < kU; ++u)
 #pragma unroll
-            for (int e = 0; e < E; ++e) pa[u][e] = 0.f;
-          accum_rows<T, V>(y, row_bytes, off, rows, w, n_rows, weighted, i0, nv, pa);
+          for (int e = 0; e < E; ++e)
+            acc[u][e] = __fadd_rn(acc[u][e], Cvt<T>::f(Cvt<T>::t(pa[u][e])));
+      } else {
+        const Vec* sr = reinterpret_cast<const Vec*>(src[q] + off);
+        Vec v[kU];
 #pragma unroll
-          for (int u = 0; u < kU; ++u)
+        for (int u = 0; u < kU; ++u)
+          if (i0 + 32 * u < nv) v[u] = sr[i0 + 32 * u];
 #pragma unroll
-            for (int e = 0; e < E; ++e)
-              acc[u][e] = __fadd_rn(acc[u][e], Cvt<T>::f(Cvt<T>::t(pa[u][e])));
-        } else {
+        for (int u = 0; u < kU; ++u) {
+          const T* tv = reinterpret_cast<const T*>(&v[u]);
 #pragma unroll
-          for (int u = 0; u < kU; ++u) {
-            const T* tv = reinterpret_cast<const T*>(&v[qq][u]);
-#pragma unroll
-            for (int e = 0; e < E; ++e) acc[u][e] = __fadd_rn(acc[u][e], Cvt<T>::f(tv[e]));
-          }
+          for (int e = 0; e < E; ++e) acc[u][e] = __fadd_rn(acc[u][e], Cvt<T>::f(tv[e]));
         }
       }
     }
@@ -353,11 +327,11 @@ combine_kernel(CombineArgs a, LaunchConfig lc, int num_chunks) {
               else warp_reduce_rows<T, V>(y, RB, rows, w, n_rows, weighted, out, off, len, lane);
             }
           } else {
-            // no peer: out = cast(f32(cast(p_me))) = cast(p_me)
             bool received;
             const int n_rows = slot_rows(a, me, ta, rows, w, &received);
-            if (n_rows == 0) warp_zero_row<V>(out + off, len, lane);
-            else warp_reduce_rows<T, V>(y, RB, rows, w, n_rows, weighted, out, off, len, lane);
+            src[0] = nullptr;
+            warp_combine_token<T, V>(src, 1, 0, y, RB, rows, w, n_rows, weighted, out, off, len,
+                                     lane);
           }
         } else if (!remote) {
           warp_zero_row<V>(out + off, len, lane);
