@@ -88,11 +88,28 @@ _PREFIX = "jax_ep.launch"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port that was free a moment ago on ``host`` and on the wildcard
+    addresses (JAX's coordination service listens on ``[::]`` and ``0.0.0.0``:
+    a port free on 127.0.0.1 alone can still be taken there)."""
+    for _ in range(20):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if _bindable(socket.AF_INET, "0.0.0.0", port) and _bindable(socket.AF_INET6, "::", port):
+            return port
+    return port
+
+
+def _bindable(family, host: str, port: int) -> bool:
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+        return True
+    except OSError as e:
+        # no IPv6 on this host: nothing can hold the port there
+        return family == socket.AF_INET6 and e.errno in (97, 99)  # EAFNOSUPPORT, EADDRNOTAVAIL
 
 
 def _detect_gpus() -> int:

@@ -20,7 +20,6 @@ import importlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -58,9 +57,9 @@ def skip_reason(n: Optional[int] = None) -> Optional[str]:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from jax_ep.launch import free_port
+
+    return free_port()
 
 
 def _child_env(extra: Optional[dict]) -> dict:

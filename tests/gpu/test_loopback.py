@@ -358,7 +358,6 @@ def _bench():
     import numpy as np
 
     lb = Loopback()
-    from ep_testing import random_routing
     from jax_ep.config import EpConfig
 
     R, T, H, K, E = 2, 4096, 7168, 8, 256
