@@ -23,10 +23,22 @@ PeerTable loopback_peers(const std::vector<uint64_t>& ptrs, int stride, int sym_
 LaunchConfig loopback_config(int T, int num_blocks, int chunk) {
   LaunchConfig lc = make_launch_config(T > 0 ? T : 1, num_blocks, num_blocks);
   if (chunk > 0) {
+    while ((T + chunk - 1) / chunk > kMaxChunks) chunk *= 2;  // flags per source rank
     lc.chunk = chunk;
     lc.slices = slices_for_chunk(chunk, lc.send_warps);
   }
   return lc;
+}
+
+// Every rank's blocks spin on each other's flags: all must be resident at once.
+std::string check_resident(int R, int num_blocks) {
+  int dev = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    return "loopback: no CUDA device";
+  if (num_blocks < 1 || R * num_blocks > sms)
+    return "loopback: R * num_blocks must be in [R, " + std::to_string(sms) + "] (one block per SM)";
+  return "";
 }
 
 // Launches fn(r, stream_r) for every rank on its own stream, `iters` times
@@ -34,10 +46,12 @@ LaunchConfig loopback_config(int T, int num_blocks, int chunk) {
 // around the whole queue: meaningful for iters >> 1 only).
 template <typename F>
 std::string run_ranks(int R, int iters, double* seconds, F fn) {
-  std::vector<cudaStream_t> streams(R);
-  for (auto& s : streams) cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  std::vector<cudaStream_t> streams(R, nullptr);
   std::string err;
+  for (auto& s : streams)
+    if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) err = "stream creation failed";
   cudaDeviceSynchronize();
+  take_device_error();  // a stale timeout from before this run is not ours
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < iters && err.empty(); ++i) {
     for (int r = 0; r < R && err.empty(); ++r) {
@@ -49,8 +63,12 @@ std::string run_ranks(int R, int iters, double* seconds, F fn) {
   const auto t1 = std::chrono::steady_clock::now();
   *seconds = std::chrono::duration<double>(t1 - t0).count() / (iters > 0 ? iters : 1);
   if (err.empty() && e != cudaSuccess) err = std::string("sync: ") + cudaGetErrorString(e);
-  for (auto& s : streams) cudaStreamDestroy(s);
-  if (err.empty() && take_device_error()) err = "device-side timeout";
+  for (auto& s : streams)
+    if (s) cudaStreamDestroy(s);
+  const int timeout = take_device_error();
+  if (err.empty() && timeout) err = "device-side timeout";
+  // A rank that launched while another failed has moved its epoch on: the
+  // caller must start from fresh (zeroed) buffers after any error.
   return err;
 }
 
@@ -60,6 +78,9 @@ std::string loopback_dispatch(const std::vector<uint64_t>& ptrs, const std::vect
                               size_t sym_bytes, int R, int iters, double* seconds) {
   if (R < 1 || R > kMaxRanks || ptrs.size() != size_t(8 * R) || ints.size() != 13)
     return "loopback_dispatch: bad arguments";
+  if (ints[1] > 32) return "loopback_dispatch: top-k above 32";
+  if (ints[7] != kDispatchCopy && ints[3] % 128 != 0) return "loopback_dispatch: hidden % 128";
+  if (std::string e = check_resident(R, int(ints[9])); !e.empty()) return e;
   auto P = [&](int r, int i) { return reinterpret_cast<void*>(ptrs[8 * r + i]); };
   return run_ranks(R, iters, seconds, [&](int r, cudaStream_t st) {
     DispatchArgs a;
@@ -100,6 +121,8 @@ std::string loopback_combine(const std::vector<uint64_t>& ptrs, const std::vecto
                              size_t sym_bytes, int R, int iters, double* seconds) {
   if (R < 1 || R > kMaxRanks || ptrs.size() != size_t(7 * R) || ints.size() != 9)
     return "loopback_combine: bad arguments";
+  if (ints[1] > 32) return "loopback_combine: top-k above 32";
+  if (std::string e = check_resident(R, int(ints[7])); !e.empty()) return e;
   auto P = [&](int r, int i) { return reinterpret_cast<void*>(ptrs[7 * r + i]); };
   return run_ranks(R, iters, seconds, [&](int r, cudaStream_t st) {
     CombineArgs a;

@@ -292,6 +292,7 @@ combine_kernel(CombineArgs a, LaunchConfig lc, int num_chunks) {
                 n_rows = slot_rows(a, me, tb, rows, w, &received);
                 local_pos = n;
               }
+              // (rank_major: position local_pos, summed from y, never read here)
               src[n++] = static_cast<const char*>(a.out) + tb * RB;
             } else {
               src[n++] = my_stage + (static_cast<long long>(r) * NT + tb) * RB;
@@ -347,6 +348,7 @@ combine_kernel(CombineArgs a, LaunchConfig lc, int num_chunks) {
 template <typename T>
 cudaError_t launch_typed(const CombineArgs& a, const LaunchConfig& lc, cudaStream_t stream) {
   const int num_chunks = (a.T + lc.chunk - 1) / lc.chunk;
+  if (num_chunks > kMaxChunks) return cudaErrorInvalidValue;
   const int v = row_vec_bytes(a.row_bytes);
   if (v >= 16)
     combine_kernel<T, 16><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc, num_chunks);

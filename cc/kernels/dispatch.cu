@@ -195,8 +195,9 @@ __device__ __forceinline__ void move_row_slice(const DispatchArgs& a, int t, con
   }
 }
 
-// EPL: fp8 cast elements per lane (16, the default; 8 = JAX_EP_FP8_WIDE=0), a
-// template so that its register pressure never touches the default kernel.
+// EPL: fp8 cast elements per lane (16, the default cast; 8 = JAX_EP_FP8_WIDE=0,
+// and the copy mode), a template so that the wide cast's register pressure
+// stays out of the copy kernel.
 template <int EPL>
 __global__ void __launch_bounds__(512, 1)
 dispatch_kernel(DispatchArgs a, LaunchConfig lc, int num_chunks) {
@@ -374,7 +375,9 @@ LaunchConfig make_launch_config(int num_tokens, int num_sms_requested, int devic
     const int v = std::atoi(c);
     if (v > 0) chunk = v;
   }
-  if (const char* c = std::getenv("JAX_EP_PUBLISH")) lc.publish = std::atoi(c);
+  // Bench/debug knobs, read per call in each process: every rank of a group
+  // must see the same values (flag j must cover the same tokens everywhere).
+  if (const char* c = std::getenv("JAX_EP_PUBLISH")) lc.publish = std::atoi(c) == 1 ? 1 : 0;
   while ((num_tokens + chunk - 1) / chunk > kMaxChunks) chunk *= 2;
   lc.chunk = chunk;
   lc.slices = slices_for_chunk(chunk, lc.send_warps);
@@ -384,6 +387,7 @@ LaunchConfig make_launch_config(int num_tokens, int num_sms_requested, int devic
 
 cudaError_t launch_dispatch(const DispatchArgs& a, const LaunchConfig& lc, cudaStream_t stream) {
   const int num_chunks = (a.T + lc.chunk - 1) / lc.chunk;
+  if (num_chunks > kMaxChunks) return cudaErrorInvalidValue;
   if (a.cast_wide && a.mode != kDispatchCopy)
     dispatch_kernel<16><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc, num_chunks);
   else

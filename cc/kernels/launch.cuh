@@ -36,8 +36,8 @@ struct LaunchConfig {
   int num_blocks = 0;    // grid (<= SMs: blocks spin, so all must be resident)
   int send_warps = 8;    // warps per block that push rows to peers
   int recv_warps = 8;    // warps per block that gather / reduce locally
-  int chunk = 2;         // tokens per flag
-  int slices = 4;        // warps per token row inside a chunk (send and receive)
+  int chunk = 8;         // tokens per flag (<= kMaxChunks flags per source rank)
+  int slices = 1;        // warps per token row inside a chunk (send and receive)
   // How a chunk is published: 0 = the sender warps meet at a barrier and one
   // thread does a system-scope release (cumulative over the block's writes,
   // per the PTX memory model); 1 = every sender thread fences first (the
