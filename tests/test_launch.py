@@ -62,6 +62,22 @@ def test_free_port_is_bindable():
     port = free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+    # and on the wildcard address JAX's coordination service listens on
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", port))
+
+
+def test_free_port_rejects_a_port_taken_on_the_wildcard():
+    import socket
+
+    from jax_ep.launch import _bindable
+
+    with socket.socket() as busy:  # a listener on 0.0.0.0, as the coordinator's would be
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        assert not _bindable(socket.AF_INET, "0.0.0.0", taken)
 
 
 def test_init_distributed_single_process_is_noop(monkeypatch):
