@@ -322,10 +322,12 @@ def worker(args):
            ("dispatch", "rank_major", "native", 0, 64), ("combine", "rank_major", "native", 0, 64),
            # the narrow fp8 cast (8 elements / 8-byte store per lane; default is 16)
            ("dispatch_fp8", "rank_major", "native", 0, None, (("JAX_EP_FP8_WIDE", "0"),))]
-    # tokens per chunk (flag); the default at T=4096 is 2
-    for c in ("1", "4", "8"):
-        ops += [(k, "rank_major", "native", 0, None, (("JAX_EP_CHUNK", c),))
-                for k in ("dispatch", "combine", "roundtrip", "dispatch_fp8")]
+    # finer chunks (row slices; default: one token per sender warp, 8 here) and
+    # the older publish form (every sender thread fences)
+    ops += [(k, "rank_major", "native", 0, None, (("JAX_EP_CHUNK", "4"),))
+            for k in ("dispatch", "combine", "roundtrip")]
+    ops += [(k, "rank_major", "native", 0, None, (("JAX_EP_PUBLISH", "1"),))
+            for k in ("dispatch", "combine", "roundtrip")]
     if args.skip_ref:
         ops = [o for o in ops if o[2] == "native"]
     if args.only_fp8:
@@ -360,6 +362,9 @@ def worker(args):
             row["pct_of_bidir_ceiling"] = 100 * row["link_GBps"] / bidir
         results["rows"].append(row)
 
+    if rank == 0:  # the table now, the sweep appended later (a cut-short run keeps it)
+        write_outputs(results, args.out, bidir, quiet=True)
+
     # ---- sweep over T --------------------------------------------------------------
     Ts = [] if args.no_sweep else [128, 256, 512, 1024, 2048, 4096] + ([] if args.quick else [8192])
     for Tn in Ts:
@@ -375,7 +380,7 @@ def worker(args):
     return 0
 
 
-def write_outputs(results, out_dir, bidir):
+def write_outputs(results, out_dir, bidir, quiet=False):
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, f"{results['date']}-h200x{results['nproc']}")
     with open(stem + ".json", "w") as f:
@@ -422,7 +427,8 @@ def write_outputs(results, out_dir, bidir):
         fig.savefig(stem + ".png", dpi=120)
     except Exception as e:  # noqa: BLE001
         print(f"plot failed: {e}")
-    print("\n".join(L))
+    if not quiet:
+        print("\n".join(L))
 
 
 if __name__ == "__main__":
