@@ -113,7 +113,8 @@ def all_gather_rows(rows, cfg: EpConfig, R: int):
 
 
 def _native_metadata() -> bool:
-    # Off until verified on GPUs (see tests/gpu/test_native_metadata.py).
+    # Bit-identical to the reference on 2x H200 (tests/gpu/test_native_metadata.py);
+    # off until it is timed against XLA's all_to_all (27 us at V3-train).
     return os.environ.get("JAX_EP_NATIVE_METADATA", "0") == "1"
 
 
