@@ -27,12 +27,9 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _skip_reason():
-    if harness.gpu_count() < 1:
-        return "needs a CUDA GPU"
-    from jax_ep import runtime
-
-    if not runtime.extension_available():
-        return runtime.unavailable_reason()
+    reason = harness.skip_reason(1)  # one GPU and the extension
+    if reason:
+        return reason
     try:
         import torch  # noqa: F401  (device buffers for the raw kernel launches)
     except ImportError:
