@@ -23,6 +23,13 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 _INIT_TIMEOUT_S = 90  # jax.distributed start-up (the default 300 s wasted a GPU run)
+# jax.lax.ragged_all_to_all runs multi-process only through XLA's NCCL
+# send/recv fallback, which this flag allows (without it: "RaggedAllToAll
+# fallback to NCCL is not allowed"). It runs in a job of its own, under a
+# deadline: the fallback has been seen to hang, and the flag must not touch
+# the other rows.
+_RAGGED_XLA_FLAGS = "--xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback=true"
+_RAGGED_TIMEOUT_S = 240
 
 
 def _free_port():
@@ -40,28 +47,53 @@ def main():
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--skip-ref", action="store_true", help="native ops only (iteration)")
     ap.add_argument("--only-fp8", action="store_true", help="fp8 dispatch ops only (iteration)")
+    ap.add_argument("--no-ragged", action="store_true", help="skip the ragged_all_to_all row")
     ap.add_argument("--worker", type=int, default=-1)
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--ragged-only", default="", help=argparse.SUPPRESS)  # worker: row -> this file
+    ap.add_argument("--ragged-row", default="", help=argparse.SUPPRESS)   # worker: row <- this file
     args = ap.parse_args()
     if args.worker >= 0:
         return worker(args)
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1", PYTHONUNBUFFERED="1")
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
     env.pop("XLA_FLAGS", None)
+    flags = ["--" + f.replace("_", "-") for f in ("quick", "no_sweep", "skip_ref", "only_fp8")
+             if getattr(args, f)]
+    extra = []
+    if not (args.no_ragged or args.skip_ref or args.only_fp8):
+        row_file = os.path.join(args.out, ".ragged_row.json")
+        os.makedirs(args.out, exist_ok=True)
+        _run_job(args, ["--ragged-only", row_file], dict(env, XLA_FLAGS=_RAGGED_XLA_FLAGS),
+                 _RAGGED_TIMEOUT_S, row_file)
+        extra = ["--ragged-row", row_file]
+    return _run_job(args, flags + extra, env, None)
+
+
+def _run_job(args, flags, env, timeout, row_file=None):
+    """Runs the worker processes; a job that dies while the workers connect (a
+    taken coordinator port) is started once more on a new port. With a timeout,
+    a job past it is killed and row_file records that."""
     rc = 0
     for attempt in range(2):
-        # A job that dies while the workers connect (a taken coordinator port)
-        # is started once more on a new port; a later failure is final.
         cmd = [sys.executable, __file__, "--nproc", str(args.nproc), "--out", args.out,
-               "--port", str(_free_port())]
-        for flag in ("quick", "no_sweep", "skip_ref", "only_fp8"):
-            if getattr(args, flag):
-                cmd.append("--" + flag.replace("_", "-"))
+               "--port", str(_free_port())] + flags
         t0 = time.monotonic()
         procs = [subprocess.Popen(cmd + ["--worker", str(r)], env=env) for r in range(args.nproc)]
         rc = 0
-        for p in procs:
-            rc |= p.wait()
+        try:
+            for p in procs:
+                rc |= p.wait(timeout=None if timeout is None
+                             else max(1.0, timeout - (time.monotonic() - t0)))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            for p in procs:
+                p.wait()
+            with open(row_file, "w") as f:
+                json.dump({"us": None, "note": f"hung: killed after {timeout} s ({_RAGGED_XLA_FLAGS})"}, f)
+            print(f"ep_bench: ragged_all_to_all job killed after {timeout} s", flush=True)
+            return 1
         if rc == 0 or time.monotonic() - t0 > _INIT_TIMEOUT_S + 30:
             break
         print(f"ep_bench: job failed during start-up (rc={rc}); retrying on a new port", flush=True)
@@ -269,8 +301,19 @@ def worker(args):
                     os.environ.pop(k_, None)
         return out, idx
 
-    # ---- ceilings -------------------------------------------------------------
     T, H, K, E = 4096, 7168, 8, 256
+    ragged_op = ("ragged_a2a", "rank_major", "xla")
+    if args.ragged_only:  # the ragged_all_to_all job (its own XLA_FLAGS): one row to a file
+        res, _ = bench_config(T, H, K, E, [ragged_op], reps=5)  # ~90 ms a call single-process
+        if rank == 0:
+            us, note = res[ragged_op]
+            with open(args.ragged_only, "w") as f:
+                json.dump({"us": us, "note": note + f" ({_RAGGED_XLA_FLAGS})"
+                           if us is None else note}, f)
+        jax_ep.finalize()
+        return 0
+
+    # ---- ceilings -------------------------------------------------------------
     nbytes = T * H * 2  # one V3-train bf16 [T, H] per direction
     src = glob(np.random.default_rng(5).integers(0, 255, (R * nbytes,), dtype=np.uint8))
     tok = glob(np.zeros((R, ), np.int32))
@@ -309,7 +352,6 @@ def worker(args):
            ("combine", "rank_major", "reference"),
            ("roundtrip", "rank_major", "reference"), ("roundtrip", "expert_major", "reference"),
            ("dispatch_fp8", "rank_major", "reference"),
-           ("ragged_a2a", "rank_major", "xla"),
            # breakdown (JAX_EP_DEBUG_SKIP): 1 = no data sent (flags + local work only),
            # 2 = sends only (no receive-side gather / reduce), 3 = flags only
            ("dispatch", "rank_major", "native", 1), ("dispatch", "rank_major", "native", 2),
@@ -322,10 +364,14 @@ def worker(args):
            ("dispatch", "rank_major", "native", 0, 64), ("combine", "rank_major", "native", 0, 64),
            # the narrow fp8 cast (8 elements / 8-byte store per lane; default is 16)
            ("dispatch_fp8", "rank_major", "native", 0, None, (("JAX_EP_FP8_WIDE", "0"),))]
-    # finer chunks (row slices; default: one token per sender warp, 8 here) and
-    # the older publish form (every sender thread fences)
-    ops += [(k, "rank_major", "native", 0, None, (("JAX_EP_CHUNK", "4"),))
-            for k in ("dispatch", "combine", "roundtrip")]
+    # other chunk sizes (defaults here: dispatch 8 tokens = one per sender warp,
+    # combine 4 = two warps per row) and the older publish form (every sender
+    # thread fences)
+    chunk = lambda c: (("JAX_EP_CHUNK", str(c)),)
+    ops += [("dispatch", "rank_major", "native", 0, None, chunk(4)),
+            ("combine", "rank_major", "native", 0, None, chunk(8)),
+            ("combine", "rank_major", "native", 0, None, chunk(2)),
+            ("roundtrip", "rank_major", "native", 0, None, chunk(8))]
     ops += [(k, "rank_major", "native", 0, None, (("JAX_EP_PUBLISH", "1"),))
             for k in ("dispatch", "combine", "roundtrip")]
     if args.skip_ref:
@@ -334,6 +380,13 @@ def worker(args):
         ops = [o for o in ops if o[0] == "dispatch_fp8" and o[2] == "native"]
     log("V3-train T=4096 H=7168 K=8 E=256 bf16, uniform routing")
     res, idx = bench_config(T, H, K, E, ops)
+    if args.ragged_row:  # measured by the job before this one (see _RAGGED_XLA_FLAGS)
+        try:
+            with open(args.ragged_row) as f:
+                rr = json.load(f)
+            res[ragged_op] = (rr["us"], rr["note"])
+        except (OSError, ValueError, KeyError) as e:
+            res[ragged_op] = (None, f"no result from the ragged_all_to_all job ({e})")
     for op, (us, extra) in res.items():
         kind, layout, be = op[:3]
         skip = op[3] if len(op) > 3 else 0

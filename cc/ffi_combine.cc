@@ -79,7 +79,7 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F
 
   if (T == 0) return ffi::Error::Success();
   if (debug_poison()) JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.out, 0xFF, out->size_bytes(), stream));
-  LaunchConfig lc = make_launch_config(T, num_sms, rt->num_sms);
+  LaunchConfig lc = make_launch_config(kOpCombine, T, num_sms, rt->num_sms);
   JAX_EP_CUDA_RETURN(launch_combine(a, lc, stream));
   return ffi::Error::Success();
 }

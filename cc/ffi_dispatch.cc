@@ -110,7 +110,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
     JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.out, 0xFF, out->size_bytes(), stream));
     JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.out_scales, 0xFF, out_scales->size_bytes(), stream));
   }
-  LaunchConfig lc = make_launch_config(T > 0 ? T : 1, num_sms, rt->num_sms);
+  LaunchConfig lc = make_launch_config(kOpDispatch, T > 0 ? T : 1, num_sms, rt->num_sms);
   JAX_EP_CUDA_RETURN(launch_dispatch(a, lc, stream));
   return ffi::Error::Success();
 }

@@ -20,8 +20,8 @@ PeerTable loopback_peers(const std::vector<uint64_t>& ptrs, int stride, int sym_
   return p;
 }
 
-LaunchConfig loopback_config(int T, int num_blocks, int chunk) {
-  LaunchConfig lc = make_launch_config(T > 0 ? T : 1, num_blocks, num_blocks);
+LaunchConfig loopback_config(OpKind op, int T, int num_blocks, int chunk) {
+  LaunchConfig lc = make_launch_config(op, T > 0 ? T : 1, num_blocks, num_blocks);
   if (chunk > 0) {
     while ((T + chunk - 1) / chunk > kMaxChunks) chunk *= 2;  // flags per source rank
     lc.chunk = chunk;
@@ -113,7 +113,7 @@ std::string loopback_dispatch(const std::vector<uint64_t>& ptrs, const std::vect
     a.stage_off[0] = stage_offset(sym_bytes, kOpDispatch, 0);
     a.stage_off[1] = stage_offset(sym_bytes, kOpDispatch, 1);
     a.stage_scales_off = scales_off;
-    return launch_dispatch(a, loopback_config(a.T, int(ints[9]), int(ints[10])), st);
+    return launch_dispatch(a, loopback_config(kOpDispatch, a.T, int(ints[9]), int(ints[10])), st);
   });
 }
 
@@ -147,7 +147,7 @@ std::string loopback_combine(const std::vector<uint64_t>& ptrs, const std::vecto
       return cudaErrorInvalidValue;
     a.stage_off[0] = stage_offset(sym_bytes, kOpCombine, 0);
     a.stage_off[1] = stage_offset(sym_bytes, kOpCombine, 1);
-    return launch_combine(a, loopback_config(a.T, int(ints[7]), int(ints[8])), st);
+    return launch_combine(a, loopback_config(kOpCombine, a.T, int(ints[7]), int(ints[8])), st);
   });
 }
 

@@ -46,9 +46,13 @@ struct LaunchConfig {
   __host__ __device__ int threads() const { return 32 * (send_warps + recv_warps); }
 };
 
-// Picks the grid and chunk size for T tokens given an SM budget (num_sms <= 0:
-// every SM of the device). JAX_EP_CHUNK overrides the tokens per chunk (bench).
-LaunchConfig make_launch_config(int num_tokens, int num_sms_requested, int device_sms);
+// The ops that own a region of the symmetric buffer (staging, flags).
+enum OpKind : int { kOpDispatch = 0, kOpCombine = 1, kOpBench = 2, kNumOps = 3 };
+
+// Picks the grid and chunk size of op (kOpDispatch / kOpCombine) for T tokens
+// given an SM budget (num_sms <= 0: every SM of the device). JAX_EP_CHUNK
+// overrides the tokens per chunk of both ops (bench).
+LaunchConfig make_launch_config(OpKind op, int num_tokens, int num_sms_requested, int device_sms);
 
 // Warps per token row when a block's warps share a chunk of `chunk` tokens.
 inline int slices_for_chunk(int chunk, int warps) { return chunk >= warps ? 1 : warps / chunk; }
@@ -65,8 +69,6 @@ __host__ __device__ inline void row_slice(long long nvec, int vec, int sl, int s
 // ---- symmetric buffer layout -------------------------------------------------
 constexpr int kMaxChunks = 8192;            // flags per (op, source rank)
 constexpr size_t kCtrlBytes = size_t(1) << 20;  // control region (end of buffer)
-
-enum OpKind : int { kOpDispatch = 0, kOpCombine = 1, kOpBench = 2, kNumOps = 3 };
 
 struct OpCtrl {
   unsigned int epoch;   // last finished epoch (local only)
