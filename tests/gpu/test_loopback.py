@@ -224,6 +224,11 @@ def _worker():
          "bfloat16", None, True, 0.1, (0, 2)),
         ("dispatch_overflow_em_R2_T128_H2048_K8_E64_cap100", 2, 128, 2048, 8, 64, "expert_major",
          1, "bfloat16", 100, True, 0.0, (0,)),
+        # EP = 1: everything is local work, shared by sender and receiver warps
+        ("dispatch_em_a128_R1_T512_H7168_K8_E64_local", 1, 512, 7168, 8, 64, "expert_major", 128,
+         "bfloat16", None, True, 0.1, (0, 2)),
+        ("dispatch_rm_R1_T300_H2880_K2_E8_local", 1, 300, 2880, 2, 8, "rank_major", 1,
+         "bfloat16", None, False, 0.4, (0,)),
     ]
     for name, R, T, H, K, E, layout, align, dt, cap, skew, m1, chunks in cases:
         try:
@@ -266,6 +271,8 @@ def _worker():
         ("fp8_cast_bf16_em_R4_T128_H2048", 4, 128, 2048, 8, 64, "expert_major", "cast",
          "bfloat16", (0, 1)),
         ("fp8_given_em_R4_T128_H7168", 4, 128, 7168, 8, 256, "expert_major", "given", None, (0,)),
+        ("fp8_cast_bf16_em_R1_T64_H2048_local", 1, 64, 2048, 4, 16, "expert_major", "cast",
+         "bfloat16", (0,)),
     ]:
         try:
             idx = random_routing(rng, R, T, K, E, minus_one=0.1)
@@ -305,6 +312,10 @@ def _worker():
          (0,)),
         ("combine_rm_R2_T128_H2880_K2_E8_bf16", 2, 128, 2880, 2, 8, "rank_major", "bfloat16",
          False, (0, 3)),
+        ("combine_em_R1_T512_H7168_K8_E64_bf16_w_local", 1, 512, 7168, 8, 64, "expert_major",
+         "bfloat16", True, (0, 2)),
+        ("combine_rm_R1_T300_H2048_K2_E8_f32_local", 1, 300, 2048, 2, 8, "rank_major", "float32",
+         False, (0,)),
     ]:
         try:
             idx = random_routing(rng, R, T, K, E, minus_one=0.2, skew=True)
@@ -388,6 +399,29 @@ def _bench():
                     times.append(sec)
                 print(f"| {name} | {layout} | {chunk or 'default'} | {publish} | "
                       f"{'ERR ' + err if err else f'{np.median(times) * 1e6:.1f}'} |", flush=True)
+
+    # EP = 1 (no peer: only the local paths, all SMs): the cost of the work the
+    # kernels do besides the transfer (own tokens, zero rows, K-row reductions)
+    os.environ["JAX_EP_PUBLISH"] = "0"
+    R1 = 1
+    x1, idx1 = x[:1], idx[:1]
+    print(f"\nEP = 1 on 1 GPU ({lb.sms} SMs): local paths only, T={T} H={H} K={K} E={E}")
+    print("| op | layout | us per call |\n|---|---|---|")
+    for layout in ("rank_major", "expert_major"):
+        cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
+                       backend="reference")
+        hd = lb.handles_and_ref(R1, cfg, x1, idx1, "copy")
+        y = hd[4]
+        w = (rng.random((R1, y.shape[1])).astype(np.float32) if layout == "expert_major" else None)
+        ops = [("dispatch", lambda it: lb.dispatch(R1, x1, None, hd, "copy", layout == "rank_major",
+                                                   H, 0, iters=it)[0::3]),
+               ("combine", lambda it: lb.combine(R1, y, w, hd, layout, H, 0, iters=it)[0::2])]
+        for name, f in ops:
+            f(3)
+            times = [f(20)[1] for _ in range(5)]
+            err = f(1)[0]
+            print(f"| {name} | {layout} | "
+                  f"{'ERR ' + err if err else f'{np.median(times) * 1e6:.1f}'} |", flush=True)
     return 0
 
 
