@@ -209,53 +209,6 @@ __device__ __forceinline__ int slot_rows(const CombineArgs& a, int s, int t, int
   return n;
 }
 
-// Tokens no peer is involved in (every slot local or -1: all of them at
-// EP = 1) need nobody: out[t] is finished from y alone. Block b owns those of
-// its chunks; its warps take them one at a time from a shared-memory cursor,
-// receiver warps when nothing else is ready and sender warps once their
-// sends are done. Out of line (a cold path at EP > 1): inlined, it pushed the
-// bf16 kernel's spills from 68 to 206 B.
-struct LocalCursor {
-  int* next;   // shared: tokens of this block's chunks taken so far
-  bool left;
-};
-
-template <typename T, int V>
-__device__ __noinline__ bool local_token(const CombineArgs& a, LocalCursor& lc, int chunk,
-                                         int num_chunks, bool weighted, int lane) {
-  const int me = a.peers.rank, R = a.peers.num_ranks;
-  while (lc.left) {
-    int k = 0;
-    if (lane == 0) k = atomicAdd(lc.next, 1);
-    k = __shfl_sync(0xffffffffu, k, 0);
-    const int j = blockIdx.x + gridDim.x * (k / chunk);
-    const int t = j * chunk + k % chunk;
-    if (j >= num_chunks) {
-      lc.left = false;
-      break;
-    }
-    if (t >= a.T) continue;
-    const bool* m = a.send_mask + static_cast<long long>(t) * R;
-    bool remote = false;
-    for (int r = 0; r < R; ++r) remote |= (r != me && m[r]);
-    if (remote) continue;
-    char* out = static_cast<char*>(a.out) + static_cast<long long>(t) * a.row_bytes;
-    if (m[me]) {
-      int rows[kMaxK];
-      float w[kMaxK];
-      bool received;
-      const int n_rows = slot_rows(a, me, t, rows, w, &received);
-      const char* src[1] = {nullptr};
-      warp_combine_token<T, V>(src, 1, 0, static_cast<const char*>(a.y), a.row_bytes, rows, w,
-                               n_rows, weighted, out, 0, a.row_bytes, lane);
-    } else {
-      warp_zero_row<V>(out, a.row_bytes, lane);
-    }
-    return true;
-  }
-  return false;
-}
-
 template <typename T, int V>
 __global__ void __launch_bounds__(512, 1)
 combine_kernel(CombineArgs a, LaunchConfig lc, int num_chunks) {
@@ -272,11 +225,6 @@ combine_kernel(CombineArgs a, LaunchConfig lc, int num_chunks) {
   const long long RB = a.row_bytes, nvec = RB / V;
   int rows[kMaxK];
   float w[kMaxK];
-  const bool work = !(a.skip & 2);  // debug: no receive-side work
-  __shared__ int local_next;
-  if (threadIdx.x == 0) local_next = 0;
-  __syncthreads();
-  LocalCursor local{&local_next, work};
 
   if (warp < send_warps) {
     // ---- expert side: partial of every (s, t) received from a peer s; the
@@ -305,21 +253,20 @@ combine_kernel(CombineArgs a, LaunchConfig lc, int num_chunks) {
       }
       publish_chunk(a.peers, a.ctrl_off, j, epoch, send_warps, publish);
     }
-    while (local_token<T, V>(a, local, chunk, num_chunks, weighted, lane)) {}
   } else {
     // ---- source side: sum the partials of ranks 0..R-1 ----
-    // Per (token, slice) item with a peer involved, two steps over this warp's
-    // item list (its items of this block's chunks): A needs nobody: this
-    // rank's own partial cast(p_me) is formed from y and parked in out[t]
-    // (exact: it is stored in y's dtype anyway). B waits for the peers' chunk
-    // flags and sums ranks 0..R-1 in order (own partial read back from
-    // out[t]). B runs whenever its next item is ready, A otherwise, the
-    // block's local tokens (local_token) when A is done, so the local
-    // reduction hides behind the transfer. rank_major has no A: its own
-    // partial is one row of y, read by B.
+    // Per (token, slice) item two steps over this warp's item list (its items
+    // of this block's chunks): A needs nobody: this rank's own partial
+    // cast(p_me) is formed from y and parked in out[t] (exact: it is stored in
+    // y's dtype anyway), or out[t] is finished when no peer is involved. B
+    // waits for the peers' chunk flags and sums ranks 0..R-1 in order (own
+    // partial read back from out[t]). B runs whenever its next item is ready,
+    // A otherwise, so the local reduction hides behind the transfer. rank_major
+    // has no A for items with peers: its own partial is one row of y, read by B.
     const int rw = warp - send_warps;
     const char* my_stage = sym_at(a.peers, me, stage);
     const char* src[kMaxRanks];
+    const bool work = !(a.skip & 2);
     ItemCursor ca(blockIdx.x, rw, chunk, slices, recv_warps, NT, num_chunks, gridDim.x);
     ItemCursor cb = ca;
     int na = 0, nb = 0;  // items done by A / B (B never overtakes A)
@@ -330,8 +277,7 @@ combine_kernel(CombineArgs a, LaunchConfig lc, int num_chunks) {
         bool ready = true;
         for (int r = 0; r < R && ready; ++r)
           if (r != me && mb[r]) ready = flag_ready_warp(&ctrl->flags[r][jb], epoch);
-        if (!ready && !ca.valid()) {  // no A left: local tokens, else block on the flags
-          if (local.left && local_token<T, V>(a, local, chunk, num_chunks, weighted, lane)) continue;
+        if (!ready && !ca.valid()) {  // nothing else to do: block on the flags
           for (int r = 0; r < R; ++r)
             if (r != me && mb[r]) wait_flag(&ctrl->flags[r][jb], epoch, a.host_err, a.timeout_ns);
           ready = true;
@@ -372,16 +318,29 @@ combine_kernel(CombineArgs a, LaunchConfig lc, int num_chunks) {
       char* out = static_cast<char*>(a.out) + ta * RB;
       long long off, len;
       row_slice(nvec, V, ca.sl(), slices, &off, &len);
-      if (work && ma[me] && remote && !a.rank_major) {
-        bool received;
-        const int n_rows = slot_rows(a, me, ta, rows, w, &received);
-        if (n_rows == 0) warp_zero_row<V>(out + off, len, lane);
-        else warp_reduce_rows<T, V>(y, RB, rows, w, n_rows, weighted, out, off, len, lane);
+      if (work) {
+        if (ma[me]) {
+          if (remote) {
+            if (!a.rank_major) {
+              bool received;
+              const int n_rows = slot_rows(a, me, ta, rows, w, &received);
+              if (n_rows == 0) warp_zero_row<V>(out + off, len, lane);
+              else warp_reduce_rows<T, V>(y, RB, rows, w, n_rows, weighted, out, off, len, lane);
+            }
+          } else {
+            bool received;
+            const int n_rows = slot_rows(a, me, ta, rows, w, &received);
+            src[0] = nullptr;
+            warp_combine_token<T, V>(src, 1, 0, y, RB, rows, w, n_rows, weighted, out, off, len,
+                                     lane);
+          }
+        } else if (!remote) {
+          warp_zero_row<V>(out + off, len, lane);
+        }
       }
       ++na;
       ca.next();
     }
-    while (local_token<T, V>(a, local, chunk, num_chunks, weighted, lane)) {}
   }
   finish_call(ctrl, epoch);
 }

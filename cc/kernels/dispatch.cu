@@ -195,57 +195,6 @@ __device__ __forceinline__ void move_row_slice(const DispatchArgs& a, int t, con
   }
 }
 
-// Work that needs no peer: zero the unused output rows, then place this
-// rank's own tokens from x. Block b owns rows / tokens b, b + grid, ...; its
-// warps take them one at a time from shared-memory cursors, so receiver warps
-// do it while no peer chunk is ready and sender warps join once their sends
-// are done (with no peer, e.g. EP = 1, that doubles the warps on it).
-struct LocalCursor {
-  int* next;            // shared: [0] zero rows, [1] own tokens (taken so far)
-  bool zero_left, own_left;
-  __device__ bool left() const { return zero_left || own_left; }
-};
-
-__device__ __forceinline__ long long take(int* ctr, int lane) {
-  int k = 0;
-  if (lane == 0) k = atomicAdd(ctr, 1);
-  return blockIdx.x + static_cast<long long>(gridDim.x) * __shfl_sync(0xffffffffu, k, 0);
-}
-
-// Does one local item; false when the block has none left. Out of line: it
-// is called from both warp roles and carries the cast.
-template <int EPL>
-__device__ __noinline__ bool local_item(const DispatchArgs& a, LocalCursor& lc, int me, int v, int sv,
-                           int lane, float* sm) {
-  while (lc.zero_left) {
-    const long long row = take(&lc.next[0], lane);
-    if (row >= a.C) {
-      lc.zero_left = false;
-      break;
-    }
-    if (__ldg(a.row_src + row) >= 0) continue;
-    warp_zero_row_any(static_cast<char*>(a.out) + row * a.row_bytes, a.row_bytes, lane);
-    if (a.s_row_bytes)
-      warp_zero_row_any(static_cast<char*>(a.out_scales) + row * a.s_row_bytes, a.s_row_bytes, lane);
-    return true;
-  }
-  while (lc.own_left) {
-    const long long t = take(&lc.next[1], lane);
-    if (t >= a.T) {
-      lc.own_left = false;
-      break;
-    }
-    char* rows[kMaxDst];
-    char* srows[kMaxDst];
-    const int n = gather_rows(a, me, static_cast<int>(t), rows, srows);
-    if (n == 0) continue;
-    move_row_slice<EPL>(a, static_cast<int>(t), static_cast<const char*>(a.x) + t * a.x_row_bytes,
-                        rows, srows, n, 0, 1, v, sv, lane, sm);
-    return true;
-  }
-  return false;
-}
-
 // EPL: fp8 cast elements per lane (16, the default cast; 8 = JAX_EP_FP8_WIDE=0,
 // and the copy mode), a template so that the wide cast's register pressure
 // stays out of the copy kernel.
@@ -265,11 +214,6 @@ dispatch_kernel(DispatchArgs a, LaunchConfig lc, int num_chunks) {
   const int v = row_vec_bytes(a.row_bytes);
   const int sv = a.s_row_bytes ? row_vec_bytes(a.s_row_bytes) : 1;
   float* sm = sm_scales[warp & 15];
-  __shared__ int local_next[2];
-  if (threadIdx.x < 2) local_next[threadIdx.x] = 0;
-  __syncthreads();
-  const bool work = !(a.skip & 2);  // debug: no receive-side work
-  LocalCursor local{local_next, work, work};
 
   if (warp < send_warps) {
     // ---- sender: chunk j of my tokens to every rank that wants them; the
@@ -295,17 +239,22 @@ dispatch_kernel(DispatchArgs a, LaunchConfig lc, int num_chunks) {
       }
       publish_chunk(a.peers, a.ctrl_off, j, epoch, send_warps, publish);
     }
-    while (local_item<EPL>(a, local, me, v, sv, lane, sm)) {}
   } else {
     // ---- receiver ----
     const int rw = warp - send_warps;
+    const int nrw = gridDim.x * recv_warps;
+    const int gw = blockIdx.x * recv_warps + rw;
     char* rows[kMaxDst];
     char* srows[kMaxDst];
     const char* my_stage = sym_at(a.peers, me, stage);
-    // Two work lists, interleaved: remote chunks (peer i, chunk j of this
-    // block; this warp's items in it) whenever their flag is up, and otherwise
-    // the block's local work (local_item). So the local gather hides behind
-    // the transfer and only the last wave is left after it.
+    // Two work lists per warp, interleaved: remote chunks (peer i, chunk j of
+    // this block; this warp's items in it) whenever their flag is up, and
+    // otherwise local work that needs nobody: zero rows, then own tokens
+    // straight from x (cast here in the fp8 modes). So the local gather hides
+    // behind the transfer and only the last wave is left after it.
+    const bool work = !(a.skip & 2);
+    int zc = work ? gw : a.C;   // zero-row cursor
+    int lt = work ? gw : T;     // local-token cursor
     int pi = 1, pj = blockIdx.x;  // remote cursor
     if (pj >= num_chunks) pi = R;
     while (true) {
@@ -314,7 +263,26 @@ dispatch_kernel(DispatchArgs a, LaunchConfig lc, int num_chunks) {
       bool do_remote = false;
       if (remote_left) do_remote = flag_ready_warp(&ctrl->flags[s][pj], epoch);
       if (!do_remote) {
-        if (local.left() && local_item<EPL>(a, local, me, v, sv, lane, sm)) continue;
+        // local work item, if any
+        while (zc < a.C && __ldg(a.row_src + zc) >= 0) zc += nrw;
+        if (zc < a.C) {
+          warp_zero_row_any(static_cast<char*>(a.out) + static_cast<long long>(zc) * a.row_bytes,
+                            a.row_bytes, lane);
+          if (a.s_row_bytes)
+            warp_zero_row_any(static_cast<char*>(a.out_scales) + static_cast<long long>(zc) * a.s_row_bytes,
+                              a.s_row_bytes, lane);
+          zc += nrw;
+          continue;
+        }
+        if (lt < T) {
+          const int t = lt;
+          lt += nrw;
+          const int n = gather_rows(a, me, t, rows, srows);
+          if (n == 0) continue;
+          move_row_slice<EPL>(a, t, static_cast<const char*>(a.x) + t * a.x_row_bytes, rows, srows,
+                              n, 0, 1, v, sv, lane, sm);
+          continue;
+        }
         if (!remote_left) break;
         wait_flag(&ctrl->flags[s][pj], epoch, a.host_err, a.timeout_ns);
       }
