@@ -66,6 +66,31 @@ __device__ __forceinline__ void accum_rows(const char* y, long long row_bytes, l
   }
 }
 
+// f32 accumulators of a lane: kU vectors of E elements.
+template <int E>
+__device__ __forceinline__ void zero_acc(float (&acc)[kU][E]) {
+#pragma unroll
+  for (int u = 0; u < kU; ++u)
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[u][e] = 0.f;
+}
+
+// Casts the lane's accumulators to T and stores them at vectors i0 + 32u of dst.
+template <typename T, int V>
+__device__ __forceinline__ void store_acc(const float (&acc)[kU][V / sizeof(T)], char* dst,
+                                          long long i0, long long nv) {
+  using Vec = typename VecT<V>::type;
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    if (i0 + 32 * u >= nv) continue;
+    Vec o;
+    T* to = reinterpret_cast<T*>(&o);
+#pragma unroll
+    for (int e = 0; e < int(V / sizeof(T)); ++e) to[e] = Cvt<T>::t(acc[u][e]);
+    reinterpret_cast<Vec*>(dst)[i0 + 32 * u] = o;
+  }
+}
+
 // Warp reduces bytes [off, off + len) of n rows (weights w or 1) into the
 // same range of dst (may be remote), cast to T.
 template <typename T, int V>
@@ -73,26 +98,14 @@ __device__ __forceinline__ void warp_reduce_rows(const char* y, long long row_by
                                                  const int* rows, const float* w, int n,
                                                  bool weighted, char* dst, long long off,
                                                  long long len, int lane) {
-  using Vec = typename VecT<V>::type;
   constexpr int E = V / sizeof(T);
   const long long nv = len / V;
   dst += off;
   for (long long i0 = lane; i0 < nv; i0 += 32 * kU) {
     float pa[kU][E];
-#pragma unroll
-    for (int u = 0; u < kU; ++u)
-#pragma unroll
-      for (int e = 0; e < E; ++e) pa[u][e] = 0.f;
+    zero_acc(pa);
     accum_rows<T, V>(y, row_bytes, off, rows, w, n, weighted, i0, nv, pa);
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      if (i0 + 32 * u >= nv) continue;
-      Vec o;
-      T* to = reinterpret_cast<T*>(&o);
-#pragma unroll
-      for (int e = 0; e < E; ++e) to[e] = Cvt<T>::t(pa[u][e]);
-      reinterpret_cast<Vec*>(dst)[i0 + 32 * u] = o;
-    }
+    store_acc<T, V>(pa, dst, i0, nv);
   }
 }
 
@@ -113,17 +126,11 @@ __device__ __forceinline__ void warp_combine_token(const char* const* src, int n
   out += off;
   for (long long i0 = lane; i0 < nv; i0 += 32 * kU) {
     float acc[kU][E];
-#pragma unroll
-    for (int u = 0; u < kU; ++u)
-#pragma unroll
-      for (int e = 0; e < E; ++e) acc[u][e] = 0.f;
+    zero_acc(acc);
     for (int q = 0; q < n; ++q) {
       if (q == local_pos) {
         float pa[kU][E];
-#pragma unroll
-        for (int u = 0; u < kU; ++u)
-#pragma unroll
-          for (int e = 0; e < E; ++e) pa[u][e] = 0.f;
+        zero_acc(pa);
         accum_rows<T, V>(y, row_bytes, off, rows, w, n_rows, weighted, i0, nv, pa);
 #pragma unroll
         for (int u = 0; u < kU; ++u)
@@ -144,15 +151,7 @@ __device__ __forceinline__ void warp_combine_token(const char* const* src, int n
         }
       }
     }
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      if (i0 + 32 * u >= nv) continue;
-      Vec o;
-      T* to = reinterpret_cast<T*>(&o);
-#pragma unroll
-      for (int e = 0; e < E; ++e) to[e] = Cvt<T>::t(acc[u][e]);
-      reinterpret_cast<Vec*>(out)[i0 + 32 * u] = o;
-    }
+    store_acc<T, V>(acc, out, i0, nv);
   }
 }
 

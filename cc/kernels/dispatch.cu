@@ -135,14 +135,6 @@ __device__ __forceinline__ void warp_cast_row(const Tin* __restrict__ src, char*
   }
 }
 
-template <typename Tin, int EPL>
-__device__ __forceinline__ void cast_row(const DispatchArgs& a, const void* src, char* const* dst,
-                                         char* const* dst_scales, int n, int g0, int g1, int lane,
-                                         float* sm) {
-  warp_cast_row<Tin, EPL>(reinterpret_cast<const Tin*>(src), dst, dst_scales, n, g0, g1, lane,
-                          a.div_mode, sm);
-}
-
 // Output rows of received slot (s, t): expert_major has one per k (distinct),
 // rank_major one row shared by every k.
 __device__ __forceinline__ int gather_rows(const DispatchArgs& a, int s, int t, char** rows,
@@ -168,7 +160,8 @@ template <int EPL>
 __device__ __noinline__ void cast_row_f32(const DispatchArgs& a, const void* src, char* const* dst,
                                           char* const* dst_scales, int n, int g0, int g1, int lane,
                                           float* sm) {
-  cast_row<float, EPL>(a, src, dst, dst_scales, n, g0, g1, lane, sm);
+  warp_cast_row<float, EPL>(static_cast<const float*>(src), dst, dst_scales, n, g0, g1, lane,
+                            a.div_mode, sm);
 }
 
 // Moves groups [g0, g1) / bytes [off, off + len) of token row t (source xr) to
@@ -189,7 +182,8 @@ __device__ __forceinline__ void move_row_slice(const DispatchArgs& a, int t, con
     const int G = a.hidden / 128;
     const int g0 = G * sl / slices, g1 = G * (sl + 1) / slices;
     if (a.mode == kDispatchCastBf16)
-      cast_row<__nv_bfloat16, EPL>(a, xr, dst, dsts, n, g0, g1, lane, sm);
+      warp_cast_row<__nv_bfloat16, EPL>(reinterpret_cast<const __nv_bfloat16*>(xr), dst, dsts, n,
+                                        g0, g1, lane, a.div_mode, sm);
     else
       cast_row_f32<EPL>(a, xr, dst, dsts, n, g0, g1, lane, sm);
   }
@@ -357,7 +351,8 @@ size_t combine_stage_bytes(int R, int T, long long row_bytes) {
   return size_t(R) * size_t(T) * size_t(row_bytes);
 }
 
-LaunchConfig make_launch_config(OpKind op, int num_tokens, int num_sms_requested, int device_sms) {
+LaunchConfig make_launch_config(OpKind op, int num_tokens, int num_sms_requested, int device_sms,
+                                int chunk) {
   LaunchConfig lc;
   int sms = num_sms_requested > 0 ? num_sms_requested : device_sms;
   if (sms > device_sms) sms = device_sms;
@@ -370,13 +365,15 @@ LaunchConfig make_launch_config(OpKind op, int num_tokens, int num_sms_requested
   // byte lands and smaller waves shorten it. Measured on 2x H200, V3-train:
   // combine 226 -> 201 us at chunk 4, dispatch equal (bf16) or slower (fp8:
   // 132 -> 137 us). Smaller chunks pay one publish each.
-  const int max_chunk = op == kOpCombine ? 4 : lc.send_warps;
-  int chunk = (num_tokens + sms - 1) / sms;
-  if (chunk > max_chunk) chunk = max_chunk;
-  if (chunk < 1) chunk = 1;
-  if (const char* c = std::getenv("JAX_EP_CHUNK")) {
-    const int v = std::atoi(c);
-    if (v > 0) chunk = v;
+  if (chunk <= 0) {
+    const int max_chunk = op == kOpCombine ? 4 : lc.send_warps;
+    chunk = (num_tokens + sms - 1) / sms;
+    if (chunk > max_chunk) chunk = max_chunk;
+    if (chunk < 1) chunk = 1;
+    if (const char* c = std::getenv("JAX_EP_CHUNK")) {
+      const int v = std::atoi(c);
+      if (v > 0) chunk = v;
+    }
   }
   // Bench/debug knobs, read per call in each process: every rank of a group
   // must see the same values (flag j must cover the same tokens everywhere).
