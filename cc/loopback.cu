@@ -20,16 +20,6 @@ PeerTable loopback_peers(const std::vector<uint64_t>& ptrs, int stride, int sym_
   return p;
 }
 
-LaunchConfig loopback_config(OpKind op, int T, int num_blocks, int chunk) {
-  LaunchConfig lc = make_launch_config(op, T > 0 ? T : 1, num_blocks, num_blocks);
-  if (chunk > 0) {
-    while ((T + chunk - 1) / chunk > kMaxChunks) chunk *= 2;  // flags per source rank
-    lc.chunk = chunk;
-    lc.slices = slices_for_chunk(chunk, lc.send_warps);
-  }
-  return lc;
-}
-
 // Every rank's blocks spin on each other's flags: all must be resident at once.
 std::string check_resident(int R, int num_blocks) {
   int dev = 0, sms = 0;
@@ -113,7 +103,9 @@ std::string loopback_dispatch(const std::vector<uint64_t>& ptrs, const std::vect
     a.stage_off[0] = stage_offset(sym_bytes, kOpDispatch, 0);
     a.stage_off[1] = stage_offset(sym_bytes, kOpDispatch, 1);
     a.stage_scales_off = scales_off;
-    return launch_dispatch(a, loopback_config(kOpDispatch, a.T, int(ints[9]), int(ints[10])), st);
+    const LaunchConfig lc = make_launch_config(kOpDispatch, a.T > 0 ? a.T : 1, int(ints[9]),
+                                               int(ints[9]), int(ints[10]));
+    return launch_dispatch(a, lc, st);
   });
 }
 
@@ -147,7 +139,9 @@ std::string loopback_combine(const std::vector<uint64_t>& ptrs, const std::vecto
       return cudaErrorInvalidValue;
     a.stage_off[0] = stage_offset(sym_bytes, kOpCombine, 0);
     a.stage_off[1] = stage_offset(sym_bytes, kOpCombine, 1);
-    return launch_combine(a, loopback_config(kOpCombine, a.T, int(ints[7]), int(ints[8])), st);
+    const LaunchConfig lc = make_launch_config(kOpCombine, a.T > 0 ? a.T : 1, int(ints[7]),
+                                               int(ints[7]), int(ints[8]));
+    return launch_combine(a, lc, st);
   });
 }
 

@@ -50,9 +50,11 @@ struct LaunchConfig {
 enum OpKind : int { kOpDispatch = 0, kOpCombine = 1, kOpBench = 2, kNumOps = 3 };
 
 // Picks the grid and chunk size of op (kOpDispatch / kOpCombine) for T tokens
-// given an SM budget (num_sms <= 0: every SM of the device). JAX_EP_CHUNK
-// overrides the tokens per chunk of both ops (bench).
-LaunchConfig make_launch_config(OpKind op, int num_tokens, int num_sms_requested, int device_sms);
+// given an SM budget (num_sms <= 0: every SM of the device). The tokens per
+// chunk: `chunk` when > 0 (loopback tests), else JAX_EP_CHUNK when set
+// (bench), else the default; doubled until at most kMaxChunks chunks.
+LaunchConfig make_launch_config(OpKind op, int num_tokens, int num_sms_requested, int device_sms,
+                                int chunk = 0);
 
 // Warps per token row when a block's warps share a chunk of `chunk` tokens.
 inline int slices_for_chunk(int chunk, int warps) { return chunk >= warps ? 1 : warps / chunk; }
