@@ -9,6 +9,9 @@
 * the EP group: with ``ep_axis`` the call gets the attributes ``ep_groups`` (i32
   array: every group of the mesh along that axis, one row of PEs each, in axis
   order) and ``num_ranks``, which ``GetPeerTable`` in cc/ffi_common.h reads.
+  They are computed when the call is lowered, from the devices the mesh really
+  holds (a permuted device list, any axis order, EP on a sub-axis), never
+  assumed from process order.
 
 Works with jax 0.10.x and 0.11.x (both spell the type as
 ``ShapeDtypeStruct(manual_axis_type=...)``; a later ``vma=`` keyword is also
@@ -64,54 +67,142 @@ def result_type(shape, dtype, like=None, vma: Optional[frozenset] = None):
                                 manual_axis_type=mat)
 
 
-def ep_groups(axis_name: str, mesh=None) -> np.ndarray:
+def pe_of_device(device) -> int:
+    """NVSHMEM PE that drives ``device``: its process (one GPU per process)."""
+    return int(device.process_index)
+
+
+def ep_groups_of(devices: np.ndarray, axis_names: Sequence[str], axis_name: str,
+                 pe_of=pe_of_device) -> np.ndarray:
     """PE lists of every EP group along ``axis_name``: int32 ``[G, R]``.
 
-    PE of a device = its ``process_index`` (one GPU per process). Uses
-    ``mesh`` when given, else the concrete mesh in context
-    (``jax.sharding.use_mesh``/``jax.set_mesh``); inside ``shard_map`` only the
-    abstract mesh is known, and then the devices are taken to be in process
-    order along the flattened mesh (what ``jax.make_mesh`` builds with one
-    device per process).
-    """
-    from jax._src import mesh as mesh_lib
+    ``devices`` is a mesh's device array (``mesh.devices``, one axis per name in
+    ``axis_names``); row g lists the PEs of one group in ``axis_name`` order, so
+    position p of a row is the rank whose ``jax.lax.axis_index(axis_name)`` is p.
+    Raises when a PE appears twice in one group (two mesh positions on one
+    process cannot be told apart by the kernels)."""
+    names = tuple(axis_names)
+    if axis_name not in names:
+        raise ValueError(f"jax_ep: axis {axis_name!r} is not an axis of the mesh; bound axes: "
+                         f"{names}")
+    pes = np.vectorize(pe_of, otypes=[np.int32])(np.asarray(devices, dtype=object))
+    ax = names.index(axis_name)
+    groups = np.ascontiguousarray(np.moveaxis(pes, ax, -1).reshape(-1, pes.shape[ax]),
+                                  dtype=np.int32)
+    for row in groups:
+        if len(set(row.tolist())) != len(row):
+            raise ValueError(
+                f"jax_ep native backend: the EP group along {axis_name!r} puts several mesh "
+                f"positions on one process (PEs {row.tolist()}); the NVSHMEM transport needs "
+                "one GPU per process (use the reference backend, or one process per GPU)")
+    return groups
 
-    if mesh is None:
+
+def _lowering_mesh(ctx, axis_name: str):
+    """The concrete mesh the enclosing ``shard_map`` body is lowered for.
+
+    At lowering time JAX knows the real device of every mesh position (the
+    shard_map's mesh, or the concrete mesh behind an abstract one); that is
+    the order ``axis_index`` follows, so peers derived from it are right for
+    any device permutation."""
+    axis_ctx = ctx.module_context.axis_context
+    mesh = getattr(axis_ctx, "mesh", None)
+    if mesh is None or not hasattr(mesh, "devices"):
+        from jax._src import mesh as mesh_lib
+
         concrete = mesh_lib.get_concrete_mesh()
         if concrete is not None and not getattr(concrete, "empty", True):
             mesh = concrete
-    if mesh is not None and hasattr(mesh, "devices"):
-        names = tuple(mesh.axis_names)
-        pes = np.vectorize(lambda d: d.process_index, otypes=[np.int32])(mesh.devices)
-    else:
-        abstract = mesh_lib.get_abstract_mesh()
-        names = tuple(abstract.axis_names)
-        if axis_name not in names:
-            raise ValueError(f"jax_ep: axis {axis_name!r} is not an axis of the current mesh {names}")
-        shape = tuple(abstract.axis_sizes)
-        pes = np.arange(int(np.prod(shape)), dtype=np.int32).reshape(shape)
-    if axis_name not in names:
-        raise ValueError(f"jax_ep: axis {axis_name!r} is not an axis of the mesh {names}")
-    ax = names.index(axis_name)
-    return np.ascontiguousarray(np.moveaxis(pes, ax, -1).reshape(-1, pes.shape[ax]), dtype=np.int32)
+    if mesh is None or not hasattr(mesh, "devices"):
+        raise ValueError(
+            f"jax_ep native backend: the devices of the mesh over {axis_name!r} are unknown "
+            "while lowering (no concrete mesh); call jax_ep inside jax.shard_map with a concrete "
+            "jax.sharding.Mesh, or under jax.set_mesh(mesh)")
+    return mesh
 
 
-def call(target: str, results: Sequence, *args, ep_axis: Optional[str] = None, mesh=None,
+# -- the primitive ------------------------------------------------------------
+# jax.ffi.ffi_call fixes its attributes when it is bound, while the PE of each
+# mesh position is only known when the shard_map body is lowered (inside it
+# tracing sees an abstract mesh). This primitive has ffi_call's typing and
+# effects and adds the `ep_groups`/`num_ranks` attributes in its lowering.
+def _freeze(attrs: dict) -> tuple:
+    out = []
+    for k, v in sorted(attrs.items()):
+        if isinstance(v, np.ndarray):
+            v = ("__ndarray__", v.dtype.str, v.shape, tuple(v.reshape(-1).tolist()))
+        out.append((k, v))
+    return tuple(out)
+
+
+def _thaw(attrs: tuple) -> dict:
+    out = {}
+    for k, v in attrs:
+        if isinstance(v, tuple) and v and v[0] == "__ndarray__":
+            v = np.asarray(v[3], dtype=np.dtype(v[1])).reshape(v[2])
+        out[k] = v
+    return out
+
+
+def _make_primitive():
+    from jax._src import core, dispatch
+    from jax._src import ffi as ffi_lib
+    from jax._src.interpreters import mlir
+
+    prim = core.Primitive("jax_ep_ffi_call")
+    prim.multiple_results = True
+    dispatch.simple_impl(prim)
+
+    def abstract_eval(*avals, result_avals, has_side_effect, **_):
+        return ffi_lib.ffi_call_abstract_eval(*avals, result_avals=result_avals,
+                                              has_side_effect=has_side_effect)
+
+    prim.def_effectful_abstract_eval(abstract_eval)
+
+    def lowering(ctx, *operands, target_name, result_avals, has_side_effect, ep_axis, attributes):
+        del result_avals
+        attrs = _thaw(attributes)
+        if ep_axis is not None:
+            mesh = _lowering_mesh(ctx, ep_axis)
+            groups = ep_groups_of(mesh.devices, mesh.axis_names, ep_axis, pe_of=pe_of_device)
+            attrs["ep_groups"] = groups.reshape(-1)
+            attrs["num_ranks"] = np.int32(groups.shape[1])
+        rule = jax.ffi.ffi_lowering(target_name, has_side_effect=has_side_effect)
+        return rule(ctx, *operands, **attrs)
+
+    mlir.register_lowering(prim, lowering)
+    return prim
+
+
+_PRIM = None
+
+
+def call(target: str, results: Sequence, *args, ep_axis: Optional[str] = None,
          has_side_effect: bool = False, **attrs):
     """Call FFI ``target`` per rank. ``results``: ``(shape, dtype)`` pairs.
 
     Returns a tuple of arrays, one per result, each varying over the union of
     the operands' axes. ``attrs`` are static (Python/NumPy scalars, NumPy
     arrays). With ``ep_axis`` the ``ep_groups``/``num_ranks`` attributes of
-    that axis are added.
-    """
+    that axis are added when the call is lowered, from the real devices of the
+    mesh (see :func:`ep_groups_of`)."""
+    global _PRIM
+    if _PRIM is None:
+        _PRIM = _make_primitive()
+    from jax._src import core
+
     vma = frozenset().union(*(vma_of(a) for a in args)) if args else frozenset()
     args = tuple(to_vma(a, vma) for a in args)
     like = args[0] if args else None
-    out_types = tuple(result_type(s, d, like=like, vma=vma) for s, d in results)
+    out_types = [result_type(s, d, like=like, vma=vma) for s, d in results]
+    result_avals = tuple(core.shaped_abstractify(t) for t in out_types)
     if ep_axis is not None:
-        groups = ep_groups(ep_axis, mesh)
-        attrs["ep_groups"] = groups.reshape(-1)
-        attrs["num_ranks"] = np.int32(groups.shape[1])
-    fn = jax.ffi.ffi_call(target, out_types, has_side_effect=has_side_effect)
-    return tuple(fn(*args, **attrs))
+        from jax._src import mesh as mesh_lib
+
+        names = tuple(mesh_lib.get_abstract_mesh().axis_names)
+        if ep_axis not in names:  # fail at trace time, not at lowering
+            raise ValueError(f"jax_ep: axis {ep_axis!r} is not an axis of the current mesh; "
+                             f"bound axes: {names}")
+    return tuple(_PRIM.bind(*args, target_name=target, result_avals=result_avals,
+                            has_side_effect=has_side_effect, ep_axis=ep_axis,
+                            attributes=_freeze(attrs)))
