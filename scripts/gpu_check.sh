@@ -23,7 +23,7 @@ t0=$(date +%s)
 # --no-build-isolation: the machine has no network; its nanobind, jaxlib,
 # NVSHMEM wheel and scikit-build-core are used as installed.
 echo "== build" >&2
-{ cat /tmp/jax_ep_env.txt; "$PY" -m pip install --no-build-isolation --no-deps -v .; } > "$OUT/build.log" 2>&1
+{ cat /tmp/jax_ep_env.txt; JAX_EP_NATIVE=1 "$PY" -m pip install --no-build-isolation --no-deps -v .; } > "$OUT/build.log" 2>&1
 build_rc=$?
 t_build=$(( $(date +%s) - t0 ))
 # Tests (and the processes they spawn) import jax_ep from this tree: put the
