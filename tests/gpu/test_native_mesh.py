@@ -20,6 +20,10 @@ def _mesh_worker(rank: int, n: int):
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import jax_ep
     from ep_testing import random_routing
 
