@@ -18,6 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=_R
 def _mesh_worker(rank: int, n: int):
     import jax
     import jax.numpy as jnp
+    from jax.experimental.multihost_utils import process_allgather
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     import os
@@ -71,7 +72,7 @@ def _mesh_worker(rank: int, n: int):
                 f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3,
                                           out_specs=spec))
                 res = f(glob(mesh, x, spec), glob(mesh, idx, spec), glob(mesh, w, spec))
-                outs[be] = [np.asarray(jax.device_get(r)) for r in res]
+                outs[be] = [np.asarray(process_allgather(r, tiled=True)) for r in res]
             (dx_n, used_n, out_n, gx_n, gw_n), (dx_r, used_r, out_r, gx_r, gw_r) = (
                 outs["native"], outs["reference"])
             C = dx_n.shape[0] // n
