@@ -1,0 +1,216 @@
+"""Benchmark jax_ep.grouped_matmul on one GPU at DeepSeek-V3 per-rank shapes.
+
+    python bench/grouped_matmul_bench.py [--sweep] [--no-xla] [--reps 20]
+
+G=128 experts, M=32768 rows (~256 per expert), bf16:
+  up   projection x [M, 7168] @ w [G, 7168, 4096]
+  down projection x [M, 2048] @ w [G, 2048, 7168]
+for uniform and skewed (Zipf-like, a quarter of the experts empty) group sizes
+and for the forward, dx (= dy @ w[g]^T) and dw (= x[g]^T @ dy[g]).
+
+Timing: each op is chained n times inside one jit (a fori_loop whose input
+passes through an optimization barrier with the previous output, so nothing is
+hoisted or skipped and every output is fully materialised); per-call time =
+(t(n2) - t(n1)) / (n2 - n1), median over --reps repetitions after warm-up.
+TF/s counts useful FLOPs 2 * sum(group_sizes) * K * N. "dense" is the same-M
+dense matmul of the same shape (x @ w[0], dy @ w[0]^T, x^T @ dy) in the same
+run; ratio = grouped TF/s / dense TF/s. The XLA (jax.lax.ragged_dot) rows
+are ~100x slower: they use --xla-reps repetitions of 1 vs 2 calls
+(--no-xla skips them).
+
+--sweep additionally times a few tile configurations per op (uniform sizes)
+and prints the best, to pick GroupedMatmulConfig defaults.
+
+Prints one markdown table; writes it to $OUT/grouped_matmul.md when OUT is set.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+
+from jax_ep import grouped_matmul as gm_mod  # noqa: E402
+from jax_ep.grouped_matmul import GroupedMatmulConfig  # noqa: E402
+
+G, M = 128, 32768
+PROJ = {"up": (7168, 4096), "down": (2048, 7168)}
+
+SWEEP = {
+    "fwd": [(128, 128, 64, 4, 4), (128, 128, 64, 5, 2), (128, 128, 64, 4, 8),
+            (64, 256, 64, 4, 4), (128, 256, 64, 3, 2), (192, 128, 64, 4, 4),
+            (128, 128, 128, 3, 4)],
+    "dw": [(128, 128, 64, 4, 4), (128, 128, 64, 4, 1), (128, 128, 64, 2, 4),
+           (64, 256, 64, 4, 4), (128, 256, 64, 3, 2), (128, 128, 128, 2, 4)],
+}
+SWEEP["dx"] = SWEEP["fwd"]
+
+
+def group_sizes(kind, seed=0):
+    rng = np.random.default_rng(seed)
+    if kind == "uniform":
+        s = np.full(G, M // G)
+    else:   # Zipf-like (exponent 1.2), a quarter of the groups empty, sum = M
+        p = 1.0 / np.arange(1, G + 1) ** 1.2
+        rng.shuffle(p)
+        p[rng.permutation(G)[: G // 4]] = 0
+        s = np.floor(p / p.sum() * M).astype(np.int64)
+        s[np.argmax(s)] += M - s.sum()
+    return s.astype(np.int32)
+
+
+def chained(fn, n):
+    """jit of: n sequential calls of fn(a) (a = the first operand), returns the last output."""
+    def run(a, *rest):
+        out0 = jnp.zeros_like(jax.eval_shape(fn, a, *rest))
+
+        def body(_, carry):
+            a, out = carry
+            a, _ = lax.optimization_barrier((a, out))
+            return a, fn(a, *rest)
+
+        return lax.fori_loop(0, n, body, (a, out0))[1]
+    return jax.jit(run)
+
+
+def per_call_ms(fn, args, n1, n2, reps):
+    f1, f2 = chained(fn, n1), chained(fn, n2)
+    jax.block_until_ready(f1(*args))
+    jax.block_until_ready(f2(*args))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f1(*args))
+        t1 = time.perf_counter()
+        jax.block_until_ready(f2(*args))
+        t2 = time.perf_counter()
+        ts.append(((t2 - t1) - (t1 - t0)) / (n2 - n1))
+    return float(np.median(ts)) * 1e3
+
+
+def ops(cfg):
+    """op -> (grouped fn(a, *rest), dense fn(a, *rest), operands builder)."""
+    hi = jax.lax.Precision.DEFAULT
+    return {
+        "fwd": (lambda x, w, gs: gm_mod.gmm(x, w, gs, config=cfg),
+                lambda x, w0: jnp.dot(x, w0, precision=hi)),
+        "dx": (lambda dy, w, gs: gm_mod.gmm(dy, w, gs, transpose_rhs=True, config=cfg),
+               lambda dy, w0: jnp.dot(dy, w0.T, precision=hi)),
+        "dw": (lambda x, dy, gs: gm_mod.tgmm(x, dy, gs, config=cfg),
+               lambda x, dy: jnp.dot(x.T, dy, precision=hi)),
+    }
+
+
+def operands(op, x, w, dy, gs):
+    if op == "fwd":
+        return (x, w, gs), (x, w[0])
+    if op == "dx":
+        return (dy, w, gs), (dy, w[0])
+    return (x, dy, gs), (x, dy)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--n1", type=int, default=2)
+    ap.add_argument("--n2", type=int, default=6)
+    ap.add_argument("--no-xla", action="store_true", help="skip the jax.lax.ragged_dot rows")
+    ap.add_argument("--xla-reps", type=int, default=2)
+    ap.add_argument("--sweep", action="store_true", help="also time a few tile configurations")
+    ap.add_argument("--proj", default="up,down")
+    ap.add_argument("--dist", default="uniform,skewed")
+    ap.add_argument("--ops", default="fwd,dx,dw")
+    ap.add_argument("--impl", default="pallas", help="implementation of the main rows")
+    ap.add_argument("--scale", type=int, default=1,
+                    help="divide M, K, N by this (smoke tests on CPU)")
+    args = ap.parse_args()
+    global M
+    if args.scale > 1:
+        M //= args.scale
+        for p_, (k_, n_) in list(PROJ.items()):
+            PROJ[p_] = (k_ // args.scale, n_ // args.scale)
+
+    dev = jax.devices()[0]
+    print(f"# device: {dev.device_kind}, jax {jax.__version__}", flush=True)
+    pallas = GroupedMatmulConfig(impl=args.impl)
+    xla = GroupedMatmulConfig(impl="xla")
+    rows = []
+    key = jax.random.key(0)
+    t_start = time.perf_counter()
+    for proj in args.proj.split(","):
+        k, n = PROJ[proj]
+        kx, kw, kd = jax.random.split(jax.random.fold_in(key, k), 3)
+        x = jax.random.normal(kx, (M, k), jnp.bfloat16)
+        w = (jax.random.normal(kw, (G, k, n), jnp.bfloat16) * (1.0 / np.sqrt(k))).astype(jnp.bfloat16)
+        dy = jax.random.normal(kd, (M, n), jnp.bfloat16)
+        for dist in args.dist.split(","):
+            sizes = group_sizes(dist)
+            gs = jnp.asarray(sizes)
+            flops = 2.0 * float(sizes.sum()) * k * n
+            for op in args.ops.split(","):
+                g_args, d_args = operands(op, x, w, dy, gs)
+                gfn, dfn = ops(pallas)[op]
+                dense_ms = per_call_ms(dfn, d_args, args.n1, args.n2, args.reps)
+                dense_tf = 2.0 * M * k * n / dense_ms / 1e9
+                try:
+                    ms = per_call_ms(gfn, g_args, args.n1, args.n2, args.reps)
+                    tf = flops / ms / 1e9
+                    rows.append((proj, dist, op, args.impl, str(pallas.tiles(op)), f"{ms:.3f}",
+                                 f"{tf:.0f}", f"{dense_tf:.0f}", f"{tf / dense_tf:.2f}"))
+                except Exception as e:  # noqa: BLE001
+                    rows.append((proj, dist, op, args.impl, str(pallas.tiles(op)),
+                                 f"FAILED {type(e).__name__}: {str(e)[:80]}", "", f"{dense_tf:.0f}", ""))
+                print("# |", " | ".join(rows[-1]), "|", flush=True)
+                if args.sweep and dist == "uniform":
+                    for tiles in SWEEP[op]:
+                        cfg = GroupedMatmulConfig(impl="pallas", **{op: tiles})
+                        try:
+                            ms = per_call_ms(ops(cfg)[op][0], g_args, 1, 3, max(5, args.reps // 4))
+                            r = (f"{ms:.3f}", f"{flops / ms / 1e9:.0f}",
+                                 f"{flops / ms / 1e9 / dense_tf:.2f}")
+                        except Exception as e:  # noqa: BLE001
+                            r = (f"FAILED {type(e).__name__}: {str(e)[:60]}", "", "")
+                        rows.append((proj, dist, op, "pallas (sweep)", str(tiles), r[0], r[1],
+                                     f"{dense_tf:.0f}", r[2]))
+                        print("# |", " | ".join(rows[-1]), "|", flush=True)
+                if not args.no_xla:
+                    xfn = ops(xla)[op][0]
+                    try:
+                        ms = per_call_ms(xfn, g_args, 1, 2, args.xla_reps)
+                        tf = flops / ms / 1e9
+                        rows.append((proj, dist, op, "xla ragged_dot", "-", f"{ms:.3f}",
+                                     f"{tf:.1f}", f"{dense_tf:.0f}", f"{tf / dense_tf:.3f}"))
+                    except Exception as e:  # noqa: BLE001
+                        rows.append((proj, dist, op, "xla ragged_dot", "-",
+                                     f"FAILED {type(e).__name__}: {str(e)[:80]}", "",
+                                     f"{dense_tf:.0f}", ""))
+                    print("# |", " | ".join(rows[-1]), "|", flush=True)
+        del x, w, dy
+
+    head = ("proj", "sizes", "op", "impl", "tiles (bm,bn,bk,stages,band)", "ms/call",
+            "TF/s", "dense TF/s", "ratio")
+    lines = [f"Grouped matmul, {dev.device_kind}, jax {jax.__version__}: G={G}, M={M}, bf16, "
+             f"median of {args.reps} (xla: {args.xla_reps}), "
+             f"{time.perf_counter() - t_start:.0f} s total", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    table = "\n".join(lines)
+    print()
+    print(table)
+    out = os.environ.get("OUT")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "grouped_matmul.md"), "w") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

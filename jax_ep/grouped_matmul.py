@@ -1,0 +1,625 @@
+"""Grouped (ragged) matmul: the expert compute behind an ``expert_major`` dispatch.
+
+``grouped_matmul(x [M, K], w [G, K, N], group_sizes [G]) -> [M, N]``
+
+Rows are grouped contiguously, in group order, starting at row 0: group ``g``
+owns rows ``[off[g], off[g+1])`` with ``off = concat([0], cumsum(group_sizes))``
+and those rows are multiplied by ``w[g]``. Rows at or past
+``total = sum(group_sizes)`` are *outside every group*: their output rows are
+zero and their input values (which may be garbage, NaN or Inf, e.g. rows a
+dispatch kernel left unwritten) never influence any result, forward or
+backward. Group sizes live on the device; nothing is synchronised to the host.
+Sizes are clipped so that ``off`` never exceeds ``M`` (a group that runs past
+row ``M`` is cut at ``M``); negative sizes are not allowed.
+
+Differentiable (``jax.custom_vjp``), with
+
+* ``dx = grouped_matmul(dy, w^T)`` -- computed against ``w [G, K, N]`` in place
+  (the kernel reads ``w[g]`` transposed from shared memory; ``w^T`` is never
+  materialised), rows past ``total`` get zero gradient;
+* ``dw[g] = x[rows of g]^T @ dy[rows of g]`` -- a grouped matmul that contracts
+  over the ragged row dimension (``[G, K, N]``; zero for empty groups).
+* ``group_sizes`` is integer and gets no gradient.
+
+Safe under ``jit``, ``grad``, ``jax.checkpoint``/remat, ``vmap``-free
+``shard_map`` with ``check_vma=True`` (operands are brought to the union of
+their varying mesh axes and every result carries that type). bf16/f16/f32
+inputs, f32 accumulation, output in ``x.dtype`` unless
+``preferred_element_type`` says otherwise.
+
+Implementations (``GroupedMatmulConfig.impl``):
+
+* ``"pallas"``: Pallas Mosaic-GPU kernels in this module (Hopper, sm_90):
+  persistent, one CTA per SM, TMA + WGMMA with a multi-stage shared-memory
+  pipeline, f32 accumulators in registers. See "Pallas kernels" below.
+* ``"xla"``: ``jax.lax.ragged_dot`` / ``ragged_dot_general`` (inputs' tail rows
+  masked to zero first). Runs everywhere; slow on GPU (~5 TF/s on H200).
+* ``"auto"`` (default): ``"pallas"`` on a Hopper GPU when the operation fits
+  the kernels' constraints and a small instance of the kernel compiles (checked
+  once per configuration), else ``"xla"``. The choice is made per operation
+  (forward, dx, dw).
+
+Pallas kernels
+--------------
+Forward and dx (``_gmm_pallas``): the rows ``[0, M)`` are cut into *fragments*
+at every ``block_m`` boundary, every group boundary and at ``total``. A fragment
+lies inside one row block and one group (or the tail). Fragments are computed
+on the device by XLA (a sort of ``cdiv(M, block_m) + G + 1`` points) and handed
+to the kernel as three int32 arrays; the kernel loops over
+``fragments x column tiles`` (persistent over SMs, ``band`` row fragments
+iterated together for L2 reuse of ``w`` tiles), computes the full
+``block_m x block_n`` tile of its row block against ``w[g]`` and stores only the
+fragment's rows (TMA stores of power-of-two row counts). Tail fragments skip
+the matmul and store zeros, so the output is fully written by the kernel (no
+extra masking pass) and tail input rows can only reach accumulator rows that
+are never stored. Empty fragments (duplicate boundary points) are skipped.
+Work: one tile per fragment, i.e. ``cdiv(M, block_m)`` tiles plus one per group
+boundary that falls inside a block (none when group sizes are multiples of
+``block_m``) -- no work for empty groups and none past ``total``.
+
+dw (``_tgmm_pallas``): one ``block_m x block_n`` tile of ``dw[g]`` per work item
+``(g, tile)``; the pipeline walks the rows of group ``g`` in steps of
+``block_k``
+starting at ``off[g]`` rounded down to a multiple of 8 (the tiled shared-memory
+layout needs 8-aligned TMA row offsets); on the first and last steps the rows
+outside ``[off[g], off[g+1])`` are *selected* to zero in both operands (a
+select, not a multiply, so NaN/Inf in neighbouring or tail rows cannot leak).
+Empty groups store zeros.
+
+Constraints of the Pallas path (checked; otherwise ``"auto"`` falls back to XLA
+and ``"pallas"`` raises): x and w of the same 16-bit dtype (bf16/f16) and the
+output in that dtype; ``block_m``/``block_n``/``block_k`` multiples of 64/64/16
+(block_n 8..256), forward: ``K % block_k == 0`` and ``N % block_n == 0``; dx:
+``N % block_k == 0`` and ``K % block_n == 0``; dw: ``K % block_m == 0`` and
+``N % block_n == 0``; ``M % 8 == 0``, ``M >= block_m`` (forward/dx) and
+``M >= block_k`` (dw).
+Any group sizes (empty, skewed, unaligned, ``total < M``) are fine.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import warnings
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ._ffi import to_vma, vma_of
+
+__all__ = ["GroupedMatmulConfig", "grouped_matmul", "gmm", "tgmm", "DEFAULT_TILES"]
+
+# (block_m, block_n, block_k, max_concurrent_steps, band)
+Tiles = Tuple[int, int, int, int, int]
+
+DEFAULT_TILES = {
+    "fwd": (128, 128, 64, 4, 4),
+    "dx": (128, 128, 64, 4, 4),
+    "dw": (128, 128, 64, 4, 4),
+}
+
+_IMPLS = ("auto", "pallas", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedMatmulConfig:
+    """How :func:`grouped_matmul` runs (hashable; safe as a static argument).
+
+    Attributes:
+      impl: ``"auto"`` (Pallas Mosaic-GPU on Hopper where it applies, else
+        XLA), ``"pallas"`` (force; raises when unsupported) or ``"xla"``
+        (``jax.lax.ragged_dot``).
+      fwd, dx, dw: tile configuration of the Pallas kernel for the forward
+        ``x @ w[g]``, for ``dx = dy @ w[g]^T`` and for
+        ``dw[g] = x[g]^T @ dy[g]``: a tuple
+        ``(block_m, block_n, block_k, max_concurrent_steps, band)``, or ``None``
+        for :data:`DEFAULT_TILES`. ``max_concurrent_steps`` is the number of
+        shared-memory pipeline stages (>= 2); ``band`` is how many row
+        fragments (forward/dx) or row tiles of ``dw`` are swept together per
+        column tile (L2 locality).
+      interpret: run the Pallas kernels in Mosaic-GPU interpret mode (for
+        testing the kernels on CPU; jax >= 0.11; very slow).
+    """
+
+    impl: str = "auto"
+    fwd: Optional[Tiles] = None
+    dx: Optional[Tiles] = None
+    dw: Optional[Tiles] = None
+    interpret: bool = False
+
+    def __post_init__(self):
+        if self.impl not in _IMPLS:
+            raise ValueError(f"impl must be one of {_IMPLS}, got {self.impl!r}")
+        for name in ("fwd", "dx", "dw"):
+            t = getattr(self, name)
+            if t is None:
+                continue
+            t = tuple(int(v) for v in t)
+            if len(t) != 5:
+                raise ValueError(f"{name} tiles must be (block_m, block_n, block_k, "
+                                 f"max_concurrent_steps, band), got {t}")
+            object.__setattr__(self, name, t)
+
+    def tiles(self, op: str) -> Tiles:
+        t = getattr(self, op)
+        return DEFAULT_TILES[op] if t is None else t
+
+
+# --------------------------------------------------------------------------
+# public entry point
+# --------------------------------------------------------------------------
+
+def grouped_matmul(x, w, group_sizes, *, preferred_element_type=None,
+                   config: Optional[GroupedMatmulConfig] = None,
+                   impl: Optional[str] = None):
+    """Grouped matmul ``out[rows of g] = x[rows of g] @ w[g]``; tail rows zero.
+
+    Args:
+      x: ``[M, K]`` rows grouped contiguously by group, starting at row 0.
+        Rows at or past ``sum(group_sizes)`` may hold anything (NaN/Inf
+        included); they never influence any result or gradient.
+      w: ``[G, K, N]`` one matrix per group.
+      group_sizes: ``[G]`` integer, on the device (never read on the host),
+        non-negative; ``sum(group_sizes) <= M`` (groups running past row ``M``
+        are cut at ``M``).
+      preferred_element_type: output dtype (default ``x.dtype``); accumulation
+        is always f32.
+      config: a :class:`GroupedMatmulConfig` (default ``GroupedMatmulConfig()``).
+      impl: shorthand overriding ``config.impl`` (``"auto"|"pallas"|"xla"``).
+
+    Returns:
+      ``[M, N]`` in ``preferred_element_type or x.dtype``; rows past
+      ``sum(group_sizes)`` are zero.
+    """
+    cfg = config if config is not None else GroupedMatmulConfig()
+    if impl is not None:
+        cfg = dataclasses.replace(cfg, impl=impl)
+    x = jnp.asarray(x)
+    w = jnp.asarray(w)
+    group_sizes = jnp.asarray(group_sizes)
+    if x.ndim != 2 or w.ndim != 3:
+        raise ValueError(f"expected x [M, K] and w [G, K, N], got {x.shape} and {w.shape}")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"contracting dims differ: x {x.shape}, w {w.shape}")
+    if group_sizes.shape != (w.shape[0],):
+        raise ValueError(f"group_sizes must have shape ({w.shape[0]},), got {group_sizes.shape}")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(f"group_sizes must be integer, got {group_sizes.dtype}")
+    out_dtype = jnp.dtype(preferred_element_type or x.dtype)
+    group_sizes = group_sizes.astype(jnp.int32)
+    # shard_map(check_vma=True): every operand varies over the union of axes;
+    # pcast's transpose (a psum) then reduces dw for a replicated w.
+    axes = vma_of(x) | vma_of(w) | vma_of(group_sizes)
+    x, w, group_sizes = (to_vma(a, axes) for a in (x, w, group_sizes))
+    return _gmm_vjp(x, w, group_sizes, cfg, out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _gmm_vjp(x, w, group_sizes, cfg, out_dtype):
+    return gmm(x, w, group_sizes, config=cfg, out_dtype=out_dtype)
+
+
+def _gmm_vjp_fwd(x, w, group_sizes, cfg, out_dtype):
+    return gmm(x, w, group_sizes, config=cfg, out_dtype=out_dtype), (x, w, group_sizes)
+
+
+def _gmm_vjp_bwd(cfg, out_dtype, res, dy):
+    x, w, group_sizes = res
+    dy = dy.astype(x.dtype)   # cotangent in the compute dtype (f32 accumulation inside)
+    dx = gmm(dy, w, group_sizes, transpose_rhs=True, config=cfg, out_dtype=x.dtype)
+    dw = tgmm(x, dy, group_sizes, config=cfg, out_dtype=w.dtype)
+    axes = vma_of(x) | vma_of(w)
+    return to_vma(dx, axes), to_vma(dw, axes), None
+
+
+_gmm_vjp.defvjp(_gmm_vjp_fwd, _gmm_vjp_bwd)
+
+
+# --------------------------------------------------------------------------
+# the three operations (no autodiff rules of their own)
+# --------------------------------------------------------------------------
+
+def gmm(x, w, group_sizes, *, transpose_rhs: bool = False,
+        config: Optional[GroupedMatmulConfig] = None, out_dtype=None):
+    """Forward grouped matmul without a VJP rule.
+
+    ``transpose_rhs=False``: ``x [M, K]``, ``w [G, K, N]`` -> ``[M, N]``.
+    ``transpose_rhs=True``: ``x [M, N]``, ``w [G, K, N]`` -> ``[M, K]``
+    (``x[rows of g] @ w[g]^T``; used for dx). Rows past ``sum(group_sizes)``
+    are zero and their input is never used.
+    """
+    cfg = config if config is not None else GroupedMatmulConfig()
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    op = "dx" if transpose_rhs else "fwd"
+    offsets = _offsets(group_sizes, x.shape[0])
+    if _choose(cfg, op, x, w, out_dtype) == "pallas":
+        out = _gmm_pallas(x, w, offsets, transpose_rhs, cfg.tiles(op), out_dtype,
+                          cfg.interpret)
+    else:
+        out = _gmm_xla(x, w, offsets, transpose_rhs, out_dtype)
+    return to_vma(out, vma_of(x) | vma_of(w) | vma_of(group_sizes))
+
+
+def tgmm(x, dy, group_sizes, *, config: Optional[GroupedMatmulConfig] = None,
+         out_dtype=None):
+    """Ragged-contraction grouped matmul: ``out[g] = x[rows of g]^T @ dy[rows of g]``.
+
+    ``x [M, K]``, ``dy [M, N]``, ``group_sizes [G]`` -> ``[G, K, N]`` (zero for
+    empty groups); rows past ``sum(group_sizes)`` are never used.
+    """
+    cfg = config if config is not None else GroupedMatmulConfig()
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    num_groups = group_sizes.shape[0]
+    offsets = _offsets(group_sizes, x.shape[0])
+    if _choose(cfg, "dw", x, dy, out_dtype) == "pallas":
+        out = _tgmm_pallas(x, dy, offsets, cfg.tiles("dw"), out_dtype, cfg.interpret)
+    else:
+        out = _tgmm_xla(x, dy, offsets, num_groups, out_dtype)
+    return to_vma(out, vma_of(x) | vma_of(dy) | vma_of(group_sizes))
+
+
+def _offsets(group_sizes, m):
+    """int32 ``[G+1]``: group g is rows ``[off[g], off[g+1])``, clipped to ``[0, m]``."""
+    gs = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.minimum(jnp.cumsum(gs), m)
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends]).astype(jnp.int32)
+
+
+# --------------------------------------------------------------------------
+# XLA fallback
+# --------------------------------------------------------------------------
+
+def _row_mask(offsets, m):
+    return (jnp.arange(m, dtype=jnp.int32) < offsets[-1])[:, None]
+
+
+def _acc_type(dtype):
+    return jnp.float32 if jnp.issubdtype(dtype, jnp.floating) else None
+
+
+def _gmm_xla(x, w, offsets, transpose_rhs, out_dtype):
+    m = x.shape[0]
+    keep = _row_mask(offsets, m)
+    xm = jnp.where(keep, x, jnp.zeros((), x.dtype))
+    sizes = jnp.diff(offsets)
+    if transpose_rhs:
+        dn = lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(([1], [2]), ([], [])),
+            lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+        y = lax.ragged_dot_general(xm, w, sizes, dn,
+                                   preferred_element_type=_acc_type(out_dtype))
+    else:
+        y = lax.ragged_dot(xm, w, sizes, preferred_element_type=_acc_type(out_dtype))
+    return jnp.where(keep, y, jnp.zeros((), y.dtype)).astype(out_dtype)
+
+
+def _tgmm_xla(x, dy, offsets, num_groups, out_dtype):
+    m = x.shape[0]
+    keep = _row_mask(offsets, m)
+    xm = jnp.where(keep, x, jnp.zeros((), x.dtype))
+    dym = jnp.where(keep, dy, jnp.zeros((), dy.dtype))
+    dn = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([0], [0]), ([], [])),
+        lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    out = lax.ragged_dot_general(xm, dym, jnp.diff(offsets), dn,
+                                 preferred_element_type=_acc_type(out_dtype))
+    assert out.shape[0] == num_groups
+    return out.astype(out_dtype)
+
+
+# --------------------------------------------------------------------------
+# implementation choice
+# --------------------------------------------------------------------------
+
+def _pallas_dtype_ok(x, w):
+    return x.dtype == w.dtype and x.dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _constraint_error(op, tiles, x, w, out_dtype) -> Optional[str]:
+    """Why the Pallas kernel cannot run ``op`` on these operands (None: it can)."""
+    bm, bn, bk, steps, band = tiles
+    if not _pallas_dtype_ok(x, w):
+        return f"needs x and w of one 16-bit dtype, got {x.dtype}/{w.dtype}"
+    if out_dtype != x.dtype:
+        return f"output dtype must be the input dtype {x.dtype}, got {out_dtype}"
+    if bm % 64 or bk % 16 or bn % 8 or not 8 <= bn <= 256 or bm > 256:
+        return f"bad tiles {tiles}"
+    if steps < 2 or band < 1:
+        return f"bad tiles {tiles} (max_concurrent_steps >= 2, band >= 1)"
+    m = x.shape[0]
+    if m % 8:
+        return f"needs M % 8 == 0 (tiled TMA layouts), got M={m}"
+    if op == "fwd":        # x [M, K] @ w [G, K, N]
+        k, n = x.shape[1], w.shape[2]
+    elif op == "dx":       # x [M, N] @ w [G, K, N]^T
+        k, n = x.shape[1], w.shape[1]
+    else:                  # x [M, K]^T @ dy [M, N]
+        k, n = x.shape[1], w.shape[1]
+        if k % bm or n % bn:
+            return f"dw needs K % block_m == 0 and N % block_n == 0 (K={k}, N={n}, tiles {tiles})"
+        if m < bk:
+            return f"dw needs M >= block_k (M={m})"
+        return None
+    if k % bk or n % bn:
+        return f"{op} needs K % block_k == 0 and N % block_n == 0 (K={k}, N={n}, tiles {tiles})"
+    if m < bm:
+        return f"{op} needs M >= block_m (M={m})"
+    return None
+
+
+def _on_hopper() -> bool:
+    try:
+        if jax.default_backend() != "gpu":
+            return False
+        d = jax.devices()[0]
+        return str(getattr(d, "compute_capability", "")).startswith("9")
+    except Exception:  # pragma: no cover
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _pallas_compiles(op: str, tiles: Tiles, dtype_name: str) -> bool:
+    """Compile a small instance of the kernel once; False (with a warning) on failure."""
+    bm, bn, bk, _, _ = tiles
+    dt = jnp.dtype(dtype_name)
+    g = 3
+    sds = jax.ShapeDtypeStruct
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if op == "dw":
+                m, k, n = 2 * bk + 8, bm, bn
+                f = lambda a, b, o: _tgmm_pallas(a, b, o, tiles, dt, False)
+                args = (sds((m, k), dt), sds((m, n), dt), sds((g + 1,), jnp.int32))
+            else:
+                m, k, n = 2 * bm + 8, bk, bn
+                t = op == "dx"
+                wshape = (g, n, k) if t else (g, k, n)
+                f = lambda a, b, o: _gmm_pallas(a, b, o, t, tiles, dt, False)
+                args = (sds((m, k), dt), sds(wshape, dt), sds((g + 1,), jnp.int32))
+            jax.jit(f).lower(*args).compile()
+        return True
+    except Exception as e:  # noqa: BLE001 -- any failure means "use XLA"
+        warnings.warn(f"jax_ep.grouped_matmul: Pallas {op} kernel with tiles {tiles} "
+                      f"does not compile here ({type(e).__name__}: {str(e)[:200]}); "
+                      "using jax.lax.ragged_dot instead")
+        return False
+
+
+def _choose(cfg: GroupedMatmulConfig, op, x, w, out_dtype) -> str:
+    if cfg.impl == "xla":
+        return "xla"
+    err = _constraint_error(op, cfg.tiles(op), x, w, out_dtype)
+    if cfg.impl == "pallas":
+        if err is not None:
+            raise ValueError(f"grouped_matmul impl='pallas': {err}")
+        return "pallas"
+    if err is not None or cfg.interpret or not _on_hopper():
+        return "pallas" if (err is None and cfg.interpret) else "xla"
+    return "pallas" if _pallas_compiles(op, cfg.tiles(op), x.dtype.name) else "xla"
+
+
+# --------------------------------------------------------------------------
+# Pallas Mosaic-GPU kernels (imported lazily: never needed on CPU)
+# --------------------------------------------------------------------------
+
+def _plgpu():
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return pl, plgpu
+
+
+def _transposed(plgpu, ref):
+    """``ref`` viewed transposed (jax 0.11: ``ref.transpose``; 0.10: ``transpose_ref``)."""
+    if hasattr(ref, "transpose"):
+        try:
+            return ref.transpose((1, 0))
+        except (TypeError, NotImplementedError):
+            pass
+    return plgpu.transpose_ref(ref, (1, 0))
+
+
+def _kernel_params(plgpu, interpret):
+    kw = dict(compiler_params=plgpu.CompilerParams(
+        lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    if interpret:
+        kw["interpret"] = plgpu.InterpretGPUParams()
+    return kw
+
+
+def _num_sms(interpret) -> int:
+    if interpret:
+        return 4
+    try:
+        d = jax.devices()[0]
+        n = int(getattr(d, "core_count", 0) or 0)
+        if n > 0:
+            return n
+    except Exception:  # pragma: no cover
+        pass
+    return 132  # H100/H200 SXM
+
+
+def _fragments(offsets, m, bm):
+    """Row fragments of ``[0, m)``: int32 ``r0 [F]``, ``r1 [F]``, ``group [F]`` (-1: tail).
+
+    Cut points: every ``bm`` boundary and every group offset (``total``
+    included). ``F = cdiv(m, bm) + G + 1`` (static); duplicate points give
+    empty fragments, which are sorted to the end.
+    """
+    nb = -(-m // bm)
+    pts = jnp.concatenate([jnp.arange(nb, dtype=jnp.int32) * bm, offsets.astype(jnp.int32)])
+    pts = jnp.sort(pts)
+    r0 = pts
+    r1 = jnp.concatenate([pts[1:], jnp.full((1,), m, jnp.int32)])
+    ends = offsets[1:]
+    g = jnp.searchsorted(ends, r0, side="right").astype(jnp.int32)   # first group with end > r0
+    g = jnp.where(g >= ends.shape[0], -1, g).astype(jnp.int32)
+    valid = r1 > r0
+    key = jnp.where(valid, r0, m + 1)
+    order = jnp.argsort(key, stable=True)
+    return r0[order], r1[order], g[order]
+
+
+def _gmm_pallas(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
+    pl, plgpu = _plgpu()
+    bm, bn, bk, steps, band = tiles
+    m, k = x.shape
+    if transpose_rhs:
+        _, n, k2 = w.shape     # w [G, N_out, K_contract]
+    else:
+        _, k2, n = w.shape
+    assert k == k2, (x.shape, w.shape, transpose_rhs)
+    r0, r1, grp = _fragments(offsets, m, bm)
+    nf = r0.shape[0]
+    grid_n = n // bn
+    top = 1 << int(math.log2(bm))     # largest power of two <= bm
+
+    def body(r0_ref, r1_ref, g_ref, x_ref, w_ref, o_ref):
+        @plgpu.nd_loop((nf * grid_n,), collective_axes="sm")
+        def _item(info):
+            fi, ni = plgpu.planar_snake(info.index[0], (nf, grid_n), 0, band)
+            lo = r0_ref[fi]
+            hi = r1_ref[fi]
+            g = g_ref[fi]
+
+            @pl.when(hi > lo)
+            def _():
+                bi = lax.div(lo, jnp.int32(bm))
+                row0 = bi * bm
+
+                def mma_scope(acc_ref):
+                    @pl.when(g >= 0)
+                    def _():
+                        def step(_, x_smem, w_smem):
+                            rhs = _transposed(plgpu, w_smem) if transpose_rhs else w_smem
+                            plgpu.wgmma(acc_ref, x_smem, rhs)
+
+                        w_spec = (plgpu.BlockSpec((bn, bk), lambda kk: (ni, kk), delay_release=1)
+                                  if transpose_rhs else
+                                  plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni), delay_release=1))
+                        plgpu.emit_pipeline(
+                            step,
+                            grid=(k // bk,),
+                            in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (bi, kk),
+                                                      delay_release=1), w_spec],
+                            max_concurrent_steps=steps,
+                        )(x_ref, w_ref.at[jnp.maximum(g, 0)])
+                    return acc_ref[...]
+
+                acc = pl.run_scoped(mma_scope, plgpu.ACC((bm, bn)))
+
+                def store_scope(o_smem):
+                    o_smem[...] = acc.astype(o_smem.dtype)
+                    plgpu.commit_smem()
+                    count = hi - lo
+                    # TMA boxes are static: store count rows as a sum of powers of two.
+                    src = lo - row0
+                    p = top
+                    while p >= 1:
+                        bit = count & p
+
+                        @pl.when(bit != 0)
+                        def _(src=src, p=p):
+                            plgpu.copy_smem_to_gmem(
+                                o_smem.at[pl.ds(src, p)],
+                                o_ref.at[pl.ds(row0 + src, p), pl.ds(ni * bn, bn)])
+                        src = src + bit
+                        p //= 2
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+                pl.run_scoped(store_scope, plgpu.SMEM((bm, bn), out_dtype))
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(_num_sms(interpret),),
+        grid_names=("sm",),
+        **_kernel_params(plgpu, interpret),
+    )
+    return kernel(r0, r1, grp, x, w)
+
+
+def _tgmm_pallas(x, dy, offsets, tiles, out_dtype, interpret):
+    pl, plgpu = _plgpu()
+    bm, bn, bk, steps, band = tiles
+    m, k = x.shape
+    n = dy.shape[1]
+    g_count = offsets.shape[0] - 1
+    grid_m, grid_n = k // bm, n // bn
+    itemsize = jnp.dtype(x.dtype).itemsize
+    swizzle = plgpu.find_swizzle(bk * itemsize * 8)
+    tr = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+    o_swizzle = plgpu.find_swizzle(bn * itemsize * 8)
+    o_tr = (plgpu.TilingTransform((8, o_swizzle // itemsize)), plgpu.SwizzleTransform(o_swizzle))
+
+    def body(off_ref, x_ref, dy_ref, o_ref):
+        @plgpu.nd_loop((g_count, grid_m * grid_n), collective_axes="sm")
+        def _item(info):
+            g = info.index[0]
+            mi, ni = plgpu.planar_snake(info.index[1], (grid_m, grid_n), 0, band)
+            start = off_ref[g]
+            size = off_ref[g + 1] - start
+            # Tiled (8-row) shared-memory layouts need 8-aligned TMA row
+            # offsets: start at the 8-row boundary at or before the group and
+            # select away the `lead` rows of the previous group.
+            astart = pl.multiple_of(lax.div(start, jnp.int32(8)) * 8, 8)
+            lead = start - astart
+            nsteps = lax.div(size + lead + (bk - 1), jnp.int32(bk))
+
+            def zero_outside(ref, width, s):
+                r = plgpu.layout_cast(
+                    lax.broadcasted_iota(jnp.int32, (bk, width), 0), plgpu.Layout.WGMMA)
+                r = r + s * bk
+                v = ref[...]
+                ref[...] = jnp.where((r >= lead) & (r < lead + size), v, jnp.zeros_like(v))
+
+            def mma_scope(acc_ref):
+                @pl.when(size > 0)
+                def _():
+                    def step(idx, x_smem, dy_smem):
+                        s = idx[0]
+
+                        @pl.when((s == 0) | (s == nsteps - 1))
+                        def _():
+                            zero_outside(x_smem, bm, s)
+                            zero_outside(dy_smem, bn, s)
+                            plgpu.commit_smem()
+
+                        plgpu.wgmma(acc_ref, _transposed(plgpu, x_smem), dy_smem)
+
+                    rows = pl.ds(astart, m)  # may run past M; steps past the group are never issued
+                    plgpu.emit_pipeline(
+                        step,
+                        grid=(nsteps,),
+                        in_specs=[
+                            plgpu.BlockSpec((bk, bm), lambda s: (s, mi), delay_release=1,
+                                            transforms=tr),
+                            plgpu.BlockSpec((bk, bn), lambda s: (s, ni), delay_release=1,
+                                            transforms=tr),
+                        ],
+                        max_concurrent_steps=steps,
+                    )(x_ref.at[rows, :], dy_ref.at[rows, :])
+                return acc_ref[...]
+
+            acc = pl.run_scoped(mma_scope, plgpu.ACC((bm, bn)))
+
+            def store_scope(o_smem):
+                o_smem[...] = acc.astype(o_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(
+                    o_smem, o_ref.at[g, pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+            pl.run_scoped(store_scope, plgpu.SMEM((bm, bn), out_dtype, transforms=o_tr))
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((g_count, k, n), out_dtype),
+        grid=(_num_sms(interpret),),
+        grid_names=("sm",),
+        **_kernel_params(plgpu, interpret),
+    )
+    return kernel(offsets.astype(jnp.int32), x, dy)

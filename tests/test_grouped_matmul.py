@@ -1,0 +1,285 @@
+"""CPU tests of jax_ep.grouped_matmul (XLA path everywhere; the Pallas kernels
+in Mosaic-GPU interpret mode where this jax has it, and lowered for CUDA)."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jax_ep import grouped_matmul as gm_mod
+from jax_ep.grouped_matmul import GroupedMatmulConfig, grouped_matmul
+
+try:
+    from jax.experimental.pallas import mosaic_gpu as _plgpu
+    HAS_INTERPRET = hasattr(_plgpu, "InterpretGPUParams")
+except Exception:  # pragma: no cover
+    HAS_INTERPRET = False
+
+SIZES = {
+    "uniform": [16, 16, 16, 16],
+    "empty_groups": [0, 30, 0, 20],
+    "skew": [50, 1, 0, 7],
+    "partial_tail": [5, 0, 17, 3],          # sum < M: NaN-poisoned tail
+    "all_empty": [0, 0, 0, 0],
+}
+M, K, N, G = 64, 24, 40, 4
+
+
+def _offsets(sizes):
+    return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+
+
+def np_gmm(x, w, sizes):
+    off = _offsets(sizes)
+    out = np.zeros((x.shape[0], w.shape[2]), np.float64)
+    for g in range(len(sizes)):
+        out[off[g]:off[g + 1]] = x[off[g]:off[g + 1]].astype(np.float64) @ w[g]
+    return out
+
+
+def np_grads(x, w, sizes, dy):
+    off = _offsets(sizes)
+    dx = np.zeros(x.shape, np.float64)
+    dw = np.zeros(w.shape, np.float64)
+    for g in range(len(sizes)):
+        r = slice(off[g], off[g + 1])
+        dx[r] = dy[r].astype(np.float64) @ w[g].T
+        dw[g] = x[r].astype(np.float64).T @ dy[r]
+    return dx, dw
+
+
+def make(sizes, m=M, k=K, n=N, seed=0, poison=True):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((len(sizes), k, n)).astype(np.float32)
+    dy = rng.standard_normal((m, n)).astype(np.float32)
+    tot = int(np.sum(sizes))
+    if poison:
+        x[tot:] = np.nan
+        dy[tot:] = np.inf
+    return x, w, dy, np.asarray(sizes, np.int32)
+
+
+def clean(a, sizes):
+    a = np.array(a)
+    a[int(np.sum(sizes)):] = 0
+    return a
+
+
+def loss_fn(fn):
+    def loss(x, w, gs, dy):
+        return jnp.sum(fn(x, w, gs).astype(jnp.float32) * dy)
+    return loss
+
+
+def xla_grads(x, w, gs, dy):
+    """VJP of our function with a poison-free cotangent path (dy tail may be inf)."""
+    y, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, gs, impl="xla"), x, w)
+    return y, vjp(dy)
+
+
+@pytest.mark.parametrize("case", sorted(SIZES))
+def test_forward_matches_numpy_and_ragged_dot(case):
+    sizes = SIZES[case]
+    x, w, _, gs = make(sizes)
+    y = np.asarray(jax.jit(lambda a, b, s: grouped_matmul(a, b, s))(x, w, gs))
+    ref = np_gmm(clean(x, sizes), w, sizes)
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-4)
+    assert np.all(y[int(np.sum(sizes)):] == 0)
+    rd = np.asarray(jax.lax.ragged_dot(jnp.asarray(clean(x, sizes)), w, gs))
+    np.testing.assert_allclose(y, rd, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", sorted(SIZES))
+def test_gradients_match_numpy_and_ragged_dot(case):
+    sizes = SIZES[case]
+    x, w, dy, gs = make(sizes)
+    y, (dx, dw) = jax.jit(xla_grads)(x, w, gs, dy)
+    dx, dw = np.asarray(dx), np.asarray(dw)
+    assert np.all(np.isfinite(dx)) and np.all(np.isfinite(dw))
+    rdx, rdw = np_grads(clean(x, sizes), w, sizes, clean(dy, sizes))
+    np.testing.assert_allclose(dx, rdx, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(dw, rdw, rtol=1e-5, atol=1e-4)
+    assert np.all(dx[int(np.sum(sizes)):] == 0)
+    # against autodiff of jax.lax.ragged_dot on poison-free inputs
+    xc, dyc = jnp.asarray(clean(x, sizes)), jnp.asarray(clean(dy, sizes))
+    _, rvjp = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, gs), xc, jnp.asarray(w))
+    jdx, jdw = rvjp(dyc)
+    np.testing.assert_allclose(dx, np.asarray(jdx), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(dw, np.asarray(jdw), rtol=1e-5, atol=1e-4)
+
+
+def test_grad_under_checkpoint_and_jit():
+    sizes = SIZES["partial_tail"]
+    x, w, dy, gs = make(sizes)
+
+    @jax.jit
+    def g(x, w):
+        f = jax.checkpoint(lambda a, b: jnp.tanh(grouped_matmul(a, b, gs)))
+        return jax.grad(lambda a, b: jnp.sum(f(a, b) * jnp.asarray(clean(dy, sizes))),
+                        argnums=(0, 1))(x, w)
+
+    dx, dw = g(x, w)
+    assert np.all(np.isfinite(np.asarray(dx))) and np.all(np.isfinite(np.asarray(dw)))
+
+    def ref(xc, w):
+        return jnp.sum(jnp.tanh(jax.lax.ragged_dot(xc, w, gs)) * clean(dy, sizes))
+    rdx, rdw = jax.grad(ref, argnums=(0, 1))(jnp.asarray(clean(x, sizes)), w)
+    np.testing.assert_allclose(np.asarray(dx), np.asarray(rdx), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(dw), np.asarray(rdw), rtol=1e-5, atol=1e-4)
+
+
+def test_bf16_output_dtype_and_preferred_element_type():
+    sizes = SIZES["skew"]
+    x, w, dy, gs = make(sizes)
+    xb, wb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+    y = grouped_matmul(xb, wb, gs)
+    assert y.dtype == jnp.bfloat16
+    y32 = grouped_matmul(xb, wb, gs, preferred_element_type=jnp.float32)
+    assert y32.dtype == jnp.float32
+    ref = np_gmm(clean(np.asarray(xb, np.float32), sizes), np.asarray(wb, np.float32), sizes)
+    np.testing.assert_allclose(np.asarray(y32), ref, rtol=1e-5, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(y, np.float32), ref, rtol=2e-2, atol=2e-1)
+    dx, dw = jax.grad(lambda a, b: jnp.sum(grouped_matmul(a, b, gs).astype(jnp.float32)),
+                      argnums=(0, 1))(xb, wb)
+    assert dx.dtype == jnp.bfloat16 and dw.dtype == jnp.bfloat16
+    assert np.all(np.isfinite(np.asarray(dx, np.float32)))
+    assert np.all(np.isfinite(np.asarray(dw, np.float32)))
+
+
+def test_shard_map_check_vma_grad_remat():
+    devs = jax.devices()
+    if len(devs) < 8:
+        pytest.skip("needs 8 (fake) devices")
+    mesh = Mesh(np.array(devs[:8]), ("ep",))
+    rng = np.random.default_rng(1)
+    R, m = 8, 32
+    sizes = rng.integers(0, 9, size=(R, G)).astype(np.int32)
+    sizes[0] = 0                                           # a rank with nothing
+    x = rng.standard_normal((R, m, K)).astype(np.float32)
+    w_sh = rng.standard_normal((R, G, K, N)).astype(np.float32)   # per-rank experts
+    w_rep = rng.standard_normal((G, K, N)).astype(np.float32)     # replicated
+    dy = rng.standard_normal((R, m, N)).astype(np.float32)
+    for r in range(R):
+        x[r, sizes[r].sum():] = np.nan
+
+    def per_rank(x, w, wr, gs, dy):
+        x, w, gs, dy = x[0], w[0], gs[0], dy[0]
+        f = jax.checkpoint(lambda a, b, c: grouped_matmul(a, b, gs) + grouped_matmul(a, c, gs))
+        y, (dx, dw, dwr) = jax.value_and_grad(
+            lambda a, b, c: jnp.sum(f(a, b, c) * dy), argnums=(0, 1, 2))(x, w, wr)
+        return f(x, w, wr)[None], dx[None], dw[None], dwr
+
+    fn = jax.jit(jax.shard_map(per_rank, mesh=mesh,
+                               in_specs=(P("ep"), P("ep"), P(), P("ep"), P("ep")),
+                               out_specs=(P("ep"), P("ep"), P("ep"), P()),
+                               check_vma=True))
+    y, dx, dw, dwr = (np.asarray(a) for a in fn(x, w_sh, w_rep, sizes, dy))
+    dwr_ref = np.zeros_like(w_rep, np.float64)
+    for r in range(R):
+        xc = clean(x[r], sizes[r])
+        np.testing.assert_allclose(y[r], np_gmm(xc, w_sh[r], sizes[r]) + np_gmm(xc, w_rep, sizes[r]),
+                                   rtol=1e-4, atol=1e-3)
+        rdx1, rdw1 = np_grads(xc, w_sh[r], sizes[r], clean(dy[r], sizes[r]))
+        rdx2, rdw2 = np_grads(xc, w_rep, sizes[r], clean(dy[r], sizes[r]))
+        np.testing.assert_allclose(dx[r], rdx1 + rdx2, rtol=1e-4, atol=1e-3)
+        np.testing.assert_allclose(dw[r], rdw1, rtol=1e-4, atol=1e-3)
+        dwr_ref += rdw2
+    # w replicated: its gradient is summed over ranks (pcast's transpose)
+    np.testing.assert_allclose(dwr, dwr_ref, rtol=1e-4, atol=1e-3)
+
+
+def test_sum_larger_than_m_is_clipped():
+    x, w, _, _ = make([10, 10, 10, 10], poison=False)
+    gs = np.array([30, 30, 30, 30], np.int32)                 # sum 120 > M = 64
+    y = np.asarray(grouped_matmul(x, w, gs))
+    np.testing.assert_allclose(y, np_gmm(x, w, [30, 30, 4, 0]), rtol=1e-5, atol=1e-4)
+
+
+def test_config_and_validation():
+    cfg = GroupedMatmulConfig(fwd=[128, 128, 64, 4, 2])
+    assert cfg.fwd == (128, 128, 64, 4, 2) and hash(cfg)
+    assert cfg.tiles("dw") == gm_mod.DEFAULT_TILES["dw"]
+    with pytest.raises(ValueError):
+        GroupedMatmulConfig(impl="cuda")
+    with pytest.raises(ValueError):
+        GroupedMatmulConfig(dx=(1, 2, 3))
+    x, w, _, gs = make(SIZES["uniform"])
+    with pytest.raises(ValueError):
+        grouped_matmul(x, w[:, :3], gs)
+    with pytest.raises(ValueError):
+        grouped_matmul(x, w, gs[:2])
+    # f32 is not a Pallas dtype: forcing it is an error, auto quietly uses XLA
+    with pytest.raises(ValueError, match="16-bit"):
+        grouped_matmul(x, w, gs, impl="pallas")
+    assert gm_mod._choose(GroupedMatmulConfig(), "fwd", jnp.asarray(x), jnp.asarray(w),
+                          jnp.dtype(jnp.float32)) == "xla"
+
+
+# ---------------------------------------------------------------- Pallas path
+
+PALLAS_CFG = GroupedMatmulConfig(impl="pallas", interpret=True, fwd=(64, 64, 64, 2, 2),
+                                 dx=(64, 64, 32, 2, 1), dw=(64, 64, 16, 2, 2))
+PSIZES = {
+    "unaligned_empty_tail": [70, 0, 33, 1, 60],        # sum 164 < 200
+    "skew_full": [0, 190, 10, 0, 0],
+    "all_empty": [0, 0, 0, 0, 0],
+}
+
+
+@pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
+@pytest.mark.parametrize("case", sorted(PSIZES))
+def test_pallas_kernels_interpret(case):
+    sizes = PSIZES[case]
+    x, w, dy, gs = make(sizes, m=200, k=128, n=128, seed=3)
+    xb, wb, dyb = (jnp.asarray(a, jnp.bfloat16) for a in (x, w, dy))
+    xf, wf, dyf = (np.asarray(a, np.float32) for a in (xb, wb, dyb))
+    y, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, gs, config=PALLAS_CFG), xb, wb)
+    dx, dw = vjp(dyb)
+    y, dx, dw = (np.asarray(a, np.float32) for a in (y, dx, dw))
+    ref = np_gmm(clean(xf, sizes), wf, sizes)
+    rdx, rdw = np_grads(clean(xf, sizes), wf, sizes, clean(dyf, sizes))
+    tol = dict(rtol=2e-2, atol=0.3)
+    np.testing.assert_allclose(y, ref, **tol)
+    np.testing.assert_allclose(dx, rdx, **tol)
+    np.testing.assert_allclose(dw, rdw, **tol)
+    tot = int(np.sum(sizes))
+    assert np.all(y[tot:] == 0) and np.all(dx[tot:] == 0)
+    for g in np.flatnonzero(np.asarray(sizes) == 0):
+        assert np.all(dw[g] == 0)
+
+
+@pytest.mark.parametrize("op", ["fwd", "dx", "dw"])
+def test_pallas_lowers_for_cuda(op):
+    """The kernels trace and lower to a CUDA module (no GPU needed)."""
+    sds = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    m, k, n, g = 1024, 512, 256, 8
+    cfg = GroupedMatmulConfig(impl="pallas")
+    gsd = sds((g,), jnp.int32)
+    if op == "fwd":
+        f = functools.partial(gm_mod.gmm, config=cfg)
+        args = (sds((m, k), bf), sds((g, k, n), bf), gsd)
+    elif op == "dx":
+        f = functools.partial(gm_mod.gmm, transpose_rhs=True, config=cfg)
+        args = (sds((m, n), bf), sds((g, k, n), bf), gsd)
+    else:
+        f = functools.partial(gm_mod.tgmm, config=cfg)
+        args = (sds((m, k), bf), sds((m, n), bf), gsd)
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_pallas_constraints_fall_back_to_xla():
+    bf = jnp.bfloat16
+    x = jax.ShapeDtypeStruct((260, 512), bf)          # M % 8 != 0
+    w = jax.ShapeDtypeStruct((4, 512, 256), bf)
+    assert "M % 8" in gm_mod._constraint_error("fwd", (128, 128, 64, 4, 4), x, w, jnp.dtype(bf))
+    x = jax.ShapeDtypeStruct((264, 512), bf)
+    assert gm_mod._constraint_error("fwd", (128, 128, 64, 4, 4), x, w, jnp.dtype(bf)) is None
+    assert gm_mod._constraint_error("fwd", (128, 128, 64, 4, 4), x, w, jnp.dtype(jnp.float32))
+    assert gm_mod._constraint_error("fwd", (128, 384, 64, 4, 4), x, w, jnp.dtype(bf))
+    # not on a Hopper GPU here: auto uses XLA
+    assert gm_mod._choose(GroupedMatmulConfig(), "fwd", x, w, jnp.dtype(bf)) == "xla"
