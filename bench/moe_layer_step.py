@@ -1,294 +1,880 @@
-"""Forward+backward step time of the DeepSeek-V3-style MoE layer, native vs XLA.
+"""MoE layer forward+backward: jax_ep beside the best XLA-only layer, one table.
 
-Runs ``examples/moe_layer.py``'s block (router, shared expert, routed SwiGLU
-experts through jax_ep dispatch -> ragged_dot -> combine) with
-``backend="native"`` (jax_ep's CUDA/NVSHMEM kernels) beside the very same layer
-with ``backend="reference"``, which is XLA's dense all_to_all path (static
-capacity, per-rank dedup). Under the launcher, one process per GPU::
+The layer is ``examples/moe_layer.py``'s block (router, shared expert, routed
+SwiGLU experts between dispatch and combine). Implementations (``--impls``):
 
-    python -m jax_ep.launch -n 2 bench/moe_layer_step.py
-    python -m jax_ep.launch -n 2 bench/moe_layer_step.py --tokens 4096 --dtype bfloat16 \\
-        --iters 50 --inner 4 --json bench/results/moe_layer_step.json
+* ``jax_ep``: jax_ep's native dispatch/combine (NVSHMEM kernels; the reference
+  backend on CPU) + ``jax_ep.grouped_matmul`` experts (``expert_impl="grouped"``),
+  ``expert_major`` layout at the default capacity.
+* ``xla_padded``: the reference backend (XLA's dense ``all_to_all``) + padded
+  batched-matmul experts at ``--expert-capacity-factor`` (2) times the mean rows
+  per expert (overflow dropped and counted).
+* ``xla_ragged``: the reference backend + ``jax.lax.ragged_dot`` experts, with
+  ``--xla_gpu_experimental_use_ragged_dot_fusion=true`` on GPUs. Slow, and it
+  runs out of memory at DeepSeek-V3 sizes: by default only up to
+  ``--ragged-max-tokens`` (V3: 1024), under ``--ragged-timeout``; "OOM" /
+  "timeout" go into the table instead of stopping the run.
+* ``jax_ep_padded`` (optional): jax_ep dispatch/combine + padded experts.
 
-Default shapes are DeepSeek-V3's: H=7168, 256 routed experts of width 2048,
-top-8 with 8 groups / best 4, one shared expert, 4096 tokens per GPU, bf16.
+The faster XLA layer of each (config, T) is the baseline.
 
-What is timed, per backend (medians over ``--iters`` calls after ``--warmup``):
+Configs (``--configs``): ``v3`` (H 7168, E 256, top-8, group-limited routing
+8 groups / best 4, SwiGLU d_ff 2048, one shared expert; T in 128, 1024, 4096,
+8192 tokens per rank), ``mixtral`` (H 4096, E 8, top-2 softmax, d_ff 14336, no
+shared expert; T 4096; at EP 2 each rank holds L = 4 experts), ``tiny`` (CPU
+smoke). ``--tokens`` replaces the T list of every selected config.
 
-* ``layer``: one jitted call computing the loss ``sum(out * ct)`` and its
-  gradient wrt all parameters and the input. With ``--inner k`` the call runs k
-  chained steps in a ``fori_loop`` (the input of step i+1 depends on step i's
-  input gradient) and the time is divided by k, which removes the ~200 us
-  host overhead of a multi-process dispatch from the per-step figure.
-* ``d+c``: the same kind of call on dispatch -> combine alone (identity
-  experts, the layer's routing), forward + backward; ``share`` is d+c / layer.
+Per (config, T, impl) one job (its own processes, so the peak-memory figure is
+that job's alone): the fwd+bwd step time and its split — dispatch+combine
+fwd+bwd alone (identity experts, the layer's routing), the routed expert
+matmuls fwd+bwd alone (on that routing's dispatched rows), and the rest
+(router, shared expert, glue = layer - both) — tokens/s per GPU, and
+``device.memory_stats()['peak_bytes_in_use']`` after the layer's timing (JAX's
+allocator; jax_ep's NVSHMEM heap is extra and listed in the notes).
 
-A CPU smoke run (tiny shapes, reference only) works too::
+Timing: every figure is device time per step of chained steps inside one jit
+(a ``fori_loop`` whose step i+1 takes step i's input gradient and touched
+parameters, so nothing is hoisted out of the loop; parameters and gradients are
+carried and donated, as in training). Per step = median over reps of
+``(t(n_hi) - t(n_lo)) / (n_hi - n_lo)`` for calls of n_lo and n_hi chained
+steps (interleaved), which cancels the fixed per-call costs (host dispatch,
+argument handling). Random data, after warm-up; never a host-timed single call.
+The layer and expert loops take n as an argument (one compile; XLA then checks
+the loop condition on the host once per step, ~tens of µs against steps of
+milliseconds); dispatch+combine, which is short, gets static trip counts (two
+compiles; ``--static-loops`` does that everywhere). An xla_ragged job takes its
+d+c from xla_padded's job (the same XLA dispatch).
 
-    python bench/moe_layer_step.py --platform cpu --backends reference --tokens 64 \\
-        --hidden 64 --experts 8 --topk 2 --d-ff 32 --n-groups 1 --topk-groups 1
+Run (one process per GPU through the launcher; rank 0 runs the jobs)::
+
+    python -m jax_ep.launch -n 2 bench/moe_layer_step.py            # everything, <= 8 min
+    python bench/moe_layer_step.py -n 2                              # the same
+    python -m jax_ep.launch -n 2 bench/moe_layer_step.py --configs v3 --tokens 4096 --skip-ragged
+
+Results: a markdown table on stdout, and ``moe_layer_step.{md,json,png}`` in
+``--out`` (default ``$OUT`` when set). ``--merge old.json`` reuses the jobs of
+an earlier run (to split the sweep over several calls). CPU smoke (tiny shapes)::
+
+    python bench/moe_layer_step.py --smoke                           # 1 process, 2 CPU devices
+    python -m jax_ep.launch -n 2 --platform cpu bench/moe_layer_step.py --smoke
 """
 from __future__ import annotations
 
 import argparse
+import datetime
+import glob
 import json
 import math
 import os
+import re
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
+PRESETS = {
+    "v3": dict(hidden=7168, d_ff=2048, experts=256, topk=8, n_groups=8, topk_groups=4,
+               n_shared=1, score_func="sigmoid", route_scale=2.5, tokens=[128, 1024, 4096, 8192],
+               ragged_max_tokens=1024),
+    "mixtral": dict(hidden=4096, d_ff=14336, experts=8, topk=2, n_groups=1, topk_groups=1,
+                    n_shared=0, score_func="softmax", route_scale=1.0, tokens=[4096],
+                    ragged_max_tokens=4096),
+    "tiny": dict(hidden=64, d_ff=32, experts=8, topk=2, n_groups=4, topk_groups=2, n_shared=1,
+                 score_func="sigmoid", route_scale=2.5, tokens=[16, 64], ragged_max_tokens=64),
+}
+IMPLS = {  # name -> (jax_ep backend on GPUs, expert_impl, label)
+    "jax_ep": ("native", "grouped", "jax_ep: dispatch/combine + grouped matmul"),
+    "jax_ep_padded": ("native", "padded", "jax_ep: dispatch/combine + padded matmul"),
+    "xla_padded": ("reference", "padded", "XLA: all_to_all + padded batched matmul"),
+    "xla_ragged": ("reference", "ragged_dot", "XLA: all_to_all + ragged_dot"),
+}
+XLA_IMPLS = ("xla_padded", "xla_ragged")
+RAGGED_XLA_FLAG = "--xla_gpu_experimental_use_ragged_dot_fusion=true"
+SHAPE_KEYS = ("hidden", "d_ff", "experts", "topk", "n_groups", "topk_groups", "n_shared",
+              "route_scale")
+
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="MoE layer fwd+bwd: jax_ep native vs XLA all_to_all")
-    p.add_argument("--backends", default="native,reference",
-                   help="comma list of jax_ep backends to time (default native,reference)")
+    p = argparse.ArgumentParser(
+        description="MoE layer fwd+bwd: jax_ep beside the XLA-only layers (one table)")
+    p.add_argument("--configs", default="v3,mixtral", help="comma list of " + ",".join(PRESETS))
+    p.add_argument("--tokens", default=None,
+                   help="comma list of tokens per rank T for every config (default per config: "
+                        "v3 128,1024,4096,8192; mixtral 4096)")
+    p.add_argument("--impls", default="jax_ep,xla_padded,xla_ragged",
+                   help="comma list of " + ",".join(IMPLS))
+    p.add_argument("--skip-ragged", action="store_true", help="drop xla_ragged")
+    p.add_argument("--ragged-max-tokens", type=int, default=None,
+                   help="run xla_ragged only up to this T (default: v3 1024, mixtral 4096)")
+    p.add_argument("--ragged-timeout", type=float, default=100.0,
+                   help="seconds an xla_ragged job may take before it is killed (\"timeout\")")
+    p.add_argument("--job-timeout", type=float, default=240.0, help="seconds for any other job")
+    p.add_argument("--deadline", type=float, default=470.0,
+                   help="seconds for the whole run: jobs that cannot start in time are "
+                        "reported as skipped (0 = none)")
+    p.add_argument("-n", "--nproc", type=int, default=None,
+                   help="processes per job through jax_ep.launch (default: under the launcher "
+                        "its process count; else the GPUs; on CPU 0 = one process with "
+                        "--cpu-devices fake devices)")
     p.add_argument("--platform", choices=("auto", "cpu", "gpu"), default="auto")
     p.add_argument("--cpu-devices", type=int, default=2,
-                   help="fake CPU devices for a single-process --platform cpu run")
+                   help="CPU devices of a one-process CPU job (with -n 0)")
     p.add_argument("--data", type=int, default=1, help="data axis size (ep = devices / data)")
-    p.add_argument("--tokens", type=int, default=4096, help="tokens per GPU")
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--d-ff", type=int, default=2048)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--n-groups", type=int, default=8)
-    p.add_argument("--topk-groups", type=int, default=4)
-    p.add_argument("--n-shared", type=int, default=1)
-    p.add_argument("--route-scale", type=float, default=2.5)
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU smoke test: --configs tiny, few reps (tiny shapes)")
+    for k in SHAPE_KEYS:
+        p.add_argument("--" + k.replace("_", "-"), type=(float if k == "route_scale" else int),
+                       default=None, help=f"override the preset's {k}")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--capacity", type=int, default=None,
-                   help="EpConfig.capacity (rows per rank; default: dropless worst case)")
-    p.add_argument("--expert-alignment", type=int, default=1)
+                   help="EpConfig.capacity of jax_ep (default: the library default)")
+    p.add_argument("--expert-alignment", type=int, default=None)
     p.add_argument("--num-sms", type=int, default=None)
     p.add_argument("--buffer-bytes", type=int, default=None,
-                   help="NVSHMEM symmetric buffer per process (jax_ep.initialize(buffer_bytes))")
-    p.add_argument("--experts-impl", choices=("padded", "ragged_dot"), default="padded",
-                   help="routed-expert matmuls: padded = batched einsum over a fixed number of "
-                        "rows per expert (default; XLA's ragged_dot may expand to a dense "
-                        "[L, C, H] problem at these sizes); ragged_dot = jax.lax.ragged_dot")
+                   help="NVSHMEM buffer per process (default: sized from the config)")
     p.add_argument("--expert-capacity-factor", type=float, default=2.0,
-                   help="padded experts: rows per local expert = factor * R*T*K/E "
-                        "(rounded up to 8); overflow is dropped and counted")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--inner", type=int, default=1, help="chained steps per timed call")
-    p.add_argument("--no-comm", action="store_true", help="skip the dispatch+combine-only timing")
-    p.add_argument("--json", default=None, help="also write the results here (process 0)")
-    return p.parse_args(argv)
+                   help="padded experts: rows per local expert = factor * R*T*K/E, rounded "
+                        "up to 8 (overflow dropped and counted)")
+    p.add_argument("--steps", default="1,4",
+                   help="n_lo,n_hi chained steps per timed call (layer and experts)")
+    p.add_argument("--comm-steps", default="2,8",
+                   help="n_lo,n_hi for dispatch+combine (static trip counts)")
+    p.add_argument("--min-time", type=float, default=1.5,
+                   help="seconds of timed calls per measurement (sets the reps)")
+    p.add_argument("--min-reps", type=int, default=5)
+    p.add_argument("--max-reps", type=int, default=40)
+    p.add_argument("--static-loops", action="store_true",
+                   help="static trip counts everywhere (two compiles per measurement; a "
+                        "dynamic while loop syncs with the host once per step)")
+    p.add_argument("--no-split", action="store_true", help="time the whole layer only")
+    p.add_argument("--out", default=os.environ.get("OUT") or None,
+                   help="write moe_layer_step.{md,json,png} here (default $OUT)")
+    p.add_argument("--merge", default=None,
+                   help="moe_layer_step.json of an earlier run: reuse its successful jobs "
+                        "(the others run)")
+    p.add_argument("--keep-logs", action="store_true", help="print every job's log")
+    p.add_argument("--job", default=None, help=argparse.SUPPRESS)  # worker: the job spec
+    args = p.parse_args(argv)
+    if args.smoke:
+        if args.configs == "v3,mixtral":
+            args.configs = "tiny"
+        args.min_time, args.min_reps, args.max_reps = 0.2, 3, 5
+    return args
 
 
-if __name__ == "__main__":
-    _ARGS = parse_args()
-    if (_ARGS.platform == "cpu" and "JAX_EP_NUM_PROCESSES" not in os.environ):
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        flags = os.environ.get("XLA_FLAGS", "")
-        if "xla_force_host_platform_device_count" not in flags:
-            os.environ["XLA_FLAGS"] = (
-                flags + f" --xla_force_host_platform_device_count={_ARGS.cpu_devices}").strip()
+# =============================================================================== orchestrator
 
-try:
-    import jax_ep  # noqa: E402
-except ImportError:
+
+def _under_launcher() -> bool:
+    return "JAX_EP_NUM_PROCESSES" in os.environ
+
+
+def _detect_gpus() -> int:
+    return len([q for q in glob.glob("/dev/nvidia*") if re.fullmatch(r"/dev/nvidia\d+", q)])
+
+
+def _ints(s):
+    return [int(v) for v in str(s).split(",") if v.strip()]
+
+
+def plan_jobs(args, platform):
+    """-> list of job dicts (name, config, T, impl, model shapes, ...), in run order:
+    every non-ragged job first, the xla_ragged ones (likely to fail) last."""
+    impls = [i.strip() for i in args.impls.split(",") if i.strip()]
+    for i in impls:
+        if i not in IMPLS:
+            raise SystemExit(f"unknown impl {i!r}; choose from {', '.join(IMPLS)}")
+    if args.skip_ragged:
+        impls = [i for i in impls if i != "xla_ragged"]
+    jobs, ragged = [], []
+    for cname in [c.strip() for c in args.configs.split(",") if c.strip()]:
+        if cname not in PRESETS:
+            raise SystemExit(f"unknown config {cname!r}; choose from {', '.join(PRESETS)}")
+        pre = dict(PRESETS[cname])
+        model = {k: pre[k] for k in SHAPE_KEYS + ("score_func",)}
+        for k in SHAPE_KEYS:
+            if getattr(args, k) is not None:
+                model[k] = getattr(args, k)
+        tokens = _ints(args.tokens) if args.tokens else pre["tokens"]
+        rmax = args.ragged_max_tokens if args.ragged_max_tokens is not None \
+            else pre["ragged_max_tokens"]
+        for T in tokens:
+            for impl in impls:
+                be, experts, _ = IMPLS[impl]
+                job = {"name": f"{cname}/T{T}/{impl}", "config": cname, "T": T, "impl": impl,
+                       "backend": be if platform == "gpu" else "reference",
+                       "experts_impl": experts, "model": model}
+                if impl == "xla_ragged" and T > rmax:
+                    job["skipped"] = f"T > {rmax} (--ragged-max-tokens)"
+                if impl == "xla_ragged" and "xla_padded" in impls:
+                    job["comm_from"] = f"{cname}/T{T}/xla_padded"  # the same XLA dispatch
+                (ragged if impl == "xla_ragged" else jobs).append(job)
+    return jobs + ragged
+
+
+def _job_env(platform, nproc, cpu_devices, extra_xla_flags=""):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_EP_")}
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1")
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", env.get("XLA_FLAGS", ""))
+    if platform == "cpu":
+        env["JAX_PLATFORMS"] = "cpu"
+        if nproc == 0:
+            flags += f" --xla_force_host_platform_device_count={cpu_devices}"
+    flags = " ".join((flags + " " + extra_xla_flags).split())
+    if flags:
+        env["XLA_FLAGS"] = flags
+    else:
+        env.pop("XLA_FLAGS", None)
+    return env
+
+
+def _classify_failure(log_text: str) -> str:
+    low = log_text.lower()
+    if ("resource_exhausted" in low or "out of memory" in low or "oom" in low.split()
+            or "failed to allocate" in low):
+        return "OOM"
+    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
+    errs = [ln for ln in lines if re.search(r"(Error|Exception|error:|FAILED)", ln)]
+    tail = (errs or lines or ["no output"])[-1]
+    tail = re.sub(r"^\[rank \d+\]\s*", "", tail)
+    return "error: " + tail[:160]
+
+
+class _Stopped(Exception):
+    """SIGTERM/SIGINT to the orchestrator: stop the job, report what is done."""
+
+
+def _on_signal(sig, _frame):
+    raise _Stopped(signal.Signals(sig).name)
+
+
+def _kill_group(proc, term_wait=8.0):
+    """SIGTERM to the job's process group (a launcher passes it on to its ranks and
+    kills them after its --grace), then SIGKILL."""
+    for sig, wait_s in ((signal.SIGTERM, term_wait), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_job(args, job, platform, nproc, timeout, workdir):
+    """Runs one job in its own process(es); -> the job dict with its results."""
+    spec = dict(job)
+    spec.update({
+        "dtype": args.dtype, "data": args.data, "capacity": args.capacity,
+        "expert_alignment": args.expert_alignment, "num_sms": args.num_sms,
+        "buffer_bytes": args.buffer_bytes, "expert_capacity_factor": args.expert_capacity_factor,
+        "steps": _ints(args.steps), "comm_steps": _ints(args.comm_steps),
+        "min_time": args.min_time, "min_reps": args.min_reps, "max_reps": args.max_reps,
+        "static_loops": args.static_loops, "split": not args.no_split,
+        "skip_comm": bool(job.get("comm_from")),
+    })
+    tag = job["name"].replace("/", "_")
+    spec_path = os.path.join(workdir, tag + ".spec.json")
+    spec["result"] = os.path.join(workdir, tag + ".result")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    extra = RAGGED_XLA_FLAG if (job["impl"] == "xla_ragged" and platform == "gpu") else ""
+    env = _job_env(platform, nproc, args.cpu_devices, extra)
+    if nproc == 0:
+        cmd = [sys.executable, "-u", os.path.abspath(__file__), "--job", spec_path]
+    else:
+        cmd = [sys.executable, "-u", "-m", "jax_ep.launch", "-n", str(nproc), "--platform",
+               platform, "--grace", "3", os.path.abspath(__file__), "--job", spec_path]
+    log_path = os.path.join(workdir, tag + ".log")
+    t0 = time.monotonic()
+    timed_out = False
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=max(1.0, timeout))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_group(proc)
+            rc = proc.returncode
+        except _Stopped:  # be quick: an outer launcher kills this process after its grace
+            _kill_group(proc, term_wait=3.5)
+            raise
+    wall = time.monotonic() - t0
+    with open(log_path, errors="replace") as f:
+        log_text = f.read()
+    res = dict(job)
+    res["wall_s"] = wall
+    ranks = []
+    for path in sorted(glob.glob(spec["result"] + ".rank*.json")):
+        try:
+            with open(path) as f:
+                ranks.append(json.load(f))
+        except (OSError, ValueError):
+            pass
+    ranks.sort(key=lambda r: r.get("rank", 0))
+    if ranks:
+        r0 = ranks[0]
+        for k, v in r0.items():
+            if k not in ("rank", "peak_bytes", "peak_bytes_layer", "error", "stage_error"):
+                res[k] = v
+        peaks = [r.get("peak_bytes_layer") for r in ranks if r.get("peak_bytes_layer")]
+        res["peak_bytes_layer"] = max(peaks) if peaks else None
+        peaks = [r.get("peak_bytes") for r in ranks if r.get("peak_bytes")]
+        res["peak_bytes"] = max(peaks) if peaks else None
+        for key in ("error", "stage_error"):
+            errs = [r[key] for r in ranks if r.get(key)]
+            if errs:
+                res[key] = errs[0]
+    if timed_out and res.get("layer_s"):
+        res["stage_error"] = f"timeout ({timeout:.0f} s) in {res.get('stage', '?')}"
+    elif timed_out:
+        res["error"] = f"timeout ({timeout:.0f} s)"
+    elif rc != 0 and not (res.get("error") or res.get("stage_error")):
+        res["error"] = _classify_failure(log_text)
+    if res.get("error") or args.keep_logs:
+        print(f"---- log of {job['name']} (rc={rc}{', killed' if timed_out else ''}), "
+              f"last lines:", flush=True)
+        keep = [ln for ln in log_text.splitlines()
+                if not re.search(r"WatchTasks|GRPC|CANCELLED|coordination_service", ln)]
+        print("\n".join(keep if args.keep_logs else keep[-12:]), flush=True)
+    return res
+
+
+def _ms(v):
+    return None if v is None else 1e3 * v
+
+
+def _fmt(v, nd=2):
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "—"
+    return f"{v:,.{nd}f}"
+
+
+def _tf(v):
+    return _fmt(v, 0 if v is not None and v >= 100 else 3)
+
+
+def make_table(results, meta):
+    """-> (markdown text, per-(config, T) summary)."""
+    groups = {}
+    for r in results:
+        groups.setdefault((r["config"], r["T"]), []).append(r)
+    summary = []
+    L = [f"# MoE layer forward+backward — {meta['machine']}, {meta['date']}", "",
+         f"`{meta['command']}`", "",
+         f"{meta['devices']} device(s), {meta['nproc_desc']}; {meta['dtype']}; jax "
+         f"{meta.get('jax', '?')}. Per-step device time of chained fwd+bwd steps in one jit "
+         "(median over reps of (t(n_hi) - t(n_lo)) / (n_hi - n_lo)); d+c = dispatch+combine "
+         "fwd+bwd alone, experts = routed expert matmuls fwd+bwd alone, rest = layer - d+c - "
+         "experts; tokens/s per GPU; peak = JAX allocator peak per process (max over ranks) "
+         "after the layer's timing. 'vs best XLA' = best XLA layer time / this layer's time.",
+         "",
+         "| layer | T/rank | impl | fwd+bwd (ms) | d+c (ms) | experts (ms) | rest (ms) "
+         "| expert TF/s | tokens/s/GPU | peak (GiB) | vs best XLA | dropped | notes |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (cname, T), rows in groups.items():
+        ok = {r["impl"]: r for r in rows if r.get("layer_s") and not r.get("error")}
+        xla = [ok[i] for i in XLA_IMPLS if i in ok]
+        best = min(xla, key=lambda r: r["layer_s"]) if xla else None
+        s = {"config": cname, "T": T, "baseline": best["impl"] if best else None,
+             "baseline_ms": _ms(best["layer_s"]) if best else None}
+        losses = [r["loss"] for r in ok.values() if r.get("loss") is not None]
+        if len(losses) >= 2:  # same layer, same data: the impls must agree
+            s["loss_rel_diff"] = (max(losses) - min(losses)) / max(1e-30, max(map(abs, losses)))
+        for r in rows:
+            notes = []
+            if r.get("skipped"):
+                notes.append("skipped: " + r["skipped"])
+            if r.get("error"):
+                notes.append(r["error"])
+            if r is best:
+                notes.append("**baseline**")
+            if r.get("backend") == "reference" and r["impl"].startswith("jax_ep"):
+                notes.append("reference backend")
+            if r.get("nvshmem_bytes") and r.get("backend") == "native":
+                notes.append(f"+{r['nvshmem_bytes'] / 2**30:.2f} GiB NVSHMEM heap")
+            if r.get("expert_capacity"):
+                notes.append(f"{r['expert_capacity']} rows/expert")
+            if r.get("stage_error"):
+                notes.append(r["stage_error"])
+            if r.get("comm_note"):
+                notes.append(r["comm_note"])
+            speed = None
+            if best is not None and r.get("layer_s") and not r.get("error"):
+                speed = best["layer_s"] / r["layer_s"]
+                if r["impl"] == "jax_ep":
+                    s["jax_ep_ms"] = _ms(r["layer_s"])
+                    s["speedup"] = speed
+            peak = r.get("peak_bytes_layer")
+            L.append(
+                f"| {cname} | {T} | {r['impl']} | {_fmt(_ms(r.get('layer_s')))} "
+                f"| {_fmt(_ms(r.get('comm_s')), 3)} | {_fmt(_ms(r.get('experts_s')))} "
+                f"| {_fmt(_ms(r.get('rest_s')))} | {_tf(r.get('experts_tflops'))} "
+                f"| {_fmt(r.get('tokens_per_s'), 0)} "
+                f"| {_fmt(peak / 2**30 if peak else None, 1)} "
+                f"| {(f'{speed:.2f}x' if speed else '—')} "
+                f"| {r.get('dropped', '—') if r.get('layer_s') else '—'} | {'; '.join(notes)} |")
+        summary.append(s)
+    L.append("")
+    for s in summary:
+        if s.get("speedup"):
+            L.append(f"- {s['config']} T={s['T']}: jax_ep {s['jax_ep_ms']:.2f} ms vs best XLA "
+                     f"({s['baseline']}) {s['baseline_ms']:.2f} ms: **{s['speedup']:.2f}x**"
+                     + (f"; step-1 loss max rel. diff across impls {s['loss_rel_diff']:.1e}"
+                        if s.get("loss_rel_diff") is not None else ""))
+    labels = "; ".join(f"{k} = {v[2]}" for k, v in IMPLS.items())
+    L += ["", f"impls: {labels}. xla_ragged runs with `{RAGGED_XLA_FLAG}` on GPUs.",
+          "Peak memory excludes jax_ep's NVSHMEM symmetric heap (outside JAX's allocator)."]
+    return "\n".join(L) + "\n", summary
+
+
+def make_plot(results, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # noqa: BLE001
+        print(f"(no plot: matplotlib unavailable: {e})")
+        return False
+    configs = list(dict.fromkeys(r["config"] for r in results))
+    fig, axes = plt.subplots(1, len(configs), figsize=(6 * len(configs), 4.5), squeeze=False)
+    for ax, cname in zip(axes[0], configs):
+        for ci, impl in enumerate(IMPLS):
+            pts = sorted((r["T"], 1e3 * r["layer_s"]) for r in results
+                         if r["config"] == cname and r["impl"] == impl and r.get("layer_s")
+                         and not r.get("error"))
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=impl, color=f"C{ci}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens per rank T")
+        ax.set_ylabel("layer fwd+bwd (ms per step)")
+        ax.set_title(f"MoE layer '{cname}'")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def orchestrate(args):
+    if _under_launcher():  # `python -m jax_ep.launch -n N bench/moe_layer_step.py`
+        if int(os.environ.get("JAX_EP_PROCESS_ID", "0")) != 0:
+            return 0  # rank 0 runs the jobs, each in processes of its own
+        platform = os.environ.get("JAX_EP_PLATFORM", "gpu")
+        nproc = args.nproc if args.nproc is not None else int(os.environ["JAX_EP_NUM_PROCESSES"])
+    else:
+        platform = args.platform
+        if platform == "auto":
+            platform = "cpu" if args.smoke or _detect_gpus() == 0 else "gpu"
+        nproc = args.nproc if args.nproc is not None else (_detect_gpus() if platform == "gpu"
+                                                           else 0)
+    if args.platform != "auto":
+        platform = args.platform
+    if platform == "gpu" and nproc == 0:
+        raise SystemExit("GPU jobs run one process per GPU: give -n <GPUs>")
+    jobs = plan_jobs(args, platform)
+    merged = {}
+    if args.merge:
+        with open(args.merge) as f:
+            for r in json.load(f).get("results", []):
+                if r.get("layer_s") and not r.get("error"):  # failed jobs run again
+                    merged[r["name"]] = r
+    t_start = time.monotonic()
+    date = datetime.date.today().isoformat()
+    nproc_desc = (f"{nproc} process(es) per job" if nproc else
+                  f"1 process per job ({args.cpu_devices} CPU devices)")
+    print(f"moe_layer_step: {len(jobs)} jobs on {platform}, {nproc_desc}", flush=True)
+    results = []
+    meta = {"date": date, "machine": "?", "devices": "?", "dtype": args.dtype,
+            "nproc_desc": nproc_desc, "platform": platform,
+            "command": "python bench/moe_layer_step.py " + " ".join(sys.argv[1:])}
+    if _under_launcher():
+        meta["command"] = (f"python -m jax_ep.launch -n {os.environ['JAX_EP_NUM_PROCESSES']} "
+                           f"bench/moe_layer_step.py " + " ".join(sys.argv[1:]))
+    workdir = tempfile.mkdtemp(prefix="moe_layer_step.")
+    old = {sg: signal.signal(sg, _on_signal) for sg in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        _run_all(args, jobs, merged, results, meta, platform, nproc, workdir, t_start)
+        stopped = None
+    except _Stopped as e:
+        stopped = str(e)
+        done = {r["name"] for r in results}
+        results += [dict(j, skipped=f"run stopped ({stopped})") for j in jobs
+                    if j["name"] not in done]
+    finally:
+        for sg, h in old.items():
+            signal.signal(sg, h)
+    table, summary = _write(args, results, meta, final=True)
+    print()
+    print(table, flush=True)
+    print(f"moe_layer_step: {time.monotonic() - t_start:.0f} s"
+          + (f"; stopped by {stopped}" if stopped else ""), flush=True)
+    if stopped:
+        return 143
+    failed_native = [r for r in results if r["impl"].startswith("jax_ep") and r.get("error")]
+    return 1 if failed_native else 0
+
+
+def _run_all(args, jobs, merged, results, meta, platform, nproc, workdir, t_start):
+    for k, job in enumerate(jobs):
+        t_used = time.monotonic() - t_start
+        head = f"[{k + 1}/{len(jobs)}] {job['name']}"
+        if job["name"] in merged:
+            res = merged[job["name"]]
+            res["merged"] = True
+            print(f"{head}: from {args.merge}", flush=True)
+        elif job.get("skipped"):
+            res = dict(job)
+            print(f"{head}: skipped ({job['skipped']})", flush=True)
+        else:
+            timeout = args.ragged_timeout if job["impl"] == "xla_ragged" else args.job_timeout
+            if args.deadline:
+                left = args.deadline - t_used
+                if left < min(30.0, timeout):
+                    res = dict(job, skipped=f"time budget (--deadline {args.deadline:.0f} s)")
+                    print(f"{head}: skipped ({res['skipped']})", flush=True)
+                    results.append(res)
+                    continue
+                timeout = min(timeout, left)
+            res = run_job(args, job, platform, nproc, timeout, workdir)
+            src = next((r for r in results if r["name"] == job.get("comm_from")), None)
+            if res.get("layer_s") and "comm_s" not in res and src and src.get("comm_s"):
+                res["comm_s"] = src["comm_s"]
+                res["comm_note"] = f"d+c of {src['impl']}"
+                if res.get("experts_s") is not None:
+                    res["rest_s"] = res["layer_s"] - res["comm_s"] - res["experts_s"]
+            if res.get("layer_s"):
+                print(f"{head}: {1e3 * res['layer_s']:.3f} ms/step (d+c "
+                      f"{_fmt(_ms(res.get('comm_s')), 3)}, experts "
+                      f"{_fmt(_ms(res.get('experts_s')))}, rest {_fmt(_ms(res.get('rest_s')))})"
+                      f", peak {_fmt((res.get('peak_bytes_layer') or 0) / 2**30, 1)} GiB"
+                      f"{' — ' + res['stage_error'] if res.get('stage_error') else ''}"
+                      f" [{res['wall_s']:.0f} s]", flush=True)
+            else:
+                print(f"{head}: {res.get('error', 'no result')} [{res['wall_s']:.0f} s]",
+                      flush=True)
+        for key in ("machine", "devices", "jax"):
+            if res.get(key) and meta.get(key) in ("?", None):
+                meta[key] = res[key]
+        results.append(res)
+        _write(args, results, meta, final=False)
+
+
+def _write(args, results, meta, final):
+    table, summary = make_table(results, meta)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        stem = os.path.join(args.out, "moe_layer_step")
+        with open(stem + ".md", "w") as f:
+            f.write(table)
+        with open(stem + ".json", "w") as f:
+            json.dump({"meta": meta, "args": {k: v for k, v in vars(args).items() if k != "job"},
+                       "results": results, "summary": summary, "table_md": table}, f, indent=1)
+        if final and make_plot(results, stem + ".png"):
+            print(f"wrote {stem}.md, .json, .png")
+        elif final:
+            print(f"wrote {stem}.md, .json")
+    return table, summary
+
+
+# =============================================================================== worker
+
+
+def worker(spec_path):
+    with open(spec_path) as f:
+        spec = json.load(f)
     sys.path.insert(0, ROOT)
-    import jax_ep  # noqa: E402
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
-
-import moe_layer as ml  # noqa: E402
-
-F32 = jnp.float32
-
-
-def _median_time(fn, args, warmup, iters):
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    ts = np.asarray(ts)
-    return float(np.median(ts)), float(np.percentile(ts, 10)), float(np.percentile(ts, 90))
-
-
-def _scalar_sum(tree):
-    return sum(jnp.sum(a.astype(F32)) for a in jax.tree.leaves(tree))
-
-
-def main(argv=None):
-    args = _ARGS if (argv is None and "_ARGS" in globals()) else parse_args(argv)
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
     from jax_ep.launch import init_distributed
 
-    native_ok, native_err = False, None
-    info = init_distributed(native=False,
-                            platform=None if args.platform == "auto" else args.platform)
-    if "native" in backends:
-        try:
-            kw = {} if args.buffer_bytes is None else {"buffer_bytes": args.buffer_bytes}
-            jax_ep.initialize(**kw)
-            native_ok = jax_ep.is_initialized()
-            if not native_ok:
-                from jax_ep import runtime
-                native_err = runtime.unavailable_reason()
-        except Exception as e:  # report, keep timing the other backends
-            native_err = f"{type(e).__name__}: {e}"
-    is_main = jax.process_index() == 0
-    say = print if is_main else (lambda *a, **k: None)
+    init_distributed(native=False)
+    import jax
 
+    rank = jax.process_index()
+    out = {"rank": rank}
+    res_path = f"{spec['result']}.rank{rank}.json"
+
+    def save():
+        tmp = res_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(out, f)
+        os.replace(tmp, res_path)
+
+    try:
+        _worker_body(spec, out, save)
+    except BaseException as e:  # noqa: BLE001 — record it, then stop every rank
+        import traceback
+
+        traceback.print_exc()
+        msg = f"{type(e).__name__}: {e}"
+        oom = re.search(r"RESOURCE_EXHAUSTED|[Oo]ut of memory|Failed to allocate", msg)
+        if "layer_s" in out:  # a later piece failed: keep the layer figure
+            out["stage_error"] = ("OOM in " if oom else "failed: ") + out.get("stage", "?")
+        else:
+            out["error"] = "OOM" if oom else "error: " + msg.splitlines()[0][:200]
+        save()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(3)  # non-zero: the launcher stops the other ranks (maybe in a collective)
+    save()
+    return 0
+
+
+def _worker_body(spec, out, save):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import jax_ep
+    import moe_layer as ml
+
+    F32 = jnp.float32
     n_dev = jax.device_count()
-    if n_dev % args.data:
-        raise SystemExit(f"--data {args.data} does not divide {n_dev} devices")
-    mesh = ml.make_mesh((args.data, n_dev // args.data), ("data", "ep"))
-    dtype = jnp.dtype(args.dtype)
-    cfg = ml.MoEConfig(d_model=args.hidden, d_ff=args.d_ff, num_experts=args.experts,
-                       topk=args.topk, n_groups=args.n_groups, topk_groups=args.topk_groups,
-                       score_func="sigmoid", route_scale=args.route_scale,
-                       n_shared=args.n_shared, dtype=dtype)
-    N = args.tokens * n_dev
-    tok = NamedSharding(mesh, P(("data", "ep")))
-    overrides = {"expert_alignment": args.expert_alignment}
-    if args.capacity is not None:
-        overrides["capacity"] = args.capacity
-    if args.num_sms is not None:
-        overrides["num_sms"] = args.num_sms
+    data = spec["data"]
+    if n_dev % data:
+        raise SystemExit(f"--data {data} does not divide {n_dev} devices")
+    R = n_dev // data
+    mesh = ml.make_mesh((data, R), ("data", "ep"))
+    m = spec["model"]
+    dtype = jnp.dtype(spec["dtype"])
+    cfg = ml.MoEConfig(d_model=m["hidden"], d_ff=m["d_ff"], num_experts=m["experts"],
+                       topk=m["topk"], n_groups=m["n_groups"], topk_groups=m["topk_groups"],
+                       score_func=m["score_func"], route_scale=m["route_scale"],
+                       n_shared=m["n_shared"], dtype=dtype)
+    T, H, E, K, Fd = spec["T"], m["hidden"], m["experts"], m["topk"], m["d_ff"]
+    N = T * n_dev
+    backend, impl = spec["backend"], spec["experts_impl"]
+    overrides = {k: spec[k] for k in ("capacity", "expert_alignment", "num_sms")
+                 if spec.get(k) is not None}
+    ep_cfg = ml.make_ep_config(cfg, T, "ep", backend, **overrides)
+    dev = jax.local_devices()[0]
+    out.update(machine=f"{n_dev}x {dev.device_kind}", devices=n_dev, jax=jax.__version__,
+               platform=dev.platform, backend=backend, L=E // R,
+               capacity_rows=ep_cfg.capacity_for(R, T))
+    if backend == "native":
+        out["nvshmem_bytes"] = spec.get("buffer_bytes") or ep_cfg.native_buffer_bytes(R)
+        kw = ({"buffer_bytes": spec["buffer_bytes"]} if spec.get("buffer_bytes")
+              else {"config": ep_cfg})
+        if not jax_ep.initialize(**kw):
+            from jax_ep import runtime
+            raise RuntimeError(f"native backend unavailable: {runtime.unavailable_reason()}")
+    cap = None
+    if impl == "padded":
+        mean_rows = R * T * K / E
+        cap = min(R * T, int(math.ceil(spec["expert_capacity_factor"] * mean_rows / 8) * 8))
+        out["expert_capacity"] = cap
+    multi = jax.process_count() > 1
 
-    R_ep = n_dev // args.data
-    expert_cap = None
-    if args.experts_impl == "padded":
-        mean_rows = R_ep * args.tokens * args.topk / args.experts
-        expert_cap = min(R_ep * args.tokens,
-                         int(math.ceil(args.expert_capacity_factor * mean_rows / 8) * 8))
+    def agree(v):  # every rank must run the same number of (collective) calls
+        return int(multihost_utils.broadcast_one_to_all(np.int32(v))) if multi else int(v)
 
-    # parameters and inputs created on the devices, already sharded
+    rep = NamedSharding(mesh, P())
+    n_arrays = {}
+
+    def n_arg(n, static):
+        if static:
+            return n
+        if n not in n_arrays:
+            n_arrays[n] = jax.make_array_from_callback((), rep, lambda _: np.asarray(n, np.int32))
+        return n_arrays[n]
+
+    def measure(fn, state, rest, steps, static):
+        """fn(n, state, *rest) -> (state, extras); state donated and carried over calls.
+        -> (seconds per step, p10, p90, compile seconds, reps, extras of the first call)."""
+        n_lo, n_hi = steps
+        holder = [state]
+
+        def call(n):
+            t0 = time.perf_counter()
+            st, extra = fn(n_arg(n, static), holder[0], *rest)
+            jax.block_until_ready((st, extra))
+            holder[0] = st
+            return time.perf_counter() - t0, extra
+
+        t_c0, first = call(n_lo)
+        first = jax.tree.map(np.asarray, jax.device_get(first)) if first is not None else None
+        t_c1, _ = call(n_hi)
+        compile_s = t_c0 + (t_c1 if static else 0.0)
+        t_lo, _ = call(n_lo)
+        t_hi, _ = call(n_hi)
+        reps = int(math.ceil(spec["min_time"] / max(t_lo + t_hi, 1e-6)))
+        reps = agree(max(3 if t_lo + t_hi > spec["min_time"] else spec["min_reps"],
+                         min(reps, spec["max_reps"])))
+        d = []
+        for _ in range(reps):
+            a, _ = call(n_lo)
+            b, _ = call(n_hi)
+            d.append((b - a) / (n_hi - n_lo))
+        d = np.asarray(d)
+        return (float(np.median(d)), float(np.percentile(d, 10)), float(np.percentile(d, 90)),
+                compile_s, reps, first, holder[0])
+
+    def touch(tree, s):
+        """A data-dependent no-op update of one element per leaf (in place on the
+        carried buffer): the next step's use of the tree depends on this step."""
+        tiny = (1e-30 * s).astype(F32)
+        return jax.tree.map(lambda a: a.at[(0,) * a.ndim].add(tiny.astype(a.dtype)), tree)
+
+    # ---- parameters and inputs, created on the devices already sharded
     key = jax.random.key(0)
     p_shapes = jax.eval_shape(lambda: ml.init_moe_params(key, cfg))
     p_shard = jax.tree.map(lambda s: NamedSharding(mesh, s), ml.param_specs(p_shapes),
                            is_leaf=lambda s: isinstance(s, P))
     params = jax.jit(lambda: ml.init_moe_params(key, cfg), out_shardings=p_shard)()
-    bias = jax.device_put(ml.init_routing_bias(cfg), NamedSharding(mesh, P()))
-    x, ct = jax.jit(lambda: (jax.random.normal(jax.random.key(1), (N, args.hidden), dtype),
-                             jax.random.normal(jax.random.key(2), (N, args.hidden), dtype)),
+    grads0 = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), p_shapes),
+                     out_shardings=p_shard)()
+    bias = jax.device_put(ml.init_routing_bias(cfg), rep)
+    tok = NamedSharding(mesh, P(("data", "ep")))
+    x, ct = jax.jit(lambda: (jax.random.normal(jax.random.key(1), (N, H), dtype),
+                             jax.random.normal(jax.random.key(2), (N, H), dtype)),
                     out_shardings=(tok, tok))()
+    static_all = bool(spec["static_loops"])
 
-    say(f"# MoE layer fwd+bwd — {n_dev} x {jax.devices()[0].device_kind} "
-        f"({jax.process_count()} process(es)), mesh data={args.data} x ep={n_dev // args.data}\n"
-        f"T={args.tokens} tokens/GPU, H={args.hidden}, E={args.experts} "
-        f"({args.experts // (n_dev // args.data)}/GPU), top-{args.topk} "
-        f"(groups {args.n_groups}/{args.topk_groups}), d_ff={args.d_ff}, "
-        f"shared={args.n_shared}, {args.dtype}; experts: {args.experts_impl}"
-        f"{f' ({expert_cap} rows/expert)' if expert_cap else ''}; "
-        f"medians of {args.iters} calls after "
-        f"{args.warmup} warm-up, {args.inner} step(s) per call\n")
-    if native_err:
-        say(f"native backend unavailable: {native_err}\n")
+    # ---- the layer
+    out["stage"] = "layer"
 
-    rows, outs = [], {}
-    for be in backends:
-        if be == "native" and not native_ok:
-            rows.append({"backend": be, "error": native_err})
-            continue
+    def layer_chain(n, state, x, bias, ct):
+        def loss(p, xx):
+            o, aux = ml.moe_block(p, bias, xx, cfg, mesh, backend=backend,
+                                  ep_overrides=overrides, expert_impl=impl, expert_capacity=cap)
+            return jnp.sum(o.astype(F32) * ct.astype(F32)), aux["num_dropped"]
 
-        # every array is an argument: multi-process jit cannot close over global arrays
-        def loss(p, x, bias, ct, be=be):
-            out, aux = ml.moe_block(p, bias, x, cfg, mesh, backend=be, ep_overrides=overrides,
-                                    expert_impl=args.experts_impl, expert_capacity=expert_cap)
-            return jnp.sum(out.astype(F32) * ct.astype(F32)), (out, aux["num_dropped"])
+        vg = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
 
-        grad_fn = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+        def body(i, c):
+            p, g, xx, _, _ = c
+            (l, dr), (gp, gx) = vg(p, xx)
+            xx = (xx.astype(F32) - 1e-6 * gx.astype(F32)).astype(xx.dtype)
+            return touch(p, l), gp, xx, l, dr
 
-        def steps(p, x, bias, ct, grad_fn=grad_fn):
-            def body(i, carry):
-                x, acc = carry
-                (l, _), (gp, gx) = grad_fn(p, x, bias, ct)
-                x = (x.astype(F32) - 1e-6 * gx.astype(F32)).astype(x.dtype)
-                return x, acc + l + 1e-9 * _scalar_sum(gp)
-            return jax.lax.fori_loop(0, args.inner, body, (x, jnp.zeros((), F32)))
+        p, g = state
+        p, g, _, l, dr = jax.lax.fori_loop(0, n, body, (p, g, x, jnp.zeros((), F32),
+                                                        jnp.zeros((), jnp.int32)))
+        return (p, g), (l, dr)
 
-        step = jax.jit(steps)
-        once = jax.jit(lambda *a, grad_fn=grad_fn: grad_fn(*a)[0])
-        (l, (out, dropped)) = once(params, x, bias, ct)
-        outs[be] = (float(l), out)
-        t0 = time.perf_counter()
-        jax.block_until_ready(step(params, x, bias, ct))
-        compile_s = time.perf_counter() - t0
-        med, p10, p90 = _median_time(step, (params, x, bias, ct), args.warmup, args.iters)
-        row = {"backend": be, "layer_ms": 1e3 * med / args.inner,
-               "layer_p10_ms": 1e3 * p10 / args.inner, "layer_p90_ms": 1e3 * p90 / args.inner,
-               "compile_s": compile_s, "dropped": int(dropped), "loss": float(l)}
+    jit_kw = dict(donate_argnums=(1,))
+    layer_fn = jax.jit(layer_chain, static_argnums=(0,) if static_all else (), **jit_kw)
+    med, p10, p90, comp, reps, first, (params, grads) = measure(
+        layer_fn, (params, grads0), (x, bias, ct), spec["steps"], static_all)
+    del grads0
+    out.update(layer_s=med, layer_p10_s=p10, layer_p90_s=p90, layer_compile_s=comp,
+               layer_reps=reps, loss=float(first[0]), dropped=int(first[1]),
+               tokens_per_s=T / med if med > 0 else None)
+    stats = dev.memory_stats() or {}
+    out["peak_bytes_layer"] = stats.get("peak_bytes_in_use")
+    save()
 
-        if not args.no_comm:
-            idx, w = jax.jit(lambda p, b, x: ml.route(p, b, x, cfg)[:2])(params, bias, x)
-            ep_cfg = ml.make_ep_config(cfg, args.tokens, "ep", be, **overrides)
-            spec = P(("data", "ep"))
+    if spec["split"]:
+        # ---- dispatch + combine alone (identity experts), the layer's routing
+        out["stage"] = "dispatch+combine"
+        idx, w = jax.jit(lambda p, b, x: ml.route(p, b, x, cfg)[:2],
+                         out_shardings=(tok, tok))(params, bias, x)
+        spec_t = P(("data", "ep"))
 
-            def per_rank(x, idx, w, ep_cfg=ep_cfg):
-                d = jax_ep.dispatch(x, idx, w, ep_cfg)
-                return jax_ep.combine(d.x, d, ep_cfg)
+        def per_rank_dc(x, idx, w):
+            d = jax_ep.dispatch(x, idx, w, ep_cfg)
+            return jax_ep.combine(d.x, d, ep_cfg)
 
-            comm = jax.shard_map(per_rank, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
-                                 check_vma=True)
+        comm = jax.shard_map(per_rank_dc, mesh=mesh, in_specs=(spec_t,) * 3, out_specs=spec_t,
+                             check_vma=True)
 
-            def comm_steps(x, idx, w, ct, comm=comm):
-                def body(i, carry):
-                    x, acc = carry
-                    l, (gx, gw) = jax.value_and_grad(
-                        lambda x, w: jnp.sum(comm(x, idx, w).astype(F32) * ct.astype(F32)),
-                        argnums=(0, 1))(x, w)
-                    x = (x.astype(F32) - 1e-6 * gx.astype(F32)).astype(x.dtype)
-                    return x, acc + l + jnp.sum(gw)
-                return jax.lax.fori_loop(0, args.inner, body, (x, jnp.zeros((), F32)))
+        def dc_chain(n, state, idx, ct):
+            def body(i, c):
+                xx, ww, l_prev = c
+                ii = jnp.where(l_prev > -3e38, idx, -1)  # ties the routing to the carry
+                l, (gx, gw) = jax.value_and_grad(
+                    lambda xx, ww: jnp.sum(comm(xx, ii, ww).astype(F32) * ct.astype(F32)),
+                    argnums=(0, 1))(xx, ww)
+                xx = (xx.astype(F32) - 1e-6 * gx.astype(F32)).astype(xx.dtype)
+                return xx, ww - 1e-6 * gw, l
+            xx, ww = state
+            xx, ww, l = jax.lax.fori_loop(0, n, body, (xx, ww, jnp.zeros((), F32)))
+            return (xx, ww), l
 
-            cstep = jax.jit(comm_steps)
-            cmed, _, _ = _median_time(cstep, (x, idx, w, ct), args.warmup, args.iters)
-            row["comm_ms"] = 1e3 * cmed / args.inner
-            row["share"] = row["comm_ms"] / row["layer_ms"]
-        row["tokens_per_s_per_gpu"] = args.tokens / (row["layer_ms"] * 1e-3)
-        rows.append(row)
+        if not spec.get("skip_comm"):  # (else the orchestrator takes it from another job)
+            dc_fn = jax.jit(dc_chain, static_argnums=(0,), donate_argnums=(1,))
+            x_dc, w_dc = jax.jit(lambda a, b: (jnp.copy(a), jnp.copy(b)),
+                                 out_shardings=(tok, tok))(x, w)  # donated below
+            med, p10, p90, comp, reps, _, _ = measure(dc_fn, (x_dc, w_dc), (idx, ct),
+                                                      spec["comm_steps"], True)
+            out.update(comm_s=med, comm_p10_s=p10, comm_p90_s=p90, comm_compile_s=comp)
+            save()
 
-    # agreement of the backends (same layer, same inputs)
-    if len(outs) >= 2:
-        names = list(outs)
-        a, b = outs[names[0]][1], outs[names[1]][1]
-        diff = jax.jit(lambda a, b: jnp.max(jnp.abs(a.astype(F32) - b.astype(F32))))(a, b)
-        scale = jax.jit(lambda a: jnp.max(jnp.abs(a.astype(F32))))(b)
-        say(f"{names[0]} vs {names[1]}: max |out diff| = {float(diff):.3g} "
-            f"(max |out| = {float(scale):.3g}); loss {outs[names[0]][0]:.6g} vs "
-            f"{outs[names[1]][0]:.6g}\n")
+        # ---- the routed expert matmuls alone, on the rows this routing dispatches
+        out["stage"] = "experts"
 
-    say("| backend | layer fwd+bwd (ms) | p10–p90 (ms) | dispatch+combine fwd+bwd (ms) "
-        "| d+c share | tokens/s per GPU | dropped | compile (s) |")
-    say("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        if "error" in r:
-            say(f"| {r['backend']} | — | — | — | — | — | — | unavailable |")
-            continue
-        comm = f"{r['comm_ms']:.3f}" if "comm_ms" in r else "—"
-        share = f"{100 * r['share']:.1f}%" if "share" in r else "—"
-        say(f"| {r['backend']}{' (XLA all_to_all)' if r['backend'] == 'reference' else ''} "
-            f"| {r['layer_ms']:.3f} | {r['layer_p10_ms']:.3f}–{r['layer_p90_ms']:.3f} "
-            f"| {comm} | {share} | {r['tokens_per_s_per_gpu']:,.0f} | {r['dropped']} "
-            f"| {r['compile_s']:.1f} |")
-    ok = {r["backend"]: r for r in rows if "error" not in r}
-    if "native" in ok and "reference" in ok:
-        say(f"\nnative speed-up over XLA all_to_all: layer "
-            f"{ok['reference']['layer_ms'] / ok['native']['layer_ms']:.2f}x"
-            + (f", dispatch+combine {ok['reference']['comm_ms'] / ok['native']['comm_ms']:.2f}x"
-               if "comm_ms" in ok["native"] and "comm_ms" in ok["reference"] else ""))
-    if args.json and is_main:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "devices": n_dev,
-                       "device_kind": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
-    if native_ok:
+        def per_rank_rows(x, idx, w):
+            d = jax_ep.dispatch(x, idx, w, ep_cfg)
+            return d.x, d.group_sizes
+
+        rows, gs = jax.jit(jax.shard_map(per_rank_rows, mesh=mesh, in_specs=(spec_t,) * 3,
+                                         out_specs=(spec_t, spec_t), check_vma=True))(x, idx, w)
+        valid_rows = int(np.sum(np.asarray(multihost_utils.process_allgather(gs, tiled=True)))
+                         if multi else np.sum(np.asarray(gs)))
+        ct_rows = jax.jit(lambda: jax.random.normal(jax.random.key(3), rows.shape, dtype),
+                          out_shardings=rows.sharding)()
+        ex = params["experts"]
+        del params, grads
+        ep_spec = P("ep")
+
+        def per_rank_experts(rows, gs, gate, up, down, ct):
+            y, _ = ml.routed_experts(rows, gate, up, down, gs, impl, cap)
+            return jnp.sum(y.astype(F32) * ct.astype(F32)).reshape(1)
+
+        ex_loss = jax.shard_map(per_rank_experts, mesh=mesh,
+                                in_specs=(spec_t, spec_t, ep_spec, ep_spec, ep_spec, spec_t),
+                                out_specs=spec_t, check_vma=True)
+
+        def ex_chain(n, state, gs, ct):
+            def body(i, c):
+                rr, w3, _, _, l_prev = c
+                g_s = jnp.where(l_prev > -3e38, gs, 0)
+                l, (gr, gw3) = jax.value_and_grad(
+                    lambda rr, w3: jnp.sum(ex_loss(rr, g_s, *w3, ct)), argnums=(0, 1))(rr, w3)
+                rr = rr.at[0].add((1e-30 * l).astype(rr.dtype))
+                return rr, touch(w3, l), gr, gw3, l
+            rr, w3, gr, gw3 = state
+            rr, w3, gr, gw3, l = jax.lax.fori_loop(0, n, body,
+                                                   (rr, w3, gr, gw3, jnp.zeros((), F32)))
+            return (rr, w3, gr, gw3), l
+
+        w3 = (ex["gate"], ex["up"], ex["down"])
+        zeros = jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t),
+                        out_shardings=jax.tree.map(lambda a: a.sharding, (rows, w3)))
+        gr0, gw0 = zeros((rows, w3))
+        ex_fn = jax.jit(ex_chain, static_argnums=(0,) if static_all else (), **jit_kw)
+        med, p10, p90, comp, reps, _, _ = measure(ex_fn, (rows, w3, gr0, gw0), (gs, ct_rows),
+                                                  spec["steps"], static_all)
+        flops = 18.0 * valid_rows / n_dev * H * Fd  # 3 matmuls x (fwd + 2 bwd) x 2, per device
+        out.update(experts_s=med, experts_p10_s=p10, experts_p90_s=p90, experts_compile_s=comp,
+                   valid_rows_per_rank=valid_rows / n_dev,
+                   experts_tflops=flops / med / 1e12 if med > 0 else None)
+        if "comm_s" in out:
+            out["rest_s"] = out["layer_s"] - out["comm_s"] - med
+    out.pop("stage", None)
+    stats = dev.memory_stats() or {}
+    out["peak_bytes"] = stats.get("peak_bytes_in_use")
+    save()
+    if backend == "native":
         jax_ep.finalize()
-    return 0 if all("error" not in r for r in rows) else 1
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.job:
+        return worker(args.job)
+    return orchestrate(args)
 
 
 if __name__ == "__main__":

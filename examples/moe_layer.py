@@ -8,13 +8,18 @@ Pieces (all functional; parameters are plain dict pytrees):
   the scores for the *selection only* (the weights use the raw scores), weights
   normalised over the top-k (sigmoid) and multiplied by ``route_scale``.
 * routed experts: SwiGLU ``down(silu(x @ gate) * (x @ up))``, run as three
-  ``jax.lax.ragged_dot`` calls over the rows :func:`jax_ep.dispatch` grouped by
-  local expert, then :func:`jax_ep.combine` (which applies the routing weights
-  on the expert side and sums over ranks in f32).
+  grouped matmuls (``jax_ep.grouped_matmul``: a Pallas Mosaic-GPU kernel on
+  Hopper, ``jax.lax.ragged_dot`` elsewhere) over the rows
+  :func:`jax_ep.dispatch` grouped by local expert (``expert_major`` layout,
+  the default capacity), then :func:`jax_ep.combine` (which applies the routing
+  weights on the expert side and sums over ranks in f32). Rows of ``d.x``
+  past ``sum(d.group_sizes)`` are never read (they may hold garbage) except by
+  the grouped matmul and combine, which skip them.
   ``expert_impl="padded"`` runs the experts as batched einsums over a fixed
-  number of rows per local expert instead (for XLA builds whose ragged_dot
-  lowers to a dense ``[L, C, H]`` problem; rows past that capacity are dropped
-  and counted).
+  number of rows per local expert instead (rows past that capacity are dropped
+  and counted); ``expert_impl="ragged_dot"`` calls ``jax.lax.ragged_dot``
+  directly (XLA's own lowering: ~100x slower than a matmul on H200, and its
+  backward can run out of memory at DeepSeek-V3 sizes).
 * a shared expert (a plain SwiGLU every token goes through).
 * :func:`update_routing_bias`: DeepSeek-V3's bias update
   ``bias += rate * sign(mean_load - load)``, using the per-expert load the layer
@@ -42,8 +47,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_ep
+from jax_ep.grouped_matmul import grouped_matmul  # Pallas Mosaic-GPU; ragged_dot off Hopper
 
 F32 = jnp.float32
+EXPERT_IMPLS = ("grouped", "padded", "ragged_dot")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,11 +192,43 @@ def swiglu(x, gate, up, down):
     return jnp.dot(h.astype(down.dtype), down)
 
 
+def mask_tail_rows(x, group_sizes):
+    """``x [C, ...]`` with the rows past ``sum(group_sizes)`` set to zero (they
+    may hold garbage: the dispatch kernels do not zero-fill the tail)."""
+    valid = jnp.arange(x.shape[0], dtype=jnp.int32) < jnp.sum(group_sizes).astype(jnp.int32)
+    return jnp.where(valid.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
+
+
+def routed_experts_grouped(x, gate, up, down, group_sizes):
+    """SwiGLU over rows grouped by local expert with ``jax_ep.grouped_matmul``
+    (``out[rows of group g] = x[rows of group g] @ w[g]``):
+    ``x [C, H]`` (rows past ``sum(group_sizes)`` ignored), weights ``[L, ...]``
+    -> ``[C, H]`` (zero past ``sum(group_sizes)``)."""
+    h = jax.nn.silu(grouped_matmul(x, gate, group_sizes)) * grouped_matmul(x, up, group_sizes)
+    return grouped_matmul(h.astype(down.dtype), down, group_sizes)
+
+
 def routed_experts_local(x, gate, up, down, group_sizes):
-    """SwiGLU over rows grouped by local expert: ``x [C, H]``, weights ``[L, ...]``."""
+    """The same SwiGLU through ``jax.lax.ragged_dot`` (XLA's own lowering); the
+    tail rows are masked to zero first, so garbage there cannot leak in."""
+    x = mask_tail_rows(x, group_sizes)
     h = jax.nn.silu(jax.lax.ragged_dot(x, gate, group_sizes)) * jax.lax.ragged_dot(
         x, up, group_sizes)
     return jax.lax.ragged_dot(h.astype(down.dtype), down, group_sizes)
+
+
+def routed_experts(x, gate, up, down, group_sizes, expert_impl: str = "grouped",
+                   expert_capacity: Optional[int] = None):
+    """Routed SwiGLU experts on one rank's ``expert_major`` rows -> (y ``[C, H]``,
+    rows dropped by a padded capacity, int32)."""
+    if expert_impl == "grouped":
+        return routed_experts_grouped(x, gate, up, down, group_sizes), jnp.int32(0)
+    if expert_impl == "ragged_dot":
+        return routed_experts_local(x, gate, up, down, group_sizes), jnp.int32(0)
+    if expert_impl == "padded":
+        return routed_experts_padded(x, gate, up, down, group_sizes,
+                                     expert_capacity or x.shape[0])
+    raise ValueError(f"expert_impl must be one of {EXPERT_IMPLS}, got {expert_impl!r}")
 
 
 def routed_experts_padded(x, gate, up, down, group_sizes, expert_capacity: int):
@@ -223,25 +262,26 @@ def make_ep_config(cfg: MoEConfig, tokens_per_rank: int, ep_axis: str = "ep",
 
 def routed_ep(experts: dict, x: jax.Array, topk_idx: jax.Array, topk_w: jax.Array,
               mesh: Mesh, ep_cfg: jax_ep.EpConfig, token_axes: Sequence[str],
-              expert_impl: str = "ragged_dot", expert_capacity: Optional[int] = None):
+              expert_impl: str = "grouped", expert_capacity: Optional[int] = None):
     """The routed part: ``shard_map`` over ``token_axes`` with dispatch ->
     SwiGLU experts -> combine. Global ``x [N, H]`` -> (``[N, H]``, dropped
     pairs ``[num_devices]`` int32, one count per device)."""
     tok = P(tuple(token_axes))
     ep = P(ep_cfg.axis_name)
-    if expert_impl not in ("ragged_dot", "padded"):
-        raise ValueError(f"expert_impl must be 'ragged_dot' or 'padded', got {expert_impl!r}")
+    if expert_impl not in EXPERT_IMPLS:
+        raise ValueError(f"expert_impl must be one of {EXPERT_IMPLS}, got {expert_impl!r}")
+    if ep_cfg.layout != "expert_major":
+        raise ValueError("the MoE block needs EpConfig.layout='expert_major'")
 
     def per_rank(x, idx, w, gate, up, down):
         d = jax_ep.dispatch(x, idx, w, ep_cfg)
-        dropped = d.num_dropped
-        if expert_impl == "ragged_dot":
-            y = routed_experts_local(d.x, gate, up, down, d.group_sizes)
-        else:  # default capacity: R*T, the most rows one expert can receive (dropless)
+        cap = expert_capacity
+        if expert_impl == "padded" and cap is None:
+            # R*T: the most rows one expert can receive (dropless)
             R = jax.lax.axis_size(ep_cfg.axis_name)
-            cap = expert_capacity or min(d.x.shape[0], R * x.shape[0])
-            y, over = routed_experts_padded(d.x, gate, up, down, d.group_sizes, cap)
-            dropped = dropped + over
+            cap = min(d.x.shape[0], R * x.shape[0])
+        y, over = routed_experts(d.x, gate, up, down, d.group_sizes, expert_impl, cap)
+        dropped = d.num_dropped + over
         out = jax_ep.combine(y.astype(x.dtype), d, ep_cfg)
         return out, dropped.reshape(1)
 
@@ -279,7 +319,7 @@ def make_mesh(shape: Sequence[int], names: Sequence[str], devices=None) -> Mesh:
 def moe_block(params: dict, bias: jax.Array, x: jax.Array, cfg: MoEConfig, mesh: Mesh,
               *, ep_axis: str = "ep", token_axes: Optional[Sequence[str]] = None,
               backend: str = "auto", ep_overrides: Optional[dict] = None,
-              expert_impl: str = "ragged_dot", expert_capacity: Optional[int] = None):
+              expert_impl: str = "grouped", expert_capacity: Optional[int] = None):
     """The MoE FFN block through jax_ep. Call under ``jax.jit``.
 
     Args:
@@ -293,10 +333,12 @@ def moe_block(params: dict, bias: jax.Array, x: jax.Array, cfg: MoEConfig, mesh:
       backend: jax_ep backend ("auto" | "reference" | "native").
       ep_overrides: extra :class:`jax_ep.EpConfig` fields (capacity,
         expert_alignment, ...).
-      expert_impl: ``"ragged_dot"`` (default; ``jax.lax.ragged_dot`` on the
-        grouped rows) or ``"padded"`` (:func:`routed_experts_padded`, batched
-        matmuls over ``expert_capacity`` rows per local expert; default
-        capacity R*T = dropless).
+      expert_impl: ``"grouped"`` (default; ``jax_ep.grouped_matmul`` on the
+        grouped rows), ``"padded"``
+        (:func:`routed_experts_padded`, batched matmuls over
+        ``expert_capacity`` rows per local expert; default capacity R*T =
+        dropless) or ``"ragged_dot"`` (``jax.lax.ragged_dot``).
+      expert_capacity: rows per local expert of ``"padded"``.
 
     Returns:
       ``(out [..., H], aux)`` with ``aux = {"load": [E] int32 tokens per expert,

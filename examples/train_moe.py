@@ -6,7 +6,8 @@ The model: token + position embeddings, ``--layers`` blocks of
 [RMSNorm -> causal multi-head attention] and [RMSNorm -> DeepSeek-V3-style MoE
 FFN (examples/moe_layer.py: sigmoid router, group-limited top-k, aux-loss-free
 bias, shared expert, routed SwiGLU experts through jax_ep dispatch ->
-ragged_dot -> combine)], then RMSNorm and the unembedding. Adam (optax).
+grouped matmul (``jax_ep.grouped_matmul``; ``--experts-impl``) -> combine)],
+then RMSNorm and the unembedding. Adam (optax).
 
 Sharding: a ``('data', 'ep')`` mesh; the batch is split over both axes, the
 routed experts over ``'ep'`` (each EP rank holds E/ep experts), everything else
@@ -61,6 +62,11 @@ def parse_args(argv=None):
     p.add_argument("--bias-rate", type=float, default=1e-2,
                    help="aux-loss-free bias update rate (DeepSeek-V3 uses 1e-3 over long runs)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--experts-impl", choices=("grouped", "padded", "ragged_dot"),
+                   default="grouped",
+                   help="routed-expert matmuls (examples/moe_layer.py expert_impl): grouped = "
+                        "jax_ep.grouped_matmul (default), padded = batched einsums over "
+                        "R*T rows per expert, ragged_dot = jax.lax.ragged_dot")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-comm-timing", action="store_true",
@@ -173,7 +179,7 @@ def forward(params, biases, tokens, args, moe_cfg, mesh, backend):
     for p, bias in zip(params["layers"], biases):
         x = x + attention(p, rms_norm(x, p["attn_norm"]), args.heads)
         h, aux = ml.moe_block(p["moe"], bias, rms_norm(x, p["moe_norm"]), moe_cfg, mesh,
-                              backend=backend)
+                              backend=backend, expert_impl=args.experts_impl)
         x = x + h.astype(x.dtype)
         auxes.append(aux)
     return rms_norm(x, params["final_norm"]) @ params["unembed"], auxes
@@ -333,7 +339,8 @@ def train(args, verbose=True):
         raise SystemExit(f"batch*seq = {tokens_total} tokens must divide over {n_dev} devices")
     say(f"devices: {n_dev} x {jax.devices()[0].platform} "
         f"({jax.process_count()} process(es)); mesh data={data} x ep={ep}; "
-        f"jax_ep backend={backend}; E={args.experts} experts ({args.experts // ep} per EP rank), "
+        f"jax_ep backend={backend}, experts {args.experts_impl}; "
+        f"E={args.experts} experts ({args.experts // ep} per EP rank), "
         f"top-{args.topk}, {args.layers} layers, d_model={args.d_model}; "
         f"{tokens_total} tokens/step ({tokens_total // n_dev} per device)")
 
