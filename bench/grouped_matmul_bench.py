@@ -18,8 +18,11 @@ run; ratio = grouped TF/s / dense TF/s. The XLA (jax.lax.ragged_dot) rows
 are ~100x slower: they use --xla-reps repetitions of 1 vs 2 calls
 (--no-xla skips them).
 
---sweep additionally times a few tile configurations per op (uniform sizes)
-and prints the best, to pick GroupedMatmulConfig defaults.
+--sweep additionally times a few tile configurations per op (uniform sizes),
+to pick GroupedMatmulConfig defaults; --sweep-small times ~6 targeted ones
+(SWEEP_SMALL: skew mitigation for fwd/dx, the old per-tile dw kernel and two
+dw pipeline depths). Sweep rows use the same timing method as the main rows
+(same n1/n2, --sweep-reps repetitions), so they are directly comparable.
 
 Prints one markdown table; writes it to $OUT/grouped_matmul.md when OUT is set.
 """
@@ -53,6 +56,17 @@ SWEEP = {
 }
 SWEEP["dx"] = SWEEP["fwd"]
 
+# --sweep-small: a few targeted configs (op -> [(tiles, config kwargs, dists)]);
+# one GPU run with --no-xla --sweep-small should take ~90 s.
+SWEEP_SMALL = {
+    "fwd": [((128, 128, 64, 4, 4), {}, ("skewed",)),        # old default, skew
+            ((64, 256, 64, 4, 2), {}, ("uniform", "skewed"))],  # half the boundary waste
+    "dx": [((64, 256, 64, 4, 2), {}, ("skewed",))],
+    "dw": [((128, 128, 64, 4, 4), {"dw_pipelined": False}, ("uniform",)),  # old kernel
+           ((128, 128, 128, 2, 4), {}, ("uniform",)),
+           ((128, 128, 64, 3, 8), {}, ("uniform",))],
+}
+
 
 def group_sizes(kind, seed=0):
     rng = np.random.default_rng(seed)
@@ -67,9 +81,14 @@ def group_sizes(kind, seed=0):
     return s.astype(np.int32)
 
 
-def chained(fn, n):
-    """jit of: n sequential calls of fn(a) (a = the first operand), returns the last output."""
-    def run(a, *rest):
+def chained(fn):
+    """jit of: n sequential calls of fn(a) (a = the first operand), returns the last output.
+
+    ``n`` is a traced argument, so t(n1) and t(n2) run the SAME executable (a
+    while loop): with a static trip count XLA inlines a 1-trip loop, which made
+    the old (1, 3) sweep rows incomparable with the (2, 6) main rows.
+    """
+    def run(n, a, *rest):
         out0 = jnp.zeros_like(jax.eval_shape(fn, a, *rest))
 
         def body(_, carry):
@@ -82,7 +101,9 @@ def chained(fn, n):
 
 
 def per_call_ms(fn, args, n1, n2, reps):
-    f1, f2 = chained(fn, n1), chained(fn, n2)
+    f = chained(fn)
+    f1 = lambda *a: f(jnp.int32(n1), *a)
+    f2 = lambda *a: f(jnp.int32(n2), *a)
     jax.block_until_ready(f1(*args))
     jax.block_until_ready(f2(*args))
     ts = []
@@ -125,6 +146,9 @@ def main():
     ap.add_argument("--no-xla", action="store_true", help="skip the jax.lax.ragged_dot rows")
     ap.add_argument("--xla-reps", type=int, default=2)
     ap.add_argument("--sweep", action="store_true", help="also time a few tile configurations")
+    ap.add_argument("--sweep-small", action="store_true",
+                    help="also time ~6 targeted configurations (SWEEP_SMALL)")
+    ap.add_argument("--sweep-reps", type=int, default=5)
     ap.add_argument("--proj", default="up,down")
     ap.add_argument("--dist", default="uniform,skewed")
     ap.add_argument("--ops", default="fwd,dx,dw")
@@ -143,6 +167,7 @@ def main():
     pallas = GroupedMatmulConfig(impl=args.impl)
     xla = GroupedMatmulConfig(impl="xla")
     rows = []
+    dense_cache = {}
     key = jax.random.key(0)
     t_start = time.perf_counter()
     for proj in args.proj.split(","):
@@ -158,7 +183,9 @@ def main():
             for op in args.ops.split(","):
                 g_args, d_args = operands(op, x, w, dy, gs)
                 gfn, dfn = ops(pallas)[op]
-                dense_ms = per_call_ms(dfn, d_args, args.n1, args.n2, args.reps)
+                if (proj, op) not in dense_cache:    # same shapes for every dist
+                    dense_cache[proj, op] = per_call_ms(dfn, d_args, args.n1, args.n2, args.reps)
+                dense_ms = dense_cache[proj, op]
                 dense_tf = 2.0 * M * k * n / dense_ms / 1e9
                 try:
                     ms = per_call_ms(gfn, g_args, args.n1, args.n2, args.reps)
@@ -169,16 +196,24 @@ def main():
                     rows.append((proj, dist, op, args.impl, str(pallas.tiles(op)),
                                  f"FAILED {type(e).__name__}: {str(e)[:80]}", "", f"{dense_tf:.0f}", ""))
                 print("# |", " | ".join(rows[-1]), "|", flush=True)
+                sweep = []
                 if args.sweep and dist == "uniform":
-                    for tiles in SWEEP[op]:
-                        cfg = GroupedMatmulConfig(impl="pallas", **{op: tiles})
+                    sweep += [(t, {}) for t in SWEEP[op]]
+                if args.sweep_small:
+                    sweep += [(t, kw) for t, kw, dists in SWEEP_SMALL.get(op, ()) if dist in dists]
+                if sweep:
+                    for tiles, kw in sweep:
+                        cfg = GroupedMatmulConfig(impl="pallas", **{op: tiles}, **kw)
+                        label = "pallas (sweep" + "".join(f", {a}={v}" for a, v in kw.items()) + ")"
                         try:
-                            ms = per_call_ms(ops(cfg)[op][0], g_args, 1, 3, max(5, args.reps // 4))
+                            # same method as the main rows (n1, n2), fewer reps
+                            ms = per_call_ms(ops(cfg)[op][0], g_args, args.n1, args.n2,
+                                             args.sweep_reps)
                             r = (f"{ms:.3f}", f"{flops / ms / 1e9:.0f}",
                                  f"{flops / ms / 1e9 / dense_tf:.2f}")
                         except Exception as e:  # noqa: BLE001
                             r = (f"FAILED {type(e).__name__}: {str(e)[:60]}", "", "")
-                        rows.append((proj, dist, op, "pallas (sweep)", str(tiles), r[0], r[1],
+                        rows.append((proj, dist, op, label, str(tiles), r[0], r[1],
                                      f"{dense_tf:.0f}", r[2]))
                         print("# |", " | ".join(rows[-1]), "|", flush=True)
                 if not args.no_xla:
