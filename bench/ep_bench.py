@@ -165,10 +165,10 @@ def worker(args):
                "date": datetime.date.today().isoformat(),
                "jax": jax.__version__, "rows": [], "sweep": []}
 
-    def cfg_for(T, H, K, E, layout, backend, num_sms=None):
+    def cfg_for(T, H, K, E, layout, backend, num_sms=None, **kw):
         backend = backend if backend in ("native", "reference") else "reference"
         return EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
-                        backend=backend, num_sms=num_sms)
+                        backend=backend, num_sms=num_sms, **kw)
 
     def route_stats(T, H, K, E, layout, idx):
         """(received rows incl. local, link rows per direction) on rank 0 (numpy)."""
@@ -196,10 +196,11 @@ def worker(args):
             skip = op[3] if len(op) > 3 else 0
             sms = op[4] if len(op) > 4 else None
             extra_env = op[5] if len(op) > 5 else ()
+            cfg_kw = dict(op[6]) if len(op) > 6 else {}  # EpConfig fields, e.g. zero_tail
             os.environ["JAX_EP_DEBUG_SKIP"] = str(skip)
             for k_, v_ in extra_env:
                 os.environ[k_] = v_
-            cfg = cfg_for(T, H, K, E, layout, be, sms)
+            cfg = cfg_for(T, H, K, E, layout, be, sms, **cfg_kw)
             bk = native.BACKEND if be == "native" else reference.BACKEND
             try:
                 if kind == "route":
@@ -242,6 +243,27 @@ def worker(args):
                                 o = bk.combine_rows(y, w, h, cfg)
                                 y = dep(y, o)
                             return o
+                        return f
+                elif kind in ("combine_bwd", "combine_bwd_xla"):
+                    # backward of expert_major combine for d_out g [T, H]: the backend's
+                    # (native: fused into the dispatch kernel), or "_xla": the reference
+                    # math (dispatch of g, then [C, H] f32 temporaries in XLA) over
+                    # this backend's dispatch, as api._combine_bwd did before
+                    bwd = (bk.combine_backward if kind == "combine_bwd" else
+                           lambda *a, bk=bk: reference.ReferenceBackend.combine_backward(bk, *a))
+
+                    def build(n, cfg=cfg, bk=bk, bwd=bwd):
+                        def f(x, i):
+                            h = bk.route(i, cfg, R)[0]
+                            y = bk.dispatch_rows(x, None, h, cfg)[0]
+                            w = jnp.ones((h.capacity,), jnp.float32) * 0.5
+                            g = x
+                            for _ in range(n):
+                                # the barrier keeps XLA from computing only the
+                                # elements dep() reads (slices pushed through the math)
+                                dy, dw = jax.lax.optimization_barrier(bwd(g, y, w, h, cfg))
+                                g = dep(dep(g, dy), dw)
+                            return g
                         return f
                 elif kind == "roundtrip":
                     def build(n, cfg=cfg, bk=bk):
@@ -347,6 +369,12 @@ def worker(args):
            ("dispatch", "rank_major", "native"), ("dispatch", "expert_major", "native"),
            ("combine", "rank_major", "native"), ("combine", "expert_major", "native"),
            ("roundtrip", "rank_major", "native"), ("roundtrip", "expert_major", "native"),
+           # expert_major with the tail past the last group zeroed (EpConfig.zero_tail;
+           # the default leaves it unspecified), and the combine backward: native
+           # fused vs the XLA-materialised reference math over the native dispatch
+           ("dispatch", "expert_major", "native", 0, None, (), (("zero_tail", True),)),
+           ("combine_bwd", "expert_major", "native"), ("combine_bwd_xla", "expert_major", "native"),
+           ("combine_bwd", "expert_major", "reference"),
            ("dispatch_fp8", "rank_major", "native"),
            ("dispatch", "rank_major", "reference"), ("dispatch", "expert_major", "reference"),
            ("combine", "rank_major", "reference"),
@@ -395,8 +423,10 @@ def worker(args):
             kind = f"{kind} [skip={skip}: " + {1: "no data sent", 2: "send only", 3: "flags only"}[skip] + "]"
         if sms:
             kind = f"{kind} [num_sms={sms}]"
-        if len(op) > 5:
+        if len(op) > 5 and op[5]:
             kind = f"{kind} [" + " ".join(f"{k_}={v_}" for k_, v_ in op[5]) + "]"
+        if len(op) > 6:
+            kind = f"{kind} [" + " ".join(f"EpConfig.{k_}={v_}" for k_, v_ in op[6]) + "]"
         row = {"op": kind, "layout": layout, "backend": be, "us": us,
                "note": extra if us is None else f"n10/10={extra:.1f}us"}
         if us is not None and kind.split()[0] != "route" and not skip:
@@ -404,7 +434,7 @@ def worker(args):
             base = kind.split()[0]
             bpr = H * (1 if base == "dispatch_fp8" else 2) + (H // 128 * 4 if base == "dispatch_fp8" else 0)
             base = "roundtrip" if base == "roundtrip_route" else base
-            if base in ("dispatch", "dispatch_fp8", "ragged_a2a"):
+            if base in ("dispatch", "dispatch_fp8", "ragged_a2a", "combine_bwd", "combine_bwd_xla"):
                 recv_b, link_b = recv_rows * bpr, link_rows * bpr
             elif base == "combine":
                 recv_b, link_b = recv_tokens * bpr, link_rows * bpr

@@ -1,7 +1,10 @@
 // XLA FFI targets of the intranode (normal) dispatch:
 //   "jax_ep_dispatch"        rows of x (+ optional scale rows) -> out rows
+//   "jax_ep_combine_bwd"     backward of expert_major combine: d_out rows are
+//                            dispatched and, on the expert side, turned into
+//                            dy = w * g and dw = <g, y> (kDispatchCombineBwd)
 //   "jax_ep_bench_transfer"  raw transfer ceilings for bench/ (debug only)
-// Both enqueue on XLA's stream and never synchronise the host.
+// All enqueue on XLA's stream and never synchronise the host.
 #include <cstdlib>
 #include <string>
 
@@ -24,11 +27,56 @@ ffi::Error CheckDeviceError() {
 
 namespace {
 
+// Checks the handle arrays (slot_row [R, T, K], row_src [C], send_mask [T, R])
+// and the staging space; fills the fields of `a` every dispatch-kernel call
+// shares. `a->row_bytes` / `s_row_bytes` must be set.
+ffi::Error SetupDispatch(const char* op, int R, int T, int C, ffi::Buffer<ffi::S32> row_src,
+                         ffi::Buffer<ffi::S32> slot_row, ffi::Buffer<ffi::PRED> send_mask,
+                         int32_t align, int32_t zero_tail, DispatchArgs* a) {
+  const std::string o(op);
+  auto sd = slot_row.dimensions();
+  if (sd.size() != 3 || sd[0] != R || sd[1] != T)
+    return InvalidArgument(o + ": slot_row must be [R, T, K] with R = EP group size");
+  const int K = static_cast<int>(sd[2]);
+  if (K > 32) return InvalidArgument(o + ": top-k above 32 is not supported natively");
+  if (row_src.element_count() != static_cast<size_t>(C))
+    return InvalidArgument(o + ": row_src must be [C]");
+  if (send_mask.element_count() != static_cast<size_t>(T) * R)
+    return InvalidArgument(o + ": send_mask must be [T, R]");
+  if (align < 1) return InvalidArgument(o + ": align must be >= 1");
+  Runtime* rt = runtime();
+  size_t scales_off = 0;
+  const size_t need = dispatch_stage_bytes(R, T, a->row_bytes, a->s_row_bytes, &scales_off);
+  const size_t have = stage_half_bytes(rt->sym_bytes);
+  if (need > have)
+    return InvalidArgument(o + ": needs " + std::to_string(need >> 20) + " MiB of staging per "
+                           "parity but the symmetric buffer gives " + std::to_string(have >> 20) +
+                           " MiB: pass a larger buffer_bytes to jax_ep.initialize() (about 4x "
+                           "R*T*row bytes)");
+  a->ctrl_off = ctrl_offset(rt->sym_bytes, kOpDispatch);
+  a->stage_off[0] = stage_offset(rt->sym_bytes, kOpDispatch, 0);
+  a->stage_off[1] = stage_offset(rt->sym_bytes, kOpDispatch, 1);
+  a->stage_scales_off = scales_off;
+  a->row_src = row_src.typed_data();
+  a->slot_row = slot_row.typed_data();
+  a->send_mask = send_mask.typed_data();
+  a->T = T;
+  a->K = K;
+  a->C = C;
+  a->align = align;
+  a->zero_tail = zero_tail != 0;
+  a->host_err = device_error_word();
+  // Bench breakdown only (JAX_EP_DEBUG_SKIP bits, see DispatchArgs::skip): read per call.
+  if (const char* sk = std::getenv("JAX_EP_DEBUG_SKIP")) a->skip = std::atoi(sk);
+  return ffi::Error::Success();
+}
+
 ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scales,
                         ffi::Buffer<ffi::S32> row_src, ffi::Buffer<ffi::S32> slot_row,
                         ffi::Buffer<ffi::PRED> send_mask, ffi::Span<const int32_t> ep_groups,
-                        int32_t num_ranks, int32_t mode, int32_t rank_major, int32_t num_sms,
-                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> out_scales) {
+                        int32_t num_ranks, int32_t mode, int32_t rank_major, int32_t align,
+                        int32_t zero_tail, int32_t num_sms, ffi::Result<ffi::AnyBuffer> out,
+                        ffi::Result<ffi::Buffer<ffi::F32>> out_scales) {
   JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
   PeerTable peers;
   JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, &peers));
@@ -42,35 +90,18 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   auto od = out->dimensions();
   if (od.size() != 2 || od[1] != W) return InvalidArgument("dispatch: out must be [C, W]");
   const int C = static_cast<int>(od[0]);
-  auto sd = slot_row.dimensions();
-  if (sd.size() != 3 || sd[0] != R || sd[1] != T)
-    return InvalidArgument("dispatch: slot_row must be [R, T, K] with R = EP group size");
-  const int K = static_cast<int>(sd[2]);
-  if (K > 32) return InvalidArgument("dispatch: top-k above 32 is not supported natively");
-  if (row_src.element_count() != static_cast<size_t>(C))
-    return InvalidArgument("dispatch: row_src must be [C]");
-  if (send_mask.element_count() != static_cast<size_t>(T) * R)
-    return InvalidArgument("dispatch: send_mask must be [T, R]");
+  if (mode != kDispatchCopy && mode != kDispatchCastBf16 && mode != kDispatchCastF32)
+    return InvalidArgument("dispatch: unknown mode");
 
   DispatchArgs a;
   a.peers = peers;
-  a.ctrl_off = ctrl_offset(rt->sym_bytes, kOpDispatch);
   a.x = x.untyped_data();
   a.x_row_bytes = static_cast<long long>(x.size_bytes() / (T > 0 ? T : 1));
   a.row_bytes = static_cast<long long>(out->size_bytes() / (C > 0 ? C : 1));
   a.out = out->untyped_data();
-  a.row_src = row_src.typed_data();
-  a.slot_row = slot_row.typed_data();
-  a.send_mask = send_mask.typed_data();
-  a.T = T;
-  a.K = K;
-  a.C = C;
   a.hidden = static_cast<int>(W);
   a.mode = mode;
   a.rank_major = rank_major != 0;
-  a.host_err = device_error_word();
-  // Bench breakdown only (JAX_EP_DEBUG_SKIP bits, see DispatchArgs::skip): read per call.
-  if (const char* sk = std::getenv("JAX_EP_DEBUG_SKIP")) a.skip = std::atoi(sk);
   if (const char* dm = std::getenv("JAX_EP_FP8_DIV_MODE")) a.div_mode = std::atoi(dm);
   if (const char* wd = std::getenv("JAX_EP_FP8_WIDE")) a.cast_wide = std::atoi(wd) != 0;
 
@@ -92,23 +123,66 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
     if (x.element_type() != want) return InvalidArgument("dispatch: x dtype does not match the cast mode");
     if (a.s_row_bytes != (W / 128) * 4) return InvalidArgument("dispatch: out_scales must be [C, H/128]");
   }
-
-  size_t scales_off = 0;
-  const size_t need = dispatch_stage_bytes(R, T, a.row_bytes, a.s_row_bytes, &scales_off);
-  const size_t have = stage_half_bytes(rt->sym_bytes);
-  if (need > have)
-    return InvalidArgument("dispatch: needs " + std::to_string(need >> 20) + " MiB of staging per "
-                           "parity but the symmetric buffer gives " + std::to_string(have >> 20) +
-                           " MiB: pass a larger buffer_bytes to jax_ep.initialize() (about 4x "
-                           "R*T*row bytes)");
-  a.stage_off[0] = stage_offset(rt->sym_bytes, kOpDispatch, 0);
-  a.stage_off[1] = stage_offset(rt->sym_bytes, kOpDispatch, 1);
-  a.stage_scales_off = scales_off;
+  JAX_EP_RETURN_IF_ERROR(
+      SetupDispatch("dispatch", R, T, C, row_src, slot_row, send_mask, align, zero_tail, &a));
 
   if (T == 0 && C == 0) return ffi::Error::Success();
   if (debug_poison()) {
     JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.out, 0xFF, out->size_bytes(), stream));
     JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.out_scales, 0xFF, out_scales->size_bytes(), stream));
+  }
+  LaunchConfig lc = make_launch_config(kOpDispatch, T > 0 ? T : 1, num_sms, rt->num_sms);
+  JAX_EP_CUDA_RETURN(launch_dispatch(a, lc, stream));
+  return ffi::Error::Success();
+}
+
+ffi::Error CombineBwdImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer y,
+                          ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> row_src,
+                          ffi::Buffer<ffi::S32> slot_row, ffi::Buffer<ffi::PRED> send_mask,
+                          ffi::Span<const int32_t> ep_groups, int32_t num_ranks, int32_t align,
+                          int32_t zero_tail, int32_t num_sms, ffi::Result<ffi::AnyBuffer> dy,
+                          ffi::Result<ffi::Buffer<ffi::F32>> dw) {
+  JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
+  PeerTable peers;
+  JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, &peers));
+  Runtime* rt = runtime();
+  const int R = peers.num_ranks;
+
+  auto gd = g.dimensions(), yd = y.dimensions(), od = dy->dimensions();
+  if (gd.size() != 2 || yd.size() != 2 || od.size() != 2 || gd[1] != yd[1] || od[0] != yd[0] ||
+      od[1] != yd[1])
+    return InvalidArgument("combine_bwd: g must be [T, W], y and dy [C, W]");
+  if (g.element_type() != y.element_type() || dy->element_type() != y.element_type())
+    return InvalidArgument("combine_bwd: g, y and dy must have one dtype");
+  const int T = static_cast<int>(gd[0]);
+  const int C = static_cast<int>(yd[0]);
+  if (w.element_count() != static_cast<size_t>(C) || dw->element_count() != static_cast<size_t>(C))
+    return InvalidArgument("combine_bwd: w and dw must be [C]");
+
+  DispatchArgs a;
+  switch (y.element_type()) {
+    case ffi::DataType::BF16: a.dtype = kBf16; break;
+    case ffi::DataType::F16: a.dtype = kF16; break;
+    case ffi::DataType::F32: a.dtype = kF32; break;
+    default: return InvalidArgument("combine_bwd: y must be bf16, f16 or f32");
+  }
+  a.peers = peers;
+  a.mode = kDispatchCombineBwd;
+  a.x = g.untyped_data();
+  a.row_bytes = a.x_row_bytes =
+      static_cast<long long>(yd[1]) * static_cast<long long>(ffi::ByteWidth(y.element_type()));
+  a.hidden = static_cast<int>(yd[1]);
+  a.out = dy->untyped_data();
+  a.y = y.untyped_data();
+  a.row_w = w.typed_data();
+  a.dw = dw->typed_data();
+  JAX_EP_RETURN_IF_ERROR(
+      SetupDispatch("combine_bwd", R, T, C, row_src, slot_row, send_mask, align, zero_tail, &a));
+
+  if (T == 0 && C == 0) return ffi::Error::Success();
+  if (debug_poison()) {
+    JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.out, 0xFF, dy->size_bytes(), stream));
+    JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.dw, 0xFF, dw->size_bytes(), stream));
   }
   LaunchConfig lc = make_launch_config(kOpDispatch, T > 0 ? T : 1, num_sms, rt->num_sms);
   JAX_EP_CUDA_RETURN(launch_dispatch(a, lc, stream));
@@ -151,9 +225,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::DispatchImpl,
                                   .Attr<int32_t>("num_ranks")
                                   .Attr<int32_t>("mode")
                                   .Attr<int32_t>("rank_major")
+                                  .Attr<int32_t>("align")      // expert_alignment (1: rank_major)
+                                  .Attr<int32_t>("zero_tail")  // zero rows past the last group
                                   .Attr<int32_t>("num_sms")
                                   .Ret<xla::ffi::AnyBuffer>()                      // out [C, W]
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());        // out_scales [C, S]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineBwd, jax_ep::CombineBwdImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<jax_ep::Stream>()
+                                  .Arg<xla::ffi::AnyBuffer>()                      // g = d_out [T, W]
+                                  .Arg<xla::ffi::AnyBuffer>()                      // y [C, W]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()          // w [C]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()          // row_src [C]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()          // slot_row [R, T, K]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::PRED>>()         // send_mask [T, R]
+                                  .Attr<xla::ffi::Span<const int32_t>>("ep_groups")
+                                  .Attr<int32_t>("num_ranks")
+                                  .Attr<int32_t>("align")
+                                  .Attr<int32_t>("zero_tail")
+                                  .Attr<int32_t>("num_sms")
+                                  .Ret<xla::ffi::AnyBuffer>()                      // dy [C, W]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());        // dw [C]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpBenchTransfer, jax_ep::BenchTransferImpl,
                               xla::ffi::Ffi::Bind()

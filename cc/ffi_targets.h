@@ -14,4 +14,5 @@
   X("jax_ep_dispatch", JaxEpDispatch)  \
   X("jax_ep_combine", JaxEpCombine)    \
   X("jax_ep_bench_transfer", JaxEpBenchTransfer) \
+  X("jax_ep_combine_bwd", JaxEpCombineBwd) \
   /* dispatch / combine targets: append here (one X(...) per line) */

@@ -66,15 +66,17 @@ std::string run_ranks(int R, int iters, double* seconds, F fn) {
 
 std::string loopback_dispatch(const std::vector<uint64_t>& ptrs, const std::vector<int64_t>& ints,
                               size_t sym_bytes, int R, int iters, double* seconds) {
-  if (R < 1 || R > kMaxRanks || ptrs.size() != size_t(8 * R) || ints.size() != 13)
+  constexpr int kPtrs = 11;
+  if (R < 1 || R > kMaxRanks || ptrs.size() != size_t(kPtrs * R) || ints.size() != 16)
     return "loopback_dispatch: bad arguments";
   if (ints[1] > 32) return "loopback_dispatch: top-k above 32";
-  if (ints[7] != kDispatchCopy && ints[3] % 128 != 0) return "loopback_dispatch: hidden % 128";
+  const bool cast = ints[7] == kDispatchCastBf16 || ints[7] == kDispatchCastF32;
+  if (cast && ints[3] % 128 != 0) return "loopback_dispatch: hidden % 128";
   if (std::string e = check_resident(R, int(ints[9])); !e.empty()) return e;
-  auto P = [&](int r, int i) { return reinterpret_cast<void*>(ptrs[8 * r + i]); };
+  auto P = [&](int r, int i) { return reinterpret_cast<void*>(ptrs[kPtrs * r + i]); };
   return run_ranks(R, iters, seconds, [&](int r, cudaStream_t st) {
     DispatchArgs a;
-    a.peers = loopback_peers(ptrs, 8, 7, R, r);
+    a.peers = loopback_peers(ptrs, kPtrs, 7, R, r);
     a.ctrl_off = ctrl_offset(sym_bytes, kOpDispatch);
     a.x = P(r, 0);
     a.scales = ints[6] && ints[7] == kDispatchCopy ? P(r, 1) : nullptr;
@@ -94,6 +96,14 @@ std::string loopback_dispatch(const std::vector<uint64_t>& ptrs, const std::vect
     a.rank_major = ints[8] != 0;
     a.div_mode = int(ints[11]);
     a.cast_wide = ints[12] != 0;
+    a.zero_tail = ints[13] != 0;
+    a.align = int(ints[14]);
+    a.dtype = int(ints[15]);
+    if (a.mode == kDispatchCombineBwd) {
+      a.y = P(r, 8);
+      a.row_w = static_cast<const float*>(P(r, 9));
+      a.dw = static_cast<float*>(P(r, 10));
+    }
     a.host_err = device_error_word();
     a.timeout_ns = 2ull * 1000 * 1000 * 1000;
     size_t scales_off = 0;

@@ -20,7 +20,8 @@ __version__ = "0.1.0"
 from . import runtime as _runtime
 
 if not _runtime.extension_available():
-    import sys as _sys
+    import logging as _logging
 
-    print("jax_ep: native extension not built; only the reference (pure-JAX) backend is "
-          "available", file=_sys.stderr)
+    # one line on stderr by default; silence with logging.getLogger("jax_ep").setLevel(...)
+    _logging.getLogger("jax_ep").warning(
+        "jax_ep: native extension not built; only the reference (pure-JAX) backend is available")

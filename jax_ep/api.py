@@ -13,6 +13,7 @@ dispatch of ``d_out`` (weighted on the expert side) plus
 """
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from typing import Optional
 
@@ -22,8 +23,28 @@ import jax.numpy as jnp
 from . import backend as _backend
 from . import validate
 from .config import EpConfig
-from .reference import F32
+from .reference import F32, merge_duplicate_weights
 from .types import Dispatched
+
+
+def _reject_forward_mode(fn: str, *arrays):
+    """Forward-mode AD (``jax.jvp`` / ``jax.jacfwd``) meets jax_ep's ``custom_vjp``
+    rules; say so clearly instead of JAX's generic custom_vjp error. Seen when
+    the jvp is traced around the per-rank code (``jax.jvp(shard_map(...))``,
+    ``jax.jit(jax.jacfwd(...))``); a jvp of an already-jitted function still
+    gets JAX's own message."""
+    if not getattr(jax.config, "jax_use_direct_linearize", True):
+        return  # jax.grad itself runs through JVP tracers then
+    try:
+        from jax._src.interpreters.ad import JVPTracer
+    except ImportError:  # pragma: no cover - JAX internals moved
+        return
+    if any(isinstance(a, JVPTracer) and type(getattr(a, "tangent", None)).__name__ != "Zero"
+           for a in arrays if a is not None):
+        raise TypeError(
+            f"jax_ep.{fn} supports reverse-mode differentiation only (jax.grad, jax.vjp, "
+            "jax.value_and_grad, jax.jacrev); forward mode (jax.jvp, jax.jacfwd, jax.hessian) is "
+            "not implemented: use jax.vjp / jax.jacrev instead")
 
 
 # -- differentiable pieces (backend and config static) ------------------------
@@ -70,11 +91,9 @@ def _combine_fwd(be, cfg, y, w, handle):
 
 def _combine_bwd(be, cfg, res, g):
     y, w, handle = res
-    g_rows = be.dispatch_rows(g, None, handle, cfg)[0].astype(F32)  # [C, H]
-    if w is None:  # rank_major: the user weighted on the expert side
-        return g_rows.astype(y.dtype), None, None
-    dy = (w[:, None] * g_rows).astype(y.dtype)
-    dw = jnp.sum(g_rows * y.astype(F32), axis=1)
+    # a dispatch of g, weighted on the expert side (w None: rank_major, the
+    # user weighted there), plus dw = <g_t, y_row>; native: one fused kernel
+    dy, dw = be.combine_backward(g, y, w, handle, cfg)
     return dy, dw, None
 
 
@@ -107,27 +126,59 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, config:
 
     Args:
       x: ``[T, H]`` bf16 / f32 tokens, or fp8-e4m3 (then ``x_scales`` is required).
-      topk_idx: ``[T, K]`` int32 expert ids in ``[-1, E)``; -1 = slot unused. Ids
-        outside that range are treated as -1 and counted in ``num_dropped``.
-      topk_weights: ``[T, K]`` f32 routing weights.
+        T may be 0 (then every output is empty or zero).
+      topk_idx: ``[T, K]`` expert ids in ``[-1, E)``, any integer dtype (cast to
+        int32); -1 = slot unused. Ids outside that range are treated as -1 and
+        counted in ``num_dropped``. An expert named in several slots of one
+        token is reached once, with the sum of those slots' weights (the dense
+        MoE ``sum_k w_k f_(e_k)(x)``); every such slot gets the gradient
+        ``<d_out, f_e(x)>``.
+      topk_weights: ``[T, K]`` routing weights, any float dtype (used as f32).
       config: :class:`EpConfig`.
       x_scales: ``[T, H/128]`` f32 dequantisation scales of an fp8 ``x``.
 
     Returns:
       :class:`Dispatched` (``x [C, H]``, ``group_sizes [L]`` / ``weights [C]``
       for expert_major, ``topk_idx [C, K]`` / ``topk_weights [C, K]`` for
-      rank_major, ``num_valid``, ``num_dropped``, ``handle``). Each token
-      crosses the link at most once per destination rank. With
+      rank_major, ``num_valid [1]``, ``num_dropped [1]``, ``handle``). Each
+      token crosses the link at most once per destination rank. With
       ``config.fp8_dispatch`` a bf16/f32 ``x`` is sent as fp8 and ``x_scales``
       is filled. fp8 dispatch is forward-only: differentiating through
       ``fp8_dispatch`` raises a TypeError; an fp8 ``x`` gets no gradient.
+      Differentiable in reverse mode only (``jax.grad`` / ``jax.vjp``).
+
+    With ``config.check_overflow`` the drop count is summed over every device
+    of the mesh first and a host callback raises one ``OverflowError`` on all of
+    them before any row moves (so no rank is left waiting in a collective);
+    it works under ``jax.jit`` and ``jax.checkpoint``.
     """
     R = validate.axis_size(config)
-    validate.dispatch_args(x, topk_idx, topk_weights, x_scales, config, R)
+    _reject_forward_mode("dispatch", x, topk_weights, x_scales)
+    topk_idx, topk_weights = validate.dispatch_args(x, topk_idx, topk_weights, x_scales, config, R)
+    pad = 0
+    if x.shape[0] == 0:  # T = 0: route one empty row (no expert), stripped again by combine
+        from ._ffi import to_vma, vma_of  # fresh rows (the empty inputs' gradients are empty)
+
+        pad = 1
+        vma = vma_of(x) | vma_of(topk_idx) | vma_of(topk_weights)
+        row = lambda a, v: to_vma(jnp.full((1, a.shape[1]), v, a.dtype), vma)
+        x, topk_idx, topk_weights = row(x, 0), row(topk_idx, -1), row(topk_weights, 0)
+        if x_scales is not None:
+            x_scales = row(x_scales, 0)
     be = _backend.select(config)
+    # dense-MoE weights for repeated ids (plain jnp, so autodiff spreads the gradient)
+    topk_weights = merge_duplicate_weights(topk_idx, topk_weights, config.num_experts)
     handle, group_sizes, num_valid, num_dropped = be.route(topk_idx, config, R)
+    if pad:
+        handle = dataclasses.replace(handle, padded_tokens=pad)
     if config.check_overflow:
-        num_dropped = validate.raise_on_drops(num_dropped, config)
+        # every device gets the same global count, raises (or not) in the callback, and
+        # moves no row before it: the rows' send mask depends on the callback's result
+        ok = validate.check_drops(validate.global_sum(num_dropped), handle.capacity)
+        handle = dataclasses.replace(handle, send_mask=handle.send_mask & (ok == 0))
+        num_dropped = num_dropped + ok
+    num_valid = jnp.reshape(num_valid, (1,))
+    num_dropped = jnp.reshape(num_dropped, (1,))
 
     if config.fp8_dispatch and x.dtype != jnp.float8_e4m3fn:
         recv_x, recv_scales = _fp8_rows(be, config, x, handle)
@@ -136,7 +187,7 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, config:
             jax.lax.stop_gradient(x), jax.lax.stop_gradient(x_scales), handle, config)
     else:
         recv_x, recv_scales = _move_rows(be, config, x, handle), None
-    recv_w = _move_weights(be, config, topk_weights.astype(F32), handle)
+    recv_w = _move_weights(be, config, topk_weights, handle)
 
     if config.layout == "expert_major":
         return Dispatched(x=recv_x, x_scales=recv_scales, group_sizes=group_sizes,
@@ -165,20 +216,24 @@ def combine(y: jax.Array, dispatched: Dispatched, config: EpConfig) -> jax.Array
     Returns:
       ``[T, H]`` in y's dtype: ``out[t] = sum over ranks r (ascending) of
       cast(sum over k on r (ascending) of w_k * y_(t,k))``, accumulated in f32.
-      Deterministic. Rows that were dropped contribute zero.
+      Deterministic. Rows that were dropped contribute zero. Differentiable
+      in reverse mode only (``jax.grad`` / ``jax.vjp``).
     """
     R = validate.axis_size(config)
+    w = dispatched.weights if config.layout == "expert_major" else None
+    _reject_forward_mode("combine", y, w)
     validate.combine_args(y, dispatched, config, R)
     be = _backend.select(config)
-    w = dispatched.weights if config.layout == "expert_major" else None
-    return _combine(be, config, y, w, dispatched.handle)
+    out = _combine(be, config, y, w, dispatched.handle)
+    pad = dispatched.handle.padded_tokens
+    return out[:out.shape[0] - pad] if pad else out
 
 
 def get_dispatch_layout(topk_idx: jax.Array, config: EpConfig):
     """Routing statistics of this rank's tokens (no communication).
 
     Args:
-      topk_idx: ``[T, K]`` int32 in ``[-1, E)``.
+      topk_idx: ``[T, K]`` expert ids in ``[-1, E)``, any integer dtype.
     Returns:
       ``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32,
       is_token_in_rank [T, R] bool)``. A token counts once per rank and once
@@ -186,5 +241,10 @@ def get_dispatch_layout(topk_idx: jax.Array, config: EpConfig):
       ``[0, E)`` count nowhere.
     """
     R = validate.axis_size(config)
-    validate.topk_idx(topk_idx, config, R)
-    return _backend.select(config).layout(topk_idx, config, R)
+    topk_idx = validate.topk_idx(topk_idx, config, R)
+    be = _backend.select(config)
+    if topk_idx.shape[0] == 0:  # T = 0: one row with no expert counts nowhere
+        empty = jnp.full((1, topk_idx.shape[1]), -1, jnp.int32)
+        per_rank, per_expert, in_rank = be.layout(jnp.concatenate([topk_idx, empty]), config, R)
+        return per_rank, per_expert, in_rank[:0]
+    return be.layout(topk_idx, config, R)

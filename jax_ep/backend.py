@@ -12,7 +12,7 @@ output cotangent, weighted on the expert side.
 """
 from __future__ import annotations
 
-import sys
+import logging
 from typing import Optional, Protocol
 
 import jax
@@ -58,11 +58,21 @@ class Backend(Protocol):
         back; the source sums the partials of ranks 0..R-1 in that order in
         f32 and casts to y's dtype."""
 
+    def combine_backward(self, g: jax.Array, y: jax.Array, row_weights: Optional[jax.Array],
+                         handle: Handle, cfg: EpConfig):
+        """Backward of ``combine_rows(y, row_weights)`` for ``g = d_out [T, W]`` (y's
+        dtype) -> ``(dy [C, W] in y's dtype, dw [C] f32 or None)``: with ``g_rows``
+        the dispatch of ``g``, ``dy = cast(w * f32(g_rows))`` (bit-identical across
+        backends) and ``dw = sum_h f32(g_rows) * f32(y)`` (f32, equal up to
+        reduction order). Without weights (rank_major): ``dy`` = dispatch of ``g``,
+        ``dw`` None. Padding rows 0; tail rows of ``dy`` as in ``dispatch_rows``."""
+
     def return_weights(self, d_recv_w: jax.Array, handle: Handle, cfg: EpConfig):
         """Transpose of ``dispatch_weights``: ``[C]`` or ``[C, K]`` -> ``[T, K]`` f32."""
 
 
 _notice_printed = False
+_log = logging.getLogger("jax_ep")
 
 
 def select(cfg: EpConfig) -> Backend:
@@ -80,6 +90,6 @@ def select(cfg: EpConfig) -> Backend:
         return runtime.native_backend()
     if not _notice_printed:
         _notice_printed = True
-        print(f"jax_ep: native runtime not initialised ({runtime.unavailable_reason()}); "
-              "using the reference backend", file=sys.stderr)
+        _log.warning("jax_ep: native runtime not initialised (%s); using the reference backend",
+                     runtime.unavailable_reason())
     return reference.BACKEND

@@ -44,9 +44,22 @@ class EpConfig:
         otherwise), ``"reference"`` (pure JAX) or ``"native"``.
       fp8_dispatch: cast a bf16/f32 ``x`` to fp8-e4m3 with per-token
         per-128-channel f32 scales before sending (H % 128 == 0).
-      check_overflow: raise (through ``jax.debug.callback`` / checkify-free
-        host callback) when a capacity overflow drops rows instead of only
-        reporting ``num_dropped``.
+      check_overflow: raise ``OverflowError`` when any rank drops a pair
+        (capacity overflow or an expert id outside ``[-1, E)``) instead of
+        only reporting ``num_dropped``. The drop count is summed over every
+        device of the mesh first, so all of them raise together before any
+        row moves (no rank is left waiting); a ``jax.pure_callback``, so it
+        works under ``jit`` and ``jax.checkpoint``. The error reaches Python
+        as a ``JaxRuntimeError`` whose last line is the ``OverflowError``.
+      zero_tail: write zeros to the rows of the dispatch output past the
+        last expert group (expert_major: rows >= sum(group_sizes); rank_major:
+        rows >= num_valid). Off by default: those rows are unspecified (the
+        native kernels leave them unwritten — at EP 2 dropless that is half of
+        a [C, H] output, ~470 MB of HBM writes at V3-train). Padding rows
+        inside groups (``expert_alignment`` > 1) are always zero.
+        :func:`jax_ep.grouped_matmul` and :func:`jax_ep.combine` never read the
+        tail; set True when your own code reads whole rows (e.g. a dense
+        masked matmul over all C rows).
       buffer_bytes: NVSHMEM symmetric buffer per process that
         ``jax_ep.initialize(config=...)`` allocates (``None``: sized from the
         shapes above, see :meth:`native_buffer_bytes`).
@@ -65,6 +78,7 @@ class EpConfig:
     fp8_dispatch: bool = False
     check_overflow: bool = False
     buffer_bytes: Optional[int] = None
+    zero_tail: bool = False
 
     def __post_init__(self):
         def pos_int(name, v):

@@ -6,7 +6,11 @@ int32); the rows themselves move through ``jax_ep_dispatch`` /
 ``jax_ep_combine`` (cc/ffi_dispatch.cc, cc/ffi_combine.cc): P2P stores over
 NVLink into the peers' NVSHMEM staging, one copy per (token, rank), on XLA's
 stream. Results are bit-identical to the reference backend (dispatch) and
-equal to it op for op in f32 (combine).
+equal to it op for op in f32 (combine). The backward of expert_major combine
+(``combine_backward``, ``jax_ep_combine_bwd``) is the dispatch kernel with
+``dy = w * g`` and ``dw = <g, y>`` formed on the expert side: dy bit-identical,
+dw equal up to f32 reduction order. Rows past the last expert group are left
+unspecified unless ``EpConfig.zero_tail`` (padding inside groups is always 0).
 """
 from __future__ import annotations
 
@@ -34,6 +38,15 @@ def _num_sms(cfg: EpConfig) -> np.int32:
 
 def _empty_f32(n_rows: int):
     return jnp.zeros((n_rows, 0), jnp.float32)
+
+
+def _row_attrs(handle: Handle, cfg: EpConfig) -> dict:
+    """Which rows with no source the kernel zeroes: padding inside expert
+    groups always (it finds them from the alignment), the tail past the last
+    group only with ``cfg.zero_tail`` (unspecified otherwise: at EP 2 / V3-train
+    that tail is half of the dropless capacity)."""
+    align = cfg.expert_alignment if handle.layout == "expert_major" else 1
+    return dict(align=np.int32(align), zero_tail=np.int32(bool(getattr(cfg, "zero_tail", False))))
 
 
 def dispatch_raw(x, x_scales, handle: Handle, cfg: EpConfig, *, cast_fp8: bool = False,
@@ -66,8 +79,27 @@ def dispatch_raw(x, x_scales, handle: Handle, cfg: EpConfig, *, cast_fp8: bool =
         [((C, W), out_dtype), ((C, S), jnp.float32)],
         x, scales, handle.row_src, handle.slot_row, handle.send_mask,
         ep_axis=cfg.axis_name, has_side_effect=True,
-        mode=np.int32(mode), rank_major=np.int32(handle.layout == "rank_major"), num_sms=sms)
+        mode=np.int32(mode), rank_major=np.int32(handle.layout == "rank_major"), num_sms=sms,
+        **_row_attrs(handle, cfg))
     return out, (out_scales if (cast_fp8 or x_scales is not None) else None)
+
+
+def combine_bwd_raw(g, y, w, handle: Handle, cfg: EpConfig, *, num_sms: Optional[int] = None):
+    """Backward of expert_major ``combine_rows(y, w)`` for ``g = d_out [T, W]``
+    (y's dtype), one kernel: ``g``'s rows are dispatched and, on the expert side,
+    ``dy[c] = cast(w[c] * f32(g_t))`` (the reference's bits) and ``dw[c] =
+    sum_h f32(g_t[h]) * f32(y[c, h])`` (f32; per lane in ascending vector order,
+    then a 32-lane butterfly) are formed from them, with no ``[C, W]`` f32
+    temporaries. -> (dy ``[C, W]``, dw ``[C]`` f32); padding rows 0, tail rows of
+    dy as in dispatch (``cfg.zero_tail``), dw 0 on every row without a source."""
+    C, W = y.shape
+    sms = np.int32(num_sms) if num_sms is not None else _num_sms(cfg)
+    dy, dw = _ffi.call(
+        "jax_ep_combine_bwd",
+        [((C, W), y.dtype), ((C,), jnp.float32)],
+        g, y, w.astype(jnp.float32), handle.row_src, handle.slot_row, handle.send_mask,
+        ep_axis=cfg.axis_name, has_side_effect=True, num_sms=sms, **_row_attrs(handle, cfg))
+    return dy, dw
 
 
 def combine_raw(y, row_weights, handle: Handle, cfg: EpConfig, *, num_sms: Optional[int] = None):
@@ -154,6 +186,13 @@ class NativeBackend(_ref.ReferenceBackend):
 
     def combine_rows(self, y, row_weights, handle: Handle, cfg: EpConfig):
         return combine_raw(y, row_weights, handle, cfg)
+
+    def combine_backward(self, g, y, w, handle: Handle, cfg: EpConfig):
+        if w is None or handle.layout != "expert_major":  # rank_major: a dispatch of g
+            return dispatch_raw(g, None, handle, cfg)[0].astype(y.dtype), None
+        if g.dtype != y.dtype:  # (a cotangent has the primal's dtype; never seen)
+            return super().combine_backward(g, y, w, handle, cfg)
+        return combine_bwd_raw(g, y, w, handle, cfg)
 
 
 BACKEND = NativeBackend()

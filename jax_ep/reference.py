@@ -41,7 +41,8 @@ def sanitize_topk(topk_idx: jax.Array, num_experts: int):
     """-> (idx with invalid and repeated ids set to -1, number of invalid ids).
 
     Ids outside [-1, E) are dropped and counted. A repeated id inside one
-    token's top-k is routed once (its first slot); later copies act as -1."""
+    token's top-k is routed once (its first slot); later copies act as -1.
+    ``merge_duplicate_weights`` moves their weights onto that first slot."""
     invalid = (topk_idx < -1) | (topk_idx >= num_experts)
     idx = jnp.where(invalid, -1, topk_idx)
     K = idx.shape[1]
@@ -49,6 +50,25 @@ def sanitize_topk(topk_idx: jax.Array, num_experts: int):
     dup = jnp.any((idx[:, :, None] == idx[:, None, :]) & earlier[None], axis=2)
     idx = jnp.where(dup & (idx >= 0), -1, idx)
     return idx, jnp.sum(invalid, dtype=jnp.int32)
+
+
+def merge_duplicate_weights(topk_idx: jax.Array, topk_weights: jax.Array, num_experts: int):
+    """Dense-MoE weights for rows that name one expert in several slots.
+
+    ``w'[t, k] = sum_j [idx[t, j] == idx[t, k]] w[t, j]`` on the first slot
+    naming a valid expert (``[0, E)``), 0 on its repeats and on -1 / invalid
+    slots. Plain differentiable jnp: the gradient of every duplicate slot is
+    the gradient of the merged one, ``<d_out, f_e(x)>``, as in a dense MoE.
+    Rows without repeats keep their weights bit for bit."""
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)
+    K = topk_idx.shape[1]
+    same = (topk_idx[:, :, None] == topk_idx[:, None, :]) & valid[:, :, None]  # [T, k, j]
+    earlier = jnp.tril(jnp.ones((K, K), bool), -1)  # [k, j]: j < k
+    first = valid & ~jnp.any(same & earlier[None], axis=2)
+    repeated = jnp.sum(same, axis=2) > 1
+    merged = jnp.sum(jnp.where(same, topk_weights[:, None, :], 0), axis=2)
+    w = jnp.where(repeated, merged, topk_weights)
+    return jnp.where(first, w, jnp.zeros((), w.dtype))
 
 
 def fp8_cast(x: jax.Array):
@@ -213,6 +233,19 @@ class ReferenceBackend:
         for r in range(R):  # fixed order: ranks ascending
             out = out + jnp.where(mask[:, r:r + 1], back[r].astype(F32), 0.0)
         return out.astype(y.dtype)
+
+    def combine_backward(self, g, y, row_weights, handle: Handle, cfg: EpConfig):
+        """Backward of ``combine_rows(y, row_weights)`` for ``g = d_out [T, W]``:
+        ``g_rows = f32(dispatch_rows(g))``; ``dy = cast_y(w * g_rows)``, ``dw =
+        sum_h g_rows * f32(y)`` (f32). Without weights (rank_major) ``dy`` is the
+        dispatch of ``g`` in y's dtype and ``dw`` None. Materialises ``[C, W]`` f32
+        temporaries in XLA; the native backend fuses this into its dispatch kernel."""
+        g_rows = self.dispatch_rows(g, None, handle, cfg)[0].astype(F32)  # [C, W]
+        if row_weights is None:
+            return g_rows.astype(y.dtype), None
+        dy = (row_weights[:, None] * g_rows).astype(y.dtype)
+        dw = jnp.sum(g_rows * y.astype(F32), axis=1)
+        return dy, dw
 
 
 BACKEND = ReferenceBackend()

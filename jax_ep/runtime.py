@@ -16,10 +16,10 @@ why) and ``backend="auto"`` falls back to the pure-JAX reference backend.
 from __future__ import annotations
 
 import ctypes
-import importlib
 import glob
+import importlib
+import logging
 import os
-import sys
 from typing import Optional
 
 DEFAULT_BUFFER_BYTES = 1 << 30  # symmetric buffer per process
@@ -159,7 +159,7 @@ def _set_nvshmem_env(buffer_bytes: int) -> None:
 
 def _not_up(reason: str) -> bool:
     _state["reason"] = reason
-    print(f"jax_ep: native runtime not started: {reason}", file=sys.stderr)
+    logging.getLogger("jax_ep").warning("jax_ep: native runtime not started: %s", reason)
     return False
 
 

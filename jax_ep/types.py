@@ -24,6 +24,9 @@ class Handle:
         and unused rows.
       num_ranks, num_tokens, capacity, layout: static.
       native: backend-private arrays (native backend only), else None.
+      padded_tokens: static; rows :func:`jax_ep.dispatch` appended to the
+        caller's tokens (one empty row when T = 0), which combine strips.
+        ``num_tokens`` counts them.
     """
 
     send_mask: jax.Array
@@ -35,12 +38,13 @@ class Handle:
     num_tokens: int = 0
     capacity: int = 0
     layout: str = "expert_major"
+    padded_tokens: int = 0
 
 
 jax.tree_util.register_dataclass(
     Handle,
     data_fields=["send_mask", "recv_local_idx", "slot_row", "row_src", "native"],
-    meta_fields=["num_ranks", "num_tokens", "capacity", "layout"],
+    meta_fields=["num_ranks", "num_tokens", "capacity", "layout", "padded_tokens"],
 )
 
 
@@ -62,16 +66,21 @@ class Dispatched:
         ``x`` contiguously: ``jax.lax.ragged_dot(d.x, w, d.group_sizes)``.
         None for rank_major.
       weights: ``[C]`` f32 (expert_major): routing weight of each row's
-        (token, expert) pair; 0 on padding rows. None for rank_major.
+        (token, expert) pair; 0 on padding rows. A token that names one
+        expert in several of its slots reaches it once, with the sum of
+        those slots' weights (dense-MoE math). None for rank_major.
       topk_idx: ``[C, K]`` int32 (rank_major): local expert id of each slot,
-        -1 when that slot went to another rank or was unused. None for
-        expert_major.
+        -1 when that slot went to another rank, was unused, or repeats an
+        earlier slot's expert. None for expert_major.
       topk_weights: ``[C, K]`` f32 (rank_major): weights of those slots (0
-        where topk_idx is -1). None for expert_major.
-      num_valid: int32 scalar, rows of ``x`` that hold data (padding excluded).
-      num_dropped: int32 scalar, (token, expert) pairs this rank lost: expert
-        ids outside ``[-1, E)`` in its own input, plus received pairs that did
-        not fit in C.
+        where topk_idx is -1; the first of repeated slots carries their sum).
+        None for expert_major.
+      num_valid: int32 ``[1]``, rows of ``x`` that hold data (padding
+        excluded). Shape ``[1]`` (not a scalar) so that a ``shard_map`` can
+        return it with ``out_specs=P(axes)``, giving one count per device.
+      num_dropped: int32 ``[1]``, (token, expert) pairs this rank lost:
+        expert ids outside ``[-1, E)`` in its own input, plus received pairs
+        that did not fit in C. :attr:`total_dropped` is the global count.
       handle: :class:`Handle` for combine and the backward passes.
     """
 
@@ -84,6 +93,15 @@ class Dispatched:
     num_valid: jax.Array
     num_dropped: jax.Array
     handle: Handle
+
+    @property
+    def total_dropped(self) -> jax.Array:
+        """int32 scalar: ``num_dropped`` summed over every device of the mesh
+        (a ``psum`` over all axes of the enclosing ``shard_map``), the same on
+        every device, so ``out_specs=P()`` returns it. Call it inside the
+        ``shard_map``; it costs one scalar all-reduce (none when unused)."""
+        from . import validate
+        return validate.global_sum(self.num_dropped[0])
 
 
 jax.tree_util.register_dataclass(

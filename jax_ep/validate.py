@@ -11,15 +11,26 @@ _X_DTYPES = (jnp.bfloat16, jnp.float32, jnp.float16)
 _FP8 = jnp.float8_e4m3fn
 
 
+def bound_axes() -> tuple:
+    """Mesh axes bound here (inside ``jax.shard_map``), () elsewhere."""
+    try:
+        return tuple(jax.sharding.get_abstract_mesh().axis_names)
+    except Exception:  # noqa: BLE001 - only used for messages and psums
+        return ()
+
+
 def axis_size(cfg: EpConfig) -> int:
     """Size R of ``cfg.axis_name``; clear error outside a matching shard_map."""
     try:
         R = jax.lax.axis_size(cfg.axis_name)
     except NameError as e:
+        bound = bound_axes()
+        where = (f"the axes bound here are {bound}" if bound else
+                 "no mesh axis is bound here (not inside jax.shard_map?)")
         raise ValueError(
-            f"axis_name {cfg.axis_name!r} is not a mesh axis bound here: call jax_ep inside "
-            f"jax.shard_map over a mesh that has an axis named {cfg.axis_name!r} "
-            f"(EpConfig.axis_name)") from e
+            f"axis_name {cfg.axis_name!r} (EpConfig.axis_name) is not a mesh axis bound here; "
+            f"{where}: call jax_ep inside jax.shard_map over a mesh that has an axis named "
+            f"{cfg.axis_name!r}, or set EpConfig.axis_name to one of them") from None
     cfg.local_experts(R)  # E % R check
     return R
 
@@ -31,19 +42,33 @@ def _shape(name, a, ndim):
 
 
 def topk_idx(idx, cfg: EpConfig, R: int):
+    """Checks ``topk_idx``; returns it as int32 (any integer dtype is accepted)."""
     _shape("topk_idx", idx, 2)
-    if idx.dtype != jnp.int32:
-        raise TypeError(f"topk_idx must be int32, got {idx.dtype}")
+    if not jnp.issubdtype(idx.dtype, jnp.integer):
+        raise TypeError(f"topk_idx must be an integer array (expert ids, int32 preferred), "
+                        f"got {idx.dtype}")
     if idx.shape[1] != cfg.topk:
         raise ValueError(f"topk_idx has {idx.shape[1]} columns, EpConfig.topk is {cfg.topk}")
     if idx.shape[0] > cfg.max_tokens_per_rank:
-        raise ValueError(f"topk_idx has {idx.shape[0]} tokens, more than "
-                         f"EpConfig.max_tokens_per_rank={cfg.max_tokens_per_rank}")
+        raise ValueError(f"topk_idx has {idx.shape[0]} tokens per rank, more than "
+                         f"EpConfig.max_tokens_per_rank={cfg.max_tokens_per_rank} (shapes inside "
+                         "jax.shard_map are per rank)")
+    if idx.dtype != jnp.int32:
+        # clip first, so that wide ids cannot wrap into [0, E): out-of-range stays invalid
+        E = cfg.num_experts
+        lo = -2 if jnp.issubdtype(idx.dtype, jnp.signedinteger) else 0
+        idx = jnp.clip(idx, lo, E).astype(jnp.int32)
+    return idx
 
 
 def dispatch_args(x, idx, w, x_scales, cfg: EpConfig, R: int):
+    """Checks the arguments of dispatch; returns ``(topk_idx int32, topk_weights f32)``."""
     _shape("x", x, 2)
-    topk_idx(idx, cfg, R)
+    if x.shape[0] > cfg.max_tokens_per_rank:
+        raise ValueError(f"x has {x.shape[0]} tokens per rank, more than "
+                         f"EpConfig.max_tokens_per_rank={cfg.max_tokens_per_rank} (shapes inside "
+                         "jax.shard_map are per rank)")
+    idx = topk_idx(idx, cfg, R)
     _shape("topk_weights", w, 2)
     T, H = x.shape
     if H != cfg.hidden:
@@ -52,8 +77,9 @@ def dispatch_args(x, idx, w, x_scales, cfg: EpConfig, R: int):
         raise ValueError(f"topk_idx has {idx.shape[0]} rows but x has {T} tokens")
     if w.shape != idx.shape:
         raise ValueError(f"topk_weights shape {w.shape} != topk_idx shape {idx.shape}")
-    if w.dtype != jnp.float32:
-        raise TypeError(f"topk_weights must be float32, got {w.dtype}")
+    if not jnp.issubdtype(w.dtype, jnp.floating):
+        raise TypeError(f"topk_weights must be a floating-point array (float32 preferred), "
+                        f"got {w.dtype}")
     if x.dtype == _FP8:
         if H % 128 != 0:
             raise ValueError(f"fp8 x needs hidden % 128 == 0, got {H}")
@@ -71,6 +97,29 @@ def dispatch_args(x, idx, w, x_scales, cfg: EpConfig, R: int):
         if x_scales.shape != (T, H // 128) or x_scales.dtype != jnp.float32:
             raise ValueError(f"x_scales must be float32 [{T}, {H // 128}], got "
                              f"{x_scales.dtype} {x_scales.shape}")
+    buffer_size(cfg, R, T, x.dtype)
+    return idx, w.astype(jnp.float32)
+
+
+_WARN_BYTES = 1 << 30  # padding beyond this many bytes per rank is reported
+
+
+def buffer_size(cfg: EpConfig, R: int, T: int, dtype) -> int:
+    """C, with a warning when capacity / expert_alignment make ``x [C, H]``
+    mostly padding and more than 1 GiB (e.g. ``expert_alignment=2**20``)."""
+    C = cfg.capacity_for(R, max(T, 1))
+    L = cfg.local_experts(R)
+    useful = R * max(T, 1) * (1 if cfg.layout == "rank_major" else min(cfg.topk, L))
+    item = np.dtype(dtype).itemsize
+    waste = (C - useful) * cfg.hidden * item
+    if C > 2 * useful and waste > _WARN_BYTES:
+        import warnings
+        warnings.warn(
+            f"jax_ep.dispatch: C={C} rows of capacity (EpConfig.capacity={cfg.capacity}, "
+            f"expert_alignment={cfg.expert_alignment}) allocate {C * cfg.hidden * item:,} bytes "
+            f"per rank for x [C, {cfg.hidden}] alone, though at most {useful} rows can hold "
+            "data; lower capacity / expert_alignment", RuntimeWarning, stacklevel=3)
+    return C
 
 
 def combine_args(y, d, cfg: EpConfig, R: int):
@@ -89,22 +138,59 @@ def combine_args(y, d, cfg: EpConfig, R: int):
                          f"{cfg.layout!r}")
 
 
-def _raise_if_dropped(n, axis):
-    if int(np.asarray(n)) > 0:
+def global_sum(n):
+    """``n`` summed over every device of the enclosing mesh (all its axes), so
+    every device holds the same value: one decision, taken everywhere."""
+    from ._ffi import to_vma, vma_of
+
+    axes = bound_axes()
+    if not axes:
+        return n
+    if vma_of(n):  # check_vma=True: psum needs n varying over every axis it sums
+        n = to_vma(n, frozenset(axes))
+    return jax.lax.psum(n, axes)
+
+
+class _QuietOverflow:
+    """logging filter for JAX's callback logger: JAX logs every failed callback
+    with its traceback, once per device; the error it then raises carries the
+    same message, so jax_ep's own overflow error is not logged again."""
+
+    @staticmethod
+    def filter(record):
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(exc, OverflowError) and str(exc).startswith(_MSG_HEAD))
+
+
+_MSG_HEAD = "jax_ep.dispatch dropped"
+_quiet_installed = False
+
+
+def _quiet_callback_logs():
+    global _quiet_installed
+    if not _quiet_installed:
+        import logging
+        _quiet_installed = True
+        logging.getLogger("jax._src.callback").addFilter(_QuietOverflow())
+
+
+def _raise_if_dropped(total, capacity):
+    total = int(np.asarray(total))
+    if total > 0:
         raise OverflowError(
-            f"jax_ep.dispatch dropped {n} (token, expert) pairs on a rank of axis {axis!r}: "
-            "capacity too small (raise EpConfig.capacity or use None for dropless) or expert "
-            "ids outside [-1, num_experts)")
-    return np.asarray(n, np.int32)
+            f"{_MSG_HEAD} {total} (token, expert) pairs over all ranks (EpConfig.check_overflow, "
+            f"capacity C={capacity} rows): use EpConfig.capacity=None (dropless) or a larger "
+            "one, and expert ids in [-1, num_experts)")
+    return np.zeros((), np.int32)
 
 
-def raise_on_drops(num_dropped, cfg: EpConfig):
-    """Checked mode: pass ``num_dropped`` through a host callback that raises when
-    rows were dropped. An ``io_callback`` (it has a side effect) so XLA keeps it
-    even when the caller never reads ``num_dropped``."""
-    from jax.experimental import io_callback
-
-    from ._ffi import result_type  # the varying-axes type inside shard_map
-
-    out = result_type((), jnp.int32, like=num_dropped)
-    return io_callback(lambda n: _raise_if_dropped(n, cfg.axis_name), out, num_dropped)
+def check_drops(total, capacity: int):
+    """Checked mode: a host callback that raises ``OverflowError`` when
+    ``total`` (the global drop count, the same value on every device) is
+    positive, else returns int32 0. A ``pure_callback`` (no effects, so it
+    also works under ``jax.checkpoint``); the caller makes the data movement
+    depend on its result, so it is never dead code and runs before any rank
+    can block in a later collective."""
+    _quiet_callback_logs()
+    return jax.pure_callback(lambda n: _raise_if_dropped(n, capacity),
+                             jax.ShapeDtypeStruct((), jnp.int32), total)

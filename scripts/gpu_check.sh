@@ -3,10 +3,11 @@
 # and, when present, the benchmarks. Logs go to $OUT (default /tmp/jax_ep_gpu_check).
 #   bash scripts/gpu_check.sh            # JAX_EP_TEST_NPROCS=4 for 4 GPUs, etc.
 # Knobs: GPU_TESTS (pytest paths, default tests/gpu; "none" skips the tests),
-# SKIP_BENCH=1, SKIP_EXAMPLES=1, BENCH_ARGS (e.g. --no-sweep). Everything
+# SKIP_BENCH=1, SKIP_EXAMPLES=1, BENCH_ARGS (e.g. --no-sweep), GMM_BENCH=1
+# (grouped matmul bench, GMM_ARGS), MOE_STEP_ARGS (layer bench). Everything
 # together takes longer than one 10-minute device call on 2 GPUs: split it, e.g.
-#   SKIP_BENCH=1 bash scripts/gpu_check.sh                 # tests + examples
-#   GPU_TESTS=none SKIP_EXAMPLES=1 bash scripts/gpu_check.sh   # the benchmark
+#   SKIP_BENCH=1 SKIP_EXAMPLES=1 GMM_BENCH=1 bash scripts/gpu_check.sh   # tests + grouped matmul
+#   GPU_TESTS=none BENCH_ARGS="--no-sweep --no-ragged" bash scripts/gpu_check.sh   # ops + layer
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/jax_ep_gpu_check}"
@@ -42,17 +43,27 @@ NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
 few_gpus=0
 [ "$NGPU" -lt "$N" ] && few_gpus=1
 
-# Issue 5 on GPUs: the training example and the MoE-layer step time, one process per GPU.
+# The training example and the MoE-layer bench (jax_ep layer beside the best
+# XLA layer), one process per GPU. MOE_STEP_ARGS narrows the bench (e.g.
+# "--configs v3 --tokens 4096 --skip-ragged"); it writes moe_layer_step.{md,json,png} to $OUT.
 ex_rc=skipped
 if [ "${SKIP_EXAMPLES:-0}" != 1 ] && [ "$build_rc" = 0 ] && [ "$few_gpus" = 0 ]; then
   echo "== examples" >&2
   { echo "== train_moe.py (native, $N GPUs)"
-    timeout 240 "$PY" -m jax_ep.launch -n "$N" examples/train_moe.py --backend native --platform gpu \
+    timeout ${TRAIN_TIMEOUT:-150} "$PY" -m jax_ep.launch -n "$N" examples/train_moe.py --backend native --platform gpu \
       --steps ${TRAIN_STEPS:-150}; echo "rc=$?"
-    echo "== moe_layer_step.py (native vs reference, $N GPUs)"
-    timeout 300 "$PY" -m jax_ep.launch -n "$N" bench/moe_layer_step.py ${MOE_STEP_ARGS:-}; echo "rc=$?"
+    echo "== moe_layer_step.py ($N GPUs)"
+    timeout ${LAYER_TIMEOUT:-540} "$PY" -m jax_ep.launch -n "$N" bench/moe_layer_step.py --out "$OUT" ${MOE_STEP_ARGS:-}; echo "rc=$?"
   } > "$OUT/examples.log" 2>&1
   ex_rc=0
+fi
+
+# Grouped matmul on one GPU (GMM_BENCH=1): $OUT/grouped_matmul.md.
+gmm_rc=skipped
+if [ "${GMM_BENCH:-0}" = 1 ]; then
+  echo "== grouped matmul bench" >&2
+  timeout 240 "$PY" bench/grouped_matmul_bench.py ${GMM_ARGS:---no-xla --sweep-small} > "$OUT/gmm_bench.log" 2>&1
+  gmm_rc=$?
 fi
 
 test_rc=skipped
@@ -84,7 +95,9 @@ echo "tests: rc=$test_rc (${t_test}s)  $(tail -1 "$OUT/gpu_tests.log" 2>/dev/nul
 echo "bench: rc=$bench_rc"
 if [ -f "$OUT/ep_bench.log" ]; then tail -30 "$OUT/ep_bench.log"; elif [ -f /tmp/jax_ep_bench.out ]; then tail -30 /tmp/jax_ep_bench.out; fi
 [ -f "$OUT/loopback_bench.log" ] && tail -45 "$OUT/loopback_bench.log"
+echo "grouped matmul: rc=$gmm_rc"
+[ -f "$OUT/gmm_bench.log" ] && grep "^|" "$OUT/gmm_bench.log" | tail -30
 echo "examples: rc=$ex_rc"
-[ -f "$OUT/examples.log" ] && grep -E "^==|rc=|loss|tokens/s|share|\|" "$OUT/examples.log" | tail -24
+[ -f "$OUT/examples.log" ] && grep -E "^==|rc=|loss|tokens/s|share|\|" "$OUT/examples.log" | tail -40
 echo "total: $(( $(date +%s) - t0 ))s; logs in $OUT"
 [ "$build_rc" = 0 ] && { [ "$test_rc" = 0 ] || [ "$test_rc" = skipped ]; }

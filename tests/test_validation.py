@@ -39,13 +39,14 @@ def test_ok_traces():
 
 
 @pytest.mark.parametrize("kw,exc,msg", [
-    (dict(idx_dtype=jnp.int16), TypeError, "topk_idx must be int32"),
-    (dict(idx_dtype=jnp.float32), TypeError, "topk_idx must be int32"),
-    (dict(w_dtype=jnp.bfloat16), TypeError, "topk_weights must be float32"),
+    (dict(idx_dtype=jnp.float32), TypeError, "topk_idx must be an integer array"),
+    (dict(idx_dtype=jnp.bool_), TypeError, "topk_idx must be an integer array"),
+    (dict(w_dtype=jnp.int32), TypeError, "topk_weights must be a floating-point array"),
     (dict(x_dtype=jnp.int32), TypeError, "x dtype"),
     (dict(H_=128), ValueError, "hidden"),
     (dict(K_=3), ValueError, "topk"),
-    (dict(T_=T + 1), ValueError, "max_tokens_per_rank"),
+    (dict(T_=T + 1), ValueError, "x has 5 tokens per rank, more than "
+                                 "EpConfig.max_tokens_per_rank=4"),
     (dict(x_dtype=jnp.float8_e4m3fn), ValueError, "x_scales"),
 ])
 def test_bad_dispatch_args(kw, exc, msg):

@@ -21,48 +21,52 @@ __device__ __forceinline__ char* sym_at(const PeerTable& p, int r, size_t off) {
   return static_cast<char*>(p.peers[r]) + off;
 }
 
-// Element type <-> f32 (round to nearest even).
-template <typename T> struct Cvt;
-template <> struct Cvt<__nv_bfloat16> {
-  __device__ __forceinline__ static float f(__nv_bfloat16 v) { return __bfloat162float(v); }
-  __device__ __forceinline__ static __nv_bfloat16 t(float v) { return __float2bfloat16_rn(v); }
-};
-template <> struct Cvt<__half> {
-  __device__ __forceinline__ static float f(__half v) { return __half2float(v); }
-  __device__ __forceinline__ static __half t(float v) { return __float2half_rn(v); }
-};
-template <> struct Cvt<float> {
-  __device__ __forceinline__ static float f(float v) { return v; }
-  __device__ __forceinline__ static float t(float v) { return v; }
-};
-
 constexpr int kU = 4;  // vectors in flight per lane per row (latency hiding)
 
-// Adds sum_k w_k * f32(y[rows[k]]) (k ascending) for the lane's kU vectors at
-// i0 + 32u into pa.
+// Loads the lane's kU vectors at i0 + 32u of row r (bytes from off).
+template <int V>
+__device__ __forceinline__ void load_vecs(const char* r, long long i0, long long nv,
+                                          typename VecT<V>::type (&v)[kU]) {
+  const auto* p = reinterpret_cast<const typename VecT<V>::type*>(r);
+#pragma unroll
+  for (int u = 0; u < kU; ++u)
+    if (i0 + 32 * u < nv) v[u] = p[i0 + 32 * u];
+}
+
+// pa += wk * f32(v) (or f32(v) unweighted), element by element.
 template <typename T, int V>
+__device__ __forceinline__ void add_vecs(const typename VecT<V>::type (&v)[kU], float wk,
+                                         bool weighted, float (&pa)[kU][V / sizeof(T)]) {
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    const T* tv = reinterpret_cast<const T*>(&v[u]);
+#pragma unroll
+    for (int e = 0; e < int(V / sizeof(T)); ++e) {
+      const float f = Cvt<T>::f(tv[e]);
+      pa[u][e] = __fadd_rn(pa[u][e], weighted ? __fmul_rn(wk, f) : f);
+    }
+  }
+}
+
+// Adds sum_k w_k * f32(y[rows[k]]) (k ascending) for the lane's kU vectors at
+// i0 + 32u into pa. PAIR: two rows' loads are in flight before either is
+// added, for the expert-side reduce (sender, and the source's own partial),
+// which is load-latency bound (one row at a time it waited n times per kU
+// vectors). The sum is k ascending, element by element, either way. Without
+// PAIR where the registers are short (inside warp_combine_token).
+template <typename T, int V, bool PAIR>
 __device__ __forceinline__ void accum_rows(const char* y, long long row_bytes, long long off,
                                            const int* rows, const float* w, int n, bool weighted,
                                            long long i0, long long nv,
                                            float (&pa)[kU][V / sizeof(T)]) {
   using Vec = typename VecT<V>::type;
-  constexpr int E = V / sizeof(T);
-  for (int k = 0; k < n; ++k) {
-    const Vec* yr =
-        reinterpret_cast<const Vec*>(y + static_cast<long long>(rows[k]) * row_bytes + off);
-    Vec v[kU];
-#pragma unroll
-    for (int u = 0; u < kU; ++u)
-      if (i0 + 32 * u < nv) v[u] = yr[i0 + 32 * u];
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const T* tv = reinterpret_cast<const T*>(&v[u]);
-#pragma unroll
-      for (int e = 0; e < E; ++e) {
-        const float f = Cvt<T>::f(tv[e]);
-        pa[u][e] = __fadd_rn(pa[u][e], weighted ? __fmul_rn(w[k], f) : f);
-      }
-    }
+  for (int k = 0; k < n; k += PAIR ? 2 : 1) {
+    const bool two = PAIR && k + 1 < n;
+    Vec v0[kU], v1[kU];
+    load_vecs<V>(y + static_cast<long long>(rows[k]) * row_bytes + off, i0, nv, v0);
+    if (two) load_vecs<V>(y + static_cast<long long>(rows[k + 1]) * row_bytes + off, i0, nv, v1);
+    add_vecs<T, V>(v0, w[k], weighted, pa);
+    if (two) add_vecs<T, V>(v1, w[k + 1], weighted, pa);
   }
 }
 
@@ -104,7 +108,7 @@ __device__ __forceinline__ void warp_reduce_rows(const char* y, long long row_by
   for (long long i0 = lane; i0 < nv; i0 += 32 * kU) {
     float pa[kU][E];
     zero_acc(pa);
-    accum_rows<T, V>(y, row_bytes, off, rows, w, n, weighted, i0, nv, pa);
+    accum_rows<T, V, true>(y, row_bytes, off, rows, w, n, weighted, i0, nv, pa);
     store_acc<T, V>(pa, dst, i0, nv);
   }
 }
@@ -131,24 +135,17 @@ __device__ __forceinline__ void warp_combine_token(const char* const* src, int n
       if (q == local_pos) {
         float pa[kU][E];
         zero_acc(pa);
-        accum_rows<T, V>(y, row_bytes, off, rows, w, n_rows, weighted, i0, nv, pa);
+        accum_rows<T, V, false>(y, row_bytes, off, rows, w, n_rows, weighted, i0, nv, pa);
 #pragma unroll
         for (int u = 0; u < kU; ++u)
 #pragma unroll
           for (int e = 0; e < E; ++e)
             acc[u][e] = __fadd_rn(acc[u][e], Cvt<T>::f(Cvt<T>::t(pa[u][e])));
       } else {
-        const Vec* sr = reinterpret_cast<const Vec*>(src[q] + off);
+        // (two staged partials in flight at once here spilled 356 B at bf16)
         Vec v[kU];
-#pragma unroll
-        for (int u = 0; u < kU; ++u)
-          if (i0 + 32 * u < nv) v[u] = sr[i0 + 32 * u];
-#pragma unroll
-        for (int u = 0; u < kU; ++u) {
-          const T* tv = reinterpret_cast<const T*>(&v[u]);
-#pragma unroll
-          for (int e = 0; e < E; ++e) acc[u][e] = __fadd_rn(acc[u][e], Cvt<T>::f(tv[e]));
-        }
+        load_vecs<V>(src[q] + off, i0, nv, v);
+        add_vecs<T, V>(v, 1.f, false, acc);
       }
     }
     store_acc<T, V>(acc, out, i0, nv);
@@ -183,27 +180,29 @@ struct ItemCursor {
   }
 };
 
-// Rows (and weights) of this rank's slots for received (s, t); *received =
-// whether (s, t) was sent here at all (then a partial is owed, maybe zero).
+// Rows (and weights) of this rank's slots for received (s, t), k ascending;
+// *received = whether (s, t) was sent here at all (then a partial is owed,
+// maybe zero). Warp-wide: lane k loads slot k (one load round, not 2-3K
+// dependent ones; K <= 32).
 __device__ __forceinline__ int slot_rows(const CombineArgs& a, int s, int t, int* rows, float* w,
-                                         bool* received) {
+                                         bool* received, int lane) {
   const long long st = static_cast<long long>(s) * a.T + t;
-  const int32_t* li = a.recv_local_idx + st * a.K;
-  const int32_t* sr = a.slot_row + st * a.K;
-  *received = false;
+  const int li = lane < a.K ? __ldg(a.recv_local_idx + st * a.K + lane) : -1;
+  const int row = li >= 0 ? __ldg(a.slot_row + st * a.K + lane) : -1;
+  const bool ok = row >= 0 && row < a.C;
+  *received = __any_sync(0xffffffffu, li >= 0);
+  unsigned m = __ballot_sync(0xffffffffu, ok);
+  if (a.rank_major) {  // one row per (s, t): the same for every k
+    if (!m) return 0;
+    rows[0] = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
+    w[0] = 1.f;
+    return 1;
+  }
+  const float wv = ok && a.row_weights ? __ldg(a.row_weights + row) : 1.f;
   int n = 0;
-  for (int k = 0; k < a.K; ++k) {
-    if (__ldg(li + k) < 0) continue;
-    *received = true;
-    const int row = __ldg(sr + k);
-    if (row < 0 || row >= a.C) continue;
-    if (a.rank_major) {  // one row per (s, t): the same for every k
-      if (n == 0) { rows[0] = row; w[0] = 1.f; n = 1; }
-    } else {
-      rows[n] = row;
-      w[n] = a.row_weights ? __ldg(a.row_weights + row) : 1.f;
-      ++n;
-    }
+  for (; m; m &= m - 1, ++n) {
+    rows[n] = __shfl_sync(0xffffffffu, row, __ffs(m) - 1);
+    w[n] = __shfl_sync(0xffffffffu, wv, __ffs(m) - 1);
   }
   return n;
 }
@@ -237,7 +236,7 @@ combine_kernel(CombineArgs a, LaunchConfig lc, int num_chunks) {
         for (int i = 1; i < R; ++i) {
           const int s = (me + i) % R;
           bool received;
-          const int n = slot_rows(a, s, t, rows, w, &received);
+          const int n = slot_rows(a, s, t, rows, w, &received, lane);
           if (!received || (a.skip & 1)) continue;
           char* dst = sym_at(a.peers, s, stage) + (static_cast<long long>(me) * NT + t) * RB;
           if (n == 0) {
@@ -288,7 +287,7 @@ combine_kernel(CombineArgs a, LaunchConfig lc, int num_chunks) {
             if (r == me) {
               if (a.rank_major) {  // own partial straight from its row of y
                 bool received;
-                n_rows = slot_rows(a, me, tb, rows, w, &received);
+                n_rows = slot_rows(a, me, tb, rows, w, &received, lane);
                 local_pos = n;
               }
               // (rank_major: position local_pos, summed from y, never read here)
@@ -322,13 +321,13 @@ combine_kernel(CombineArgs a, LaunchConfig lc, int num_chunks) {
           if (remote) {
             if (!a.rank_major) {
               bool received;
-              const int n_rows = slot_rows(a, me, ta, rows, w, &received);
+              const int n_rows = slot_rows(a, me, ta, rows, w, &received, lane);
               if (n_rows == 0) warp_zero_row<V>(out + off, len, lane);
               else warp_reduce_rows<T, V>(y, RB, rows, w, n_rows, weighted, out, off, len, lane);
             }
           } else {
             bool received;
-            const int n_rows = slot_rows(a, me, ta, rows, w, &received);
+            const int n_rows = slot_rows(a, me, ta, rows, w, &received, lane);
             src[0] = nullptr;
             warp_combine_token<T, V>(src, 1, 0, y, RB, rows, w, n_rows, weighted, out, off, len,
                                      lane);

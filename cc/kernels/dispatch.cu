@@ -1,7 +1,9 @@
 // Intranode dispatch: each token row crosses the link once per destination
 // rank (send_mask), into that rank's staging at [source rank, token]; the
 // receiver gathers staging rows into the output layout (slot_row), reading
-// its own tokens straight from x (copy mode) and zeroing unused rows.
+// its own tokens straight from x (copy mode) and zeroing group padding rows
+// (and the tail only when asked: DispatchArgs::zero_tail). The same kernel is
+// the expert side of the combine backward (kDispatchCombineBwd).
 //
 // One kernel, warp-specialised: "sender" warps push chunks of tokens (16-byte
 // P2P stores; in the fp8 modes they cast first) and raise one flag per
@@ -135,20 +137,21 @@ __device__ __forceinline__ void warp_cast_row(const Tin* __restrict__ src, char*
   }
 }
 
-// Output rows of received slot (s, t): expert_major has one per k (distinct),
-// rank_major one row shared by every k.
+// Output rows of received slot (s, t), k ascending: expert_major has one per
+// k (distinct), rank_major one row shared by every k. Warp-wide: lane k loads
+// slot k (one load round, not K dependent ones; K <= 32).
 __device__ __forceinline__ int gather_rows(const DispatchArgs& a, int s, int t, char** rows,
-                                           char** srows) {
+                                           char** srows, int lane) {
   const int32_t* sr = a.slot_row + (static_cast<long long>(s) * a.T + t) * a.K;
   const int kmax = a.rank_major ? 1 : a.K;
+  const int mine = lane < kmax ? __ldg(sr + lane) : -1;
   int n = 0;
-  for (int k = 0; k < kmax; ++k) {
-    const int row = __ldg(sr + k);
-    if (row >= 0 && row < a.C) {
-      rows[n] = static_cast<char*>(a.out) + static_cast<long long>(row) * a.row_bytes;
-      if (a.s_row_bytes) srows[n] = static_cast<char*>(a.out_scales) + static_cast<long long>(row) * a.s_row_bytes;
-      ++n;
-    }
+  for (int k = 0; k < kmax; ++k) {  // (a ballot loop here spilled ~300 B in the copy kernel)
+    const int row = __shfl_sync(0xffffffffu, mine, k);
+    if (row < 0 || row >= a.C) continue;
+    rows[n] = static_cast<char*>(a.out) + static_cast<long long>(row) * a.row_bytes;
+    if (a.s_row_bytes) srows[n] = static_cast<char*>(a.out_scales) + static_cast<long long>(row) * a.s_row_bytes;
+    ++n;
   }
   return n;
 }
@@ -171,7 +174,7 @@ template <int EPL>
 __device__ __forceinline__ void move_row_slice(const DispatchArgs& a, int t, const char* xr,
                                                char* const* dst, char* const* dsts, int n, int sl,
                                                int slices, int v, int sv, int lane, float* sm) {
-  if (a.mode == kDispatchCopy) {
+  if (a.mode == kDispatchCopy || a.mode == kDispatchCombineBwd) {  // bwd: sent as a copy
     long long off, len;
     row_slice(a.row_bytes / v, v, sl, slices, &off, &len);
     warp_copy_row_any(xr, reinterpret_cast<void* const*>(dst), n, off, len, v, lane);
@@ -189,10 +192,110 @@ __device__ __forceinline__ void move_row_slice(const DispatchArgs& a, int t, con
   }
 }
 
+// Combine backward, expert side (kDispatchCombineBwd): for each of the n slot
+// rows (pointers into out = dy) of one received row g of token t:
+//   dy[c] = cast(w[c] * f32(g))  -- the reference's f32 product then cast: same bits
+//   dw[c] = sum_h f32(g[h]) * f32(y[c, h]) in a fixed order: lane l runs over its
+//           vectors l, l + 32, ... ascending, elements ascending, one fmaf each,
+//           then a xor butterfly over the lanes (16, 8, 4, 2, 1; every lane ends
+//           with the same bits). Deterministic; vs the reference's sum only f32
+//           reduction-order differences.
+// g is re-read per slot row (L1/L2 hits); y is read and dy written once: no
+// [C, H] f32 temporaries.
+template <typename T, int V>
+__device__ __forceinline__ void bwd_rows(const DispatchArgs& a, const char* g, char* const* rows,
+                                      int n, int lane) {
+  using Vec = typename VecT<V>::type;
+  constexpr int E = V / sizeof(T);
+  constexpr int U = 4;  // vectors of g and of y in flight per lane
+  const long long nv = a.row_bytes / V;
+  const Vec* gv = reinterpret_cast<const Vec*>(g);
+  for (int k = 0; k < n; ++k) {
+    const long long off = rows[k] - static_cast<char*>(a.out);
+    const long long row = off / a.row_bytes;
+    const Vec* yv = reinterpret_cast<const Vec*>(static_cast<const char*>(a.y) + off);
+    Vec* dyv = reinterpret_cast<Vec*>(rows[k]);
+    const float w = __ldg(a.row_w + row);
+    float acc = 0.f;
+    for (long long i0 = lane; i0 < nv; i0 += 32 * U) {
+      Vec gr[U], yr[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (i0 + 32 * u < nv) {
+          gr[u] = gv[i0 + 32 * u];
+          yr[u] = yv[i0 + 32 * u];
+        }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (i0 + 32 * u >= nv) continue;
+        const T* gt = reinterpret_cast<const T*>(&gr[u]);
+        const T* yt = reinterpret_cast<const T*>(&yr[u]);
+        Vec o;
+        T* ot = reinterpret_cast<T*>(&o);
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+          const float gf = Cvt<T>::f(gt[e]);
+          ot[e] = Cvt<T>::t(__fmul_rn(w, gf));
+          acc = __fmaf_rn(gf, Cvt<T>::f(yt[e]), acc);
+        }
+        dyv[i0 + 32 * u] = o;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, o));
+    if (lane == 0) a.dw[row] = acc;
+  }
+}
+
+__device__ __forceinline__ void bwd_rows_any(const DispatchArgs& a, const char* g,
+                                             char* const* rows, int n, int lane) {
+  const bool v16 = a.row_bytes % 16 == 0;
+  switch (a.dtype) {
+    case kBf16:
+      v16 ? bwd_rows<__nv_bfloat16, 16>(a, g, rows, n, lane)
+          : bwd_rows<__nv_bfloat16, 2>(a, g, rows, n, lane);
+      break;
+    case kF16:
+      v16 ? bwd_rows<__half, 16>(a, g, rows, n, lane) : bwd_rows<__half, 2>(a, g, rows, n, lane);
+      break;
+    default:
+      v16 ? bwd_rows<float, 16>(a, g, rows, n, lane) : bwd_rows<float, 4>(a, g, rows, n, lane);
+      break;
+  }
+}
+
+// The rows c = c0, c0 + stride, ... a receiver warp must zero: row_src[c] == -1
+// and (zero_tail, or c pads a group: the align-block holding c starts with a
+// valid row). 32 candidates per ballot, one load per lane, so passing over
+// valid and tail rows costs no chain of dependent loads. It also sets dw[c] = 0
+// for every row_src -1 row it passes (combine backward: dw is [C], cheap).
+struct ZeroCursor {
+  int next, stride, base = 0;
+  unsigned mask = 0;
+  __device__ ZeroCursor(int c0, int stride_) : next(c0), stride(stride_) {}
+  __device__ int pop(const DispatchArgs& a, int lane) {
+    while (mask == 0 && next < a.C) {
+      const int c = next + stride * lane;
+      bool z = false;
+      if (c < a.C && __ldg(a.row_src + c) < 0) {
+        if (a.dw) a.dw[c] = 0.f;
+        z = a.zero_tail || (a.align > 1 && __ldg(a.row_src + (c - c % a.align)) >= 0);
+      }
+      mask = __ballot_sync(0xffffffffu, z);
+      base = next;
+      next = min(a.C, next + 32 * stride);
+    }
+    if (mask == 0) return -1;
+    const int i = __ffs(mask) - 1;
+    mask &= mask - 1;
+    return base + stride * i;
+  }
+};
+
 // EPL: fp8 cast elements per lane (16, the default cast; 8 = JAX_EP_FP8_WIDE=0,
 // and the copy mode), a template so that the wide cast's register pressure
-// stays out of the copy kernel.
-template <int EPL>
+// stays out of the copy kernel; BWD (kDispatchCombineBwd) likewise.
+template <int EPL, bool BWD>
 __global__ void __launch_bounds__(512, 1)
 dispatch_kernel(DispatchArgs a, LaunchConfig lc, int num_chunks) {
   const int send_warps = lc.send_warps, recv_warps = lc.recv_warps, chunk = lc.chunk;
@@ -247,7 +350,8 @@ dispatch_kernel(DispatchArgs a, LaunchConfig lc, int num_chunks) {
     // straight from x (cast here in the fp8 modes). So the local gather hides
     // behind the transfer and only the last wave is left after it.
     const bool work = !(a.skip & 2);
-    int zc = work ? gw : a.C;   // zero-row cursor
+    const int rslices = BWD ? 1 : slices;  // bwd: dw reduces a whole row in one warp
+    ZeroCursor zc(work ? gw : a.C, nrw);   // zero rows
     int lt = work ? gw : T;     // local-token cursor
     int pi = 1, pj = blockIdx.x;  // remote cursor
     if (pj >= num_chunks) pi = R;
@@ -258,23 +362,23 @@ dispatch_kernel(DispatchArgs a, LaunchConfig lc, int num_chunks) {
       if (remote_left) do_remote = flag_ready_warp(&ctrl->flags[s][pj], epoch);
       if (!do_remote) {
         // local work item, if any
-        while (zc < a.C && __ldg(a.row_src + zc) >= 0) zc += nrw;
-        if (zc < a.C) {
-          warp_zero_row_any(static_cast<char*>(a.out) + static_cast<long long>(zc) * a.row_bytes,
+        const int z = zc.pop(a, lane);
+        if (z >= 0) {
+          warp_zero_row_any(static_cast<char*>(a.out) + static_cast<long long>(z) * a.row_bytes,
                             a.row_bytes, lane);
           if (a.s_row_bytes)
-            warp_zero_row_any(static_cast<char*>(a.out_scales) + static_cast<long long>(zc) * a.s_row_bytes,
+            warp_zero_row_any(static_cast<char*>(a.out_scales) + static_cast<long long>(z) * a.s_row_bytes,
                               a.s_row_bytes, lane);
-          zc += nrw;
           continue;
         }
         if (lt < T) {
           const int t = lt;
           lt += nrw;
-          const int n = gather_rows(a, me, t, rows, srows);
+          const int n = gather_rows(a, me, t, rows, srows, lane);
           if (n == 0) continue;
-          move_row_slice<EPL>(a, t, static_cast<const char*>(a.x) + t * a.x_row_bytes, rows, srows,
-                              n, 0, 1, v, sv, lane, sm);
+          const char* xr = static_cast<const char*>(a.x) + t * a.x_row_bytes;
+          if constexpr (BWD) bwd_rows_any(a, xr, rows, n, lane);
+          else move_row_slice<EPL>(a, t, xr, rows, srows, n, 0, 1, v, sv, lane, sm);
           continue;
         }
         if (!remote_left) break;
@@ -282,14 +386,18 @@ dispatch_kernel(DispatchArgs a, LaunchConfig lc, int num_chunks) {
       }
       // remote chunk (s, pj): this warp's (token, slice) items
       const int t0 = pj * chunk;
-      const int nit = work ? (min(T, t0 + chunk) - t0) * slices : 0;
+      const int nit = work ? (min(T, t0 + chunk) - t0) * rslices : 0;
       for (int it = rw; it < nit; it += recv_warps) {
-        const int t = t0 + it / slices, sl = it % slices;
-        const int n = gather_rows(a, s, t, rows, srows);
+        const int t = t0 + it / rslices, sl = it % rslices;
+        const int n = gather_rows(a, s, t, rows, srows, lane);
         if (n == 0) continue;
         const long long slot = static_cast<long long>(s) * T + t;
+        if constexpr (BWD) {
+          bwd_rows_any(a, my_stage + slot * a.row_bytes, rows, n, lane);
+          continue;
+        }
         long long off, len;
-        row_slice(a.row_bytes / v, v, sl, slices, &off, &len);
+        row_slice(a.row_bytes / v, v, sl, rslices, &off, &len);
         warp_copy_row_any(my_stage + slot * a.row_bytes, reinterpret_cast<void* const*>(rows), n,
                           off, len, v, lane);
         if (a.s_row_bytes && sl == 0)
@@ -388,10 +496,12 @@ LaunchConfig make_launch_config(OpKind op, int num_tokens, int num_sms_requested
 cudaError_t launch_dispatch(const DispatchArgs& a, const LaunchConfig& lc, cudaStream_t stream) {
   const int num_chunks = (a.T + lc.chunk - 1) / lc.chunk;
   if (num_chunks > kMaxChunks) return cudaErrorInvalidValue;
-  if (a.cast_wide && a.mode != kDispatchCopy)
-    dispatch_kernel<16><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc, num_chunks);
+  if (a.mode == kDispatchCombineBwd)
+    dispatch_kernel<8, true><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc, num_chunks);
+  else if (a.cast_wide && a.mode != kDispatchCopy)
+    dispatch_kernel<16, false><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc, num_chunks);
   else
-    dispatch_kernel<8><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc, num_chunks);
+    dispatch_kernel<8, false><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc, num_chunks);
   return cudaGetLastError();
 }
 

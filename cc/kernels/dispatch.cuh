@@ -12,13 +12,26 @@
 namespace jax_ep {
 
 // Dispatch: rows of x [T, *] move to the ranks in send_mask and land in
-// out [C, *] at the rows the handle names (slot_row [R, T, K]); rows whose
-// row_src is -1 are zeroed. Optionally a second row stream (fp8 scales).
+// out [C, *] at the rows the handle names (slot_row [R, T, K]). Rows whose
+// row_src is -1 are zeroed when they pad a group (the a-block of `align` rows
+// that holds them starts with a valid row: groups start at multiples of
+// align, so only a group's last block has padding), and the tail rows past
+// the last group only with zero_tail (else left as they were: at EP 2 /
+// V3-train they are half of the dropless capacity, ~470 MB of writes).
+// Optionally a second row stream (fp8 scales).
 enum DispatchMode : int {
   kDispatchCopy = 0,     // x rows (any dtype) and optional scale rows, as bits
   kDispatchCastBf16 = 1, // x bf16 -> fp8 e4m3 + f32 scales per 128 channels
   kDispatchCastF32 = 2,  // x f32  -> same
+  // Backward of expert_major combine, fused: x = d_out [T, W] (y's dtype) is
+  // sent like a copy; for every received row of token t and each of its slot
+  // rows c: out[c] = dy[c] = cast(w[c] * f32(g_t)), dw[c] = sum_h f32(g_t[h])
+  // * f32(y[c, h]). Padding rows get dy = 0 and every row with row_src -1
+  // gets dw = 0 (tail dy rows only with zero_tail).
+  kDispatchCombineBwd = 3,
 };
+
+enum RowDtype : int { kBf16 = 0, kF32 = 1, kF16 = 2 };
 
 struct DispatchArgs {
   PeerTable peers;
@@ -39,6 +52,13 @@ struct DispatchArgs {
   int hidden = 0;                // elements per row (cast modes)
   int mode = kDispatchCopy;
   bool rank_major = false;       // one output row per (s, t): use slot k = 0
+  int align = 1;                 // expert_alignment (expert_major; 1 for rank_major)
+  bool zero_tail = true;         // also zero the rows past the last group
+  // kDispatchCombineBwd only: y [C, W] and w [C] in, dw [C] out; dtype of x / y / out.
+  const void* y = nullptr;
+  const float* row_w = nullptr;
+  float* dw = nullptr;
+  int dtype = 0;                 // RowDtype
   int skip = 0;                  // debug/bench breakdown: bit0 no data sends, bit1 no local gather
   // fp8 cast with 16 elements per lane and one 16-byte store each (8: one
   // 8-byte store): 118.9 vs 129.7 us for V3-train on 2x H200; the NVLink
@@ -48,8 +68,6 @@ struct DispatchArgs {
   int* host_err = nullptr;
   unsigned long long timeout_ns = kDefaultTimeoutNs;
 };
-
-enum RowDtype : int { kBf16 = 0, kF32 = 1, kF16 = 2 };
 
 struct CombineArgs {
   PeerTable peers;

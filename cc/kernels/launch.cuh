@@ -14,6 +14,10 @@
 #pragma once
 
 #include <cuda_runtime.h>
+#ifdef __CUDACC__
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#endif
 
 #include <cstddef>
 #include <cstdint>
@@ -103,6 +107,21 @@ enum KernelError : int { kErrNone = 0, kErrTimeout = 1 };
 
 // ---- device helpers ----------------------------------------------------------
 #ifdef __CUDACC__
+
+// Element type <-> f32 (round to nearest even).
+template <typename T> struct Cvt;
+template <> struct Cvt<__nv_bfloat16> {
+  __device__ __forceinline__ static float f(__nv_bfloat16 v) { return __bfloat162float(v); }
+  __device__ __forceinline__ static __nv_bfloat16 t(float v) { return __float2bfloat16_rn(v); }
+};
+template <> struct Cvt<__half> {
+  __device__ __forceinline__ static float f(__half v) { return __half2float(v); }
+  __device__ __forceinline__ static __half t(float v) { return __float2half_rn(v); }
+};
+template <> struct Cvt<float> {
+  __device__ __forceinline__ static float f(float v) { return v; }
+  __device__ __forceinline__ static float t(float v) { return v; }
+};
 
 __device__ __forceinline__ unsigned long long global_timer_ns() {
   unsigned long long t;

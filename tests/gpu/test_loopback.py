@@ -84,6 +84,18 @@ def test_loopback_combine():
     _check("combine")
 
 
+@pytest.mark.gpu
+def test_loopback_zero_tail():
+    """zero_tail off (the default): rows inside groups bit-identical, tail rows untouched."""
+    _check("zerotail")
+
+
+@pytest.mark.gpu
+def test_loopback_combine_bwd():
+    """The fused combine backward: dy bit-identical, dw within f32 reduction order."""
+    _check("cbwd")
+
+
 # ---------------------------------------------------------------------------- worker
 class Loopback:
     """Device buffers, reference handles and raw launches for the worker / bench."""
@@ -140,32 +152,57 @@ class Loopback:
         return run_per_rank(fn, mesh, "ep", x, idx)
 
     def dispatch(self, R, x, scales, hd, mode, rank_major, H, chunk=0, wide=False, iters=1,
-                 num_blocks=None):
-        """-> (error, per-rank rows, per-rank scales or None, seconds per call)."""
+                 num_blocks=None, zero_tail=True, align=1, yw=None):
+        """-> (error, per-rank rows, per-rank scales or None, seconds per call).
+
+        zero_tail / align: DispatchArgs' (True: every row without a source is
+        zeroed, as the reference does). mode "bwd": the fused combine backward,
+        x = d_out, yw = (y [R, C, H], w [R, C]); returns dy as the rows and dw
+        [C] f32 in place of the scales."""
         import jax.numpy as jnp
+        np = self.np
 
         send_mask, recv_li, slot_row, row_src, out_ref = hd[:5]
         T, K, C = x.shape[1], slot_row.shape[-1], out_ref.shape[1]
         row_bytes = out_ref.shape[2] * out_ref.dtype.itemsize
         x_row_bytes = x.shape[2] * x.dtype.itemsize
         s_row_bytes = (H // 128) * 4 if mode in ("cast", "given") else 0
-        kmode = {"copy": 0, "given": 0}.get(mode, 1 if x.dtype == jnp.bfloat16 else 2)
+        kmode = {"copy": 0, "given": 0, "bwd": 3}.get(mode, 1 if x.dtype == jnp.bfloat16 else 2)
+        dt = {2: 2 if x.dtype == np.float16 else 0, 4: 1}.get(x.dtype.itemsize, 0)
         syms = self.sym_buffers(R, 4 * (R * T * (row_bytes + s_row_bytes) + 4096) + (4 << 20))
-        keep, ptrs, outs, out_ss = [], [], [], []
+        keep, ptrs, outs, out_ss, dws = [], [], [], [], []
         for r in range(R):
             ts = [self.dev(x[r]), self.dev(scales[r]) if scales is not None else self.poisoned(16),
                   self.poisoned(C * row_bytes), self.poisoned(C * s_row_bytes),
                   self.dev(row_src[r]), self.dev(slot_row[r]), self.dev(send_mask[r])]
-            keep += ts
+            extra = ([self.dev(yw[0][r]), self.dev(yw[1][r].astype(np.float32)),
+                      self.poisoned(C * 4)] if mode == "bwd" else [self.poisoned(16)] * 3)
+            keep += ts + extra
             outs.append(ts[2])
             out_ss.append(ts[3])
-            ptrs += [t.data_ptr() for t in ts] + [syms[r].data_ptr()]
+            dws.append(extra[2])
+            ptrs += ([t.data_ptr() for t in ts] + [syms[r].data_ptr()] +
+                     [t.data_ptr() for t in extra])
         ints = [T, K, C, H, x_row_bytes, row_bytes, s_row_bytes, kmode, int(rank_major),
-                num_blocks or self.sms // R, chunk, 0, int(wide)]
+                num_blocks or self.sms // R, chunk, 0, int(wide), int(zero_tail), align, dt]
         err, sec = self.C.loopback_dispatch(ptrs, ints, syms[0].numel(), R, iters)
         got = [self.host(outs[r], out_ref[r]) for r in range(R)]
         got_s = [self.host(out_ss[r], hd[5][r]) for r in range(R)] if s_row_bytes else None
+        if mode == "bwd":
+            got_s = [self.host(dws[r], np.zeros((C,), np.float32)) for r in range(R)]
         return err, got, got_s, sec
+
+    def used_rows(self, R, cfg, idx):
+        """Per rank: rows of the dispatch output inside groups (expert_major:
+        sum of group_sizes; rank_major: the valid rows), from the reference."""
+        import jax.numpy as jnp
+        from ep_testing import make_mesh, run_per_rank
+        from jax_ep import reference
+
+        def fn(i):
+            h, gs, _, _ = reference.BACKEND.route(i, cfg, R)
+            return jnp.sum(gs) if gs is not None else jnp.sum(h.row_src >= 0)
+        return [int(u) for u in run_per_rank(fn, make_mesh((R,), ("ep",)), "ep", idx).reshape(-1)]
 
     def combine(self, R, y, w, hd, layout, H, chunk=0, iters=1, num_blocks=None):
         """y [R, C, H] (w [R, C] or None) -> (error, per-rank out [T, H], seconds per call)."""
@@ -243,6 +280,45 @@ def _worker():
                                              chunk)
                 same = [bool(np.array_equal(bits(g), bits(e))) for g, e in zip(got, hd[4])]
                 emit(f"{name}_chunk{chunk}", not err and all(same), err=err, same=same)
+        except Exception as e:  # noqa: BLE001
+            emit(name, False, err=f"{type(e).__name__}: {e}"[:800])
+
+    # ---- zero_tail off: rows < sum(group_sizes) (group padding included) are the
+    # reference's bits; the tail past the last group is never written (still the
+    # 0xFF poison), in both row streams -------------------------------------------
+    for name, R, T, H, K, E, layout, align, mode, cap, chunks in [
+        ("zerotail_em_a128_R2_T128_H2880_K2_E8", 2, 128, 2880, 2, 8, "expert_major", 128, "copy",
+         None, (0, 3)),
+        ("zerotail_em_R4_T1024_H7168_K8_E256", 4, 1024, 7168, 8, 256, "expert_major", 1, "copy",
+         None, (0,)),
+        ("zerotail_em_a64_R2_T2048_H7168_K8_E256", 2, 2048, 7168, 8, 256, "expert_major", 64,
+         "copy", None, (0,)),
+        ("zerotail_em_a16_R2_T128_H2048_K8_E64_cap700", 2, 128, 2048, 8, 64, "expert_major", 16,
+         "copy", 700, (0,)),
+        ("zerotail_rm_R2_T512_H2048_K8_E64", 2, 512, 2048, 8, 64, "rank_major", 1, "copy", None,
+         (0,)),
+        ("zerotail_fp8_em_a32_R2_T256_H2048_K8_E64", 2, 256, 2048, 8, 64, "expert_major", 32,
+         "cast", None, (0,)),
+        ("zerotail_em_a128_R1_T512_H7168_K8_E64_local", 1, 512, 7168, 8, 64, "expert_major", 128,
+         "copy", None, (0,)),
+    ]:
+        try:
+            idx = random_routing(rng, R, T, K, E, minus_one=0.2, skew=True)
+            x = rng.standard_normal((R, T, H)).astype(np.float32).astype(jnp.bfloat16)
+            cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
+                           expert_alignment=align, capacity=cap, backend="reference")
+            hd = lb.handles_and_ref(R, cfg, x, idx, mode)
+            used = lb.used_rows(R, cfg, idx)
+            for chunk in chunks:
+                err, got, got_s, _ = lb.dispatch(R, x, None, hd, mode, layout == "rank_major", H,
+                                                 chunk, zero_tail=False, align=align)
+                streams = [(got, hd[4])] + ([(got_s, hd[5])] if got_s is not None else [])
+                same = [bool(np.array_equal(bits(g[:u]), bits(e[:u])))
+                        for gs, es in streams for g, e, u in zip(gs, es, used)]
+                untouched = [bool((g[u:].view(np.uint8) == 0xFF).all())
+                             for gs, _ in streams for g, u in zip(gs, used)]
+                emit(f"{name}_chunk{chunk}", not err and all(same) and all(untouched), err=err,
+                     same=same, tail_untouched=untouched, used=used, C=int(hd[4].shape[1]))
         except Exception as e:  # noqa: BLE001
             emit(name, False, err=f"{type(e).__name__}: {e}"[:800])
 
@@ -351,6 +427,72 @@ def _worker():
                      bitwise_equal_reference=exact)
         except Exception as e:  # noqa: BLE001
             emit(name, False, err=f"{type(e).__name__}: {e}"[:800])
+
+    # ---- combine backward, fused into the dispatch kernel: dy = cast(w * g) has the
+    # reference's bits (rows inside groups; tail untouched unless zero_tail), dw =
+    # <g, y> within f32 reduction order of the reference (|err| <= 1e-4 * sum|g*y|;
+    # the kernel's order: per lane ascending, then a lane butterfly), dw = 0 on every
+    # row without a source, and the same bits for every chunking ------------------------
+    for name, R, T, H, K, E, align, dt, zt, chunks in [
+        ("cbwd_em_R2_T1024_H7168_K8_E256_bf16", 2, 1024, 7168, 8, 256, 1, "bfloat16", False,
+         (0, 3)),
+        ("cbwd_em_a128_R2_T128_H2880_K2_E8_bf16", 2, 128, 2880, 2, 8, 128, "bfloat16", False,
+         (0, 1)),
+        ("cbwd_em_a8_R4_T128_H2048_K8_E64_f32_zt", 4, 128, 2048, 8, 64, 8, "float32", True, (0,)),
+        ("cbwd_em_R2_T64_H2050_K4_E16_f32", 2, 64, 2050, 4, 16, 1, "float32", False, (0,)),
+        ("cbwd_em_R2_T64_H1024_K4_E16_f16_zt", 2, 64, 1024, 4, 16, 1, "float16", True, (0,)),
+        ("cbwd_em_a128_R1_T512_H7168_K8_E64_bf16_local", 1, 512, 7168, 8, 64, 128, "bfloat16",
+         False, (0, 2)),
+    ]:
+        try:
+            idx = random_routing(rng, R, T, K, E, minus_one=0.2, skew=True)
+            cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H,
+                           expert_alignment=align, backend="reference")
+            xdt = {"bfloat16": jnp.bfloat16, "float16": np.float16}.get(dt, np.float32)
+            g = rng.standard_normal((R, T, H)).astype(np.float32).astype(xdt)
+            hd = lb.handles_and_ref(R, cfg, g, idx, "copy")
+            send_mask, recv_li, slot_row, row_src = hd[:4]
+            Cn = hd[4].shape[1]
+            y = rng.standard_normal((R, Cn, H)).astype(np.float32).astype(xdt)
+            w = rng.random((R, Cn)).astype(np.float32)
+            used = lb.used_rows(R, cfg, idx)
+            mesh = make_mesh((R,), ("ep",))
+
+            def fn(sm, li, sr, rs, gg, yy, ww):
+                h = Handle(send_mask=sm, recv_local_idx=li, slot_row=sr, row_src=rs, native=None,
+                           num_ranks=R, num_tokens=T, capacity=Cn, layout="expert_major")
+                dy, dw = ref.combine_backward(gg, yy, ww, h, cfg)
+                g_rows = ref.dispatch_rows(gg, None, h, cfg)[0].astype(np.float32)
+                return dy, dw, jnp.sum(jnp.abs(g_rows * yy.astype(np.float32)), axis=1)
+            e_dy, e_dw, e_mag = run_per_rank(fn, mesh, "ep", send_mask, recv_li, slot_row, row_src,
+                                             g, y, w)
+            first = None
+            for chunk in chunks:
+                err, dy, dw, _ = lb.dispatch(R, g, None, hd, "bwd", False, H, chunk, zero_tail=zt,
+                                             align=align, yw=(y, w))
+                lim = [Cn if zt else u for u in used]
+                dy_same = [bool(np.array_equal(bits(a[:u]), bits(b[:u])))
+                           for a, b, u in zip(dy, e_dy, lim)]
+                untouched = [zt or bool((a[u:].view(np.uint8) == 0xFF).all())
+                             for a, u in zip(dy, used)]
+                valid = [rs >= 0 for rs in row_src]
+                dw_ok = [bool(np.all(np.abs(a[v] - b[v]) <= 1e-4 * m[v] + 1e-30))
+                         for a, b, m, v in zip(dw, e_dw, e_mag, valid)]
+                dw_zero = [bool(np.all(bits(a[~v]) == 0)) for a, v in zip(dw, valid)]
+                dw_err = max(float(np.max(np.abs(a[v] - b[v]) / np.maximum(m[v], 1e-30),
+                                          initial=0.0))
+                             for a, b, m, v in zip(dw, e_dw, e_mag, valid))
+                cur = [bits(a) for a in dy] + [bits(a) for a in dw]
+                first = cur if first is None else first
+                same0 = all(np.array_equal(u, v) for u, v in zip(cur, first))
+                emit(f"{name}_chunk{chunk}", not err and all(dy_same) and all(untouched)
+                     and all(dw_ok) and all(dw_zero) and same0, err=err, dy_same=dy_same,
+                     tail_untouched=untouched, dw_ok=dw_ok, dw_zero_unsourced=dw_zero,
+                     dw_max_err_rel_to_sum_abs=dw_err, same_bits_as_first_chunking=same0,
+                     dw_bitwise_equal_reference=all(np.array_equal(bits(a), bits(b))
+                                                    for a, b in zip(dw, e_dw)))
+        except Exception as e:  # noqa: BLE001
+            emit(name, False, err=f"{type(e).__name__}: {e}"[:800])
     return 0
 
 
@@ -386,11 +528,18 @@ def _bench(ep1_only=False):
         for chunk, publish in variants:
             os.environ["JAX_EP_PUBLISH"] = publish
             ops = [("dispatch", lambda it: lb.dispatch(R, x, None, hd, "copy", layout == "rank_major",
-                                                      H, chunk, iters=it)[0::3]),
+                                                      H, chunk, iters=it, zero_tail=False)[0::3]),
                    ("combine", lambda it: lb.combine(R, y, w, hd, layout, H, chunk, iters=it)[0::2])]
             if hd8 is not None:
                 ops.append(("dispatch_fp8", lambda it: lb.dispatch(R, x, None, hd8, "cast", True, H,
                                                                   chunk, iters=it)[0::3]))
+            if layout == "expert_major":  # the tail zeroed as before; the fused combine backward
+                ops += [("dispatch [zero_tail]",
+                         lambda it: lb.dispatch(R, x, None, hd, "copy", False, H, chunk, iters=it,
+                                                zero_tail=True)[0::3]),
+                        ("combine_bwd (fused)",
+                         lambda it: lb.dispatch(R, x, None, hd, "bwd", False, H, chunk, iters=it,
+                                                zero_tail=False, yw=(y, w))[0::3])]
             for name, f in ops:
                 f(3)
                 times = []
@@ -414,8 +563,15 @@ def _bench(ep1_only=False):
         y = hd[4]
         w = (rng.random((R1, y.shape[1])).astype(np.float32) if layout == "expert_major" else None)
         ops = [("dispatch", lambda it: lb.dispatch(R1, x1, None, hd, "copy", layout == "rank_major",
-                                                   H, 0, iters=it)[0::3]),
+                                                   H, 0, iters=it, zero_tail=False)[0::3]),
                ("combine", lambda it: lb.combine(R1, y, w, hd, layout, H, 0, iters=it)[0::2])]
+        if layout == "expert_major":
+            ops += [("dispatch [zero_tail]",
+                     lambda it: lb.dispatch(R1, x1, None, hd, "copy", False, H, 0, iters=it,
+                                            zero_tail=True)[0::3]),
+                    ("combine_bwd (fused)",
+                     lambda it: lb.dispatch(R1, x1, None, hd, "bwd", False, H, 0, iters=it,
+                                            zero_tail=False, yw=(y, w))[0::3])]
         for name, f in ops:
             f(3)
             times = [f(20)[1] for _ in range(5)]

@@ -6,7 +6,10 @@ each pytest test then asserts on its own checks. Output buffers are poisoned
 (JAX_EP_DEBUG_POISON=1: 0xFF bytes, NaN in every float type) before the
 kernels run, and every row is compared, padding included, so a row the kernel
 forgets to write fails. Dispatch must be bit-identical; combine equal to the
-reference within f32-reduction tolerance and bitwise stable over 20 runs.
+reference within f32-reduction tolerance and bitwise stable over 20 runs. With
+``EpConfig.zero_tail`` off (the default) the tail past the last expert group is
+unspecified: there the rows < sum(group_sizes) are compared (and the tail must
+still hold the poison: the kernel never wrote it); with it on, every row.
 
 Run directly as a worker: ``python test_native_dispatch.py --worker RANK PORT``.
 """
@@ -116,6 +119,18 @@ def test_native_overflow():
 
 
 @pytest.mark.gpu
+def test_native_zero_tail():
+    """zero_tail on: every row of the dispatch output is the reference's, tail included."""
+    _check("zerotail")
+
+
+@pytest.mark.gpu
+def test_native_combine_backward():
+    """Backend.combine_backward, fused in the dispatch kernel: dy bits, dw within f32 order."""
+    _check("cbwd")
+
+
+@pytest.mark.gpu
 def test_native_chunking():
     """Every chunk size (tokens per flag, row slices per warp) gives the same bits."""
     _check("chunk")
@@ -197,18 +212,31 @@ def _worker(rank: int, port: int):
             x = x.astype(jnp.bfloat16) if dt == "bfloat16" else x
             w = rng.random((R, T, K)).astype(np.float32)
             outs = {}
-            for be in ("native", "reference"):
+            for variant in ("native", "native_zero_tail", "reference"):
+                be = variant.split("_")[0]
                 cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H,
-                               layout=layout, expert_alignment=align, capacity=cap, backend=be)
+                               layout=layout, expert_alignment=align, capacity=cap, backend=be,
+                               **({"zero_tail": True} if variant == "native_zero_tail" else {}))
                 f, ins = run(cfg, lambda a, b, c, cfg=cfg: jax_ep.dispatch(a, b, c, cfg), x, idx, w)
                 d = f(*ins)
-                outs[be] = jax.tree_util.tree_map(local, d)
-            a, b = outs["native"], outs["reference"]
-            fa, fb = jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves_with_path(b)
-            bad = [jax.tree_util.keystr(p) for (p, u), (_, v) in zip(fa, fb)
-                   if u.shape != v.shape or not np.array_equal(bits(u), bits(v))]
-            report(name, not bad, f"mismatch in {bad}" if bad else
-                   f"rows={a.x.shape[0]} valid={int(a.num_valid.sum())} dropped={int(a.num_dropped.sum())}")
+                outs[variant] = jax.tree_util.tree_map(local, d)
+            b = outs["reference"]
+            # rows inside the groups (rank_major: the valid rows); the tail is unspecified
+            # by default (and still poison: never written), the reference's with zero_tail
+            used = int(b.group_sizes.sum()) if layout == "expert_major" else int(b.num_valid.sum())
+            for variant in ("native", "native_zero_tail"):
+                a = outs[variant]
+                fa = jax.tree_util.tree_leaves_with_path(a)
+                fb = jax.tree_util.tree_leaves_with_path(b)
+                cut = lambda p, u: (u[:used] if variant == "native" and
+                                    jax.tree_util.keystr(p) in (".x", ".x_scales") else u)
+                bad = [jax.tree_util.keystr(p) for (p, u), (_, v) in zip(fa, fb)
+                       if u.shape != v.shape or not np.array_equal(bits(cut(p, u)), bits(cut(p, v)))]
+                untouched = variant != "native" or bool((bits(a.x[used:]).view(np.uint8) == 0xFF).all())
+                tag = name if variant == "native" else "zerotail_" + name.removeprefix("dispatch_")
+                report(tag, not bad and untouched, f"mismatch in {bad}" if bad else
+                       f"rows={a.x.shape[0]} used={used} valid={int(a.num_valid.sum())} "
+                       f"dropped={int(a.num_dropped.sum())} tail_untouched={untouched}")
             if name.startswith("overflow"):
                 report(name + "_counted", int(a.num_dropped.sum()) > 0,
                        f"num_dropped={int(a.num_dropped.sum())}")
@@ -234,20 +262,26 @@ def _worker(rank: int, port: int):
             res = {}
             for be_name in ("native", "reference"):
                 def fn(a, b, be_name=be_name):
-                    h = reference.BACKEND.route(b, cfg, R)[0]
+                    h, gs = reference.BACKEND.route(b, cfg, R)[:2]
+                    # rows < used are compared: the tail is unspecified without zero_tail
+                    used = jnp.sum(gs) if gs is not None else jnp.sum(h.row_src >= 0)
                     if be_name == "reference":
                         q, s = reference.fp8_cast(a)
-                        return reference.BACKEND.dispatch_rows(q, s, h, cfg)
+                        return reference.BACKEND.dispatch_rows(q, s, h, cfg) + (used,)
                     if xdt is None:  # fp8 + scales given
                         q, s = reference.fp8_cast(a)
-                        return native.BACKEND.dispatch_rows(q, s, h, cfg)
-                    return native.BACKEND.dispatch_rows_fp8(a, h, cfg)
+                        return native.BACKEND.dispatch_rows(q, s, h, cfg) + (used,)
+                    return native.BACKEND.dispatch_rows_fp8(a, h, cfg) + (used,)
+
+                def get(outs):
+                    q, s, u = [local(o) for o in outs]
+                    return [q[:int(u.sum())], s[:int(u.sum())]]
                 f, ins = run(cfg, fn, x, idx)
-                res[be_name] = [local(o) for o in f(*ins)]
+                res[be_name] = get(f(*ins))
                 if be_name == "native" and xdt is not None:
                     os.environ["JAX_EP_FP8_WIDE"] = "0"  # the narrow 8-element-per-lane cast
                     try:
-                        res["native_narrow"] = [local(o) for o in f(*ins)]
+                        res["native_narrow"] = get(f(*ins))
                     finally:
                         os.environ.pop("JAX_EP_FP8_WIDE")
             ok = all(np.array_equal(bits(u), bits(v)) for u, v in zip(res["native"], res["reference"]))
@@ -339,6 +373,63 @@ def _worker(rank: int, port: int):
         except Exception as e:  # noqa: BLE001
             report(name, False, f"{type(e).__name__}: {str(e)[:800]}")
 
+    # ---- combine backward (Backend.combine_backward; native: fused into the dispatch
+    # kernel): dy = cast(w * g) bit-identical (rows < used; all with zero_tail, and
+    # the tail left as poison without), dw = <g, y> within f32 reduction order
+    # (|err| <= 1e-4 * sum_h |g*y|), 0 on every row without a source, bitwise stable
+    # over 5 runs; rank_major: a dispatch of g, bit-identical ------------------------
+    for name, T, H, K, E, layout, align, dt, zt in [
+        ("cbwd_em_T1024_H7168_K8_E256_bf16", 1024, 7168, 8, 256, "expert_major", 1, "bfloat16", False),
+        ("cbwd_em_a128_T512_H7168_K8_E256_bf16_zt", 512, 7168, 8, 256, "expert_major", 128,
+         "bfloat16", True),
+        ("cbwd_em_a16_T128_H2880_K2_E8_bf16", 128, 2880, 2, 8, "expert_major", 16, "bfloat16", False),
+        ("cbwd_em_T7_H2048_K1_E8_f32", 7, 2048, 1, 8, "expert_major", 1, "float32", False),
+        ("cbwd_rm_T128_H2048_K8_E64_bf16", 128, 2048, 8, 64, "rank_major", 1, "bfloat16", False),
+    ]:
+        if only and only != "cbwd":
+            break
+        try:
+            idx = random_routing(rng, R, T, K, E, minus_one=0.2, skew=True)
+            xdt = getattr(jnp, dt)
+            g = rng.standard_normal((R, T, H)).astype(np.float32).astype(xdt)
+            res = {}
+            for be in ("native", "reference"):
+                cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H,
+                               layout=layout, expert_alignment=align, backend=be, zero_tail=zt)
+                C = cfg.capacity_for(R, T)
+                y = rng.standard_normal((R, C, H)).astype(np.float32).astype(xdt) if be == "native" else y
+                wr = rng.random((R, C)).astype(np.float32) if be == "native" else wr
+                bk = native.BACKEND if be == "native" else reference.BACKEND
+
+                def fn(gg, b, yy, ww, cfg=cfg, bk=bk):
+                    h, gs = reference.BACKEND.route(b, cfg, R)[:2]
+                    used = jnp.sum(gs) if gs is not None else jnp.sum(h.row_src >= 0)
+                    dy, dw = bk.combine_backward(gg, yy, ww if layout == "expert_major" else None,
+                                                 h, cfg)
+                    g_rows = reference.BACKEND.dispatch_rows(gg, None, h, cfg)[0].astype(jnp.float32)
+                    mag = jnp.sum(jnp.abs(g_rows * yy.astype(jnp.float32)), axis=1)
+                    dw = jnp.zeros((C,), jnp.float32) if dw is None else dw
+                    return dy, dw, mag, h.row_src, used
+                f, ins = run(cfg, fn, g, idx, y, wr)
+                res[be] = [local(o) for o in f(*ins)]
+                if be == "native":
+                    reps = [[bits(local(o)) for o in f(*ins)[:2]] for _ in range(5)]
+                    stable = all(np.array_equal(u, v) for r in reps for u, v in zip(r, reps[0]))
+            (dy, dw, _, row_src, used), (e_dy, e_dw, mag, _, _) = res["native"], res["reference"]
+            u = dy.shape[0] if zt else int(used.sum())
+            dy_same = bool(np.array_equal(bits(dy[:u]), bits(e_dy[:u])))
+            untouched = zt or bool((bits(dy[u:]).view(np.uint8) == 0xFF).all())
+            v = row_src >= 0
+            dw_ok = bool(np.all(np.abs(dw[v] - e_dw[v]) <= 1e-4 * mag[v] + 1e-30))
+            dw_zero = bool(np.all(bits(dw[~v]) == 0))
+            err = float(np.max(np.abs(dw[v] - e_dw[v]) / np.maximum(mag[v], 1e-30), initial=0.0))
+            report(name, dy_same and untouched and dw_ok and dw_zero and stable,
+                   f"dy_bitexact={dy_same} tail_untouched={untouched} dw_ok={dw_ok} "
+                   f"dw_zero_unsourced={dw_zero} dw_max_err/sum|g*y|={err:.1e} stable5={stable} "
+                   f"dw_bitwise_eq_ref={np.array_equal(bits(dw), bits(e_dw))} used={u}")
+        except Exception as e:  # noqa: BLE001
+            report(name, False, f"{type(e).__name__}: {str(e)[:800]}")
+
     # ---- chunking (JAX_EP_CHUNK): 1, 3 (uneven slices), 8 tokens per flag ------
     # The default picks 2 at T=4096; every chunking must give the same bits.
     if not only or only == "chunk":
@@ -349,7 +440,7 @@ def _worker(rank: int, port: int):
         outs = {}
         for be in ("reference", "native"):
             cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H,
-                           layout="rank_major", backend=be)
+                           layout="rank_major", backend=be, zero_tail=True)  # all rows compared
 
             def fn(a, b, c, cfg=cfg, be=be):
                 d = jax_ep.dispatch(a, b, c, cfg)
@@ -388,7 +479,7 @@ def _worker(rank: int, port: int):
         res = {}
         for be in ("native", "reference"):
             cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H,
-                           axis_name="ep", backend=be)
+                           axis_name="ep", backend=be, zero_tail=True)  # all rows compared
 
             def fn(a, b, c, cfg=cfg):
                 d = jax_ep.dispatch(a, b, c, cfg)
