@@ -7,12 +7,14 @@ backend (CUDA kernels over NVSHMEM, one GPU per process) is used after
 """
 from .api import combine, dispatch, get_dispatch_layout
 from .config import EpConfig
+from .grouped_matmul import GroupedMatmulConfig, grouped_matmul
 from .reference import fp8_cast
 from .runtime import finalize, initialize, is_initialized
 from .types import Dispatched, Handle
 
 __all__ = [
     "EpConfig", "Dispatched", "Handle", "dispatch", "combine", "get_dispatch_layout",
+    "grouped_matmul", "GroupedMatmulConfig",
     "initialize", "finalize", "is_initialized", "fp8_cast",
 ]
 __version__ = "0.1.0"
