@@ -41,8 +41,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
-from jax_ep import grouped_matmul as gm_mod  # noqa: E402
-from jax_ep.grouped_matmul import GroupedMatmulConfig  # noqa: E402
+from jax_ep import gmm as gm_mod  # noqa: E402
+from jax_ep.gmm import GroupedMatmulConfig  # noqa: E402
 
 G, M = 128, 32768
 PROJ = {"up": (7168, 4096), "down": (2048, 7168)}

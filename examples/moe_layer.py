@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_ep
-from jax_ep.grouped_matmul import grouped_matmul  # Pallas Mosaic-GPU; ragged_dot off Hopper
+from jax_ep.gmm import grouped_matmul  # Pallas Mosaic-GPU; ragged_dot off Hopper
 
 F32 = jnp.float32
 EXPERT_IMPLS = ("grouped", "padded", "ragged_dot")

@@ -7,7 +7,7 @@ backend (CUDA kernels over NVSHMEM, one GPU per process) is used after
 """
 from .api import combine, dispatch, get_dispatch_layout
 from .config import EpConfig
-from .grouped_matmul import GroupedMatmulConfig, grouped_matmul
+from .gmm import GroupedMatmulConfig, grouped_matmul
 from .reference import fp8_cast
 from .runtime import finalize, initialize, is_initialized
 from .types import Dispatched, Handle

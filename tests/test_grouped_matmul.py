@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jax_ep import grouped_matmul as gm_mod
-from jax_ep.grouped_matmul import GroupedMatmulConfig, grouped_matmul
+from jax_ep import gmm as gm_mod
+from jax_ep.gmm import GroupedMatmulConfig, grouped_matmul
 
 try:
     from jax.experimental.pallas import mosaic_gpu as _plgpu

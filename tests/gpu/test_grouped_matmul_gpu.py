@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ep import grouped_matmul as gm_mod
-from jax_ep.grouped_matmul import GroupedMatmulConfig, grouped_matmul
+from jax_ep import gmm as gm_mod
+from jax_ep.gmm import GroupedMatmulConfig, grouped_matmul
 
 
 def _hopper():
