@@ -37,7 +37,8 @@ class Backend(Protocol):
                       cfg: EpConfig):
         """Pure data movement of per-token rows ``x [T, W]`` (any dtype, any W)
         into the output layout -> (recv ``[C, W]``, recv_scales ``[C, H/128]``
-        or None). Unused rows are zero. Bit-exact."""
+        or None). Rows past the last group (the tail) may be left unwritten unless
+        ``cfg.zero_tail``; padding rows inside groups are zero. Bit-exact."""
 
     def dispatch_rows_fp8(self, x: jax.Array, handle: Handle, cfg: EpConfig):
         """bf16/f32 ``x [T, H]`` -> (fp8 ``[C, H]``, f32 scales ``[C, H/128]``),
