@@ -572,6 +572,16 @@ def _tgmm_pallas(x, dy, offsets, tiles, out_dtype, interpret, pipelined=True):
     return _tgmm_pallas_simple(x, dy, offsets, tiles, out_dtype, interpret)
 
 
+def _zero_rows_outside(plgpu, ref, width, s, bk, lead, size):
+    """dw k-step ``s`` of a group: zero the rows of the staged ``[bk, width]``
+    tile outside ``[lead, lead + size)`` with a select (never a multiply: the
+    neighbouring group's or the tail's rows may hold NaN/Inf)."""
+    r = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (bk, width), 0), plgpu.Layout.WGMMA)
+    r = r + s * bk
+    v = ref[...]
+    ref[...] = jnp.where((r >= lead) & (r < lead + size), v, jnp.zeros_like(v))
+
+
 def _tgmm_pallas_pipelined(x, dy, offsets, tiles, out_dtype, interpret):
     """dw with one shared-memory pipeline per (SM, group) over all of the SM's tiles.
 
@@ -631,12 +641,8 @@ def _tgmm_pallas_pipelined(x, dy, offsets, tiles, out_dtype, interpret):
                 lead = start - astart
                 nsteps = lax.div(size + lead + (bk - 1), jnp.int32(bk))
 
-                def zero_outside(ref, width, s):
-                    r = plgpu.layout_cast(
-                        lax.broadcasted_iota(jnp.int32, (bk, width), 0), plgpu.Layout.WGMMA)
-                    r = r + s * bk
-                    v = ref[...]
-                    ref[...] = jnp.where((r >= lead) & (r < lead + size), v, jnp.zeros_like(v))
+                zero_outside = functools.partial(_zero_rows_outside, plgpu, bk=bk, lead=lead,
+                                                 size=size)
 
                 @pl.when((size > 0) & (cnt > 0))
                 def _():
@@ -738,12 +744,8 @@ def _tgmm_pallas_simple(x, dy, offsets, tiles, out_dtype, interpret):
             lead = start - astart
             nsteps = lax.div(size + lead + (bk - 1), jnp.int32(bk))
 
-            def zero_outside(ref, width, s):
-                r = plgpu.layout_cast(
-                    lax.broadcasted_iota(jnp.int32, (bk, width), 0), plgpu.Layout.WGMMA)
-                r = r + s * bk
-                v = ref[...]
-                ref[...] = jnp.where((r >= lead) & (r < lead + size), v, jnp.zeros_like(v))
+            zero_outside = functools.partial(_zero_rows_outside, plgpu, bk=bk, lead=lead,
+                                             size=size)
 
             def mma_scope(acc_ref):
                 @pl.when(size > 0)
