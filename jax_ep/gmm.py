@@ -99,7 +99,7 @@ __all__ = ["GroupedMatmulConfig", "grouped_matmul", "gmm", "tgmm", "DEFAULT_TILE
 # (block_m, block_n, block_k, max_concurrent_steps, band)
 Tiles = Tuple[int, int, int, int, int]
 
-# fwd/dx: best of the first H200 sweep (bench/results/2026-11-30-h200-grouped-
+# fwd/dx: best of the first H200 sweep (bench/results/history/2026-11-30-h200-grouped-
 # matmul-first.md): 5 stages, band 2 (up 0.88/0.86, down 0.71/0.78 of dense).
 # dw: the pipelined kernel (shared memory: 4 stages x 32 KiB + 2 x 32 KiB out).
 DEFAULT_TILES = {

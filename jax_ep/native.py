@@ -147,7 +147,7 @@ def all_gather_rows(rows, cfg: EpConfig, R: int):
 def _native_metadata() -> bool:
     # Bit-identical to the reference on 2x H200 (tests/gpu/test_native_metadata.py)
     # but slower than XLA's all_to_all at V3-train: route 39-54 us vs 17-24 us
-    # (two runs, bench/results/2026-11-30-h200x2*.md): a whole kernel launch with
+    # (bench/results/history/2026-11-30-h200x2*.md): a whole kernel launch with
     # its flag round for a few KB of metadata. Off by default.
     return os.environ.get("JAX_EP_NATIVE_METADATA", "0") == "1"
 
