@@ -105,15 +105,16 @@ def _lowering_mesh(ctx, axis_name: str):
     shard_map's mesh, or the concrete mesh behind an abstract one); that is
     the order ``axis_index`` follows, so peers derived from it are right for
     any device permutation."""
+    from jax.sharding import Mesh
+
     axis_ctx = ctx.module_context.axis_context
     mesh = getattr(axis_ctx, "mesh", None)
-    if mesh is None or not hasattr(mesh, "devices"):
+    if not isinstance(mesh, Mesh):  # e.g. an inner shard_map over the abstract mesh
         from jax._src import mesh as mesh_lib
 
         concrete = mesh_lib.get_concrete_mesh()
-        if concrete is not None and not getattr(concrete, "empty", True):
-            mesh = concrete
-    if mesh is None or not hasattr(mesh, "devices"):
+        mesh = concrete if isinstance(concrete, Mesh) and not concrete.empty else None
+    if mesh is None:
         raise ValueError(
             f"jax_ep native backend: the devices of the mesh over {axis_name!r} are unknown "
             "while lowering (no concrete mesh); call jax_ep inside jax.shard_map with a concrete "
@@ -171,6 +172,10 @@ def _make_primitive():
         return rule(ctx, *operands, **attrs)
 
     mlir.register_lowering(prim, lowering)
+    # The lowering reads the devices: make them part of JAX's lowering-cache key, or
+    # a jit re-used under jax.set_mesh(B) after set_mesh(A) (same shape, permuted
+    # devices) would keep A's peers.
+    dispatch.prim_requires_devices_during_lowering.add(prim)
     return prim
 
 

@@ -126,7 +126,9 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, config:
 
     Args:
       x: ``[T, H]`` bf16 / f32 tokens, or fp8-e4m3 (then ``x_scales`` is required).
-        T may be 0 (then every output is empty or zero).
+        T may be 0: ``group_sizes``, ``num_valid`` and ``num_dropped`` are 0,
+        combine returns ``[0, H]``; ``x`` keeps its C rows (unwritten unless
+        ``zero_tail``).
       topk_idx: ``[T, K]`` expert ids in ``[-1, E)``, any integer dtype (cast to
         int32); -1 = slot unused. Ids outside that range are treated as -1 and
         counted in ``num_dropped``. An expert named in several slots of one

@@ -132,8 +132,11 @@ class GroupedMatmulConfig:
       dw_pipelined: dw kernel variant: ``True`` (default) runs one pipeline per
         (SM, group) across the SM's output tiles (next tile's loads and the
         previous tile's store overlap the current matmul); ``False`` the
-        simple one-pipeline-per-tile kernel. ``"auto"`` falls back to the
-        simple kernel if the pipelined one does not compile.
+        simple one-pipeline-per-tile kernel. With ``impl="auto"`` a pipelined
+        kernel that does not compile falls back to the simple one (with a
+        warning); with ``impl="pallas"`` it raises. Which of the two is faster
+        is not settled: their first H200 timings used different methods
+        (bench/results/2026-11-30-h200-grouped-matmul.md).
     """
 
     impl: str = "auto"

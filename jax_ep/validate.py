@@ -12,9 +12,15 @@ _FP8 = jnp.float8_e4m3fn
 
 
 def bound_axes() -> tuple:
-    """Mesh axes bound here (inside ``jax.shard_map``), () elsewhere."""
+    """Manual mesh axes bound here (inside ``jax.shard_map``), () elsewhere.
+
+    Only Manual axes: in a partially-manual ``shard_map`` (``axis_names=``) the
+    Auto axes cannot be named by collectives."""
     try:
-        return tuple(jax.sharding.get_abstract_mesh().axis_names)
+        m = jax.sharding.get_abstract_mesh()
+        types = getattr(m, "axis_types", None) or ()
+        manual = jax.sharding.AxisType.Manual
+        return tuple(n for n, t in zip(m.axis_names, types) if t == manual)
     except Exception:  # noqa: BLE001 - only used for messages and psums
         return ()
 
@@ -54,10 +60,16 @@ def topk_idx(idx, cfg: EpConfig, R: int):
                          f"EpConfig.max_tokens_per_rank={cfg.max_tokens_per_rank} (shapes inside "
                          "jax.shard_map are per rank)")
     if idx.dtype != jnp.int32:
-        # clip first, so that wide ids cannot wrap into [0, E): out-of-range stays invalid
-        E = cfg.num_experts
-        lo = -2 if jnp.issubdtype(idx.dtype, jnp.signedinteger) else 0
-        idx = jnp.clip(idx, lo, E).astype(jnp.int32)
+        info = jnp.iinfo(idx.dtype)
+        if info.bits < 32 or (info.bits == 32 and info.min < 0):
+            idx = idx.astype(jnp.int32)  # exact: every value fits
+        else:
+            # wide ids (int64, uint32/64) are clipped in their own dtype first, where -2 and E
+            # are representable, so none can wrap into [0, E): out-of-range stays invalid
+            E = cfg.num_experts
+            lo = -2 if info.min < 0 else 0
+            idx = jnp.clip(idx, jnp.asarray(lo, idx.dtype), jnp.asarray(E, idx.dtype))
+            idx = idx.astype(jnp.int32)
     return idx
 
 
@@ -191,6 +203,13 @@ def check_drops(total, capacity: int):
     also works under ``jax.checkpoint``); the caller makes the data movement
     depend on its result, so it is never dead code and runs before any rank
     can block in a later collective."""
+    m = jax.sharding.get_abstract_mesh()
+    if len(bound_axes()) != len(tuple(m.axis_names)):
+        raise ValueError(
+            "EpConfig.check_overflow needs a jax.shard_map that is manual over every mesh axis "
+            f"(here {bound_axes()} of {tuple(m.axis_names)}): JAX runs no host callback in a "
+            "partially-manual shard_map. Return Dispatched.total_dropped and check it on the "
+            "host instead")
     _quiet_callback_logs()
     return jax.pure_callback(lambda n: _raise_if_dropped(n, capacity),
                              jax.ShapeDtypeStruct((), jnp.int32), total)

@@ -350,3 +350,53 @@ def test_forward_mode_is_a_clear_error(how):
             jax.jacfwd(lambda x: jnp.sum(f(x, idx, w)))(x)
     # reverse mode still works
     assert jax.grad(lambda x: jnp.sum(f(x, idx, w)))(x).shape == x.shape
+
+
+@pytest.mark.parametrize("E,dt", [(256, np.uint8), (128, np.int8), (64, np.int16)])
+def test_narrow_int_idx_is_exact(E, dt):
+    """Narrow integer ids are cast, never clipped in their own dtype (where E may wrap)."""
+    mesh = make_mesh((8,), ("ep",))
+    T, H, K = 4, 8, 2
+    rng = np.random.default_rng(0)
+    idx = np.stack([rng.choice(np.arange(E - 28, E), K, replace=False) for _ in range(8 * T)])
+    idx = idx.reshape(8, T, K)
+    x = rng.standard_normal((8, T, H)).astype(np.float32)
+    w = rng.random((8, T, K)).astype(np.float32)
+    cfg = jax_ep.EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H,
+                          backend="reference")
+    f = lambda a, b, c: (lambda d: (d.group_sizes, d.num_dropped))(jax_ep.dispatch(a, b, c, cfg))
+    gs_n, nd_n = run_per_rank(f, mesh, "ep", x, idx.astype(dt), w)
+    gs_i, nd_i = run_per_rank(f, mesh, "ep", x, idx.astype(np.int32), w)
+    np.testing.assert_array_equal(gs_n, gs_i)
+    assert int(np.sum(nd_n)) == 0 and int(np.sum(nd_i)) == 0
+
+
+def test_check_overflow_partially_manual_is_a_clear_error():
+    mesh = make_mesh((2, 4), ("data", "ep"))
+    cfg = jax_ep.EpConfig(num_experts=8, topk=2, max_tokens_per_rank=4, hidden=8,
+                          backend="reference", check_overflow=True)
+
+    def body(x, i, w):
+        return jax_ep.dispatch(x, i, w, cfg).x
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 3, out_specs=P("ep"),
+                              axis_names={"ep"}))
+    x = np.zeros((16, 8), np.float32)
+    i = np.zeros((16, 2), np.int32)
+    with pytest.raises(ValueError, match="manual over every mesh axis"):
+        f.trace(x, i, np.ones((16, 2), np.float32))
+
+
+def test_total_dropped_partially_manual():
+    mesh = make_mesh((2, 4), ("data", "ep"))
+    cfg = jax_ep.EpConfig(num_experts=8, topk=2, max_tokens_per_rank=4, hidden=8,
+                          backend="reference", capacity=1)
+
+    def body(x, i, w):
+        return jax_ep.dispatch(x, i, w, cfg).total_dropped
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 3, out_specs=P(),
+                              axis_names={"ep"}))
+    i = np.tile(np.array([[0, 1]], np.int32), (16, 1))
+    out = f(np.ones((16, 8), np.float32), i, np.ones((16, 2), np.float32))
+    assert int(np.asarray(out).reshape(-1)[0]) > 0

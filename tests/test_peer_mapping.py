@@ -90,3 +90,24 @@ def test_unknown_axis_at_trace_time():
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
     with pytest.raises(ValueError, match="bound axes"):
         f.trace(np.zeros((2, 4), np.int32))
+
+
+def test_lowering_not_reused_across_device_orders(monkeypatch):
+    """One jit under set_mesh(A), then set_mesh(B) with the same shape and permuted
+    devices: B's lowering must carry B's peers (the devices are in JAX's cache key)."""
+    monkeypatch.setattr(_ffi, "pe_of_device", lambda d: d.id)
+    devs = np.array(jax.devices()[:8])
+    perm = devs[np.random.default_rng(3).permutation(8)]
+    meshes = [Mesh(devs.reshape(2, 4), ("data", "ep")), Mesh(perm.reshape(2, 4), ("data", "ep"))]
+
+    def body(v):
+        return _ffi.call("jax_ep_ping", [(v.shape, v.dtype)], v, ep_axis="ep",
+                         has_side_effect=True)[0]
+
+    spec = P(("data", "ep"))
+    f = jax.jit(jax.shard_map(body, in_specs=spec, out_specs=spec))
+    for mesh in meshes:
+        with jax.set_mesh(mesh):
+            text = f.lower(np.zeros((8, 1), np.int32)).as_text()
+        got = [int(v) for v in re.search(r"ep_groups = dense<\[([0-9, ]+)\]>", text).group(1).split(",")]
+        assert got == np.vectorize(lambda d: d.id)(mesh.devices).reshape(-1).tolist()
