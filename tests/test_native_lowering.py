@@ -1,0 +1,107 @@
+"""The Python side of every native FFI call matches its C++ binding, checked on CPU.
+
+The native backend is lowered (never run) on 8 fake CPU devices for forward +
+backward of both layouts, fp8 dispatch and the layout kernel; every
+``stablehlo.custom_call @jax_ep_*`` in the module must carry exactly the
+attributes, operand count and result count that ``XLA_FFI_DEFINE_HANDLER_SYMBOL``
+binds in ``cc/ffi_*.cc`` (found through ``cc/ffi_targets.h``). A mismatch would
+otherwise only show as a runtime error on GPUs."""
+import glob
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from jax_ep import _ffi, backend, native
+from ep_testing import make_mesh
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bindings():
+    """target name -> (operands, results, attribute names) from the C++ sources."""
+    header = open(os.path.join(ROOT, "cc", "ffi_targets.h")).read()
+    targets = dict(re.findall(r'X\("(\w+)",\s*(\w+)\)', header[header.index("#define"):]))
+    symbols = {}
+    for path in glob.glob(os.path.join(ROOT, "cc", "ffi_*.cc")):
+        src = open(path).read()
+        for m in re.finditer(r"XLA_FFI_DEFINE_HANDLER_SYMBOL\((\w+),(.*?)\);", src, re.S):
+            body = re.sub(r"//[^\n]*", "", m.group(2))
+            symbols[m.group(1)] = (len(re.findall(r"\.Arg<", body)),
+                                   len(re.findall(r"\.Ret<", body)),
+                                   frozenset(re.findall(r'\.Attr<[^>]*>+\("(\w+)"\)', body)))
+    return {name: symbols[sym] for name, sym in targets.items()}
+
+
+def _calls(text):
+    """(target, operands, results, attribute names) of every jax_ep custom call."""
+    out = []
+    for m in re.finditer(r"stablehlo\.custom_call @(jax_ep_\w+)\(([^)]*)\)(.*)", text):
+        ops = [o for o in m.group(2).split(",") if o.strip()]
+        cfg = re.search(r"mhlo\.backend_config = \{(.*?)\}, operand_layouts", m.group(3))
+        attrs = frozenset(re.findall(r"(\w+) = ", cfg.group(1))) if cfg else frozenset()
+        sig = m.group(3).rsplit("->", 1)[1]
+        n_res = sig.count("tensor<") if sig.strip().startswith("(") else 1
+        out.append((m.group(1), len(ops), n_res, attrs))
+    return out
+
+
+@pytest.fixture
+def native_everywhere(monkeypatch):
+    monkeypatch.setattr(_ffi, "pe_of_device", lambda d: d.id)  # CPU: one "process" per device
+    monkeypatch.setattr(backend, "select", lambda cfg: native.BACKEND)
+
+
+REMAT = tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 11)
+
+
+@pytest.mark.parametrize("layout", ["expert_major", "rank_major"])
+@pytest.mark.parametrize("variant", ["bf16", "fp8", "remat"])
+def test_native_calls_match_cc_bindings(native_everywhere, layout, variant):
+    if variant == "remat" and not REMAT:
+        pytest.skip("jax 0.10 refuses remat of FFI calls with side effects")
+    mesh = make_mesh((2, 4), ("data", "ep"))
+    T, H, K, E = 4, 128, 2, 8
+    cfg = jax_ep.EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
+                          backend="native", expert_alignment=2 if layout == "expert_major" else 1,
+                          fp8_dispatch=variant == "fp8")
+
+    def layer(x, idx, w):
+        d = jax_ep.dispatch(x, idx, w, cfg)
+        y = d.x.astype(jnp.float32) * 2.0
+        if layout == "rank_major":
+            y = y * jnp.sum(d.topk_weights, axis=1, keepdims=True)
+        return jax_ep.combine(y.astype(x.dtype), d, cfg), jax_ep.get_dispatch_layout(idx, cfg)[0]
+
+    tok = P(("data", "ep"))
+    body = jax.checkpoint(layer) if variant == "remat" else layer
+    f = jax.shard_map(body, mesh=mesh, in_specs=(tok,) * 3, out_specs=(tok, tok))
+    x = np.random.rand(32, H).astype(np.float32)
+    idx = np.random.randint(0, E, (32, K)).astype(np.int32)
+    w = np.random.rand(32, K).astype(np.float32)
+    if variant == "fp8":  # forward only
+        text = jax.jit(f).lower(x, idx, w).as_text()
+    else:
+        def loss(x, w):
+            out, counts = f(x, idx, w)
+            return jnp.sum(out) + jnp.sum(counts).astype(jnp.float32)
+
+        text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, w).as_text()
+    binds = _bindings()
+    calls = _calls(text)
+    names = {c[0] for c in calls}
+    want = {"jax_ep_dispatch", "jax_ep_combine", "jax_ep_layout"}
+    if variant != "fp8":
+        want.add("jax_ep_combine_bwd" if layout == "expert_major" else "jax_ep_dispatch")
+    assert want <= names, names
+    for target, n_ops, n_res, attrs in calls:
+        assert target in binds, f"{target} is not in cc/ffi_targets.h"
+        b_ops, b_res, b_attrs = binds[target]
+        assert (n_ops, n_res, attrs) == (b_ops, b_res, b_attrs), (
+            f"{target}: lowered with {n_ops} operands, {n_res} results, attributes "
+            f"{sorted(attrs)}; cc binds {b_ops}, {b_res}, {sorted(b_attrs)}")
