@@ -360,11 +360,8 @@ def worker(args):
     bidir = max([v for k, v in ceil.items() if v and k.endswith("both")] or [275.0])
 
     # ---- V3-train table ----------------------------------------------------------
-    meta = (("JAX_EP_NATIVE_METADATA", "1"),)
     ops = [("route", "rank_major", "reference"), ("route", "rank_major", "native"),
-           ("route", "rank_major", "native", 0, None, meta),
            ("roundtrip_route", "rank_major", "native"),
-           ("roundtrip_route", "rank_major", "native", 0, None, meta),
            ("roundtrip_route", "rank_major", "reference"),
            ("dispatch", "rank_major", "native"), ("dispatch", "expert_major", "native"),
            ("combine", "rank_major", "native"), ("combine", "expert_major", "native"),

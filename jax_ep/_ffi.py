@@ -25,7 +25,6 @@ from typing import Optional, Sequence
 import jax
 import numpy as np
 
-from . import runtime  # noqa: F401  (importing it registers the FFI targets)
 
 _SDS_PARAMS = frozenset(inspect.signature(jax.ShapeDtypeStruct.__init__).parameters)
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from . import backend as _backend
 from . import validate
 from .config import EpConfig
-from .reference import F32, merge_duplicate_weights
+from .routing import F32, merge_duplicate_weights
 from .types import Dispatched
 
 

@@ -7,8 +7,13 @@ see per-rank shapes. ``R`` = size of the EP axis, ``T`` = tokens per rank,
 The split keeps the differentiation rules in one place (``jax_ep.api``):
 dispatch = ``route`` + ``dispatch_rows`` (+ ``dispatch_weights``); combine =
 ``combine_rows``; the backward of dispatch is ``combine_rows`` without weights
-plus ``return_weights``; the backward of combine is ``dispatch_rows`` of the
-output cotangent, weighted on the expert side.
+plus ``return_weights``; the backward of combine is ``combine_backward`` (a
+dispatch of the output cotangent, weighted on the expert side, plus the
+weights' gradient).
+
+Backends are built by composition: ``route``, ``dispatch_weights`` and
+``return_weights`` are the shared functions of ``jax_ep.routing`` over the
+backend's metadata exchange; only the row movement differs.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Native backend: the intranode dispatch / combine CUDA kernels as per-rank ops.
 
 Implements :class:`jax_ep.backend.Backend`. Routing metadata (``route``) is
-still exchanged the reference way (a small XLA all_to_all of ``[R, T, K]``
-int32); the rows themselves move through ``jax_ep_dispatch`` /
+the shared ``jax_ep.routing`` over a small XLA all_to_all of ``[R, T, K]``
+int32; the rows themselves move through ``jax_ep_dispatch`` /
 ``jax_ep_combine`` (cc/ffi_dispatch.cc, cc/ffi_combine.cc): P2P stores over
 NVLink into the peers' NVSHMEM staging, one copy per (token, rank), on XLA's
 stream. Results are bit-identical to the reference backend (dispatch) and
@@ -14,15 +14,13 @@ unspecified unless ``EpConfig.zero_tail`` (padding inside groups is always 0).
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _ffi
-from . import reference as _ref
+from . import _ffi, routing
 from .config import EpConfig
 from .types import Handle
 
@@ -130,45 +128,27 @@ def bench_transfer(src_u8, token, cfg: EpConfig, mode: int, num_sms: int = 0):
     return out
 
 
-def all_gather_rows(rows, cfg: EpConfig, R: int):
-    """``rows [T, W]`` per rank -> ``[R, T, W]``: every rank's rows, by source.
-
-    The dispatch kernel with a static handle (every token to every rank, row
-    ``s*T + t`` for source s): NVLink stores and flags, no XLA collective."""
-    T = rows.shape[0]
-    flat = jnp.arange(R * T, dtype=jnp.int32)
-    h = Handle(send_mask=jnp.ones((T, R), jnp.bool_), recv_local_idx=jnp.zeros((R, T, 1), jnp.int32),
-               slot_row=flat.reshape(R, T, 1), row_src=flat, native=None, num_ranks=R,
-               num_tokens=T, capacity=R * T, layout="rank_major")
-    out, _ = dispatch_raw(rows, None, h, cfg)
-    return out.reshape(R, T, rows.shape[1])
-
-
-def _native_metadata() -> bool:
-    # Bit-identical to the reference on 2x H200 (tests/gpu/test_native_metadata.py)
-    # but slower than XLA's all_to_all at V3-train: route 39-54 us vs 17-24 us
-    # (bench/results/history/2026-11-30-h200x2*.md): a whole kernel launch with
-    # its flag round for a few KB of metadata. Off by default.
-    return os.environ.get("JAX_EP_NATIVE_METADATA", "0") == "1"
-
-
-class NativeBackend(_ref.ReferenceBackend):
-    """Data rows through the native kernels; the routing metadata and weights
-    (a few bytes per token) through ``_exchange``: XLA's all_to_all by default,
-    or with ``JAX_EP_NATIVE_METADATA=1`` the native all-gather above."""
+class NativeBackend:
+    """Rows through the native kernels; the routing metadata and weights (a few
+    bytes per token) through the shared routing (``jax_ep.routing``) over XLA's
+    all_to_all, which is faster for them than a kernel launch with its flag
+    round (a native all-gather variant measured 39–68 µs against 17–34 µs for
+    ``route`` at V3-train and was deleted: bench/results/README.md)."""
 
     name = "native"
-    _gather_rows = staticmethod(all_gather_rows)
 
-    def _exchange(self, x, cfg: EpConfig):
-        if not _native_metadata():
-            return super()._exchange(x, cfg)
-        # all_to_all as an all-gather of each token's R slices: R x the bytes,
-        # which for [R, T, K] metadata is a few hundred KB.
-        R, T, W = x.shape
-        g = self._gather_rows(jnp.moveaxis(x, 0, 1).reshape(T, R * W), cfg, R)  # [R(src), T, R*W]
-        me = jax.lax.axis_index(cfg.axis_name)
-        return jax.lax.dynamic_slice_in_dim(g.reshape(R, T, R, W), me, 1, axis=2)[:, :, 0]
+    @staticmethod
+    def _exchange(x, cfg: EpConfig):
+        return routing.xla_all_to_all(x, cfg)
+
+    def route(self, topk_idx, cfg: EpConfig, R: int):
+        return routing.route(topk_idx, cfg, R, self._exchange)
+
+    def dispatch_weights(self, topk_weights, handle: Handle, cfg: EpConfig):
+        return routing.dispatch_weights(topk_weights, handle, cfg, self._exchange)
+
+    def return_weights(self, d_recv_w, handle: Handle, cfg: EpConfig):
+        return routing.return_weights(d_recv_w, handle, cfg, self._exchange)
 
     def layout(self, topk_idx, cfg: EpConfig, R: int):
         from . import native_layout
@@ -190,9 +170,8 @@ class NativeBackend(_ref.ReferenceBackend):
     def combine_backward(self, g, y, w, handle: Handle, cfg: EpConfig):
         if w is None or handle.layout != "expert_major":  # rank_major: a dispatch of g
             return dispatch_raw(g, None, handle, cfg)[0].astype(y.dtype), None
-        if g.dtype != y.dtype:  # (a cotangent has the primal's dtype; never seen)
-            return super().combine_backward(g, y, w, handle, cfg)
-        return combine_bwd_raw(g, y, w, handle, cfg)
+        # combine's output is in y's dtype, so its cotangent is too
+        return combine_bwd_raw(g.astype(y.dtype), y, w, handle, cfg)
 
 
 BACKEND = NativeBackend()

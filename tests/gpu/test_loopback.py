@@ -323,7 +323,7 @@ def _worker():
             emit(name, False, err=f"{type(e).__name__}: {e}"[:800])
 
     # ---- the static all-gather handle of the native metadata path
-    # (jax_ep.native.all_gather_rows): every token to every rank, row s*T + t ----
+    # (the all-gather form of the dispatch kernel): every token to every rank, row s*T + t ----
     for R, T, W in ((2, 4096, 16), (4, 7, 3)):
         name = f"dispatch_allgather_R{R}_T{T}_int32x{W}"
         try:
