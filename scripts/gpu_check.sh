@@ -8,6 +8,10 @@
 # together takes longer than one 10-minute device call on 2 GPUs: split it, e.g.
 #   SKIP_BENCH=1 SKIP_EXAMPLES=1 GMM_BENCH=1 bash scripts/gpu_check.sh   # tests + grouped matmul
 #   GPU_TESTS=none BENCH_ARGS="--no-sweep --no-ragged" bash scripts/gpu_check.sh   # ops + layer
+# Open after session 4 (no device time left): the GPU suite on the review fixes and
+# the backend refactor; the two dw kernels compared in one run
+# (GMM_ARGS="--no-xla --sweep-small"); the layer at T 128 and the ragged_dot XLA layer
+# (MOE_STEP_ARGS="--configs v3 --tokens 128,1024 --impls jax_ep,xla_padded,xla_ragged").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/jax_ep_gpu_check}"
