@@ -97,7 +97,7 @@ class Dispatched:
     @property
     def total_dropped(self) -> jax.Array:
         """int32 scalar: ``num_dropped`` summed over every device of the mesh
-        (a ``psum`` over all axes of the enclosing ``shard_map``), the same on
+        (a ``psum`` over the manual axes of the enclosing ``shard_map``), the same on
         every device, so ``out_specs=P()`` returns it. Call it inside the
         ``shard_map``; it costs one scalar all-reduce (none when unused)."""
         from . import validate
