@@ -45,6 +45,17 @@ milliseconds); dispatch+combine, which is short, gets static trip counts (two
 compiles; ``--static-loops`` does that everywhere). An xla_ragged job takes its
 d+c from xla_padded's job (the same XLA dispatch).
 
+``--expert-breakdown`` (jax_ep's grouped experts only) additionally times, by
+the same method and on the job's real dispatched rows and group sizes, each
+grouped matmul alone (gate/up/down x fwd, dx = ``gmm(..., transpose_rhs=True)``,
+dw = ``tgmm``), the SwiGLU elementwise fwd+bwd, and the whole experts fwd alone
+and fwd+bwd in the same chain, and reports the routing's group-size statistics
+beside those of bench/grouped_matmul_bench.py's "uniform"/"skewed" sizes (an
+extra table and ``breakdown`` in the JSON; ~10 more compiles per job)::
+
+    python -m jax_ep.launch -n 2 bench/moe_layer_step.py --configs v3 --tokens 4096 \
+        --impls jax_ep --expert-breakdown
+
 Run (one process per GPU through the launcher; rank 0 runs the jobs)::
 
     python -m jax_ep.launch -n 2 bench/moe_layer_step.py            # everything, <= 8 min
@@ -151,6 +162,11 @@ def parse_args(argv=None):
                    help="static trip counts everywhere (two compiles per measurement; a "
                         "dynamic while loop syncs with the host once per step)")
     p.add_argument("--no-split", action="store_true", help="time the whole layer only")
+    p.add_argument("--expert-breakdown", action="store_true",
+                   help="jax_ep (grouped experts) jobs: also time each grouped matmul alone "
+                        "(gate/up/down x fwd/dx/dw), the SwiGLU elementwise fwd+bwd and the "
+                        "experts fwd alone, on the job's real dispatched rows, and report the "
+                        "routing's group-size statistics (an extra table)")
     p.add_argument("--out", default=os.environ.get("OUT") or None,
                    help="write moe_layer_step.{md,json,png} here (default $OUT)")
     p.add_argument("--merge", default=None,
@@ -279,6 +295,7 @@ def run_job(args, job, platform, nproc, timeout, workdir):
         "min_time": args.min_time, "min_reps": args.min_reps, "max_reps": args.max_reps,
         "static_loops": args.static_loops, "split": not args.no_split,
         "skip_comm": bool(job.get("comm_from")),
+        "expert_breakdown": bool(getattr(args, "expert_breakdown", False)),
     })
     tag = job["name"].replace("/", "_")
     spec_path = os.path.join(workdir, tag + ".spec.json")
@@ -433,7 +450,60 @@ def make_table(results, meta):
     labels = "; ".join(f"{k} = {v[2]}" for k, v in IMPLS.items())
     L += ["", f"impls: {labels}. xla_ragged runs with `{RAGGED_XLA_FLAG}` on GPUs.",
           "Peak memory excludes jax_ep's NVSHMEM symmetric heap (outside JAX's allocator)."]
+    L += _breakdown_md(results)
     return "\n".join(L) + "\n", summary
+
+
+def _stats_md(g):
+    return (f"{g['valid_rows']:,} of {g['rows']:,} rows in {g['groups']} groups, rows/group "
+            f"min/mean/max {g['min']}/{g['mean']:.1f}/{g['max']} (std {g['std']:.1f}, "
+            f"{g['empty']} empty), {g['ends_inside_block']} group ends inside a row block; "
+            f"fwd/dx row tiles {g['row_tiles']} (ideal {g['ideal_row_tiles']}, +"
+            f"{g['tail_row_tiles']} tail tiles stored as zeros); dw k-steps {g['dw_ksteps']} "
+            f"(ideal {g['ideal_dw_ksteps']})")
+
+
+def _breakdown_md(results):
+    """The --expert-breakdown section (empty without breakdowns: default output unchanged)."""
+    done = [r for r in results if r.get("breakdown", {}).get("ops")]
+    if not done:
+        return []
+    L = ["", "## Expert breakdown (`--expert-breakdown`)", "",
+         "Each piece of the grouped-matmul experts fwd+bwd timed alone on the job's real "
+         "dispatched rows and group sizes, same method as above (chained calls in one jit, "
+         "traced counts, median; max over ranks). gate/up: [rows, H] x [L, H, F]; down: "
+         "[rows, F] x [L, F, H]; dx = dy @ w[g]^T (`gmm(..., transpose_rhs=True)`), dw = "
+         "x[g]^T @ dy[g] (`tgmm`); TF/s = useful FLOPs (valid rows) / time. 'experts "
+         "fwd+bwd (chain)' = the vjp in the same barrier chain as the pieces; 'experts "
+         "column' = the table's experts figure.", "",
+         "| layer | T/rank | part | op | ms | TF/s | ms per rank | notes |",
+         "|---|---|---|---|---|---|---|---|"]
+    notes = []
+    for r in done:
+        bd, c, T = r["breakdown"], r["config"], r["T"]
+        for o in bd["ops"]:
+            L.append(f"| {c} | {T} | {o['part']} | {o['op']} | {_fmt(o['ms'], 3)} "
+                     f"| {_tf(o.get('tflops'))} "
+                     f"| {' / '.join(_fmt(v, 3) for v in o.get('ms_ranks', []))} | |")
+        if bd.get("parts_ms") is not None:
+            L.append(f"| {c} | {T} | 9 grouped matmuls | sum | {_fmt(bd['matmuls_ms'], 3)} "
+                     f"| | | |")
+            L.append(f"| {c} | {T} | + swiglu | sum of parts | {_fmt(bd['parts_ms'], 3)} "
+                     f"| | | |")
+            L.append(f"| {c} | {T} | experts column | fwd+bwd | {_fmt(bd['experts_ms'], 3)} "
+                     f"| {_tf(r.get('experts_tflops'))} | | column − sum of parts = "
+                     f"{_fmt(bd['experts_ms'] - bd['parts_ms'], 3)} ms |")
+        for i, g in enumerate(bd.get("group_stats", [])):
+            notes.append(f"- {c} T={T} routing, rank {i}: {_stats_md(g)}.")
+        if bd.get("wall_s") is not None:
+            notes.append(f"- {c} T={T}: breakdown took {bd['wall_s']:.0f} s "
+                         f"(row block {bd['block_m']}, dw k-step {bd['dw_block_k']}).")
+    ref = next((r["breakdown"]["standalone"] for r in done if r["breakdown"].get("standalone")),
+               {})
+    for k, g in ref.items():
+        notes.append(f"- for comparison, bench/grouped_matmul_bench.py '{k}' (one GPU, "
+                     f"per-rank V3 shapes at EP 2): {_stats_md(g)}.")
+    return L + [""] + notes
 
 
 def make_plot(results, path):
@@ -559,6 +629,13 @@ def _run_all(args, jobs, merged, results, meta, platform, nproc, workdir, t_star
                       f", peak {_fmt((res.get('peak_bytes_layer') or 0) / 2**30, 1)} GiB"
                       f"{' — ' + res['stage_error'] if res.get('stage_error') else ''}"
                       f" [{res['wall_s']:.0f} s]", flush=True)
+                bd = res.get("breakdown") or {}
+                if bd.get("ops"):
+                    print("    breakdown (ms): " + ", ".join(
+                        f"{o['part']} {o['op']} {o['ms']:.3f}" for o in bd["ops"])
+                        + (f"; sum of parts {bd['parts_ms']:.3f} vs experts "
+                           f"{bd['experts_ms']:.3f}" if bd.get("parts_ms") is not None
+                           else ""), flush=True)
             else:
                 print(f"{head}: {res.get('error', 'no result')} [{res['wall_s']:.0f} s]",
                       flush=True)
@@ -587,6 +664,33 @@ def _write(args, results, meta, final):
 
 
 # =============================================================================== worker
+
+
+def _group_stats(sizes, rows, bm=128, bk=64):
+    """Group-size statistics of one rank's ``group_sizes`` on ``rows`` dispatched rows, in
+    the grouped-matmul kernels' terms (jax_ep/gmm.py): fwd/dx compute one row tile per
+    fragment (cut at every ``bm`` boundary and group end) and store zeros for the tail
+    ones; dw walks each group in ``bk``-row k-steps from its start rounded down to 8."""
+    import numpy as np
+
+    s = np.maximum(np.asarray(sizes, np.int64).reshape(-1), 0)
+    ends = np.minimum(np.cumsum(s), rows)
+    starts = np.concatenate([[0], ends[:-1]])
+    total = int(ends[-1]) if len(ends) else 0
+    pts = np.unique(np.concatenate([np.arange(0, rows, bm), starts, ends]))
+    pts = pts[pts < rows]
+    work = int(np.sum(pts < total))
+    nz = s > 0
+    ksteps = int(np.sum(np.where(nz, -(-(s + starts % 8) // bk), 0)))
+    return {"groups": int(len(s)), "rows": int(rows), "valid_rows": total,
+            "min": int(s.min()), "mean": float(s.mean()), "max": int(s.max()),
+            "std": float(s.std()), "empty": int(np.sum(~nz)),
+            "ends_inside_block": int(np.sum(nz & (ends % bm != 0))),
+            "row_tiles": work, "ideal_row_tiles": -(-total // bm),
+            "tail_row_tiles": int(len(pts) - work), "dw_ksteps": ksteps,
+            "ideal_dw_ksteps": -(-total // bk)}
+
+
 
 
 def worker(spec_path):
@@ -619,6 +723,8 @@ def worker(spec_path):
         oom = re.search(r"RESOURCE_EXHAUSTED|[Oo]ut of memory|Failed to allocate", msg)
         if "layer_s" in out:  # a later piece failed: keep the layer figure
             out["stage_error"] = ("OOM in " if oom else "failed: ") + out.get("stage", "?")
+            if out.get("stage") == "expert breakdown" and not oom:
+                out["stage_error"] += ": " + msg.splitlines()[0][:200]
         else:
             out["error"] = "OOM" if oom else "error: " + msg.splitlines()[0][:200]
         save()
@@ -689,9 +795,10 @@ def _worker_body(spec, out, save):
             n_arrays[n] = jax.make_array_from_callback((), rep, lambda _: np.asarray(n, np.int32))
         return n_arrays[n]
 
-    def measure(fn, state, rest, steps, static):
+    def measure(fn, state, rest, steps, static, min_time=None):
         """fn(n, state, *rest) -> (state, extras); state donated and carried over calls.
         -> (seconds per step, p10, p90, compile seconds, reps, extras of the first call)."""
+        min_time = spec["min_time"] if min_time is None else min_time
         n_lo, n_hi = steps
         holder = [state]
 
@@ -708,8 +815,8 @@ def _worker_body(spec, out, save):
         compile_s = t_c0 + (t_c1 if static else 0.0)
         t_lo, _ = call(n_lo)
         t_hi, _ = call(n_hi)
-        reps = int(math.ceil(spec["min_time"] / max(t_lo + t_hi, 1e-6)))
-        reps = agree(max(3 if t_lo + t_hi > spec["min_time"] else spec["min_reps"],
+        reps = int(math.ceil(min_time / max(t_lo + t_hi, 1e-6)))
+        reps = agree(max(3 if t_lo + t_hi > min_time else spec["min_reps"],
                          min(reps, spec["max_reps"])))
         d = []
         for _ in range(reps):
@@ -725,6 +832,159 @@ def _worker_body(spec, out, save):
         carried buffer): the next step's use of the tree depends on this step."""
         tiny = (1e-30 * s).astype(F32)
         return jax.tree.map(lambda a: a.at[(0,) * a.ndim].add(tiny.astype(a.dtype)), tree)
+
+    def rank_figures(vals):
+        """Per-rank figures (a list of floats) of every process -> [ranks][len(vals)]."""
+        v = np.asarray(vals, np.float64)[None]
+        return (np.asarray(multihost_utils.process_allgather(v, tiled=True)) if multi
+                else v).tolist()
+
+    def expert_breakdown(rows, gs, w3, dy, mean_valid):
+        """--expert-breakdown: every piece of the grouped-matmul experts fwd+bwd timed
+        alone on this routing's dispatched rows (``measure``: chained calls in one jit,
+        traced counts, medians). Each piece is ``f(a, *rest)`` called n times in a
+        fori_loop whose ``a`` passes an optimization barrier with the previous output
+        (nothing hoisted, every output materialised, as in
+        bench/grouped_matmul_bench.py); the output buffer is carried and donated."""
+        from jax_ep._ffi import to_vma
+        from jax_ep.gmm import DEFAULT_TILES, gmm, tgmm
+
+        t_b0 = time.perf_counter()
+        all_axes = frozenset(mesh.axis_names)
+        spec_t = P(("data", "ep"))
+        ep_spec = P("ep")
+        C = rows.shape[0] // n_dev
+        gate, up, down = w3
+        bm, bk = DEFAULT_TILES["fwd"][0], DEFAULT_TILES["dw"][2]
+        g_host = np.asarray(multihost_utils.process_allgather(gs, tiled=True) if multi
+                            else jax.device_get(gs)).reshape(n_dev, -1)
+        bd = out["breakdown"] = {"block_m": bm, "dw_block_k": bk, "capacity_rows": C,
+                                 "group_stats": [_group_stats(g, C, bm, bk) for g in g_host]}
+        try:  # the standalone bench's sizes, for comparison
+            sys.path.insert(0, HERE)
+            import grouped_matmul_bench as gmb
+
+            bd["standalone"] = {k: _group_stats(gmb.group_sizes(k), gmb.M, bm, bk)
+                                for k in ("uniform", "skewed")}
+        except Exception as e:  # noqa: BLE001
+            bd["standalone_error"] = f"{type(e).__name__}: {e}"
+
+        def full(tree):  # every result varies over every mesh axis (one out spec)
+            return jax.tree.map(lambda v: to_vma(v, all_axes), tree)
+
+        def silu_mul(g, u):
+            return jax.nn.silu(g) * u
+
+        def swiglu_fb(g, u, dh):  # the SwiGLU elementwise part, fwd + bwd
+            h, vjp = jax.vjp(silu_mul, g, u)
+            dg, du = vjp(dh.astype(h.dtype))
+            return h, dg, du
+
+        def fwd(a, w, s):  # as grouped_matmul's forward
+            return gmm(a, w, s, out_dtype=a.dtype)
+
+        def dx(a, w, s):  # as grouped_matmul's bwd: dy @ w[g]^T
+            return gmm(a, w, s, transpose_rhs=True, out_dtype=a.dtype)
+
+        def dw(a, b, s):  # as grouped_matmul's bwd: x[g]^T @ dy[g]
+            return tgmm(a, b, s, out_dtype=dtype)
+
+        def ex_fwd(a, s, g, u, d):
+            return ml.routed_experts(a, g, u, d, s, impl, cap)[0]
+
+        def ex_fb(a, s, g, u, d, ct):
+            y, vjp = jax.vjp(lambda a, g, u, d: ml.routed_experts(a, g, u, d, s, impl, cap)[0],
+                             a, g, u, d)
+            return vjp(ct.astype(y.dtype))
+
+        def prep(x, s, g, u, d, dy):  # the real intermediates of one fwd+bwd
+            gg, uu = fwd(x, g, s), fwd(x, u, s)
+            dh = dx(dy, d, s)
+            h, dg, du = swiglu_fb(gg, uu, dh)
+            return full((gg, uu, h, dh, dg, du))
+
+        gs32 = jax.jit(lambda v: v.astype(jnp.int32))(gs)
+        gg, uu, h, dh, dg, du = jax.jit(jax.shard_map(
+            prep, mesh=mesh, in_specs=(spec_t, spec_t, ep_spec, ep_spec, ep_spec, spec_t),
+            out_specs=(spec_t,) * 6, check_vma=True))(rows, gs32, gate, up, down, dy)
+
+        chains = {}
+
+        def chained(f, specs):
+            """-> (jit of (n, out, *args) -> (out after n chained calls, None), jit of zeros
+            of the output)."""
+            key = (f, specs)
+            if key in chains:
+                return chains[key]
+
+            def per_rank(n, o, a, *rest):
+                def body(i, c):
+                    a_b, _ = jax.lax.optimization_barrier((a, c))
+                    return full(f(a_b, *rest))
+                return jax.lax.fori_loop(0, n, body, o)
+
+            def run(n, o, *args):
+                o_specs = jax.tree.map(lambda _: spec_t, o)
+                if static_all:
+                    fn = jax.shard_map(lambda o, *a: per_rank(n, o, *a), mesh=mesh,
+                                       in_specs=(o_specs,) + specs, out_specs=o_specs,
+                                       check_vma=True)
+                    return fn(o, *args), None
+                fn = jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), o_specs) + specs,
+                                   out_specs=o_specs, check_vma=True)
+                return fn(n, o, *args), None
+
+            def zeros(*args):  # the first carried output (traced only, no compile of f)
+                shapes = jax.eval_shape(jax.shard_map(
+                    lambda *a: full(f(*a)), mesh=mesh, in_specs=specs, out_specs=spec_t,
+                    check_vma=True), *args)
+                return jax.jit(lambda: jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype),
+                                                    shapes),
+                               out_shardings=jax.tree.map(lambda _: tok, shapes))()
+
+            chains[key] = (jax.jit(run, static_argnums=(0,) if static_all else (),
+                                   donate_argnums=(1,)), zeros)
+            return chains[key]
+
+        mm = 2.0 * mean_valid * H * Fd  # one of the nine products, per device
+        bd_min_time = min(spec["min_time"], 0.5)  # 12 pieces: keep the extra time short
+        R_, W_ = spec_t, ep_spec
+        pieces = [  # (part, op, f, args, specs, flops per device)
+            ("gate", "fwd", fwd, (rows, gate, gs32), (R_, W_, R_), mm),
+            ("up", "fwd", fwd, (rows, up, gs32), (R_, W_, R_), mm),
+            ("down", "fwd", fwd, (h, down, gs32), (R_, W_, R_), mm),
+            ("gate", "dx", dx, (dg, gate, gs32), (R_, W_, R_), mm),
+            ("up", "dx", dx, (du, up, gs32), (R_, W_, R_), mm),
+            ("down", "dx", dx, (dy, down, gs32), (R_, W_, R_), mm),
+            ("gate", "dw", dw, (rows, dg, gs32), (R_, R_, R_), mm),
+            ("up", "dw", dw, (rows, du, gs32), (R_, R_, R_), mm),
+            ("down", "dw", dw, (h, dy, gs32), (R_, R_, R_), mm),
+            ("swiglu", "fwd+bwd", swiglu_fb, (gg, uu, dh), (R_, R_, R_), None),
+            ("experts", "fwd", ex_fwd, (rows, gs32, gate, up, down), (R_, R_, W_, W_, W_),
+             3 * mm),
+            ("experts", "fwd+bwd (chain)", ex_fb, (rows, gs32, gate, up, down, dy),
+             (R_, R_, W_, W_, W_, R_), 9 * mm),
+        ]
+        ops = []
+        for part, op, f, a, specs, fl in pieces:
+            run_fn, zeros_fn = chained(f, specs)
+            t0 = time.perf_counter()
+            med, p10, p90, comp, reps, _, _ = measure(run_fn, zeros_fn(*a), a, spec["steps"],
+                                                      static_all, bd_min_time)
+            figs = rank_figures([med, p10, p90])
+            worst = max(figs, key=lambda r: r[0])
+            ops.append({"part": part, "op": op, "ms": 1e3 * worst[0], "p10_ms": 1e3 * worst[1],
+                        "p90_ms": 1e3 * worst[2], "ms_ranks": [1e3 * r[0] for r in figs],
+                        "tflops": fl / worst[0] / 1e12 if fl and worst[0] > 0 else None,
+                        "reps": reps, "compile_s": comp, "wall_s": time.perf_counter() - t0})
+            bd["ops"] = ops
+            save()
+        t = {(o["part"], o["op"]): o["ms"] for o in ops}
+        bd["matmuls_ms"] = sum(v for (p_, _), v in t.items() if p_ in ("gate", "up", "down"))
+        bd["parts_ms"] = bd["matmuls_ms"] + t[("swiglu", "fwd+bwd")]
+        bd["experts_ms"] = 1e3 * out["experts_s"]  # the experts column (its own chain)
+        bd["wall_s"] = time.perf_counter() - t_b0
+        save()
 
     # ---- parameters and inputs, created on the devices already sharded
     key = jax.random.key(0)
@@ -854,14 +1114,22 @@ def _worker_body(spec, out, save):
                         out_shardings=jax.tree.map(lambda a: a.sharding, (rows, w3)))
         gr0, gw0 = zeros((rows, w3))
         ex_fn = jax.jit(ex_chain, static_argnums=(0,) if static_all else (), **jit_kw)
-        med, p10, p90, comp, reps, _, _ = measure(ex_fn, (rows, w3, gr0, gw0), (gs, ct_rows),
-                                                  spec["steps"], static_all)
+        med, p10, p90, comp, reps, _, ex_state = measure(ex_fn, (rows, w3, gr0, gw0),
+                                                         (gs, ct_rows), spec["steps"], static_all)
         flops = 18.0 * valid_rows / n_dev * H * Fd  # 3 matmuls x (fwd + 2 bwd) x 2, per device
         out.update(experts_s=med, experts_p10_s=p10, experts_p90_s=p90, experts_compile_s=comp,
                    valid_rows_per_rank=valid_rows / n_dev,
                    experts_tflops=flops / med / 1e12 if med > 0 else None)
         if "comm_s" in out:
             out["rest_s"] = out["layer_s"] - out["comm_s"] - med
+        if spec.get("expert_breakdown") and impl == "grouped":
+            save()
+            out["stage"] = "expert breakdown"
+            rows, w3 = ex_state[0], ex_state[1]  # (the first call donated the originals)
+            del ex_state
+            expert_breakdown(rows, gs, w3, ct_rows, valid_rows / n_dev)
+        else:
+            del ex_state
     out.pop("stage", None)
     stats = dev.memory_stats() or {}
     out["peak_bytes"] = stats.get("peak_bytes_in_use")

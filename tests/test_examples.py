@@ -150,7 +150,7 @@ def test_layer_bench_smoke(tmp_path):
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, os.path.join(ROOT, "bench", "moe_layer_step.py"), "--smoke",
            "--tokens", "16", "--impls", "jax_ep,xla_padded", "--steps", "1,2",
-           "--comm-steps", "1,2", "--out", str(tmp_path)]
+           "--comm-steps", "1,2", "--expert-breakdown", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(tmp_path / "moe_layer_step.json") as f:
@@ -167,3 +167,10 @@ def test_layer_bench_smoke(tmp_path):
     table = (tmp_path / "moe_layer_step.md").read_text()
     assert "| tiny | 16 | jax_ep |" in table and "**baseline**" in table
     assert res["summary"][0]["baseline"] == "xla_padded"
+    # --expert-breakdown: the grouped-matmul job only, every piece timed, routing stats
+    bd = rows["jax_ep"]["breakdown"]
+    assert [(o["part"], o["op"]) for o in bd["ops"]][:9] == [
+        (p, op) for op in ("fwd", "dx", "dw") for p in ("gate", "up", "down")]
+    assert len(bd["ops"]) == 12 and "parts_ms" in bd and "breakdown" not in rows["xla_padded"]
+    assert sum(g["valid_rows"] for g in bd["group_stats"]) == 2 * 16 * 2  # R * T * K
+    assert "## Expert breakdown" in table
