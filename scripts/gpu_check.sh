@@ -11,7 +11,9 @@
 # Open after session 4 (no device time left): the GPU suite on the review fixes and
 # the backend refactor; the two dw kernels compared in one run
 # (GMM_ARGS="--no-xla --sweep-small"); the layer at T 128 and the ragged_dot XLA layer
-# (MOE_STEP_ARGS="--configs v3 --tokens 128,1024 --impls jax_ep,xla_padded,xla_ragged").
+# (MOE_STEP_ARGS="--configs v3 --tokens 128,1024 --impls jax_ep,xla_padded,xla_ragged"),
+# and where the layer's expert time goes (MOE_STEP_ARGS="--configs v3 --tokens 4096
+# --impls jax_ep --expert-breakdown").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/jax_ep_gpu_check}"
