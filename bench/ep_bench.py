@@ -114,7 +114,23 @@ def worker(args):
     sys.path.insert(0, ROOT)
     import jax_ep
     from jax_ep import native, reference
-    from jax_ep.config import EpConfig
+    from jax_ep.config import EpConfig, KernelTuning
+
+    class SkipBackend(native.NativeBackend):
+        """The native rows ops with a bench breakdown (debug_skip FFI attribute:
+        1 = no data sent, 2 = no receive-side gather / reduce, 3 = flags only)."""
+
+        def __init__(self, skip):
+            self.skip = skip
+
+        def dispatch_rows(self, x, x_scales, handle, cfg):
+            return native.dispatch_raw(x, x_scales, handle, cfg, debug_skip=self.skip)
+
+        def dispatch_rows_fp8(self, x, handle, cfg):
+            return native.dispatch_raw(x, None, handle, cfg, cast_fp8=True, debug_skip=self.skip)
+
+        def combine_rows(self, y, row_weights, handle, cfg):
+            return native.combine_raw(y, row_weights, handle, cfg, debug_skip=self.skip)
 
     ok = jax_ep.initialize()
     R = args.nproc
@@ -195,13 +211,11 @@ def worker(args):
             kind, layout, be = op[:3]
             skip = op[3] if len(op) > 3 else 0
             sms = op[4] if len(op) > 4 else None
-            extra_env = op[5] if len(op) > 5 else ()
-            cfg_kw = dict(op[6]) if len(op) > 6 else {}  # EpConfig fields, e.g. zero_tail
-            os.environ["JAX_EP_DEBUG_SKIP"] = str(skip)
-            for k_, v_ in extra_env:
-                os.environ[k_] = v_
+            assert not (op[5] if len(op) > 5 else ()), "op[5] (environment knobs) is gone"
+            cfg_kw = dict(op[6]) if len(op) > 6 else {}  # EpConfig fields, e.g. zero_tail, tuning
             cfg = cfg_for(T, H, K, E, layout, be, sms, **cfg_kw)
-            bk = native.BACKEND if be == "native" else reference.BACKEND
+            bk = ((SkipBackend(skip) if skip else native.BACKEND) if be == "native"
+                  else reference.BACKEND)
             try:
                 if kind == "route":
                     def build(n, cfg=cfg, bk=bk):
@@ -317,10 +331,6 @@ def worker(args):
             except Exception as e:  # noqa: BLE001
                 out[op] = (None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
                 log(f"  T={T} {kind} {layout} {be}: FAILED {out[op][1]}")
-            finally:
-                os.environ["JAX_EP_DEBUG_SKIP"] = "0"
-                for k_, _ in extra_env:
-                    os.environ.pop(k_, None)
         return out, idx
 
     T, H, K, E = 4096, 7168, 8, 256
@@ -377,7 +387,7 @@ def worker(args):
            ("combine", "rank_major", "reference"),
            ("roundtrip", "rank_major", "reference"), ("roundtrip", "expert_major", "reference"),
            ("dispatch_fp8", "rank_major", "reference"),
-           # breakdown (JAX_EP_DEBUG_SKIP): 1 = no data sent (flags + local work only),
+           # breakdown (debug_skip attribute, SkipBackend): 1 = no data sent (flags + local work only),
            # 2 = sends only (no receive-side gather / reduce), 3 = flags only
            ("dispatch", "rank_major", "native", 1), ("dispatch", "rank_major", "native", 2),
            ("dispatch", "rank_major", "native", 3),
@@ -386,19 +396,14 @@ def worker(args):
            ("dispatch_fp8", "rank_major", "native", 1), ("dispatch_fp8", "rank_major", "native", 2),
            # fewer SMs (cfg.num_sms), leaving the rest to overlapped compute
            ("dispatch", "rank_major", "native", 0, 32), ("combine", "rank_major", "native", 0, 32),
-           ("dispatch", "rank_major", "native", 0, 64), ("combine", "rank_major", "native", 0, 64),
-           # the narrow fp8 cast (8 elements / 8-byte store per lane; default is 16)
-           ("dispatch_fp8", "rank_major", "native", 0, None, (("JAX_EP_FP8_WIDE", "0"),))]
-    # other chunk sizes (defaults here: dispatch 8 tokens = one per sender warp,
-    # combine 4 = two warps per row) and the older publish form (every sender
-    # thread fences)
-    chunk = lambda c: (("JAX_EP_CHUNK", str(c)),)
-    ops += [("dispatch", "rank_major", "native", 0, None, chunk(4)),
-            ("combine", "rank_major", "native", 0, None, chunk(8)),
-            ("combine", "rank_major", "native", 0, None, chunk(2)),
-            ("roundtrip", "rank_major", "native", 0, None, chunk(8))]
-    ops += [(k, "rank_major", "native", 0, None, (("JAX_EP_PUBLISH", "1"),))
-            for k in ("dispatch", "combine", "roundtrip")]
+           ("dispatch", "rank_major", "native", 0, 64), ("combine", "rank_major", "native", 0, 64)]
+    # other chunk sizes (EpConfig.tuning; defaults: dispatch 8 tokens = one per
+    # sender warp, combine 4 = two warps per row)
+    chunk = lambda **kw: (("tuning", KernelTuning(**kw)),)
+    ops += [("dispatch", "rank_major", "native", 0, None, (), chunk(dispatch_chunk=4)),
+            ("combine", "rank_major", "native", 0, None, (), chunk(combine_chunk=8)),
+            ("combine", "rank_major", "native", 0, None, (), chunk(combine_chunk=2)),
+            ("roundtrip", "rank_major", "native", 0, None, (), chunk(combine_chunk=8))]
     if args.skip_ref:
         ops = [o for o in ops if o[2] == "native"]
     if args.only_fp8:
@@ -420,8 +425,6 @@ def worker(args):
             kind = f"{kind} [skip={skip}: " + {1: "no data sent", 2: "send only", 3: "flags only"}[skip] + "]"
         if sms:
             kind = f"{kind} [num_sms={sms}]"
-        if len(op) > 5 and op[5]:
-            kind = f"{kind} [" + " ".join(f"{k_}={v_}" for k_, v_ in op[5]) + "]"
         if len(op) > 6:
             kind = f"{kind} [" + " ".join(f"EpConfig.{k_}={v_}" for k_, v_ in op[6]) + "]"
         row = {"op": kind, "layout": layout, "backend": be, "us": us,

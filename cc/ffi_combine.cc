@@ -1,6 +1,5 @@
 // XLA FFI target "jax_ep_combine": expert-side partial sums go back to their
 // source ranks and are reduced there (see cc/kernels/combine.cu).
-#include <cstdlib>
 #include <string>
 
 #include "ffi_common.h"
@@ -16,7 +15,7 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F
                        ffi::Buffer<ffi::S32> slot_row, ffi::Buffer<ffi::S32> recv_local_idx,
                        ffi::Buffer<ffi::PRED> send_mask, ffi::Span<const int32_t> ep_groups,
                        int32_t num_ranks, int32_t rank_major, int32_t weighted, int32_t num_sms,
-                       ffi::Result<ffi::AnyBuffer> out) {
+                       int32_t chunk, int32_t debug_skip, ffi::Result<ffi::AnyBuffer> out) {
   JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
   PeerTable peers;
   JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, &peers));
@@ -42,6 +41,8 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F
     return InvalidArgument("combine: send_mask must be [T, R]");
   if (weighted && row_weights.element_count() != static_cast<size_t>(C))
     return InvalidArgument("combine: row_weights must be [C]");
+  if (chunk < 0) return InvalidArgument("combine: chunk must be >= 0 (0: the kernel default)");
+  if (debug_skip < 0 || debug_skip > 3) return InvalidArgument("combine: debug_skip must be in [0, 3]");
 
   CombineArgs a;
   switch (y.element_type()) {
@@ -65,8 +66,7 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F
   a.C = C;
   a.rank_major = rank_major != 0;
   a.host_err = device_error_word();
-  // Bench breakdown only (JAX_EP_DEBUG_SKIP bits, see DispatchArgs::skip): read per call.
-  if (const char* sk = std::getenv("JAX_EP_DEBUG_SKIP")) a.skip = std::atoi(sk);
+  a.skip = debug_skip;  // bench breakdown only (DispatchArgs::skip); 0 in production
 
   const size_t need = combine_stage_bytes(R, T, a.row_bytes);
   const size_t have = stage_half_bytes(rt->sym_bytes);
@@ -79,7 +79,7 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F
 
   if (T == 0) return ffi::Error::Success();
   if (debug_poison()) JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.out, 0xFF, out->size_bytes(), stream));
-  LaunchConfig lc = make_launch_config(kOpCombine, T, num_sms, rt->num_sms);
+  LaunchConfig lc = make_launch_config(kOpCombine, T, num_sms, rt->num_sms, chunk);
   JAX_EP_CUDA_RETURN(launch_combine(a, lc, stream));
   return ffi::Error::Success();
 }
@@ -100,4 +100,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombine, jax_ep::CombineImpl,
                                   .Attr<int32_t>("rank_major")
                                   .Attr<int32_t>("weighted")
                                   .Attr<int32_t>("num_sms")
+                                  .Attr<int32_t>("chunk")       // tokens per flag (0: default)
+                                  .Attr<int32_t>("debug_skip")  // bench breakdown only (0)
                                   .Ret<xla::ffi::AnyBuffer>());                // out [T, W]

@@ -5,7 +5,6 @@
 //                            dy = w * g and dw = <g, y> (kDispatchCombineBwd)
 //   "jax_ep_bench_transfer"  raw transfer ceilings for bench/ (debug only)
 // All enqueue on XLA's stream and never synchronise the host.
-#include <cstdlib>
 #include <string>
 
 #include "ffi_common.h"
@@ -32,7 +31,8 @@ namespace {
 // shares. `a->row_bytes` / `s_row_bytes` must be set.
 ffi::Error SetupDispatch(const char* op, int R, int T, int C, ffi::Buffer<ffi::S32> row_src,
                          ffi::Buffer<ffi::S32> slot_row, ffi::Buffer<ffi::PRED> send_mask,
-                         int32_t align, int32_t zero_tail, DispatchArgs* a) {
+                         int32_t align, int32_t zero_tail, int32_t chunk, int32_t debug_skip,
+                         DispatchArgs* a) {
   const std::string o(op);
   auto sd = slot_row.dimensions();
   if (sd.size() != 3 || sd[0] != R || sd[1] != T)
@@ -44,6 +44,8 @@ ffi::Error SetupDispatch(const char* op, int R, int T, int C, ffi::Buffer<ffi::S
   if (send_mask.element_count() != static_cast<size_t>(T) * R)
     return InvalidArgument(o + ": send_mask must be [T, R]");
   if (align < 1) return InvalidArgument(o + ": align must be >= 1");
+  if (chunk < 0) return InvalidArgument(o + ": chunk must be >= 0 (0: the kernel default)");
+  if (debug_skip < 0 || debug_skip > 3) return InvalidArgument(o + ": debug_skip must be in [0, 3]");
   Runtime* rt = runtime();
   size_t scales_off = 0;
   const size_t need = dispatch_stage_bytes(R, T, a->row_bytes, a->s_row_bytes, &scales_off);
@@ -66,8 +68,7 @@ ffi::Error SetupDispatch(const char* op, int R, int T, int C, ffi::Buffer<ffi::S
   a->align = align;
   a->zero_tail = zero_tail != 0;
   a->host_err = device_error_word();
-  // Bench breakdown only (JAX_EP_DEBUG_SKIP bits, see DispatchArgs::skip): read per call.
-  if (const char* sk = std::getenv("JAX_EP_DEBUG_SKIP")) a->skip = std::atoi(sk);
+  a->skip = debug_skip;  // bench breakdown only (DispatchArgs::skip); 0 in production
   return ffi::Error::Success();
 }
 
@@ -75,7 +76,8 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
                         ffi::Buffer<ffi::S32> row_src, ffi::Buffer<ffi::S32> slot_row,
                         ffi::Buffer<ffi::PRED> send_mask, ffi::Span<const int32_t> ep_groups,
                         int32_t num_ranks, int32_t mode, int32_t rank_major, int32_t align,
-                        int32_t zero_tail, int32_t num_sms, ffi::Result<ffi::AnyBuffer> out,
+                        int32_t zero_tail, int32_t num_sms, int32_t chunk, int32_t fp8_div_mode,
+                        int32_t debug_skip, ffi::Result<ffi::AnyBuffer> out,
                         ffi::Result<ffi::Buffer<ffi::F32>> out_scales) {
   JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
   PeerTable peers;
@@ -102,8 +104,10 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   a.hidden = static_cast<int>(W);
   a.mode = mode;
   a.rank_major = rank_major != 0;
-  if (const char* dm = std::getenv("JAX_EP_FP8_DIV_MODE")) a.div_mode = std::atoi(dm);
-  if (const char* wd = std::getenv("JAX_EP_FP8_WIDE")) a.cast_wide = std::atoi(wd) != 0;
+  // 3: XLA:GPU's rounding of 448/amax (the default), 0: IEEE division.
+  if (fp8_div_mode != 0 && fp8_div_mode != 3)
+    return InvalidArgument("dispatch: fp8_div_mode must be 0 (IEEE) or 3 (as XLA:GPU)");
+  a.div_mode = fp8_div_mode;
 
   const size_t so_rows = out_scales->element_count();
   a.s_row_bytes = C > 0 ? static_cast<long long>(so_rows / C) * 4 : 0;
@@ -124,14 +128,15 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
     if (a.s_row_bytes != (W / 128) * 4) return InvalidArgument("dispatch: out_scales must be [C, H/128]");
   }
   JAX_EP_RETURN_IF_ERROR(
-      SetupDispatch("dispatch", R, T, C, row_src, slot_row, send_mask, align, zero_tail, &a));
+      SetupDispatch("dispatch", R, T, C, row_src, slot_row, send_mask, align, zero_tail, chunk,
+                    debug_skip, &a));
 
   if (T == 0 && C == 0) return ffi::Error::Success();
   if (debug_poison()) {
     JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.out, 0xFF, out->size_bytes(), stream));
     JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.out_scales, 0xFF, out_scales->size_bytes(), stream));
   }
-  LaunchConfig lc = make_launch_config(kOpDispatch, T > 0 ? T : 1, num_sms, rt->num_sms);
+  LaunchConfig lc = make_launch_config(kOpDispatch, T > 0 ? T : 1, num_sms, rt->num_sms, chunk);
   JAX_EP_CUDA_RETURN(launch_dispatch(a, lc, stream));
   return ffi::Error::Success();
 }
@@ -140,7 +145,8 @@ ffi::Error CombineBwdImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer 
                           ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> row_src,
                           ffi::Buffer<ffi::S32> slot_row, ffi::Buffer<ffi::PRED> send_mask,
                           ffi::Span<const int32_t> ep_groups, int32_t num_ranks, int32_t align,
-                          int32_t zero_tail, int32_t num_sms, ffi::Result<ffi::AnyBuffer> dy,
+                          int32_t zero_tail, int32_t num_sms, int32_t chunk, int32_t debug_skip,
+                          ffi::Result<ffi::AnyBuffer> dy,
                           ffi::Result<ffi::Buffer<ffi::F32>> dw) {
   JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
   PeerTable peers;
@@ -177,14 +183,15 @@ ffi::Error CombineBwdImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer 
   a.row_w = w.typed_data();
   a.dw = dw->typed_data();
   JAX_EP_RETURN_IF_ERROR(
-      SetupDispatch("combine_bwd", R, T, C, row_src, slot_row, send_mask, align, zero_tail, &a));
+      SetupDispatch("combine_bwd", R, T, C, row_src, slot_row, send_mask, align, zero_tail, chunk,
+                    debug_skip, &a));
 
   if (T == 0 && C == 0) return ffi::Error::Success();
   if (debug_poison()) {
     JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.out, 0xFF, dy->size_bytes(), stream));
     JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.dw, 0xFF, dw->size_bytes(), stream));
   }
-  LaunchConfig lc = make_launch_config(kOpDispatch, T > 0 ? T : 1, num_sms, rt->num_sms);
+  LaunchConfig lc = make_launch_config(kOpDispatch, T > 0 ? T : 1, num_sms, rt->num_sms, chunk);
   JAX_EP_CUDA_RETURN(launch_dispatch(a, lc, stream));
   return ffi::Error::Success();
 }
@@ -228,6 +235,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::DispatchImpl,
                                   .Attr<int32_t>("align")      // expert_alignment (1: rank_major)
                                   .Attr<int32_t>("zero_tail")  // zero rows past the last group
                                   .Attr<int32_t>("num_sms")
+                                  .Attr<int32_t>("chunk")         // tokens per flag (0: default)
+                                  .Attr<int32_t>("fp8_div_mode")  // 3: as XLA:GPU, 0: IEEE
+                                  .Attr<int32_t>("debug_skip")    // bench breakdown only (0)
                                   .Ret<xla::ffi::AnyBuffer>()                      // out [C, W]
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());        // out_scales [C, S]
 
@@ -245,6 +255,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineBwd, jax_ep::CombineBwdImpl,
                                   .Attr<int32_t>("align")
                                   .Attr<int32_t>("zero_tail")
                                   .Attr<int32_t>("num_sms")
+                                  .Attr<int32_t>("chunk")       // tokens per flag (0: default)
+                                  .Attr<int32_t>("debug_skip")  // bench breakdown only (0)
                                   .Ret<xla::ffi::AnyBuffer>()                      // dy [C, W]
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());        // dw [C]
 

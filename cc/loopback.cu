@@ -67,7 +67,7 @@ std::string run_ranks(int R, int iters, double* seconds, F fn) {
 std::string loopback_dispatch(const std::vector<uint64_t>& ptrs, const std::vector<int64_t>& ints,
                               size_t sym_bytes, int R, int iters, double* seconds) {
   constexpr int kPtrs = 11;
-  if (R < 1 || R > kMaxRanks || ptrs.size() != size_t(kPtrs * R) || ints.size() != 16)
+  if (R < 1 || R > kMaxRanks || ptrs.size() != size_t(kPtrs * R) || ints.size() != 15)
     return "loopback_dispatch: bad arguments";
   if (ints[1] > 32) return "loopback_dispatch: top-k above 32";
   const bool cast = ints[7] == kDispatchCastBf16 || ints[7] == kDispatchCastF32;
@@ -95,10 +95,9 @@ std::string loopback_dispatch(const std::vector<uint64_t>& ptrs, const std::vect
     a.mode = int(ints[7]);
     a.rank_major = ints[8] != 0;
     a.div_mode = int(ints[11]);
-    a.cast_wide = ints[12] != 0;
-    a.zero_tail = ints[13] != 0;
-    a.align = int(ints[14]);
-    a.dtype = int(ints[15]);
+    a.zero_tail = ints[12] != 0;
+    a.align = int(ints[13]);
+    a.dtype = int(ints[14]);
     if (a.mode == kDispatchCombineBwd) {
       a.y = P(r, 8);
       a.row_w = static_cast<const float*>(P(r, 9));

@@ -18,7 +18,7 @@ namespace jax_ep {
 // slot_row, send_mask, sym, y, row_w, dw (the last three: mode 3, the combine
 // backward, only). ints: T, K, C, hidden, x_row_bytes, row_bytes,
 // s_row_bytes, mode, rank_major, num_blocks, chunk (<= 0: default),
-// div_mode, cast_wide, zero_tail, align, dtype (0 bf16, 1 f32, 2 f16; mode 3).
+// div_mode, zero_tail, align, dtype (0 bf16, 1 f32, 2 f16; mode 3).
 // Runs `iters` calls back to back (*seconds: wall time per call). Returns ""
 // or an error message; synchronises the device.
 std::string loopback_dispatch(const std::vector<uint64_t>& ptrs, const std::vector<int64_t>& ints,

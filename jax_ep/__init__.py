@@ -6,14 +6,14 @@ backend (CUDA kernels over NVSHMEM, one GPU per process) is used after
 :func:`initialize`; otherwise the pure-JAX reference backend runs anywhere.
 """
 from .api import combine, dispatch, get_dispatch_layout
-from .config import EpConfig
+from .config import EpConfig, KernelTuning
 from .gmm import GroupedMatmulConfig, grouped_matmul
 from .reference import fp8_cast
 from .runtime import finalize, initialize, is_initialized
 from .types import Dispatched, Handle
 
 __all__ = [
-    "EpConfig", "Dispatched", "Handle", "dispatch", "combine", "get_dispatch_layout",
+    "EpConfig", "KernelTuning", "Dispatched", "Handle", "dispatch", "combine", "get_dispatch_layout",
     "grouped_matmul", "GroupedMatmulConfig",
     "initialize", "finalize", "is_initialized", "fp8_cast",
 ]

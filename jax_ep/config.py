@@ -15,6 +15,46 @@ _BACKENDS = ("auto", "reference", "native")
 
 
 @dataclasses.dataclass(frozen=True)
+class KernelTuning:
+    """Tuning knobs of the native dispatch / combine kernels, passed to them as
+    FFI attributes (never read from the environment). The defaults are the
+    measured best (bench/results); every rank of an EP group must use the same
+    values, which holds as they come from the one ``EpConfig``.
+
+    Attributes:
+      dispatch_chunk: tokens per flag of the dispatch kernels (dispatch, fp8
+        dispatch, the combine backward); 0 = the kernel default (one token per
+        sender warp, 8, fewer when T is small).
+      combine_chunk: tokens per flag of the combine kernel; 0 = the kernel
+        default (4, fewer when T is small).
+      fp8_ieee_division: the fp8 cast computes 448/amax with IEEE
+        round-to-nearest division instead of rounding it as XLA:GPU's f32
+        division does (the default, bit-identical to ``reference.fp8_cast``
+        compiled by XLA:GPU).
+    """
+
+    dispatch_chunk: int = 0
+    combine_chunk: int = 0
+    fp8_ieee_division: bool = False
+
+    def __post_init__(self):
+        for name in ("dispatch_chunk", "combine_chunk"):
+            v = getattr(self, name)
+            try:
+                iv = operator.index(v)
+            except TypeError:
+                iv = None
+            if iv is None or isinstance(v, (bool, np.bool_)) or not 0 <= iv < 2**31:
+                raise ValueError(
+                    f"KernelTuning.{name} must be a non-negative int (0: the default), got {v!r}")
+            object.__setattr__(self, name, int(iv))
+        if not isinstance(self.fp8_ieee_division, (bool, np.bool_)):
+            raise TypeError(
+                f"KernelTuning.fp8_ieee_division must be a bool, got {self.fp8_ieee_division!r}")
+        object.__setattr__(self, "fp8_ieee_division", bool(self.fp8_ieee_division))
+
+
+@dataclasses.dataclass(frozen=True)
 class EpConfig:
     """Static description of one expert-parallel (EP) group and its buffers.
 
@@ -63,6 +103,8 @@ class EpConfig:
       buffer_bytes: NVSHMEM symmetric buffer per process that
         ``jax_ep.initialize(config=...)`` allocates (``None``: sized from the
         shapes above, see :meth:`native_buffer_bytes`).
+      tuning: :class:`KernelTuning`, the native kernels' tuning knobs (the
+        defaults are the measured best; the reference backend ignores them).
     """
 
     num_experts: int
@@ -79,6 +121,7 @@ class EpConfig:
     check_overflow: bool = False
     buffer_bytes: Optional[int] = None
     zero_tail: bool = False
+    tuning: KernelTuning = KernelTuning()
 
     def __post_init__(self):
         def pos_int(name, v):
@@ -107,6 +150,8 @@ class EpConfig:
             pos_int("buffer_bytes", self.buffer_bytes)
         if not isinstance(self.axis_name, str):
             raise TypeError(f"EpConfig.axis_name must be a str, got {self.axis_name!r}")
+        if not isinstance(self.tuning, KernelTuning):
+            raise TypeError(f"EpConfig.tuning must be a jax_ep.KernelTuning, got {self.tuning!r}")
         if self.fp8_dispatch and self.hidden % 128 != 0:
             raise ValueError(
                 f"EpConfig.fp8_dispatch needs hidden % 128 == 0, got hidden={self.hidden}")

@@ -34,6 +34,19 @@ def _num_sms(cfg: EpConfig) -> np.int32:
     return np.int32(cfg.num_sms or 0)  # 0: every SM of the device
 
 
+def _tuning_attrs(cfg: EpConfig, op: str, debug_skip: int) -> dict:
+    """The kernels' tuning knobs (``cfg.tuning``) as FFI attributes: ``chunk``
+    (tokens per flag, 0: the kernel default), and ``debug_skip`` (bench
+    breakdown only: bit 0 sends no data, bit 1 skips the local gather; never
+    set from a config, only by bench code through ``*_raw(debug_skip=)``)."""
+    t = cfg.tuning
+    chunk = t.combine_chunk if op == "combine" else t.dispatch_chunk
+    skip = int(debug_skip)
+    if not 0 <= skip <= 3:
+        raise ValueError(f"jax_ep native: debug_skip must be in [0, 3], got {debug_skip!r}")
+    return dict(chunk=np.int32(chunk), debug_skip=np.int32(skip))
+
+
 def _empty_f32(n_rows: int):
     return jnp.zeros((n_rows, 0), jnp.float32)
 
@@ -48,8 +61,9 @@ def _row_attrs(handle: Handle, cfg: EpConfig) -> dict:
 
 
 def dispatch_raw(x, x_scales, handle: Handle, cfg: EpConfig, *, cast_fp8: bool = False,
-                 num_sms: Optional[int] = None):
-    """The FFI call. ``cast_fp8``: x bf16/f32 is cast to fp8 (+ scales) in the kernel."""
+                 num_sms: Optional[int] = None, debug_skip: int = 0):
+    """The FFI call. ``cast_fp8``: x bf16/f32 is cast to fp8 (+ scales) in the kernel.
+    ``debug_skip``: bench breakdown only (see :func:`_tuning_attrs`)."""
     T = x.shape[0]
     C = handle.capacity
     W = x.shape[1]
@@ -78,11 +92,13 @@ def dispatch_raw(x, x_scales, handle: Handle, cfg: EpConfig, *, cast_fp8: bool =
         x, scales, handle.row_src, handle.slot_row, handle.send_mask,
         ep_axis=cfg.axis_name, has_side_effect=True,
         mode=np.int32(mode), rank_major=np.int32(handle.layout == "rank_major"), num_sms=sms,
-        **_row_attrs(handle, cfg))
+        fp8_div_mode=np.int32(0 if cfg.tuning.fp8_ieee_division else 3),  # DispatchArgs::div_mode
+        **_row_attrs(handle, cfg), **_tuning_attrs(cfg, "dispatch", debug_skip))
     return out, (out_scales if (cast_fp8 or x_scales is not None) else None)
 
 
-def combine_bwd_raw(g, y, w, handle: Handle, cfg: EpConfig, *, num_sms: Optional[int] = None):
+def combine_bwd_raw(g, y, w, handle: Handle, cfg: EpConfig, *, num_sms: Optional[int] = None,
+                    debug_skip: int = 0):
     """Backward of expert_major ``combine_rows(y, w)`` for ``g = d_out [T, W]``
     (y's dtype), one kernel: ``g``'s rows are dispatched and, on the expert side,
     ``dy[c] = cast(w[c] * f32(g_t))`` (the reference's bits) and ``dw[c] =
@@ -96,11 +112,13 @@ def combine_bwd_raw(g, y, w, handle: Handle, cfg: EpConfig, *, num_sms: Optional
         "jax_ep_combine_bwd",
         [((C, W), y.dtype), ((C,), jnp.float32)],
         g, y, w.astype(jnp.float32), handle.row_src, handle.slot_row, handle.send_mask,
-        ep_axis=cfg.axis_name, has_side_effect=True, num_sms=sms, **_row_attrs(handle, cfg))
+        ep_axis=cfg.axis_name, has_side_effect=True, num_sms=sms, **_row_attrs(handle, cfg),
+        **_tuning_attrs(cfg, "dispatch", debug_skip))
     return dy, dw
 
 
-def combine_raw(y, row_weights, handle: Handle, cfg: EpConfig, *, num_sms: Optional[int] = None):
+def combine_raw(y, row_weights, handle: Handle, cfg: EpConfig, *, num_sms: Optional[int] = None,
+                debug_skip: int = 0):
     T = handle.num_tokens
     rank_major = handle.layout == "rank_major"
     weighted = row_weights is not None and not rank_major
@@ -111,7 +129,8 @@ def combine_raw(y, row_weights, handle: Handle, cfg: EpConfig, *, num_sms: Optio
         [((T, y.shape[1]), y.dtype)],
         y, w, handle.slot_row, handle.recv_local_idx, handle.send_mask,
         ep_axis=cfg.axis_name, has_side_effect=True,
-        rank_major=np.int32(rank_major), weighted=np.int32(weighted), num_sms=sms)
+        rank_major=np.int32(rank_major), weighted=np.int32(weighted), num_sms=sms,
+        **_tuning_attrs(cfg, "combine", debug_skip))
     return out
 
 

@@ -37,7 +37,7 @@ def fp8_cast(x: jax.Array):
     division by a constant into that. ``448 / amax`` is an IEEE division on the
     CPU but XLA:GPU lowers f32 division to the approximate PTX ``div.full.f32``,
     so the bits of q differ between platforms in rare last-ulp cases. The native
-    kernel follows XLA:GPU (``JAX_EP_FP8_DIV_MODE=0`` switches it to IEEE), so
+    kernel follows XLA:GPU (``KernelTuning(fp8_ieee_division=True)`` switches it to IEEE), so
     native and reference agree bit for bit when both run on the GPU."""
     T, H = x.shape
     xf = x.astype(F32).reshape(T, H // FP8_BLOCK, FP8_BLOCK)

@@ -211,7 +211,7 @@ template <typename T, int V>
 __global__ void __launch_bounds__(512, 1)
 combine_kernel(CombineArgs a, LaunchConfig lc, int num_chunks) {
   const int send_warps = lc.send_warps, recv_warps = lc.recv_warps, chunk = lc.chunk;
-  const int slices = lc.slices, publish = lc.publish;
+  const int slices = lc.slices;
   const int me = a.peers.rank, R = a.peers.num_ranks;
   OpCtrl* ctrl = reinterpret_cast<OpCtrl*>(sym_at(a.peers, me, a.ctrl_off));
   const unsigned int epoch = current_epoch(ctrl);
@@ -249,7 +249,7 @@ combine_kernel(CombineArgs a, LaunchConfig lc, int num_chunks) {
           }
         }
       }
-      publish_chunk(a.peers, a.ctrl_off, j, epoch, send_warps, publish);
+      publish_chunk(a.peers, a.ctrl_off, j, epoch, send_warps);
     }
   } else {
     // ---- source side: sum the partials of ranks 0..R-1 ----

@@ -10,8 +10,6 @@
 // (destination, chunk); "receiver" warps gather a peer's chunk as soon as its
 // flag is up and otherwise do the work that needs nobody (zero rows, own
 // tokens), so the local gather overlaps the NVLink transfer.
-#include <cstdlib>
-
 #include <cuda_fp8.h>
 #include <cuda_bf16.h>
 
@@ -79,7 +77,8 @@ __device__ __forceinline__ void warp_cast_row(const Tin* __restrict__ src, char*
                                               int lane, int div_mode, float* sm) {
   constexpr int LPG = 128 / EPL;  // lanes per group
   constexpr int STEP = 32 * EPL;  // elements per warp step
-  constexpr int U = EPL == 8 ? 4 : 2;  // steps in flight per lane (latency hiding)
+  static_assert(EPL == 16, "the fp8 cast moves 16 elements per lane");
+  constexpr int U = 2;  // steps in flight per lane (latency hiding)
   using Q = typename VecT<EPL>::type;  // EPL fp8 values
   const float kInv448 = 1.0f / 448.0f;  // folded in f32 at compile time, = fl(1/448)
   const int e_end = 128 * g1;
@@ -169,19 +168,19 @@ __device__ __noinline__ void cast_row_f32(const DispatchArgs& a, const void* src
 
 // Moves groups [g0, g1) / bytes [off, off + len) of token row t (source xr) to
 // the n rows dst (+ its scale row to dsts when slice sl is 0): a copy, or the
-// fp8 cast (EPL elements per lane).
+// fp8 cast (EPL elements per lane; only in the EPL = 16 kernel).
 template <int EPL>
 __device__ __forceinline__ void move_row_slice(const DispatchArgs& a, int t, const char* xr,
                                                char* const* dst, char* const* dsts, int n, int sl,
                                                int slices, int v, int sv, int lane, float* sm) {
-  if (a.mode == kDispatchCopy || a.mode == kDispatchCombineBwd) {  // bwd: sent as a copy
+  if (EPL != 16 || a.mode == kDispatchCopy || a.mode == kDispatchCombineBwd) {  // bwd: sent as a copy
     long long off, len;
     row_slice(a.row_bytes / v, v, sl, slices, &off, &len);
     warp_copy_row_any(xr, reinterpret_cast<void* const*>(dst), n, off, len, v, lane);
     if (a.s_row_bytes && sl == 0)
       warp_copy_row_any(static_cast<const char*>(a.scales) + t * a.s_row_bytes,
                         reinterpret_cast<void* const*>(dsts), n, 0, a.s_row_bytes, sv, lane);
-  } else {
+  } else if constexpr (EPL == 16) {
     const int G = a.hidden / 128;
     const int g0 = G * sl / slices, g1 = G * (sl + 1) / slices;
     if (a.mode == kDispatchCastBf16)
@@ -292,14 +291,16 @@ struct ZeroCursor {
   }
 };
 
-// EPL: fp8 cast elements per lane (16, the default cast; 8 = JAX_EP_FP8_WIDE=0,
-// and the copy mode), a template so that the wide cast's register pressure
-// stays out of the copy kernel; BWD (kDispatchCombineBwd) likewise.
+// EPL: 16 = the fp8 cast kernel (16 elements per lane, one 16-byte store
+// each); 8 = the copy kernel (no cast code), a template so that the cast's
+// register pressure stays out of the copy kernel; BWD (kDispatchCombineBwd)
+// likewise. (An 8-element cast was measured slower, 138.9 vs 118.8 us at
+// V3-train on 2x H200, and deleted: bench/results/history.)
 template <int EPL, bool BWD>
 __global__ void __launch_bounds__(512, 1)
 dispatch_kernel(DispatchArgs a, LaunchConfig lc, int num_chunks) {
   const int send_warps = lc.send_warps, recv_warps = lc.recv_warps, chunk = lc.chunk;
-  const int slices = lc.slices, publish = lc.publish;
+  const int slices = lc.slices;
   __shared__ float sm_scales[16][kSmScales];
   const int me = a.peers.rank, R = a.peers.num_ranks;
   OpCtrl* ctrl = reinterpret_cast<OpCtrl*>(sym_at(a.peers, me, a.ctrl_off));
@@ -334,7 +335,7 @@ dispatch_kernel(DispatchArgs a, LaunchConfig lc, int num_chunks) {
         move_row_slice<EPL>(a, t, static_cast<const char*>(a.x) + t * a.x_row_bytes, dst, dsts, n,
                             sl, slices, v, sv, lane, sm);
       }
-      publish_chunk(a.peers, a.ctrl_off, j, epoch, send_warps, publish);
+      publish_chunk(a.peers, a.ctrl_off, j, epoch, send_warps);
     }
   } else {
     // ---- receiver ----
@@ -478,14 +479,7 @@ LaunchConfig make_launch_config(OpKind op, int num_tokens, int num_sms_requested
     chunk = (num_tokens + sms - 1) / sms;
     if (chunk > max_chunk) chunk = max_chunk;
     if (chunk < 1) chunk = 1;
-    if (const char* c = std::getenv("JAX_EP_CHUNK")) {
-      const int v = std::atoi(c);
-      if (v > 0) chunk = v;
-    }
   }
-  // Bench/debug knobs, read per call in each process: every rank of a group
-  // must see the same values (flag j must cover the same tokens everywhere).
-  if (const char* c = std::getenv("JAX_EP_PUBLISH")) lc.publish = std::atoi(c) == 1 ? 1 : 0;
   while ((num_tokens + chunk - 1) / chunk > kMaxChunks) chunk *= 2;
   lc.chunk = chunk;
   lc.slices = slices_for_chunk(chunk, lc.send_warps);
@@ -498,7 +492,7 @@ cudaError_t launch_dispatch(const DispatchArgs& a, const LaunchConfig& lc, cudaS
   if (num_chunks > kMaxChunks) return cudaErrorInvalidValue;
   if (a.mode == kDispatchCombineBwd)
     dispatch_kernel<8, true><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc, num_chunks);
-  else if (a.cast_wide && a.mode != kDispatchCopy)
+  else if (a.mode != kDispatchCopy)
     dispatch_kernel<16, false><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc, num_chunks);
   else
     dispatch_kernel<8, false><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc, num_chunks);

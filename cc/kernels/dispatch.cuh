@@ -59,12 +59,15 @@ struct DispatchArgs {
   const float* row_w = nullptr;
   float* dw = nullptr;
   int dtype = 0;                 // RowDtype
-  int skip = 0;                  // debug/bench breakdown: bit0 no data sends, bit1 no local gather
-  // fp8 cast with 16 elements per lane and one 16-byte store each (8: one
-  // 8-byte store): 118.9 vs 129.7 us for V3-train on 2x H200; the NVLink
-  // send is store-bound. JAX_EP_FP8_WIDE=0 selects the narrow form.
-  bool cast_wide = true;
-  int div_mode = 3;              // 448/amax as XLA's GPU division rounds it (div.full.f32)
+  // Bench breakdown only (the debug_skip FFI attribute, 0 in production): bit0
+  // no data sends, bit1 no local gather.
+  int skip = 0;
+  // 448/amax in the fp8 cast: 3 = as XLA's GPU division rounds it
+  // (div.full.f32, the default), 0 = IEEE round-to-nearest division (the
+  // fp8_div_mode FFI attribute, EpConfig.tuning.fp8_ieee_division). The cast
+  // moves 16 elements per lane with one 16-byte store each (the NVLink send
+  // is store-bound).
+  int div_mode = 3;
   int* host_err = nullptr;
   unsigned long long timeout_ns = kDefaultTimeoutNs;
 };
@@ -84,7 +87,7 @@ struct CombineArgs {
   void* out = nullptr;                // [T, W]
   int T = 0, K = 0, C = 0;
   bool rank_major = false;
-  int skip = 0;                       // as DispatchArgs::skip
+  int skip = 0;                       // as DispatchArgs::skip (debug_skip attribute)
   int* host_err = nullptr;
   unsigned long long timeout_ns = kDefaultTimeoutNs;
 };

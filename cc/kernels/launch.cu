@@ -37,6 +37,7 @@ int* device_error_word() {
   return g_dev;  // nullptr: no error reporting (kernels then only time out)
 }
 
+// Test-only (see launch.cuh): read once per process.
 bool debug_poison() {
   static const bool on = [] {
     const char* v = std::getenv("JAX_EP_DEBUG_POISON");

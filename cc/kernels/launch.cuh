@@ -42,11 +42,6 @@ struct LaunchConfig {
   int recv_warps = 8;    // warps per block that gather / reduce locally
   int chunk = 8;         // tokens per flag (<= kMaxChunks flags per source rank)
   int slices = 1;        // warps per token row inside a chunk (send and receive)
-  // How a chunk is published: 0 = the sender warps meet at a barrier and one
-  // thread does a system-scope release (cumulative over the block's writes,
-  // per the PTX memory model); 1 = every sender thread fences first (the
-  // conservative form; JAX_EP_PUBLISH=1, for comparison).
-  int publish = 0;
   __host__ __device__ int threads() const { return 32 * (send_warps + recv_warps); }
 };
 
@@ -55,8 +50,10 @@ enum OpKind : int { kOpDispatch = 0, kOpCombine = 1, kOpBench = 2, kNumOps = 3 }
 
 // Picks the grid and chunk size of op (kOpDispatch / kOpCombine) for T tokens
 // given an SM budget (num_sms <= 0: every SM of the device). The tokens per
-// chunk: `chunk` when > 0 (loopback tests), else JAX_EP_CHUNK when set
-// (bench), else the default; doubled until at most kMaxChunks chunks.
+// chunk: `chunk` when > 0 (the `chunk` FFI attribute, EpConfig.tuning; the
+// loopback tests), else the default; doubled until at most kMaxChunks chunks.
+// Every rank of a group must pass the same chunk (flag j must cover the same
+// tokens everywhere): it comes from the one EpConfig they share.
 LaunchConfig make_launch_config(OpKind op, int num_tokens, int num_sms_requested, int device_sms,
                                 int chunk = 0);
 
@@ -151,9 +148,12 @@ __device__ __forceinline__ void named_barrier(int id, int nthreads) {
 
 // Sender warps of a block publish chunk j to every peer: its rows (written by
 // any sender thread of the block) are visible before the flag reads epoch.
+// The sender warps meet at a barrier and one thread does a system-scope
+// release (cumulative over the block's writes, per the PTX memory model). (A
+// form where every sender thread fenced first was measured no faster and
+// deleted: bench/results/history.)
 __device__ __forceinline__ void publish_chunk(const PeerTable& p, size_t ctrl_off, int j,
-                                              unsigned int epoch, int send_warps, int mode) {
-  if (mode == 1) __threadfence_system();
+                                              unsigned int epoch, int send_warps) {
   named_barrier(1, 32 * send_warps);
   if (threadIdx.x == 0) {
     __threadfence_system();
@@ -286,8 +286,12 @@ __device__ __forceinline__ void warp_zero_row_any(void* dst, long long bytes, in
 int* device_error_word();  // device pointer of the mapped word
 int take_device_error();   // reads and clears it (host side, no sync)
 
-// JAX_EP_DEBUG_POISON=1: FFI handlers fill outputs with 0xFF (NaN in every
-// float type) before the kernels run, so a row nobody writes shows up.
+// TEST-ONLY debug helper, the one environment read of the library:
+// JAX_EP_DEBUG_POISON=1 makes the FFI handlers fill their outputs with 0xFF
+// (NaN in every float type) before the kernels run, so a row nobody writes
+// shows up in the GPU tests. It never changes the result of a correct kernel
+// (every output row it poisons is written), only costs a memset; no tuning
+// knob may be read this way (they are FFI attributes: EpConfig.tuning).
 bool debug_poison();
 
 // Default spin timeout.

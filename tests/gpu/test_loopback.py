@@ -151,7 +151,7 @@ class Loopback:
             return outs + ((out_s,) if out_s is not None else ())
         return run_per_rank(fn, mesh, "ep", x, idx)
 
-    def dispatch(self, R, x, scales, hd, mode, rank_major, H, chunk=0, wide=False, iters=1,
+    def dispatch(self, R, x, scales, hd, mode, rank_major, H, chunk=0, iters=1,
                  num_blocks=None, zero_tail=True, align=1, yw=None):
         """-> (error, per-rank rows, per-rank scales or None, seconds per call).
 
@@ -184,7 +184,7 @@ class Loopback:
             ptrs += ([t.data_ptr() for t in ts] + [syms[r].data_ptr()] +
                      [t.data_ptr() for t in extra])
         ints = [T, K, C, H, x_row_bytes, row_bytes, s_row_bytes, kmode, int(rank_major),
-                num_blocks or self.sms // R, chunk, 0, int(wide), int(zero_tail), align, dt]
+                num_blocks or self.sms // R, chunk, 0, int(zero_tail), align, dt]
         err, sec = self.C.loopback_dispatch(ptrs, ints, syms[0].numel(), R, iters)
         got = [self.host(outs[r], out_ref[r]) for r in range(R)]
         got_s = [self.host(out_ss[r], hd[5][r]) for r in range(R)] if s_row_bytes else None
@@ -364,14 +364,13 @@ def _worker():
             else:
                 xin, sin = x, None
             for chunk in chunks:
-                for wide in ((False, True) if mode == "cast" else (False,)):
-                    err, got, got_s, _ = lb.dispatch(R, xin, sin, hd, mode,
-                                                     layout == "rank_major", H, chunk, wide)
-                    sq = [bool(np.array_equal(bits(g), bits(e))) for g, e in zip(got, hd[4])]
-                    ss = [bool(np.array_equal(bits(g), bits(e))) for g, e in zip(got_s, hd[5])]
-                    emit(f"{name}_chunk{chunk}{'_wide' if wide else ''}",
-                         not err and all(sq) and all(ss), err=err, q_same=sq, scales_same=ss,
-                         q_mismatch=[int((bits(g) != bits(e)).sum()) for g, e in zip(got, hd[4])])
+                err, got, got_s, _ = lb.dispatch(R, xin, sin, hd, mode,
+                                                 layout == "rank_major", H, chunk)
+                sq = [bool(np.array_equal(bits(g), bits(e))) for g, e in zip(got, hd[4])]
+                ss = [bool(np.array_equal(bits(g), bits(e))) for g, e in zip(got_s, hd[5])]
+                emit(f"{name}_chunk{chunk}",
+                     not err and all(sq) and all(ss), err=err, q_same=sq, scales_same=ss,
+                     q_mismatch=[int((bits(g) != bits(e)).sum()) for g, e in zip(got, hd[4])])
         except Exception as e:  # noqa: BLE001
             emit(name, False, err=f"{type(e).__name__}: {e}"[:800])
 
@@ -515,7 +514,7 @@ def _bench(ep1_only=False):
     idx = np.stack([np.argsort(rng.random((T, E)), axis=1)[:, :K] for _ in range(R)]).astype(np.int32)
     x = rng.standard_normal((R, T, H)).astype(np.float32).astype(jnp.bfloat16)
     print(f"loopback on 1 GPU ({lb.sms} SMs, {lb.sms // R} per rank), R={R} T={T} H={H} K={K} E={E}")
-    print("| op | layout | chunk | publish | us per call |\n|---|---|---|---|---|")
+    print("| op | layout | chunk | us per call |\n|---|---|---|---|")
     for layout in () if ep1_only else ("rank_major", "expert_major"):
         cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
                        backend="reference")
@@ -523,10 +522,7 @@ def _bench(ep1_only=False):
         hd8 = lb.handles_and_ref(R, cfg, x, idx, "cast") if layout == "rank_major" else None
         y = hd[4]
         w = (rng.random((R, y.shape[1])).astype(np.float32) if layout == "expert_major" else None)
-        variants = ([(c, p) for p in ("0", "1") for c in (0, 1, 2, 4, 8, 16)]
-                    if layout == "rank_major" else [(0, "0"), (0, "1")])
-        for chunk, publish in variants:
-            os.environ["JAX_EP_PUBLISH"] = publish
+        for chunk in (0, 1, 2, 4, 8, 16) if layout == "rank_major" else (0,):
             ops = [("dispatch", lambda it: lb.dispatch(R, x, None, hd, "copy", layout == "rank_major",
                                                       H, chunk, iters=it, zero_tail=False)[0::3]),
                    ("combine", lambda it: lb.combine(R, y, w, hd, layout, H, chunk, iters=it)[0::2])]
@@ -546,12 +542,11 @@ def _bench(ep1_only=False):
                 for _ in range(5):
                     err, sec = f(20)
                     times.append(sec)
-                print(f"| {name} | {layout} | {chunk or 'default'} | {publish} | "
+                print(f"| {name} | {layout} | {chunk or 'default'} | "
                       f"{'ERR ' + err if err else f'{np.median(times) * 1e6:.1f}'} |", flush=True)
 
     # EP = 1 (no peer: only the local paths, all SMs): the cost of the work the
     # kernels do besides the transfer (own tokens, zero rows, K-row reductions)
-    os.environ["JAX_EP_PUBLISH"] = "0"
     R1 = 1
     x1, idx1 = x[:1], idx[:1]
     print(f"\nEP = 1 on 1 GPU ({lb.sms} SMs): local paths only, T={T} H={H} K={K} E={E}")
