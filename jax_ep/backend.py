@@ -11,9 +11,10 @@ plus ``return_weights``; the backward of combine is ``combine_backward`` (a
 dispatch of the output cotangent, weighted on the expert side, plus the
 weights' gradient).
 
-Backends are built by composition: ``route``, ``dispatch_weights`` and
-``return_weights`` are the shared functions of ``jax_ep.routing`` over the
-backend's metadata exchange; only the row movement differs.
+Both backends share their routing half, ``jax_ep.routing.XlaRouting``
+(``route``, ``dispatch_weights`` and ``return_weights`` over XLA's
+all_to_all); only the row movement differs (the native backend no longer
+derives from the reference one).
 """
 from __future__ import annotations
 

@@ -57,7 +57,7 @@ def _row_attrs(handle: Handle, cfg: EpConfig) -> dict:
     group only with ``cfg.zero_tail`` (unspecified otherwise: at EP 2 / V3-train
     that tail is half of the dropless capacity)."""
     align = cfg.expert_alignment if handle.layout == "expert_major" else 1
-    return dict(align=np.int32(align), zero_tail=np.int32(bool(getattr(cfg, "zero_tail", False))))
+    return dict(align=np.int32(align), zero_tail=np.int32(cfg.zero_tail))
 
 
 def dispatch_raw(x, x_scales, handle: Handle, cfg: EpConfig, *, cast_fp8: bool = False,
@@ -147,7 +147,7 @@ def bench_transfer(src_u8, token, cfg: EpConfig, mode: int, num_sms: int = 0):
     return out
 
 
-class NativeBackend:
+class NativeBackend(routing.XlaRouting):
     """Rows through the native kernels; the routing metadata and weights (a few
     bytes per token) through the shared routing (``jax_ep.routing``) over XLA's
     all_to_all, which is faster for them than a kernel launch with its flag
@@ -155,19 +155,6 @@ class NativeBackend:
     ``route`` at V3-train and was deleted: bench/results/README.md)."""
 
     name = "native"
-
-    @staticmethod
-    def _exchange(x, cfg: EpConfig):
-        return routing.xla_all_to_all(x, cfg)
-
-    def route(self, topk_idx, cfg: EpConfig, R: int):
-        return routing.route(topk_idx, cfg, R, self._exchange)
-
-    def dispatch_weights(self, topk_weights, handle: Handle, cfg: EpConfig):
-        return routing.dispatch_weights(topk_weights, handle, cfg, self._exchange)
-
-    def return_weights(self, d_recv_w, handle: Handle, cfg: EpConfig):
-        return routing.return_weights(d_recv_w, handle, cfg, self._exchange)
 
     def layout(self, topk_idx, cfg: EpConfig, R: int):
         from . import native_layout

@@ -48,23 +48,15 @@ def fp8_cast(x: jax.Array):
     return q.reshape(T, H), scale
 
 
-class ReferenceBackend:
+class ReferenceBackend(routing.XlaRouting):
     """DESIGN §2 in pure JAX: the shared routing (``jax_ep.routing``) over XLA's
-    all_to_all, and the rows moved by the same all_to_all of a dense
-    ``[R, T, W]`` buffer."""
+    all_to_all, and the rows moved by the same all_to_all (``_exchange``) of a
+    dense ``[R, T, W]`` buffer."""
 
     name = "reference"
 
-    @staticmethod
-    def _exchange(x, cfg: EpConfig):
-        """The one communication primitive of this backend (XLA all_to_all)."""
-        return routing.xla_all_to_all(x, cfg)
-
     def layout(self, topk_idx, cfg: EpConfig, R: int):
         return routing.layout_counts(topk_idx, cfg, R)
-
-    def route(self, topk_idx, cfg: EpConfig, R: int):
-        return routing.route(topk_idx, cfg, R, self._exchange)
 
     # -- data movement --------------------------------------------------------
     def _send_rows(self, x, handle: Handle, cfg: EpConfig):
@@ -82,12 +74,6 @@ class ReferenceBackend:
 
     def dispatch_rows_fp8(self, x, handle: Handle, cfg: EpConfig):
         return self.dispatch_rows(*fp8_cast(x), handle, cfg)
-
-    def dispatch_weights(self, topk_weights, handle: Handle, cfg: EpConfig):
-        return routing.dispatch_weights(topk_weights, handle, cfg, self._exchange)
-
-    def return_weights(self, d_recv_w, handle: Handle, cfg: EpConfig):
-        return routing.return_weights(d_recv_w, handle, cfg, self._exchange)
 
     def combine_rows(self, y, row_weights, handle: Handle, cfg: EpConfig):
         R, T, K = handle.recv_local_idx.shape

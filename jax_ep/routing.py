@@ -173,3 +173,22 @@ def return_weights(d_recv_w, handle: Handle, cfg: EpConfig, exchange: Exchange):
     for r in range(1, R):
         out = out + back[r]
     return out
+
+
+class XlaRouting:
+    """The routing half of a backend: ``route``, ``dispatch_weights`` and
+    ``return_weights`` over XLA's all_to_all (``_exchange``). Both backends
+    build on it and differ only in how the rows move."""
+
+    @staticmethod
+    def _exchange(x, cfg: EpConfig):
+        return xla_all_to_all(x, cfg)
+
+    def route(self, topk_idx, cfg: EpConfig, R: int):
+        return route(topk_idx, cfg, R, self._exchange)
+
+    def dispatch_weights(self, topk_weights, handle: Handle, cfg: EpConfig):
+        return dispatch_weights(topk_weights, handle, cfg, self._exchange)
+
+    def return_weights(self, d_recv_w, handle: Handle, cfg: EpConfig):
+        return return_weights(d_recv_w, handle, cfg, self._exchange)

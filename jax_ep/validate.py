@@ -47,6 +47,13 @@ def _shape(name, a, ndim):
                          f"{getattr(a, 'shape', type(a).__name__)}")
 
 
+def _tokens_per_rank(name, n, cfg: EpConfig):
+    if n > cfg.max_tokens_per_rank:
+        raise ValueError(f"{name} has {n} tokens per rank, more than "
+                         f"EpConfig.max_tokens_per_rank={cfg.max_tokens_per_rank} (shapes inside "
+                         "jax.shard_map are per rank)")
+
+
 def topk_idx(idx, cfg: EpConfig, R: int):
     """Checks ``topk_idx``; returns it as int32 (any integer dtype is accepted)."""
     _shape("topk_idx", idx, 2)
@@ -55,10 +62,7 @@ def topk_idx(idx, cfg: EpConfig, R: int):
                         f"got {idx.dtype}")
     if idx.shape[1] != cfg.topk:
         raise ValueError(f"topk_idx has {idx.shape[1]} columns, EpConfig.topk is {cfg.topk}")
-    if idx.shape[0] > cfg.max_tokens_per_rank:
-        raise ValueError(f"topk_idx has {idx.shape[0]} tokens per rank, more than "
-                         f"EpConfig.max_tokens_per_rank={cfg.max_tokens_per_rank} (shapes inside "
-                         "jax.shard_map are per rank)")
+    _tokens_per_rank("topk_idx", idx.shape[0], cfg)
     if idx.dtype != jnp.int32:
         info = jnp.iinfo(idx.dtype)
         if info.bits < 32 or (info.bits == 32 and info.min < 0):
@@ -76,10 +80,7 @@ def topk_idx(idx, cfg: EpConfig, R: int):
 def dispatch_args(x, idx, w, x_scales, cfg: EpConfig, R: int):
     """Checks the arguments of dispatch; returns ``(topk_idx int32, topk_weights f32)``."""
     _shape("x", x, 2)
-    if x.shape[0] > cfg.max_tokens_per_rank:
-        raise ValueError(f"x has {x.shape[0]} tokens per rank, more than "
-                         f"EpConfig.max_tokens_per_rank={cfg.max_tokens_per_rank} (shapes inside "
-                         "jax.shard_map are per rank)")
+    _tokens_per_rank("x", x.shape[0], cfg)
     idx = topk_idx(idx, cfg, R)
     _shape("topk_weights", w, 2)
     T, H = x.shape
@@ -151,8 +152,9 @@ def combine_args(y, d, cfg: EpConfig, R: int):
 
 
 def global_sum(n):
-    """``n`` summed over every device of the enclosing mesh (all its axes), so
-    every device holds the same value: one decision, taken everywhere."""
+    """``n`` summed over the manual axes of the enclosing ``shard_map`` (every
+    device of the mesh when it is manual over all of them), so every device
+    holds the same value: one decision, taken everywhere."""
     from ._ffi import to_vma, vma_of
 
     axes = bound_axes()
@@ -203,11 +205,11 @@ def check_drops(total, capacity: int):
     also works under ``jax.checkpoint``); the caller makes the data movement
     depend on its result, so it is never dead code and runs before any rank
     can block in a later collective."""
-    m = jax.sharding.get_abstract_mesh()
-    if len(bound_axes()) != len(tuple(m.axis_names)):
+    names, manual = tuple(jax.sharding.get_abstract_mesh().axis_names), bound_axes()
+    if len(manual) != len(names):
         raise ValueError(
             "EpConfig.check_overflow needs a jax.shard_map that is manual over every mesh axis "
-            f"(here {bound_axes()} of {tuple(m.axis_names)}): JAX runs no host callback in a "
+            f"(here {manual} of {names}): JAX runs no host callback in a "
             "partially-manual shard_map. Return Dispatched.total_dropped and check it on the "
             "host instead")
     _quiet_callback_logs()
