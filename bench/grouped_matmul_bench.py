@@ -62,8 +62,7 @@ SWEEP_SMALL = {
     "fwd": [((128, 128, 64, 4, 4), {}, ("skewed",)),        # old default, skew
             ((64, 256, 64, 4, 2), {}, ("uniform", "skewed"))],  # half the boundary waste
     "dx": [((64, 256, 64, 4, 2), {}, ("skewed",))],
-    "dw": [((128, 128, 64, 4, 4), {"dw_pipelined": False}, ("uniform",)),  # old kernel
-           ((128, 128, 128, 2, 4), {}, ("uniform",)),
+    "dw": [((128, 128, 128, 2, 4), {}, ("uniform",)),
            ((128, 128, 64, 3, 8), {}, ("uniform",))],
 }
 

@@ -57,15 +57,9 @@ Work: one tile per fragment, i.e. ``cdiv(M, block_m)`` tiles plus one per group
 boundary that falls inside a block (none when group sizes are multiples of
 ``block_m``) -- no work for empty groups and none past ``total``.
 
-dw (``_tgmm_pallas``): ``block_m x block_n`` tiles of ``dw[g]``. Default
-(``dw_pipelined=True``): the tiles of each group are dealt round-robin to the
-SMs and each SM runs one pipeline over (its tiles of ``g``) x (k-steps of ``g``),
-so the next tile's loads and the previous tile's (async, double-buffered)
-store overlap the current tile's matmul; the accumulator is stored and reset
-on each tile's last k-step. ``dw_pipelined=False``: one pipeline per work item
-``(g, tile)``. Either way the pipeline walks the rows of group ``g`` in steps of
-``block_k``
-starting at ``off[g]`` rounded down to a multiple of 8 (the tiled shared-memory
+dw (``_tgmm_pallas``): ``block_m x block_n`` tiles of ``dw[g]``, one shared-memory
+pipeline per work item ``(g, tile)`` (persistent over SMs). The pipeline walks
+the rows of group ``g`` in steps of ``block_k`` starting at ``off[g]`` rounded down to a multiple of 8 (the tiled shared-memory
 layout needs 8-aligned TMA row offsets); on the first and last steps the rows
 outside ``[off[g], off[g+1])`` are *selected* to zero in both operands (a
 select, not a multiply, so NaN/Inf in neighbouring or tail rows cannot leak).
@@ -101,7 +95,9 @@ Tiles = Tuple[int, int, int, int, int]
 
 # fwd/dx: best of the first H200 sweep (bench/results/history/2026-11-30-h200-grouped-
 # matmul-first.md): 5 stages, band 2 (up 0.88/0.86, down 0.71/0.78 of dense).
-# dw: the pipelined kernel (shared memory: 4 stages x 32 KiB + 2 x 32 KiB out).
+# dw: one pipeline per (group, tile); a variant with one pipeline per (SM, group)
+# over all of the SM's tiles measured slower (8.0 vs 6.7 ms, V3 up projection;
+# bench/results/2026-11-30-h200-grouped-matmul.md) and was deleted.
 DEFAULT_TILES = {
     "fwd": (128, 128, 64, 5, 2),
     "dx": (128, 128, 64, 5, 2),
@@ -129,14 +125,6 @@ class GroupedMatmulConfig:
         column tile (L2 locality).
       interpret: run the Pallas kernels in Mosaic-GPU interpret mode (for
         testing the kernels on CPU; jax >= 0.11; very slow).
-      dw_pipelined: dw kernel variant: ``True`` (default) runs one pipeline per
-        (SM, group) across the SM's output tiles (next tile's loads and the
-        previous tile's store overlap the current matmul); ``False`` the
-        simple one-pipeline-per-tile kernel. With ``impl="auto"`` a pipelined
-        kernel that does not compile falls back to the simple one (with a
-        warning); with ``impl="pallas"`` it raises. Which of the two is faster
-        is not settled: their first H200 timings used different methods
-        (bench/results/2026-11-30-h200-grouped-matmul.md).
     """
 
     impl: str = "auto"
@@ -144,7 +132,6 @@ class GroupedMatmulConfig:
     dx: Optional[Tiles] = None
     dw: Optional[Tiles] = None
     interpret: bool = False
-    dw_pipelined: bool = True
 
     def __post_init__(self):
         if self.impl not in _IMPLS:
@@ -271,11 +258,7 @@ def tgmm(x, dy, group_sizes, *, config: Optional[GroupedMatmulConfig] = None,
     num_groups = group_sizes.shape[0]
     offsets = _offsets(group_sizes, x.shape[0])
     if _choose(cfg, "dw", x, dy, out_dtype) == "pallas":
-        pipelined = cfg.dw_pipelined
-        if pipelined and cfg.impl == "auto" and not cfg.interpret:
-            pipelined = _pallas_compiles("dw", cfg.tiles("dw"), x.dtype.name, True, quiet=True)
-        out = _tgmm_pallas(x, dy, offsets, cfg.tiles("dw"), out_dtype, cfg.interpret,
-                           pipelined)
+        out = _tgmm_pallas(x, dy, offsets, cfg.tiles("dw"), out_dtype, cfg.interpret)
     else:
         out = _tgmm_xla(x, dy, offsets, num_groups, out_dtype)
     return to_vma(out, vma_of(x) | vma_of(dy) | vma_of(group_sizes))
@@ -381,8 +364,7 @@ def _on_hopper() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _pallas_compiles(op: str, tiles: Tiles, dtype_name: str, dw_pipelined: bool = False,
-                     quiet: bool = False) -> bool:
+def _pallas_compiles(op: str, tiles: Tiles, dtype_name: str) -> bool:
     """Compile a small instance of the kernel once; False (with a warning) on failure."""
     bm, bn, bk, _, _ = tiles
     dt = jnp.dtype(dtype_name)
@@ -393,7 +375,7 @@ def _pallas_compiles(op: str, tiles: Tiles, dtype_name: str, dw_pipelined: bool 
             warnings.simplefilter("ignore")
             if op == "dw":
                 m, k, n = 2 * bk + 8, bm, bn
-                f = lambda a, b, o: _tgmm_pallas(a, b, o, tiles, dt, False, dw_pipelined)
+                f = lambda a, b, o: _tgmm_pallas(a, b, o, tiles, dt, False)
                 args = (sds((m, k), dt), sds((m, n), dt), sds((g + 1,), jnp.int32))
             else:
                 m, k, n = 2 * bm + 8, bk, bn
@@ -404,11 +386,6 @@ def _pallas_compiles(op: str, tiles: Tiles, dtype_name: str, dw_pipelined: bool 
             jax.jit(f).lower(*args).compile()
         return True
     except Exception as e:  # noqa: BLE001 -- any failure means "use XLA"
-        if quiet:
-            warnings.warn(f"jax_ep.grouped_matmul: pipelined Pallas dw kernel with tiles {tiles} "
-                          f"does not compile here ({type(e).__name__}: {str(e)[:200]}); "
-                          "using the simple dw kernel")
-            return False
         warnings.warn(f"jax_ep.grouped_matmul: Pallas {op} kernel with tiles {tiles} "
                       f"does not compile here ({type(e).__name__}: {str(e)[:200]}); "
                       "using jax.lax.ragged_dot instead")
@@ -569,12 +546,6 @@ def _gmm_pallas(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
     return kernel(r0, r1, grp, x, w)
 
 
-def _tgmm_pallas(x, dy, offsets, tiles, out_dtype, interpret, pipelined=True):
-    if pipelined:
-        return _tgmm_pallas_pipelined(x, dy, offsets, tiles, out_dtype, interpret)
-    return _tgmm_pallas_simple(x, dy, offsets, tiles, out_dtype, interpret)
-
-
 def _zero_rows_outside(plgpu, ref, width, s, bk, lead, size):
     """dw k-step ``s`` of a group: zero the rows of the staged ``[bk, width]``
     tile outside ``[lead, lead + size)`` with a select (never a multiply: the
@@ -585,142 +556,7 @@ def _zero_rows_outside(plgpu, ref, width, s, bk, lead, size):
     ref[...] = jnp.where((r >= lead) & (r < lead + size), v, jnp.zeros_like(v))
 
 
-def _tgmm_pallas_pipelined(x, dy, offsets, tiles, out_dtype, interpret):
-    """dw with one shared-memory pipeline per (SM, group) over all of the SM's tiles.
-
-    Group ``g``'s ``T = grid_m * grid_n`` output tiles are dealt round-robin to
-    the SMs (rotated per group, as one flat ``(g, tile)`` sequence), and each
-    SM runs ONE pipeline over ``(its tiles of g) x (k-steps of g)``: the loads
-    of the next tile are in flight while the current one is computed, the
-    accumulator is stored (async TMA, two shared-memory slots) and reset on the
-    last k-step of each tile, and the store overlaps the next tile's matmul.
-    Pipeline prologues drop from one per tile to one per group.
-    """
-    pl, plgpu = _plgpu()
-    bm, bn, bk, steps, band = tiles
-    m, k = x.shape
-    n = dy.shape[1]
-    g_count = offsets.shape[0] - 1
-    grid_m, grid_n = k // bm, n // bn
-    n_tiles = grid_m * grid_n
-    nsm = _num_sms(interpret)
-    rot_step = n_tiles % nsm
-    itemsize = jnp.dtype(x.dtype).itemsize
-    swizzle = plgpu.find_swizzle(bk * itemsize * 8)
-    tr = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
-    o_swizzle = plgpu.find_swizzle(bn * itemsize * 8)
-    o_tr = (plgpu.TilingTransform((8, o_swizzle // itemsize)), plgpu.SwizzleTransform(o_swizzle))
-    # two output slots (store overlaps the next tile) unless shared memory is short
-    pipe_bytes = steps * bk * (bm + bn) * itemsize
-    slots = 2 if pipe_bytes + 2 * bm * bn * itemsize <= 216 * 1024 else 1
-
-    def body(off_ref, x_ref, dy_ref, o_ref):
-        sm = lax.axis_index("sm")
-
-        def tile_of(t):
-            return plgpu.planar_snake(t, (grid_m, grid_n), 0, band)
-
-        def scoped(o_smem):
-            pl.run_scoped(functools.partial(acc_scoped, o_smem=o_smem), plgpu.ACC((bm, bn)))
-
-        def acc_scoped(acc_ref, o_smem):
-            def store(g, c, mi, ni, val):
-                slot = lax.rem(c, jnp.int32(slots))
-                plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)   # slot free again
-                o_smem[slot] = val.astype(o_smem.dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(
-                    o_smem.at[slot], o_ref.at[g, pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)])
-
-
-            def group(g, count):
-                start = off_ref[g]
-                size = off_ref[g + 1] - start
-                rot = lax.rem(g * jnp.int32(rot_step), jnp.int32(nsm))
-                t0 = lax.rem(sm - rot + nsm, jnp.int32(nsm))
-                cnt = jnp.where(t0 < n_tiles, lax.div(n_tiles - t0 + (nsm - 1), jnp.int32(nsm)), 0)
-                cnt = cnt.astype(jnp.int32)
-                astart = pl.multiple_of(lax.div(start, jnp.int32(8)) * 8, 8)
-                lead = start - astart
-                nsteps = lax.div(size + lead + (bk - 1), jnp.int32(bk))
-
-                zero_outside = functools.partial(_zero_rows_outside, plgpu, bk=bk, lead=lead,
-                                                 size=size)
-
-                @pl.when((size > 0) & (cnt > 0))
-                def _():
-                    def step(idx, x_smem, dy_smem, *carry):
-                        j, s = idx
-
-                        @pl.when((s == 0) | (s == nsteps - 1))
-                        def _():
-                            zero_outside(x_smem, bm, s)
-                            zero_outside(dy_smem, bn, s)
-                            plgpu.commit_smem()
-
-                        plgpu.wgmma(acc_ref, _transposed(plgpu, x_smem), dy_smem)
-
-                        if interpret:
-                            # The interpreter cannot store to an accumulator:
-                            # emulate the reset with a running base (test only).
-                            base, = carry
-                            last = s == nsteps - 1
-                            val = acc_ref[...]
-
-                            @pl.when(last)
-                            def _():
-                                mi, ni = tile_of(t0 + j * nsm)
-                                store(g, count + j, mi, ni, val - base)
-                            return jnp.where(last, val, base)
-
-                        @pl.when(s == nsteps - 1)
-                        def _():
-                            val = acc_ref[...]
-                            mi, ni = tile_of(t0 + j * nsm)
-                            store(g, count + j, mi, ni, val)
-                            # reset after the store: val is dead by then (no
-                            # second 128-register accumulator alive at once)
-                            acc_ref[...] = jnp.zeros((bm, bn), jnp.float32)
-
-                    rows = pl.ds(astart, m)  # may run past M; steps past the group are never issued
-                    plgpu.emit_pipeline(
-                        step,
-                        grid=(cnt, nsteps),
-                        in_specs=[
-                            plgpu.BlockSpec((bk, bm), lambda j, s: (s, tile_of(t0 + j * nsm)[0]),
-                                            delay_release=1, transforms=tr),
-                            plgpu.BlockSpec((bk, bn), lambda j, s: (s, tile_of(t0 + j * nsm)[1]),
-                                            delay_release=1, transforms=tr),
-                        ],
-                        max_concurrent_steps=steps,
-                        **(dict(init_carry=acc_ref[...]) if interpret else {}),
-                    )(x_ref.at[rows, :], dy_ref.at[rows, :])
-
-                @pl.when((size <= 0) & (cnt > 0))
-                def _():
-                    @pl.loop(0, cnt)
-                    def _(j):
-                        mi, ni = tile_of(t0 + j * nsm)
-                        store(g, count + j, mi, ni, jnp.zeros((bm, bn), jnp.float32))
-
-                return count + cnt
-
-            lax.fori_loop(0, g_count, group, jnp.int32(0))
-            plgpu.wait_smem_to_gmem(0)
-
-        pl.run_scoped(scoped, plgpu.SMEM((slots, bm, bn), out_dtype, transforms=o_tr))
-
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((g_count, k, n), out_dtype),
-        grid=(nsm,),
-        grid_names=("sm",),
-        **_kernel_params(plgpu, interpret),
-    )
-    return kernel(offsets.astype(jnp.int32), x, dy)
-
-
-def _tgmm_pallas_simple(x, dy, offsets, tiles, out_dtype, interpret):
+def _tgmm_pallas(x, dy, offsets, tiles, out_dtype, interpret):
     pl, plgpu = _plgpu()
     bm, bn, bk, steps, band = tiles
     m, k = x.shape
