@@ -7,3 +7,11 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# The grouped-matmul tests run on GPU 0 inside this (parent) process; by default
+# JAX would keep 75% of that GPU for the rest of the session, and the
+# multi-process jobs that follow (60% each) would run out of memory. Allocate
+# on demand and give memory back; the children get the defaults again (harness).
+if "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ and "XLA_PYTHON_CLIENT_ALLOCATOR" not in os.environ:
+    os.environ.update(XLA_PYTHON_CLIENT_PREALLOCATE="false", XLA_PYTHON_CLIENT_ALLOCATOR="platform",
+                      _JAX_EP_PARENT_ALLOCATOR="1")

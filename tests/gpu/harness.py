@@ -10,7 +10,8 @@ plain single process), then ``jax_ep.initialize()`` (unless
 ``init_native=False``), then calls ``worker(rank, n, **kwargs)`` and writes its
 JSON-serialisable return value back. ``run`` returns the list of results in
 rank order, or fails the test with every rank's output when a rank exits
-non-zero, times out or returns nothing. The parent never touches a GPU.
+non-zero, times out or returns nothing. The parent itself only runs the
+single-GPU grouped-matmul tests, without preallocating (conftest.py).
 
 Number of processes: ``nprocs()`` = ``$JAX_EP_TEST_NPROCS`` (default 2).
 """
@@ -66,6 +67,9 @@ def _child_env(extra: Optional[dict]) -> dict:
     env = dict(os.environ)
     env.update(NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1", PYTHONUNBUFFERED="1")
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
+    if env.pop("_JAX_EP_PARENT_ALLOCATOR", None):  # set by conftest for the parent only
+        env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
+        env.pop("XLA_PYTHON_CLIENT_ALLOCATOR", None)
     if env.get("JAX_PLATFORMS", "") == "cpu":
         env.pop("JAX_PLATFORMS")
     # The CPU test suite's fake host devices are of no use here.
