@@ -41,21 +41,23 @@ Implementations (``GroupedMatmulConfig.impl``):
 
 Pallas kernels
 --------------
-Forward and dx (``_gmm_pallas``): the rows ``[0, M)`` are cut into *fragments*
-at every ``block_m`` boundary, every group boundary and at ``total``. A fragment
-lies inside one row block and one group (or the tail). Fragments are computed
-on the device by XLA (a sort of ``cdiv(M, block_m) + G + 1`` points) and handed
-to the kernel as three int32 arrays; the kernel loops over
-``fragments x column tiles`` (persistent over SMs, ``band`` row fragments
-iterated together for L2 reuse of ``w`` tiles), computes the full
-``block_m x block_n`` tile of its row block against ``w[g]`` and stores only the
-fragment's rows (TMA stores of power-of-two row counts). Tail fragments skip
-the matmul and store zeros, so the output is fully written by the kernel (no
-extra masking pass) and tail input rows can only reach accumulator rows that
-are never stored. Empty fragments (duplicate boundary points) are skipped.
-Work: one tile per fragment, i.e. ``cdiv(M, block_m)`` tiles plus one per group
-boundary that falls inside a block (none when group sizes are multiples of
-``block_m``) -- no work for empty groups and none past ``total``.
+Forward and dx (``_gmm_pallas``): every non-empty group is cut into row tiles
+of ``block_m`` rows starting at its first row rounded down to 8 (TMA row
+offsets of the tiled shared-memory layout are 8-aligned; the up to 7 rows of
+the previous group are computed and not stored), and the tail ``[total, M)``
+into zero-store tiles. The tile table (row start, rows to store, group) is
+computed on the device by XLA and handed to the kernel as int32 arrays; the
+kernel loops over ``tiles x column tiles`` (persistent over SMs, ``band`` row
+tiles iterated together for L2 reuse of ``w`` tiles), computes the full
+``block_m x block_n`` tile against ``w[g]`` and stores only the group's rows
+(TMA stores of power-of-two row counts). Tail tiles skip the matmul and store
+zeros, so the output is fully written by the kernel (no extra masking pass);
+rows of other groups or of the tail can only reach accumulator rows that are
+never stored (a row's output depends on that row alone). Work:
+``sum_g cdiv(size_g + lead_g, block_m)`` tiles -- under one extra tile per
+group, none for empty groups and none past ``total`` (tiles cut at fixed
+``block_m`` boundaries, an earlier version, cost one more tile per boundary
+inside a block: 1.5x the work at ~256 rows per group).
 
 dw (``_tgmm_pallas``): ``block_m x block_n`` tiles of ``dw[g]``, one shared-memory
 pipeline per work item ``(g, tile)`` (persistent over SMs). The pipeline walks
@@ -121,8 +123,12 @@ class GroupedMatmulConfig:
         ``(block_m, block_n, block_k, max_concurrent_steps, band)``, or ``None``
         for :data:`DEFAULT_TILES`. ``max_concurrent_steps`` is the number of
         shared-memory pipeline stages (>= 2); ``band`` is how many row
-        fragments (forward/dx) or row tiles of ``dw`` are swept together per
+        tiles (forward/dx) or row tiles of ``dw`` are swept together per
         column tile (L2 locality).
+      dw_warpgroups: consumer warpgroups of the dw kernel: 2 (a producer
+        warpgroup feeds two consumers that own a ``2 block_m x block_n`` tile;
+        used when ``K % (2 block_m) == 0``, else the 1-warpgroup kernel) or 1
+        (one warpgroup loads and computes ``block_m x block_n`` tiles).
       interpret: run the Pallas kernels in Mosaic-GPU interpret mode (for
         testing the kernels on CPU; jax >= 0.11; very slow).
     """
@@ -132,10 +138,13 @@ class GroupedMatmulConfig:
     dx: Optional[Tiles] = None
     dw: Optional[Tiles] = None
     interpret: bool = False
+    dw_warpgroups: int = 2
 
     def __post_init__(self):
         if self.impl not in _IMPLS:
             raise ValueError(f"impl must be one of {_IMPLS}, got {self.impl!r}")
+        if self.dw_warpgroups not in (1, 2):
+            raise ValueError(f"dw_warpgroups must be 1 or 2, got {self.dw_warpgroups!r}")
         for name in ("fwd", "dx", "dw"):
             t = getattr(self, name)
             if t is None:
@@ -258,10 +267,34 @@ def tgmm(x, dy, group_sizes, *, config: Optional[GroupedMatmulConfig] = None,
     num_groups = group_sizes.shape[0]
     offsets = _offsets(group_sizes, x.shape[0])
     if _choose(cfg, "dw", x, dy, out_dtype) == "pallas":
-        out = _tgmm_pallas(x, dy, offsets, cfg.tiles("dw"), out_dtype, cfg.interpret)
+        tiles = cfg.tiles("dw")
+        ws = _ws_tiles(tiles, x.shape[1], x.dtype) if cfg.dw_warpgroups == 2 else None
+        if ws is not None and not cfg.interpret and cfg.impl == "auto":
+            ws = ws if _pallas_compiles("dw_ws", ws, x.dtype.name) else None
+        if ws is not None:
+            out = _tgmm_pallas_ws(x, dy, offsets, ws, out_dtype, cfg.interpret)
+        else:
+            out = _tgmm_pallas(x, dy, offsets, tiles, out_dtype, cfg.interpret)
     else:
         out = _tgmm_xla(x, dy, offsets, num_groups, out_dtype)
     return to_vma(out, vma_of(x) | vma_of(dy) | vma_of(group_sizes))
+
+
+_SMEM_BYTES = 227 * 1024   # Hopper: dynamic shared memory per block
+
+
+def _ws_tiles(tiles: Tiles, k: int, dtype) -> Optional[Tiles]:
+    """The dw tiles for the 2-consumer kernel (stages cut to fit shared memory),
+    or None when ``K`` is not a multiple of ``2 block_m``."""
+    bm, bn, bk, steps, band = tiles
+    if k % (2 * bm):
+        return None
+    item = jnp.dtype(dtype).itemsize
+    stage = bk * (2 * bm + bn) * item
+    fit = (_SMEM_BYTES - 2 * bm * bn * item - 1024) // stage
+    if fit < 2:
+        return None
+    return (bm, bn, bk, int(min(steps, fit)), band)
 
 
 def _offsets(group_sizes, m):
@@ -373,9 +406,10 @@ def _pallas_compiles(op: str, tiles: Tiles, dtype_name: str) -> bool:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            if op == "dw":
-                m, k, n = 2 * bk + 8, bm, bn
-                f = lambda a, b, o: _tgmm_pallas(a, b, o, tiles, dt, False)
+            if op in ("dw", "dw_ws"):
+                m, k, n = 2 * bk + 8, 2 * bm, bn
+                kern = _tgmm_pallas_ws if op == "dw_ws" else _tgmm_pallas
+                f = lambda a, b, o: kern(a, b, o, tiles, dt, False)
                 args = (sds((m, k), dt), sds((m, n), dt), sds((g + 1,), jnp.int32))
             else:
                 m, k, n = 2 * bm + 8, bk, bn
@@ -387,8 +421,9 @@ def _pallas_compiles(op: str, tiles: Tiles, dtype_name: str) -> bool:
         return True
     except Exception as e:  # noqa: BLE001 -- any failure means "use XLA"
         warnings.warn(f"jax_ep.grouped_matmul: Pallas {op} kernel with tiles {tiles} "
-                      f"does not compile here ({type(e).__name__}: {str(e)[:200]}); "
-                      "using jax.lax.ragged_dot instead")
+                      f"does not compile here ({type(e).__name__}: {str(e)[:200]}); using "
+                      + ("the 1-warpgroup dw kernel" if op == "dw_ws" else "jax.lax.ragged_dot")
+                      + " instead")
         return False
 
 
@@ -446,25 +481,43 @@ def _num_sms(interpret) -> int:
     return 132  # H100/H200 SXM
 
 
-def _fragments(offsets, m, bm):
-    """Row fragments of ``[0, m)``: int32 ``r0 [F]``, ``r1 [F]``, ``group [F]`` (-1: tail).
+def _row_tiles(offsets, m, bm):
+    """Row tiles of the forward/dx kernel: int32 ``start, lo, hi, group`` of static length.
 
-    Cut points: every ``bm`` boundary and every group offset (``total``
-    included). ``F = cdiv(m, bm) + G + 1`` (static); duplicate points give
-    empty fragments, which are sorted to the end.
+    Each non-empty group ``g`` is cut into ``cdiv(size + lead, bm)`` tiles of
+    ``bm`` rows starting at ``off[g]`` rounded down to 8 (``lead`` rows of the
+    previous group are computed and not stored: 8-aligned TMA row offsets); the
+    tail ``[total, m)`` into ``cdiv(m - total, bm)`` zero-store tiles
+    (``group -1``). A tile stores rows ``[lo, hi)``; its loads start at
+    ``start`` (moved back so the tile ends inside ``[0, m)``). Unused entries
+    (``lo == hi``) come last. Per-group tiles waste < ``bm + 7`` rows per
+    group, against up to ``2 bm`` for blocks cut at fixed ``bm`` boundaries.
     """
-    nb = -(-m // bm)
-    pts = jnp.concatenate([jnp.arange(nb, dtype=jnp.int32) * bm, offsets.astype(jnp.int32)])
-    pts = jnp.sort(pts)
-    r0 = pts
-    r1 = jnp.concatenate([pts[1:], jnp.full((1,), m, jnp.int32)])
-    ends = offsets[1:]
-    g = jnp.searchsorted(ends, r0, side="right").astype(jnp.int32)   # first group with end > r0
-    g = jnp.where(g >= ends.shape[0], -1, g).astype(jnp.int32)
-    valid = r1 > r0
-    key = jnp.where(valid, r0, m + 1)
-    order = jnp.argsort(key, stable=True)
-    return r0[order], r1[order], g[order]
+    g_count = offsets.shape[0] - 1
+    off = offsets.astype(jnp.int32)
+    start, end = off[:-1], off[1:]
+    total = off[-1]
+    a8 = (start // 8) * 8
+    n_g = jnp.where(end > start, (end - a8 + (bm - 1)) // bm, 0)
+    t8 = (total // 8) * 8
+    n_tail = (m - t8 + (bm - 1)) // bm
+    counts = jnp.concatenate([n_g, n_tail[None]])
+    cum = jnp.cumsum(counts)
+    first = cum - counts
+    n_max = (m + (g_count + 1) * (bm + 7)) // bm + 1    # bound on sum(counts)
+    t = jnp.arange(n_max, dtype=jnp.int32)
+    grp = jnp.searchsorted(cum, t, side="right").astype(jnp.int32)   # g_count = tail
+    used = grp <= g_count
+    gc = jnp.minimum(grp, g_count)
+    base = jnp.concatenate([a8, t8[None]])[gc]
+    row = base + (t - first[gc]) * bm
+    lo = jnp.maximum(row, jnp.concatenate([start, total[None]])[gc])
+    hi = jnp.minimum(row + bm, jnp.concatenate([end, jnp.full((1,), m, jnp.int32)])[gc])
+    row = jnp.maximum(jnp.minimum(row, m - bm), 0)      # m % 8 == 0: stays 8-aligned
+    lo = jnp.where(used, lo, 0)
+    hi = jnp.where(used, hi, 0)
+    g = jnp.where(gc == g_count, -1, gc)
+    return row.astype(jnp.int32), lo.astype(jnp.int32), hi.astype(jnp.int32), g.astype(jnp.int32)
 
 
 def _gmm_pallas(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
@@ -476,12 +529,12 @@ def _gmm_pallas(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
     else:
         _, k2, n = w.shape
     assert k == k2, (x.shape, w.shape, transpose_rhs)
-    r0, r1, grp = _fragments(offsets, m, bm)
+    rs, r0, r1, grp = _row_tiles(offsets, m, bm)
     nf = r0.shape[0]
     grid_n = n // bn
     top = 1 << int(math.log2(bm))     # largest power of two <= bm
 
-    def body(r0_ref, r1_ref, g_ref, x_ref, w_ref, o_ref):
+    def body(rs_ref, r0_ref, r1_ref, g_ref, x_ref, w_ref, o_ref):
         @plgpu.nd_loop((nf * grid_n,), collective_axes="sm")
         def _item(info):
             fi, ni = plgpu.planar_snake(info.index[0], (nf, grid_n), 0, band)
@@ -491,8 +544,7 @@ def _gmm_pallas(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
 
             @pl.when(hi > lo)
             def _():
-                bi = lax.div(lo, jnp.int32(bm))
-                row0 = bi * bm
+                row0 = pl.multiple_of(rs_ref[fi], 8)
 
                 def mma_scope(acc_ref):
                     @pl.when(g >= 0)
@@ -507,10 +559,10 @@ def _gmm_pallas(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
                         plgpu.emit_pipeline(
                             step,
                             grid=(k // bk,),
-                            in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (bi, kk),
+                            in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (0, kk),
                                                       delay_release=1), w_spec],
                             max_concurrent_steps=steps,
-                        )(x_ref, w_ref.at[jnp.maximum(g, 0)])
+                        )(x_ref.at[pl.ds(row0, bm), :], w_ref.at[jnp.maximum(g, 0)])
                     return acc_ref[...]
 
                 acc = pl.run_scoped(mma_scope, plgpu.ACC((bm, bn)))
@@ -543,7 +595,7 @@ def _gmm_pallas(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
         grid_names=("sm",),
         **_kernel_params(plgpu, interpret),
     )
-    return kernel(r0, r1, grp, x, w)
+    return kernel(rs, r0, r1, grp, x, w)
 
 
 def _zero_rows_outside(plgpu, ref, width, s, bk, lead, size):
@@ -630,6 +682,148 @@ def _tgmm_pallas(x, dy, offsets, tiles, out_dtype, interpret):
         out_type=jax.ShapeDtypeStruct((g_count, k, n), out_dtype),
         grid=(_num_sms(interpret),),
         grid_names=("sm",),
+        **_kernel_params(plgpu, interpret),
+    )
+    return kernel(offsets.astype(jnp.int32), x, dy)
+
+
+def _tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret):
+    """dw with two consumer warpgroups and a producer warpgroup (warp-specialized).
+
+    A CTA owns a ``2 block_m x block_n`` tile of ``dw[g]`` (each consumer
+    warpgroup one ``block_m x block_n`` half); per group, the SM's tiles (dealt
+    round-robin, rotated per group) and the group's k-steps form ONE pipeline
+    whose loads are issued by the producer warpgroup, so the next tile's loads
+    are in flight while the consumers run the previous tile's epilogue (a
+    group has only ~4 k-steps of 64 rows at V3 shapes: the epilogue and the
+    pipeline fill are what the one-warpgroup kernel waits on).
+    """
+    pl, plgpu = _plgpu()
+    bm, bn, bk, steps, band = tiles
+    m, k = x.shape
+    n = dy.shape[1]
+    g_count = offsets.shape[0] - 1
+    cm = 2 * bm
+    grid_m, grid_n = k // cm, n // bn
+    n_tiles = grid_m * grid_n
+    nsm = _num_sms(interpret)
+    rot_step = n_tiles % nsm
+    itemsize = jnp.dtype(x.dtype).itemsize
+    swizzle = plgpu.find_swizzle(bk * itemsize * 8)
+    tr = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+    o_swizzle = plgpu.find_swizzle(bn * itemsize * 8)
+    o_tr = (plgpu.TilingTransform((8, o_swizzle // itemsize)), plgpu.SwizzleTransform(o_swizzle))
+
+    def body(off_ref, x_ref, dy_ref, o_ref):
+        sm = lax.axis_index("sm")
+        wg = lax.axis_index("wg")
+
+        def tile_of(t):
+            return plgpu.planar_snake(t, (grid_m, grid_n), 0, band)
+
+        def scoped(o_smem):
+            def store(g, t, val):
+                mi, ni = tile_of(t)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # this warpgroup's slot free
+                o_smem[wg] = val.astype(o_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(
+                    o_smem.at[wg], o_ref.at[g, pl.ds(mi * cm + wg * bm, bm), pl.ds(ni * bn, bn)])
+
+            def group(g, carry):
+                start = off_ref[g]
+                size = off_ref[g + 1] - start
+                rot = lax.rem(g * jnp.int32(rot_step), jnp.int32(nsm))
+                t0 = lax.rem(sm - rot + nsm, jnp.int32(nsm))
+                cnt = jnp.where(t0 < n_tiles, lax.div(n_tiles - t0 + (nsm - 1), jnp.int32(nsm)), 0)
+                cnt = cnt.astype(jnp.int32)
+                astart = pl.multiple_of(lax.div(start, jnp.int32(8)) * 8, 8)
+                lead = start - astart
+                nsteps = lax.div(size + lead + (bk - 1), jnp.int32(bk))
+
+                def step(idx, x_smem, dy_smem, carry):
+                    j, s = idx
+                    acc_ref, base = carry if interpret else (carry, None)
+
+                    @pl.when((s == 0) | (s == nsteps - 1))
+                    def _():
+                        # Both consumers select the same rows to zero (identical
+                        # writes): neither reads a half-masked tile.
+                        _zero_rows_outside(plgpu, x_smem, cm, s, bk, lead, size)
+                        _zero_rows_outside(plgpu, dy_smem, bn, s, bk, lead, size)
+                        plgpu.commit_smem()
+
+                    xs = x_smem.at[:, pl.ds(pl.multiple_of(wg * bm, bm), bm)]
+                    plgpu.wgmma(acc_ref, _transposed(plgpu, xs), dy_smem)
+                    plgpu.wgmma_wait(1)
+
+                    last = s == nsteps - 1
+                    if interpret:
+                        # The interpreter cannot store to an accumulator:
+                        # emulate the reset with a running base (test only).
+                        val = acc_ref[...]
+
+                        @pl.when(last)
+                        def _():
+                            store(g, t0 + j * nsm, val - base)
+                        return acc_ref, jnp.where(last, val, base)
+
+                    @pl.when(last)
+                    def _():
+                        plgpu.wgmma_wait(0)
+                        store(g, t0 + j * nsm, acc_ref[...])
+                        acc_ref[...] = jnp.zeros((bm, bn), jnp.float32)
+                    return acc_ref
+
+                def compute_context(run):
+                    if interpret:
+                        pl.run_scoped(lambda a: run((a, a[...])), plgpu.ACC((bm, bn)))
+                    else:
+                        pl.run_scoped(run, plgpu.ACC((bm, bn)))
+
+                @pl.when((size > 0) & (cnt > 0))
+                def _():
+                    rows = pl.ds(astart, m)  # may run past M; steps past the group are never issued
+                    plgpu.emit_pipeline_warp_specialized(
+                        step,
+                        grid=(cnt, nsteps),
+                        memory_registers=40,
+                        in_specs=[
+                            plgpu.BlockSpec((bk, cm), lambda j, s: (s, tile_of(t0 + j * nsm)[0]),
+                                            delay_release=1, transforms=tr),
+                            plgpu.BlockSpec((bk, bn), lambda j, s: (s, tile_of(t0 + j * nsm)[1]),
+                                            delay_release=1, transforms=tr),
+                        ],
+                        wg_axis="wg",
+                        num_compute_wgs=2,
+                        max_concurrent_steps=steps,
+                        compute_context=compute_context,
+                    )(x_ref.at[rows, :], dy_ref.at[rows, :])
+
+                @pl.when((size <= 0) & (cnt > 0) & (wg < 2))
+                def _():
+                    @pl.loop(0, cnt)
+                    def _(j):
+                        store(g, t0 + j * nsm, jnp.zeros((bm, bn), jnp.float32))
+
+                return carry
+
+            lax.fori_loop(0, g_count, group, jnp.int32(0))
+
+            @pl.when(wg < 2)
+            def _():
+                plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(scoped, plgpu.SMEM((2, bm, bn), out_dtype, transforms=o_tr),
+                      collective_axes="wg")
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((g_count, k, n), out_dtype),
+        grid=(nsm,),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
         **_kernel_params(plgpu, interpret),
     )
     return kernel(offsets.astype(jnp.int32), x, dy)

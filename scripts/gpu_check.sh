@@ -70,7 +70,7 @@ fi
 gmm_rc=skipped
 if [ "${GMM_BENCH:-0}" = 1 ]; then
   echo "== grouped matmul bench" >&2
-  timeout 240 "$PY" bench/grouped_matmul_bench.py ${GMM_ARGS:---no-xla --sweep-small} > "$OUT/gmm_bench.log" 2>&1
+  timeout ${GMM_TIMEOUT:-240} "$PY" bench/grouped_matmul_bench.py ${GMM_ARGS:---no-xla --sweep-small} > "$OUT/gmm_bench.log" 2>&1
   gmm_rc=$?
 fi
 

@@ -226,7 +226,40 @@ PSIZES = {
     "unaligned_empty_tail": [70, 0, 33, 1, 60],        # sum 164 < 200
     "skew_full": [0, 190, 10, 0, 0],
     "all_empty": [0, 0, 0, 0, 0],
+    "ends_at_m": [70, 0, 33, 1, 96],                   # sum 200 = m: last tiles moved back
 }
+
+
+@pytest.mark.parametrize("bm", [64, 128])
+def test_row_tiles_cover_every_row_once(bm):
+    """The forward/dx tile table: every row of [0, m) stored by exactly one tile
+    of its own group (tail: group -1), loads 8-aligned and inside [0, m),
+    < one extra tile per group, unused entries last."""
+    rng = np.random.default_rng(bm)
+    for trial in range(40):
+        G = int(rng.integers(1, 20))
+        m = 8 * int(rng.integers(bm // 8, 120))
+        sizes = rng.integers(0, 3 * bm, size=G)
+        sizes[rng.random(G) < 0.3] = 0
+        if trial % 3 == 0:     # fill exactly m
+            sizes = np.floor(sizes / max(sizes.sum(), 1) * m).astype(int)
+            sizes[-1] += m - sizes.sum()
+        off = np.concatenate([[0], np.minimum(np.cumsum(sizes), m)]).astype(np.int32)
+        row, lo, hi, g = (np.asarray(a) for a in gm_mod._row_tiles(jnp.asarray(off), m, bm))
+        owner = np.full(m, -2)
+        used = hi > lo
+        assert not np.any(used[np.argmin(used):]) or used.all()   # unused entries last
+        for r0, a, b, gg in zip(row[used], lo[used], hi[used], g[used]):
+            assert r0 % 8 == 0 and 0 <= r0 and r0 + bm <= m and r0 <= a < b <= r0 + bm
+            assert np.all(owner[a:b] == -2)
+            owner[a:b] = gg
+        want = np.full(m, -1)
+        for gi in range(G):
+            want[off[gi]:off[gi + 1]] = gi
+        np.testing.assert_array_equal(owner, want)
+        n_groups = sum(-(-(off[i + 1] - off[i] // 8 * 8) // bm) for i in range(G)
+                       if off[i + 1] > off[i])
+        assert int(used.sum()) == n_groups + -(-(m - off[-1] // 8 * 8) // bm)
 
 
 @pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
@@ -288,12 +321,14 @@ def test_pallas_constraints_fall_back_to_xla():
 @pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
 @pytest.mark.parametrize("sizes", [[70, 0, 33, 1, 60], [8, 8, 100, 50, 0]])
 def test_pallas_dw_interpret(sizes):
-    """dw: several tiles per SM, empty groups, NaN/Inf tail -- matches numpy."""
-    x, _, dy, gs = make(sizes, m=200, k=128, n=192, seed=5)
+    """dw, both kernels (1 and 2 consumer warpgroups): several tiles per SM,
+    empty groups, NaN/Inf tail -- matches numpy."""
+    x, _, dy, gs = make(sizes, m=200, k=256, n=192, seed=5)
     xb, dyb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
-    tiles = (64, 64, 32, 3, 1)                        # 2 x 3 = 6 tiles on 4 "SMs"
-    cfg = GroupedMatmulConfig(impl="pallas", interpret=True, dw=tiles)
-    outs = [np.asarray(gm_mod.tgmm(xb, dyb, gs, config=cfg), np.float32)]
+    tiles = (64, 64, 32, 3, 1)            # 4 x 3 (1 wg) or 2 x 3 (2 wg) tiles on 4 "SMs"
+    outs = [np.asarray(gm_mod.tgmm(xb, dyb, gs, config=GroupedMatmulConfig(
+        impl="pallas", interpret=True, dw=tiles, dw_warpgroups=wgs)), np.float32)
+        for wgs in (1, 2)]
     xf, dyf = np.asarray(xb, np.float32), np.asarray(dyb, np.float32)
     off = _offsets(sizes)
     ref = np.stack([xf[off[g]:off[g + 1]].T.astype(np.float64) @ dyf[off[g]:off[g + 1]]
@@ -301,4 +336,5 @@ def test_pallas_dw_interpret(sizes):
     for out in outs:
         assert np.all(np.isfinite(out))
         np.testing.assert_allclose(out, ref, rtol=2e-2, atol=0.3)
-    np.testing.assert_array_equal(outs[0][np.asarray(sizes) == 0], 0)
+    for out in outs:
+        np.testing.assert_array_equal(out[np.asarray(sizes) == 0], 0)

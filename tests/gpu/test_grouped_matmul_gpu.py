@@ -128,8 +128,8 @@ def test_tile_configs(tiles):
 
 @pytest.mark.parametrize("kind,total", [("skew", 3900), ("unaligned", 3001), ("uniform", 4096)])
 def test_dw_tiles(kind, total):
-    """dw with several tile configurations (16 x 16 = 256 tiles per group) vs an
-    f32 reference; empty groups exactly zero, NaN tail unused."""
+    """dw, both kernels (1 and 2 consumer warpgroups), several tile
+    configurations vs an f32 reference; empty groups exactly zero, NaN tail unused."""
     m, k, n, g = 4096, 2048, 2048, 16
     sizes = sizes_for(kind, g, total, seed=2)
     if kind == "skew":
@@ -137,8 +137,9 @@ def test_dw_tiles(kind, total):
     x, _, dy, gs = data(m, k, n, sizes, seed=2)
     outs = {}
     for tiles in [(128, 128, 64, 4, 4), (128, 128, 128, 2, 4), (128, 128, 64, 3, 8)]:
-        cfg = GroupedMatmulConfig(impl="pallas", dw=tiles)
-        outs[tiles] = jax.jit(functools.partial(gm_mod.tgmm, config=cfg))(x, dy, gs)
+        for wgs in (1, 2):
+            cfg = GroupedMatmulConfig(impl="pallas", dw=tiles, dw_warpgroups=wgs)
+            outs[tiles, wgs] = jax.jit(functools.partial(gm_mod.tgmm, config=cfg))(x, dy, gs)
     xc, dyc = clean(x, sizes).astype(jnp.float32), clean(dy, sizes).astype(jnp.float32)
     ref = gm_mod.tgmm(xc, dyc, gs, config=XLA)
     for key, out in outs.items():
