@@ -63,7 +63,6 @@ SWEEP_SMALL = {
             ((64, 256, 64, 4, 2), {}, ("uniform", "skewed"))],  # half the boundary waste
     "dx": [((64, 256, 64, 4, 2), {}, ("skewed",))],
     "dw": [((128, 128, 64, 4, 4), {"dw_warpgroups": 1}, ("uniform", "skewed")),  # 1-wg kernel
-           ((128, 128, 32, 6, 4), {}, ("uniform",)),
            ((128, 128, 128, 2, 4), {}, ("uniform",)),
            ((128, 128, 64, 3, 8), {}, ("uniform",))],
 }
