@@ -5,7 +5,7 @@ Every function here is called per rank inside ``jax.shard_map`` over
 larger mesh). Shapes below are per rank: T tokens, H hidden, K top-k, E
 experts, R ranks on the axis, L = E / R local experts, C rows of capacity.
 
-Gradients follow DESIGN.md §2 and are backend-independent: the backward of
+Gradients follow docs/semantics.md §9 and are backend-independent: the backward of
 dispatch is a combine of the row gradients (unweighted) plus the return of the
 ``weights`` gradients to ``topk_weights``; the backward of combine is a
 dispatch of ``d_out`` (weighted on the expert side) plus

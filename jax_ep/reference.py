@@ -1,4 +1,4 @@
-"""Pure-JAX reference backend: the executable definition of DESIGN.md §2.
+"""Pure-JAX reference backend: the executable definition of docs/semantics.md.
 
 Routing (handle, counts, weights) is ``jax_ep.routing``, shared with the native
 backend; rows move through ``jax.lax.all_to_all`` over a dense, statically shaped ``[R, T, W]``
@@ -49,7 +49,7 @@ def fp8_cast(x: jax.Array):
 
 
 class ReferenceBackend(routing.XlaRouting):
-    """DESIGN §2 in pure JAX: the shared routing (``jax_ep.routing``) over XLA's
+    """docs/semantics.md in pure JAX: the shared routing (``jax_ep.routing``) over XLA's
     all_to_all, and the rows moved by the same all_to_all (``_exchange``) of a
     dense ``[R, T, W]`` buffer."""
 

@@ -1,4 +1,4 @@
-"""Routing shared by every backend: the metadata of DESIGN.md §2 as pure JAX.
+"""Routing shared by every backend: the metadata of docs/semantics.md (§2-§5) as pure JAX.
 
 Both backends compute the same handle, group sizes, counts and per-row
 routing weights from these functions; they differ only in the ``exchange``

@@ -1,4 +1,4 @@
-"""A loop-by-loop NumPy model of DESIGN.md §2, written independently of
+"""A loop-by-loop NumPy model of docs/semantics.md, written independently of
 jax_ep.reference, so the reference is checked against the contract itself."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Reference dispatch is bit-exact against the NumPy model of DESIGN.md §2."""
+"""Reference dispatch is bit-exact against the NumPy model of docs/semantics.md."""
 import itertools
 
 import jax

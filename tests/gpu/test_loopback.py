@@ -11,19 +11,26 @@ This covers the kernels wherever a single GPU is all there is (and R = 4
 without four GPUs); the multi-process tests (test_native_dispatch.py) cover the
 NVSHMEM transport, FFI and JAX integration. fp8 casts use IEEE division here
 (div_mode 0), the CPU reference's rounding.
+
+Each test runs one worker below in its own process (harness.run, n = 1, no
+jax.distributed, JAX on 4 fake CPU devices); the worker returns its named checks
+(gpu_helpers.Checks) and the test asserts that every one passed.
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import harness
+from gpu_helpers import Checks, assert_checks, bits
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+# One process (no jax.distributed, no NVSHMEM): JAX on R fake CPU devices for the
+# reference, the kernels on GPU 0 through torch buffers.
+_ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
 
 
 def _skip_reason():
@@ -37,63 +44,40 @@ def _skip_reason():
     return None
 
 
-_RESULTS = {}
-
-
-def _results():
-    if "status" not in _RESULTS:
-        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-                   XLA_FLAGS="--xla_force_host_platform_device_count=4")
-        p = subprocess.run([sys.executable, __file__, "--worker"], env=env, capture_output=True,
-                           text=True, timeout=900)
-        sys.stdout.write(p.stdout[-20000:] + p.stderr[-5000:])
-        status = {}
-        for line in p.stdout.splitlines():
-            if line.startswith("RESULT "):
-                r = json.loads(line[7:])
-                status[r["name"]] = r
-        _RESULTS["status"] = status
-        _RESULTS["rc"] = p.returncode
-        _RESULTS["tail"] = p.stdout[-3000:] + p.stderr[-3000:]
-    return _RESULTS
-
-
-def _check(prefix):
+def _run(worker):
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    res = _results()
-    names = [n for n in res["status"] if n.startswith(prefix)]
-    assert names, f"no '{prefix}' cases ran (rc={res['rc']}):\n{res['tail']}"
-    bad = [res["status"][n] for n in names if not res["status"][n]["ok"]]
-    assert not bad, json.dumps(bad, indent=1)
+    results = harness.run(f"test_loopback:{worker}", 1, timeout=900, env=_ENV,
+                          init_native=False, distributed=False)
+    assert_checks(results, worker)
 
 
 @pytest.mark.gpu
 def test_loopback_dispatch_bitexact():
-    _check("dispatch")
+    _run("_dispatch_worker")
 
 
 @pytest.mark.gpu
 def test_loopback_fp8():
-    _check("fp8")
+    _run("_fp8_worker")
 
 
 @pytest.mark.gpu
 def test_loopback_combine():
-    _check("combine")
+    _run("_combine_worker")
 
 
 @pytest.mark.gpu
 def test_loopback_zero_tail():
     """zero_tail off (the default): rows inside groups bit-identical, tail rows untouched."""
-    _check("zerotail")
+    _run("_zero_tail_worker")
 
 
 @pytest.mark.gpu
 def test_loopback_combine_bwd():
     """The fused combine backward: dy bit-identical, dw within f32 reduction order."""
-    _check("cbwd")
+    _run("_combine_backward_worker")
 
 
 # ---------------------------------------------------------------------------- worker
@@ -227,272 +211,343 @@ class Loopback:
         return err, [self.host(o, like) for o in outs], sec
 
 
-def _worker():
+# ---------------------------------------------------------------------------- workers
+# One per test, each in its own process (harness.run, n = 1, JAX on CPU). Same
+# seed in every worker; each case is a Checks entry per chunking.
+_SEED = 7
+
+
+def _start():
+    return Loopback(), Checks(), np.random.default_rng(_SEED)
+
+
+# ---- dispatch: bit-identical to the reference ---------------------------------
+DISPATCH_CASES = [
+    # name, R, T, H, K, E, layout, align, dtype, capacity, skew, minus_one, chunks
+    ("dispatch_rm_R2_T4096_H7168_K8_E256", 2, 4096, 7168, 8, 256, "rank_major", 1, "bfloat16",
+     None, False, 0.1, (0, 1, 3, 8)),
+    ("dispatch_em_a128_R2_T128_H2880_K2_E8_skew", 2, 128, 2880, 2, 8, "expert_major", 128,
+     "bfloat16", None, True, 0.3, (0, 3)),
+    ("dispatch_em_R4_T7_H2048_K1_E8_f32", 4, 7, 2048, 1, 8, "expert_major", 1, "float32",
+     None, False, 0.0, (0,)),
+    ("dispatch_em_R4_T1024_H7168_K8_E256", 4, 1024, 7168, 8, 256, "expert_major", 1,
+     "bfloat16", None, True, 0.1, (0, 2)),
+    ("dispatch_overflow_em_R2_T128_H2048_K8_E64_cap100", 2, 128, 2048, 8, 64, "expert_major",
+     1, "bfloat16", 100, True, 0.0, (0,)),
+    # EP = 1: everything is local work, shared by sender and receiver warps
+    ("dispatch_em_a128_R1_T512_H7168_K8_E64_local", 1, 512, 7168, 8, 64, "expert_major", 128,
+     "bfloat16", None, True, 0.1, (0, 2)),
+    ("dispatch_rm_R1_T300_H2880_K2_E8_local", 1, 300, 2880, 2, 8, "rank_major", 1,
+     "bfloat16", None, False, 0.4, (0,)),
+]
+
+
+def _dispatch_case(lb, checks, rng, case):
+    import jax.numpy as jnp
+
+    from ep_testing import random_routing
+    from jax_ep.config import EpConfig
+
+    name, R, T, H, K, E, layout, align, dt, cap, skew, m1, chunks = case
+    idx = random_routing(rng, R, T, K, E, minus_one=m1, skew=skew)
+    x = rng.standard_normal((R, T, H)).astype(np.float32)
+    x = x.astype(jnp.bfloat16) if dt == "bfloat16" else x
+    cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
+                   expert_alignment=align, capacity=cap, backend="reference")
+    hd = lb.handles_and_ref(R, cfg, x, idx, "copy")
+    for chunk in chunks:
+        err, got, _, _ = lb.dispatch(R, x, None, hd, "copy", layout == "rank_major", H, chunk)
+        same = [bool(np.array_equal(bits(g), bits(e))) for g, e in zip(got, hd[4])]
+        checks.report(f"{name}_chunk{chunk}", not err and all(same), err=err, same=same)
+
+
+def _allgather_case(lb, checks, rng, R, T, W, name):
+    """The static all-gather handle of the native metadata path (the all-gather
+    form of the dispatch kernel): every token to every rank, row s*T + t."""
+    rows = rng.integers(-2**31, 2**31 - 1, (R, T, W), dtype=np.int64).astype(np.int32)
+    flat = np.arange(R * T, dtype=np.int32)
+    hd = (np.ones((R, T, R), np.bool_), np.zeros((R, R, T, 1), np.int32),
+          np.broadcast_to(flat.reshape(1, R, T, 1), (R, R, T, 1)),
+          np.broadcast_to(flat, (R, R * T)),
+          np.broadcast_to(rows.reshape(1, R * T, W), (R, R * T, W)))
+    err, got, _, _ = lb.dispatch(R, rows, None, hd, "copy", True, W)
+    same = [bool(np.array_equal(g, e)) for g, e in zip(got, hd[4])]
+    checks.report(name, not err and all(same), err=err, same=same)
+
+
+def _dispatch_worker(rank, n):
+    lb, checks, rng = _start()
+    for case in DISPATCH_CASES:
+        with checks.guard(case[0]):
+            _dispatch_case(lb, checks, rng, case)
+    for R, T, W in ((2, 4096, 16), (4, 7, 3)):
+        name = f"dispatch_allgather_R{R}_T{T}_int32x{W}"
+        with checks.guard(name):
+            _allgather_case(lb, checks, rng, R, T, W, name)
+    return checks.results
+
+
+# ---- zero_tail off: rows < sum(group_sizes) (group padding included) are the
+# reference's bits; the tail past the last group is never written (still the
+# 0xFF poison), in both row streams -------------------------------------------
+ZERO_TAIL_CASES = [  # name, R, T, H, K, E, layout, align, mode, capacity, chunks
+    ("zerotail_em_a128_R2_T128_H2880_K2_E8", 2, 128, 2880, 2, 8, "expert_major", 128, "copy",
+     None, (0, 3)),
+    ("zerotail_em_R4_T1024_H7168_K8_E256", 4, 1024, 7168, 8, 256, "expert_major", 1, "copy",
+     None, (0,)),
+    ("zerotail_em_a64_R2_T2048_H7168_K8_E256", 2, 2048, 7168, 8, 256, "expert_major", 64,
+     "copy", None, (0,)),
+    ("zerotail_em_a16_R2_T128_H2048_K8_E64_cap700", 2, 128, 2048, 8, 64, "expert_major", 16,
+     "copy", 700, (0,)),
+    ("zerotail_rm_R2_T512_H2048_K8_E64", 2, 512, 2048, 8, 64, "rank_major", 1, "copy", None,
+     (0,)),
+    ("zerotail_fp8_em_a32_R2_T256_H2048_K8_E64", 2, 256, 2048, 8, 64, "expert_major", 32,
+     "cast", None, (0,)),
+    ("zerotail_em_a128_R1_T512_H7168_K8_E64_local", 1, 512, 7168, 8, 64, "expert_major", 128,
+     "copy", None, (0,)),
+]
+
+
+def _zero_tail_case(lb, checks, rng, case):
+    import jax.numpy as jnp
+
+    from ep_testing import random_routing
+    from jax_ep.config import EpConfig
+
+    name, R, T, H, K, E, layout, align, mode, cap, chunks = case
+    idx = random_routing(rng, R, T, K, E, minus_one=0.2, skew=True)
+    x = rng.standard_normal((R, T, H)).astype(np.float32).astype(jnp.bfloat16)
+    cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
+                   expert_alignment=align, capacity=cap, backend="reference")
+    hd = lb.handles_and_ref(R, cfg, x, idx, mode)
+    used = lb.used_rows(R, cfg, idx)
+    for chunk in chunks:
+        err, got, got_s, _ = lb.dispatch(R, x, None, hd, mode, layout == "rank_major", H,
+                                         chunk, zero_tail=False, align=align)
+        streams = [(got, hd[4])] + ([(got_s, hd[5])] if got_s is not None else [])
+        same = [bool(np.array_equal(bits(g[:u]), bits(e[:u])))
+                for gs, es in streams for g, e, u in zip(gs, es, used)]
+        untouched = [bool((g[u:].view(np.uint8) == 0xFF).all())
+                     for gs, _ in streams for g, u in zip(gs, used)]
+        checks.report(f"{name}_chunk{chunk}", not err and all(same) and all(untouched), err=err,
+                      same=same, tail_untouched=untouched, used=used, C=int(hd[4].shape[1]))
+
+
+def _zero_tail_worker(rank, n):
+    lb, checks, rng = _start()
+    for case in ZERO_TAIL_CASES:
+        with checks.guard(case[0]):
+            _zero_tail_case(lb, checks, rng, case)
+    return checks.results
+
+
+# ---- fp8: cast in the kernel (both cast widths), and fp8 + scales given ----------
+FP8_CASES = [  # name, R, T, H, K, E, layout, mode, x dtype, chunks
+    ("fp8_cast_bf16_rm_R2_T4096_H7168", 2, 4096, 7168, 8, 256, "rank_major", "cast",
+     "bfloat16", (0, 3, 8)),
+    ("fp8_cast_f32_em_R2_T7_H256", 2, 7, 256, 2, 8, "expert_major", "cast", "float32", (0,)),
+    ("fp8_cast_bf16_em_R4_T128_H2048", 4, 128, 2048, 8, 64, "expert_major", "cast",
+     "bfloat16", (0, 1)),
+    ("fp8_given_em_R4_T128_H7168", 4, 128, 7168, 8, 256, "expert_major", "given", None, (0,)),
+    ("fp8_cast_bf16_em_R1_T64_H2048_local", 1, 64, 2048, 4, 16, "expert_major", "cast",
+     "bfloat16", (0,)),
+]
+
+
+def _fp8_case(lb, checks, rng, case):
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
-    lb = Loopback()
+    from ep_testing import random_routing
+    from jax_ep import reference
+    from jax_ep.config import EpConfig
+
+    name, R, T, H, K, E, layout, mode, xdt, chunks = case
+    idx = random_routing(rng, R, T, K, E, minus_one=0.1)
+    xf = (rng.standard_normal((R, T, H)) * rng.exponential(2.0, (R, T, 1))).astype(np.float32)
+    xf[0, 0, :128] = 0.0  # an all-zero group: amax clamps to 1e-4
+    x = xf if xdt == "float32" else xf.astype(jnp.bfloat16)
+    cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
+                   backend="reference")
+    hd = lb.handles_and_ref(R, cfg, x, idx, mode)
+    if mode == "given":
+        q, s = jax.jit(jax.vmap(reference.fp8_cast))(x)
+        xin, sin = np.asarray(q), np.asarray(s)
+    else:
+        xin, sin = x, None
+    for chunk in chunks:
+        err, got, got_s, _ = lb.dispatch(R, xin, sin, hd, mode, layout == "rank_major", H, chunk)
+        sq = [bool(np.array_equal(bits(g), bits(e))) for g, e in zip(got, hd[4])]
+        ss = [bool(np.array_equal(bits(g), bits(e))) for g, e in zip(got_s, hd[5])]
+        checks.report(f"{name}_chunk{chunk}", not err and all(sq) and all(ss), err=err,
+                      q_same=sq, scales_same=ss,
+                      q_mismatch=[int((bits(g) != bits(e)).sum()) for g, e in zip(got, hd[4])])
+
+
+def _fp8_worker(rank, n):
+    lb, checks, rng = _start()
+    for case in FP8_CASES:
+        with checks.guard(case[0]):
+            _fp8_case(lb, checks, rng, case)
+    return checks.results
+
+
+# ---- combine: equal to the reference within f32 tolerance; same bits for every
+# chunking -------------------------------------------------------------------------
+COMBINE_CASES = [  # name, R, T, H, K, E, layout, dtype, weighted, chunks
+    ("combine_rm_R2_T4096_H7168_K8_E256_bf16", 2, 4096, 7168, 8, 256, "rank_major",
+     "bfloat16", False, (0, 1, 3, 8)),
+    ("combine_em_R4_T128_H2048_K8_E64_bf16_w", 4, 128, 2048, 8, 64, "expert_major",
+     "bfloat16", True, (0, 1)),
+    ("combine_em_R2_T1024_H7168_K8_E256_bf16_w", 2, 1024, 7168, 8, 256, "expert_major",
+     "bfloat16", True, (0, 2, 3)),
+    ("combine_em_R2_T7_H2048_K1_E8_f32", 2, 7, 2048, 1, 8, "expert_major", "float32", False,
+     (0,)),
+    ("combine_rm_R2_T128_H2880_K2_E8_bf16", 2, 128, 2880, 2, 8, "rank_major", "bfloat16",
+     False, (0, 3)),
+    ("combine_em_R1_T512_H7168_K8_E64_bf16_w_local", 1, 512, 7168, 8, 64, "expert_major",
+     "bfloat16", True, (0, 2)),
+    ("combine_rm_R1_T300_H2048_K2_E8_f32_local", 1, 300, 2048, 2, 8, "rank_major", "float32",
+     False, (0,)),
+]
+
+
+def _combine_case(lb, checks, rng, case):
+    import jax.numpy as jnp
+
     from ep_testing import make_mesh, random_routing, run_per_rank
     from jax_ep import reference
     from jax_ep.config import EpConfig
     from jax_ep.types import Handle
 
+    name, R, T, H, K, E, layout, dt, weighted, chunks = case
+    idx = random_routing(rng, R, T, K, E, minus_one=0.2, skew=True)
+    cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
+                   backend="reference")
+    xdt = jnp.bfloat16 if dt == "bfloat16" else np.float32
+    x = rng.standard_normal((R, T, H)).astype(np.float32).astype(xdt)
+    hd = lb.handles_and_ref(R, cfg, x, idx, "copy")
+    send_mask, recv_li, slot_row, row_src, y = hd[:5]
+    y = (y.astype(np.float32) * 1.5 + 0.25).astype(xdt)  # [R, C, H]
+    Cn = y.shape[1]
+    w = rng.random((R, Cn)).astype(np.float32) if weighted else None
+
+    def fn(sm, li, sr, rs, yy, ww=None):
+        h = Handle(send_mask=sm, recv_local_idx=li, slot_row=sr, row_src=rs, native=None,
+                   num_ranks=R, num_tokens=T, capacity=Cn, layout=layout)
+        return reference.BACKEND.combine_rows(yy, ww, h, cfg)
+    args = [send_mask, recv_li, slot_row, row_src, y] + ([w] if weighted else [])
+    expect = run_per_rank(fn, make_mesh((R,), ("ep",)), "ep", *args)
+    results = {}
+    for chunk in chunks:
+        err, got, _ = lb.combine(R, y, w, hd, layout, H, chunk)
+        results[chunk] = got
+        a = np.stack(got).astype(np.float32)
+        b = np.asarray(expect).astype(np.float32)
+        rel = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+        tol = 1e-2 if dt == "bfloat16" else 1e-6
+        same0 = all(np.array_equal(bits(u), bits(v)) for u, v in zip(got, results[chunks[0]]))
+        exact = all(np.array_equal(bits(u), bits(v)) for u, v in zip(got, expect))
+        checks.report(f"{name}_chunk{chunk}",
+                      not err and np.isfinite(a).all() and rel < tol and same0,
+                      err=err, rel_err=rel, same_bits_as_first_chunking=same0,
+                      bitwise_equal_reference=exact)
+
+
+def _combine_worker(rank, n):
+    lb, checks, rng = _start()
+    for case in COMBINE_CASES:
+        with checks.guard(case[0]):
+            _combine_case(lb, checks, rng, case)
+    return checks.results
+
+
+# ---- combine backward, fused into the dispatch kernel: dy = cast(w * g) has the
+# reference's bits (rows inside groups; tail untouched unless zero_tail), dw =
+# <g, y> within f32 reduction order of the reference (|err| <= 1e-4 * sum|g*y|;
+# the kernel's order: per lane ascending, then a lane butterfly), dw = 0 on every
+# row without a source, and the same bits for every chunking ------------------------
+CBWD_CASES = [  # name, R, T, H, K, E, align, dtype, zero_tail, chunks
+    ("cbwd_em_R2_T1024_H7168_K8_E256_bf16", 2, 1024, 7168, 8, 256, 1, "bfloat16", False,
+     (0, 3)),
+    ("cbwd_em_a128_R2_T128_H2880_K2_E8_bf16", 2, 128, 2880, 2, 8, 128, "bfloat16", False,
+     (0, 1)),
+    ("cbwd_em_a8_R4_T128_H2048_K8_E64_f32_zt", 4, 128, 2048, 8, 64, 8, "float32", True, (0,)),
+    ("cbwd_em_R2_T64_H2050_K4_E16_f32", 2, 64, 2050, 4, 16, 1, "float32", False, (0,)),
+    ("cbwd_em_R2_T64_H1024_K4_E16_f16_zt", 2, 64, 1024, 4, 16, 1, "float16", True, (0,)),
+    ("cbwd_em_a128_R1_T512_H7168_K8_E64_bf16_local", 1, 512, 7168, 8, 64, 128, "bfloat16",
+     False, (0, 2)),
+]
+
+
+def _cbwd_expected(R, T, cfg, hd, g, y, w):
+    """The reference's dy, dw and sum_h |g_rows * y| per row (the dw tolerance)."""
+    import jax.numpy as jnp
+
+    from ep_testing import make_mesh, run_per_rank
+    from jax_ep import reference
+    from jax_ep.types import Handle
+
     ref = reference.BACKEND
-    rng = np.random.default_rng(7)
+    Cn = hd[4].shape[1]
 
-    def bits(a):
-        a = np.asarray(a)
-        return a.view(np.uint8) if a.dtype.itemsize == 1 else a.view(f"u{a.dtype.itemsize}")
+    def fn(sm, li, sr, rs, gg, yy, ww):
+        h = Handle(send_mask=sm, recv_local_idx=li, slot_row=sr, row_src=rs, native=None,
+                   num_ranks=R, num_tokens=T, capacity=Cn, layout="expert_major")
+        dy, dw = ref.combine_backward(gg, yy, ww, h, cfg)
+        g_rows = ref.dispatch_rows(gg, None, h, cfg)[0].astype(np.float32)
+        return dy, dw, jnp.sum(jnp.abs(g_rows * yy.astype(np.float32)), axis=1)
+    return run_per_rank(fn, make_mesh((R,), ("ep",)), "ep", *hd[:4], g, y, w)
 
-    def emit(name, ok, **detail):
-        print("RESULT " + json.dumps(dict(name=name, ok=bool(ok), **detail)), flush=True)
 
-    # ---- dispatch: bit-identical to the reference ---------------------------------
-    cases = [
-        # name, R, T, H, K, E, layout, align, dtype, capacity, skew, minus_one, chunks
-        ("dispatch_rm_R2_T4096_H7168_K8_E256", 2, 4096, 7168, 8, 256, "rank_major", 1, "bfloat16",
-         None, False, 0.1, (0, 1, 3, 8)),
-        ("dispatch_em_a128_R2_T128_H2880_K2_E8_skew", 2, 128, 2880, 2, 8, "expert_major", 128,
-         "bfloat16", None, True, 0.3, (0, 3)),
-        ("dispatch_em_R4_T7_H2048_K1_E8_f32", 4, 7, 2048, 1, 8, "expert_major", 1, "float32",
-         None, False, 0.0, (0,)),
-        ("dispatch_em_R4_T1024_H7168_K8_E256", 4, 1024, 7168, 8, 256, "expert_major", 1,
-         "bfloat16", None, True, 0.1, (0, 2)),
-        ("dispatch_overflow_em_R2_T128_H2048_K8_E64_cap100", 2, 128, 2048, 8, 64, "expert_major",
-         1, "bfloat16", 100, True, 0.0, (0,)),
-        # EP = 1: everything is local work, shared by sender and receiver warps
-        ("dispatch_em_a128_R1_T512_H7168_K8_E64_local", 1, 512, 7168, 8, 64, "expert_major", 128,
-         "bfloat16", None, True, 0.1, (0, 2)),
-        ("dispatch_rm_R1_T300_H2880_K2_E8_local", 1, 300, 2880, 2, 8, "rank_major", 1,
-         "bfloat16", None, False, 0.4, (0,)),
-    ]
-    for name, R, T, H, K, E, layout, align, dt, cap, skew, m1, chunks in cases:
-        try:
-            idx = random_routing(rng, R, T, K, E, minus_one=m1, skew=skew)
-            x = rng.standard_normal((R, T, H)).astype(np.float32)
-            x = x.astype(jnp.bfloat16) if dt == "bfloat16" else x
-            cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
-                           expert_alignment=align, capacity=cap, backend="reference")
-            hd = lb.handles_and_ref(R, cfg, x, idx, "copy")
-            for chunk in chunks:
-                err, got, _, _ = lb.dispatch(R, x, None, hd, "copy", layout == "rank_major", H,
-                                             chunk)
-                same = [bool(np.array_equal(bits(g), bits(e))) for g, e in zip(got, hd[4])]
-                emit(f"{name}_chunk{chunk}", not err and all(same), err=err, same=same)
-        except Exception as e:  # noqa: BLE001
-            emit(name, False, err=f"{type(e).__name__}: {e}"[:800])
+def _combine_backward_case(lb, checks, rng, case):
+    import jax.numpy as jnp
 
-    # ---- zero_tail off: rows < sum(group_sizes) (group padding included) are the
-    # reference's bits; the tail past the last group is never written (still the
-    # 0xFF poison), in both row streams -------------------------------------------
-    for name, R, T, H, K, E, layout, align, mode, cap, chunks in [
-        ("zerotail_em_a128_R2_T128_H2880_K2_E8", 2, 128, 2880, 2, 8, "expert_major", 128, "copy",
-         None, (0, 3)),
-        ("zerotail_em_R4_T1024_H7168_K8_E256", 4, 1024, 7168, 8, 256, "expert_major", 1, "copy",
-         None, (0,)),
-        ("zerotail_em_a64_R2_T2048_H7168_K8_E256", 2, 2048, 7168, 8, 256, "expert_major", 64,
-         "copy", None, (0,)),
-        ("zerotail_em_a16_R2_T128_H2048_K8_E64_cap700", 2, 128, 2048, 8, 64, "expert_major", 16,
-         "copy", 700, (0,)),
-        ("zerotail_rm_R2_T512_H2048_K8_E64", 2, 512, 2048, 8, 64, "rank_major", 1, "copy", None,
-         (0,)),
-        ("zerotail_fp8_em_a32_R2_T256_H2048_K8_E64", 2, 256, 2048, 8, 64, "expert_major", 32,
-         "cast", None, (0,)),
-        ("zerotail_em_a128_R1_T512_H7168_K8_E64_local", 1, 512, 7168, 8, 64, "expert_major", 128,
-         "copy", None, (0,)),
-    ]:
-        try:
-            idx = random_routing(rng, R, T, K, E, minus_one=0.2, skew=True)
-            x = rng.standard_normal((R, T, H)).astype(np.float32).astype(jnp.bfloat16)
-            cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
-                           expert_alignment=align, capacity=cap, backend="reference")
-            hd = lb.handles_and_ref(R, cfg, x, idx, mode)
-            used = lb.used_rows(R, cfg, idx)
-            for chunk in chunks:
-                err, got, got_s, _ = lb.dispatch(R, x, None, hd, mode, layout == "rank_major", H,
-                                                 chunk, zero_tail=False, align=align)
-                streams = [(got, hd[4])] + ([(got_s, hd[5])] if got_s is not None else [])
-                same = [bool(np.array_equal(bits(g[:u]), bits(e[:u])))
-                        for gs, es in streams for g, e, u in zip(gs, es, used)]
-                untouched = [bool((g[u:].view(np.uint8) == 0xFF).all())
-                             for gs, _ in streams for g, u in zip(gs, used)]
-                emit(f"{name}_chunk{chunk}", not err and all(same) and all(untouched), err=err,
-                     same=same, tail_untouched=untouched, used=used, C=int(hd[4].shape[1]))
-        except Exception as e:  # noqa: BLE001
-            emit(name, False, err=f"{type(e).__name__}: {e}"[:800])
+    from ep_testing import random_routing
+    from jax_ep.config import EpConfig
 
-    # ---- the static all-gather handle of the native metadata path
-    # (the all-gather form of the dispatch kernel): every token to every rank, row s*T + t ----
-    for R, T, W in ((2, 4096, 16), (4, 7, 3)):
-        name = f"dispatch_allgather_R{R}_T{T}_int32x{W}"
-        try:
-            rows = rng.integers(-2**31, 2**31 - 1, (R, T, W), dtype=np.int64).astype(np.int32)
-            flat = np.arange(R * T, dtype=np.int32)
-            hd = (np.ones((R, T, R), np.bool_), np.zeros((R, R, T, 1), np.int32),
-                  np.broadcast_to(flat.reshape(1, R, T, 1), (R, R, T, 1)),
-                  np.broadcast_to(flat, (R, R * T)),
-                  np.broadcast_to(rows.reshape(1, R * T, W), (R, R * T, W)))
-            err, got, _, _ = lb.dispatch(R, rows, None, hd, "copy", True, W)
-            same = [bool(np.array_equal(g, e)) for g, e in zip(got, hd[4])]
-            emit(name, not err and all(same), err=err, same=same)
-        except Exception as e:  # noqa: BLE001
-            emit(name, False, err=f"{type(e).__name__}: {e}"[:800])
+    name, R, T, H, K, E, align, dt, zt, chunks = case
+    idx = random_routing(rng, R, T, K, E, minus_one=0.2, skew=True)
+    cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H,
+                   expert_alignment=align, backend="reference")
+    xdt = {"bfloat16": jnp.bfloat16, "float16": np.float16}.get(dt, np.float32)
+    g = rng.standard_normal((R, T, H)).astype(np.float32).astype(xdt)
+    hd = lb.handles_and_ref(R, cfg, g, idx, "copy")
+    row_src, Cn = hd[3], hd[4].shape[1]
+    y = rng.standard_normal((R, Cn, H)).astype(np.float32).astype(xdt)
+    w = rng.random((R, Cn)).astype(np.float32)
+    used = lb.used_rows(R, cfg, idx)
+    e_dy, e_dw, e_mag = _cbwd_expected(R, T, cfg, hd, g, y, w)
+    first = None
+    for chunk in chunks:
+        err, dy, dw, _ = lb.dispatch(R, g, None, hd, "bwd", False, H, chunk, zero_tail=zt,
+                                     align=align, yw=(y, w))
+        lim = [Cn if zt else u for u in used]
+        dy_same = [bool(np.array_equal(bits(a[:u]), bits(b[:u]))) for a, b, u in zip(dy, e_dy, lim)]
+        untouched = [zt or bool((a[u:].view(np.uint8) == 0xFF).all()) for a, u in zip(dy, used)]
+        valid = [rs >= 0 for rs in row_src]
+        dw_ok = [bool(np.all(np.abs(a[v] - b[v]) <= 1e-4 * m[v] + 1e-30))
+                 for a, b, m, v in zip(dw, e_dw, e_mag, valid)]
+        dw_zero = [bool(np.all(bits(a[~v]) == 0)) for a, v in zip(dw, valid)]
+        dw_err = max(float(np.max(np.abs(a[v] - b[v]) / np.maximum(m[v], 1e-30), initial=0.0))
+                     for a, b, m, v in zip(dw, e_dw, e_mag, valid))
+        cur = [bits(a) for a in dy] + [bits(a) for a in dw]
+        first = cur if first is None else first
+        same0 = all(np.array_equal(u, v) for u, v in zip(cur, first))
+        checks.report(f"{name}_chunk{chunk}", not err and all(dy_same) and all(untouched)
+                      and all(dw_ok) and all(dw_zero) and same0, err=err, dy_same=dy_same,
+                      tail_untouched=untouched, dw_ok=dw_ok, dw_zero_unsourced=dw_zero,
+                      dw_max_err_rel_to_sum_abs=dw_err, same_bits_as_first_chunking=same0,
+                      dw_bitwise_equal_reference=all(np.array_equal(bits(a), bits(b))
+                                                     for a, b in zip(dw, e_dw)))
 
-    # ---- fp8: cast in the kernel (both cast widths), and fp8 + scales given ----------
-    for name, R, T, H, K, E, layout, mode, xdt, chunks in [
-        ("fp8_cast_bf16_rm_R2_T4096_H7168", 2, 4096, 7168, 8, 256, "rank_major", "cast",
-         "bfloat16", (0, 3, 8)),
-        ("fp8_cast_f32_em_R2_T7_H256", 2, 7, 256, 2, 8, "expert_major", "cast", "float32", (0,)),
-        ("fp8_cast_bf16_em_R4_T128_H2048", 4, 128, 2048, 8, 64, "expert_major", "cast",
-         "bfloat16", (0, 1)),
-        ("fp8_given_em_R4_T128_H7168", 4, 128, 7168, 8, 256, "expert_major", "given", None, (0,)),
-        ("fp8_cast_bf16_em_R1_T64_H2048_local", 1, 64, 2048, 4, 16, "expert_major", "cast",
-         "bfloat16", (0,)),
-    ]:
-        try:
-            idx = random_routing(rng, R, T, K, E, minus_one=0.1)
-            xf = (rng.standard_normal((R, T, H)) * rng.exponential(2.0, (R, T, 1))).astype(np.float32)
-            xf[0, 0, :128] = 0.0  # an all-zero group: amax clamps to 1e-4
-            x = xf if xdt == "float32" else xf.astype(jnp.bfloat16)
-            cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
-                           backend="reference")
-            hd = lb.handles_and_ref(R, cfg, x, idx, mode)
-            if mode == "given":
-                q, s = jax.jit(jax.vmap(reference.fp8_cast))(x)
-                xin, sin = np.asarray(q), np.asarray(s)
-            else:
-                xin, sin = x, None
-            for chunk in chunks:
-                err, got, got_s, _ = lb.dispatch(R, xin, sin, hd, mode,
-                                                 layout == "rank_major", H, chunk)
-                sq = [bool(np.array_equal(bits(g), bits(e))) for g, e in zip(got, hd[4])]
-                ss = [bool(np.array_equal(bits(g), bits(e))) for g, e in zip(got_s, hd[5])]
-                emit(f"{name}_chunk{chunk}",
-                     not err and all(sq) and all(ss), err=err, q_same=sq, scales_same=ss,
-                     q_mismatch=[int((bits(g) != bits(e)).sum()) for g, e in zip(got, hd[4])])
-        except Exception as e:  # noqa: BLE001
-            emit(name, False, err=f"{type(e).__name__}: {e}"[:800])
 
-    # ---- combine: equal to the reference within f32 tolerance; same bits for every
-    # chunking -------------------------------------------------------------------------
-    for name, R, T, H, K, E, layout, dt, weighted, chunks in [
-        ("combine_rm_R2_T4096_H7168_K8_E256_bf16", 2, 4096, 7168, 8, 256, "rank_major",
-         "bfloat16", False, (0, 1, 3, 8)),
-        ("combine_em_R4_T128_H2048_K8_E64_bf16_w", 4, 128, 2048, 8, 64, "expert_major",
-         "bfloat16", True, (0, 1)),
-        ("combine_em_R2_T1024_H7168_K8_E256_bf16_w", 2, 1024, 7168, 8, 256, "expert_major",
-         "bfloat16", True, (0, 2, 3)),
-        ("combine_em_R2_T7_H2048_K1_E8_f32", 2, 7, 2048, 1, 8, "expert_major", "float32", False,
-         (0,)),
-        ("combine_rm_R2_T128_H2880_K2_E8_bf16", 2, 128, 2880, 2, 8, "rank_major", "bfloat16",
-         False, (0, 3)),
-        ("combine_em_R1_T512_H7168_K8_E64_bf16_w_local", 1, 512, 7168, 8, 64, "expert_major",
-         "bfloat16", True, (0, 2)),
-        ("combine_rm_R1_T300_H2048_K2_E8_f32_local", 1, 300, 2048, 2, 8, "rank_major", "float32",
-         False, (0,)),
-    ]:
-        try:
-            idx = random_routing(rng, R, T, K, E, minus_one=0.2, skew=True)
-            cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
-                           backend="reference")
-            xdt = jnp.bfloat16 if dt == "bfloat16" else np.float32
-            x = rng.standard_normal((R, T, H)).astype(np.float32).astype(xdt)
-            hd = lb.handles_and_ref(R, cfg, x, idx, "copy")
-            send_mask, recv_li, slot_row, row_src, y = hd[:5]
-            y = (y.astype(np.float32) * 1.5 + 0.25).astype(xdt)  # [R, C, H]
-            Cn = y.shape[1]
-            w = rng.random((R, Cn)).astype(np.float32) if weighted else None
-            mesh = make_mesh((R,), ("ep",))
-
-            def fn(sm, li, sr, rs, yy, ww=None):
-                h = Handle(send_mask=sm, recv_local_idx=li, slot_row=sr, row_src=rs, native=None,
-                           num_ranks=R, num_tokens=T, capacity=Cn, layout=layout)
-                return ref.combine_rows(yy, ww, h, cfg)
-            args = [send_mask, recv_li, slot_row, row_src, y] + ([w] if weighted else [])
-            expect = run_per_rank(fn, mesh, "ep", *args)
-            results = {}
-            for chunk in chunks:
-                err, got, _ = lb.combine(R, y, w, hd, layout, H, chunk)
-                results[chunk] = got
-                a = np.stack(got).astype(np.float32)
-                b = np.asarray(expect).astype(np.float32)
-                rel = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-                tol = 1e-2 if dt == "bfloat16" else 1e-6
-                same0 = all(np.array_equal(bits(u), bits(v)) for u, v in zip(got, results[chunks[0]]))
-                exact = all(np.array_equal(bits(u), bits(v)) for u, v in zip(got, expect))
-                emit(f"{name}_chunk{chunk}", not err and np.isfinite(a).all() and rel < tol and same0,
-                     err=err, rel_err=rel, same_bits_as_first_chunking=same0,
-                     bitwise_equal_reference=exact)
-        except Exception as e:  # noqa: BLE001
-            emit(name, False, err=f"{type(e).__name__}: {e}"[:800])
-
-    # ---- combine backward, fused into the dispatch kernel: dy = cast(w * g) has the
-    # reference's bits (rows inside groups; tail untouched unless zero_tail), dw =
-    # <g, y> within f32 reduction order of the reference (|err| <= 1e-4 * sum|g*y|;
-    # the kernel's order: per lane ascending, then a lane butterfly), dw = 0 on every
-    # row without a source, and the same bits for every chunking ------------------------
-    for name, R, T, H, K, E, align, dt, zt, chunks in [
-        ("cbwd_em_R2_T1024_H7168_K8_E256_bf16", 2, 1024, 7168, 8, 256, 1, "bfloat16", False,
-         (0, 3)),
-        ("cbwd_em_a128_R2_T128_H2880_K2_E8_bf16", 2, 128, 2880, 2, 8, 128, "bfloat16", False,
-         (0, 1)),
-        ("cbwd_em_a8_R4_T128_H2048_K8_E64_f32_zt", 4, 128, 2048, 8, 64, 8, "float32", True, (0,)),
-        ("cbwd_em_R2_T64_H2050_K4_E16_f32", 2, 64, 2050, 4, 16, 1, "float32", False, (0,)),
-        ("cbwd_em_R2_T64_H1024_K4_E16_f16_zt", 2, 64, 1024, 4, 16, 1, "float16", True, (0,)),
-        ("cbwd_em_a128_R1_T512_H7168_K8_E64_bf16_local", 1, 512, 7168, 8, 64, 128, "bfloat16",
-         False, (0, 2)),
-    ]:
-        try:
-            idx = random_routing(rng, R, T, K, E, minus_one=0.2, skew=True)
-            cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H,
-                           expert_alignment=align, backend="reference")
-            xdt = {"bfloat16": jnp.bfloat16, "float16": np.float16}.get(dt, np.float32)
-            g = rng.standard_normal((R, T, H)).astype(np.float32).astype(xdt)
-            hd = lb.handles_and_ref(R, cfg, g, idx, "copy")
-            send_mask, recv_li, slot_row, row_src = hd[:4]
-            Cn = hd[4].shape[1]
-            y = rng.standard_normal((R, Cn, H)).astype(np.float32).astype(xdt)
-            w = rng.random((R, Cn)).astype(np.float32)
-            used = lb.used_rows(R, cfg, idx)
-            mesh = make_mesh((R,), ("ep",))
-
-            def fn(sm, li, sr, rs, gg, yy, ww):
-                h = Handle(send_mask=sm, recv_local_idx=li, slot_row=sr, row_src=rs, native=None,
-                           num_ranks=R, num_tokens=T, capacity=Cn, layout="expert_major")
-                dy, dw = ref.combine_backward(gg, yy, ww, h, cfg)
-                g_rows = ref.dispatch_rows(gg, None, h, cfg)[0].astype(np.float32)
-                return dy, dw, jnp.sum(jnp.abs(g_rows * yy.astype(np.float32)), axis=1)
-            e_dy, e_dw, e_mag = run_per_rank(fn, mesh, "ep", send_mask, recv_li, slot_row, row_src,
-                                             g, y, w)
-            first = None
-            for chunk in chunks:
-                err, dy, dw, _ = lb.dispatch(R, g, None, hd, "bwd", False, H, chunk, zero_tail=zt,
-                                             align=align, yw=(y, w))
-                lim = [Cn if zt else u for u in used]
-                dy_same = [bool(np.array_equal(bits(a[:u]), bits(b[:u])))
-                           for a, b, u in zip(dy, e_dy, lim)]
-                untouched = [zt or bool((a[u:].view(np.uint8) == 0xFF).all())
-                             for a, u in zip(dy, used)]
-                valid = [rs >= 0 for rs in row_src]
-                dw_ok = [bool(np.all(np.abs(a[v] - b[v]) <= 1e-4 * m[v] + 1e-30))
-                         for a, b, m, v in zip(dw, e_dw, e_mag, valid)]
-                dw_zero = [bool(np.all(bits(a[~v]) == 0)) for a, v in zip(dw, valid)]
-                dw_err = max(float(np.max(np.abs(a[v] - b[v]) / np.maximum(m[v], 1e-30),
-                                          initial=0.0))
-                             for a, b, m, v in zip(dw, e_dw, e_mag, valid))
-                cur = [bits(a) for a in dy] + [bits(a) for a in dw]
-                first = cur if first is None else first
-                same0 = all(np.array_equal(u, v) for u, v in zip(cur, first))
-                emit(f"{name}_chunk{chunk}", not err and all(dy_same) and all(untouched)
-                     and all(dw_ok) and all(dw_zero) and same0, err=err, dy_same=dy_same,
-                     tail_untouched=untouched, dw_ok=dw_ok, dw_zero_unsourced=dw_zero,
-                     dw_max_err_rel_to_sum_abs=dw_err, same_bits_as_first_chunking=same0,
-                     dw_bitwise_equal_reference=all(np.array_equal(bits(a), bits(b))
-                                                    for a, b in zip(dw, e_dw)))
-        except Exception as e:  # noqa: BLE001
-            emit(name, False, err=f"{type(e).__name__}: {e}"[:800])
-    return 0
+def _combine_backward_worker(rank, n):
+    lb, checks, rng = _start()
+    for case in CBWD_CASES:
+        with checks.guard(case[0]):
+            _combine_backward_case(lb, checks, rng, case)
+    return checks.results
 
 
 def _bench(ep1_only=False):
@@ -545,10 +600,18 @@ def _bench(ep1_only=False):
                 print(f"| {name} | {layout} | {chunk or 'default'} | "
                       f"{'ERR ' + err if err else f'{np.median(times) * 1e6:.1f}'} |", flush=True)
 
-    # EP = 1 (no peer: only the local paths, all SMs): the cost of the work the
-    # kernels do besides the transfer (own tokens, zero rows, K-row reductions)
-    R1 = 1
-    x1, idx1 = x[:1], idx[:1]
+    _bench_ep1(lb, rng, x[:1], idx[:1], E)
+    return 0
+
+
+def _bench_ep1(lb, rng, x1, idx1, E):
+    """EP = 1 (no peer: only the local paths, all SMs): the cost of the work the
+    kernels do besides the transfer (own tokens, zero rows, K-row reductions)."""
+    import numpy as np
+
+    from jax_ep.config import EpConfig
+
+    R1, T, H, K = 1, x1.shape[1], x1.shape[2], idx1.shape[2]
     print(f"\nEP = 1 on 1 GPU ({lb.sms} SMs): local paths only, T={T} H={H} K={K} E={E}")
     print("| op | layout | us per call |\n|---|---|---|")
     for layout in ("rank_major", "expert_major"):
@@ -573,10 +636,7 @@ def _bench(ep1_only=False):
             err = f(1)[0]
             print(f"| {name} | {layout} | "
                   f"{'ERR ' + err if err else f'{np.median(times) * 1e6:.1f}'} |", flush=True)
-    return 0
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
-    sys.exit(_worker())
 if __name__ == "__main__" and sys.argv[1:2] == ["--bench"]:
     sys.exit(_bench(ep1_only=sys.argv[2:3] == ["--ep1"]))  # --ep1: the EP = 1 table only

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import harness
+from gpu_helpers import ep_mesh, from_process_local, local
 
 _REASON = harness.skip_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
@@ -15,22 +16,17 @@ T, H, K = 32, 256, 4
 
 
 def _setup(n, **cfg_kw):
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import PartitionSpec as P
 
     import jax_ep
 
-    mesh = jax.make_mesh((n,), ("ep",))
+    mesh = ep_mesh(n)
     spec = P("ep")
-    put = lambda a: jax.make_array_from_process_local_data(NamedSharding(mesh, spec), a)
+    put = lambda a: from_process_local(mesh, spec, a)
     # zero_tail: these checks compare / sum whole outputs, tail rows included
     base = dict(num_experts=4 * n, topk=K, max_tokens_per_rank=T, hidden=H, zero_tail=True)
     base.update(cfg_kw)
     return mesh, spec, put, lambda be: jax_ep.EpConfig(backend=be, **base)
-
-
-def _local(a):
-    return np.asarray(a.addressable_shards[0].data)
 
 
 def _dup_worker(rank, n, layout):
@@ -68,7 +64,7 @@ def _dup_worker(rank, n, layout):
             return jax_ep.combine(y, d, cfg), d.x, rw, d.num_dropped
         return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
 
-    outs = {be: [_local(a) for a in per_rank(make_cfg(be))(put(x), put(idx), put(w))]
+    outs = {be: [local(a) for a in per_rank(make_cfg(be))(put(x), put(idx), put(w))]
             for be in ("native", "reference")}
     nat, ref = outs["native"], outs["reference"]
     valid = (idx >= 0) & (idx < E)
@@ -140,8 +136,8 @@ def _zero_tokens_worker(rank, n, layout):
     g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec))
     out, nv, nd, s = g(put(np.zeros((0, H), np.float32)), put(np.zeros((0, K), np.int32)),
                        put(np.zeros((0, K), np.float32)), put(np.ones((1,), np.float32)))
-    return {"shape": list(_local(out).shape), "nv": int(_local(nv).sum()),
-            "nd": int(_local(nd).sum()), "sum": float(_local(s).sum())}
+    return {"shape": list(local(out).shape), "nv": int(local(nv).sum()),
+            "nd": int(local(nd).sum()), "sum": float(local(s).sum())}
 
 
 @pytest.mark.parametrize("layout", ["expert_major", "rank_major"])

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import harness
+from gpu_helpers import from_stacked, gather
 
 _REASON = harness.skip_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
@@ -18,13 +19,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=_R
 def _mesh_worker(rank: int, n: int):
     import jax
     import jax.numpy as jnp
-    from jax.experimental.multihost_utils import process_allgather
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, PartitionSpec as P
 
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import jax_ep
     from ep_testing import random_routing
 
@@ -42,11 +38,6 @@ def _mesh_worker(rank: int, n: int):
     x = rng.standard_normal((n, T, H)).astype(jnp.bfloat16)
     w = rng.random((n, T, K)).astype(np.float32)
     results = {}
-
-    def glob(mesh, arr, spec):
-        arr = np.asarray(arr).reshape((-1,) + arr.shape[2:])
-        return jax.make_array_from_callback(arr.shape, NamedSharding(mesh, spec),
-                                            lambda i: arr[i])
 
     for mname, (mesh, axes) in meshes.items():
         spec = P(axes)
@@ -71,8 +62,9 @@ def _mesh_worker(rank: int, n: int):
 
                 f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3,
                                           out_specs=spec))
-                res = f(glob(mesh, x, spec), glob(mesh, idx, spec), glob(mesh, w, spec))
-                outs[be] = [np.asarray(process_allgather(r, tiled=True)) for r in res]
+                res = f(from_stacked(mesh, spec, x), from_stacked(mesh, spec, idx),
+                        from_stacked(mesh, spec, w))
+                outs[be] = [gather(r) for r in res]
             (dx_n, used_n, out_n, gx_n, gw_n), (dx_r, used_r, out_r, gx_r, gw_r) = (
                 outs["native"], outs["reference"])
             C = dx_n.shape[0] // n

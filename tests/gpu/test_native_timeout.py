@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import harness
+from gpu_helpers import ep_mesh, from_process_local
 
 _REASON = harness.skip_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
@@ -15,17 +16,17 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=_R
 
 def _absent_peer_worker(rank, n):
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import PartitionSpec as P
 
     from jax_ep import native, reference
     from jax_ep.config import EpConfig
 
     T, H, K, E = 64, 256, 2, 8 * n
     cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout="rank_major")
-    mesh = jax.make_mesh((n,), ("ep",))
+    mesh = ep_mesh(n)
     rng = np.random.default_rng(rank)
     idx = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
-    g = lambda a: jax.make_array_from_process_local_data(NamedSharding(mesh, P("ep")), a)
+    g = lambda a: from_process_local(mesh, P("ep"), a)
     spec = P("ep")
 
     # Every rank takes part in the routing (XLA collectives) ...

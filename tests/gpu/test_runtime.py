@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import harness
+from gpu_helpers import ep_mesh, from_process_local, gather
 
 _REASON = harness.skip_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
@@ -39,12 +40,6 @@ def _numpy_layout(idx, E, R):
     return in_rank.sum(0).astype(np.int32), per_expert, in_rank
 
 
-def _mesh(n):
-    import jax
-
-    return jax.make_mesh((n,), ("ep",))
-
-
 def _ping(mesh, x):
     """Per rank: y = x of the previous rank (jax_ep_ping, through NVSHMEM)."""
     import jax
@@ -60,23 +55,11 @@ def _ping(mesh, x):
     return f(x)
 
 
-def _global(mesh, local, spec):
-    import jax
-
-    return jax.make_array_from_process_local_data(jax.NamedSharding(mesh, spec), local)
-
-
-def _gather(a):
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(a, tiled=True))
-
-
 def _ping_ok(rank, n, mesh, size=1 << 14):
     from jax.sharding import PartitionSpec as P
 
     local = (np.arange(size, dtype=np.int32) * 7 + rank * 1000003)
-    y = _gather(_ping(mesh, _global(mesh, local, P("ep"))))
+    y = gather(_ping(mesh, from_process_local(mesh, P("ep"), local)))
     want = np.concatenate([np.arange(size, dtype=np.int32) * 7 + ((r - 1) % n) * 1000003
                            for r in range(n)])
     return bool(np.array_equal(y, want))
@@ -96,7 +79,7 @@ def _layout_worker(rank, n):
         ref = reference.BACKEND.layout
     except ImportError:
         ref = None
-    mesh = _mesh(n)
+    mesh = ep_mesh(n)
     report = []
     for case, (T, K, E) in enumerate(LAYOUT_CASES):
         for skew in (False, True):
@@ -112,11 +95,11 @@ def _layout_worker(rank, n):
                     return a[None], b[None], c
                 f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"),
                                           out_specs=(P("ep"), P("ep"), P("ep")), check_vma=True))
-                return [_gather(o) for o in f(_global(mesh, local, P("ep")))]
+                return [gather(o) for o in f(from_process_local(mesh, P("ep"), local))]
 
             got = run(native_layout.layout)
             want = run(ref) if ref is not None else None
-            allidx = _gather(_global(mesh, local, P("ep")))
+            allidx = gather(from_process_local(mesh, P("ep"), local))
             model = [np.stack([_numpy_layout(allidx[r * T:(r + 1) * T], E, n)[i] for r in range(n)])
                      for i in range(3)]
             model[2] = model[2].reshape(n * T, n)
@@ -128,7 +111,7 @@ def _layout_worker(rank, n):
 
 
 def _ping_worker(rank, n):
-    return _ping_ok(rank, n, _mesh(n))
+    return _ping_ok(rank, n, ep_mesh(n))
 
 
 def _reinit_worker(rank, n, cycles=2):
@@ -136,7 +119,7 @@ def _reinit_worker(rank, n, cycles=2):
     from jax_ep import runtime
 
     out = []
-    mesh = _mesh(n)
+    mesh = ep_mesh(n)
     for _ in range(cycles):
         if not jax_ep.initialize(buffer_bytes=64 << 20):
             raise RuntimeError(runtime.unavailable_reason())
@@ -153,11 +136,11 @@ def _not_initialized_worker(rank, n):
     import jax_ep
     from jax_ep import runtime
 
-    mesh = _mesh(n)
+    mesh = ep_mesh(n)
     res = {}
     try:
         from jax.sharding import PartitionSpec as P
-        x = _global(mesh, np.zeros((16,), np.int32), P("ep"))
+        x = from_process_local(mesh, P("ep"), np.zeros((16,), np.int32))
         _ping(mesh, x).block_until_ready()
         res["ffi_error"] = None
     except Exception as e:  # XlaRuntimeError

@@ -1,0 +1,122 @@
+"""Helpers shared by the GPU tests (tests/gpu/test_*.py) and the workers they
+run through ``harness.run``.
+
+Worker side: the 1-D ``"ep"`` mesh, global arrays built from per-process data
+or from inputs stacked per EP rank, the local shard (or every shard) back as
+numpy, bit views for exact comparisons, a jitted ``shard_map`` over stacked
+inputs, and ``Checks``: named pass / fail results that a worker returns as JSON.
+Test side: ``assert_checks`` on what ``harness.run`` returns.
+
+Importing this module puts tests/ on ``sys.path``, for ``ep_testing`` (random
+routings, meshes with explicit Auto axes). Test dependencies: pyproject's
+``gpu-test`` extra (pytest, optax, and torch for the one-GPU loopback tests,
+which skip without it).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+
+import numpy as np
+
+_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
+
+
+# ------------------------------------------------------------------ worker side
+
+def ep_mesh(n):
+    """``jax.make_mesh((n,), ("ep",))``, JAX's default axis types."""
+    import jax
+
+    return jax.make_mesh((n,), ("ep",))
+
+
+def from_process_local(mesh, spec, a):
+    """A global array whose shard on this process is ``a``."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), a)
+
+
+def from_stacked(mesh, spec, arr):
+    """A global array from ``arr`` [R, T, ...] stacked per EP rank, the same on
+    every process: reshaped to [R * T, ...] and split as ``spec`` says."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    arr = np.asarray(arr).reshape((-1,) + arr.shape[2:])
+    return jax.make_array_from_callback(arr.shape, NamedSharding(mesh, spec), lambda i: arr[i])
+
+
+def local(a):
+    """This process's shard of ``a`` (one device per process) as numpy."""
+    return np.asarray(a.addressable_shards[0].data)
+
+
+def gather(a):
+    """Every process's shard of ``a``, concatenated (collective)."""
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+
+
+def bits(a):
+    """``a`` viewed as unsigned integers of its width: exact comparisons (NaN, -0)."""
+    a = np.asarray(a)
+    return a.view(np.uint8) if a.dtype.itemsize == 1 else a.view(f"u{a.dtype.itemsize}")
+
+
+def per_rank_jit(fn, mesh, axes, *arrays):
+    """``jit(shard_map(fn))`` over the mesh axes ``axes`` (a tuple) and its
+    inputs, global arrays built from ``arrays`` stacked per rank (``from_stacked``).
+    0-d outputs become [1] per rank. -> (f, inputs)."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    spec = P(axes)
+    ins = [from_stacked(mesh, spec, a) for a in arrays]
+
+    def body(*xs):
+        out = fn(*xs)
+        return jax.tree_util.tree_map(lambda o: o[None] if o.ndim == 0 else o, out)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * len(ins), out_specs=spec))
+    return f, ins
+
+
+class Checks:
+    """Named checks of one worker: printed as ``PASS name ...`` / ``FAIL name
+    ...`` as they come, returned (``results``, JSON) to the test."""
+
+    def __init__(self):
+        self.results = []
+
+    def report(self, name, ok, detail="", **fields):
+        ok = bool(ok)
+        text = detail or json.dumps(fields, default=str)
+        print(f"{'PASS' if ok else 'FAIL'} {name} {text}", flush=True)
+        self.results.append(dict(name=name, ok=ok, detail=detail, **fields))
+
+    @contextlib.contextmanager
+    def guard(self, name):
+        """An exception inside the block fails check ``name``; the worker goes on."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - reported as a failed check
+            self.report(name, False, f"{type(e).__name__}: {str(e)[:800]}")
+
+
+# ------------------------------------------------------------------ test side
+
+def assert_checks(results, worker=""):
+    """``results``: harness.run's per-rank lists of ``Checks.results``. Every
+    rank must have run at least one check, and every check must have passed."""
+    empty = [r for r, checks in enumerate(results) if not checks]
+    assert results and not empty, f"{worker}: no checks ran on rank(s) {empty}"
+    bad = [dict(rank=r, **c) for r, checks in enumerate(results) for c in checks if not c["ok"]]
+    assert not bad, f"{worker}: {len(bad)} failed check(s)\n" + json.dumps(bad, indent=1)
