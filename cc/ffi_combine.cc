@@ -3,11 +3,10 @@
 #include <string>
 
 #include "ffi_common.h"
-#include "kernels/dispatch.cuh"
+#include "kernels/intranode.h"
 
 namespace jax_ep {
 
-ffi::Error CheckDeviceError();  // ffi_dispatch.cc
 
 namespace {
 

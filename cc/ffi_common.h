@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <string>
 
+#include "device_error.h"
 #include "runtime.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -85,6 +86,18 @@ inline ffi::Error GetPeerTable(ffi::Span<const int32_t> ep_groups, int32_t num_r
   }
   return InvalidArgument("this process (PE " + std::to_string(rt->my_pe) +
                          ") is in none of the EP groups passed to the call");
+}
+
+// Surfaces a spin timeout a previous kernel of this process left behind.
+inline ffi::Error CheckDeviceError() {
+  if (int e = take_device_error()) {
+    return ffi::Error(ffi::ErrorCode::kInternal,
+                      "jax_ep: a previous dispatch/combine kernel timed out waiting for a peer "
+                      "rank (error " + std::to_string(e) +
+                      "): ranks called different ops or a peer died; results since are "
+                      "invalid, restart the job");
+  }
+  return ffi::Error::Success();
 }
 
 }  // namespace jax_ep

@@ -3,26 +3,13 @@
 //   "jax_ep_combine_bwd"     backward of expert_major combine: d_out rows are
 //                            dispatched and, on the expert side, turned into
 //                            dy = w * g and dw = <g, y> (kDispatchCombineBwd)
-//   "jax_ep_bench_transfer"  raw transfer ceilings for bench/ (debug only)
 // All enqueue on XLA's stream and never synchronise the host.
 #include <string>
 
 #include "ffi_common.h"
-#include "kernels/dispatch.cuh"
+#include "kernels/intranode.h"
 
 namespace jax_ep {
-
-// Surfaces a spin timeout a previous kernel of this process left behind.
-ffi::Error CheckDeviceError() {
-  if (int e = take_device_error()) {
-    return ffi::Error(ffi::ErrorCode::kInternal,
-                      "jax_ep: a previous dispatch/combine kernel timed out waiting for a peer "
-                      "rank (error " + std::to_string(e) +
-                      "): ranks called different ops or a peer died; results since are "
-                      "invalid, restart the job");
-  }
-  return ffi::Error::Success();
-}
 
 namespace {
 
@@ -196,25 +183,6 @@ ffi::Error CombineBwdImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer 
   return ffi::Error::Success();
 }
 
-ffi::Error BenchTransferImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> src,
-                             ffi::Buffer<ffi::S32> token, ffi::Span<const int32_t> ep_groups,
-                             int32_t num_ranks, int32_t mode, int32_t num_sms,
-                             ffi::Result<ffi::Buffer<ffi::S32>> token_out) {
-  JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
-  PeerTable peers;
-  JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, &peers));
-  Runtime* rt = runtime();
-  const size_t bytes = src.element_count() & ~size_t(15);
-  if (bytes > stage_half_bytes(rt->sym_bytes))
-    return InvalidArgument("bench_transfer: larger than a staging half");
-  const int blocks = num_sms > 0 ? num_sms : 2 * rt->num_sms;
-  JAX_EP_CUDA_RETURN(launch_bench_transfer(peers, rt->sym_bytes, src.untyped_data(), bytes, mode,
-                                           blocks, device_error_word(), stream));
-  JAX_EP_CUDA_RETURN(cudaMemcpyAsync(token_out->untyped_data(), token.untyped_data(),
-                                     token.size_bytes(), cudaMemcpyDeviceToDevice, stream));
-  return ffi::Error::Success();
-}
-
 }  // namespace
 }  // namespace jax_ep
 
@@ -259,14 +227,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineBwd, jax_ep::CombineBwdImpl,
                                   .Attr<int32_t>("debug_skip")  // bench breakdown only (0)
                                   .Ret<xla::ffi::AnyBuffer>()                      // dy [C, W]
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());        // dw [C]
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpBenchTransfer, jax_ep::BenchTransferImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<jax_ep::Stream>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Attr<xla::ffi::Span<const int32_t>>("ep_groups")
-                                  .Attr<int32_t>("num_ranks")
-                                  .Attr<int32_t>("mode")
-                                  .Attr<int32_t>("num_sms")
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>());

@@ -1,18 +1,29 @@
 // The one list of XLA FFI targets exported by jax_ep._C.
 //
-// To add a target: define its handler in a cc/ffi_*.cc with
+// To add a target: define its handler in a cc/ffi_*.cc (cc/testing/ffi_*.cc for
+// test and bench helpers) with
 //   XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpFoo, FooImpl, ffi::Ffi::Bind()...);
 // (the symbol is extern "C" at global scope) and append
 //   X("jax_ep_foo", JaxEpFoo)
-// below. jax_ep/runtime.py registers every entry with
+// to the production (or testing) list below. jax_ep/runtime.py registers every entry with
 // jax.ffi.register_ffi_target(name, capsule, platform="CUDA") on import.
 #pragma once
 
-#define JAX_EP_FFI_TARGETS(X)        \
-  X("jax_ep_layout", JaxEpLayout)    \
-  X("jax_ep_ping", JaxEpPing)        \
+#define JAX_EP_PRODUCTION_TARGETS(X)   \
+  X("jax_ep_layout", JaxEpLayout)      \
   X("jax_ep_dispatch", JaxEpDispatch)  \
   X("jax_ep_combine", JaxEpCombine)    \
-  X("jax_ep_bench_transfer", JaxEpBenchTransfer) \
   X("jax_ep_combine_bwd", JaxEpCombineBwd) \
   /* dispatch / combine targets: append here (one X(...) per line) */
+
+// Runtime self-test and link ceilings (cc/testing/, built with JAX_EP_TESTING,
+// the default; a production build can leave them out).
+#define JAX_EP_TESTING_TARGETS(X)      \
+  X("jax_ep_ping", JaxEpPing)          \
+  X("jax_ep_bench_transfer", JaxEpBenchTransfer)
+
+#if JAX_EP_TESTING
+#define JAX_EP_FFI_TARGETS(X) JAX_EP_PRODUCTION_TARGETS(X) JAX_EP_TESTING_TARGETS(X)
+#else
+#define JAX_EP_FFI_TARGETS(X) JAX_EP_PRODUCTION_TARGETS(X)
+#endif

@@ -7,10 +7,13 @@
 #include <string>
 
 #include "ffi_targets.h"
-#include "loopback.h"
 #include "runtime.h"
 #include "runtime_lifecycle.h"
+#include "buffer_layout.h"
 #include "xla/ffi/api/api.h"
+#if JAX_EP_TESTING
+#include "testing/loopback.h"
+#endif
 
 #define JAX_EP_DECLARE_TARGET(name, sym) XLA_FFI_DECLARE_HANDLER_SYMBOL(sym);
 JAX_EP_FFI_TARGETS(JAX_EP_DECLARE_TARGET)
@@ -22,6 +25,15 @@ NB_MODULE(_C, m) {
   m.doc() = "jax_ep native runtime (NVSHMEM) and XLA FFI targets";
   m.attr("NOT_INITIALIZED_MESSAGE") = jax_ep::kNotInitialized;
   m.attr("MAX_RANKS") = jax_ep::kMaxRanks;
+  m.attr("TESTING") = bool(JAX_EP_TESTING);
+  // Codes the Python side passes as FFI attributes (one source: these enums).
+  // Sizes (one source: buffer_layout.h).
+  m.def("symmetric_buffer_bytes", &jax_ep::symmetric_buffer_bytes, nb::arg("num_ranks"),
+        nb::arg("tokens"), nb::arg("row_bytes"), nb::arg("scale_row_bytes"),
+        "Smallest symmetric buffer (bytes) whose staging holds dispatch and combine of "
+        "num_ranks x tokens rows of row_bytes (+ scale rows of scale_row_bytes).");
+  m.def("stage_half_bytes", &jax_ep::stage_half_bytes, nb::arg("sym_bytes"),
+        "Staging bytes per op and call parity in a symmetric buffer of sym_bytes.");
 
   m.def("registrations", [] {
     nb::dict d;
@@ -58,7 +70,17 @@ NB_MODULE(_C, m) {
     jax_ep::nvshmem_fini();
   });
   m.def("device_free_bytes", &jax_ep::device_free_bytes, nb::arg("device"));
+#if JAX_EP_TESTING
   // Tests only (tests/gpu/test_loopback.py): every rank's kernel on one GPU.
+  auto names = [](auto const& arr) {
+    nb::list l;
+    for (const char* n : arr) l.append(n);
+    return nb::tuple(l);
+  };
+  m.attr("LOOPBACK_DISPATCH_PTRS") = names(jax_ep::kLoopbackDispatchPtrs);
+  m.attr("LOOPBACK_DISPATCH_INTS") = names(jax_ep::kLoopbackDispatchInts);
+  m.attr("LOOPBACK_COMBINE_PTRS") = names(jax_ep::kLoopbackCombinePtrs);
+  m.attr("LOOPBACK_COMBINE_INTS") = names(jax_ep::kLoopbackCombineInts);
   m.def("loopback_dispatch",
         [](const std::vector<uint64_t>& ptrs, const std::vector<int64_t>& ints, size_t sym_bytes,
            int num_ranks, int iters) {
@@ -85,6 +107,7 @@ NB_MODULE(_C, m) {
         },
         nb::arg("ptrs"), nb::arg("ints"), nb::arg("sym_bytes"), nb::arg("num_ranks"),
         nb::arg("iters") = 1);
+#endif  // JAX_EP_TESTING
   m.def("runtime_info", []() -> nb::object {
     jax_ep::Runtime* rt = jax_ep::runtime();
     if (!rt) return nb::none();

@@ -120,6 +120,17 @@ _fp8_rows.defvjp(_fp8_rows_fwd, _fp8_rows_bwd)
 
 
 # -- public API ---------------------------------------------------------------
+def _one_empty_row(x, topk_idx, topk_weights, x_scales):
+    """T = 0 inputs as one row naming no expert (fresh rows: the empty inputs'
+    gradients are empty)."""
+    from ._ffi import to_vma, vma_of
+
+    vma = vma_of(x) | vma_of(topk_idx) | vma_of(topk_weights)
+    row = lambda a, v: to_vma(jnp.full((1, a.shape[1]), v, a.dtype), vma)
+    return (row(x, 0), row(topk_idx, -1), row(topk_weights, 0),
+            None if x_scales is None else row(x_scales, 0))
+
+
 def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, config: EpConfig,
              x_scales: Optional[jax.Array] = None) -> Dispatched:
     """Send each token to the ranks holding its top-k experts.
@@ -157,16 +168,9 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, config:
     R = validate.axis_size(config)
     _reject_forward_mode("dispatch", x, topk_weights, x_scales)
     topk_idx, topk_weights = validate.dispatch_args(x, topk_idx, topk_weights, x_scales, config, R)
-    pad = 0
-    if x.shape[0] == 0:  # T = 0: route one empty row (no expert), stripped again by combine
-        from ._ffi import to_vma, vma_of  # fresh rows (the empty inputs' gradients are empty)
-
-        pad = 1
-        vma = vma_of(x) | vma_of(topk_idx) | vma_of(topk_weights)
-        row = lambda a, v: to_vma(jnp.full((1, a.shape[1]), v, a.dtype), vma)
-        x, topk_idx, topk_weights = row(x, 0), row(topk_idx, -1), row(topk_weights, 0)
-        if x_scales is not None:
-            x_scales = row(x_scales, 0)
+    pad = int(x.shape[0] == 0)
+    if pad:  # T = 0: route one empty row (no expert), stripped again by combine
+        x, topk_idx, topk_weights, x_scales = _one_empty_row(x, topk_idx, topk_weights, x_scales)
     be = _backend.select(config)
     # dense-MoE weights for repeated ids (plain jnp, so autodiff spreads the gradient)
     topk_weights = merge_duplicate_weights(topk_idx, topk_weights, config.num_experts)

@@ -187,12 +187,17 @@ class EpConfig:
         Staging holds one row per (source rank, token) for dispatch and for
         combine, each double-buffered by call parity: 4 regions of
         ``R * T * (row bytes + fp8 scale bytes)``, rows sized for f32 (the
-        widest row dtype), plus 1 MiB of control words. ``buffer_bytes``
-        overrides it."""
+        widest row dtype), plus 1 MiB of control words; computed by the
+        extension (``cc/buffer_layout.h``, the one source of these sizes), so
+        it needs ``jax_ep._C``. ``buffer_bytes`` overrides it."""
         if self.buffer_bytes is not None:
             return self.buffer_bytes
-        row = self.hidden * 4 + (self.hidden // 128) * 4
-        stage = num_ranks * self.max_tokens_per_rank * row
-        stage = -(-stage // 256) * 256 + 512  # alignment of the regions
-        return 4 * stage + (2 << 20)
+        from .runtime import _extension, unavailable_reason
+
+        C = _extension()
+        if C is None:
+            raise RuntimeError("EpConfig.native_buffer_bytes needs the native extension: "
+                               + unavailable_reason())
+        return int(C.symmetric_buffer_bytes(num_ranks, self.max_tokens_per_rank,
+                                            self.hidden * 4, (self.hidden // 128) * 4))
 

@@ -96,10 +96,9 @@ __all__ = ["GroupedMatmulConfig", "grouped_matmul", "gmm", "tgmm", "DEFAULT_TILE
 Tiles = Tuple[int, int, int, int, int]
 
 # fwd/dx: best of the first H200 sweep (bench/results/history/2026-11-30-h200-grouped-
-# matmul-first.md): 5 stages, band 2 (up 0.88/0.86, down 0.71/0.78 of dense).
-# dw: one pipeline per (group, tile); a variant with one pipeline per (SM, group)
-# over all of the SM's tiles measured slower (8.0 vs 6.7 ms, V3 up projection;
-# bench/results/2026-11-30-h200-grouped-matmul.md) and was deleted.
+# matmul-first.md): 5 stages, band 2. dw: the 2-consumer kernel cuts the stages to
+# fit shared memory (_ws_tiles); a 1-warpgroup variant with one pipeline per (SM,
+# group) measured slower and was deleted (bench/results/README.md, "Deleted variants").
 DEFAULT_TILES = {
     "fwd": (128, 128, 64, 5, 2),
     "dx": (128, 128, 64, 5, 2),
@@ -598,6 +597,17 @@ def _gmm_pallas(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
     return kernel(rs, r0, r1, grp, x, w)
 
 
+def _dw_transforms(plgpu, dtype, bk, bn):
+    """Shared-memory transforms of the dw kernels: the staged ``[bk, *]`` input
+    tiles (swizzled along ``bk`` rows of 8) and the ``[*, bn]`` output tile."""
+    item = jnp.dtype(dtype).itemsize
+
+    def tiled(width):
+        sw = plgpu.find_swizzle(width * item * 8)
+        return (plgpu.TilingTransform((8, sw // item)), plgpu.SwizzleTransform(sw))
+    return tiled(bk), tiled(bn)
+
+
 def _zero_rows_outside(plgpu, ref, width, s, bk, lead, size):
     """dw k-step ``s`` of a group: zero the rows of the staged ``[bk, width]``
     tile outside ``[lead, lead + size)`` with a select (never a multiply: the
@@ -615,11 +625,7 @@ def _tgmm_pallas(x, dy, offsets, tiles, out_dtype, interpret):
     n = dy.shape[1]
     g_count = offsets.shape[0] - 1
     grid_m, grid_n = k // bm, n // bn
-    itemsize = jnp.dtype(x.dtype).itemsize
-    swizzle = plgpu.find_swizzle(bk * itemsize * 8)
-    tr = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
-    o_swizzle = plgpu.find_swizzle(bn * itemsize * 8)
-    o_tr = (plgpu.TilingTransform((8, o_swizzle // itemsize)), plgpu.SwizzleTransform(o_swizzle))
+    tr, o_tr = _dw_transforms(plgpu, x.dtype, bk, bn)
 
     def body(off_ref, x_ref, dy_ref, o_ref):
         @plgpu.nd_loop((g_count, grid_m * grid_n), collective_axes="sm")
@@ -687,6 +693,98 @@ def _tgmm_pallas(x, dy, offsets, tiles, out_dtype, interpret):
     return kernel(offsets.astype(jnp.int32), x, dy)
 
 
+def _ws_step(pl, plgpu, sh, g, t0, lead, size, nsteps, store):
+    """Pipeline body of the 2-consumer dw kernel for group ``g`` (``sh``: the
+    kernel's static shape values): zero the rows outside the group on the first
+    and last k-steps, one wgmma per consumer half, and on a tile's last k-step
+    store the accumulator and reset it."""
+    bm, bn, bk, cm, nsm, interpret = sh
+
+    def step(idx, x_smem, dy_smem, carry):
+        j, s = idx
+        wg = lax.axis_index("wg")
+        acc_ref, base = carry if interpret else (carry, None)
+
+        @pl.when((s == 0) | (s == nsteps - 1))
+        def _():
+            # Both consumers select the same rows to zero (identical writes):
+            # neither reads a half-masked tile.
+            _zero_rows_outside(plgpu, x_smem, cm, s, bk, lead, size)
+            _zero_rows_outside(plgpu, dy_smem, bn, s, bk, lead, size)
+            plgpu.commit_smem()
+
+        xs = x_smem.at[:, pl.ds(pl.multiple_of(wg * bm, bm), bm)]
+        plgpu.wgmma(acc_ref, _transposed(plgpu, xs), dy_smem)
+        plgpu.wgmma_wait(1)
+        last = s == nsteps - 1
+        if interpret:
+            # The interpreter cannot store to an accumulator: emulate the
+            # reset with a running base (test only).
+            val = acc_ref[...]
+
+            @pl.when(last)
+            def _():
+                store(g, t0 + j * nsm, val - base)
+            return acc_ref, jnp.where(last, val, base)
+
+        @pl.when(last)
+        def _():
+            plgpu.wgmma_wait(0)
+            store(g, t0 + j * nsm, acc_ref[...])
+            acc_ref[...] = jnp.zeros((bm, bn), jnp.float32)
+        return acc_ref
+
+    return step
+
+
+def _ws_group(pl, plgpu, sh, refs, g, tile_of, store, n_tiles, rot_step, steps, tr):
+    """Group ``g`` of the 2-consumer dw kernel on this SM: one warp-specialized
+    pipeline over (this SM's tiles of g) x (g's k-steps); zeros for an empty group."""
+    bm, bn, bk, cm, nsm, interpret = sh
+    off_ref, x_ref, dy_ref = refs
+    m = x_ref.shape[0]
+    start = off_ref[g]
+    size = off_ref[g + 1] - start
+    rot = lax.rem(g * jnp.int32(rot_step), jnp.int32(nsm))
+    t0 = lax.rem(lax.axis_index("sm") - rot + nsm, jnp.int32(nsm))
+    cnt = jnp.where(t0 < n_tiles, lax.div(n_tiles - t0 + (nsm - 1), jnp.int32(nsm)), 0)
+    cnt = cnt.astype(jnp.int32)
+    astart = pl.multiple_of(lax.div(start, jnp.int32(8)) * 8, 8)
+    lead = start - astart
+    nsteps = lax.div(size + lead + (bk - 1), jnp.int32(bk))
+
+    def compute_context(run):
+        if interpret:
+            pl.run_scoped(lambda a: run((a, a[...])), plgpu.ACC((bm, bn)))
+        else:
+            pl.run_scoped(run, plgpu.ACC((bm, bn)))
+
+    @pl.when((size > 0) & (cnt > 0))
+    def _():
+        rows = pl.ds(astart, m)  # may run past M; steps past the group are never issued
+        plgpu.emit_pipeline_warp_specialized(
+            _ws_step(pl, plgpu, sh, g, t0, lead, size, nsteps, store),
+            grid=(cnt, nsteps),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((bk, cm), lambda j, s: (s, tile_of(t0 + j * nsm)[0]),
+                                delay_release=1, transforms=tr),
+                plgpu.BlockSpec((bk, bn), lambda j, s: (s, tile_of(t0 + j * nsm)[1]),
+                                delay_release=1, transforms=tr),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=steps,
+            compute_context=compute_context,
+        )(x_ref.at[rows, :], dy_ref.at[rows, :])
+
+    @pl.when((size <= 0) & (cnt > 0) & (lax.axis_index("wg") < 2))
+    def _():
+        @pl.loop(0, cnt)
+        def _(j):
+            store(g, t0 + j * nsm, jnp.zeros((bm, bn), jnp.float32))
+
+
 def _tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret):
     """dw with two consumer warpgroups and a producer warpgroup (warp-specialized).
 
@@ -700,28 +798,22 @@ def _tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret):
     """
     pl, plgpu = _plgpu()
     bm, bn, bk, steps, band = tiles
-    m, k = x.shape
-    n = dy.shape[1]
+    k, n = x.shape[1], dy.shape[1]
     g_count = offsets.shape[0] - 1
     cm = 2 * bm
     grid_m, grid_n = k // cm, n // bn
     n_tiles = grid_m * grid_n
     nsm = _num_sms(interpret)
-    rot_step = n_tiles % nsm
-    itemsize = jnp.dtype(x.dtype).itemsize
-    swizzle = plgpu.find_swizzle(bk * itemsize * 8)
-    tr = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
-    o_swizzle = plgpu.find_swizzle(bn * itemsize * 8)
-    o_tr = (plgpu.TilingTransform((8, o_swizzle // itemsize)), plgpu.SwizzleTransform(o_swizzle))
+    sh = (bm, bn, bk, cm, nsm, interpret)
+    tr, o_tr = _dw_transforms(plgpu, x.dtype, bk, bn)
+
+    def tile_of(t):
+        return plgpu.planar_snake(t, (grid_m, grid_n), 0, band)
 
     def body(off_ref, x_ref, dy_ref, o_ref):
-        sm = lax.axis_index("sm")
-        wg = lax.axis_index("wg")
-
-        def tile_of(t):
-            return plgpu.planar_snake(t, (grid_m, grid_n), 0, band)
-
         def scoped(o_smem):
+            wg = lax.axis_index("wg")
+
             def store(g, t, val):
                 mi, ni = tile_of(t)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # this warpgroup's slot free
@@ -731,81 +823,8 @@ def _tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret):
                     o_smem.at[wg], o_ref.at[g, pl.ds(mi * cm + wg * bm, bm), pl.ds(ni * bn, bn)])
 
             def group(g, carry):
-                start = off_ref[g]
-                size = off_ref[g + 1] - start
-                rot = lax.rem(g * jnp.int32(rot_step), jnp.int32(nsm))
-                t0 = lax.rem(sm - rot + nsm, jnp.int32(nsm))
-                cnt = jnp.where(t0 < n_tiles, lax.div(n_tiles - t0 + (nsm - 1), jnp.int32(nsm)), 0)
-                cnt = cnt.astype(jnp.int32)
-                astart = pl.multiple_of(lax.div(start, jnp.int32(8)) * 8, 8)
-                lead = start - astart
-                nsteps = lax.div(size + lead + (bk - 1), jnp.int32(bk))
-
-                def step(idx, x_smem, dy_smem, carry):
-                    j, s = idx
-                    acc_ref, base = carry if interpret else (carry, None)
-
-                    @pl.when((s == 0) | (s == nsteps - 1))
-                    def _():
-                        # Both consumers select the same rows to zero (identical
-                        # writes): neither reads a half-masked tile.
-                        _zero_rows_outside(plgpu, x_smem, cm, s, bk, lead, size)
-                        _zero_rows_outside(plgpu, dy_smem, bn, s, bk, lead, size)
-                        plgpu.commit_smem()
-
-                    xs = x_smem.at[:, pl.ds(pl.multiple_of(wg * bm, bm), bm)]
-                    plgpu.wgmma(acc_ref, _transposed(plgpu, xs), dy_smem)
-                    plgpu.wgmma_wait(1)
-
-                    last = s == nsteps - 1
-                    if interpret:
-                        # The interpreter cannot store to an accumulator:
-                        # emulate the reset with a running base (test only).
-                        val = acc_ref[...]
-
-                        @pl.when(last)
-                        def _():
-                            store(g, t0 + j * nsm, val - base)
-                        return acc_ref, jnp.where(last, val, base)
-
-                    @pl.when(last)
-                    def _():
-                        plgpu.wgmma_wait(0)
-                        store(g, t0 + j * nsm, acc_ref[...])
-                        acc_ref[...] = jnp.zeros((bm, bn), jnp.float32)
-                    return acc_ref
-
-                def compute_context(run):
-                    if interpret:
-                        pl.run_scoped(lambda a: run((a, a[...])), plgpu.ACC((bm, bn)))
-                    else:
-                        pl.run_scoped(run, plgpu.ACC((bm, bn)))
-
-                @pl.when((size > 0) & (cnt > 0))
-                def _():
-                    rows = pl.ds(astart, m)  # may run past M; steps past the group are never issued
-                    plgpu.emit_pipeline_warp_specialized(
-                        step,
-                        grid=(cnt, nsteps),
-                        memory_registers=40,
-                        in_specs=[
-                            plgpu.BlockSpec((bk, cm), lambda j, s: (s, tile_of(t0 + j * nsm)[0]),
-                                            delay_release=1, transforms=tr),
-                            plgpu.BlockSpec((bk, bn), lambda j, s: (s, tile_of(t0 + j * nsm)[1]),
-                                            delay_release=1, transforms=tr),
-                        ],
-                        wg_axis="wg",
-                        num_compute_wgs=2,
-                        max_concurrent_steps=steps,
-                        compute_context=compute_context,
-                    )(x_ref.at[rows, :], dy_ref.at[rows, :])
-
-                @pl.when((size <= 0) & (cnt > 0) & (wg < 2))
-                def _():
-                    @pl.loop(0, cnt)
-                    def _(j):
-                        store(g, t0 + j * nsm, jnp.zeros((bm, bn), jnp.float32))
-
+                _ws_group(pl, plgpu, sh, (off_ref, x_ref, dy_ref), g, tile_of, store, n_tiles,
+                          n_tiles % nsm, steps, tr)
                 return carry
 
             lax.fori_loop(0, g_count, group, jnp.int32(0))

@@ -249,9 +249,8 @@ def _parse(argv: Optional[Sequence[str]]):
     return p, ns
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``python -m jax_ep.launch`` and ``jax-ep-launch``; returns the exit code."""
-    parser, ns = _parse(argv)
+def _resolve(parser, ns):
+    """-> (platform, processes on this node, coordinator address, child command)."""
     platform = ns.platform
     if platform == "auto":
         platform = "gpu" if _detect_gpus() > 0 else "cpu"
@@ -277,6 +276,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cmd = [sys.executable, "-u", "-m", ns.module] + list(ns.args)
     else:
         cmd = [sys.executable, "-u", ns.script] + list(ns.args)
+    return platform, nproc, coordinator, cmd
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``python -m jax_ep.launch`` and ``jax-ep-launch``; returns the exit code."""
+    parser, ns = _parse(argv)
+    platform, nproc, coordinator, cmd = _resolve(parser, ns)
 
     out_lock = threading.Lock()
     children: List[_Child] = []

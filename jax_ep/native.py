@@ -20,14 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _ffi, routing
+from . import _ffi, abi, routing
 from .config import EpConfig
 from .types import Handle
 
 FP8 = jnp.float8_e4m3fn
 
-# DispatchMode in cc/kernels/dispatch.cuh
-_COPY, _CAST_BF16, _CAST_F32 = 0, 1, 2
+# DispatchMode codes (one source: jax_ep/abi.py, compiled into the kernels)
+_COPY, _CAST_BF16, _CAST_F32 = (abi.dispatch_mode(m) for m in ("copy", "cast_bf16", "cast_f32"))
 
 
 def _num_sms(cfg: EpConfig) -> np.int32:
@@ -139,7 +139,14 @@ def bench_transfer(src_u8, token, cfg: EpConfig, mode: int, num_sms: int = 0):
 
     mode 0: SM writes both ways, 1: copy engine both ways, 2: copy engine rank
     0 -> 1 only, 3: SM writes rank 0 -> 1 only. Returns a copy of ``token``
-    (chain it to make calls data-dependent)."""
+    (chain it to make calls data-dependent). Needs an extension built with
+    the test/bench helpers (CMake option JAX_EP_TESTING, on by default)."""
+    from .runtime import _extension
+
+    C = _extension()
+    if C is not None and not getattr(C, "TESTING", True):
+        raise RuntimeError("jax_ep was built without JAX_EP_TESTING: no link-ceiling target "
+                           "(rebuild with -C cmake.define.JAX_EP_TESTING=ON)")
     (out,) = _ffi.call(
         "jax_ep_bench_transfer", [(token.shape, jnp.int32)], src_u8, token,
         ep_axis=cfg.axis_name, has_side_effect=True, mode=np.int32(mode),
@@ -151,8 +158,8 @@ class NativeBackend(routing.XlaRouting):
     """Rows through the native kernels; the routing metadata and weights (a few
     bytes per token) through the shared routing (``jax_ep.routing``) over XLA's
     all_to_all, which is faster for them than a kernel launch with its flag
-    round (a native all-gather variant measured 39–68 µs against 17–34 µs for
-    ``route`` at V3-train and was deleted: bench/results/README.md)."""
+    round (a native all-gather variant measured slower for ``route`` at
+    V3-train and was deleted: bench/results/README.md, "Deleted variants")."""
 
     name = "native"
 

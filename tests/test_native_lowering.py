@@ -4,7 +4,7 @@ The native backend is lowered (never run) on 8 fake CPU devices for forward +
 backward of both layouts, fp8 dispatch and the layout kernel; every
 ``stablehlo.custom_call @jax_ep_*`` in the module must carry exactly the
 attributes, operand count and result count that ``XLA_FFI_DEFINE_HANDLER_SYMBOL``
-binds in ``cc/ffi_*.cc`` (found through ``cc/ffi_targets.h``). A mismatch would
+binds in ``cc/ffi_*.cc`` / ``cc/testing/ffi_*.cc`` (found through ``cc/ffi_targets.h``). A mismatch would
 otherwise only show as a runtime error on GPUs."""
 import glob
 import os
@@ -28,7 +28,8 @@ def _bindings():
     header = open(os.path.join(ROOT, "cc", "ffi_targets.h")).read()
     targets = dict(re.findall(r'X\("(\w+)",\s*(\w+)\)', header[header.index("#define"):]))
     symbols = {}
-    for path in glob.glob(os.path.join(ROOT, "cc", "ffi_*.cc")):
+    for path in (glob.glob(os.path.join(ROOT, "cc", "ffi_*.cc"))
+                 + glob.glob(os.path.join(ROOT, "cc", "testing", "ffi_*.cc"))):
         src = open(path).read()
         for m in re.finditer(r"XLA_FFI_DEFINE_HANDLER_SYMBOL\((\w+),(.*?)\);", src, re.S):
             body = re.sub(r"//[^\n]*", "", m.group(2))

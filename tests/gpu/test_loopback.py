@@ -1,6 +1,6 @@
 """The dispatch / combine kernels on ONE GPU: every rank's kernel in one process.
 
-``jax_ep._C.loopback_dispatch`` / ``loopback_combine`` (cc/loopback.cu) run R
+``jax_ep._C.loopback_dispatch`` / ``loopback_combine`` (cc/testing/loopback.cu) run R
 ranks' kernels concurrently on one device, each on its own stream and SM share,
 with plain zeroed device buffers in place of the NVSHMEM symmetric buffer: the
 real protocol (staging, chunk flags, epochs across calls, row slices) with HBM
@@ -144,6 +144,7 @@ class Loopback:
         x = d_out, yw = (y [R, C, H], w [R, C]); returns dy as the rows and dw
         [C] f32 in place of the scales."""
         import jax.numpy as jnp
+        from jax_ep import abi
         np = self.np
 
         send_mask, recv_li, slot_row, row_src, out_ref = hd[:5]
@@ -151,24 +152,33 @@ class Loopback:
         row_bytes = out_ref.shape[2] * out_ref.dtype.itemsize
         x_row_bytes = x.shape[2] * x.dtype.itemsize
         s_row_bytes = (H // 128) * 4 if mode in ("cast", "given") else 0
-        kmode = {"copy": 0, "given": 0, "bwd": 3}.get(mode, 1 if x.dtype == jnp.bfloat16 else 2)
-        dt = {2: 2 if x.dtype == np.float16 else 0, 4: 1}.get(x.dtype.itemsize, 0)
-        syms = self.sym_buffers(R, 4 * (R * T * (row_bytes + s_row_bytes) + 4096) + (4 << 20))
+        kmode = abi.dispatch_mode({"copy": "copy", "given": "copy", "bwd": "combine_bwd"}.get(
+            mode, "cast_bf16" if x.dtype == jnp.bfloat16 else "cast_f32"))
+        dt = abi.ROW_DTYPES.get(np.dtype(x.dtype).name, abi.ROW_DTYPES["bfloat16"])[1]
+        syms = self.sym_buffers(R, self.C.symmetric_buffer_bytes(R, T, row_bytes, s_row_bytes))
         keep, ptrs, outs, out_ss, dws = [], [], [], [], []
         for r in range(R):
-            ts = [self.dev(x[r]), self.dev(scales[r]) if scales is not None else self.poisoned(16),
-                  self.poisoned(C * row_bytes), self.poisoned(C * s_row_bytes),
-                  self.dev(row_src[r]), self.dev(slot_row[r]), self.dev(send_mask[r])]
-            extra = ([self.dev(yw[0][r]), self.dev(yw[1][r].astype(np.float32)),
-                      self.poisoned(C * 4)] if mode == "bwd" else [self.poisoned(16)] * 3)
-            keep += ts + extra
-            outs.append(ts[2])
-            out_ss.append(ts[3])
-            dws.append(extra[2])
-            ptrs += ([t.data_ptr() for t in ts] + [syms[r].data_ptr()] +
-                     [t.data_ptr() for t in extra])
-        ints = [T, K, C, H, x_row_bytes, row_bytes, s_row_bytes, kmode, int(rank_major),
-                num_blocks or self.sms // R, chunk, 0, int(zero_tail), align, dt]
+            named = dict(
+                x=self.dev(x[r]),
+                scales=self.dev(scales[r]) if scales is not None else self.poisoned(16),
+                out=self.poisoned(C * row_bytes), out_scales=self.poisoned(C * s_row_bytes),
+                row_src=self.dev(row_src[r]), slot_row=self.dev(slot_row[r]),
+                send_mask=self.dev(send_mask[r]), sym=syms[r])
+            if mode == "bwd":
+                named.update(y=self.dev(yw[0][r]), row_w=self.dev(yw[1][r].astype(np.float32)),
+                             dw=self.poisoned(C * 4))
+            else:
+                named.update(y=self.poisoned(16), row_w=self.poisoned(16), dw=self.poisoned(16))
+            keep.append(named)
+            outs.append(named["out"])
+            out_ss.append(named["out_scales"])
+            dws.append(named["dw"])
+            ptrs += [named[k].data_ptr() for k in self.C.LOOPBACK_DISPATCH_PTRS]
+        vals = dict(T=T, K=K, C=C, hidden=H, x_row_bytes=x_row_bytes, row_bytes=row_bytes,
+                    s_row_bytes=s_row_bytes, mode=kmode, rank_major=int(rank_major),
+                    num_blocks=num_blocks or self.sms // R, chunk=chunk, div_mode=0,
+                    zero_tail=int(zero_tail), align=align, dtype=dt)
+        ints = [vals[k] for k in self.C.LOOPBACK_DISPATCH_INTS]
         err, sec = self.C.loopback_dispatch(ptrs, ints, syms[0].numel(), R, iters)
         got = [self.host(outs[r], out_ref[r]) for r in range(R)]
         got_s = [self.host(out_ss[r], hd[5][r]) for r in range(R)] if s_row_bytes else None
@@ -190,22 +200,26 @@ class Loopback:
 
     def combine(self, R, y, w, hd, layout, H, chunk=0, iters=1, num_blocks=None):
         """y [R, C, H] (w [R, C] or None) -> (error, per-rank out [T, H], seconds per call)."""
+        from jax_ep import abi
         np = self.np
         send_mask, recv_li, slot_row = hd[0], hd[1], hd[2]
         T, K, Cn = send_mask.shape[1], slot_row.shape[-1], y.shape[1]
         row_bytes = H * y.dtype.itemsize
-        syms = self.sym_buffers(R, 4 * (R * T * row_bytes + 4096) + (4 << 20))
+        syms = self.sym_buffers(R, self.C.symmetric_buffer_bytes(R, T, row_bytes, 0))
         keep, ptrs, outs = [], [], []
         for r in range(R):
-            ts = [self.dev(y[r]), self.dev(w[r]) if w is not None else None,
-                  self.dev(slot_row[r]), self.dev(recv_li[r]), self.dev(send_mask[r]),
-                  self.poisoned(T * row_bytes)]
-            keep += ts
-            outs.append(ts[5])
-            ptrs += [0 if t is None else t.data_ptr() for t in ts] + [syms[r].data_ptr()]
-        dt = {2: 0, 4: 1}[y.dtype.itemsize] if y.dtype != np.float16 else 2
-        ints = [T, K, Cn, H, dt, row_bytes, int(layout == "rank_major"),
-                num_blocks or self.sms // R, chunk]
+            named = dict(y=self.dev(y[r]), row_weights=self.dev(w[r]) if w is not None else None,
+                         slot_row=self.dev(slot_row[r]), recv_local_idx=self.dev(recv_li[r]),
+                         send_mask=self.dev(send_mask[r]), out=self.poisoned(T * row_bytes),
+                         sym=syms[r])
+            keep.append(named)
+            outs.append(named["out"])
+            ptrs += [0 if named[k] is None else named[k].data_ptr()
+                     for k in self.C.LOOPBACK_COMBINE_PTRS]
+        vals = dict(T=T, K=K, C=Cn, W=H, dtype=abi.row_dtype(np.dtype(y.dtype).name),
+                    row_bytes=row_bytes, rank_major=int(layout == "rank_major"),
+                    num_blocks=num_blocks or self.sms // R, chunk=chunk)
+        ints = [vals[k] for k in self.C.LOOPBACK_COMBINE_INTS]
         err, sec = self.C.loopback_combine(ptrs, ints, syms[0].numel(), R, iters)
         like = np.zeros((T, H), y.dtype)
         return err, [self.host(o, like) for o in outs], sec

@@ -1,4 +1,4 @@
-#include "kernels/ping.h"
+#include "testing/ping.h"
 
 #include <nvshmem.h>
 #include <nvshmemx.h>

@@ -1,11 +1,12 @@
 // See loopback.h.
-#include "loopback.h"
+#include "testing/loopback.h"
 
 #include <cuda_runtime.h>
 
 #include <chrono>
+#include <iterator>
 
-#include "kernels/dispatch.cuh"
+#include "kernels/intranode.h"
 
 namespace jax_ep {
 
@@ -66,13 +67,15 @@ std::string run_ranks(int R, int iters, double* seconds, F fn) {
 
 std::string loopback_dispatch(const std::vector<uint64_t>& ptrs, const std::vector<int64_t>& ints,
                               size_t sym_bytes, int R, int iters, double* seconds) {
-  constexpr int kPtrs = 11;
-  if (R < 1 || R > kMaxRanks || ptrs.size() != size_t(kPtrs * R) || ints.size() != 15)
+  constexpr int kPtrs = int(std::size(kLoopbackDispatchPtrs));
+  if (R < 1 || R > kMaxRanks || ptrs.size() != size_t(kPtrs * R) ||
+      ints.size() != std::size(kLoopbackDispatchInts))
     return "loopback_dispatch: bad arguments";
   if (ints[1] > 32) return "loopback_dispatch: top-k above 32";
   const bool cast = ints[7] == kDispatchCastBf16 || ints[7] == kDispatchCastF32;
   if (cast && ints[3] % 128 != 0) return "loopback_dispatch: hidden % 128";
   if (std::string e = check_resident(R, int(ints[9])); !e.empty()) return e;
+  static_assert(std::size(kLoopbackDispatchPtrs) == 11, "pointer layout below");
   auto P = [&](int r, int i) { return reinterpret_cast<void*>(ptrs[kPtrs * r + i]); };
   return run_ranks(R, iters, seconds, [&](int r, cudaStream_t st) {
     DispatchArgs a;
@@ -120,7 +123,9 @@ std::string loopback_dispatch(const std::vector<uint64_t>& ptrs, const std::vect
 
 std::string loopback_combine(const std::vector<uint64_t>& ptrs, const std::vector<int64_t>& ints,
                              size_t sym_bytes, int R, int iters, double* seconds) {
-  if (R < 1 || R > kMaxRanks || ptrs.size() != size_t(7 * R) || ints.size() != 9)
+  static_assert(std::size(kLoopbackCombinePtrs) == 7, "pointer layout below");
+  if (R < 1 || R > kMaxRanks || ptrs.size() != size_t(7 * R) ||
+      ints.size() != std::size(kLoopbackCombineInts))
     return "loopback_combine: bad arguments";
   if (ints[1] > 32) return "loopback_combine: top-k above 32";
   if (std::string e = check_resident(R, int(ints[7])); !e.empty()) return e;

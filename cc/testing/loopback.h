@@ -14,19 +14,27 @@
 
 namespace jax_ep {
 
-// ptrs, per rank r at [11r, 11r + 11): x, scales, out, out_scales, row_src,
-// slot_row, send_mask, sym, y, row_w, dw (the last three: mode 3, the combine
-// backward, only). ints: T, K, C, hidden, x_row_bytes, row_bytes,
-// s_row_bytes, mode, rank_major, num_blocks, chunk (<= 0: default),
-// div_mode, zero_tail, align, dtype (0 bf16, 1 f32, 2 f16; mode 3).
+// The argument layout (exported as jax_ep._C.LOOPBACK_*; tests/gpu/test_loopback.py
+// builds its lists from these names). ptrs: per rank r at [P r, P r + P),
+// P = the number of names; y, row_w, dw only for mode 3 (the combine
+// backward). ints: chunk <= 0 is the default; dtype a RowDtype (mode 3).
+inline constexpr const char* kLoopbackDispatchPtrs[] = {
+    "x", "scales", "out", "out_scales", "row_src", "slot_row", "send_mask", "sym", "y", "row_w",
+    "dw"};
+inline constexpr const char* kLoopbackDispatchInts[] = {
+    "T", "K", "C", "hidden", "x_row_bytes", "row_bytes", "s_row_bytes", "mode", "rank_major",
+    "num_blocks", "chunk", "div_mode", "zero_tail", "align", "dtype"};
+inline constexpr const char* kLoopbackCombinePtrs[] = {
+    "y", "row_weights", "slot_row", "recv_local_idx", "send_mask", "out", "sym"};
+inline constexpr const char* kLoopbackCombineInts[] = {
+    "T", "K", "C", "W", "dtype", "row_bytes", "rank_major", "num_blocks", "chunk"};
+
 // Runs `iters` calls back to back (*seconds: wall time per call). Returns ""
 // or an error message; synchronises the device.
 std::string loopback_dispatch(const std::vector<uint64_t>& ptrs, const std::vector<int64_t>& ints,
                               size_t sym_bytes, int num_ranks, int iters, double* seconds);
 
-// ptrs, per rank at [7r, 7r + 7): y, row_weights (0: none), slot_row,
-// recv_local_idx, send_mask, out, sym. ints: T, K, C, W, dtype (0 bf16, 1 f32,
-// 2 f16), row_bytes, rank_major, num_blocks, chunk. As loopback_dispatch.
+// As loopback_dispatch (row_weights 0: none).
 std::string loopback_combine(const std::vector<uint64_t>& ptrs, const std::vector<int64_t>& ints,
                              size_t sym_bytes, int num_ranks, int iters, double* seconds);
 

@@ -1,4 +1,4 @@
-// Host side of launch.cuh: the host-mapped error word the kernels raise on a
+// Host side of device_error.h: the host-mapped error word the kernels raise on a
 // spin timeout. Reading it needs no stream sync: the next FFI call of this
 // process sees it and fails with a clear message instead of hanging.
 #include <cuda_runtime.h>
@@ -7,7 +7,7 @@
 #include <cstring>
 #include <mutex>
 
-#include "kernels/launch.cuh"
+#include "device_error.h"
 
 namespace jax_ep {
 
@@ -37,7 +37,7 @@ int* device_error_word() {
   return g_dev;  // nullptr: no error reporting (kernels then only time out)
 }
 
-// Test-only (see launch.cuh): read once per process.
+// Test-only (see device_error.h): read once per process.
 bool debug_poison() {
   static const bool on = [] {
     const char* v = std::getenv("JAX_EP_DEBUG_POISON");

@@ -1,4 +1,4 @@
-// Host interface of the intranode dispatch / combine / bench kernels.
+// Host interface of the intranode (NVLink P2P) dispatch and combine kernels.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -6,7 +6,10 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kernels/launch.cuh"
+#include "buffer_layout.h"
+#include "device_error.h"
+#include "jax_ep_abi.h"
+#include "kernels/launch_config.h"
 #include "runtime.h"
 
 namespace jax_ep {
@@ -19,19 +22,9 @@ namespace jax_ep {
 // the last group only with zero_tail (else left as they were: at EP 2 /
 // V3-train they are half of the dropless capacity, ~470 MB of writes).
 // Optionally a second row stream (fp8 scales).
-enum DispatchMode : int {
-  kDispatchCopy = 0,     // x rows (any dtype) and optional scale rows, as bits
-  kDispatchCastBf16 = 1, // x bf16 -> fp8 e4m3 + f32 scales per 128 channels
-  kDispatchCastF32 = 2,  // x f32  -> same
-  // Backward of expert_major combine, fused: x = d_out [T, W] (y's dtype) is
-  // sent like a copy; for every received row of token t and each of its slot
-  // rows c: out[c] = dy[c] = cast(w[c] * f32(g_t)), dw[c] = sum_h f32(g_t[h])
-  // * f32(y[c, h]). Padding rows get dy = 0 and every row with row_src -1
-  // gets dw = 0 (tail dy rows only with zero_tail).
-  kDispatchCombineBwd = 3,
-};
+// DispatchMode (copy / fp8 casts / fused combine backward) and RowDtype come
+// from jax_ep/abi.py, the one source of the codes (generated jax_ep_abi.h).
 
-enum RowDtype : int { kBf16 = 0, kF32 = 1, kF16 = 2 };
 
 struct DispatchArgs {
   PeerTable peers;
@@ -92,20 +85,7 @@ struct CombineArgs {
   unsigned long long timeout_ns = kDefaultTimeoutNs;
 };
 
-// Bytes of one parity half that dispatch / combine need.
-size_t dispatch_stage_bytes(int R, int T, long long row_bytes, long long s_row_bytes,
-                            size_t* scales_off);
-size_t combine_stage_bytes(int R, int T, long long row_bytes);
-
 cudaError_t launch_dispatch(const DispatchArgs& a, const LaunchConfig& lc, cudaStream_t stream);
 cudaError_t launch_combine(const CombineArgs& a, const LaunchConfig& lc, cudaStream_t stream);
-
-// Ceiling measurements (bench only): every rank moves `bytes` from src into
-// the peer's staging. mode: 0 SM writes both ways, 1 copy engine both ways,
-// 2 copy engine rank 0 -> 1 only, 3 SM writes rank 0 -> 1 only. Bracketed by
-// two device-side barriers so the call covers the whole transfer.
-cudaError_t launch_bench_transfer(const PeerTable& peers, size_t sym_bytes, const void* src,
-                                  size_t bytes, int mode, int num_blocks, int* host_err,
-                                  cudaStream_t stream);
 
 }  // namespace jax_ep

@@ -13,15 +13,15 @@
 #include <cuda_fp8.h>
 #include <cuda_bf16.h>
 
-#include "kernels/dispatch.cuh"
+#include "kernels/intranode.h"
+#include "kernels/row_copy.cuh"
+#include "kernels/sync.cuh"
+#include "transport/p2p.cuh"
 
 namespace jax_ep {
 
 namespace {
 
-__device__ __forceinline__ char* sym_at(const PeerTable& p, int r, size_t off) {
-  return static_cast<char*>(p.peers[r]) + off;
-}
 
 // Loads 8 consecutive input elements as f32.
 template <typename Tin> struct Load8;
@@ -294,8 +294,8 @@ struct ZeroCursor {
 // EPL: 16 = the fp8 cast kernel (16 elements per lane, one 16-byte store
 // each); 8 = the copy kernel (no cast code), a template so that the cast's
 // register pressure stays out of the copy kernel; BWD (kDispatchCombineBwd)
-// likewise. (An 8-element cast was measured slower, 138.9 vs 118.8 us at
-// V3-train on 2x H200, and deleted: bench/results/history.)
+// likewise. (An 8-element cast was measured slower and deleted: numbers in
+// bench/results/README.md, "Deleted variants".)
 template <int EPL, bool BWD>
 __global__ void __launch_bounds__(512, 1)
 dispatch_kernel(DispatchArgs a, LaunchConfig lc, int num_chunks) {
@@ -303,7 +303,7 @@ dispatch_kernel(DispatchArgs a, LaunchConfig lc, int num_chunks) {
   const int slices = lc.slices;
   __shared__ float sm_scales[16][kSmScales];
   const int me = a.peers.rank, R = a.peers.num_ranks;
-  OpCtrl* ctrl = reinterpret_cast<OpCtrl*>(sym_at(a.peers, me, a.ctrl_off));
+  OpCtrl* ctrl = reinterpret_cast<OpCtrl*>(peer_ptr(a.peers, me, a.ctrl_off));
   const unsigned int epoch = current_epoch(ctrl);
   const int parity = epoch & 1u;
   const size_t stage = a.stage_off[parity];
@@ -327,8 +327,8 @@ dispatch_kernel(DispatchArgs a, LaunchConfig lc, int num_chunks) {
           const int r = (me + i) % R;
           if (!a.send_mask[static_cast<long long>(t) * R + r]) continue;
           const long long slot = static_cast<long long>(me) * T + t;
-          dst[n] = sym_at(a.peers, r, stage) + slot * a.row_bytes;
-          dsts[n] = sym_at(a.peers, r, stage + a.stage_scales_off) + slot * a.s_row_bytes;
+          dst[n] = peer_ptr(a.peers, r, stage) + slot * a.row_bytes;
+          dsts[n] = peer_ptr(a.peers, r, stage + a.stage_scales_off) + slot * a.s_row_bytes;
           ++n;
         }
         if (n == 0 || (a.skip & 1)) continue;
@@ -344,7 +344,7 @@ dispatch_kernel(DispatchArgs a, LaunchConfig lc, int num_chunks) {
     const int gw = blockIdx.x * recv_warps + rw;
     char* rows[kMaxDst];
     char* srows[kMaxDst];
-    const char* my_stage = sym_at(a.peers, me, stage);
+    const char* my_stage = peer_ptr(a.peers, me, stage);
     // Two work lists per warp, interleaved: remote chunks (peer i, chunk j of
     // this block; this warp's items in it) whenever their flag is up, and
     // otherwise local work that needs nobody: zero rows, then own tokens
@@ -415,77 +415,7 @@ dispatch_kernel(DispatchArgs a, LaunchConfig lc, int num_chunks) {
   finish_call(ctrl, epoch);
 }
 
-// ---- bench: raw transfer ceilings ------------------------------------------
-
-// One-block barrier over the group on the bench op's flags.
-__global__ void bench_barrier_kernel(PeerTable p, size_t ctrl_off, int* host_err) {
-  OpCtrl* ctrl = reinterpret_cast<OpCtrl*>(sym_at(p, p.rank, ctrl_off));
-  const unsigned int epoch = current_epoch(ctrl);
-  if (threadIdx.x < p.num_ranks) {
-    OpCtrl* rc = reinterpret_cast<OpCtrl*>(sym_at(p, threadIdx.x, ctrl_off));
-    __threadfence_system();
-    st_release_sys(&rc->flags[p.rank][0], epoch);
-    wait_flag(&ctrl->flags[threadIdx.x][0], epoch, host_err, kDefaultTimeoutNs);
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    *reinterpret_cast<volatile unsigned int*>(&ctrl->epoch) = epoch;
-    __threadfence_system();
-  }
-}
-
-__global__ void __launch_bounds__(512)
-bench_write_kernel(const int4* __restrict__ src, int4* dst, size_t n16) {
-  const size_t stride = size_t(gridDim.x) * blockDim.x;
-  size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (; i + 3 * stride < n16; i += 4 * stride) {
-    int4 v0 = src[i], v1 = src[i + stride], v2 = src[i + 2 * stride], v3 = src[i + 3 * stride];
-    dst[i] = v0; dst[i + stride] = v1; dst[i + 2 * stride] = v2; dst[i + 3 * stride] = v3;
-  }
-  for (; i < n16; i += stride) dst[i] = src[i];
-  __threadfence_system();
-}
-
 }  // namespace
-
-size_t dispatch_stage_bytes(int R, int T, long long row_bytes, long long s_row_bytes,
-                            size_t* scales_off) {
-  size_t rows = size_t(R) * size_t(T);
-  size_t a = (rows * size_t(row_bytes) + 255) & ~size_t(255);
-  if (scales_off) *scales_off = a;
-  return a + rows * size_t(s_row_bytes);
-}
-
-size_t combine_stage_bytes(int R, int T, long long row_bytes) {
-  return size_t(R) * size_t(T) * size_t(row_bytes);
-}
-
-LaunchConfig make_launch_config(OpKind op, int num_tokens, int num_sms_requested, int device_sms,
-                                int chunk) {
-  LaunchConfig lc;
-  int sms = num_sms_requested > 0 ? num_sms_requested : device_sms;
-  if (sms > device_sms) sms = device_sms;
-  if (sms < 1) sms = 1;
-  lc.send_warps = 8;
-  lc.recv_warps = 8;
-  // Tokens per chunk: fewer when T is small, so that every block gets work.
-  // Dispatch: one per sender warp (8). Combine: 4 (two warps per row), since
-  // its receive side (the K-row f32 reduce) is the longer tail after the last
-  // byte lands and smaller waves shorten it. Measured on 2x H200, V3-train:
-  // combine 226 -> 201 us at chunk 4, dispatch equal (bf16) or slower (fp8:
-  // 132 -> 137 us). Smaller chunks pay one publish each.
-  if (chunk <= 0) {
-    const int max_chunk = op == kOpCombine ? 4 : lc.send_warps;
-    chunk = (num_tokens + sms - 1) / sms;
-    if (chunk > max_chunk) chunk = max_chunk;
-    if (chunk < 1) chunk = 1;
-  }
-  while ((num_tokens + chunk - 1) / chunk > kMaxChunks) chunk *= 2;
-  lc.chunk = chunk;
-  lc.slices = slices_for_chunk(chunk, lc.send_warps);
-  lc.num_blocks = sms;
-  return lc;
-}
 
 cudaError_t launch_dispatch(const DispatchArgs& a, const LaunchConfig& lc, cudaStream_t stream) {
   const int num_chunks = (a.T + lc.chunk - 1) / lc.chunk;
@@ -496,30 +426,6 @@ cudaError_t launch_dispatch(const DispatchArgs& a, const LaunchConfig& lc, cudaS
     dispatch_kernel<16, false><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc, num_chunks);
   else
     dispatch_kernel<8, false><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc, num_chunks);
-  return cudaGetLastError();
-}
-
-cudaError_t launch_bench_transfer(const PeerTable& peers, size_t sym_bytes, const void* src,
-                                  size_t bytes, int mode, int num_blocks, int* host_err,
-                                  cudaStream_t stream) {
-  const size_t ctrl_off = ctrl_offset(sym_bytes, kOpBench);
-  const int peer = (peers.rank + 1) % peers.num_ranks;
-  void* dst = static_cast<char*>(peers.peers[peer]) + stage_offset(sym_bytes, kOpBench, 0);
-  const bool sender = (mode == 0 || mode == 1) || peers.rank == 0;
-  bench_barrier_kernel<<<1, 32, 0, stream>>>(peers, ctrl_off, host_err);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
-  if (sender && bytes > 0) {
-    if (mode == 1 || mode == 2) {
-      err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream);
-    } else {
-      bench_write_kernel<<<num_blocks, 512, 0, stream>>>(static_cast<const int4*>(src),
-                                                          static_cast<int4*>(dst), bytes / 16);
-      err = cudaGetLastError();
-    }
-    if (err != cudaSuccess) return err;
-  }
-  bench_barrier_kernel<<<1, 32, 0, stream>>>(peers, ctrl_off, host_err);
   return cudaGetLastError();
 }
 

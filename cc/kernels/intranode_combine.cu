@@ -11,15 +11,15 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "kernels/dispatch.cuh"
+#include "kernels/intranode.h"
+#include "kernels/row_copy.cuh"
+#include "kernels/sync.cuh"
+#include "transport/p2p.cuh"
 
 namespace jax_ep {
 
 namespace {
 
-__device__ __forceinline__ char* sym_at(const PeerTable& p, int r, size_t off) {
-  return static_cast<char*>(p.peers[r]) + off;
-}
 
 constexpr int kU = 4;  // vectors in flight per lane per row (latency hiding)
 
@@ -213,7 +213,7 @@ combine_kernel(CombineArgs a, LaunchConfig lc, int num_chunks) {
   const int send_warps = lc.send_warps, recv_warps = lc.recv_warps, chunk = lc.chunk;
   const int slices = lc.slices;
   const int me = a.peers.rank, R = a.peers.num_ranks;
-  OpCtrl* ctrl = reinterpret_cast<OpCtrl*>(sym_at(a.peers, me, a.ctrl_off));
+  OpCtrl* ctrl = reinterpret_cast<OpCtrl*>(peer_ptr(a.peers, me, a.ctrl_off));
   const unsigned int epoch = current_epoch(ctrl);
   const size_t stage = a.stage_off[epoch & 1u];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -238,7 +238,7 @@ combine_kernel(CombineArgs a, LaunchConfig lc, int num_chunks) {
           bool received;
           const int n = slot_rows(a, s, t, rows, w, &received, lane);
           if (!received || (a.skip & 1)) continue;
-          char* dst = sym_at(a.peers, s, stage) + (static_cast<long long>(me) * NT + t) * RB;
+          char* dst = peer_ptr(a.peers, s, stage) + (static_cast<long long>(me) * NT + t) * RB;
           if (n == 0) {
             warp_zero_row<V>(dst + off, len, lane);
           } else if (a.rank_major) {
@@ -262,7 +262,7 @@ combine_kernel(CombineArgs a, LaunchConfig lc, int num_chunks) {
     // A otherwise, so the local reduction hides behind the transfer. rank_major
     // has no A for items with peers: its own partial is one row of y, read by B.
     const int rw = warp - send_warps;
-    const char* my_stage = sym_at(a.peers, me, stage);
+    const char* my_stage = peer_ptr(a.peers, me, stage);
     const char* src[kMaxRanks];
     const bool work = !(a.skip & 2);
     ItemCursor ca(blockIdx.x, rw, chunk, slices, recv_warps, NT, num_chunks, gridDim.x);

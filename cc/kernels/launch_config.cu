@@ -1,0 +1,33 @@
+// Host side of launch_config.h.
+#include "kernels/launch_config.h"
+
+namespace jax_ep {
+
+LaunchConfig make_launch_config(OpKind op, int num_tokens, int num_sms_requested, int device_sms,
+                                int chunk) {
+  LaunchConfig lc;
+  int sms = num_sms_requested > 0 ? num_sms_requested : device_sms;
+  if (sms > device_sms) sms = device_sms;
+  if (sms < 1) sms = 1;
+  lc.send_warps = 8;
+  lc.recv_warps = 8;
+  // Tokens per chunk: fewer when T is small, so that every block gets work.
+  // Dispatch: one per sender warp (8). Combine: 4 (two warps per row), since
+  // its receive side (the K-row f32 reduce) is the longer tail after the last
+  // byte lands and smaller waves shorten it (measured on 2x H200, V3-train:
+  // combine faster at chunk 4, dispatch equal or slower; bench/results/README.md,
+  // session 3). Smaller chunks pay one publish each.
+  if (chunk <= 0) {
+    const int max_chunk = op == kOpCombine ? 4 : lc.send_warps;
+    chunk = (num_tokens + sms - 1) / sms;
+    if (chunk > max_chunk) chunk = max_chunk;
+    if (chunk < 1) chunk = 1;
+  }
+  while ((num_tokens + chunk - 1) / chunk > kMaxChunks) chunk *= 2;
+  lc.chunk = chunk;
+  lc.slices = slices_for_chunk(chunk, lc.send_warps);
+  lc.num_blocks = sms;
+  return lc;
+}
+
+}  // namespace jax_ep

@@ -1,0 +1,49 @@
+// Grid, warp split and chunking of the intranode kernels.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "buffer_layout.h"
+
+namespace jax_ep {
+
+// Receiver warps spin on flags raised by sender warps of other blocks (and
+// ranks), so every block of a grid must be resident at once: the grid is at
+// most the SM count and a block (512 threads, <= 128 registers) fits one SM.
+//
+// A chunk (one flag) is `chunk` consecutive tokens, moved by all the sender
+// warps of one block at once: with fewer tokens than warps each token row is
+// cut into `slices` column slices, one warp each. Small chunks make data land
+// in many small waves, so the receive-side work left after the last byte
+// arrives (gather / reduce of the last wave) is small.
+struct LaunchConfig {
+  int num_blocks = 0;    // grid (<= SMs: blocks spin, so all must be resident)
+  int send_warps = 8;    // warps per block that push rows to peers
+  int recv_warps = 8;    // warps per block that gather / reduce locally
+  int chunk = 8;         // tokens per flag (<= kMaxChunks flags per source rank)
+  int slices = 1;        // warps per token row inside a chunk (send and receive)
+  __host__ __device__ int threads() const { return 32 * (send_warps + recv_warps); }
+};
+
+// Picks the grid and chunk size of op (kOpDispatch / kOpCombine) for T tokens
+// given an SM budget (num_sms <= 0: every SM of the device). The tokens per
+// chunk: `chunk` when > 0 (the `chunk` FFI attribute, EpConfig.tuning; the
+// loopback tests), else the default; doubled until at most kMaxChunks chunks.
+// Every rank of a group must pass the same chunk (flag j must cover the same
+// tokens everywhere): it comes from the one EpConfig they share.
+LaunchConfig make_launch_config(OpKind op, int num_tokens, int num_sms_requested, int device_sms,
+                                int chunk = 0);
+
+// Warps per token row when a block's warps share a chunk of `chunk` tokens.
+inline int slices_for_chunk(int chunk, int warps) { return chunk >= warps ? 1 : warps / chunk; }
+
+// Byte range [off, off + len) of slice `sl` of `slices` of a row of `nvec`
+// vectors of `vec` bytes (slices differ by at most one vector).
+__host__ __device__ inline void row_slice(long long nvec, int vec, int sl, int slices,
+                                          long long* off, long long* len) {
+  const long long b = nvec * sl / slices, e = nvec * (sl + 1) / slices;
+  *off = b * vec;
+  *len = (e - b) * vec;
+}
+
+}  // namespace jax_ep

@@ -1,0 +1,82 @@
+// Device-side synchronisation of the kernels: system-scope flag loads and
+// stores, the per-call epoch, a timeout-guarded spin (a missing peer becomes
+// a clear error on the host, never a hang).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "buffer_layout.h"
+#include "device_error.h"
+
+namespace jax_ep {
+
+__device__ __forceinline__ unsigned long long global_timer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ unsigned int ld_acquire_sys(const unsigned int* p) {
+  unsigned int v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys(unsigned int* p, unsigned int v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ unsigned int ld_volatile(const unsigned int* p) {
+  return *reinterpret_cast<const volatile unsigned int*>(p);
+}
+
+// Barrier over the first `nthreads` threads of the block (the sender warps),
+// so the receiver warps never wait on senders inside a block.
+__device__ __forceinline__ void named_barrier(int id, int nthreads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(nthreads) : "memory");
+}
+
+// Epoch of this call: one more than the last finished one.
+__device__ __forceinline__ unsigned int current_epoch(const OpCtrl* ctrl) {
+  return ld_volatile(&ctrl->epoch) + 1u;
+}
+
+// Every block calls this once at its end; the last one publishes the epoch.
+__device__ __forceinline__ void finish_call(OpCtrl* ctrl, unsigned int epoch) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    unsigned int prev = atomicAdd(&ctrl->done, 1u);
+    if (prev == gridDim.x - 1) {
+      ctrl->done = 0;
+      *reinterpret_cast<volatile unsigned int*>(&ctrl->epoch) = epoch;
+      __threadfence();
+    }
+  }
+}
+
+// Spin (every lane of the warp) until *flag >= epoch. On timeout, raise the
+// error in host-mapped memory and return false (the caller moves on; data is
+// then garbage, and the next FFI call reports the error).
+__device__ __forceinline__ bool wait_flag(const unsigned int* flag, unsigned int epoch,
+                                          int* host_err, unsigned long long timeout_ns) {
+  if (static_cast<int>(ld_acquire_sys(flag) - epoch) >= 0) return true;
+  unsigned long long t0 = global_timer_ns();
+  while (true) {
+    for (int i = 0; i < 64; ++i)
+      if (static_cast<int>(ld_acquire_sys(flag) - epoch) >= 0) return true;
+    if (global_timer_ns() - t0 > timeout_ns) {
+      if (host_err) *reinterpret_cast<volatile int*>(host_err) = kErrTimeout;
+      return false;
+    }
+  }
+}
+
+// Non-blocking: true (uniformly over the warp) when every lane's acquire load
+// saw *flag >= epoch, so every lane may read what the flag publishes.
+__device__ __forceinline__ bool flag_ready_warp(const unsigned int* flag, unsigned int epoch) {
+  const unsigned int v = ld_acquire_sys(flag);
+  return __all_sync(0xffffffffu, static_cast<int>(v - epoch) >= 0);
+}
+
+}  // namespace jax_ep

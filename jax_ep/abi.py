@@ -1,0 +1,65 @@
+"""Codes shared by the Python side and the CUDA kernels: the one source.
+
+The FFI attributes ``mode`` (jax_ep_dispatch) and the row dtype codes of the
+kernels are these numbers. At build time CMake runs this file as a script and
+compiles the C++ enums from its output (``jax_ep_abi.h``: ``DispatchMode``,
+``RowDtype``), so the two sides cannot drift. Sizes of the symmetric buffer
+live on the C++ side (``cc/buffer_layout.h``) and reach Python through
+``jax_ep._C.symmetric_buffer_bytes``. No imports beyond the standard library:
+the build runs it before jax_ep is installed.
+"""
+
+# name -> (C++ enumerator, code, what it does)
+DISPATCH_MODES = {
+    "copy": ("kDispatchCopy", 0, "x rows (any dtype) and optional scale rows, as bits"),
+    "cast_bf16": ("kDispatchCastBf16", 1, "x bf16 -> fp8 e4m3 + f32 scales per 128 channels"),
+    "cast_f32": ("kDispatchCastF32", 2, "x f32 -> same"),
+    # Backward of expert_major combine, fused: x = d_out [T, W] (y's dtype) is
+    # sent like a copy; for every received row of token t and each of its slot
+    # rows c: out[c] = dy[c] = cast(w[c] * f32(g_t)), dw[c] = sum_h f32(g_t[h])
+    # * f32(y[c, h]). Padding rows get dy = 0 and every row with row_src -1
+    # gets dw = 0 (tail dy rows only with zero_tail).
+    "combine_bwd": ("kDispatchCombineBwd", 3, "backward of expert_major combine (fused)"),
+}
+
+ROW_DTYPES = {
+    "bfloat16": ("kBf16", 0, "bf16 rows"),
+    "float32": ("kF32", 1, "f32 rows"),
+    "float16": ("kF16", 2, "f16 rows"),
+}
+
+
+def dispatch_mode(name: str) -> int:
+    return DISPATCH_MODES[name][1]
+
+
+def row_dtype(name: str) -> int:
+    return ROW_DTYPES[name][1]
+
+
+def _enum(name: str, table: dict) -> str:
+    lines = [f"enum {name} : int {{"]
+    lines += [f"  {cpp} = {code},  // {doc}" for cpp, code, doc in table.values()]
+    return "\n".join(lines + ["};"])
+
+
+def render_header() -> str:
+    """The C++ header the build compiles (``jax_ep_abi.h``)."""
+    return "\n".join([
+        "// Generated from jax_ep/abi.py by CMake: do not edit.",
+        "#pragma once", "", "namespace jax_ep {", "",
+        _enum("DispatchMode", DISPATCH_MODES), "",
+        _enum("RowDtype", ROW_DTYPES), "",
+        "}  // namespace jax_ep", ""])
+
+
+if __name__ == "__main__":
+    import sys
+
+    out = sys.argv[1] if len(sys.argv) > 1 else None
+    text = render_header()
+    if out:
+        with open(out, "w") as f:
+            f.write(text)
+    else:
+        print(text, end="")
