@@ -222,7 +222,7 @@ def worker(args):
                         def f(x, i):
                             acc = jnp.zeros((), jnp.int32)
                             for _ in range(n):
-                                h = bk.route(i + acc, cfg, R)[0]
+                                h = bk.router.route(i + acc, cfg, R)[0]
                                 # always 0, but not provably so: keeps the routes chained
                                 acc = acc + jnp.where(h.slot_row.reshape(-1)[0] < -5, 1, 0)
                             return x[:1] + acc.astype(x.dtype)
@@ -230,7 +230,7 @@ def worker(args):
                 elif kind == "dispatch":
                     def build(n, cfg=cfg, bk=bk):
                         def f(x, i):
-                            h = bk.route(i, cfg, R)[0]
+                            h = bk.router.route(i, cfg, R)[0]
                             for _ in range(n):
                                 o = bk.dispatch_rows(x, None, h, cfg)[0]
                                 x = dep(x, o)
@@ -239,7 +239,7 @@ def worker(args):
                 elif kind == "dispatch_fp8":
                     def build(n, cfg=cfg, bk=bk):
                         def f(x, i):
-                            h = bk.route(i, cfg, R)[0]
+                            h = bk.router.route(i, cfg, R)[0]
                             for _ in range(n):
                                 o = bk.dispatch_rows_fp8(x, h, cfg)[0]
                                 x = dep(x, o.reshape(-1)[:1].astype(jnp.float32))
@@ -248,7 +248,7 @@ def worker(args):
                 elif kind == "combine":
                     def build(n, cfg=cfg, bk=bk):
                         def f(x, i):
-                            h = bk.route(i, cfg, R)[0]
+                            h = bk.router.route(i, cfg, R)[0]
                             y = bk.dispatch_rows(x, None, h, cfg)[0]
                             w = (jnp.ones((h.capacity,), jnp.float32) * 0.5
                                  if cfg.layout == "expert_major" else None)
@@ -268,7 +268,7 @@ def worker(args):
 
                     def build(n, cfg=cfg, bk=bk, bwd=bwd):
                         def f(x, i):
-                            h = bk.route(i, cfg, R)[0]
+                            h = bk.router.route(i, cfg, R)[0]
                             y = bk.dispatch_rows(x, None, h, cfg)[0]
                             w = jnp.ones((h.capacity,), jnp.float32) * 0.5
                             g = x
@@ -282,7 +282,7 @@ def worker(args):
                 elif kind == "roundtrip":
                     def build(n, cfg=cfg, bk=bk):
                         def f(x, i):
-                            h = bk.route(i, cfg, R)[0]
+                            h = bk.router.route(i, cfg, R)[0]
                             w = (jnp.ones((h.capacity,), jnp.float32) * 0.5
                                  if cfg.layout == "expert_major" else None)
                             for _ in range(n):
@@ -298,7 +298,7 @@ def worker(args):
                             w = None
                             for _ in range(n):
                                 bump = (x[0, 0] > 1e30).astype(jnp.int32)  # 0, not provably
-                                h = bk.route(i + bump, cfg, R)[0]
+                                h = bk.router.route(i + bump, cfg, R)[0]
                                 y = bk.dispatch_rows(x, None, h, cfg)[0]
                                 x = bk.combine_rows(y, w, h, cfg)
                             return x

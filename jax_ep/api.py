@@ -66,7 +66,7 @@ _move_rows.defvjp(_move_rows_fwd, _move_rows_bwd)
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _move_weights(be, cfg, w, handle):
-    return be.dispatch_weights(w, handle, cfg)
+    return be.router.dispatch_weights(w, handle, cfg)
 
 
 def _move_weights_fwd(be, cfg, w, handle):
@@ -74,7 +74,7 @@ def _move_weights_fwd(be, cfg, w, handle):
 
 
 def _move_weights_bwd(be, cfg, handle, g):
-    return be.return_weights(g, handle, cfg), None
+    return be.router.return_weights(g, handle, cfg), None
 
 
 _move_weights.defvjp(_move_weights_fwd, _move_weights_bwd)
@@ -174,7 +174,7 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, config:
     be = _backend.select(config)
     # dense-MoE weights for repeated ids (plain jnp, so autodiff spreads the gradient)
     topk_weights = merge_duplicate_weights(topk_idx, topk_weights, config.num_experts)
-    handle, group_sizes, num_valid, num_dropped = be.route(topk_idx, config, R)
+    handle, group_sizes, num_valid, num_dropped = be.router.route(topk_idx, config, R)
     if pad:
         handle = dataclasses.replace(handle, padded_tokens=pad)
     if config.check_overflow:

@@ -11,10 +11,10 @@ plus ``return_weights``; the backward of combine is ``combine_backward`` (a
 dispatch of the output cotangent, weighted on the expert side, plus the
 weights' gradient).
 
-Both backends share their routing half, ``jax_ep.routing.XlaRouting``
-(``route``, ``dispatch_weights`` and ``return_weights`` over XLA's
-all_to_all); only the row movement differs (the native backend no longer
-derives from the reference one).
+A backend is composed of a :class:`Router` (``backend.router``: the routing
+metadata and the weights) and its own row movement. Both backends hold the
+same router, ``jax_ep.routing.XlaRouter`` (XLA's all_to_all); a transport
+whose metadata exchange should run natively supplies another router.
 """
 from __future__ import annotations
 
@@ -27,17 +27,29 @@ from .config import EpConfig
 from .types import Handle
 
 
+class Router(Protocol):
+    """The routing half of a backend (metadata and weights, a few bytes per token)."""
+
+    def route(self, topk_idx: jax.Array, cfg: EpConfig, R: int):
+        """Exchange routing metadata. -> (handle, group_sizes [L] i32 or None,
+        num_valid i32[], num_dropped i32[])."""
+
+    def dispatch_weights(self, topk_weights: jax.Array, handle: Handle, cfg: EpConfig):
+        """``[T, K]`` f32 -> ``[C]`` (expert_major: weight of each row's pair) or
+        ``[C, K]`` (rank_major: weights of this rank's slots, 0 elsewhere)."""
+
+    def return_weights(self, d_recv_w: jax.Array, handle: Handle, cfg: EpConfig):
+        """Transpose of ``dispatch_weights``: ``[C]`` or ``[C, K]`` -> ``[T, K]`` f32."""
+
+
 class Backend(Protocol):
     name: str
+    router: Router   # routing metadata and weights (shared code, held, not inherited)
 
     def layout(self, topk_idx: jax.Array, cfg: EpConfig, R: int):
         """-> (num_tokens_per_rank [R] i32, num_tokens_per_expert [E] i32,
         is_token_in_rank [T, R] bool). Counts are over this rank's tokens;
         invalid ids (outside [0, E)) count nowhere; a token counts once per rank."""
-
-    def route(self, topk_idx: jax.Array, cfg: EpConfig, R: int):
-        """Exchange routing metadata. -> (handle, group_sizes [L] i32 or None,
-        num_valid i32[], num_dropped i32[])."""
 
     def dispatch_rows(self, x: jax.Array, x_scales: Optional[jax.Array], handle: Handle,
                       cfg: EpConfig):
@@ -49,10 +61,6 @@ class Backend(Protocol):
     def dispatch_rows_fp8(self, x: jax.Array, handle: Handle, cfg: EpConfig):
         """bf16/f32 ``x [T, H]`` -> (fp8 ``[C, H]``, f32 scales ``[C, H/128]``),
         bit-identical to ``dispatch_rows(*reference.fp8_cast(x))``."""
-
-    def dispatch_weights(self, topk_weights: jax.Array, handle: Handle, cfg: EpConfig):
-        """``[T, K]`` f32 -> ``[C]`` (expert_major: weight of each row's pair) or
-        ``[C, K]`` (rank_major: weights of this rank's slots, 0 elsewhere)."""
 
     def combine_rows(self, y: jax.Array, row_weights: Optional[jax.Array], handle: Handle,
                      cfg: EpConfig):
@@ -73,9 +81,6 @@ class Backend(Protocol):
         backends) and ``dw = sum_h f32(g_rows) * f32(y)`` (f32, equal up to
         reduction order). Without weights (rank_major): ``dy`` = dispatch of ``g``,
         ``dw`` None. Padding rows 0; tail rows of ``dy`` as in ``dispatch_rows``."""
-
-    def return_weights(self, d_recv_w: jax.Array, handle: Handle, cfg: EpConfig):
-        """Transpose of ``dispatch_weights``: ``[C]`` or ``[C, K]`` -> ``[T, K]`` f32."""
 
 
 _notice_printed = False

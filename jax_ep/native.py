@@ -154,7 +154,7 @@ def bench_transfer(src_u8, token, cfg: EpConfig, mode: int, num_sms: int = 0):
     return out
 
 
-class NativeBackend(routing.XlaRouting):
+class NativeBackend:
     """Rows through the native kernels; the routing metadata and weights (a few
     bytes per token) through the shared routing (``jax_ep.routing``) over XLA's
     all_to_all, which is faster for them than a kernel launch with its flag
@@ -162,6 +162,7 @@ class NativeBackend(routing.XlaRouting):
     V3-train and was deleted: bench/results/README.md, "Deleted variants")."""
 
     name = "native"
+    router = routing.XlaRouter()
 
     def layout(self, topk_idx, cfg: EpConfig, R: int):
         from . import native_layout

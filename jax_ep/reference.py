@@ -48,19 +48,20 @@ def fp8_cast(x: jax.Array):
     return q.reshape(T, H), scale
 
 
-class ReferenceBackend(routing.XlaRouting):
+class ReferenceBackend:
     """docs/semantics.md in pure JAX: the shared routing (``jax_ep.routing``) over XLA's
-    all_to_all, and the rows moved by the same all_to_all (``_exchange``) of a
+    all_to_all (``router``), and the rows moved by the same all_to_all of a
     dense ``[R, T, W]`` buffer."""
 
     name = "reference"
+    router = routing.XlaRouter()
 
     def layout(self, topk_idx, cfg: EpConfig, R: int):
         return routing.layout_counts(topk_idx, cfg, R)
 
     # -- data movement --------------------------------------------------------
     def _send_rows(self, x, handle: Handle, cfg: EpConfig):
-        return routing.send_rows(x, handle, cfg, self._exchange)
+        return routing.send_rows(x, handle, cfg, self.router.exchange)
 
     def dispatch_rows(self, x, x_scales: Optional[jax.Array], handle: Handle, cfg: EpConfig):
         src = handle.row_src
@@ -92,7 +93,7 @@ class ReferenceBackend(routing.XlaRouting):
             row = handle.slot_row[:, :, 0]
             partial = jnp.where((row >= 0)[..., None], y[jnp.maximum(row, 0)],
                                 jnp.zeros((), y.dtype))
-        back = self._exchange(partial, cfg)  # [R(expert rank), T, W]
+        back = self.router.exchange(partial, cfg)  # [R(expert rank), T, W]
         mask = handle.send_mask
         out = jnp.zeros((T, W), F32)
         for r in range(R):  # fixed order: ranks ascending

@@ -175,20 +175,20 @@ def return_weights(d_recv_w, handle: Handle, cfg: EpConfig, exchange: Exchange):
     return out
 
 
-class XlaRouting:
-    """The routing half of a backend: ``route``, ``dispatch_weights`` and
-    ``return_weights`` over XLA's all_to_all (``_exchange``). Both backends
-    build on it and differ only in how the rows move."""
+class XlaRouter:
+    """A :class:`jax_ep.backend.Router`: ``route``, ``dispatch_weights`` and
+    ``return_weights`` over XLA's all_to_all (``exchange``). Both backends hold
+    one (``backend.router``) and differ only in how the rows move."""
 
     @staticmethod
-    def _exchange(x, cfg: EpConfig):
+    def exchange(x, cfg: EpConfig):
         return xla_all_to_all(x, cfg)
 
     def route(self, topk_idx, cfg: EpConfig, R: int):
-        return route(topk_idx, cfg, R, self._exchange)
+        return route(topk_idx, cfg, R, self.exchange)
 
     def dispatch_weights(self, topk_weights, handle: Handle, cfg: EpConfig):
-        return dispatch_weights(topk_weights, handle, cfg, self._exchange)
+        return dispatch_weights(topk_weights, handle, cfg, self.exchange)
 
     def return_weights(self, d_recv_w, handle: Handle, cfg: EpConfig):
-        return return_weights(d_recv_w, handle, cfg, self._exchange)
+        return return_weights(d_recv_w, handle, cfg, self.exchange)

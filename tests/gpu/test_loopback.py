@@ -126,7 +126,7 @@ class Loopback:
         mesh = make_mesh((R,), ("ep",))
 
         def fn(x, i):
-            h = ref.route(i, cfg, R)[0]
+            h = ref.router.route(i, cfg, R)[0]
             if mode in ("cast", "given"):
                 out, out_s = ref.dispatch_rows(*reference.fp8_cast(x), h, cfg)
             else:
@@ -194,7 +194,7 @@ class Loopback:
         from jax_ep import reference
 
         def fn(i):
-            h, gs, _, _ = reference.BACKEND.route(i, cfg, R)
+            h, gs, _, _ = reference.BACKEND.router.route(i, cfg, R)
             return jnp.sum(gs) if gs is not None else jnp.sum(h.row_src >= 0)
         return [int(u) for u in run_per_rank(fn, make_mesh((R,), ("ep",)), "ep", idx).reshape(-1)]
 

@@ -206,7 +206,7 @@ def _fp8_case(checks, rng, mesh, R, case):
     res = {}
     for be_name in ("native", "reference"):
         def fn(a, b, be_name=be_name):
-            h, gs = reference.BACKEND.route(b, cfg, R)[:2]
+            h, gs = reference.BACKEND.router.route(b, cfg, R)[:2]
             # rows < used are compared: the tail is unspecified without zero_tail
             used = jnp.sum(gs) if gs is not None else jnp.sum(h.row_src >= 0)
             if be_name == "reference":
@@ -376,7 +376,7 @@ def _combine_backward_case(checks, rng, mesh, R, case):
     res = {}
     for be, bk in (("native", native.BACKEND), ("reference", reference.BACKEND)):
         def fn(gg, b, yy, ww, cfg=cfgs[be], bk=bk):
-            h, gs = reference.BACKEND.route(b, cfg, R)[:2]
+            h, gs = reference.BACKEND.router.route(b, cfg, R)[:2]
             used = jnp.sum(gs) if gs is not None else jnp.sum(h.row_src >= 0)
             dy, dw = bk.combine_backward(gg, yy, ww if layout == "expert_major" else None, h, cfg)
             g_rows = reference.BACKEND.dispatch_rows(gg, None, h, cfg)[0].astype(jnp.float32)

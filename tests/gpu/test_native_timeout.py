@@ -30,7 +30,7 @@ def _absent_peer_worker(rank, n):
     spec = P("ep")
 
     # Every rank takes part in the routing (XLA collectives) ...
-    route = jax.jit(jax.shard_map(lambda i: reference.BACKEND.route(i, cfg, n)[0], mesh=mesh,
+    route = jax.jit(jax.shard_map(lambda i: reference.BACKEND.router.route(i, cfg, n)[0], mesh=mesh,
                                   in_specs=spec, out_specs=spec))
     handle = jax.block_until_ready(route(g(idx)))
     x = g(rng.standard_normal((T, H)).astype(np.float32))
