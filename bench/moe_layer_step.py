@@ -668,18 +668,19 @@ def _write(args, results, meta, final):
 
 def _group_stats(sizes, rows, bm=128, bk=64):
     """Group-size statistics of one rank's ``group_sizes`` on ``rows`` dispatched rows, in
-    the grouped-matmul kernels' terms (jax_ep/gmm.py): fwd/dx compute one row tile per
-    fragment (cut at every ``bm`` boundary and group end) and store zeros for the tail
-    ones; dw walks each group in ``bk``-row k-steps from its start rounded down to 8."""
+    the grouped-matmul kernels' terms (jax_ep/gmm.py): fwd/dx compute
+    ``cdiv(size + lead, bm)`` row tiles per non-empty group (from its first row
+    rounded down to 8) and store zeros in the tail's tiles; dw walks each group in
+    ``bk``-row k-steps from its start rounded down to 8."""
     import numpy as np
 
     s = np.maximum(np.asarray(sizes, np.int64).reshape(-1), 0)
     ends = np.minimum(np.cumsum(s), rows)
     starts = np.concatenate([[0], ends[:-1]])
     total = int(ends[-1]) if len(ends) else 0
-    pts = np.unique(np.concatenate([np.arange(0, rows, bm), starts, ends]))
-    pts = pts[pts < rows]
-    work = int(np.sum(pts < total))
+    lead = starts % 8
+    work = int(np.sum(np.where(ends > starts, -(-(ends - starts + lead) // bm), 0)))
+    tail = -(-(rows - total // 8 * 8) // bm)
     nz = s > 0
     ksteps = int(np.sum(np.where(nz, -(-(s + starts % 8) // bk), 0)))
     return {"groups": int(len(s)), "rows": int(rows), "valid_rows": total,
@@ -687,7 +688,7 @@ def _group_stats(sizes, rows, bm=128, bk=64):
             "std": float(s.std()), "empty": int(np.sum(~nz)),
             "ends_inside_block": int(np.sum(nz & (ends % bm != 0))),
             "row_tiles": work, "ideal_row_tiles": -(-total // bm),
-            "tail_row_tiles": int(len(pts) - work), "dw_ksteps": ksteps,
+            "tail_row_tiles": int(tail), "dw_ksteps": ksteps,
             "ideal_dw_ksteps": -(-total // bk)}
 
 
