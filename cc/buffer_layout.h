@@ -1,7 +1,7 @@
 // The symmetric buffer's layout and the staging sizes of each op: the one
 // place these numbers are computed. The FFI handlers check against them, the
 // loopback tests and jax_ep.EpConfig.native_buffer_bytes read them through
-// the nanobind module (jax_ep._C.symmetric_buffer_bytes, STAGING constants).
+// the nanobind module (jax_ep._C.symmetric_buffer_bytes, stage_half_bytes).
 //
 // [ dispatch parity 0 | dispatch parity 1 | combine parity 0 | combine parity 1 | ... | control ]
 // Each op's staging is double-buffered by call parity (see transport/p2p.cuh

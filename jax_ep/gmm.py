@@ -59,9 +59,14 @@ group, none for empty groups and none past ``total`` (tiles cut at fixed
 ``block_m`` boundaries, an earlier version, cost one more tile per boundary
 inside a block: 1.5x the work at ~256 rows per group).
 
-dw (``_tgmm_pallas``): ``block_m x block_n`` tiles of ``dw[g]``, one shared-memory
-pipeline per work item ``(g, tile)`` (persistent over SMs). The pipeline walks
-the rows of group ``g`` in steps of ``block_k`` starting at ``off[g]`` rounded down to a multiple of 8 (the tiled shared-memory
+dw: by default ``_tgmm_pallas_ws``, two consumer warpgroups fed by a producer
+warpgroup (a CTA owns a ``2 block_m x block_n`` tile of ``dw[g]``; one
+warp-specialized pipeline per (SM, group) across the SM's tiles, so loads of
+the next tile overlap the epilogue of the last); where ``K % (2 block_m) != 0``
+(or ``dw_warpgroups=1``) ``_tgmm_pallas``, one warpgroup with ``block_m x
+block_n`` tiles and one shared-memory pipeline per work item ``(g, tile)``
+(persistent over SMs). Either pipeline walks the rows of group ``g`` in steps
+of ``block_k`` starting at ``off[g]`` rounded down to a multiple of 8 (the tiled shared-memory
 layout needs 8-aligned TMA row offsets); on the first and last steps the rows
 outside ``[off[g], off[g+1])`` are *selected* to zero in both operands (a
 select, not a multiply, so NaN/Inf in neighbouring or tail rows cannot leak).
@@ -286,11 +291,11 @@ def _ws_tiles(tiles: Tiles, k: int, dtype) -> Optional[Tiles]:
     """The dw tiles for the 2-consumer kernel (stages cut to fit shared memory),
     or None when ``K`` is not a multiple of ``2 block_m``."""
     bm, bn, bk, steps, band = tiles
-    if k % (2 * bm):
+    if k % (2 * bm) or bm > 128:   # a consumer's accumulator: at most 128 x bn f32
         return None
     item = jnp.dtype(dtype).itemsize
     stage = bk * (2 * bm + bn) * item
-    fit = (_SMEM_BYTES - 2 * bm * bn * item - 1024) // stage
+    fit = (_SMEM_BYTES - 2 * bm * bn * item - 4096) // stage   # 4 KiB: barriers, alignment
     if fit < 2:
         return None
     return (bm, bn, bk, int(min(steps, fit)), band)
@@ -298,7 +303,7 @@ def _ws_tiles(tiles: Tiles, k: int, dtype) -> Optional[Tiles]:
 
 def _offsets(group_sizes, m):
     """int32 ``[G+1]``: group g is rows ``[off[g], off[g+1])``, clipped to ``[0, m]``."""
-    gs = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    gs = jnp.clip(group_sizes.astype(jnp.int32), 0, m)   # clip first: no int32 overflow
     ends = jnp.minimum(jnp.cumsum(gs), m)
     return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends]).astype(jnp.int32)
 
@@ -759,6 +764,11 @@ def _ws_group(pl, plgpu, sh, refs, g, tile_of, store, n_tiles, rot_step, steps, 
         else:
             pl.run_scoped(run, plgpu.ACC((bm, bn)))
 
+    # No allocations= here on purpose: the pipeline's own scoped allocation
+    # synchronises the CTA on entry, which is what keeps this group's producer
+    # from refilling the slot of the previous group's last step (never released
+    # with delay_release=1) while a consumer may still read it. Hoisting the
+    # allocations out of the group loop needs an explicit barrier here.
     @pl.when((size > 0) & (cnt > 0))
     def _():
         rows = pl.ds(astart, m)  # may run past M; steps past the group are never issued

@@ -57,6 +57,15 @@ def skip_reason(n: Optional[int] = None) -> Optional[str]:
     return None
 
 
+def testing_skip_reason() -> Optional[str]:
+    """Why the test/bench helpers of cc/testing are missing (None when built)."""
+    from jax_ep import runtime
+
+    if not getattr(runtime._extension(), "TESTING", True):
+        return "jax_ep built without JAX_EP_TESTING (no test/bench helpers)"
+    return None
+
+
 def _free_port() -> int:
     from jax_ep.launch import free_port
 

@@ -138,6 +138,8 @@ def test_dw_tiles(kind, total):
     outs = {}
     for tiles in [(128, 128, 64, 4, 4), (128, 128, 128, 2, 4), (128, 128, 64, 3, 8)]:
         for wgs in (1, 2):
+            if wgs == 2 and gm_mod._ws_tiles(tiles, k, x.dtype) is None:
+                continue  # no stage fits: the 2-warpgroup config runs the 1-warpgroup kernel
             cfg = GroupedMatmulConfig(impl="pallas", dw=tiles, dw_warpgroups=wgs)
             outs[tiles, wgs] = jax.jit(functools.partial(gm_mod.tgmm, config=cfg))(x, dy, gs)
     xc, dyc = clean(x, sizes).astype(jnp.float32), clean(dy, sizes).astype(jnp.float32)

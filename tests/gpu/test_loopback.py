@@ -41,7 +41,7 @@ def _skip_reason():
         import torch  # noqa: F401  (device buffers for the raw kernel launches)
     except ImportError:
         return "needs torch for device buffers"
-    return None
+    return harness.testing_skip_reason()
 
 
 def _run(worker):

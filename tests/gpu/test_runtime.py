@@ -10,6 +10,9 @@ from gpu_helpers import ep_mesh, from_process_local, gather
 
 _REASON = harness.skip_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
+# jax_ep_ping (the runtime self-test) is built with the CMake option JAX_EP_TESTING.
+_NO_PING = harness.testing_skip_reason() if _REASON is None else None
+needs_ping = pytest.mark.skipif(_NO_PING is not None, reason=_NO_PING or "")
 
 # (T, K, E): V3-like, tiny, K == E, T = 1.
 LAYOUT_CASES = [(4096, 8, 256), (128, 4, 16), (64, 8, 8), (1, 2, 8), (333, 6, 64)]
@@ -171,11 +174,13 @@ def test_layout_matches_reference():
         assert report and not bad, f"rank {rank}: layout mismatches {bad}"
 
 
+@needs_ping
 def test_peer_exchange():
     assert all(harness.run("test_runtime:_ping_worker", harness.nprocs()))
 
 
 @pytest.mark.parametrize("keep_nvshmem", ["0", "1"])
+@needs_ping
 def test_initialize_finalize_initialize(keep_nvshmem):
     n = harness.nprocs()
     results = harness.run("test_runtime:_reinit_worker", n, init_native=False,
@@ -184,6 +189,7 @@ def test_initialize_finalize_initialize(keep_nvshmem):
         assert out == [dict(ok=True, pe=rank, n_pes=n), dict(after_finalize=False)] * 2, out
 
 
+@needs_ping
 def test_not_initialized_error_then_single_process():
     (res,) = harness.run("test_runtime:_not_initialized_worker", 1, init_native=False,
                          distributed=False, env={"CUDA_VISIBLE_DEVICES": "0"})
