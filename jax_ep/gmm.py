@@ -133,6 +133,10 @@ class GroupedMatmulConfig:
         warpgroup feeds two consumers that own a ``2 block_m x block_n`` tile;
         used when ``K % (2 block_m) == 0``, else the 1-warpgroup kernel) or 1
         (one warpgroup loads and computes ``block_m x block_n`` tiles).
+      fwd_warpgroups: consumer warpgroups of the forward / dx kernel: 1 (the
+        measured default) or 2 (a producer warpgroup feeds two consumers that
+        own ``block_m x 2 block_n``; used where ``N % (2 block_n) == 0`` and
+        the stages fit shared memory; not yet measured on GPUs).
       interpret: run the Pallas kernels in Mosaic-GPU interpret mode (for
         testing the kernels on CPU; jax >= 0.11; very slow).
     """
@@ -143,12 +147,14 @@ class GroupedMatmulConfig:
     dw: Optional[Tiles] = None
     interpret: bool = False
     dw_warpgroups: int = 2
+    fwd_warpgroups: int = 1
 
     def __post_init__(self):
         if self.impl not in _IMPLS:
             raise ValueError(f"impl must be one of {_IMPLS}, got {self.impl!r}")
-        if self.dw_warpgroups not in (1, 2):
-            raise ValueError(f"dw_warpgroups must be 1 or 2, got {self.dw_warpgroups!r}")
+        for name in ("dw_warpgroups", "fwd_warpgroups"):
+            if getattr(self, name) not in (1, 2):
+                raise ValueError(f"{name} must be 1 or 2, got {getattr(self, name)!r}")
         for name in ("fwd", "dx", "dw"):
             t = getattr(self, name)
             if t is None:
@@ -252,8 +258,13 @@ def gmm(x, w, group_sizes, *, transpose_rhs: bool = False,
     op = "dx" if transpose_rhs else "fwd"
     offsets = _offsets(group_sizes, x.shape[0])
     if _choose(cfg, op, x, w, out_dtype) == "pallas":
-        out = _gmm_pallas(x, w, offsets, transpose_rhs, cfg.tiles(op), out_dtype,
-                          cfg.interpret)
+        n = w.shape[1] if transpose_rhs else w.shape[2]
+        ws = _ws_fwd_tiles(cfg.tiles(op), n, x.dtype) if cfg.fwd_warpgroups == 2 else None
+        if ws is not None:
+            out = _gmm_pallas_ws(x, w, offsets, transpose_rhs, ws, out_dtype, cfg.interpret)
+        else:
+            out = _gmm_pallas(x, w, offsets, transpose_rhs, cfg.tiles(op), out_dtype,
+                              cfg.interpret)
     else:
         out = _gmm_xla(x, w, offsets, transpose_rhs, out_dtype)
     return to_vma(out, vma_of(x) | vma_of(w) | vma_of(group_sizes))
@@ -296,6 +307,20 @@ def _ws_tiles(tiles: Tiles, k: int, dtype) -> Optional[Tiles]:
     item = jnp.dtype(dtype).itemsize
     stage = bk * (2 * bm + bn) * item
     fit = (_SMEM_BYTES - 2 * bm * bn * item - 4096) // stage   # 4 KiB: barriers, alignment
+    if fit < 2:
+        return None
+    return (bm, bn, bk, int(min(steps, fit)), band)
+
+
+def _ws_fwd_tiles(tiles: Tiles, n: int, dtype) -> Optional[Tiles]:
+    """The forward/dx tiles for the 2-consumer kernel (stages cut to fit shared
+    memory), or None when ``N`` is not a multiple of ``2 block_n``."""
+    bm, bn, bk, steps, band = tiles
+    if n % (2 * bn) or bm > 128:
+        return None
+    item = jnp.dtype(dtype).itemsize
+    stage = bk * (bm + 2 * bn) * item
+    fit = (_SMEM_BYTES - 2 * bm * bn * item - 4096) // stage
     if fit < 2:
         return None
     return (bm, bn, bk, int(min(steps, fit)), band)
@@ -574,20 +599,8 @@ def _gmm_pallas(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
                 def store_scope(o_smem):
                     o_smem[...] = acc.astype(o_smem.dtype)
                     plgpu.commit_smem()
-                    count = hi - lo
-                    # TMA boxes are static: store count rows as a sum of powers of two.
-                    src = lo - row0
-                    p = top
-                    while p >= 1:
-                        bit = count & p
-
-                        @pl.when(bit != 0)
-                        def _(src=src, p=p):
-                            plgpu.copy_smem_to_gmem(
-                                o_smem.at[pl.ds(src, p)],
-                                o_ref.at[pl.ds(row0 + src, p), pl.ds(ni * bn, bn)])
-                        src = src + bit
-                        p //= 2
+                    _store_rows(pl, plgpu, o_smem, o_ref.at[:, pl.ds(ni * bn, bn)], lo, hi,
+                                row0, top)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
                 pl.run_scoped(store_scope, plgpu.SMEM((bm, bn), out_dtype))
@@ -856,3 +869,119 @@ def _tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret):
         **_kernel_params(plgpu, interpret),
     )
     return kernel(offsets.astype(jnp.int32), x, dy)
+
+
+def _store_rows(pl, plgpu, src_smem, dst, lo, hi, row0, top):
+    """TMA-store rows ``[lo, hi)`` (absolute; the tile starts at ``row0``) of a
+    staged tile to ``dst`` (indexed by absolute row) as a sum of power-of-two
+    row counts (TMA boxes are static)."""
+    count = hi - lo
+    src = lo - row0
+    p = top
+    while p >= 1:
+        bit = count & p
+
+        @pl.when(bit != 0)
+        def _(src=src, p=p):
+            plgpu.copy_smem_to_gmem(src_smem.at[pl.ds(src, p)], dst.at[pl.ds(row0 + src, p)])
+        src = src + bit
+        p //= 2
+
+
+def _gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
+    """Forward / dx with two consumer warpgroups and a producer warpgroup.
+
+    Same row tiles as :func:`_gmm_pallas` (per group, ``_row_tiles``); a CTA
+    owns ``block_m x 2 block_n`` of the output (each consumer warpgroup one
+    ``block_m x block_n`` half, sharing the staged ``x`` tile), and its k-loop
+    is a warp-specialized pipeline: the producer warpgroup keeps
+    ``max_concurrent_steps`` loads in flight while the consumers run wgmma.
+    """
+    pl, plgpu = _plgpu()
+    bm, bn, bk, steps, band = tiles
+    m, k = x.shape
+    n = w.shape[1] if transpose_rhs else w.shape[2]
+    rs, r0, r1, grp = _row_tiles(offsets, m, bm)
+    nf, grid_n = r0.shape[0], n // (2 * bn)
+    top = 1 << int(math.log2(bm))
+    tr, _ = _dw_transforms(plgpu, x.dtype, bk, bn)
+    w_block = (2 * bn, bk) if transpose_rhs else (bk, 2 * bn)
+
+    def mma(_, x_smem, w_smem, acc_ref):
+        wg = lax.axis_index("wg")
+        cols = pl.ds(pl.multiple_of(wg * bn, bn), bn)
+        rhs = (_transposed(plgpu, w_smem.at[cols, :]) if transpose_rhs
+               else w_smem.at[:, cols])
+        plgpu.wgmma(acc_ref, x_smem, rhs)
+        plgpu.wgmma_wait(0)
+        return acc_ref
+
+    pipeline = plgpu.emit_pipeline_warp_specialized(
+        mma, grid=(k // bk,), memory_registers=40,
+        in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=tr),
+                  plgpu.BlockSpec(w_block, (lambda kk: (0, kk)) if transpose_rhs
+                                  else (lambda kk: (kk, 0)), transforms=tr)],
+        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=steps,
+        compute_context=lambda run: None)  # allocation sizes only (rebuilt per item below)
+
+    def body(rs_ref, r0_ref, r1_ref, g_ref, x_ref, w_ref, o_ref):
+        def scoped(o_smem, allocs):
+            wg = lax.axis_index("wg")
+
+            @plgpu.nd_loop((nf * grid_n,), collective_axes="sm")
+            def _item(info):
+                fi, ni = plgpu.planar_snake(info.index[0], (nf, grid_n), 0, band)
+                lo, hi, g = r0_ref[fi], r1_ref[fi], g_ref[fi]
+                row0 = pl.multiple_of(rs_ref[fi], 8)
+                out = o_ref.at[:, pl.ds(ni * (2 * bn) + wg * bn, bn)]
+
+                def store(val):
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # our slot is free
+                    o_smem[wg] = val.astype(o_smem.dtype)
+                    plgpu.commit_smem()
+                    _store_rows(pl, plgpu, o_smem.at[wg], out, lo, hi, row0, top)
+
+                def compute_context(run):
+                    def acc_scope(acc_ref):
+                        run(acc_ref)
+                        store(acc_ref[...])
+                    pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
+
+                cols = pl.ds(ni * (2 * bn), 2 * bn)
+                w_view = (w_ref.at[jnp.maximum(g, 0), cols, :] if transpose_rhs
+                          else w_ref.at[jnp.maximum(g, 0), :, cols])
+
+                @pl.when((hi > lo) & (g >= 0))
+                def _():
+                    plgpu.emit_pipeline_warp_specialized(
+                        mma, grid=(k // bk,), memory_registers=40,
+                        in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=tr),
+                                  plgpu.BlockSpec(w_block, (lambda kk: (0, kk)) if transpose_rhs
+                                                  else (lambda kk: (kk, 0)), transforms=tr)],
+                        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=steps,
+                        compute_context=compute_context,
+                    )(x_ref.at[pl.ds(row0, bm), :], w_view, allocations=allocs)
+
+                @pl.when((hi > lo) & (g < 0) & (wg < 2))
+                def _():  # tail rows: zeros, no matmul
+                    store(jnp.zeros((bm, bn), jnp.float32))
+
+            @pl.when(wg < 2)
+            def _():
+                plgpu.wait_smem_to_gmem(0)
+
+        x_view = x_ref.at[pl.ds(0, bm), :]
+        w_view = w_ref.at[0, pl.ds(0, 2 * bn), :] if transpose_rhs else w_ref.at[0, :, pl.ds(0, 2 * bn)]
+        pl.run_scoped(scoped, plgpu.SMEM((2, bm, bn), out_dtype),
+                      pipeline.get_allocations(x_view, w_view), collective_axes="wg")
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(_num_sms(interpret),),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        **_kernel_params(plgpu, interpret),
+    )
+    return kernel(rs, r0, r1, grp, x, w)

@@ -8,12 +8,13 @@
 # together takes longer than one 10-minute device call on 2 GPUs: split it, e.g.
 #   SKIP_BENCH=1 SKIP_EXAMPLES=1 GMM_BENCH=1 bash scripts/gpu_check.sh   # tests + grouped matmul
 #   GPU_TESTS=none BENCH_ARGS="--no-sweep --no-ragged" bash scripts/gpu_check.sh   # ops + layer
-# Open after session 4 (no device time left): the GPU suite on the review fixes and
-# the backend refactor; the two dw kernels compared in one run
-# (GMM_ARGS="--no-xla --sweep-small"); the layer at T 128 and the ragged_dot XLA layer
-# (MOE_STEP_ARGS="--configs v3 --tokens 128,1024 --impls jax_ep,xla_padded,xla_ragged"),
-# and where the layer's expert time goes (MOE_STEP_ARGS="--configs v3 --tokens 4096
-# --impls jax_ep --expert-breakdown").
+# Open after session 5 (no device time left): the 2-consumer forward/dx kernel
+# (GroupedMatmulConfig.fwd_warpgroups=2, CPU-tested only) against the default in
+# one gmm run (GMM_BENCH=1 GMM_ARGS="--no-xla --sweep-small"; its GPU test is
+# tests/gpu/test_grouped_matmul_gpu.py::test_tile_configs); then the layer at every
+# T, Mixtral and the ragged_dot XLA layer (MOE_STEP_ARGS="--configs v3,mixtral
+# --tokens 128,1024,4096,8192"); a re-run of the V3-train ops (dispatch rank_major
+# alone measured 225 us in session 5 against 189-197 before, same PTX).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/jax_ep_gpu_check}"

@@ -284,13 +284,15 @@ def test_pallas_kernels_interpret(case):
         assert np.all(dw[g] == 0)
 
 
-@pytest.mark.parametrize("op", ["fwd", "dx", "dw"])
+@pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwd_ws", "dx_ws", "dw_1wg"])
 def test_pallas_lowers_for_cuda(op):
-    """The kernels trace and lower to a CUDA module (no GPU needed)."""
+    """Every kernel traces and lowers to a CUDA module (no GPU needed)."""
     sds = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
     m, k, n, g = 1024, 512, 256, 8
-    cfg = GroupedMatmulConfig(impl="pallas")
+    cfg = GroupedMatmulConfig(impl="pallas", fwd_warpgroups=2 if op.endswith("_ws") else 1,
+                              dw_warpgroups=1 if op == "dw_1wg" else 2)
+    op = op.split("_")[0]
     gsd = sds((g,), jnp.int32)
     if op == "fwd":
         f = functools.partial(gm_mod.gmm, config=cfg)
@@ -316,6 +318,28 @@ def test_pallas_constraints_fall_back_to_xla():
     assert gm_mod._constraint_error("fwd", (128, 384, 64, 4, 4), x, w, jnp.dtype(bf))
     # not on a Hopper GPU here: auto uses XLA
     assert gm_mod._choose(GroupedMatmulConfig(), "fwd", x, w, jnp.dtype(bf)) == "xla"
+
+
+@pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
+@pytest.mark.parametrize("sizes", [[70, 0, 33, 1, 60], [0, 3, 197, 50], [7, 0, 0, 193]])
+def test_pallas_fwd_dx_two_warpgroups_interpret(sizes):
+    """The 2-consumer forward/dx kernel (fwd_warpgroups=2): empty groups, sizes
+    past M (clipped), a group ending at M, NaN/Inf tail -- matches numpy."""
+    x, w, dy, gs = make(sizes, m=200, k=128, n=256, seed=7)
+    xb, wb, dyb = (jnp.asarray(a, jnp.bfloat16) for a in (x, w, dy))
+    cfg = GroupedMatmulConfig(impl="pallas", interpret=True, fwd=(64, 64, 64, 2, 1),
+                              dx=(64, 64, 64, 2, 1), fwd_warpgroups=2)
+    assert gm_mod._ws_fwd_tiles(cfg.fwd, 256, jnp.bfloat16) is not None
+    y = np.asarray(gm_mod.gmm(xb, wb, gs, config=cfg), np.float32)
+    dx = np.asarray(gm_mod.gmm(dyb, wb, gs, transpose_rhs=True, config=cfg), np.float32)
+    xf, wf, dyf = (np.asarray(a, np.float32) for a in (xb, wb, dyb))
+    s = np.diff(np.concatenate([[0], np.minimum(np.cumsum(sizes), 200)]))   # clipped to M
+    ref = np_gmm(clean(xf, s), wf, s)
+    rdx, _ = np_grads(clean(xf, s), wf, s, clean(dyf, s))
+    np.testing.assert_allclose(y, ref, rtol=2e-2, atol=0.3)
+    np.testing.assert_allclose(dx, rdx, rtol=2e-2, atol=0.3)
+    tot = int(np.sum(s))
+    assert np.all(y[tot:] == 0) and np.all(dx[tot:] == 0)
 
 
 @pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
