@@ -1,5 +1,5 @@
 // XLA FFI target "jax_ep_combine": expert-side partial sums go back to their
-// source ranks and are reduced there (see cc/kernels/combine.cu).
+// source ranks and are reduced there (see cc/kernels/intranode_combine.cu).
 #include <string>
 
 #include "ffi_common.h"
