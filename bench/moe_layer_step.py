@@ -682,7 +682,7 @@ def _group_stats(sizes, rows, bm=128, bk=64):
     work = int(np.sum(np.where(ends > starts, -(-(ends - starts + lead) // bm), 0)))
     tail = -(-(rows - total // 8 * 8) // bm)
     nz = s > 0
-    ksteps = int(np.sum(np.where(nz, -(-(s + starts % 8) // bk), 0)))
+    ksteps = int(np.sum(np.where(nz, -(-(s + lead) // bk), 0)))
     return {"groups": int(len(s)), "rows": int(rows), "valid_rows": total,
             "min": int(s.min()), "mean": float(s.mean()), "max": int(s.max()),
             "std": float(s.std()), "empty": int(np.sum(~nz)),

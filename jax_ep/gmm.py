@@ -102,7 +102,7 @@ Tiles = Tuple[int, int, int, int, int]
 
 # fwd/dx: best of the first H200 sweep (bench/results/history/2026-11-30-h200-grouped-
 # matmul-first.md): 5 stages, band 2. dw: the 2-consumer kernel cuts the stages to
-# fit shared memory (_ws_tiles); a 1-warpgroup variant with one pipeline per (SM,
+# fit shared memory (_two_consumer_tiles); a 1-warpgroup variant with one pipeline per (SM,
 # group) measured slower and was deleted (bench/results/README.md, "Deleted variants").
 DEFAULT_TILES = {
     "fwd": (128, 128, 64, 5, 2),
@@ -259,7 +259,8 @@ def gmm(x, w, group_sizes, *, transpose_rhs: bool = False,
     offsets = _offsets(group_sizes, x.shape[0])
     if _choose(cfg, op, x, w, out_dtype) == "pallas":
         n = w.shape[1] if transpose_rhs else w.shape[2]
-        ws = _ws_fwd_tiles(cfg.tiles(op), n, x.dtype) if cfg.fwd_warpgroups == 2 else None
+        ws = (_two_consumer_tiles(cfg.tiles(op), "n", n, x.dtype) if cfg.fwd_warpgroups == 2
+              else None)
         if ws is not None:
             out = _gmm_pallas_ws(x, w, offsets, transpose_rhs, ws, out_dtype, cfg.interpret)
         else:
@@ -283,7 +284,8 @@ def tgmm(x, dy, group_sizes, *, config: Optional[GroupedMatmulConfig] = None,
     offsets = _offsets(group_sizes, x.shape[0])
     if _choose(cfg, "dw", x, dy, out_dtype) == "pallas":
         tiles = cfg.tiles("dw")
-        ws = _ws_tiles(tiles, x.shape[1], x.dtype) if cfg.dw_warpgroups == 2 else None
+        ws = (_two_consumer_tiles(tiles, "m", x.shape[1], x.dtype) if cfg.dw_warpgroups == 2
+              else None)
         if ws is not None and not cfg.interpret and cfg.impl == "auto":
             ws = ws if _pallas_compiles("dw_ws", ws, x.dtype.name) else None
         if ws is not None:
@@ -298,29 +300,19 @@ def tgmm(x, dy, group_sizes, *, config: Optional[GroupedMatmulConfig] = None,
 _SMEM_BYTES = 227 * 1024   # Hopper: dynamic shared memory per block
 
 
-def _ws_tiles(tiles: Tiles, k: int, dtype) -> Optional[Tiles]:
-    """The dw tiles for the 2-consumer kernel (stages cut to fit shared memory),
-    or None when ``K`` is not a multiple of ``2 block_m``."""
+def _two_consumer_tiles(tiles: Tiles, split: str, dim: int, dtype) -> Optional[Tiles]:
+    """The tiles of a 2-consumer kernel, stages cut to fit shared memory, or
+    None where it does not apply. ``split``: which tile side the two consumer
+    warpgroups split, ``"m"`` (dw: CTA tile ``2 block_m x block_n``, needs
+    ``dim = K`` divisible by ``2 block_m``) or ``"n"`` (forward/dx: CTA tile
+    ``block_m x 2 block_n``, needs ``dim = N`` divisible by ``2 block_n``)."""
     bm, bn, bk, steps, band = tiles
-    if k % (2 * bm) or bm > 128:   # a consumer's accumulator: at most 128 x bn f32
+    wide = 2 * bm if split == "m" else 2 * bn
+    if dim % wide or bm > 128:   # a consumer's accumulator: at most 128 x bn f32
         return None
     item = jnp.dtype(dtype).itemsize
-    stage = bk * (2 * bm + bn) * item
+    stage = bk * (bm + bn + wide // 2) * item     # one staged x tile and one w / dy tile
     fit = (_SMEM_BYTES - 2 * bm * bn * item - 4096) // stage   # 4 KiB: barriers, alignment
-    if fit < 2:
-        return None
-    return (bm, bn, bk, int(min(steps, fit)), band)
-
-
-def _ws_fwd_tiles(tiles: Tiles, n: int, dtype) -> Optional[Tiles]:
-    """The forward/dx tiles for the 2-consumer kernel (stages cut to fit shared
-    memory), or None when ``N`` is not a multiple of ``2 block_n``."""
-    bm, bn, bk, steps, band = tiles
-    if n % (2 * bn) or bm > 128:
-        return None
-    item = jnp.dtype(dtype).itemsize
-    stage = bk * (bm + 2 * bn) * item
-    fit = (_SMEM_BYTES - 2 * bm * bn * item - 4096) // stage
     if fit < 2:
         return None
     return (bm, bn, bk, int(min(steps, fit)), band)
@@ -916,13 +908,14 @@ def _gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
         plgpu.wgmma_wait(0)
         return acc_ref
 
-    pipeline = plgpu.emit_pipeline_warp_specialized(
-        mma, grid=(k // bk,), memory_registers=40,
-        in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=tr),
-                  plgpu.BlockSpec(w_block, (lambda kk: (0, kk)) if transpose_rhs
-                                  else (lambda kk: (kk, 0)), transforms=tr)],
-        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=steps,
-        compute_context=lambda run: None)  # allocation sizes only (rebuilt per item below)
+    def pipeline(compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            mma, grid=(k // bk,), memory_registers=40,
+            in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=tr),
+                      plgpu.BlockSpec(w_block, (lambda kk: (0, kk)) if transpose_rhs
+                                      else (lambda kk: (kk, 0)), transforms=tr)],
+            wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=steps,
+            compute_context=compute_context)
 
     def body(rs_ref, r0_ref, r1_ref, g_ref, x_ref, w_ref, o_ref):
         def scoped(o_smem, allocs):
@@ -953,14 +946,8 @@ def _gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
 
                 @pl.when((hi > lo) & (g >= 0))
                 def _():
-                    plgpu.emit_pipeline_warp_specialized(
-                        mma, grid=(k // bk,), memory_registers=40,
-                        in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=tr),
-                                  plgpu.BlockSpec(w_block, (lambda kk: (0, kk)) if transpose_rhs
-                                                  else (lambda kk: (kk, 0)), transforms=tr)],
-                        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=steps,
-                        compute_context=compute_context,
-                    )(x_ref.at[pl.ds(row0, bm), :], w_view, allocations=allocs)
+                    pipeline(compute_context)(x_ref.at[pl.ds(row0, bm), :], w_view,
+                                              allocations=allocs)
 
                 @pl.when((hi > lo) & (g < 0) & (wg < 2))
                 def _():  # tail rows: zeros, no matmul
@@ -972,8 +959,8 @@ def _gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
 
         x_view = x_ref.at[pl.ds(0, bm), :]
         w_view = w_ref.at[0, pl.ds(0, 2 * bn), :] if transpose_rhs else w_ref.at[0, :, pl.ds(0, 2 * bn)]
-        pl.run_scoped(scoped, plgpu.SMEM((2, bm, bn), out_dtype),
-                      pipeline.get_allocations(x_view, w_view), collective_axes="wg")
+        allocs = pipeline(lambda run: None).get_allocations(x_view, w_view)   # sizes only
+        pl.run_scoped(scoped, plgpu.SMEM((2, bm, bn), out_dtype), allocs, collective_axes="wg")
 
     kernel = plgpu.kernel(
         body,

@@ -329,7 +329,7 @@ def test_pallas_fwd_dx_two_warpgroups_interpret(sizes):
     xb, wb, dyb = (jnp.asarray(a, jnp.bfloat16) for a in (x, w, dy))
     cfg = GroupedMatmulConfig(impl="pallas", interpret=True, fwd=(64, 64, 64, 2, 1),
                               dx=(64, 64, 64, 2, 1), fwd_warpgroups=2)
-    assert gm_mod._ws_fwd_tiles(cfg.fwd, 256, jnp.bfloat16) is not None
+    assert gm_mod._two_consumer_tiles(cfg.fwd, "n", 256, jnp.bfloat16) is not None
     y = np.asarray(gm_mod.gmm(xb, wb, gs, config=cfg), np.float32)
     dx = np.asarray(gm_mod.gmm(dyb, wb, gs, transpose_rhs=True, config=cfg), np.float32)
     xf, wf, dyf = (np.asarray(a, np.float32) for a in (xb, wb, dyb))

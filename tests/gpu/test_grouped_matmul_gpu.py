@@ -122,7 +122,7 @@ def test_tile_configs(tiles, fwd_wgs):
     x, w, dy, gs = data(m, k, n, sizes, seed=1)
     cfg = GroupedMatmulConfig(impl="pallas", fwd=tiles, dx=tiles, dw=tiles, fwd_warpgroups=fwd_wgs)
     if fwd_wgs == 2:
-        assert gm_mod._ws_fwd_tiles(tiles, n, x.dtype) is not None
+        assert gm_mod._two_consumer_tiles(tiles, "n", n, x.dtype) is not None
     y = jax.jit(functools.partial(gm_mod.gmm, config=cfg))(x, w, gs)
     dx = jax.jit(functools.partial(gm_mod.gmm, transpose_rhs=True, config=cfg))(dy, w, gs)
     dw = jax.jit(functools.partial(gm_mod.tgmm, config=cfg))(x, dy, gs)
@@ -144,7 +144,7 @@ def test_dw_tiles(kind, total):
     outs = {}
     for tiles in [(128, 128, 64, 4, 4), (128, 128, 128, 2, 4), (128, 128, 64, 3, 8)]:
         for wgs in (1, 2):
-            if wgs == 2 and gm_mod._ws_tiles(tiles, k, x.dtype) is None:
+            if wgs == 2 and gm_mod._two_consumer_tiles(tiles, "m", k, x.dtype) is None:
                 continue  # no stage fits: the 2-warpgroup config runs the 1-warpgroup kernel
             cfg = GroupedMatmulConfig(impl="pallas", dw=tiles, dw_warpgroups=wgs)
             outs[tiles, wgs] = jax.jit(functools.partial(gm_mod.tgmm, config=cfg))(x, dy, gs)
