@@ -20,8 +20,7 @@ are ~100x slower: they use --xla-reps repetitions of 1 vs 2 calls
 
 --sweep additionally times a few tile configurations per op (uniform sizes),
 to pick GroupedMatmulConfig defaults; --sweep-small times a few targeted ones
-(SWEEP_SMALL: the forward/dx consumers split along m, the 1-warpgroup
-forward/dx and dw kernels). Sweep rows use the same timing method as the main
+(SWEEP_SMALL: the 1-warpgroup forward/dx and dw kernels). Sweep rows use the same timing method as the main
 rows (same n1/n2, --sweep-reps repetitions), so they are directly comparable.
 
 Prints one markdown table; writes it to $OUT/grouped_matmul.md when OUT is set.
@@ -59,13 +58,9 @@ SWEEP["dx"] = SWEEP["fwd"]
 # --sweep-small: a few targeted configs (op -> [(tiles, config kwargs, dists)]);
 # one GPU run with --no-xla --sweep-small should take ~90 s.
 SWEEP_SMALL = {
-    "fwd": [((64, 256, 64, 4, 2), {"fwd_split": "m"}, ("uniform", "skewed")),  # 2 x 64-row consumers
-            ((64, 128, 64, 5, 2), {"fwd_split": "m"}, ("uniform", "skewed")),
-            ((128, 128, 64, 5, 2), {"fwd_warpgroups": 1}, ("uniform", "skewed"))],  # 1-wg kernel
-    "dx": [((64, 256, 64, 4, 2), {"fwd_split": "m"}, ("uniform", "skewed")),
-           ((64, 128, 64, 5, 2), {"fwd_split": "m"}, ("uniform", "skewed")),
-           ((128, 128, 64, 5, 2), {"fwd_warpgroups": 1}, ("uniform", "skewed"))],
-    "dw": [((128, 128, 64, 4, 4), {"dw_warpgroups": 1}, ("uniform", "skewed"))],  # 1-wg kernel
+    "fwd": [((128, 128, 64, 5, 2), {"fwd_warpgroups": 1}, ("uniform", "skewed"))],  # 1-wg kernel
+    "dx": [((128, 128, 64, 5, 2), {"fwd_warpgroups": 1}, ("uniform", "skewed"))],
+    "dw": [((128, 128, 64, 4, 4), {"dw_warpgroups": 1}, ("uniform", "skewed"))],
 }
 
 

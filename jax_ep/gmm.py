@@ -134,13 +134,9 @@ class GroupedMatmulConfig:
         used when ``K % (2 block_m) == 0``, else the 1-warpgroup kernel) or 1
         (one warpgroup loads and computes ``block_m x block_n`` tiles).
       fwd_warpgroups: consumer warpgroups of the forward / dx kernel: 2 (a
-        producer warpgroup feeds two consumers, each owning ``block_m x
-        block_n``; used where the CTA tile divides ``N`` and the stages fit
+        producer warpgroup feeds two consumers that own ``block_m x 2
+        block_n``; used where ``N % (2 block_n) == 0`` and the stages fit
         shared memory, else the 1-warpgroup kernel) or 1.
-      fwd_split: how the two forward/dx consumers split the CTA tile: ``"n"``
-        (``block_m x 2 block_n``, shared ``x`` tile) or ``"m"`` (``2 block_m x
-        block_n``, shared ``w`` tile; a consumer with no rows to store skips
-        its matmuls, so a group's short last tile costs half).
       interpret: run the Pallas kernels in Mosaic-GPU interpret mode (for
         testing the kernels on CPU; jax >= 0.11; very slow).
     """
@@ -152,7 +148,6 @@ class GroupedMatmulConfig:
     interpret: bool = False
     dw_warpgroups: int = 2
     fwd_warpgroups: int = 2
-    fwd_split: str = "n"
 
     def __post_init__(self):
         if self.impl not in _IMPLS:
@@ -160,8 +155,6 @@ class GroupedMatmulConfig:
         for name in ("dw_warpgroups", "fwd_warpgroups"):
             if getattr(self, name) not in (1, 2):
                 raise ValueError(f"{name} must be 1 or 2, got {getattr(self, name)!r}")
-        if self.fwd_split not in ("m", "n"):
-            raise ValueError(f"fwd_split must be 'm' or 'n', got {self.fwd_split!r}")
         for name in ("fwd", "dx", "dw"):
             t = getattr(self, name)
             if t is None:
@@ -267,8 +260,7 @@ def gmm(x, w, group_sizes, *, transpose_rhs: bool = False,
     if _choose(cfg, op, x, w, out_dtype) == "pallas":
         ws = _fwd_ws_tiles(cfg, op, x, w, transpose_rhs)
         if ws is not None:
-            out = _gmm_pallas_ws(x, w, offsets, transpose_rhs, ws, out_dtype, cfg.interpret,
-                                 cfg.fwd_split)
+            out = _gmm_pallas_ws(x, w, offsets, transpose_rhs, ws, out_dtype, cfg.interpret)
         else:
             out = _gmm_pallas(x, w, offsets, transpose_rhs, cfg.tiles(op), out_dtype,
                               cfg.interpret)
@@ -306,16 +298,15 @@ def tgmm(x, dy, group_sizes, *, config: Optional[GroupedMatmulConfig] = None,
 _SMEM_BYTES = 227 * 1024   # Hopper: dynamic shared memory per block
 
 
-def _two_consumer_tiles(tiles: Tiles, split: str, dim: Optional[int], dtype) -> Optional[Tiles]:
+def _two_consumer_tiles(tiles: Tiles, split: str, dim: int, dtype) -> Optional[Tiles]:
     """The tiles of a 2-consumer kernel, stages cut to fit shared memory, or
     None where it does not apply. ``split``: which tile side the two consumer
-    warpgroups split, ``"m"`` (CTA tile ``2 block_m x block_n``; dw needs
-    ``dim = K`` divisible by ``2 block_m``) or ``"n"`` (CTA tile ``block_m x 2
-    block_n``, needs ``dim = N`` divisible by ``2 block_n``); ``dim=None``:
-    no divisibility condition (the forward's rows)."""
+    warpgroups split, ``"m"`` (dw: CTA tile ``2 block_m x block_n``, needs
+    ``dim = K`` divisible by ``2 block_m``) or ``"n"`` (forward/dx: CTA tile
+    ``block_m x 2 block_n``, needs ``dim = N`` divisible by ``2 block_n``)."""
     bm, bn, bk, steps, band = tiles
     wide = 2 * bm if split == "m" else 2 * bn
-    if (dim is not None and dim % wide) or bm * bn > 128 * 128:
+    if dim % wide or bm * bn > 128 * 128:
         return None   # a consumer's f32 accumulator: at most 128 x 128 (registers)
     item = jnp.dtype(dtype).itemsize
     stage = bk * (bm + bn + wide // 2) * item     # one staged x tile and one w / dy tile
@@ -330,15 +321,9 @@ def _fwd_ws_tiles(cfg, op, x, w, transpose_rhs) -> Optional[Tiles]:
     if cfg.fwd_warpgroups != 2:
         return None
     n = w.shape[1] if transpose_rhs else w.shape[2]
-    split = cfg.fwd_split
-    tiles = cfg.tiles(op)
-    if split == "m":
-        ws = _two_consumer_tiles(tiles, "m", None, x.dtype)
-        ws = ws if x.shape[0] >= 2 * tiles[0] else None
-    else:
-        ws = _two_consumer_tiles(tiles, "n", n, x.dtype)
+    ws = _two_consumer_tiles(cfg.tiles(op), "n", n, x.dtype)
     if ws is not None and not cfg.interpret and cfg.impl == "auto":
-        ws = ws if _pallas_compiles(f"{op}_ws{split}", ws, x.dtype.name) else None
+        ws = ws if _pallas_compiles(f"{op}_ws", ws, x.dtype.name) else None
     return ws
 
 
@@ -456,13 +441,12 @@ def _pallas_compiles(op: str, tiles: Tiles, dtype_name: str) -> bool:
                 kern = _tgmm_pallas_ws if op == "dw_ws" else _tgmm_pallas
                 f = lambda a, b, o: kern(a, b, o, tiles, dt, False)
                 args = (sds((m, k), dt), sds((m, n), dt), sds((g + 1,), jnp.int32))
-            else:   # fwd, dx, fwd_ws{m,n}, dx_ws{m,n}
-                m, k, n = 4 * bm + 8, bk, 2 * bn
+            else:   # fwd, dx, fwd_ws, dx_ws
+                m, k, n = 2 * bm + 8, bk, 2 * bn
                 t = op.startswith("dx")
                 wshape = (g, n, k) if t else (g, k, n)
-                if "_ws" in op:
-                    split = op[-1]
-                    f = lambda a, b, o: _gmm_pallas_ws(a, b, o, t, tiles, dt, False, split)
+                if op.endswith("_ws"):
+                    f = lambda a, b, o: _gmm_pallas_ws(a, b, o, t, tiles, dt, False)
                 else:
                     f = lambda a, b, o: _gmm_pallas(a, b, o, t, tiles, dt, False)
                 args = (sds((m, k), dt), sds(wshape, dt), sds((g + 1,), jnp.int32))
@@ -908,58 +892,43 @@ def _store_rows(pl, plgpu, src_smem, dst, lo, hi, row0, top):
         p //= 2
 
 
-def _gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret, split="n"):
+def _gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
     """Forward / dx with two consumer warpgroups and a producer warpgroup.
 
-    Row tiles per group as in :func:`_gmm_pallas` (``_row_tiles``); the k-loop
-    is a warp-specialized pipeline (the producer warpgroup keeps
-    ``max_concurrent_steps`` loads in flight while the consumers run wgmma).
-    Each consumer owns a ``block_m x block_n`` accumulator of the CTA tile:
-    ``split="n"``: CTA ``block_m x 2 block_n`` (the consumers share the staged
-    ``x`` tile); ``split="m"``: CTA ``2 block_m x block_n`` (they share the
-    ``w`` tile), and a consumer whose ``block_m`` rows hold no row to store
-    (a group's short last tile) issues no wgmma at all.
+    Same row tiles as :func:`_gmm_pallas` (per group, ``_row_tiles``); a CTA
+    owns ``block_m x 2 block_n`` of the output (each consumer warpgroup one
+    ``block_m x block_n`` half, sharing the staged ``x`` tile), and its k-loop
+    is a warp-specialized pipeline: the producer warpgroup keeps
+    ``max_concurrent_steps`` loads in flight while the consumers run wgmma.
+    (Consumers splitting ``2 block_m x block_n`` instead, skipping a
+    row-less half, measured no faster: bench/results/README.md.)
     """
     pl, plgpu = _plgpu()
     bm, bn, bk, steps, band = tiles
     m, k = x.shape
     n = w.shape[1] if transpose_rhs else w.shape[2]
-    cm, cn = (2 * bm, bn) if split == "m" else (bm, 2 * bn)    # CTA tile
-    rs, r0, r1, grp = _row_tiles(offsets, m, cm)
-    nf, grid_n = r0.shape[0], n // cn
+    rs, r0, r1, grp = _row_tiles(offsets, m, bm)
+    nf, grid_n = r0.shape[0], n // (2 * bn)
     top = 1 << int(math.log2(bm))
     tr, _ = _dw_transforms(plgpu, x.dtype, bk, bn)
-    w_block = (cn, bk) if transpose_rhs else (bk, cn)
+    w_block = (2 * bn, bk) if transpose_rhs else (bk, 2 * bn)
 
-    def own(wg, row0):
-        """This consumer's first row (absolute) and column offset in the CTA tile."""
-        if split == "m":
-            return row0 + wg * bm, 0
-        return row0, pl.multiple_of(wg * bn, bn)
+    def mma(_, x_smem, w_smem, acc_ref):
+        wg = lax.axis_index("wg")
+        cols = pl.ds(pl.multiple_of(wg * bn, bn), bn)
+        rhs = (_transposed(plgpu, w_smem.at[cols, :]) if transpose_rhs
+               else w_smem.at[:, cols])
+        plgpu.wgmma(acc_ref, x_smem, rhs)
+        # No delay_release: with the allocations hoisted out of the tile loop,
+        # a stage still read by the last step's wgmma would be refilled by the
+        # next tile's prologue.
+        plgpu.wgmma_wait(0)
+        return acc_ref
 
-    def pipeline(compute_context, active_of):
-        def mma(_, x_smem, w_smem, acc_ref):
-            wg = lax.axis_index("wg")
-            xs = x_smem.at[pl.ds(pl.multiple_of(wg * bm, bm), bm), :] if split == "m" else x_smem
-            if split == "m":
-                rhs = _transposed(plgpu, w_smem) if transpose_rhs else w_smem
-            else:
-                cols = pl.ds(pl.multiple_of(wg * bn, bn), bn)
-                rhs = (_transposed(plgpu, w_smem.at[cols, :]) if transpose_rhs
-                       else w_smem.at[:, cols])
-
-            # No delay_release: with the allocations hoisted out of the tile
-            # loop, a stage still read by the last step's wgmma would be
-            # refilled by the next tile's prologue.
-            @pl.when(active_of(wg))
-            def _():
-                plgpu.wgmma(acc_ref, xs, rhs)
-                plgpu.wgmma_wait(0)
-            return acc_ref
-
+    def pipeline(compute_context):
         return plgpu.emit_pipeline_warp_specialized(
             mma, grid=(k // bk,), memory_registers=40,
-            in_specs=[plgpu.BlockSpec((cm, bk), lambda kk: (0, kk), transforms=tr),
+            in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=tr),
                       plgpu.BlockSpec(w_block, (lambda kk: (0, kk)) if transpose_rhs
                                       else (lambda kk: (kk, 0)), transforms=tr)],
             wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=steps,
@@ -974,17 +943,13 @@ def _gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret, sp
                 fi, ni = plgpu.planar_snake(info.index[0], (nf, grid_n), 0, band)
                 lo, hi, g = r0_ref[fi], r1_ref[fi], g_ref[fi]
                 row0 = pl.multiple_of(rs_ref[fi], 8)
-                r_own, c_own = own(wg, row0)
-                # rows this consumer stores: [lo, hi) within its own block_m rows
-                s_lo = jnp.clip(lo, r_own, r_own + bm)
-                s_hi = jnp.clip(hi, r_own, r_own + bm)
-                out = o_ref.at[:, pl.ds(ni * cn + c_own, bn)]
+                out = o_ref.at[:, pl.ds(ni * (2 * bn) + wg * bn, bn)]
 
                 def store(val):
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # our slot is free
                     o_smem[wg] = val.astype(o_smem.dtype)
                     plgpu.commit_smem()
-                    _store_rows(pl, plgpu, o_smem.at[wg], out, s_lo, s_hi, r_own, top)
+                    _store_rows(pl, plgpu, o_smem.at[wg], out, lo, hi, row0, top)
 
                 def compute_context(run):
                     def acc_scope(acc_ref):
@@ -992,18 +957,14 @@ def _gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret, sp
                         store(acc_ref[...])
                     pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
 
-                def active_of(wg_):
-                    r, _ = own(wg_, row0)
-                    return (jnp.minimum(hi, r + bm) > jnp.maximum(lo, r))
-
-                cols = pl.ds(ni * cn, cn)
+                cols = pl.ds(ni * (2 * bn), 2 * bn)
                 w_view = (w_ref.at[jnp.maximum(g, 0), cols, :] if transpose_rhs
                           else w_ref.at[jnp.maximum(g, 0), :, cols])
 
                 @pl.when((hi > lo) & (g >= 0))
                 def _():
-                    pipeline(compute_context, active_of)(
-                        x_ref.at[pl.ds(row0, cm), :], w_view, allocations=allocs)
+                    pipeline(compute_context)(x_ref.at[pl.ds(row0, bm), :], w_view,
+                                              allocations=allocs)
 
                 @pl.when((hi > lo) & (g < 0) & (wg < 2))
                 def _():  # tail rows: zeros, no matmul
@@ -1013,9 +974,9 @@ def _gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret, sp
             def _():
                 plgpu.wait_smem_to_gmem(0)
 
-        x_view = x_ref.at[pl.ds(0, cm), :]
-        w_view = w_ref.at[0, pl.ds(0, cn), :] if transpose_rhs else w_ref.at[0, :, pl.ds(0, cn)]
-        allocs = pipeline(lambda run: None, lambda wg_: True).get_allocations(x_view, w_view)   # sizes only
+        x_view = x_ref.at[pl.ds(0, bm), :]
+        w_view = w_ref.at[0, pl.ds(0, 2 * bn), :] if transpose_rhs else w_ref.at[0, :, pl.ds(0, 2 * bn)]
+        allocs = pipeline(lambda run: None).get_allocations(x_view, w_view)   # sizes only
         pl.run_scoped(scoped, plgpu.SMEM((2, bm, bn), out_dtype), allocs, collective_axes="wg")
 
     kernel = plgpu.kernel(

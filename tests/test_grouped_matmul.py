@@ -284,18 +284,13 @@ def test_pallas_kernels_interpret(case):
         assert np.all(dw[g] == 0)
 
 
-@pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwd_wsn", "dx_wsn", "fwd_wsm", "dx_wsm",
-                                "dw_1wg"])
+@pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwd_ws", "dx_ws", "dw_1wg"])
 def test_pallas_lowers_for_cuda(op):
     """Every kernel traces and lowers to a CUDA module (no GPU needed)."""
     sds = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
     m, k, n, g = 1024, 512, 256, 8
-    ws = "_ws" in op
-    cfg = GroupedMatmulConfig(impl="pallas", fwd_warpgroups=2 if ws else 1,
-                              fwd_split=op[-1] if ws else "n",
-                              fwd=(64, 256, 64, 4, 2) if op.endswith("m") else None,
-                              dx=(64, 256, 64, 4, 2) if op.endswith("m") else None,
+    cfg = GroupedMatmulConfig(impl="pallas", fwd_warpgroups=2 if op.endswith("_ws") else 1,
                               dw_warpgroups=1 if op == "dw_1wg" else 2)
     op = op.split("_")[0]
     gsd = sds((g,), jnp.int32)
@@ -326,16 +321,15 @@ def test_pallas_constraints_fall_back_to_xla():
 
 
 @pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
-@pytest.mark.parametrize("split", ["n", "m"])
 @pytest.mark.parametrize("sizes", [[70, 0, 33, 1, 60], [0, 3, 197, 50], [7, 0, 0, 193]])
-def test_pallas_fwd_dx_two_warpgroups_interpret(sizes, split):
-    """The 2-consumer forward/dx kernel (fwd_warpgroups=2, both splits; "m"
-    skips a consumer with no rows): empty groups, sizes past M (clipped), a
-    group ending at M, NaN/Inf tail -- matches numpy."""
+def test_pallas_fwd_dx_two_warpgroups_interpret(sizes):
+    """The 2-consumer forward/dx kernel (fwd_warpgroups=2, the default): empty
+    groups, sizes past M (clipped), a group ending at M, NaN/Inf tail --
+    matches numpy."""
     x, w, dy, gs = make(sizes, m=200, k=128, n=256, seed=7)
     xb, wb, dyb = (jnp.asarray(a, jnp.bfloat16) for a in (x, w, dy))
     cfg = GroupedMatmulConfig(impl="pallas", interpret=True, fwd=(64, 64, 64, 2, 1),
-                              dx=(64, 64, 64, 2, 1), fwd_warpgroups=2, fwd_split=split)
+                              dx=(64, 64, 64, 2, 1), fwd_warpgroups=2)
     assert gm_mod._fwd_ws_tiles(cfg, "fwd", xb, wb, False) is not None
     y = np.asarray(gm_mod.gmm(xb, wb, gs, config=cfg), np.float32)
     dx = np.asarray(gm_mod.gmm(dyb, wb, gs, transpose_rhs=True, config=cfg), np.float32)
