@@ -1,12 +1,23 @@
 // The symmetric buffer's layout and the staging sizes of each op: the one
 // place these numbers are computed. The FFI handlers check against them, the
 // loopback tests and jax_ep.EpConfig.native_buffer_bytes read them through
-// the nanobind module (jax_ep._C.symmetric_buffer_bytes, stage_half_bytes).
+// the nanobind module (jax_ep._C.symmetric_buffer_bytes, stage_half_bytes,
+// ring_depth).
 //
 // [ dispatch parity 0 | dispatch parity 1 | combine parity 0 | combine parity 1 | ... | control ]
 // Each op's staging is double-buffered by call parity (see transport/p2p.cuh
 // for the protocol); the control region at the end holds one OpCtrl per op.
+//
+// Staging is a set of bounded rings, so the buffer does not grow with T: in
+// one parity half, for every (peer p < R-1, block b < G) a ring of `depth`
+// slots of `chunk` token rows. Chunk j of the tokens belongs to block
+// b = j % G and is that block's i-th chunk (i = j / G); it lands in slot
+// q = i % depth. A sender reuses a slot only after the receiver returned the
+// slot's credit (transport/p2p.cuh). When depth covers all of a block's
+// chunks nothing wraps and no sender ever waits.
 #pragma once
+
+#include <cuda_runtime.h>  // __host__ __device__
 
 #include <cstddef>
 #include <cstdint>
@@ -19,15 +30,24 @@ namespace jax_ep {
 // kernel family adds its op here (and its region below if it stages data).
 enum OpKind : int { kOpDispatch = 0, kOpCombine = 1, kOpBench = 2, kNumOps = 3 };
 
-constexpr int kMaxChunks = 8192;            // flags per (op, source rank)
-constexpr size_t kCtrlBytes = size_t(1) << 20;  // control region (end of buffer)
+constexpr int kMaxBlocks = 160;             // grid bound (blocks are resident: <= SMs)
+constexpr int kMaxDepth = 16;               // ring slots per (peer, block)
+constexpr size_t kCtrlBytes = size_t(2) << 20;  // control region (end of buffer)
 constexpr size_t kRegionAlign = 256;
+constexpr size_t kDefaultBufferBytes = size_t(1) << 30;  // jax_ep.initialize() default
 
+// Flag words are epoch-tagged 64-bit values, (epoch << 32) | (i + 1) for a
+// block's i-th chunk: monotonic over calls, so they are never reset.
 struct OpCtrl {
   unsigned int epoch;   // last finished epoch (local only)
   unsigned int done;    // blocks finished in the current call
   unsigned int pad[30];
-  unsigned int flags[kMaxRanks][kMaxChunks];  // written by source ranks
+  unsigned int barrier[kMaxRanks];  // one-word barriers (bench op), written by peers
+  unsigned int pad2[32 - kMaxRanks];
+  // ready[s][b][q]: source s filled slot q of block b's ring here (written by s).
+  unsigned long long ready[kMaxRanks][kMaxBlocks][kMaxDepth];
+  // credit[r][b][q]: receiver r drained slot q of block b's ring (written by r).
+  unsigned long long credit[kMaxRanks][kMaxBlocks][kMaxDepth];
 };
 static_assert(sizeof(OpCtrl) * kNumOps <= kCtrlBytes, "control region too small");
 
@@ -41,7 +61,7 @@ inline size_t ctrl_offset(size_t sym_bytes, int op) {
 // (dispatch, combine; the bench op reuses dispatch's), each halved by epoch
 // parity. Returns the size of one parity half / its byte offset.
 inline size_t stage_half_bytes(size_t sym_bytes) {
-  size_t data = sym_bytes > 2 * kCtrlBytes ? ((sym_bytes - kCtrlBytes) & ~(kRegionAlign - 1)) : 0;
+  size_t data = sym_bytes > kCtrlBytes ? ((sym_bytes - kCtrlBytes) & ~(kRegionAlign - 1)) : 0;
   return (data / 4) & ~(kRegionAlign - 1);
 }
 inline size_t stage_offset(size_t sym_bytes, int op, int parity) {
@@ -49,31 +69,53 @@ inline size_t stage_offset(size_t sym_bytes, int op, int parity) {
   return stage_half_bytes(sym_bytes) * size_t(2 * region + parity);
 }
 
-// Bytes of one parity half that dispatch needs: R*T rows of row_bytes, then
-// (256-aligned, at *scales_off) R*T scale rows of s_row_bytes (fp8 modes).
-inline size_t dispatch_stage_bytes(int R, int T, long long row_bytes, long long s_row_bytes,
-                                   size_t* scales_off) {
-  const size_t rows = size_t(R) * size_t(T);
-  const size_t a = (rows * size_t(row_bytes) + kRegionAlign - 1) & ~(kRegionAlign - 1);
+inline size_t align_up(size_t n) { return (n + kRegionAlign - 1) & ~(kRegionAlign - 1); }
+
+// Row index of (peer p, block b, slot q, row u) in a staging half.
+__host__ __device__ inline long long ring_row(int G, int depth, int chunk, int p, int b, int q,
+                                             int u) {
+  return ((static_cast<long long>(p) * G + b) * depth + q) * chunk + u;
+}
+
+// Rows of one half's rings: (R-1) * G * depth * chunk; the scale rows (fp8
+// modes) follow at the 256-aligned byte offset *scales_off.
+inline size_t ring_bytes(int R, int G, int depth, int chunk, long long row_bytes,
+                         long long s_row_bytes, size_t* scales_off) {
+  const size_t rows = size_t(R > 1 ? R - 1 : 0) * size_t(G) * size_t(depth) * size_t(chunk);
+  const size_t a = align_up(rows * size_t(row_bytes));
   if (scales_off) *scales_off = a;
   return a + rows * size_t(s_row_bytes);
 }
-// Combine: R*T rows (one per (source rank, token)).
-inline size_t combine_stage_bytes(int R, int T, long long row_bytes) {
-  return size_t(R) * size_t(T) * size_t(row_bytes);
+
+// Ring depth for T tokens in chunks of `chunk` over G blocks: as many slots as
+// a block has chunks (nothing wraps), capped by kMaxDepth and by what a
+// staging half of `half` bytes holds; 0 when not even one slot fits.
+inline int ring_depth(int R, int T, int G, int chunk, long long row_bytes, long long s_row_bytes,
+                      size_t half) {
+  const int num_chunks = T > 0 ? (T + chunk - 1) / chunk : 1;
+  int depth = (num_chunks + G - 1) / G;
+  if (depth > kMaxDepth) depth = kMaxDepth;
+  if (depth < 1) depth = 1;
+  while (depth > 0 && ring_bytes(R, G, depth, chunk, row_bytes, s_row_bytes, nullptr) > half)
+    --depth;
+  return depth;
 }
 
-// The smallest symmetric buffer (a multiple of 1 MiB) whose staging halves
-// hold both ops for R ranks, T tokens per rank, rows of row_bytes and scale
-// rows of s_row_bytes.
+// The symmetric buffer (a multiple of 1 MiB) for R ranks and T tokens per
+// rank with rows of row_bytes (+ s_row_bytes of scales): enough for rings
+// that never wrap at the largest grid, capped at kDefaultBufferBytes (beyond
+// that the rings wrap: any T runs in the default buffer).
 inline size_t symmetric_buffer_bytes(int R, int T, long long row_bytes, long long s_row_bytes) {
-  size_t need = dispatch_stage_bytes(R, T, row_bytes, s_row_bytes, nullptr);
-  const size_t c = combine_stage_bytes(R, T, row_bytes);
-  if (c > need) need = c;
+  const int G = kMaxBlocks, chunk = 8;
+  const int num_chunks = T > 0 ? (T + chunk - 1) / chunk : 1;
+  int depth = (num_chunks + G - 1) / G;
+  if (depth > kMaxDepth) depth = kMaxDepth;
+  const size_t need = ring_bytes(R, G, depth < 1 ? 1 : depth, chunk, row_bytes, s_row_bytes,
+                                 nullptr);
   const size_t mib = size_t(1) << 20;
   size_t bytes = ((4 * (need + kRegionAlign) + 2 * kCtrlBytes) + mib - 1) / mib * mib;
   while (stage_half_bytes(bytes) < need) bytes += mib;
-  return bytes;
+  return bytes < kDefaultBufferBytes ? bytes : kDefaultBufferBytes;
 }
 
 }  // namespace jax_ep

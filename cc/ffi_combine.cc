@@ -67,18 +67,13 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F
   a.host_err = device_error_word();
   a.skip = debug_skip;  // bench breakdown only (DispatchArgs::skip); 0 in production
 
-  const size_t need = combine_stage_bytes(R, T, a.row_bytes);
-  const size_t have = stage_half_bytes(rt->sym_bytes);
-  if (need > have)
-    return InvalidArgument("combine: needs " + std::to_string(need >> 20) + " MiB of staging per "
-                           "parity but the symmetric buffer gives " + std::to_string(have >> 20) +
-                           " MiB: pass a larger buffer_bytes to jax_ep.initialize()");
+  LaunchConfig lc = make_launch_config(kOpCombine, T > 0 ? T : 1, num_sms, rt->num_sms, chunk);
+  JAX_EP_RETURN_IF_ERROR(FitRing("combine", R, T, a.row_bytes, 0, rt->sym_bytes, &lc));
   a.stage_off[0] = stage_offset(rt->sym_bytes, kOpCombine, 0);
   a.stage_off[1] = stage_offset(rt->sym_bytes, kOpCombine, 1);
 
   if (T == 0) return ffi::Error::Success();
   if (debug_poison()) JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.out, 0xFF, out->size_bytes(), stream));
-  LaunchConfig lc = make_launch_config(kOpCombine, T, num_sms, rt->num_sms, chunk);
   JAX_EP_CUDA_RETURN(launch_combine(a, lc, stream));
   return ffi::Error::Success();
 }
@@ -99,6 +94,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombine, jax_ep::CombineImpl,
                                   .Attr<int32_t>("rank_major")
                                   .Attr<int32_t>("weighted")
                                   .Attr<int32_t>("num_sms")
-                                  .Attr<int32_t>("chunk")       // tokens per flag (0: default)
+                                  .Attr<int32_t>("chunk")       // tokens per ring slot (0: default)
                                   .Attr<int32_t>("debug_skip")  // bench breakdown only (0)
                                   .Ret<xla::ffi::AnyBuffer>());                // out [T, W]

@@ -13,13 +13,13 @@ namespace jax_ep {
 
 namespace {
 
-// Checks the handle arrays (slot_row [R, T, K], row_src [C], send_mask [T, R])
-// and the staging space; fills the fields of `a` every dispatch-kernel call
-// shares. `a->row_bytes` / `s_row_bytes` must be set.
+// Checks the handle arrays (slot_row [R, T, K], row_src [C], send_mask [T, R]),
+// picks the grid and fits the staging rings (*lc); fills the fields of `a`
+// every dispatch-kernel call shares. `a->row_bytes` / `s_row_bytes` must be set.
 ffi::Error SetupDispatch(const char* op, int R, int T, int C, ffi::Buffer<ffi::S32> row_src,
                          ffi::Buffer<ffi::S32> slot_row, ffi::Buffer<ffi::PRED> send_mask,
-                         int32_t align, int32_t zero_tail, int32_t chunk, int32_t debug_skip,
-                         DispatchArgs* a) {
+                         int32_t align, int32_t zero_tail, int32_t num_sms, int32_t chunk,
+                         int32_t debug_skip, DispatchArgs* a, LaunchConfig* lc) {
   const std::string o(op);
   auto sd = slot_row.dimensions();
   if (sd.size() != 3 || sd[0] != R || sd[1] != T)
@@ -34,14 +34,10 @@ ffi::Error SetupDispatch(const char* op, int R, int T, int C, ffi::Buffer<ffi::S
   if (chunk < 0) return InvalidArgument(o + ": chunk must be >= 0 (0: the kernel default)");
   if (debug_skip < 0 || debug_skip > 3) return InvalidArgument(o + ": debug_skip must be in [0, 3]");
   Runtime* rt = runtime();
+  *lc = make_launch_config(kOpDispatch, T > 0 ? T : 1, num_sms, rt->num_sms, chunk);
+  JAX_EP_RETURN_IF_ERROR(FitRing(o, R, T, a->row_bytes, a->s_row_bytes, rt->sym_bytes, lc));
   size_t scales_off = 0;
-  const size_t need = dispatch_stage_bytes(R, T, a->row_bytes, a->s_row_bytes, &scales_off);
-  const size_t have = stage_half_bytes(rt->sym_bytes);
-  if (need > have)
-    return InvalidArgument(o + ": needs " + std::to_string(need >> 20) + " MiB of staging per "
-                           "parity but the symmetric buffer gives " + std::to_string(have >> 20) +
-                           " MiB: pass a larger buffer_bytes to jax_ep.initialize() (about 4x "
-                           "R*T*row bytes)");
+  ring_bytes(R, lc->num_blocks, lc->depth, lc->chunk, a->row_bytes, a->s_row_bytes, &scales_off);
   a->ctrl_off = ctrl_offset(rt->sym_bytes, kOpDispatch);
   a->stage_off[0] = stage_offset(rt->sym_bytes, kOpDispatch, 0);
   a->stage_off[1] = stage_offset(rt->sym_bytes, kOpDispatch, 1);
@@ -69,7 +65,6 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
   PeerTable peers;
   JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, &peers));
-  Runtime* rt = runtime();
   const int R = peers.num_ranks;
 
   auto xd = x.dimensions();
@@ -83,6 +78,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
     return InvalidArgument("dispatch: unknown mode");
 
   DispatchArgs a;
+  LaunchConfig lc;
   a.peers = peers;
   a.x = x.untyped_data();
   a.x_row_bytes = static_cast<long long>(x.size_bytes() / (T > 0 ? T : 1));
@@ -115,15 +111,14 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
     if (a.s_row_bytes != (W / 128) * 4) return InvalidArgument("dispatch: out_scales must be [C, H/128]");
   }
   JAX_EP_RETURN_IF_ERROR(
-      SetupDispatch("dispatch", R, T, C, row_src, slot_row, send_mask, align, zero_tail, chunk,
-                    debug_skip, &a));
+      SetupDispatch("dispatch", R, T, C, row_src, slot_row, send_mask, align, zero_tail, num_sms,
+                    chunk, debug_skip, &a, &lc));
 
   if (T == 0 && C == 0) return ffi::Error::Success();
   if (debug_poison()) {
     JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.out, 0xFF, out->size_bytes(), stream));
     JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.out_scales, 0xFF, out_scales->size_bytes(), stream));
   }
-  LaunchConfig lc = make_launch_config(kOpDispatch, T > 0 ? T : 1, num_sms, rt->num_sms, chunk);
   JAX_EP_CUDA_RETURN(launch_dispatch(a, lc, stream));
   return ffi::Error::Success();
 }
@@ -138,7 +133,6 @@ ffi::Error CombineBwdImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer 
   JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
   PeerTable peers;
   JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, &peers));
-  Runtime* rt = runtime();
   const int R = peers.num_ranks;
 
   auto gd = g.dimensions(), yd = y.dimensions(), od = dy->dimensions();
@@ -153,6 +147,7 @@ ffi::Error CombineBwdImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer 
     return InvalidArgument("combine_bwd: w and dw must be [C]");
 
   DispatchArgs a;
+  LaunchConfig lc;
   switch (y.element_type()) {
     case ffi::DataType::BF16: a.dtype = kBf16; break;
     case ffi::DataType::F16: a.dtype = kF16; break;
@@ -170,15 +165,14 @@ ffi::Error CombineBwdImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer 
   a.row_w = w.typed_data();
   a.dw = dw->typed_data();
   JAX_EP_RETURN_IF_ERROR(
-      SetupDispatch("combine_bwd", R, T, C, row_src, slot_row, send_mask, align, zero_tail, chunk,
-                    debug_skip, &a));
+      SetupDispatch("combine_bwd", R, T, C, row_src, slot_row, send_mask, align, zero_tail,
+                    num_sms, chunk, debug_skip, &a, &lc));
 
   if (T == 0 && C == 0) return ffi::Error::Success();
   if (debug_poison()) {
     JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.out, 0xFF, dy->size_bytes(), stream));
     JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.dw, 0xFF, dw->size_bytes(), stream));
   }
-  LaunchConfig lc = make_launch_config(kOpDispatch, T > 0 ? T : 1, num_sms, rt->num_sms, chunk);
   JAX_EP_CUDA_RETURN(launch_dispatch(a, lc, stream));
   return ffi::Error::Success();
 }
@@ -203,7 +197,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::DispatchImpl,
                                   .Attr<int32_t>("align")      // expert_alignment (1: rank_major)
                                   .Attr<int32_t>("zero_tail")  // zero rows past the last group
                                   .Attr<int32_t>("num_sms")
-                                  .Attr<int32_t>("chunk")         // tokens per flag (0: default)
+                                  .Attr<int32_t>("chunk")         // tokens per ring slot (0: default)
                                   .Attr<int32_t>("fp8_div_mode")  // 3: as XLA:GPU, 0: IEEE
                                   .Attr<int32_t>("debug_skip")    // bench breakdown only (0)
                                   .Ret<xla::ffi::AnyBuffer>()                      // out [C, W]
@@ -223,7 +217,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineBwd, jax_ep::CombineBwdImpl,
                                   .Attr<int32_t>("align")
                                   .Attr<int32_t>("zero_tail")
                                   .Attr<int32_t>("num_sms")
-                                  .Attr<int32_t>("chunk")       // tokens per flag (0: default)
+                                  .Attr<int32_t>("chunk")       // tokens per ring slot (0: default)
                                   .Attr<int32_t>("debug_skip")  // bench breakdown only (0)
                                   .Ret<xla::ffi::AnyBuffer>()                      // dy [C, W]
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());        // dw [C]

@@ -30,8 +30,14 @@ NB_MODULE(_C, m) {
   // Sizes (one source: buffer_layout.h).
   m.def("symmetric_buffer_bytes", &jax_ep::symmetric_buffer_bytes, nb::arg("num_ranks"),
         nb::arg("tokens"), nb::arg("row_bytes"), nb::arg("scale_row_bytes"),
-        "Smallest symmetric buffer (bytes) whose staging holds dispatch and combine of "
-        "num_ranks x tokens rows of row_bytes (+ scale rows of scale_row_bytes).");
+        "Symmetric buffer (bytes) whose staging rings hold dispatch and combine of "
+        "num_ranks x tokens rows of row_bytes (+ scale rows of scale_row_bytes) without "
+        "wrapping, capped at DEFAULT_BUFFER_BYTES (beyond that the rings wrap).");
+  m.def("ring_depth", &jax_ep::ring_depth, nb::arg("num_ranks"), nb::arg("tokens"),
+        nb::arg("num_blocks"), nb::arg("chunk"), nb::arg("row_bytes"), nb::arg("scale_row_bytes"),
+        nb::arg("stage_half_bytes"),
+        "Ring slots per (peer, block) that a staging half holds (0: not one).");
+  m.attr("DEFAULT_BUFFER_BYTES") = jax_ep::kDefaultBufferBytes;
   m.def("stage_half_bytes", &jax_ep::stage_half_bytes, nb::arg("sym_bytes"),
         "Staging bytes per op and call parity in a symmetric buffer of sym_bytes.");
 

@@ -1,7 +1,7 @@
 // Intranode combine. Sender warps (expert side) reduce, for every (source s,
 // token t) received from a peer s, this rank's rows in k order (p = sum_k
 // w_row * f32(y[row_k]); rank_major: p = y[row]), cast p to y's dtype and
-// write it into s's staging at [this rank, t], raising one flag per chunk.
+// write it into s's staging ring (buffer_layout.h), raising one flag per chunk.
 // Receiver warps (source side) form this rank's own partial for its tokens
 // straight from y (never staged), then, as the peers' chunks arrive, sum the
 // partials of ranks 0..R-1 in that order in f32 and cast. One row per
@@ -211,8 +211,11 @@ template <typename T, int V>
 __global__ void __launch_bounds__(512, 1)
 combine_kernel(CombineArgs a, LaunchConfig lc, int num_chunks) {
   const int send_warps = lc.send_warps, recv_warps = lc.recv_warps, chunk = lc.chunk;
-  const int slices = lc.slices;
+  const int slices = lc.slices, depth = lc.depth, G = gridDim.x;
   const int me = a.peers.rank, R = a.peers.num_ranks;
+  __shared__ unsigned int ring_cnt[kMaxDepth];  // receiver warps done per slot
+  for (int i = threadIdx.x; i < kMaxDepth; i += blockDim.x) ring_cnt[i] = 0u;
+  __syncthreads();
   OpCtrl* ctrl = reinterpret_cast<OpCtrl*>(peer_ptr(a.peers, me, a.ctrl_off));
   const unsigned int epoch = current_epoch(ctrl);
   const size_t stage = a.stage_off[epoch & 1u];
@@ -227,7 +230,11 @@ combine_kernel(CombineArgs a, LaunchConfig lc, int num_chunks) {
   if (warp < send_warps) {
     // ---- expert side: partial of every (s, t) received from a peer s; the
     // block's warps share chunk j's (token, slice) items ----
-    for (int j = blockIdx.x; j < num_chunks; j += gridDim.x) {
+    for (int j = blockIdx.x, ci = 0; j < num_chunks; j += G, ++ci) {
+      const int q = ci % depth;
+      if (ci >= depth)
+        wait_credits(a.peers, ctrl, q, chunk_tag(epoch, ci - depth), send_warps, a.host_err,
+                     a.timeout_ns);
       const int t0 = j * chunk, nit = (min(NT, t0 + chunk) - t0) * slices;
       for (int it = warp; it < nit; it += send_warps) {
         const int t = t0 + it / slices;
@@ -238,7 +245,8 @@ combine_kernel(CombineArgs a, LaunchConfig lc, int num_chunks) {
           bool received;
           const int n = slot_rows(a, s, t, rows, w, &received, lane);
           if (!received || (a.skip & 1)) continue;
-          char* dst = peer_ptr(a.peers, s, stage) + (static_cast<long long>(me) * NT + t) * RB;
+          char* dst = peer_ptr(a.peers, s, stage) +
+                      ring_row(G, depth, chunk, (me - s + R) % R - 1, blockIdx.x, q, t - t0) * RB;
           if (n == 0) {
             warp_zero_row<V>(dst + off, len, lane);
           } else if (a.rank_major) {
@@ -249,7 +257,7 @@ combine_kernel(CombineArgs a, LaunchConfig lc, int num_chunks) {
           }
         }
       }
-      publish_chunk(a.peers, a.ctrl_off, j, epoch, send_warps);
+      publish_chunk(a.peers, a.ctrl_off, q, chunk_tag(epoch, ci), send_warps);
     }
   } else {
     // ---- source side: sum the partials of ranks 0..R-1 ----
@@ -265,19 +273,22 @@ combine_kernel(CombineArgs a, LaunchConfig lc, int num_chunks) {
     const char* my_stage = peer_ptr(a.peers, me, stage);
     const char* src[kMaxRanks];
     const bool work = !(a.skip & 2);
-    ItemCursor ca(blockIdx.x, rw, chunk, slices, recv_warps, NT, num_chunks, gridDim.x);
+    ItemCursor ca(blockIdx.x, rw, chunk, slices, recv_warps, NT, num_chunks, G);
+    const int n_ci = blockIdx.x < num_chunks ? (num_chunks - blockIdx.x + G - 1) / G : 0;
     ItemCursor cb = ca;
     int na = 0, nb = 0;  // items done by A / B (B never overtakes A)
     while (cb.valid()) {
-      const int tb = cb.t(), jb = cb.j;
+      const int tb = cb.t(), jb = cb.j, cib = jb / G, qb = cib % depth;
+      const unsigned long long tag = chunk_tag(epoch, cib);
       const bool* mb = a.send_mask + static_cast<long long>(tb) * R;
       if (nb < na) {
         bool ready = true;
         for (int r = 0; r < R && ready; ++r)
-          if (r != me && mb[r]) ready = flag_ready_warp(&ctrl->flags[r][jb], epoch);
+          if (r != me && mb[r]) ready = tag_ready_warp(&ctrl->ready[r][blockIdx.x][qb], tag);
         if (!ready && !ca.valid()) {  // nothing else to do: block on the flags
           for (int r = 0; r < R; ++r)
-            if (r != me && mb[r]) wait_flag(&ctrl->flags[r][jb], epoch, a.host_err, a.timeout_ns);
+            if (r != me && mb[r])
+              wait_tag(&ctrl->ready[r][blockIdx.x][qb], tag, a.host_err, a.timeout_ns);
           ready = true;
         }
         if (ready) {
@@ -293,7 +304,8 @@ combine_kernel(CombineArgs a, LaunchConfig lc, int num_chunks) {
               // (rank_major: position local_pos, summed from y, never read here)
               src[n++] = static_cast<const char*>(a.out) + tb * RB;
             } else {
-              src[n++] = my_stage + (static_cast<long long>(r) * NT + tb) * RB;
+              src[n++] = my_stage + ring_row(G, depth, chunk, (r - me + R) % R - 1, blockIdx.x,
+                                             qb, tb - jb * chunk) * RB;
               ++remote;
             }
           }
@@ -305,6 +317,9 @@ combine_kernel(CombineArgs a, LaunchConfig lc, int num_chunks) {
           }
           ++nb;
           cb.next();
+          if (!cb.valid() || cb.j != jb)  // this warp is done with chunk jb: every peer's slot
+            drain_slot(a.peers, a.ctrl_off, -1, qb, tag, &ring_cnt[qb],
+                       min(recv_warps, cb.items(jb)), cib + depth < n_ci, lane);
           continue;
         }
       }
@@ -346,7 +361,8 @@ combine_kernel(CombineArgs a, LaunchConfig lc, int num_chunks) {
 template <typename T>
 cudaError_t launch_typed(const CombineArgs& a, const LaunchConfig& lc, cudaStream_t stream) {
   const int num_chunks = (a.T + lc.chunk - 1) / lc.chunk;
-  if (num_chunks > kMaxChunks) return cudaErrorInvalidValue;
+  if (lc.depth < 1 || lc.depth > kMaxDepth || lc.num_blocks > kMaxBlocks)
+    return cudaErrorInvalidValue;
   const int v = row_vec_bytes(a.row_bytes);
   if (v >= 16)
     combine_kernel<T, 16><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc, num_chunks);

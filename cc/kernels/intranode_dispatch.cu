@@ -1,5 +1,5 @@
 // Intranode dispatch: each token row crosses the link once per destination
-// rank (send_mask), into that rank's staging at [source rank, token]; the
+// rank (send_mask), into that rank's staging ring (buffer_layout.h); the
 // receiver gathers staging rows into the output layout (slot_row), reading
 // its own tokens straight from x (copy mode) and zeroing group padding rows
 // (and the tail only when asked: DispatchArgs::zero_tail). The same kernel is
@@ -9,7 +9,9 @@
 // P2P stores; in the fp8 modes they cast first) and raise one flag per
 // (destination, chunk); "receiver" warps gather a peer's chunk as soon as its
 // flag is up and otherwise do the work that needs nobody (zero rows, own
-// tokens), so the local gather overlaps the NVLink transfer.
+// tokens), so the local gather overlaps the NVLink transfer. Chunks go
+// through bounded rings with credits (transport/p2p.cuh): a block's chunk i
+// reuses slot i % depth once every receiver drained chunk i - depth.
 #include <cuda_fp8.h>
 #include <cuda_bf16.h>
 
@@ -300,8 +302,11 @@ template <int EPL, bool BWD>
 __global__ void __launch_bounds__(512, 1)
 dispatch_kernel(DispatchArgs a, LaunchConfig lc, int num_chunks) {
   const int send_warps = lc.send_warps, recv_warps = lc.recv_warps, chunk = lc.chunk;
-  const int slices = lc.slices;
+  const int slices = lc.slices, depth = lc.depth, G = gridDim.x;
   __shared__ float sm_scales[16][kSmScales];
+  __shared__ unsigned int ring_cnt[kMaxRanks][kMaxDepth];  // receiver warps done per (peer, slot)
+  for (int i = threadIdx.x; i < kMaxRanks * kMaxDepth; i += blockDim.x) (&ring_cnt[0][0])[i] = 0u;
+  __syncthreads();
   const int me = a.peers.rank, R = a.peers.num_ranks;
   OpCtrl* ctrl = reinterpret_cast<OpCtrl*>(peer_ptr(a.peers, me, a.ctrl_off));
   const unsigned int epoch = current_epoch(ctrl);
@@ -316,7 +321,11 @@ dispatch_kernel(DispatchArgs a, LaunchConfig lc, int num_chunks) {
   if (warp < send_warps) {
     // ---- sender: chunk j of my tokens to every rank that wants them; the
     // block's warps share the chunk's (token, slice) items ----
-    for (int j = blockIdx.x; j < num_chunks; j += gridDim.x) {
+    for (int j = blockIdx.x, ci = 0; j < num_chunks; j += G, ++ci) {
+      const int q = ci % depth;
+      if (ci >= depth)
+        wait_credits(a.peers, ctrl, q, chunk_tag(epoch, ci - depth), send_warps, a.host_err,
+                     a.timeout_ns);
       const int t0 = j * chunk, nit = (min(T, t0 + chunk) - t0) * slices;
       for (int it = warp; it < nit; it += send_warps) {
         const int t = t0 + it / slices, sl = it % slices;
@@ -326,7 +335,9 @@ dispatch_kernel(DispatchArgs a, LaunchConfig lc, int num_chunks) {
         for (int i = 1; i < R; ++i) {  // peers only: own rows are gathered from x
           const int r = (me + i) % R;
           if (!a.send_mask[static_cast<long long>(t) * R + r]) continue;
-          const long long slot = static_cast<long long>(me) * T + t;
+          // my ring at r: peer index (me - r) mod R, minus 1 (r never rings itself)
+          const long long slot = ring_row(G, depth, chunk, (me - r + R) % R - 1, blockIdx.x, q,
+                                          t - t0);
           dst[n] = peer_ptr(a.peers, r, stage) + slot * a.row_bytes;
           dsts[n] = peer_ptr(a.peers, r, stage + a.stage_scales_off) + slot * a.s_row_bytes;
           ++n;
@@ -335,7 +346,7 @@ dispatch_kernel(DispatchArgs a, LaunchConfig lc, int num_chunks) {
         move_row_slice<EPL>(a, t, static_cast<const char*>(a.x) + t * a.x_row_bytes, dst, dsts, n,
                             sl, slices, v, sv, lane, sm);
       }
-      publish_chunk(a.peers, a.ctrl_off, j, epoch, send_warps);
+      publish_chunk(a.peers, a.ctrl_off, q, chunk_tag(epoch, ci), send_warps);
     }
   } else {
     // ---- receiver ----
@@ -345,22 +356,26 @@ dispatch_kernel(DispatchArgs a, LaunchConfig lc, int num_chunks) {
     char* rows[kMaxDst];
     char* srows[kMaxDst];
     const char* my_stage = peer_ptr(a.peers, me, stage);
-    // Two work lists per warp, interleaved: remote chunks (peer i, chunk j of
-    // this block; this warp's items in it) whenever their flag is up, and
-    // otherwise local work that needs nobody: zero rows, then own tokens
-    // straight from x (cast here in the fp8 modes). So the local gather hides
-    // behind the transfer and only the last wave is left after it.
+    // Two work lists per warp, interleaved: remote chunks (this block's
+    // chunk ci from peer pi, every peer's chunk ci before chunk ci + 1: the
+    // rings' progress rule; this warp's items in it) whenever their flag is
+    // up, and otherwise local work that needs nobody: zero rows, then own
+    // tokens straight from x (cast here in the fp8 modes). So the local
+    // gather hides behind the transfer and only the last wave is left after it.
     const bool work = !(a.skip & 2);
     const int rslices = BWD ? 1 : slices;  // bwd: dw reduces a whole row in one warp
     ZeroCursor zc(work ? gw : a.C, nrw);   // zero rows
     int lt = work ? gw : T;     // local-token cursor
-    int pi = 1, pj = blockIdx.x;  // remote cursor
-    if (pj >= num_chunks) pi = R;
+    int pi = 1, ci = 0, pj = blockIdx.x;  // remote cursor: peer me + pi, chunk pj (ci-th)
+    const int n_ci = blockIdx.x < num_chunks ? (num_chunks - blockIdx.x + G - 1) / G : 0;
     while (true) {
-      const bool remote_left = pi < R;
+      const bool remote_left = R > 1 && pj < num_chunks;
       const int s = remote_left ? (me + pi) % R : 0;
+      const int q = ci % depth;
+      const unsigned long long tag = chunk_tag(epoch, ci);
+      const unsigned long long* ready = &ctrl->ready[s][blockIdx.x][q];
       bool do_remote = false;
-      if (remote_left) do_remote = flag_ready_warp(&ctrl->flags[s][pj], epoch);
+      if (remote_left) do_remote = tag_ready_warp(ready, tag);
       if (!do_remote) {
         // local work item, if any
         const int z = zc.pop(a, lane);
@@ -383,7 +398,7 @@ dispatch_kernel(DispatchArgs a, LaunchConfig lc, int num_chunks) {
           continue;
         }
         if (!remote_left) break;
-        wait_flag(&ctrl->flags[s][pj], epoch, a.host_err, a.timeout_ns);
+        wait_tag(ready, tag, a.host_err, a.timeout_ns);
       }
       // remote chunk (s, pj): this warp's (token, slice) items
       const int t0 = pj * chunk;
@@ -392,7 +407,7 @@ dispatch_kernel(DispatchArgs a, LaunchConfig lc, int num_chunks) {
         const int t = t0 + it / rslices, sl = it % rslices;
         const int n = gather_rows(a, s, t, rows, srows, lane);
         if (n == 0) continue;
-        const long long slot = static_cast<long long>(s) * T + t;
+        const long long slot = ring_row(G, depth, chunk, pi - 1, blockIdx.x, q, t - t0);
         if constexpr (BWD) {
           bwd_rows_any(a, my_stage + slot * a.row_bytes, rows, n, lane);
           continue;
@@ -405,10 +420,12 @@ dispatch_kernel(DispatchArgs a, LaunchConfig lc, int num_chunks) {
           warp_copy_row_any(my_stage + a.stage_scales_off + slot * a.s_row_bytes,
                             reinterpret_cast<void* const*>(srows), n, 0, a.s_row_bytes, sv, lane);
       }
-      pj += gridDim.x;
-      if (pj >= num_chunks) {
-        pj = blockIdx.x;
-        ++pi;
+      drain_slot(a.peers, a.ctrl_off, s, q, tag, &ring_cnt[s][q], recv_warps, ci + depth < n_ci,
+                 lane);
+      if (++pi == R) {
+        pi = 1;
+        ++ci;
+        pj += G;
       }
     }
   }
@@ -419,7 +436,8 @@ dispatch_kernel(DispatchArgs a, LaunchConfig lc, int num_chunks) {
 
 cudaError_t launch_dispatch(const DispatchArgs& a, const LaunchConfig& lc, cudaStream_t stream) {
   const int num_chunks = (a.T + lc.chunk - 1) / lc.chunk;
-  if (num_chunks > kMaxChunks) return cudaErrorInvalidValue;
+  if (lc.depth < 1 || lc.depth > kMaxDepth || lc.num_blocks > kMaxBlocks)
+    return cudaErrorInvalidValue;
   if (a.mode == kDispatchCombineBwd)
     dispatch_kernel<8, true><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc, num_chunks);
   else if (a.mode != kDispatchCopy)

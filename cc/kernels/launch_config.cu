@@ -23,11 +23,24 @@ LaunchConfig make_launch_config(OpKind op, int num_tokens, int num_sms_requested
     if (chunk > max_chunk) chunk = max_chunk;
     if (chunk < 1) chunk = 1;
   }
-  while ((num_tokens + chunk - 1) / chunk > kMaxChunks) chunk *= 2;
   lc.chunk = chunk;
   lc.slices = slices_for_chunk(chunk, lc.send_warps);
-  lc.num_blocks = sms;
+  lc.num_blocks = sms < kMaxBlocks ? sms : kMaxBlocks;
   return lc;
+}
+
+bool fit_ring(LaunchConfig* lc, int R, int T, long long row_bytes, long long s_row_bytes,
+              size_t half) {
+  while (true) {
+    const int G = lc->num_blocks;
+    const int num_chunks = T > 0 ? (T + lc->chunk - 1) / lc->chunk : 1;
+    const int per_block = (num_chunks + G - 1) / G;
+    lc->depth = ring_depth(R, T, G, lc->chunk, row_bytes, s_row_bytes, half);
+    const int want = per_block < 2 ? per_block : 2;
+    if (lc->depth >= want || lc->chunk == 1) return lc->depth >= 1;
+    lc->chunk /= 2;
+    lc->slices = slices_for_chunk(lc->chunk, lc->send_warps);
+  }
 }
 
 }  // namespace jax_ep

@@ -20,19 +20,28 @@ struct LaunchConfig {
   int num_blocks = 0;    // grid (<= SMs: blocks spin, so all must be resident)
   int send_warps = 8;    // warps per block that push rows to peers
   int recv_warps = 8;    // warps per block that gather / reduce locally
-  int chunk = 8;         // tokens per flag (<= kMaxChunks flags per source rank)
+  int chunk = 8;         // tokens per ring slot (one ready flag each)
   int slices = 1;        // warps per token row inside a chunk (send and receive)
+  int depth = 1;         // ring slots per (peer, block): buffer_layout.h
   __host__ __device__ int threads() const { return 32 * (send_warps + recv_warps); }
 };
 
 // Picks the grid and chunk size of op (kOpDispatch / kOpCombine) for T tokens
 // given an SM budget (num_sms <= 0: every SM of the device). The tokens per
 // chunk: `chunk` when > 0 (the `chunk` FFI attribute, EpConfig.tuning; the
-// loopback tests), else the default; doubled until at most kMaxChunks chunks.
-// Every rank of a group must pass the same chunk (flag j must cover the same
-// tokens everywhere): it comes from the one EpConfig they share.
+// loopback tests), else the default. Every rank of a group must pass the
+// same chunk and get the same grid (chunk j must mean the same tokens and
+// block everywhere): they come from the one EpConfig they share, on GPUs of
+// one kind.
 LaunchConfig make_launch_config(OpKind op, int num_tokens, int num_sms_requested, int device_sms,
                                 int chunk = 0);
+
+// Sets lc->depth for R ranks, T tokens and rows of row_bytes (+ s_row_bytes
+// of scales) in a staging half of `half` bytes; halves the chunk while the
+// ring would hold fewer than 2 slots per (peer, block) (so sending and
+// draining overlap). False when not even one row per ring fits.
+bool fit_ring(LaunchConfig* lc, int R, int T, long long row_bytes, long long s_row_bytes,
+              size_t half);
 
 // Warps per token row when a block's warps share a chunk of `chunk` tokens.
 inline int slices_for_chunk(int chunk, int warps) { return chunk >= warps ? 1 : warps / chunk; }

@@ -26,6 +26,22 @@ __device__ __forceinline__ void st_release_sys(unsigned int* p, unsigned int v) 
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+__device__ __forceinline__ unsigned long long ld_acquire_sys64(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys64(unsigned long long* p, unsigned long long v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// The epoch-tagged value of a ring slot's flags for a block's i-th chunk
+// (buffer_layout.h): later calls and later chunks compare greater.
+__device__ __forceinline__ unsigned long long chunk_tag(unsigned int epoch, int i) {
+  return (static_cast<unsigned long long>(epoch) << 32) | static_cast<unsigned int>(i + 1);
+}
+
 __device__ __forceinline__ unsigned int ld_volatile(const unsigned int* p) {
   return *reinterpret_cast<const volatile unsigned int*>(p);
 }
@@ -70,6 +86,27 @@ __device__ __forceinline__ bool wait_flag(const unsigned int* flag, unsigned int
       return false;
     }
   }
+}
+
+// As wait_flag for a 64-bit tagged word: spin until *flag >= tag.
+__device__ __forceinline__ bool wait_tag(const unsigned long long* flag, unsigned long long tag,
+                                         int* host_err, unsigned long long timeout_ns) {
+  if (ld_acquire_sys64(flag) >= tag) return true;
+  unsigned long long t0 = global_timer_ns();
+  while (true) {
+    for (int i = 0; i < 64; ++i)
+      if (ld_acquire_sys64(flag) >= tag) return true;
+    if (global_timer_ns() - t0 > timeout_ns) {
+      if (host_err) *reinterpret_cast<volatile int*>(host_err) = kErrTimeout;
+      return false;
+    }
+  }
+}
+
+// Non-blocking, warp-uniform: every lane saw *flag >= tag (acquire).
+__device__ __forceinline__ bool tag_ready_warp(const unsigned long long* flag,
+                                               unsigned long long tag) {
+  return __all_sync(0xffffffffu, ld_acquire_sys64(flag) >= tag);
 }
 
 // Non-blocking: true (uniformly over the warp) when every lane's acquire load

@@ -18,8 +18,8 @@ __global__ void bench_barrier_kernel(PeerTable p, size_t ctrl_off, int* host_err
   if (threadIdx.x < p.num_ranks) {
     OpCtrl* rc = reinterpret_cast<OpCtrl*>(peer_ptr(p, threadIdx.x, ctrl_off));
     __threadfence_system();
-    st_release_sys(&rc->flags[p.rank][0], epoch);
-    wait_flag(&ctrl->flags[threadIdx.x][0], epoch, host_err, kDefaultTimeoutNs);
+    st_release_sys(&rc->barrier[p.rank], epoch);
+    wait_flag(&ctrl->barrier[threadIdx.x], epoch, host_err, kDefaultTimeoutNs);
   }
   __syncthreads();
   if (threadIdx.x == 0) {

@@ -108,15 +108,14 @@ std::string loopback_dispatch(const std::vector<uint64_t>& ptrs, const std::vect
     }
     a.host_err = device_error_word();
     a.timeout_ns = 2ull * 1000 * 1000 * 1000;
-    size_t scales_off = 0;
-    if (dispatch_stage_bytes(R, a.T, a.row_bytes, a.s_row_bytes, &scales_off) >
-        stage_half_bytes(sym_bytes))
+    LaunchConfig lc = make_launch_config(kOpDispatch, a.T > 0 ? a.T : 1, int(ints[9]),
+                                         int(ints[9]), int(ints[10]));
+    if (!fit_ring(&lc, R, a.T, a.row_bytes, a.s_row_bytes, stage_half_bytes(sym_bytes)))
       return cudaErrorInvalidValue;
     a.stage_off[0] = stage_offset(sym_bytes, kOpDispatch, 0);
     a.stage_off[1] = stage_offset(sym_bytes, kOpDispatch, 1);
-    a.stage_scales_off = scales_off;
-    const LaunchConfig lc = make_launch_config(kOpDispatch, a.T > 0 ? a.T : 1, int(ints[9]),
-                                               int(ints[9]), int(ints[10]));
+    ring_bytes(R, lc.num_blocks, lc.depth, lc.chunk, a.row_bytes, a.s_row_bytes,
+               &a.stage_scales_off);
     return launch_dispatch(a, lc, st);
   });
 }
@@ -149,12 +148,12 @@ std::string loopback_combine(const std::vector<uint64_t>& ptrs, const std::vecto
     a.rank_major = ints[6] != 0;
     a.host_err = device_error_word();
     a.timeout_ns = 2ull * 1000 * 1000 * 1000;
-    if (combine_stage_bytes(R, a.T, a.row_bytes) > stage_half_bytes(sym_bytes))
+    LaunchConfig lc = make_launch_config(kOpCombine, a.T > 0 ? a.T : 1, int(ints[7]),
+                                         int(ints[7]), int(ints[8]));
+    if (!fit_ring(&lc, R, a.T, a.row_bytes, 0, stage_half_bytes(sym_bytes)))
       return cudaErrorInvalidValue;
     a.stage_off[0] = stage_offset(sym_bytes, kOpCombine, 0);
     a.stage_off[1] = stage_offset(sym_bytes, kOpCombine, 1);
-    const LaunchConfig lc = make_launch_config(kOpCombine, a.T > 0 ? a.T : 1, int(ints[7]),
-                                               int(ints[7]), int(ints[8]));
     return launch_combine(a, lc, st);
   });
 }

@@ -3,7 +3,8 @@
 ``jax_ep._C.loopback_dispatch`` / ``loopback_combine`` (cc/testing/loopback.cu) run R
 ranks' kernels concurrently on one device, each on its own stream and SM share,
 with plain zeroed device buffers in place of the NVSHMEM symmetric buffer: the
-real protocol (staging, chunk flags, epochs across calls, row slices) with HBM
+real protocol (staging rings, chunk flags and credits, epochs across calls,
+row slices) with HBM
 standing in for NVLink. Handles and expected rows come from the reference
 backend on CPU (R fake devices). Outputs are poisoned with 0xFF first.
 
@@ -13,7 +14,7 @@ NVSHMEM transport, FFI and JAX integration. fp8 casts use IEEE division here
 (div_mode 0), the CPU reference's rounding.
 
 Each test runs one worker below in its own process (harness.run, n = 1, no
-jax.distributed, JAX on 4 fake CPU devices); the worker returns its named checks
+jax.distributed, JAX on 8 fake CPU devices); the worker returns its named checks
 (gpu_helpers.Checks) and the test asserts that every one passed.
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ from gpu_helpers import Checks, assert_checks, bits
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # One process (no jax.distributed, no NVSHMEM): JAX on R fake CPU devices for the
 # reference, the kernels on GPU 0 through torch buffers.
-_ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+_ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 
 
 def _skip_reason():
@@ -78,6 +79,16 @@ def test_loopback_zero_tail():
 def test_loopback_combine_bwd():
     """The fused combine backward: dy bit-identical, dw within f32 reduction order."""
     _run("_combine_backward_worker")
+
+
+@pytest.mark.gpu
+def test_loopback_tiny_ring():
+    """R = 8 with a deliberately tiny symmetric buffer: every ring slot reused
+    many times per call (and a 1-slot, 1-token ring), skewed routing where one
+    rank receives almost everything; dispatch (copy, fp8), combine and the
+    combine backward against the reference, and the same bits as a buffer
+    whose rings never wrap."""
+    _run("_ring_worker")
 
 
 # ---------------------------------------------------------------------------- worker
@@ -136,11 +147,12 @@ class Loopback:
         return run_per_rank(fn, mesh, "ep", x, idx)
 
     def dispatch(self, R, x, scales, hd, mode, rank_major, H, chunk=0, iters=1,
-                 num_blocks=None, zero_tail=True, align=1, yw=None):
+                 num_blocks=None, zero_tail=True, align=1, yw=None, sym_bytes=None):
         """-> (error, per-rank rows, per-rank scales or None, seconds per call).
 
         zero_tail / align: DispatchArgs' (True: every row without a source is
-        zeroed, as the reference does). mode "bwd": the fused combine backward,
+        zeroed, as the reference does). sym_bytes: the stand-in symmetric
+        buffer (default: rings that never wrap, up to 1 GiB). mode "bwd": the fused combine backward,
         x = d_out, yw = (y [R, C, H], w [R, C]); returns dy as the rows and dw
         [C] f32 in place of the scales."""
         import jax.numpy as jnp
@@ -155,7 +167,8 @@ class Loopback:
         kmode = abi.dispatch_mode({"copy": "copy", "given": "copy", "bwd": "combine_bwd"}.get(
             mode, "cast_bf16" if x.dtype == jnp.bfloat16 else "cast_f32"))
         dt = abi.ROW_DTYPES.get(np.dtype(x.dtype).name, abi.ROW_DTYPES["bfloat16"])[1]
-        syms = self.sym_buffers(R, self.C.symmetric_buffer_bytes(R, T, row_bytes, s_row_bytes))
+        syms = self.sym_buffers(R, sym_bytes or self.C.symmetric_buffer_bytes(R, T, row_bytes,
+                                                                              s_row_bytes))
         keep, ptrs, outs, out_ss, dws = [], [], [], [], []
         for r in range(R):
             named = dict(
@@ -179,7 +192,7 @@ class Loopback:
                     num_blocks=num_blocks or self.sms // R, chunk=chunk, div_mode=0,
                     zero_tail=int(zero_tail), align=align, dtype=dt)
         ints = [vals[k] for k in self.C.LOOPBACK_DISPATCH_INTS]
-        err, sec = self.C.loopback_dispatch(ptrs, ints, syms[0].numel(), R, iters)
+        err, sec = self.C.loopback_dispatch(ptrs, ints, sym_bytes or syms[0].numel(), R, iters)
         got = [self.host(outs[r], out_ref[r]) for r in range(R)]
         got_s = [self.host(out_ss[r], hd[5][r]) for r in range(R)] if s_row_bytes else None
         if mode == "bwd":
@@ -198,14 +211,14 @@ class Loopback:
             return jnp.sum(gs) if gs is not None else jnp.sum(h.row_src >= 0)
         return [int(u) for u in run_per_rank(fn, make_mesh((R,), ("ep",)), "ep", idx).reshape(-1)]
 
-    def combine(self, R, y, w, hd, layout, H, chunk=0, iters=1, num_blocks=None):
+    def combine(self, R, y, w, hd, layout, H, chunk=0, iters=1, num_blocks=None, sym_bytes=None):
         """y [R, C, H] (w [R, C] or None) -> (error, per-rank out [T, H], seconds per call)."""
         from jax_ep import abi
         np = self.np
         send_mask, recv_li, slot_row = hd[0], hd[1], hd[2]
         T, K, Cn = send_mask.shape[1], slot_row.shape[-1], y.shape[1]
         row_bytes = H * y.dtype.itemsize
-        syms = self.sym_buffers(R, self.C.symmetric_buffer_bytes(R, T, row_bytes, 0))
+        syms = self.sym_buffers(R, sym_bytes or self.C.symmetric_buffer_bytes(R, T, row_bytes, 0))
         keep, ptrs, outs = [], [], []
         for r in range(R):
             named = dict(y=self.dev(y[r]), row_weights=self.dev(w[r]) if w is not None else None,
@@ -220,7 +233,7 @@ class Loopback:
                     row_bytes=row_bytes, rank_major=int(layout == "rank_major"),
                     num_blocks=num_blocks or self.sms // R, chunk=chunk)
         ints = [vals[k] for k in self.C.LOOPBACK_COMBINE_INTS]
-        err, sec = self.C.loopback_combine(ptrs, ints, syms[0].numel(), R, iters)
+        err, sec = self.C.loopback_combine(ptrs, ints, sym_bytes or syms[0].numel(), R, iters)
         like = np.zeros((T, H), y.dtype)
         return err, [self.host(o, like) for o in outs], sec
 
@@ -564,6 +577,83 @@ def _combine_backward_worker(rank, n):
     return checks.results
 
 
+# ---- bounded rings: R = 8 on a tiny buffer. ring_sym(slots) sizes a buffer whose
+# staging half holds `slots` ring rows per (peer, block) of the widest row, so the
+# kernels pick depth x chunk <= slots (fit_ring): 16 rows -> e.g. 2 slots of 8
+# tokens, reused T / (8 * 16 blocks * 2) times per call; 1 row -> 1 slot of 1
+# token, a credit round trip per token. Skewed routing: ~90% of every rank's
+# tokens go to experts of rank 0. Each result is checked against the reference
+# and against the same op on a buffer that never wraps.
+def _ring_sym(lb, R, nb, row_bytes, slots):
+    return 4 * (R - 1) * nb * slots * row_bytes + (2 << 20) + 4096   # + control region
+
+
+def _ring_routing(rng, R, T, K, E):
+    idx = np.stack([np.argsort(rng.random((T, E)), axis=1)[:, :K] for _ in range(R)])
+    hot = rng.random((R, T)) < 0.9
+    own = np.stack([np.argsort(rng.random((T, E // R)), axis=1)[:, :K] for _ in range(R)])
+    idx = np.where(hot[..., None] & (K <= E // R), own, idx).astype(np.int32)
+    idx[:, ::7, -1] = -1
+    return idx
+
+
+def _ring_worker(rank, n):
+    import jax.numpy as jnp
+
+    from jax_ep.config import EpConfig
+
+    lb, checks, rng = _start()
+    R, nb = 8, max(1, min(16, lb.sms // 8))
+    for T, H, K, E, slots in ((1024, 2048, 8, 64, 16), (300, 1024, 4, 32, 1)):
+        name = f"ring_R{R}_T{T}_H{H}_K{K}_E{E}_slots{slots}"
+        with checks.guard(name):
+            idx = _ring_routing(rng, R, T, K, E)
+            x = rng.standard_normal((R, T, H)).astype(np.float32).astype(jnp.bfloat16)
+            for layout in ("expert_major", "rank_major"):
+                cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H,
+                               layout=layout, backend="reference")
+                hd = lb.handles_and_ref(R, cfg, x, idx, "copy")
+                rm = layout == "rank_major"
+                tiny = _ring_sym(lb, R, nb, H * 2, slots)
+                err, got, _, _ = lb.dispatch(R, x, None, hd, "copy", rm, H, num_blocks=nb,
+                                             sym_bytes=tiny, iters=2)
+                same = [bool(np.array_equal(bits(g), bits(e))) for g, e in zip(got, hd[4])]
+                checks.report(f"{name}_{layout}_dispatch", not err and all(same), err=err,
+                              same=same)
+                y = (hd[4].astype(np.float32) * 1.5 + 0.25).astype(jnp.bfloat16)
+                w = None if rm else rng.random((R, y.shape[1])).astype(np.float32)
+                err, got, _ = lb.combine(R, y, w, hd, layout, H, num_blocks=nb, sym_bytes=tiny,
+                                         iters=2)
+                err2, wide, _ = lb.combine(R, y, w, hd, layout, H, num_blocks=nb)
+                same = [bool(np.array_equal(bits(g), bits(e))) for g, e in zip(got, wide)]
+                checks.report(f"{name}_{layout}_combine_same_bits_as_unwrapped",
+                              not err and not err2 and all(same), err=err, err2=err2, same=same)
+            cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H,
+                           layout="rank_major", backend="reference")
+            hd8 = lb.handles_and_ref(R, cfg, x, idx, "cast")
+            tiny = _ring_sym(lb, R, nb, H + (H // 128) * 4, slots)
+            err, got, got_s, _ = lb.dispatch(R, x, None, hd8, "cast", True, H, num_blocks=nb,
+                                             sym_bytes=tiny)
+            sq = [bool(np.array_equal(bits(g), bits(e))) for g, e in zip(got, hd8[4])]
+            ss = [bool(np.array_equal(bits(g), bits(e))) for g, e in zip(got_s, hd8[5])]
+            checks.report(f"{name}_fp8_dispatch", not err and all(sq) and all(ss), err=err,
+                          q_same=sq, scales_same=ss)
+            cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H,
+                           backend="reference")
+            hd = lb.handles_and_ref(R, cfg, x, idx, "copy")
+            yb = rng.standard_normal(hd[4].shape).astype(np.float32).astype(jnp.bfloat16)
+            wb = rng.random(hd[4].shape[:2]).astype(np.float32)
+            tiny = _ring_sym(lb, R, nb, H * 2, slots)
+            err, dy, dw, _ = lb.dispatch(R, x, None, hd, "bwd", False, H, num_blocks=nb,
+                                         yw=(yb, wb), sym_bytes=tiny)
+            err2, dy2, dw2, _ = lb.dispatch(R, x, None, hd, "bwd", False, H, num_blocks=nb,
+                                            yw=(yb, wb))
+            same = [bool(np.array_equal(bits(a), bits(b))) for a, b in zip(dy + dw, dy2 + dw2)]
+            checks.report(f"{name}_combine_bwd_same_bits_as_unwrapped",
+                          not err and not err2 and all(same), err=err, err2=err2, same=same)
+    return checks.results
+
+
 def _bench(ep1_only=False):
     """Relative kernel timings on ONE GPU (both ranks share its HBM and SMs, and
     HBM stands in for NVLink: compare variants with it, never report it as link
@@ -614,8 +704,44 @@ def _bench(ep1_only=False):
                 print(f"| {name} | {layout} | {chunk or 'default'} | "
                       f"{'ERR ' + err if err else f'{np.median(times) * 1e6:.1f}'} |", flush=True)
 
+    if not ep1_only:
+        _bench_rings(lb, rng)
     _bench_ep1(lb, rng, x[:1], idx[:1], E)
     return 0
+
+
+def _bench_rings(lb, rng):
+    """Bounded rings: rank_major dispatch / combine at T 4096, 16384, 65536 in
+    the default 1 GiB buffer (the rings wrap from T 16384 at R = 2), beside T
+    4096 in a buffer sized never to wrap; time per call and per 1k tokens."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_ep.config import EpConfig
+
+    R, H, K, E = 2, 7168, 8, 256
+    print(f"\nbounded rings, rank_major, R={R} H={H} K={K} E={E} (1 GPU)")
+    print("| op | T | buffer | us per call | us per 1k tokens |\n|---|---|---|---|---|")
+    for T, sym in ((4096, None), (4096, lb.C.DEFAULT_BUFFER_BYTES),
+                   (16384, lb.C.DEFAULT_BUFFER_BYTES), (65536, lb.C.DEFAULT_BUFFER_BYTES)):
+        idx = np.stack([np.argsort(rng.random((T, E)), axis=1)[:, :K] for _ in range(R)])
+        x = rng.standard_normal((R, T, H)).astype(np.float32).astype(jnp.bfloat16)
+        cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H,
+                       layout="rank_major", backend="reference")
+        hd = lb.handles_and_ref(R, cfg, x, idx.astype(np.int32), "copy")
+        y = hd[4]
+        label = "no wrap" if sym is None else f"{sym >> 20} MiB"
+        ops = [("dispatch", lambda it: lb.dispatch(R, x, None, hd, "copy", True, H, 0, iters=it,
+                                                  zero_tail=False, sym_bytes=sym)[0::3]),
+               ("combine", lambda it: lb.combine(R, y, None, hd, "rank_major", H, 0, iters=it,
+                                                 sym_bytes=sym)[0::2])]
+        for name, f in ops:
+            f(2)
+            times = [f(10)[1] for _ in range(3)]
+            err = f(1)[0]
+            us = np.median(times) * 1e6
+            print(f"| {name} | {T} | {label} | {'ERR ' + err if err else f'{us:.1f}'} | "
+                  f"{'' if err else f'{us / T * 1000:.2f}'} |", flush=True)
 
 
 def _bench_ep1(lb, rng, x1, idx1, E):
