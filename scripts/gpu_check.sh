@@ -91,7 +91,7 @@ if [ "${SKIP_BENCH:-0}" != 1 ] && [ "$few_gpus" = 0 ]; then
 elif [ "${SKIP_BENCH:-0}" != 1 ] && [ "$build_rc" = 0 ]; then
   echo "== loopback bench ($NGPU GPU < $N processes)" >&2
   JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2 \
-    timeout 400 "$PY" tests/gpu/test_loopback.py --bench > "$OUT/loopback_bench.log" 2>&1
+    timeout ${LOOPBACK_TIMEOUT:-400} "$PY" tests/gpu/test_loopback.py --bench > "$OUT/loopback_bench.log" 2>&1
   bench_rc=$?
 fi
 

@@ -31,7 +31,11 @@ from gpu_helpers import Checks, assert_checks, bits
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # One process (no jax.distributed, no NVSHMEM): JAX on R fake CPU devices for the
 # reference, the kernels on GPU 0 through torch buffers.
-_ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+# CUDA_DEVICE_MAX_CONNECTIONS: one hardware queue per rank's stream (the default,
+# 8, is shared with the allocator's streams at R = 8, and two ranks' kernels
+# queued behind each other wait on each other forever).
+_ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "CUDA_DEVICE_MAX_CONNECTIONS": "32"}
 
 
 def _skip_reason():
@@ -779,4 +783,6 @@ def _bench_ep1(lb, rng, x1, idx1, E):
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--bench"]:
+    if sys.argv[2:3] == ["--rings"]:  # the bounded-ring T sweep only
+        sys.exit(_bench_rings(Loopback(), np.random.default_rng(3)))
     sys.exit(_bench(ep1_only=sys.argv[2:3] == ["--ep1"]))  # --ep1: the EP = 1 table only
