@@ -1,7 +1,8 @@
 """MoE layer forward+backward: jax_ep beside the best XLA-only layer, one table.
 
 The layer is ``examples/moe_layer.py``'s block (router, shared expert, routed
-SwiGLU experts between dispatch and combine). Implementations (``--impls``):
+SwiGLU experts between dispatch and combine). Routed and shared experts use a
+fused gate_up weight ``[E, H, 2F]`` (shared: ``[H, 2S]``). Implementations (``--impls``):
 
 * ``jax_ep``: jax_ep's native dispatch/combine (NVSHMEM kernels; the reference
   backend on CPU) + ``jax_ep.grouped_matmul`` experts (``expert_impl="grouped"``),
@@ -47,7 +48,7 @@ d+c from xla_padded's job (the same XLA dispatch).
 
 ``--expert-breakdown`` (jax_ep's grouped experts only) additionally times, by
 the same method and on the job's real dispatched rows and group sizes, each
-grouped matmul alone (gate/up/down x fwd, dx = ``gmm(..., transpose_rhs=True)``,
+grouped matmul alone (gate_up/down x fwd, dx = ``gmm(..., transpose_rhs=True)``,
 dw = ``tgmm``), the SwiGLU elementwise fwd+bwd, and the whole experts fwd alone
 and fwd+bwd in the same chain, and reports the routing's group-size statistics
 beside those of bench/grouped_matmul_bench.py's "uniform"/"skewed" sizes (an
@@ -164,7 +165,7 @@ def parse_args(argv=None):
     p.add_argument("--no-split", action="store_true", help="time the whole layer only")
     p.add_argument("--expert-breakdown", action="store_true",
                    help="jax_ep (grouped experts) jobs: also time each grouped matmul alone "
-                        "(gate/up/down x fwd/dx/dw), the SwiGLU elementwise fwd+bwd and the "
+                        "(gate_up/down x fwd/dx/dw), the SwiGLU elementwise fwd+bwd and the "
                         "experts fwd alone, on the job's real dispatched rows, and report the "
                         "routing's group-size statistics (an extra table)")
     p.add_argument("--out", default=os.environ.get("OUT") or None,
@@ -463,6 +464,9 @@ def _stats_md(g):
             f"(ideal {g['ideal_dw_ksteps']})")
 
 
+MATMUL_PARTS = ("gate_up", "down")  # the --expert-breakdown pieces that are grouped matmuls
+
+
 def _breakdown_md(results):
     """The --expert-breakdown section (empty without breakdowns: default output unchanged)."""
     done = [r for r in results if r.get("breakdown", {}).get("ops")]
@@ -471,7 +475,7 @@ def _breakdown_md(results):
     L = ["", "## Expert breakdown (`--expert-breakdown`)", "",
          "Each piece of the grouped-matmul experts fwd+bwd timed alone on the job's real "
          "dispatched rows and group sizes, same method as above (chained calls in one jit, "
-         "traced counts, median; max over ranks). gate/up: [rows, H] x [L, H, F]; down: "
+         "traced counts, median; max over ranks). gate_up: [rows, H] x [L, H, 2F]; down: "
          "[rows, F] x [L, F, H]; dx = dy @ w[g]^T (`gmm(..., transpose_rhs=True)`), dw = "
          "x[g]^T @ dy[g] (`tgmm`); TF/s = useful FLOPs (valid rows) / time. 'experts "
          "fwd+bwd (chain)' = the vjp in the same barrier chain as the pieces; 'experts "
@@ -486,7 +490,9 @@ def _breakdown_md(results):
                      f"| {_tf(o.get('tflops'))} "
                      f"| {' / '.join(_fmt(v, 3) for v in o.get('ms_ranks', []))} | |")
         if bd.get("parts_ms") is not None:
-            L.append(f"| {c} | {T} | 9 grouped matmuls | sum | {_fmt(bd['matmuls_ms'], 3)} "
+            n_mm = sum(o["part"] in MATMUL_PARTS for o in bd["ops"])
+            L.append(f"| {c} | {T} | {n_mm} grouped matmuls | sum "
+                     f"| {_fmt(bd['matmuls_ms'], 3)} "
                      f"| | | |")
             L.append(f"| {c} | {T} | + swiglu | sum of parts | {_fmt(bd['parts_ms'], 3)} "
                      f"| | | |")
@@ -840,7 +846,7 @@ def _worker_body(spec, out, save):
         return (np.asarray(multihost_utils.process_allgather(v, tiled=True)) if multi
                 else v).tolist()
 
-    def expert_breakdown(rows, gs, w3, dy, mean_valid):
+    def expert_breakdown(rows, gs, ew, dy, mean_valid):
         """--expert-breakdown: every piece of the grouped-matmul experts fwd+bwd timed
         alone on this routing's dispatched rows (``measure``: chained calls in one jit,
         traced counts, medians). Each piece is ``f(a, *rest)`` called n times in a
@@ -855,7 +861,7 @@ def _worker_body(spec, out, save):
         spec_t = P(("data", "ep"))
         ep_spec = P("ep")
         C = rows.shape[0] // n_dev
-        gate, up, down = w3
+        gate_up, down = ew
         bm, bk = DEFAULT_TILES["fwd"][0], DEFAULT_TILES["dw"][2]
         g_host = np.asarray(multihost_utils.process_allgather(gs, tiled=True) if multi
                             else jax.device_get(gs)).reshape(n_dev, -1)
@@ -873,13 +879,9 @@ def _worker_body(spec, out, save):
         def full(tree):  # every result varies over every mesh axis (one out spec)
             return jax.tree.map(lambda v: to_vma(v, all_axes), tree)
 
-        def silu_mul(g, u):
-            return jax.nn.silu(g) * u
-
-        def swiglu_fb(g, u, dh):  # the SwiGLU elementwise part, fwd + bwd
-            h, vjp = jax.vjp(silu_mul, g, u)
-            dg, du = vjp(dh.astype(h.dtype))
-            return h, dg, du
+        def swiglu_fb(gu, dh):  # the SwiGLU elementwise part (split included), fwd + bwd
+            h, vjp = jax.vjp(ml.silu_mul, gu)
+            return h, vjp(dh.astype(h.dtype))[0]
 
         def fwd(a, w, s):  # as grouped_matmul's forward
             return gmm(a, w, s, out_dtype=a.dtype)
@@ -890,24 +892,24 @@ def _worker_body(spec, out, save):
         def dw(a, b, s):  # as grouped_matmul's bwd: x[g]^T @ dy[g]
             return tgmm(a, b, s, out_dtype=dtype)
 
-        def ex_fwd(a, s, g, u, d):
-            return ml.routed_experts(a, g, u, d, s, impl, cap)[0]
+        def ex_fwd(a, s, gu, d):
+            return ml.routed_experts(a, gu, d, s, impl, cap)[0]
 
-        def ex_fb(a, s, g, u, d, ct):
-            y, vjp = jax.vjp(lambda a, g, u, d: ml.routed_experts(a, g, u, d, s, impl, cap)[0],
-                             a, g, u, d)
+        def ex_fb(a, s, gu, d, ct):
+            y, vjp = jax.vjp(lambda a, gu, d: ml.routed_experts(a, gu, d, s, impl, cap)[0],
+                             a, gu, d)
             return vjp(ct.astype(y.dtype))
 
-        def prep(x, s, g, u, d, dy):  # the real intermediates of one fwd+bwd
-            gg, uu = fwd(x, g, s), fwd(x, u, s)
+        def prep(x, s, gu_w, d, dy):  # the real intermediates of one fwd+bwd
+            gu = fwd(x, gu_w, s)
             dh = dx(dy, d, s)
-            h, dg, du = swiglu_fb(gg, uu, dh)
-            return full((gg, uu, h, dh, dg, du))
+            h, dgu = swiglu_fb(gu, dh)
+            return full((gu, h, dh, dgu))
 
         gs32 = jax.jit(lambda v: v.astype(jnp.int32))(gs)
-        gg, uu, h, dh, dg, du = jax.jit(jax.shard_map(
-            prep, mesh=mesh, in_specs=(spec_t, spec_t, ep_spec, ep_spec, ep_spec, spec_t),
-            out_specs=(spec_t,) * 6, check_vma=True))(rows, gs32, gate, up, down, dy)
+        gu, h, dh, dgu = jax.jit(jax.shard_map(
+            prep, mesh=mesh, in_specs=(spec_t, spec_t, ep_spec, ep_spec, spec_t),
+            out_specs=(spec_t,) * 4, check_vma=True))(rows, gs32, gate_up, down, dy)
 
         chains = {}
 
@@ -947,24 +949,20 @@ def _worker_body(spec, out, save):
                                    donate_argnums=(1,)), zeros)
             return chains[key]
 
-        mm = 2.0 * mean_valid * H * Fd  # one of the nine products, per device
-        bd_min_time = min(spec["min_time"], 0.5)  # 12 pieces: keep the extra time short
+        mm = 2.0 * mean_valid * H * Fd  # one [rows, H] x [H, F] product, per device
+        bd_min_time = min(spec["min_time"], 0.5)  # 9 pieces: keep the extra time short
         R_, W_ = spec_t, ep_spec
-        pieces = [  # (part, op, f, args, specs, flops per device)
-            ("gate", "fwd", fwd, (rows, gate, gs32), (R_, W_, R_), mm),
-            ("up", "fwd", fwd, (rows, up, gs32), (R_, W_, R_), mm),
+        pieces = [  # (part, op, f, args, specs, flops per device); gate_up is 2F wide
+            ("gate_up", "fwd", fwd, (rows, gate_up, gs32), (R_, W_, R_), 2 * mm),
             ("down", "fwd", fwd, (h, down, gs32), (R_, W_, R_), mm),
-            ("gate", "dx", dx, (dg, gate, gs32), (R_, W_, R_), mm),
-            ("up", "dx", dx, (du, up, gs32), (R_, W_, R_), mm),
+            ("gate_up", "dx", dx, (dgu, gate_up, gs32), (R_, W_, R_), 2 * mm),
             ("down", "dx", dx, (dy, down, gs32), (R_, W_, R_), mm),
-            ("gate", "dw", dw, (rows, dg, gs32), (R_, R_, R_), mm),
-            ("up", "dw", dw, (rows, du, gs32), (R_, R_, R_), mm),
+            ("gate_up", "dw", dw, (rows, dgu, gs32), (R_, R_, R_), 2 * mm),
             ("down", "dw", dw, (h, dy, gs32), (R_, R_, R_), mm),
-            ("swiglu", "fwd+bwd", swiglu_fb, (gg, uu, dh), (R_, R_, R_), None),
-            ("experts", "fwd", ex_fwd, (rows, gs32, gate, up, down), (R_, R_, W_, W_, W_),
-             3 * mm),
-            ("experts", "fwd+bwd (chain)", ex_fb, (rows, gs32, gate, up, down, dy),
-             (R_, R_, W_, W_, W_, R_), 9 * mm),
+            ("swiglu", "fwd+bwd", swiglu_fb, (gu, dh), (R_, R_), None),
+            ("experts", "fwd", ex_fwd, (rows, gs32, gate_up, down), (R_, R_, W_, W_), 3 * mm),
+            ("experts", "fwd+bwd (chain)", ex_fb, (rows, gs32, gate_up, down, dy),
+             (R_, R_, W_, W_, R_), 9 * mm),
         ]
         ops = []
         for part, op, f, a, specs, fl in pieces:
@@ -981,7 +979,7 @@ def _worker_body(spec, out, save):
             bd["ops"] = ops
             save()
         t = {(o["part"], o["op"]): o["ms"] for o in ops}
-        bd["matmuls_ms"] = sum(v for (p_, _), v in t.items() if p_ in ("gate", "up", "down"))
+        bd["matmuls_ms"] = sum(v for (p_, _), v in t.items() if p_ in MATMUL_PARTS)
         bd["parts_ms"] = bd["matmuls_ms"] + t[("swiglu", "fwd+bwd")]
         bd["experts_ms"] = 1e3 * out["experts_s"]  # the experts column (its own chain)
         bd["wall_s"] = time.perf_counter() - t_b0
@@ -1089,35 +1087,35 @@ def _worker_body(spec, out, save):
         del params, grads
         ep_spec = P("ep")
 
-        def per_rank_experts(rows, gs, gate, up, down, ct):
-            y, _ = ml.routed_experts(rows, gate, up, down, gs, impl, cap)
+        def per_rank_experts(rows, gs, gate_up, down, ct):
+            y, _ = ml.routed_experts(rows, gate_up, down, gs, impl, cap)
             return jnp.sum(y.astype(F32) * ct.astype(F32)).reshape(1)
 
         ex_loss = jax.shard_map(per_rank_experts, mesh=mesh,
-                                in_specs=(spec_t, spec_t, ep_spec, ep_spec, ep_spec, spec_t),
+                                in_specs=(spec_t, spec_t, ep_spec, ep_spec, spec_t),
                                 out_specs=spec_t, check_vma=True)
 
         def ex_chain(n, state, gs, ct):
             def body(i, c):
-                rr, w3, _, _, l_prev = c
+                rr, ew, _, _, l_prev = c
                 g_s = jnp.where(l_prev > -3e38, gs, 0)
-                l, (gr, gw3) = jax.value_and_grad(
-                    lambda rr, w3: jnp.sum(ex_loss(rr, g_s, *w3, ct)), argnums=(0, 1))(rr, w3)
+                l, (gr, gew) = jax.value_and_grad(
+                    lambda rr, ew: jnp.sum(ex_loss(rr, g_s, *ew, ct)), argnums=(0, 1))(rr, ew)
                 rr = rr.at[0].add((1e-30 * l).astype(rr.dtype))
-                return rr, touch(w3, l), gr, gw3, l
-            rr, w3, gr, gw3 = state
-            rr, w3, gr, gw3, l = jax.lax.fori_loop(0, n, body,
-                                                   (rr, w3, gr, gw3, jnp.zeros((), F32)))
-            return (rr, w3, gr, gw3), l
+                return rr, touch(ew, l), gr, gew, l
+            rr, ew, gr, gew = state
+            rr, ew, gr, gew, l = jax.lax.fori_loop(0, n, body,
+                                                   (rr, ew, gr, gew, jnp.zeros((), F32)))
+            return (rr, ew, gr, gew), l
 
-        w3 = (ex["gate"], ex["up"], ex["down"])
+        ew = (ex["gate_up"], ex["down"])
         zeros = jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t),
-                        out_shardings=jax.tree.map(lambda a: a.sharding, (rows, w3)))
-        gr0, gw0 = zeros((rows, w3))
+                        out_shardings=jax.tree.map(lambda a: a.sharding, (rows, ew)))
+        gr0, gw0 = zeros((rows, ew))
         ex_fn = jax.jit(ex_chain, static_argnums=(0,) if static_all else (), **jit_kw)
-        med, p10, p90, comp, reps, _, ex_state = measure(ex_fn, (rows, w3, gr0, gw0),
+        med, p10, p90, comp, reps, _, ex_state = measure(ex_fn, (rows, ew, gr0, gw0),
                                                          (gs, ct_rows), spec["steps"], static_all)
-        flops = 18.0 * valid_rows / n_dev * H * Fd  # 3 matmuls x (fwd + 2 bwd) x 2, per device
+        flops = 18.0 * valid_rows / n_dev * H * Fd  # (2F + F wide) x (fwd + 2 bwd) x 2, per device
         out.update(experts_s=med, experts_p10_s=p10, experts_p90_s=p90, experts_compile_s=comp,
                    valid_rows_per_rank=valid_rows / n_dev,
                    experts_tflops=flops / med / 1e12 if med > 0 else None)
@@ -1126,9 +1124,9 @@ def _worker_body(spec, out, save):
         if spec.get("expert_breakdown") and impl == "grouped":
             save()
             out["stage"] = "expert breakdown"
-            rows, w3 = ex_state[0], ex_state[1]  # (the first call donated the originals)
+            rows, ew = ex_state[0], ex_state[1]  # (the first call donated the originals)
             del ex_state
-            expert_breakdown(rows, gs, w3, ct_rows, valid_rows / n_dev)
+            expert_breakdown(rows, gs, ew, ct_rows, valid_rows / n_dev)
         else:
             del ex_state
     out.pop("stage", None)

@@ -31,8 +31,10 @@ namespace jax_ep {
 enum OpKind : int { kOpDispatch = 0, kOpCombine = 1, kOpBench = 2, kNumOps = 3 };
 
 constexpr int kMaxBlocks = 160;             // grid bound (blocks are resident: <= SMs)
-constexpr int kMaxDepth = 16;               // ring slots per (peer, block)
-constexpr size_t kCtrlBytes = size_t(2) << 20;  // control region (end of buffer)
+// Ring slots per (peer, block): 64 x 132 blocks x 8 tokens covers T = 67584
+// without wrapping (every config the pre-ring kernels ran still never waits).
+constexpr int kMaxDepth = 64;
+constexpr size_t kCtrlBytes = size_t(8) << 20;  // control region (end of buffer)
 constexpr size_t kRegionAlign = 256;
 constexpr size_t kDefaultBufferBytes = size_t(1) << 30;  // jax_ep.initialize() default
 
@@ -102,20 +104,18 @@ inline int ring_depth(int R, int T, int G, int chunk, long long row_bytes, long 
 }
 
 // The symmetric buffer (a multiple of 1 MiB) for R ranks and T tokens per
-// rank with rows of row_bytes (+ s_row_bytes of scales): enough for rings
-// that never wrap at the largest grid, capped at kDefaultBufferBytes (beyond
-// that the rings wrap: any T runs in the default buffer).
+// rank with rows of row_bytes (+ s_row_bytes of scales): rings that never
+// wrap for any grid up to kMaxBlocks and chunk up to 8 (G * ceil(n / G) <=
+// n + G chunks per peer). At R <= 2 capped at kDefaultBufferBytes, beyond
+// which the rings wrap (any T runs in the default buffer); above 2 ranks the
+// rings may not wrap yet (launch_config.h, fit_ring), so it is the full need.
 inline size_t symmetric_buffer_bytes(int R, int T, long long row_bytes, long long s_row_bytes) {
-  const int G = kMaxBlocks, chunk = 8;
-  const int num_chunks = T > 0 ? (T + chunk - 1) / chunk : 1;
-  int depth = (num_chunks + G - 1) / G;
-  if (depth > kMaxDepth) depth = kMaxDepth;
-  const size_t need = ring_bytes(R, G, depth < 1 ? 1 : depth, chunk, row_bytes, s_row_bytes,
-                                 nullptr);
+  const size_t rows = size_t(R > 1 ? R - 1 : 0) * (size_t(T > 0 ? T : 1) + size_t(kMaxBlocks) * 8);
+  const size_t need = align_up(rows * size_t(row_bytes)) + rows * size_t(s_row_bytes);
   const size_t mib = size_t(1) << 20;
   size_t bytes = ((4 * (need + kRegionAlign) + 2 * kCtrlBytes) + mib - 1) / mib * mib;
   while (stage_half_bytes(bytes) < need) bytes += mib;
-  return bytes < kDefaultBufferBytes ? bytes : kDefaultBufferBytes;
+  return (R <= 2 && bytes > kDefaultBufferBytes) ? kDefaultBufferBytes : bytes;
 }
 
 }  // namespace jax_ep

@@ -67,8 +67,9 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F
   a.host_err = device_error_word();
   a.skip = debug_skip;  // bench breakdown only (DispatchArgs::skip); 0 in production
 
-  LaunchConfig lc = make_launch_config(kOpCombine, T > 0 ? T : 1, num_sms, rt->num_sms, chunk);
-  JAX_EP_RETURN_IF_ERROR(FitRing("combine", R, T, a.row_bytes, 0, rt->sym_bytes, &lc));
+  LaunchConfig lc;
+  JAX_EP_RETURN_IF_ERROR(PlanLaunch("combine", kOpCombine, R, T, num_sms, chunk, a.row_bytes, 0,
+                                    &lc));
   a.stage_off[0] = stage_offset(rt->sym_bytes, kOpCombine, 0);
   a.stage_off[1] = stage_offset(rt->sym_bytes, kOpCombine, 1);
 

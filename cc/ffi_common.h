@@ -91,20 +91,14 @@ inline ffi::Error GetPeerTable(ffi::Span<const int32_t> ep_groups, int32_t num_r
 }
 
 // Surfaces a spin timeout a previous kernel of this process left behind.
-// Fits op o's staging rings into the symmetric buffer (lc->depth, maybe a
-// smaller chunk: kernels/launch_config.h); a clear error when not even one
-// row per (peer, block) fits.
-inline ffi::Error FitRing(const std::string& o, int R, int T, long long row_bytes,
-                          long long s_row_bytes, size_t sym_bytes, LaunchConfig* lc) {
-  if (fit_ring(lc, R, T, row_bytes, s_row_bytes, stage_half_bytes(sym_bytes)))
-    return ffi::Error::Success();
-  return InvalidArgument(o + ": the symmetric buffer's staging (" +
-                         std::to_string(stage_half_bytes(sym_bytes) >> 20) +
-                         " MiB per parity) cannot hold one ring slot of one row per (peer, block) "
-                         "for rows of " + std::to_string(row_bytes + s_row_bytes) + " bytes at " +
-                         std::to_string(R) + " ranks and " + std::to_string(lc->num_blocks) +
-                         " blocks: pass a larger buffer_bytes to jax_ep.initialize() (the "
-                         "default, 1 GiB, fits any T at EP <= 8 and H <= 8192)");
+// Grid and staging rings of op (kernels/launch_config.h, plan_launch); a
+// clear error when the symmetric buffer cannot hold them.
+inline ffi::Error PlanLaunch(const std::string& o, OpKind op, int R, int T, int num_sms, int chunk,
+                             long long row_bytes, long long s_row_bytes, LaunchConfig* lc) {
+  Runtime* rt = runtime();
+  const std::string err = plan_launch(op, R, T, num_sms, rt->num_sms, chunk, row_bytes,
+                                      s_row_bytes, rt->sym_bytes, lc);
+  return err.empty() ? ffi::Error::Success() : InvalidArgument(o + ": " + err);
 }
 
 inline ffi::Error CheckDeviceError() {

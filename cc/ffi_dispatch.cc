@@ -34,8 +34,8 @@ ffi::Error SetupDispatch(const char* op, int R, int T, int C, ffi::Buffer<ffi::S
   if (chunk < 0) return InvalidArgument(o + ": chunk must be >= 0 (0: the kernel default)");
   if (debug_skip < 0 || debug_skip > 3) return InvalidArgument(o + ": debug_skip must be in [0, 3]");
   Runtime* rt = runtime();
-  *lc = make_launch_config(kOpDispatch, T > 0 ? T : 1, num_sms, rt->num_sms, chunk);
-  JAX_EP_RETURN_IF_ERROR(FitRing(o, R, T, a->row_bytes, a->s_row_bytes, rt->sym_bytes, lc));
+  JAX_EP_RETURN_IF_ERROR(PlanLaunch(o, kOpDispatch, R, T, num_sms, chunk, a->row_bytes,
+                                    a->s_row_bytes, lc));
   size_t scales_off = 0;
   ring_bytes(R, lc->num_blocks, lc->depth, lc->chunk, a->row_bytes, a->s_row_bytes, &scales_off);
   a->ctrl_off = ctrl_offset(rt->sym_bytes, kOpDispatch);

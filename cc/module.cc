@@ -10,6 +10,7 @@
 #include "runtime.h"
 #include "runtime_lifecycle.h"
 #include "buffer_layout.h"
+#include "kernels/launch_config.h"
 #include "xla/ffi/api/api.h"
 #if JAX_EP_TESTING
 #include "testing/loopback.h"
@@ -38,6 +39,20 @@ NB_MODULE(_C, m) {
         nb::arg("stage_half_bytes"),
         "Ring slots per (peer, block) that a staging half holds (0: not one).");
   m.attr("DEFAULT_BUFFER_BYTES") = jax_ep::kDefaultBufferBytes;
+  m.def(
+      "staging_error",
+      [](bool combine, int num_ranks, int tokens, int num_sms, int device_sms, int chunk,
+         long long row_bytes, long long scale_row_bytes, size_t sym_bytes) {
+        jax_ep::LaunchConfig lc;
+        return jax_ep::plan_launch(combine ? jax_ep::kOpCombine : jax_ep::kOpDispatch, num_ranks,
+                                   tokens, num_sms, device_sms, chunk, row_bytes, scale_row_bytes,
+                                   sym_bytes, &lc);
+      },
+      nb::arg("combine"), nb::arg("num_ranks"), nb::arg("tokens"), nb::arg("num_sms"),
+      nb::arg("device_sms"), nb::arg("chunk"), nb::arg("row_bytes"), nb::arg("scale_row_bytes"),
+      nb::arg("sym_bytes"),
+      "Why a dispatch / combine of this shape cannot run in a symmetric buffer of sym_bytes "
+      "(\"\": it can); the FFI handlers' check, for trace time.");
   m.def("stage_half_bytes", &jax_ep::stage_half_bytes, nb::arg("sym_bytes"),
         "Staging bytes per op and call parity in a symmetric buffer of sym_bytes.");
 

@@ -7,9 +7,11 @@ Pieces (all functional; parameters are plain dict pytrees):
   are eligible per token), an aux-loss-free per-expert ``bias`` that is added to
   the scores for the *selection only* (the weights use the raw scores), weights
   normalised over the top-k (sigmoid) and multiplied by ``route_scale``.
-* routed experts: SwiGLU ``down(silu(x @ gate) * (x @ up))``, run as three
-  grouped matmuls (``jax_ep.grouped_matmul``: a Pallas Mosaic-GPU kernel on
-  Hopper, ``jax.lax.ragged_dot`` elsewhere) over the rows
+* routed experts: SwiGLU ``down(silu(g) * u)`` with ``[g, u] = x @ gate_up``
+  (gate and up projections stored as one fused ``[E, H, 2F]`` weight, so the
+  forward reads x once and the backward runs one dx matmul of contraction 2F),
+  run as two grouped matmuls (``jax_ep.grouped_matmul``: a Pallas Mosaic-GPU
+  kernel on Hopper, ``jax.lax.ragged_dot`` elsewhere) over the rows
   :func:`jax_ep.dispatch` grouped by local expert (``expert_major`` layout,
   the default capacity), then :func:`jax_ep.combine` (which applies the routing
   weights on the expert side and sums over ranks in f32). Rows of ``d.x``
@@ -20,7 +22,8 @@ Pieces (all functional; parameters are plain dict pytrees):
   and counted); ``expert_impl="ragged_dot"`` calls ``jax.lax.ragged_dot``
   directly (XLA's own lowering: ~100x slower than a matmul on H200, and its
   backward can run out of memory at DeepSeek-V3 sizes).
-* a shared expert (a plain SwiGLU every token goes through).
+* a shared expert (a plain SwiGLU every token goes through, fused ``gate_up``
+  ``[H, 2S]`` likewise).
 * :func:`update_routing_bias`: DeepSeek-V3's bias update
   ``bias += rate * sign(mean_load - load)``, using the per-expert load the layer
   returns.
@@ -100,10 +103,12 @@ class MoEConfig:
 
 
 def init_moe_params(key: jax.Array, cfg: MoEConfig) -> dict:
-    """Parameters: ``{"router": {"kernel"}, "experts": {"gate", "up", "down"},
-    "shared": {"gate", "up", "down"}}``. Experts are ``[E, H, F]`` / ``[E, F, H]``."""
+    """Parameters: ``{"router": {"kernel" [H, E]}, "experts": {"gate_up" [E, H, 2F],
+    "down" [E, F, H]}, "shared": {"gate_up" [H, 2S], "down" [S, H]}}`` with
+    ``S = n_shared * F``. ``gate_up[..., :F]`` is the gate projection and
+    ``gate_up[..., F:]`` the up projection (both ``N(0, 1/H)``)."""
     H, F, E = cfg.d_model, cfg.d_ff, cfg.num_experts
-    ks = jax.random.split(key, 7)
+    ks = jax.random.split(key, 5)
 
     def normal(k, shape, fan_in, dtype):
         return (jax.random.normal(k, shape, F32) / math.sqrt(fan_in)).astype(dtype)
@@ -111,17 +116,15 @@ def init_moe_params(key: jax.Array, cfg: MoEConfig) -> dict:
     p = {
         "router": {"kernel": normal(ks[0], (H, E), H, F32)},
         "experts": {
-            "gate": normal(ks[1], (E, H, F), H, cfg.dtype),
-            "up": normal(ks[2], (E, H, F), H, cfg.dtype),
-            "down": normal(ks[3], (E, F, H), F, cfg.dtype),
+            "gate_up": normal(ks[1], (E, H, 2 * F), H, cfg.dtype),
+            "down": normal(ks[2], (E, F, H), F, cfg.dtype),
         },
     }
     if cfg.n_shared > 0:
         S = cfg.n_shared * F
         p["shared"] = {
-            "gate": normal(ks[4], (H, S), H, cfg.dtype),
-            "up": normal(ks[5], (H, S), H, cfg.dtype),
-            "down": normal(ks[6], (S, H), S, cfg.dtype),
+            "gate_up": normal(ks[3], (H, 2 * S), H, cfg.dtype),
+            "down": normal(ks[4], (S, H), S, cfg.dtype),
         }
     return p
 
@@ -187,8 +190,16 @@ def update_routing_bias(bias: jax.Array, load: jax.Array, rate: float = 1e-3) ->
 # ----------------------------------------------------------------------------- experts
 
 
-def swiglu(x, gate, up, down):
-    h = jax.nn.silu(jnp.dot(x, gate)) * jnp.dot(x, up)
+def silu_mul(gu):
+    """``[..., 2F]`` (gate | up, the output of the fused gate_up matmul) ->
+    ``silu(gate) * up [..., F]``."""
+    g, u = jnp.split(gu, 2, axis=-1)
+    return jax.nn.silu(g) * u
+
+
+def swiglu(x, gate_up, down):
+    """Dense SwiGLU: ``x [N, H]``, ``gate_up [H, 2S]``, ``down [S, H]`` -> ``[N, H]``."""
+    h = silu_mul(jnp.dot(x, gate_up))
     return jnp.dot(h.astype(down.dtype), down)
 
 
@@ -199,39 +210,40 @@ def mask_tail_rows(x, group_sizes):
     return jnp.where(valid.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
 
 
-def routed_experts_grouped(x, gate, up, down, group_sizes):
+def routed_experts_grouped(x, gate_up, down, group_sizes):
     """SwiGLU over rows grouped by local expert with ``jax_ep.grouped_matmul``
-    (``out[rows of group g] = x[rows of group g] @ w[g]``):
-    ``x [C, H]`` (rows past ``sum(group_sizes)`` ignored), weights ``[L, ...]``
-    -> ``[C, H]`` (zero past ``sum(group_sizes)``)."""
-    h = jax.nn.silu(grouped_matmul(x, gate, group_sizes)) * grouped_matmul(x, up, group_sizes)
+    (``out[rows of group g] = x[rows of group g] @ w[g]``): ``x [C, H]`` (rows
+    past ``sum(group_sizes)`` ignored), ``gate_up [L, H, 2F]``, ``down [L, F, H]``
+    -> ``[C, H]`` (zero past ``sum(group_sizes)``). One grouped matmul of width
+    2F for gate and up together."""
+    h = silu_mul(grouped_matmul(x, gate_up, group_sizes))
     return grouped_matmul(h.astype(down.dtype), down, group_sizes)
 
 
-def routed_experts_local(x, gate, up, down, group_sizes):
+def routed_experts_local(x, gate_up, down, group_sizes):
     """The same SwiGLU through ``jax.lax.ragged_dot`` (XLA's own lowering); the
     tail rows are masked to zero first, so garbage there cannot leak in."""
     x = mask_tail_rows(x, group_sizes)
-    h = jax.nn.silu(jax.lax.ragged_dot(x, gate, group_sizes)) * jax.lax.ragged_dot(
-        x, up, group_sizes)
+    h = silu_mul(jax.lax.ragged_dot(x, gate_up, group_sizes))
     return jax.lax.ragged_dot(h.astype(down.dtype), down, group_sizes)
 
 
-def routed_experts(x, gate, up, down, group_sizes, expert_impl: str = "grouped",
+def routed_experts(x, gate_up, down, group_sizes, expert_impl: str = "grouped",
                    expert_capacity: Optional[int] = None):
-    """Routed SwiGLU experts on one rank's ``expert_major`` rows -> (y ``[C, H]``,
-    rows dropped by a padded capacity, int32)."""
+    """Routed SwiGLU experts on one rank's ``expert_major`` rows: ``x [C, H]``,
+    ``gate_up [L, H, 2F]``, ``down [L, F, H]``, ``group_sizes [L]`` -> (y
+    ``[C, H]``, rows dropped by a padded capacity, int32)."""
     if expert_impl == "grouped":
-        return routed_experts_grouped(x, gate, up, down, group_sizes), jnp.int32(0)
+        return routed_experts_grouped(x, gate_up, down, group_sizes), jnp.int32(0)
     if expert_impl == "ragged_dot":
-        return routed_experts_local(x, gate, up, down, group_sizes), jnp.int32(0)
+        return routed_experts_local(x, gate_up, down, group_sizes), jnp.int32(0)
     if expert_impl == "padded":
-        return routed_experts_padded(x, gate, up, down, group_sizes,
+        return routed_experts_padded(x, gate_up, down, group_sizes,
                                      expert_capacity or x.shape[0])
     raise ValueError(f"expert_impl must be one of {EXPERT_IMPLS}, got {expert_impl!r}")
 
 
-def routed_experts_padded(x, gate, up, down, group_sizes, expert_capacity: int):
+def routed_experts_padded(x, gate_up, down, group_sizes, expert_capacity: int):
     """The same SwiGLU with plain batched matmuls: each local expert's group is
     gathered into a fixed ``[L, expert_capacity, H]`` block (rows past the
     capacity are dropped, and counted), run through ``einsum``, and scattered
@@ -244,7 +256,7 @@ def routed_experts_padded(x, gate, up, down, group_sizes, expert_capacity: int):
     valid = j[None, :] < group_sizes[:, None]  # [L, Ce]
     rows = starts[:, None] + j[None, :]
     xg = jnp.where(valid[..., None], x[jnp.where(valid, rows, 0)], jnp.zeros((), x.dtype))
-    h = jax.nn.silu(jnp.einsum("leh,lhf->lef", xg, gate)) * jnp.einsum("leh,lhf->lef", xg, up)
+    h = silu_mul(jnp.einsum("leh,lhf->lef", xg, gate_up))
     yg = jnp.einsum("lef,lfh->leh", h.astype(down.dtype), down)
     y = jnp.zeros((C, yg.shape[-1]), yg.dtype).at[jnp.where(valid, rows, C)].set(
         yg, mode="drop")
@@ -273,22 +285,22 @@ def routed_ep(experts: dict, x: jax.Array, topk_idx: jax.Array, topk_w: jax.Arra
     if ep_cfg.layout != "expert_major":
         raise ValueError("the MoE block needs EpConfig.layout='expert_major'")
 
-    def per_rank(x, idx, w, gate, up, down):
+    def per_rank(x, idx, w, gate_up, down):
         d = jax_ep.dispatch(x, idx, w, ep_cfg)
         cap = expert_capacity
         if expert_impl == "padded" and cap is None:
             # R*T: the most rows one expert can receive (dropless)
             R = jax.lax.axis_size(ep_cfg.axis_name)
             cap = min(d.x.shape[0], R * x.shape[0])
-        y, over = routed_experts(d.x, gate, up, down, d.group_sizes, expert_impl, cap)
+        y, over = routed_experts(d.x, gate_up, down, d.group_sizes, expert_impl, cap)
         dropped = d.num_dropped + over
         out = jax_ep.combine(y.astype(x.dtype), d, ep_cfg)
         return out, dropped.reshape(1)
 
     fn = jax.shard_map(per_rank, mesh=mesh,
-                       in_specs=(tok, tok, tok, ep, ep, ep),
+                       in_specs=(tok, tok, tok, ep, ep),
                        out_specs=(tok, tok), check_vma=True)
-    args = (x, topk_idx, topk_w, experts["gate"], experts["up"], experts["down"])
+    args = (x, topk_idx, topk_w, experts["gate_up"], experts["down"])
     explicit = _explicit_axes(mesh)
     if not explicit:  # Auto axes: shard_map moves the operands where they must be
         return fn(*args)
@@ -296,7 +308,7 @@ def routed_ep(experts: dict, x: jax.Array, topk_idx: jax.Array, topk_w: jax.Arra
     # where x was, so the caller sees no change of sharding.
     x_spec = jax.typeof(x).sharding.spec
     args = tuple(jax.sharding.reshard(a, NamedSharding(mesh, s))
-                 for a, s in zip(args, (tok, tok, tok, ep, ep, ep)))
+                 for a, s in zip(args, (tok, tok, tok, ep, ep)))
     out, dropped = fn(*args)
     return jax.sharding.reshard(out, NamedSharding(mesh, x_spec)), dropped
 
@@ -358,7 +370,7 @@ def moe_block(params: dict, bias: jax.Array, x: jax.Array, cfg: MoEConfig, mesh:
     out = routed.astype(F32)
     if "shared" in params:
         s = params["shared"]
-        out = out + swiglu(xf.astype(cfg.dtype), s["gate"], s["up"], s["down"]).astype(F32)
+        out = out + swiglu(xf.astype(cfg.dtype), s["gate_up"], s["down"]).astype(F32)
     aux = {"load": expert_load(idx, cfg.num_experts), "num_dropped": jnp.sum(dropped)}
     return out.astype(x.dtype).reshape(*lead, H), aux
 
@@ -372,14 +384,13 @@ def moe_block_dense(params: dict, bias: jax.Array, x: jax.Array, cfg: MoEConfig)
     idx, w, _ = route(params, bias, xf, cfg)
     e = params["experts"]
     xe = xf.astype(cfg.dtype)
-    h = jax.nn.silu(jnp.einsum("nh,ehf->nef", xe, e["gate"])) * jnp.einsum(
-        "nh,ehf->nef", xe, e["up"])
+    h = silu_mul(jnp.einsum("nh,ehf->nef", xe, e["gate_up"]))
     y_all = jnp.einsum("nef,efh->neh", h.astype(e["down"].dtype), e["down"])  # [N, E, H]
     y_sel = jnp.take_along_axis(y_all, idx[:, :, None], axis=1)  # [N, K, H]
     out = jnp.einsum("nk,nkh->nh", w, y_sel.astype(F32))
     if "shared" in params:
         s = params["shared"]
-        out = out + swiglu(xe, s["gate"], s["up"], s["down"]).astype(F32)
+        out = out + swiglu(xe, s["gate_up"], s["down"]).astype(F32)
     aux = {"load": expert_load(idx, cfg.num_experts), "num_dropped": jnp.int32(0)}
     return out.astype(x.dtype).reshape(*lead, H), aux
 

@@ -184,12 +184,13 @@ class EpConfig:
     def native_buffer_bytes(self, num_ranks: int) -> int:
         """Symmetric buffer the native kernels need for this config.
 
-        Staging holds one row per (source rank, token) for dispatch and for
-        combine, each double-buffered by call parity: 4 regions of
-        ``R * T * (row bytes + fp8 scale bytes)``, rows sized for f32 (the
-        widest row dtype), plus 1 MiB of control words; computed by the
-        extension (``cc/buffer_layout.h``, the one source of these sizes), so
-        it needs ``jax_ep._C``. ``buffer_bytes`` overrides it."""
+        Staging is a bounded ring per (peer, block) for dispatch and for
+        combine, each double-buffered by call parity; rows sized for f32 (the
+        widest row dtype), plus the control words. At EP <= 2 the rings wrap,
+        so this is at most the 1 GiB default whatever T; above 2 ranks a ring
+        must still hold all of a call's rows (about 4 x R x T x row bytes).
+        Computed by the extension (``cc/buffer_layout.h``, the one source of
+        these sizes), so it needs ``jax_ep._C``. ``buffer_bytes`` overrides it."""
         if self.buffer_bytes is not None:
             return self.buffer_bytes
         from .runtime import _extension, unavailable_reason

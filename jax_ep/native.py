@@ -4,8 +4,8 @@ Implements :class:`jax_ep.backend.Backend`. Routing metadata (``route``) is
 the shared ``jax_ep.routing`` over a small XLA all_to_all of ``[R, T, K]``
 int32; the rows themselves move through ``jax_ep_dispatch`` /
 ``jax_ep_combine`` (cc/ffi_dispatch.cc, cc/ffi_combine.cc): P2P stores over
-NVLink into the peers' NVSHMEM staging, one copy per (token, rank), on XLA's
-stream. Results are bit-identical to the reference backend (dispatch) and
+NVLink into the peers' NVSHMEM staging rings (bounded: credits, cc/buffer_layout.h),
+one copy per (token, rank), on XLA's stream. Results are bit-identical to the reference backend (dispatch) and
 equal to it op for op in f32 (combine). The backward of expert_major combine
 (``combine_backward``, ``jax_ep_combine_bwd``) is the dispatch kernel with
 ``dy = w * g`` and ``dw = <g, y>`` formed on the expert side: dy bit-identical,
@@ -47,6 +47,25 @@ def _tuning_attrs(cfg: EpConfig, op: str, debug_skip: int) -> dict:
     return dict(chunk=np.int32(chunk), debug_skip=np.int32(skip))
 
 
+def _check_staging(op: str, R: int, T: int, row_bytes: int, s_row_bytes: int, cfg: EpConfig,
+                   sms) -> None:
+    """Trace time: the op's staging rings fit the live runtime's symmetric
+    buffer (the FFI handlers' own check, cc/kernels/launch_config.h
+    ``plan_launch``). Skipped when the runtime is not up (the call then fails
+    with the not-initialised message)."""
+    from . import runtime
+
+    info = runtime.info() if runtime.is_initialized() else None
+    if not info:
+        return
+    chunk = int(_tuning_attrs(cfg, op, 0)["chunk"])
+    msg = runtime._extension().staging_error(op == "combine", int(R), int(T), int(sms),
+                                             int(info["num_sms"]), chunk, int(row_bytes),
+                                             int(s_row_bytes), int(info["sym_bytes"]))
+    if msg:
+        raise ValueError(f"jax_ep native {op}: {msg}")
+
+
 def _empty_f32(n_rows: int):
     return jnp.zeros((n_rows, 0), jnp.float32)
 
@@ -86,6 +105,8 @@ def dispatch_raw(x, x_scales, handle: Handle, cfg: EpConfig, *, cast_fp8: bool =
         else:
             scales, S = _empty_f32(T), 0
     sms = np.int32(num_sms) if num_sms is not None else _num_sms(cfg)
+    _check_staging("dispatch", handle.num_ranks, T, W * jnp.dtype(out_dtype).itemsize, 4 * S,
+                   cfg, sms)
     out, out_scales = _ffi.call(
         "jax_ep_dispatch",
         [((C, W), out_dtype), ((C, S), jnp.float32)],
@@ -108,6 +129,7 @@ def combine_bwd_raw(g, y, w, handle: Handle, cfg: EpConfig, *, num_sms: Optional
     dy as in dispatch (``cfg.zero_tail``), dw 0 on every row without a source."""
     C, W = y.shape
     sms = np.int32(num_sms) if num_sms is not None else _num_sms(cfg)
+    _check_staging("dispatch", handle.num_ranks, g.shape[0], W * y.dtype.itemsize, 0, cfg, sms)
     dy, dw = _ffi.call(
         "jax_ep_combine_bwd",
         [((C, W), y.dtype), ((C,), jnp.float32)],
@@ -124,6 +146,7 @@ def combine_raw(y, row_weights, handle: Handle, cfg: EpConfig, *, num_sms: Optio
     weighted = row_weights is not None and not rank_major
     w = row_weights.astype(jnp.float32) if weighted else jnp.zeros((0,), jnp.float32)
     sms = np.int32(num_sms) if num_sms is not None else _num_sms(cfg)
+    _check_staging("combine", handle.num_ranks, T, y.shape[1] * y.dtype.itemsize, 0, cfg, sms)
     (out,) = _ffi.call(
         "jax_ep_combine",
         [((T, y.shape[1]), y.dtype)],

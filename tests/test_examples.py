@@ -108,6 +108,35 @@ def test_moe_block_matches_dense(case, nan_tail, monkeypatch):
         assert float(jnp.abs(leaf).max()) > 0
 
 
+def test_fused_gate_up(monkeypatch):
+    """gate_up [E, H, 2F] holds gate | up; the grouped path runs ONE grouped matmul for both."""
+    cfg = ml.MoEConfig(d_model=6, d_ff=4, num_experts=4, topk=2, n_shared=2)
+    p = ml.init_moe_params(jax.random.key(0), cfg)
+    assert jax.tree.map(jnp.shape, p["experts"]) == {"gate_up": (4, 6, 8), "down": (4, 4, 6)}
+    assert jax.tree.map(jnp.shape, p["shared"]) == {"gate_up": (6, 16), "down": (8, 6)}
+    x = jax.random.normal(jax.random.key(1), (12, 6))
+    gs = jnp.array([3, 0, 5, 2], jnp.int32)  # 10 of 12 rows; the last 2 are tail
+    gu, down = p["experts"]["gate_up"], p["experts"]["down"]
+    starts = np.cumsum([0, 3, 0, 5])
+    want = np.zeros((12, 6), np.float32)
+    for e, (s0, n) in enumerate(zip(starts, np.asarray(gs))):
+        xe = x[s0:s0 + n]
+        want[s0:s0 + n] = (jax.nn.silu(xe @ gu[e, :, :4]) * (xe @ gu[e, :, 4:])) @ down[e]
+    widths = []
+
+    def counting(x, w, g, **k):
+        widths.append(w.shape[-1])
+        return jax.lax.ragged_dot(x, w, g)
+    monkeypatch.setattr(ml, "grouped_matmul", counting)
+    got = ml.routed_experts_grouped(ml.mask_tail_rows(x, gs), gu, down, gs)
+    assert widths == [8, 6]  # gate_up (2F) then down (H)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    for impl in ("ragged_dot", "padded"):
+        y, dropped = ml.routed_experts(x, gu, down, gs, impl)
+        assert int(dropped) == 0
+        np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)
+
+
 def test_router_group_limit_and_bias():
     cfg = ml.MoEConfig(d_model=8, d_ff=4, num_experts=8, topk=2, n_groups=4, topk_groups=1)
     params = ml.init_moe_params(jax.random.key(0), cfg)
@@ -169,8 +198,8 @@ def test_layer_bench_smoke(tmp_path):
     assert res["summary"][0]["baseline"] == "xla_padded"
     # --expert-breakdown: the grouped-matmul job only, every piece timed, routing stats
     bd = rows["jax_ep"]["breakdown"]
-    assert [(o["part"], o["op"]) for o in bd["ops"]][:9] == [
-        (p, op) for op in ("fwd", "dx", "dw") for p in ("gate", "up", "down")]
-    assert len(bd["ops"]) == 12 and "parts_ms" in bd and "breakdown" not in rows["xla_padded"]
+    assert [(o["part"], o["op"]) for o in bd["ops"]][:6] == [
+        (p, op) for op in ("fwd", "dx", "dw") for p in ("gate_up", "down")]
+    assert len(bd["ops"]) == 9 and "parts_ms" in bd and "breakdown" not in rows["xla_padded"]
     assert sum(g["valid_rows"] for g in bd["group_stats"]) == 2 * 16 * 2  # R * T * K
     assert "## Expert breakdown" in table

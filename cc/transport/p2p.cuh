@@ -58,6 +58,7 @@ __device__ __forceinline__ void publish_chunk(const PeerTable& p, size_t ctrl_of
       st_release_sys64(&rc->ready[p.rank][blockIdx.x][q], tag);
     }
   }
+  if (threadIdx.x < 32) __syncwarp();
 }
 
 // Sender warps of a block wait until every peer returned the credit of slot
@@ -70,6 +71,7 @@ __device__ __forceinline__ bool wait_credits(const PeerTable& p, const OpCtrl* c
   bool ok = true;
   if (threadIdx.x < p.num_ranks && threadIdx.x != p.rank)
     ok = wait_tag(&ctrl->credit[threadIdx.x][blockIdx.x][q], tag, host_err, timeout_ns);
+  if (threadIdx.x < 32) __syncwarp();  // warp 0 whole again before the aligned barrier
   named_barrier(1, 32 * send_warps);
   return ok;
 }
