@@ -8,13 +8,13 @@
 # together takes longer than one 10-minute device call on 2 GPUs: split it, e.g.
 #   SKIP_BENCH=1 SKIP_EXAMPLES=1 GMM_BENCH=1 bash scripts/gpu_check.sh   # tests + grouped matmul
 #   GPU_TESTS=none BENCH_ARGS="--no-sweep --no-ragged" bash scripts/gpu_check.sh   # ops + layer
-# Open after session 5 (no device time left): the 2-consumer forward/dx kernel
-# (GroupedMatmulConfig.fwd_warpgroups=2, CPU-tested only) against the default in
-# one gmm run (GMM_BENCH=1 GMM_ARGS="--no-xla --sweep-small"; its GPU test is
-# tests/gpu/test_grouped_matmul_gpu.py::test_tile_configs); then the layer at every
-# T, Mixtral and the ragged_dot XLA layer (MOE_STEP_ARGS="--configs v3,mixtral
-# --tokens 128,1024,4096,8192"); a re-run of the V3-train ops (dispatch rank_major
-# alone measured 225 us in session 5 against 189-197 before, same PTX).
+# Open after session 6 (one H200 lent, 30 min): on 2 GPUs, the whole suite and
+# the V3-train ops (bench/run.sh) on the bounded-ring kernels against session 5,
+# then the layer at every T and Mixtral with the fused gate_up experts
+# (MOE_STEP_ARGS="--configs v3,mixtral --tokens 128,1024,4096,8192"); on one GPU,
+# the main loopback table (test_loopback.py --bench; 217 us dispatch before the
+# rings) and the R = 8 wrapping-ring test, which did not finish in session 6:
+#   GPU_TESTS="tests/gpu/test_loopback.py -k tiny_ring --runxfail" TEST_TIMEOUT=240 ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/jax_ep_gpu_check}"
@@ -23,8 +23,9 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 t0=$(date +%s)
 
-# At most 8 files come back from $OUT: build.log, gpu_tests.log, ep_bench.log,
-# the bench's .md/.json/.png and examples.log (or loopback_bench.log on one GPU).
+# At most 8 files come back from $OUT: build.log, gpu_tests.log (worker_logs.log
+# when tests failed), ep_bench.log, the benches' tables and examples.log (or
+# loopback_bench.log on one GPU).
 { nvidia-smi -L; "$PY" -V; "$PY" -c "import jax, jaxlib; print('jax', jax.__version__)"; nvcc --version | tail -1; } \
   > /tmp/jax_ep_env.txt 2>&1
 
@@ -78,10 +79,18 @@ fi
 test_rc=skipped
 if [ "${GPU_TESTS:-tests/gpu}" != none ]; then
   echo "== tests" >&2
-  "$PY" -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -v -rs -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+  timeout ${TEST_TIMEOUT:-540} "$PY" -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -v -rs -p no:cacheprovider \
+    > "$OUT/gpu_tests.log" 2>&1
   test_rc=$?
 fi
 t_test=$(( $(date +%s) - t0 - t_build ))
+# Tests failed or timed out: the last lines of every worker log
+# (tests/gpu/harness.py: /tmp/jax_ep_job_*/rank*.log) show where each stopped.
+if [ "$test_rc" != 0 ] && [ "$test_rc" != skipped ]; then
+  for f in /tmp/jax_ep_job_*/rank*.log; do
+    [ -f "$f" ] && { echo "== $f"; tail -n 15 "$f"; }
+  done > "$OUT/worker_logs.log" 2>/dev/null
+fi
 
 bench_rc=skipped
 if [ "${SKIP_BENCH:-0}" != 1 ] && [ "$few_gpus" = 0 ]; then

@@ -79,11 +79,14 @@ __device__ __forceinline__ bool wait_credits(const PeerTable& p, const OpCtrl* c
 // A receiver warp is done with slot q of source s's ring (s < 0: of every
 // peer's ring) for the block's chunk `tag`. The last of `expect` warps to
 // finish returns the credit (all warps' reads of the slot happen before it:
-// fence + shared counter); `needed`: some sender will wait for it.
+// fence + shared counter); `needed`: some sender will wait for it (else a no-op).
 // counter: this block's shared-memory word for (s, q), back at 0 afterwards.
 __device__ __forceinline__ void drain_slot(const PeerTable& p, size_t ctrl_off, int s, int q,
                                            unsigned long long tag, unsigned int* counter,
                                            int expect, bool needed, int lane) {
+  // No sender will wait for this slot (the ring does not wrap there): nothing
+  // to count, no fence (needed is the same for every warp of a slot use).
+  if (!needed) return;
   __threadfence();
   __syncwarp();
   if (lane == 0) {
@@ -91,7 +94,7 @@ __device__ __forceinline__ void drain_slot(const PeerTable& p, size_t ctrl_off, 
     if (prev + 1 == static_cast<unsigned int>(expect)) {
       *counter = 0u;
       __threadfence();
-      for (int r = 0; needed && r < p.num_ranks; ++r) {
+      for (int r = 0; r < p.num_ranks; ++r) {
         if (r == p.rank || (s >= 0 && r != s)) continue;
         OpCtrl* sc = reinterpret_cast<OpCtrl*>(peer_ptr(p, r, ctrl_off));
         st_release_sys64(&sc->credit[p.rank][blockIdx.x][q], tag);
