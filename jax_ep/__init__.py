@@ -1,13 +1,16 @@
 """jax_ep: expert-parallel dispatch and combine for JAX.
 
 Per-rank functions, called inside ``jax.shard_map`` over ``EpConfig.axis_name``:
-:func:`dispatch`, :func:`combine`, :func:`get_dispatch_layout`. The native
+:func:`dispatch`, :func:`combine`, :func:`get_dispatch_layout`, and the
+low-latency (decode) pair :func:`low_latency_dispatch` / :func:`low_latency_combine`. The native
 backend (CUDA kernels over NVSHMEM, one GPU per process) is used after
 :func:`initialize`; otherwise the pure-JAX reference backend runs anywhere.
 """
 from .api import combine, dispatch, get_dispatch_layout
 from .config import EpConfig, KernelTuning
 from .gmm import GroupedMatmulConfig, grouped_matmul
+from .low_latency import (LowLatencyDispatched, LowLatencyHandle, low_latency_combine,
+                          low_latency_dispatch)
 from .reference import fp8_cast
 from .runtime import finalize, initialize, is_initialized
 from .types import Dispatched, Handle
@@ -15,6 +18,7 @@ from .types import Dispatched, Handle
 __all__ = [
     "EpConfig", "KernelTuning", "Dispatched", "Handle", "dispatch", "combine", "get_dispatch_layout",
     "grouped_matmul", "GroupedMatmulConfig",
+    "low_latency_dispatch", "low_latency_combine", "LowLatencyDispatched", "LowLatencyHandle",
     "initialize", "finalize", "is_initialized", "fp8_cast",
 ]
 __version__ = "0.1.0"

@@ -84,6 +84,9 @@ class EpConfig:
         otherwise), ``"reference"`` (pure JAX) or ``"native"``.
       fp8_dispatch: cast a bf16/f32 ``x`` to fp8-e4m3 with per-token
         per-128-channel f32 scales before sending (H % 128 == 0).
+      fp8_scale_format: the scales of that cast: ``"f32"`` (``amax / 448``)
+        or ``"ue8m0"`` (powers of two: an exact cast, the same bits on every
+        platform; reference backend only so far, the native kernels raise).
       check_overflow: raise ``OverflowError`` when any rank drops a pair
         (capacity overflow or an expert id outside ``[-1, E)``) instead of
         only reporting ``num_dropped``. The drop count is summed over every
@@ -118,6 +121,7 @@ class EpConfig:
     num_sms: Optional[int] = None
     backend: Backend = "auto"
     fp8_dispatch: bool = False
+    fp8_scale_format: str = "f32"
     check_overflow: bool = False
     buffer_bytes: Optional[int] = None
     zero_tail: bool = False
@@ -152,6 +156,9 @@ class EpConfig:
             raise TypeError(f"EpConfig.axis_name must be a str, got {self.axis_name!r}")
         if not isinstance(self.tuning, KernelTuning):
             raise TypeError(f"EpConfig.tuning must be a jax_ep.KernelTuning, got {self.tuning!r}")
+        if self.fp8_scale_format not in ("f32", "ue8m0"):
+            raise ValueError(f"EpConfig.fp8_scale_format must be 'f32' or 'ue8m0', got "
+                             f"{self.fp8_scale_format!r}")
         if self.fp8_dispatch and self.hidden % 128 != 0:
             raise ValueError(
                 f"EpConfig.fp8_dispatch needs hidden % 128 == 0, got hidden={self.hidden}")

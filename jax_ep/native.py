@@ -87,6 +87,10 @@ def dispatch_raw(x, x_scales, handle: Handle, cfg: EpConfig, *, cast_fp8: bool =
     C = handle.capacity
     W = x.shape[1]
     if cast_fp8:
+        if cfg.fp8_scale_format != "f32":
+            raise NotImplementedError(
+                f"jax_ep native dispatch: fp8_scale_format={cfg.fp8_scale_format!r} is not in "
+                "the native kernels yet (reference backend only); use 'f32' or backend='reference'")
         if x.dtype == jnp.bfloat16:
             mode = _CAST_BF16
         elif x.dtype == jnp.float32:

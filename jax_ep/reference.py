@@ -26,8 +26,14 @@ FP8_MAX = 448.0
 FP8_BLOCK = 128
 
 
-def fp8_cast(x: jax.Array):
+def fp8_cast(x: jax.Array, scale_format: str = "f32"):
     """Per-token, per-128-channel fp8-e4m3 cast (the bits the native kernel must match).
+
+    ``scale_format="ue8m0"``: the scale is the smallest power of two with
+    ``448 * scale >= amax`` (found from ``frexp(amax)`` without dividing), and
+    ``q = e4m3(x * 2^-k)`` is a multiply by a power of two: exact, so every
+    platform gives the same bits (DeepSeek-V3's UE8M0 scales). The default
+    ``"f32"`` is described below.
 
     x ``[T, H]`` (H % 128 == 0) -> (q ``[T, H]`` e4m3, scales ``[T, H/128]`` f32)
     with ``x ≈ q * scale``: ``amax = max(max|x|, 1e-4)``, ``scale = amax / 448``,
@@ -42,6 +48,14 @@ def fp8_cast(x: jax.Array):
     T, H = x.shape
     xf = x.astype(F32).reshape(T, H // FP8_BLOCK, FP8_BLOCK)
     amax = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1), F32(1e-4))
+    if scale_format == "ue8m0":
+        m, p = jnp.frexp(amax)   # amax = m 2^p, m in [0.5, 1); 448 = 1.75 2^8
+        k = jnp.where(m <= F32(0.875), p - 9, p - 8)
+        inv_pow2 = jnp.ldexp(jnp.ones_like(amax), -k)
+        q = jnp.clip(xf * inv_pow2[..., None], -FP8_MAX, FP8_MAX).astype(FP8)
+        return q.reshape(T, H), jnp.ldexp(jnp.ones_like(amax), k)
+    if scale_format != "f32":
+        raise ValueError(f"fp8_cast: scale_format must be 'f32' or 'ue8m0', got {scale_format!r}")
     scale = amax * F32(1.0 / FP8_MAX)
     inv = F32(FP8_MAX) / amax
     q = jnp.clip(xf * inv[..., None], -FP8_MAX, FP8_MAX).astype(FP8)
@@ -74,7 +88,7 @@ class ReferenceBackend:
         return place(x), (None if x_scales is None else place(x_scales))
 
     def dispatch_rows_fp8(self, x, handle: Handle, cfg: EpConfig):
-        return self.dispatch_rows(*fp8_cast(x), handle, cfg)
+        return self.dispatch_rows(*fp8_cast(x, cfg.fp8_scale_format), handle, cfg)
 
     def combine_rows(self, y, row_weights, handle: Handle, cfg: EpConfig):
         R, T, K = handle.recv_local_idx.shape

@@ -1,0 +1,252 @@
+"""Low-latency (decode) dispatch and combine: docs/semantics.md §12.
+
+Per rank, inside ``jax.shard_map`` over ``config.axis_name`` (R ranks, E
+experts, L = E / R local experts, T <= Tmax = ``config.max_tokens_per_rank``
+tokens, H hidden, K top-k). Every (token, expert) pair travels on its own into
+one static layout, with no CPU-visible size:
+
+- ``x [L, R * Tmax, H]``: rows ``s * Tmax ... s * Tmax + n[l, s] - 1`` of
+  expert ``l`` are the tokens of source rank ``s`` that picked it, in token
+  order (packed; rows past ``n[l, s]`` in each block are unspecified);
+- ``src_count [L, R]`` = ``n``, ``count [L]`` = its sum over sources.
+
+The source knows where each of its pairs lands without asking anyone: the
+token's rank among its own tokens that picked the same expert. That index is
+the handle (``slot [T, K]``) combine reuses. fp8 sends e4m3 rows with
+per-token, per-128-channel scales, f32 (``reference.fp8_cast``) or
+power-of-two "UE8M0" (exact on every platform). Combine brings each expert's
+output row back and sums ``out[t] = cast(sum_k w'_k f32(y_(t, k)))`` on the
+source, k ascending, in f32 (``w'``: repeated ids merged onto the first slot,
+as in normal mode).
+
+The reference implementation here (XLA all_to_all of a dense
+``[R, L * Tmax, H]`` buffer) is the semantics; native kernels (put-with-signal,
+a send/receive hook) are future work. Forward-only: differentiating raises.
+"""
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from . import validate
+from .config import EpConfig
+from .reference import FP8, fp8_cast
+from .routing import F32, merge_duplicate_weights
+
+SCALE_FORMATS = ("f32", "ue8m0")
+
+
+@dataclasses.dataclass(frozen=True)
+class LowLatencyHandle:
+    """What :func:`low_latency_dispatch` leaves for :func:`low_latency_combine`.
+
+    Attributes:
+      slot: ``[T, K]`` int32, the row inside its source block where pair
+        ``(t, topk_idx[t, k])`` landed on the expert's rank; -1 for unused
+        slots, invalid ids and repeats of an expert already named by the token.
+      num_ranks, max_tokens: static R and Tmax.
+    """
+
+    slot: jax.Array
+    num_ranks: int = 0
+    max_tokens: int = 0
+
+
+jax.tree_util.register_dataclass(LowLatencyHandle, data_fields=["slot"],
+                                 meta_fields=["num_ranks", "max_tokens"])
+
+
+@dataclasses.dataclass(frozen=True)
+class LowLatencyDispatched:
+    """Result of :func:`low_latency_dispatch`, per rank.
+
+    Attributes:
+      x: ``[L, R * Tmax, H]`` received rows (fp8-e4m3 with ``fp8``, else the
+        input dtype); block ``s`` of expert ``l`` holds ``src_count[l, s]``
+        rows from source rank ``s`` in token order, the rest unspecified.
+      x_scales: ``[L, R * Tmax, H / 128]`` f32 dequantisation scales (fp8) or None.
+      count: ``[L]`` int32 valid rows per local expert.
+      src_count: ``[L, R]`` int32 valid rows per (local expert, source rank).
+      handle: :class:`LowLatencyHandle`.
+    """
+
+    x: jax.Array
+    x_scales: Optional[jax.Array]
+    count: jax.Array
+    src_count: jax.Array
+    handle: LowLatencyHandle
+
+    def valid_rows(self) -> jax.Array:
+        """``[L, R * Tmax]`` bool: the rows that hold a token."""
+        L, RT = self.x.shape[:2]
+        Tm = self.handle.max_tokens
+        j = jnp.arange(RT, dtype=jnp.int32)
+        return (j % Tm)[None, :] < jnp.repeat(self.src_count, Tm, axis=1)
+
+
+jax.tree_util.register_dataclass(
+    LowLatencyDispatched, data_fields=["x", "x_scales", "count", "src_count", "handle"],
+    meta_fields=[])
+
+
+def _first_pairs(topk_idx, E):
+    """``[T, K]`` bool: slot k names a valid expert no earlier slot of the token names."""
+    valid = (topk_idx >= 0) & (topk_idx < E)
+    K = topk_idx.shape[1]
+    same = (topk_idx[:, :, None] == topk_idx[:, None, :]) & valid[:, None, :]
+    earlier = jnp.tril(jnp.ones((K, K), bool), -1)
+    return valid & ~jnp.any(same & earlier[None], axis=2)
+
+
+def _slots(topk_idx, E):
+    """Per pair, its row in the destination block (the token's rank among this
+    rank's tokens that picked the same expert), and tokens per expert ``[E]``."""
+    first = _first_pairs(topk_idx, E)
+    e = jnp.where(first, topk_idx, E)
+    onehot = jnp.zeros((topk_idx.shape[0], E + 1), jnp.int32).at[
+        jnp.arange(topk_idx.shape[0])[:, None], e].add(1)[:, :E]   # [T, E] 0/1
+    pos = jnp.cumsum(onehot, axis=0) - onehot                       # exclusive
+    slot = jnp.where(first, jnp.take_along_axis(pos, jnp.minimum(e, E - 1), axis=1), -1)
+    return slot.astype(jnp.int32), jnp.sum(onehot, axis=0).astype(jnp.int32)
+
+
+def _exchange(buf, cfg: EpConfig):
+    """``[R, ...]`` block r to rank r; returns ``[R(source), ...]``."""
+    return jax.lax.all_to_all(buf, cfg.axis_name, 0, 0, tiled=True)
+
+
+def _check(x, topk_idx, cfg: EpConfig, R: int, fp8: bool, scale_format: str):
+    if x.ndim != 2 or topk_idx.ndim != 2 or topk_idx.shape[0] != x.shape[0]:
+        raise ValueError(f"low_latency_dispatch: x must be [T, H] and topk_idx [T, K], got "
+                         f"{x.shape} and {topk_idx.shape}")
+    T, K = topk_idx.shape
+    if x.shape[1] != cfg.hidden:
+        raise ValueError(f"low_latency_dispatch: x has H={x.shape[1]}, config.hidden={cfg.hidden}")
+    if T > cfg.max_tokens_per_rank:
+        raise ValueError(f"low_latency_dispatch: T={T} tokens exceed "
+                         f"config.max_tokens_per_rank={cfg.max_tokens_per_rank} (Tmax)")
+    if K != cfg.topk:
+        raise ValueError(f"low_latency_dispatch: topk_idx has K={K}, config.topk={cfg.topk}")
+    if not jnp.issubdtype(topk_idx.dtype, jnp.integer):
+        raise TypeError(f"low_latency_dispatch: topk_idx must be integer, got {topk_idx.dtype}")
+    if x.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise TypeError(f"low_latency_dispatch: x must be bf16 or f32, got {x.dtype}")
+    if scale_format not in SCALE_FORMATS:
+        raise ValueError(f"low_latency_dispatch: scale_format must be one of {SCALE_FORMATS}, "
+                         f"got {scale_format!r}")
+    if fp8 and x.shape[1] % 128:
+        raise ValueError(f"low_latency_dispatch: fp8 needs H % 128 == 0, got H={x.shape[1]}")
+    if cfg.backend == "native":
+        raise NotImplementedError(
+            "jax_ep low-latency mode has no native kernels yet: use EpConfig(backend='reference') "
+            "or 'auto' (which runs the reference implementation for it)")
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _forward_only(name, *arrays):
+    return arrays
+
+
+def _forward_only_fwd(name, *arrays):
+    return arrays, None
+
+
+def _forward_only_bwd(name, res, g):
+    raise TypeError(f"jax_ep.{name} is forward-only (the decode path): it has no gradient. "
+                    "Use jax_ep.dispatch / jax_ep.combine where gradients are needed, or "
+                    "jax.lax.stop_gradient the inputs.")
+
+
+_forward_only.defvjp(_forward_only_fwd, _forward_only_bwd)
+
+
+def low_latency_dispatch(x: jax.Array, topk_idx: jax.Array, config: EpConfig, *,
+                         fp8: bool = True, scale_format: str = "f32") -> LowLatencyDispatched:
+    """Send each (token, expert) pair to the expert's rank, into a static layout.
+
+    Args:
+      x: ``[T, H]`` bf16 / f32 tokens, ``T <= config.max_tokens_per_rank`` (Tmax).
+      topk_idx: ``[T, K]`` expert ids in ``[-1, E)`` (-1, or any id outside,
+        = slot unused); an expert named twice by a token is sent once.
+      config: :class:`EpConfig` (``num_experts``, ``topk``, ``hidden``,
+        ``max_tokens_per_rank``, ``axis_name``; layout and capacity unused).
+      fp8: send fp8-e4m3 rows with per-token, per-128-channel scales (else x's dtype).
+      scale_format: ``"f32"`` (``jax_ep.fp8_cast``) or ``"ue8m0"`` (power-of-two
+        scales: the cast is exact, the same bits on every platform).
+
+    Returns:
+      :class:`LowLatencyDispatched` (``x [L, R*Tmax, H]``, ``x_scales``,
+      ``count [L]``, ``src_count [L, R]``, ``handle``). Forward-only.
+    """
+    R = validate.axis_size(config)
+    _check(x, topk_idx, config, R, fp8, scale_format)
+    E, L, Tm, H = config.num_experts, config.num_experts // R, config.max_tokens_per_rank, x.shape[1]
+    x, = _forward_only("low_latency_dispatch", x)
+    idx = topk_idx.astype(jnp.int32)
+    slot, per_expert = _slots(idx, E)
+    # send buffer [E * Tm, W]: expert e's block (rank e // L, local e % L), row slot
+    T, K = idx.shape
+    dest = jnp.where(slot >= 0, idx * Tm + slot, E * Tm).reshape(-1)
+    src = jnp.repeat(jnp.arange(T), K)
+
+    def place(rows):
+        buf = jnp.zeros((E * Tm + 1,) + rows.shape[1:], rows.dtype).at[dest].set(rows[src])
+        recv = _exchange(buf[:-1].reshape(R, L * Tm, *rows.shape[1:]), config)
+        recv = recv.reshape(R, L, Tm, *rows.shape[1:]).swapaxes(0, 1)   # [L, R, Tm, ...]
+        return recv.reshape(L, R * Tm, *rows.shape[1:])
+
+    if fp8:
+        q, s = fp8_cast(x, scale_format=scale_format)
+        recv_x, recv_s = place(q), place(s)
+    else:
+        recv_x, recv_s = place(x), None
+    src_count = _exchange(per_expert.reshape(R, L), config).T          # [L, R]
+    return LowLatencyDispatched(x=recv_x, x_scales=recv_s, count=jnp.sum(src_count, axis=1),
+                                src_count=src_count,
+                                handle=LowLatencyHandle(slot=slot, num_ranks=R, max_tokens=Tm))
+
+
+def low_latency_combine(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
+                        handle: LowLatencyHandle, config: EpConfig) -> jax.Array:
+    """Bring every expert's output row back and reduce it with the routing weights.
+
+    Args:
+      y: ``[L, R * Tmax, H]`` expert outputs in the dispatch layout (bf16 / f32;
+        rows outside the valid blocks are never read).
+      topk_idx: ``[T, K]``, the ids given to :func:`low_latency_dispatch`.
+      topk_weights: ``[T, K]`` routing weights (used as f32).
+      handle: the dispatch's :class:`LowLatencyHandle`.
+      config: the dispatch's :class:`EpConfig`.
+
+    Returns:
+      ``[T, H]`` in y's dtype: ``cast(sum_k w'_k f32(y_(t, k)))``, k ascending,
+      f32 accumulation, where ``w'`` merges repeated ids onto the first slot.
+      Forward-only.
+    """
+    R = validate.axis_size(config)
+    E, L, Tm = config.num_experts, config.num_experts // R, handle.max_tokens
+    if y.ndim != 3 or y.shape[:2] != (L, R * Tm):
+        raise ValueError(f"low_latency_combine: y must be [L, R*Tmax, H] = [{L}, {R * Tm}, H], "
+                         f"got {y.shape}")
+    if topk_idx.shape != handle.slot.shape or topk_weights.shape != handle.slot.shape:
+        raise ValueError(f"low_latency_combine: topk_idx / topk_weights must be {handle.slot.shape} "
+                         f"(the dispatch's [T, K]), got {topk_idx.shape} / {topk_weights.shape}")
+    if handle.num_ranks != R:
+        raise ValueError(f"low_latency_combine: handle is for R={handle.num_ranks}, axis has {R}")
+    y, topk_weights = _forward_only("low_latency_combine", y, topk_weights)
+    H = y.shape[2]
+    back = y.reshape(L, R, Tm, H).swapaxes(0, 1).reshape(R, L * Tm, H)
+    back = _exchange(back, config).reshape(E * Tm, H)                  # [e * Tm + slot]
+    idx = topk_idx.astype(jnp.int32)
+    w = merge_duplicate_weights(idx, topk_weights.astype(F32), E)
+    slot = handle.slot
+    out = jnp.zeros((idx.shape[0], H), F32)
+    for k in range(idx.shape[1]):   # fixed order: k ascending
+        ok = (slot[:, k] >= 0)[:, None]
+        row = back[jnp.where(slot[:, k] >= 0, idx[:, k] * Tm + slot[:, k], 0)].astype(F32)
+        out = out + jnp.where(ok, w[:, k:k + 1] * row, F32(0))
+    return out.astype(y.dtype)

@@ -1,0 +1,207 @@
+"""Low-latency (decode) mode, reference backend, against a NumPy model of
+docs/semantics.md §12: layout [L, R*Tmax, H] with per-source blocks, counts,
+fp8 with f32 / UE8M0 scales, combine (k ascending, f32), repeated ids, -1 and
+out-of-range slots, T < Tmax, skewed routing; clear errors; forward-only."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ep_testing import make_mesh, random_routing, run_per_rank
+from jax_ep import EpConfig, fp8_cast, low_latency_combine, low_latency_dispatch
+
+CASES = [  # R, T, Tmax, H, K, E, fp8, scale_format, skew
+    (4, 16, 16, 256, 4, 16, True, "f32", False),
+    (4, 13, 24, 256, 4, 32, True, "ue8m0", True),
+    (2, 7, 8, 128, 2, 8, False, "f32", True),
+    (8, 5, 8, 384, 8, 64, True, "ue8m0", False),
+    (1, 9, 12, 128, 3, 6, False, "f32", False),
+]
+
+
+def _cfg(R, T, Tmax, H, K, E):
+    return EpConfig(num_experts=E, topk=K, max_tokens_per_rank=Tmax, hidden=H,
+                    backend="reference")
+
+
+def np_dispatch(x, idx, R, Tmax, E):
+    """The model: per destination rank [L, R*Tmax, W] (unused rows NaN), src_count [L, R]."""
+    L, W = E // R, x.shape[-1]
+    out = np.full((R, L, R * Tmax, W), np.nan, np.float32)
+    n = np.zeros((R, L, R), np.int64)
+    for s in range(R):
+        for t in range(x.shape[1]):
+            seen = set()
+            for e in idx[s, t]:
+                if not 0 <= e < E or e in seen:
+                    continue
+                seen.add(e)
+                r, l = divmod(int(e), L)
+                out[r, l, s * Tmax + n[r, l, s]] = x[s, t]
+                n[r, l, s] += 1
+    return out, n
+
+
+def np_combine(y, idx, w, R, Tmax, E):
+    """out[s, t] = sum_k w'_k y[rank of e][l, s*Tmax + slot], k ascending, in f32."""
+    L = E // R
+    T = idx.shape[1]
+    out = np.zeros((R, T, y.shape[-1]), np.float32)
+    for s in range(R):
+        n = np.zeros(E, np.int64)
+        for t in range(T):
+            firsts = {}
+            for k, e in enumerate(idx[s, t]):
+                if 0 <= e < E and e not in firsts:
+                    firsts[int(e)] = k
+            merged = {e: sum(w[s, t, j] for j, ej in enumerate(idx[s, t]) if ej == e)
+                      for e in firsts}
+            acc = np.zeros(y.shape[-1], np.float32)
+            for e, k in sorted(firsts.items(), key=lambda kv: kv[1]):
+                r, l = divmod(e, L)
+                acc = acc + np.float32(merged[e]) * y[r, l, s * Tmax + n[e]].astype(np.float32)
+                n[e] += 1
+            out[s, t] = acc
+    return out
+
+
+def _routing(rng, R, T, K, E, skew):
+    idx = random_routing(rng, R, T, K, E, minus_one=0.2, skew=skew, invalid=0.05)
+    if K > 1:   # a repeated id in a few tokens
+        idx[:, ::5, 1] = idx[:, ::5, 0]
+    return idx
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "R{}_T{}_Tm{}_H{}_K{}_E{}_{}_{}".format(
+    *c[:6], "fp8" if c[6] else "bf16", c[7]))
+def test_low_latency_matches_model(case):
+    R, T, Tmax, H, K, E, fp8, fmt, skew = case
+    rng = np.random.default_rng(11)
+    cfg = _cfg(R, T, Tmax, H, K, E)
+    idx = _routing(rng, R, T, K, E, skew)
+    x = (rng.standard_normal((R, T, H)) * rng.exponential(3.0, (R, T, 1))).astype(np.float32)
+    x = x.astype(jnp.bfloat16)
+    w = rng.random((R, T, K)).astype(np.float32)
+    mesh = make_mesh((R,), ("ep",))
+
+    def fn(x, i):
+        d = low_latency_dispatch(x, i, cfg, fp8=fp8, scale_format=fmt)
+        return d.x, (d.x_scales if fp8 else jnp.zeros((1,), jnp.float32)), d.count, d.src_count, \
+            d.valid_rows(), d.handle.slot
+    got_x, got_s, count, src_count, valid, slot = run_per_rank(fn, mesh, "ep", x, idx)
+
+    if fp8:
+        q, s = jax.vmap(functools.partial(fp8_cast, scale_format=fmt))(jnp.asarray(x))
+        send = np.concatenate([np.asarray(q).view(np.uint8).astype(np.float32),
+                               np.asarray(s)], axis=-1)
+    else:
+        send = np.asarray(x).astype(np.float32)
+    model, n = np_dispatch(send, idx, R, Tmax, E)
+    assert np.array_equal(src_count, n)
+    assert np.array_equal(count, n.sum(-1))
+    assert np.array_equal(valid, ~np.isnan(model[..., 0]))
+    for r in range(R):
+        m = valid[r]
+        if fp8:
+            gq = got_x[r].view(np.uint8).astype(np.float32)
+            got = np.concatenate([gq, got_s[r]], axis=-1)
+        else:
+            got = got_x[r].astype(np.float32)
+        assert np.array_equal(got[m], model[r][m]), f"rank {r}"
+
+    # combine of an expert output y (per destination rank, in the dispatch layout)
+    y = (rng.standard_normal((R, E // R, R * Tmax, H))).astype(np.float32).astype(jnp.bfloat16)
+
+    def comb(y, i, w, sl):
+        from jax_ep.low_latency import LowLatencyHandle
+        h = LowLatencyHandle(slot=sl, num_ranks=R, max_tokens=Tmax)
+        return low_latency_combine(y, i, w, h, cfg)
+    out = run_per_rank(comb, mesh, "ep", y, idx, w, slot)
+    ref = np_combine(np.asarray(y).astype(np.float32), idx, w, R, Tmax, E)
+    np.testing.assert_allclose(out.astype(np.float32), ref, rtol=1e-2, atol=1e-2)
+    assert np.array_equal(out, ref.astype(jnp.bfloat16)) or \
+        np.max(np.abs(out.astype(np.float32) - ref)) <= 1e-2 * (np.max(np.abs(ref)) + 1)
+
+
+def test_ue8m0_cast_exact_and_power_of_two():
+    """UE8M0 scales are powers of two, the smallest with 448 * s >= amax, and
+    q * s reproduces x up to e4m3 rounding (the multiply is exact)."""
+    rng = np.random.default_rng(3)
+    mags = np.array([1e-6, 1e-3, 1.0, 447.9, 448.0, 449.0, 3e5, 1e30], np.float32)
+    x = (rng.standard_normal((len(mags), 256)).astype(np.float32) * mags[:, None])
+    x[2, :128] = 0.0   # an all-zero group: amax clamps to 1e-4
+    x[3, :128] = np.clip(x[3, :128], -1.0, 1.0)
+    x[3, 0] = 56.0   # amax = 0.875 * 2^6: 448 * 2^-3 == amax exactly (the branch boundary)
+    q, s = fp8_cast(jnp.asarray(x), scale_format="ue8m0")
+    q, s = np.asarray(q).astype(np.float32), np.asarray(s)
+    m, _ = np.frexp(s)
+    assert np.all(m == 0.5)   # powers of two
+    amax = np.maximum(np.abs(x.reshape(len(mags), 2, 128)).max(-1), 1e-4)
+    assert np.all(448 * s >= amax) and np.all(448 * s / 2 < amax)
+    assert np.all(np.abs(q) <= 448)
+    back = (q.reshape(len(mags), 2, 128) * s[..., None]).reshape(x.shape)
+    tol = np.repeat(s, 128, axis=1) * 448 * 2.0 ** -4   # e4m3: 3 mantissa bits
+    assert np.all(np.abs(back - x) <= tol)
+
+
+def test_low_latency_errors_and_forward_only():
+    R, T, Tmax, H, K, E = 2, 4, 4, 128, 2, 8
+    cfg = _cfg(R, T, Tmax, H, K, E)
+    mesh = make_mesh((R,), ("ep",))
+    x = np.ones((R, T, H), np.float32)
+    idx = np.zeros((R, T, K), np.int32)
+    idx[..., 1] = 3
+
+    def run(fn, *a):
+        return run_per_rank(fn, mesh, "ep", *a)
+
+    with pytest.raises(ValueError, match="max_tokens_per_rank"):
+        run(lambda x, i: low_latency_dispatch(x, i, EpConfig(
+            num_experts=E, topk=K, max_tokens_per_rank=2, hidden=H)).count, x, idx)
+    with pytest.raises(ValueError, match="H % 128"):
+        run(lambda x, i: low_latency_dispatch(x[:, :100], i, EpConfig(
+            num_experts=E, topk=K, max_tokens_per_rank=T, hidden=100)).count, x, idx)
+    with pytest.raises(ValueError, match="scale_format"):
+        run(lambda x, i: low_latency_dispatch(x, i, cfg, scale_format="e5m2").count, x, idx)
+    with pytest.raises(NotImplementedError, match="no native kernels"):
+        run(lambda x, i: low_latency_dispatch(x, i, EpConfig(
+            num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, backend="native")).count,
+            x, idx)
+
+    def loss(x, i):
+        d = low_latency_dispatch(x, i, cfg, fp8=False)
+        return jnp.sum(d.x.astype(jnp.float32))
+    with pytest.raises(TypeError, match="forward-only"):
+        run(lambda x, i: jax.grad(loss)(x, i), x, idx)
+
+
+def test_normal_dispatch_ue8m0_scales():
+    """EpConfig.fp8_scale_format="ue8m0" in normal-mode fp8 dispatch: the rows
+    and scales are those of fp8_cast(x, "ue8m0") dispatched as given fp8."""
+    from jax_ep import dispatch
+
+    R, T, H, K, E = 4, 12, 256, 4, 16
+    rng = np.random.default_rng(5)
+    idx = random_routing(rng, R, T, K, E, minus_one=0.2)
+    x = (rng.standard_normal((R, T, H)) * 50).astype(np.float32).astype(jnp.bfloat16)
+    w = rng.random((R, T, K)).astype(np.float32)
+    base = dict(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, backend="reference")
+    cast_cfg = EpConfig(**base, fp8_dispatch=True, fp8_scale_format="ue8m0")
+    plain_cfg = EpConfig(**base)
+
+    def fn(x, i, w):
+        a = dispatch(x, i, w, cast_cfg)
+        q, s = fp8_cast(x, scale_format="ue8m0")
+        b = dispatch(q, i, w, plain_cfg, x_scales=s)
+        return a.x, a.x_scales, b.x, b.x_scales
+    ax, as_, bx, bs = run_per_rank(fn, make_mesh((R,), ("ep",)), "ep", x, idx, w)
+    assert np.array_equal(ax.view(np.uint8), bx.view(np.uint8))
+    assert np.array_equal(as_, bs)
+    m, _ = np.frexp(as_[as_ != 0])
+    assert np.all(m == 0.5)
+    with pytest.raises(ValueError, match="fp8_scale_format"):
+        EpConfig(**base, fp8_scale_format="e8m0")
