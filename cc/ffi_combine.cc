@@ -10,14 +10,15 @@ namespace jax_ep {
 
 namespace {
 
-ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F32> row_weights,
+ffi::Error CombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
+                       ffi::Buffer<ffi::F32> row_weights,
                        ffi::Buffer<ffi::S32> slot_row, ffi::Buffer<ffi::S32> recv_local_idx,
                        ffi::Buffer<ffi::PRED> send_mask, ffi::Span<const int32_t> ep_groups,
                        int32_t num_ranks, int32_t rank_major, int32_t weighted, int32_t num_sms,
                        int32_t chunk, int32_t debug_skip, ffi::Result<ffi::AnyBuffer> out) {
   JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
   PeerTable peers;
-  JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, &peers));
+  JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, device, &peers));
   Runtime* rt = runtime();
   const int R = peers.num_ranks;
 
@@ -69,7 +70,7 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F
 
   LaunchConfig lc;
   JAX_EP_RETURN_IF_ERROR(PlanLaunch("combine", kOpCombine, R, T, num_sms, chunk, a.row_bytes, 0,
-                                    &lc));
+                                    device, &lc));
   a.stage_off[0] = stage_offset(rt->sym_bytes, kOpCombine, 0);
   a.stage_off[1] = stage_offset(rt->sym_bytes, kOpCombine, 1);
 
@@ -85,6 +86,7 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::F
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombine, jax_ep::CombineImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<jax_ep::Stream>()
+                                  .Ctx<jax_ep::Device>()
                                   .Arg<xla::ffi::AnyBuffer>()                  // y [C, W]
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()      // row_weights [C] / [0]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()      // slot_row [R, T, K]

@@ -4,10 +4,12 @@
 //  * typed FFI API, `.Ctx<Stream>()` first, work enqueued on that (XLA's)
 //    stream only, no host synchronisation (so it can run inside command
 //    buffers / CUDA graphs when it uses no host-side state);
-//  * targets that talk to other ranks take two attributes, produced by
-//    jax_ep._ffi.call(): `ep_groups` (i32 array: every EP group of the mesh, one
-//    row of `num_ranks` PEs each, in axis order) and `num_ranks` (i32); call
-//    GetPeerTable() to get this process's PeerTable;
+//  * targets that talk to other ranks take `.Ctx<Device>()` (XLA's device
+//    ordinal of the call) and two attributes, produced by jax_ep._ffi.call():
+//    `ep_groups` (i32 array: every EP group of the mesh, one row of
+//    `num_ranks` members each, in axis order: PEs with NVSHMEM, CUDA ordinals
+//    with the peer-memory transport) and `num_ranks` (i32); call
+//    GetPeerTable() to get this caller's PeerTable;
 //  * every handler is defined with XLA_FFI_DEFINE_HANDLER_SYMBOL and listed in
 //    cc/ffi_targets.h, which module.cc turns into jax_ep._C.registrations().
 #pragma once
@@ -27,6 +29,7 @@ namespace jax_ep {
 
 namespace ffi = xla::ffi;
 using Stream = ffi::PlatformStream<cudaStream_t>;
+using Device = ffi::DeviceOrdinal;  // int32 in the handler: XLA's (= CUDA's) ordinal
 
 inline ffi::Error CudaFfiError(cudaError_t e, const char* what, const char* file, int line) {
   return ffi::Error(ffi::ErrorCode::kInternal,
@@ -66,10 +69,11 @@ inline ffi::Error GetRuntime(Runtime** out) {
   return *out ? ffi::Error::Success() : NotInitialized();
 }
 
-// PeerTable of the EP group that holds this process, from the `ep_groups` and
-// `num_ranks` attributes (see jax_ep/_ffi.py: rows = groups, PEs in axis order).
+// PeerTable of the EP group that holds the caller (this process's PE, or
+// with peer memory the GPU `device` the call runs on), from the `ep_groups`
+// and `num_ranks` attributes (see jax_ep/_ffi.py: rows = groups, in axis order).
 inline ffi::Error GetPeerTable(ffi::Span<const int32_t> ep_groups, int32_t num_ranks,
-                               PeerTable* out) {
+                               int32_t device, PeerTable* out) {
   Runtime* rt = runtime();
   if (!rt) return NotInitialized();
   if (num_ranks < 1 || num_ranks > kMaxRanks)
@@ -77,30 +81,39 @@ inline ffi::Error GetPeerTable(ffi::Span<const int32_t> ep_groups, int32_t num_r
                            std::to_string(kMaxRanks) + "]");
   if (ep_groups.size() % num_ranks != 0)
     return InvalidArgument("ep_groups length is not a multiple of num_ranks");
+  const int me = rt->member_id(device);
   for (size_t g = 0; g < ep_groups.size(); g += num_ranks) {
     for (int32_t i = 0; i < num_ranks; ++i) {
-      if (ep_groups[g + i] != rt->my_pe) continue;
+      if (ep_groups[g + i] != me) continue;
       const char* err = nullptr;
-      if (!rt->peer_table(ep_groups.begin() + g, num_ranks, out, &err))
+      if (!rt->peer_table(ep_groups.begin() + g, num_ranks, device, out, &err))
         return ffi::Error(ffi::ErrorCode::kFailedPrecondition, std::string("jax_ep: ") + err);
+      // One process, several GPUs: launches go to XLA's stream of `device`;
+      // make it current in case the calling thread last served another GPU.
+      if (rt->transport == Transport::kPeerMemory && cudaSetDevice(device) != cudaSuccess)
+        return ffi::Error(ffi::ErrorCode::kInternal, "jax_ep: cudaSetDevice failed");
       return ffi::Error::Success();
     }
   }
-  return InvalidArgument("this process (PE " + std::to_string(rt->my_pe) +
-                         ") is in none of the EP groups passed to the call");
+  return InvalidArgument(rt->transport == Transport::kNvshmem
+                             ? "this process (PE " + std::to_string(rt->my_pe) +
+                                   ") is in none of the EP groups passed to the call"
+                             : "GPU " + std::to_string(device) +
+                                   " is in none of the EP groups passed to the call");
 }
 
-// Surfaces a spin timeout a previous kernel of this process left behind.
-// Grid and staging rings of op (kernels/launch_config.h, plan_launch); a
-// clear error when the symmetric buffer cannot hold them.
+// Grid and staging rings of op on the caller's device (kernels/launch_config.h,
+// plan_launch); a clear error when the symmetric buffer cannot hold them.
 inline ffi::Error PlanLaunch(const std::string& o, OpKind op, int R, int T, int num_sms, int chunk,
-                             long long row_bytes, long long s_row_bytes, LaunchConfig* lc) {
+                             long long row_bytes, long long s_row_bytes, int32_t device,
+                             LaunchConfig* lc) {
   Runtime* rt = runtime();
-  const std::string err = plan_launch(op, R, T, num_sms, rt->num_sms, chunk, row_bytes,
+  const std::string err = plan_launch(op, R, T, num_sms, rt->sms_of(device), chunk, row_bytes,
                                       s_row_bytes, rt->sym_bytes, lc);
   return err.empty() ? ffi::Error::Success() : InvalidArgument(o + ": " + err);
 }
 
+// Surfaces a spin timeout a previous kernel of this process left behind.
 inline ffi::Error CheckDeviceError() {
   if (int e = take_device_error()) {
     return ffi::Error(ffi::ErrorCode::kInternal,

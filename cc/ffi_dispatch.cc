@@ -19,7 +19,7 @@ namespace {
 ffi::Error SetupDispatch(const char* op, int R, int T, int C, ffi::Buffer<ffi::S32> row_src,
                          ffi::Buffer<ffi::S32> slot_row, ffi::Buffer<ffi::PRED> send_mask,
                          int32_t align, int32_t zero_tail, int32_t num_sms, int32_t chunk,
-                         int32_t debug_skip, DispatchArgs* a, LaunchConfig* lc) {
+                         int32_t debug_skip, int32_t device, DispatchArgs* a, LaunchConfig* lc) {
   const std::string o(op);
   auto sd = slot_row.dimensions();
   if (sd.size() != 3 || sd[0] != R || sd[1] != T)
@@ -35,7 +35,7 @@ ffi::Error SetupDispatch(const char* op, int R, int T, int C, ffi::Buffer<ffi::S
   if (debug_skip < 0 || debug_skip > 3) return InvalidArgument(o + ": debug_skip must be in [0, 3]");
   Runtime* rt = runtime();
   JAX_EP_RETURN_IF_ERROR(PlanLaunch(o, kOpDispatch, R, T, num_sms, chunk, a->row_bytes,
-                                    a->s_row_bytes, lc));
+                                    a->s_row_bytes, device, lc));
   size_t scales_off = 0;
   ring_bytes(R, lc->num_blocks, lc->depth, lc->chunk, a->row_bytes, a->s_row_bytes, &scales_off);
   a->ctrl_off = ctrl_offset(rt->sym_bytes, kOpDispatch);
@@ -55,7 +55,7 @@ ffi::Error SetupDispatch(const char* op, int R, int T, int C, ffi::Buffer<ffi::S
   return ffi::Error::Success();
 }
 
-ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scales,
+ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scales,
                         ffi::Buffer<ffi::S32> row_src, ffi::Buffer<ffi::S32> slot_row,
                         ffi::Buffer<ffi::PRED> send_mask, ffi::Span<const int32_t> ep_groups,
                         int32_t num_ranks, int32_t mode, int32_t rank_major, int32_t align,
@@ -64,7 +64,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
                         ffi::Result<ffi::Buffer<ffi::F32>> out_scales) {
   JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
   PeerTable peers;
-  JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, &peers));
+  JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, device, &peers));
   const int R = peers.num_ranks;
 
   auto xd = x.dimensions();
@@ -112,7 +112,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   }
   JAX_EP_RETURN_IF_ERROR(
       SetupDispatch("dispatch", R, T, C, row_src, slot_row, send_mask, align, zero_tail, num_sms,
-                    chunk, debug_skip, &a, &lc));
+                    chunk, debug_skip, device, &a, &lc));
 
   if (T == 0 && C == 0) return ffi::Error::Success();
   if (debug_poison()) {
@@ -123,7 +123,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   return ffi::Error::Success();
 }
 
-ffi::Error CombineBwdImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer y,
+ffi::Error CombineBwdImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer g, ffi::AnyBuffer y,
                           ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> row_src,
                           ffi::Buffer<ffi::S32> slot_row, ffi::Buffer<ffi::PRED> send_mask,
                           ffi::Span<const int32_t> ep_groups, int32_t num_ranks, int32_t align,
@@ -132,7 +132,7 @@ ffi::Error CombineBwdImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer 
                           ffi::Result<ffi::Buffer<ffi::F32>> dw) {
   JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
   PeerTable peers;
-  JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, &peers));
+  JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, device, &peers));
   const int R = peers.num_ranks;
 
   auto gd = g.dimensions(), yd = y.dimensions(), od = dy->dimensions();
@@ -166,7 +166,7 @@ ffi::Error CombineBwdImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer 
   a.dw = dw->typed_data();
   JAX_EP_RETURN_IF_ERROR(
       SetupDispatch("combine_bwd", R, T, C, row_src, slot_row, send_mask, align, zero_tail,
-                    num_sms, chunk, debug_skip, &a, &lc));
+                    num_sms, chunk, debug_skip, device, &a, &lc));
 
   if (T == 0 && C == 0) return ffi::Error::Success();
   if (debug_poison()) {
@@ -185,6 +185,7 @@ ffi::Error CombineBwdImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::DispatchImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<jax_ep::Stream>()
+                                  .Ctx<jax_ep::Device>()
                                   .Arg<xla::ffi::AnyBuffer>()                      // x [T, W]
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()          // scales [T, S]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()          // row_src [C]
@@ -206,6 +207,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::DispatchImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineBwd, jax_ep::CombineBwdImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<jax_ep::Stream>()
+                                  .Ctx<jax_ep::Device>()
                                   .Arg<xla::ffi::AnyBuffer>()                      // g = d_out [T, W]
                                   .Arg<xla::ffi::AnyBuffer>()                      // y [C, W]
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()          // w [C]

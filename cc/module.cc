@@ -39,6 +39,7 @@ NB_MODULE(_C, m) {
         nb::arg("stage_half_bytes"),
         "Ring slots per (peer, block) that a staging half holds (0: not one).");
   m.attr("DEFAULT_BUFFER_BYTES") = jax_ep::kDefaultBufferBytes;
+  m.attr("CTRL_BYTES") = jax_ep::kCtrlBytes;  // control region at the buffer's end
   m.def(
       "staging_error",
       [](bool combine, int num_ranks, int tokens, int num_sms, int device_sms, int chunk,
@@ -82,6 +83,13 @@ NB_MODULE(_C, m) {
           jax_ep::runtime_attach(device, bytes);
         },
         nb::arg("device"), nb::arg("bytes"));
+  m.def("peer_memory_attach",
+        [](std::vector<int> ordinals, size_t bytes) {
+          nb::gil_scoped_release release;
+          jax_ep::peer_memory_attach(ordinals, bytes);
+        },
+        nb::arg("ordinals"), nb::arg("bytes"),
+        "Peer-memory transport: one zeroed buffer per CUDA device, peer access between all.");
   m.def("runtime_detach", [] {
     nb::gil_scoped_release release;
     jax_ep::runtime_detach();
@@ -136,6 +144,10 @@ NB_MODULE(_C, m) {
     d["my_pe"] = rt->my_pe;
     d["n_pes"] = rt->n_pes;
     d["sym_bytes"] = rt->sym_bytes;
+    d["transport"] = rt->transport == jax_ep::Transport::kNvshmem ? "nvshmem" : "peer_memory";
+    nb::list ords;
+    for (int i = 0; i < rt->num_devices; ++i) ords.append(rt->ordinals[i]);
+    d["devices"] = ords;
     d["device"] = rt->device;
     d["num_sms"] = rt->num_sms;
     return d;

@@ -1,8 +1,10 @@
-// Native runtime: NVSHMEM bootstrap, the symmetric buffer and peer tables.
+// Native runtime: NVSHMEM bootstrap or the peer-memory buffers, and peer tables.
 // Compiled by nvcc into the same module as the kernels: NVSHMEM keeps its
 // device-side state per module and fills it in nvshmem_init.
 #include "runtime.h"
 #include "runtime_lifecycle.h"
+
+#include "buffer_layout.h"
 
 #include <cuda_runtime.h>
 #include <nvshmem.h>
@@ -29,30 +31,64 @@ void cuda_check(cudaError_t e, const char* what) {
 
 Runtime* runtime() { return g_live; }
 
-bool Runtime::peer_table(const int32_t* group_pes, int group_size, PeerTable* out,
-                         const char** err) const {
+namespace {
+
+int device_slot(const Runtime& rt, int ordinal) {
+  for (int i = 0; i < rt.num_devices; ++i)
+    if (rt.ordinals[i] == ordinal) return i;
+  return -1;
+}
+
+}  // namespace
+
+int Runtime::sms_of(int device_ordinal) const {
+  if (transport == Transport::kNvshmem) return num_sms;
+  const int i = device_slot(*this, device_ordinal);
+  return i >= 0 ? dev_sms[i] : num_sms;
+}
+
+bool Runtime::peer_table(const int32_t* group, int group_size, int device_ordinal,
+                         PeerTable* out, const char** err) const {
   if (group_size < 1 || group_size > kMaxRanks) {
     *err = "EP group size outside [1, kMaxRanks]";
     return false;
   }
+  const bool nvshmem = transport == Transport::kNvshmem;
+  const int me = member_id(device_ordinal);
   PeerTable t;
   t.num_ranks = group_size;
   t.rank = -1;
   for (int i = 0; i < group_size; ++i) {
-    int pe = group_pes[i];
-    if (pe < 0 || pe >= n_pes) {
-      *err = "EP group names a PE outside [0, n_pes)";
-      return false;
+    const int m = group[i];
+    if (nvshmem) {
+      if (m < 0 || m >= n_pes) {
+        *err = "EP group names a PE outside [0, n_pes)";
+        return false;
+      }
+      t.peers[i] = g_pe_base[m];
+    } else {
+      const int slot = device_slot(*this, m);
+      if (slot < 0) {
+        *err = "EP group names a GPU this process's runtime did not set up (peer memory)";
+        return false;
+      }
+      t.peers[i] = dev_base[slot];
     }
-    if (pe == my_pe) t.rank = i;
-    t.peers[i] = g_pe_base[pe];
+    if (m == me) {
+      if (t.rank >= 0) {
+        *err = "the EP group names this GPU twice";
+        return false;
+      }
+      t.rank = i;
+    }
     if (!t.peers[i]) {
-      *err = "a PE of the EP group is not reachable by CUDA P2P (NVLink) from this GPU";
+      *err = "a member of the EP group is not reachable by CUDA P2P (NVLink) from this GPU";
       return false;
     }
   }
   if (t.rank < 0) {
-    *err = "this PE is not a member of the EP group";
+    *err = nvshmem ? "this PE is not a member of the EP group"
+                   : "this GPU is not a member of the EP group";
     return false;
   }
   *out = t;
@@ -103,8 +139,16 @@ bool nvshmem_init(const std::string& uid, int rank, int nranks, int device) {
   return true;
 }
 
+static void check_buffer_bytes(size_t bytes) {
+  if (bytes < 2 * kCtrlBytes)
+    throw std::runtime_error("jax_ep: buffer_bytes (" + std::to_string(bytes) + ") must be at "
+                             "least " + std::to_string(2 * kCtrlBytes) + " (the control region "
+                             "and some staging)");
+}
+
 void runtime_attach(int device, size_t bytes) {
   if (g_live) throw std::runtime_error("jax_ep: runtime already attached");
+  check_buffer_bytes(bytes);
   cuda_check(cudaSetDevice(device), "cudaSetDevice");
   void* base = nvshmem_malloc(bytes);  // collective
   if (!base)
@@ -131,8 +175,88 @@ void runtime_attach(int device, size_t bytes) {
   g_live = &g_runtime;
 }
 
+void peer_memory_attach(const std::vector<int>& ordinals, size_t bytes) {
+  if (g_live) throw std::runtime_error("jax_ep: runtime already attached");
+  check_buffer_bytes(bytes);
+  const int n = static_cast<int>(ordinals.size());
+  if (n < 1 || n > kMaxDevices)
+    throw std::runtime_error("jax_ep: peer memory needs 1.." + std::to_string(kMaxDevices) +
+                             " GPUs, got " + std::to_string(n));
+  int prev = 0;
+  cuda_check(cudaGetDevice(&prev), "cudaGetDevice");
+  Runtime rt;
+  rt.transport = Transport::kPeerMemory;
+  rt.my_pe = 0;
+  rt.n_pes = 1;
+  rt.sym_bytes = bytes;
+  rt.num_devices = n;
+  try {
+    for (int i = 0; i < n; ++i) {
+      const int d = ordinals[i];
+      rt.ordinals[i] = d;
+      cuda_check(cudaSetDevice(d), "cudaSetDevice");
+      for (int j = 0; j < n; ++j) {  // every pair: the kernels store into each other's buffer
+        if (ordinals[j] == d) continue;
+        int can = 0;
+        cuda_check(cudaDeviceCanAccessPeer(&can, d, ordinals[j]), "cudaDeviceCanAccessPeer");
+        if (!can)
+          throw std::runtime_error("jax_ep: GPU " + std::to_string(d) + " cannot access GPU " +
+                                   std::to_string(ordinals[j]) + " by CUDA P2P (NVLink / PCIe "
+                                   "peer access); the peer-memory transport needs every pair");
+        cudaError_t e = cudaDeviceEnablePeerAccess(ordinals[j], 0);
+        if (e == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
+        else cuda_check(e, "cudaDeviceEnablePeerAccess");
+      }
+      void* base = nullptr;
+      cudaError_t e = cudaMalloc(&base, bytes);
+      if (e != cudaSuccess) {
+        cudaGetLastError();
+        throw std::runtime_error(
+            "jax_ep: cudaMalloc(" + std::to_string(bytes >> 20) + " MiB) on GPU " +
+            std::to_string(d) + " failed: the buffer does not fit in the GPU memory JAX left "
+            "free. Lower XLA_PYTHON_CLIENT_MEM_FRACTION or pass a smaller buffer_bytes");
+      }
+      rt.dev_base[i] = base;
+      cuda_check(cudaMemset(base, 0, bytes), "cudaMemset(peer buffer)");  // epochs start at 0
+      cuda_check(cudaDeviceGetAttribute(&rt.dev_sms[i], cudaDevAttrMultiProcessorCount, d),
+                 "cudaDeviceGetAttribute");
+    }
+    for (int i = 0; i < n; ++i) {
+      cuda_check(cudaSetDevice(rt.ordinals[i]), "cudaSetDevice");
+      cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // zeroed before any use
+    }
+  } catch (...) {
+    for (int i = 0; i < n; ++i)
+      if (rt.dev_base[i]) {
+        cudaSetDevice(rt.ordinals[i]);
+        cudaFree(rt.dev_base[i]);
+      }
+    cudaSetDevice(prev);
+    throw;
+  }
+  cuda_check(cudaSetDevice(prev), "cudaSetDevice");
+  rt.device = rt.ordinals[0];
+  rt.num_sms = rt.dev_sms[0];
+  rt.sym_base = rt.dev_base[0];
+  g_runtime = rt;
+  g_live = &g_runtime;
+}
+
 void runtime_detach() {
   if (!g_live) return;
+  if (g_runtime.transport == Transport::kPeerMemory) {
+    int prev = 0;
+    cuda_check(cudaGetDevice(&prev), "cudaGetDevice");
+    g_live = nullptr;
+    for (int i = 0; i < g_runtime.num_devices; ++i) {
+      cuda_check(cudaSetDevice(g_runtime.ordinals[i]), "cudaSetDevice");
+      cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // XLA's work may still run
+      cuda_check(cudaFree(g_runtime.dev_base[i]), "cudaFree(peer buffer)");
+    }
+    cuda_check(cudaSetDevice(prev), "cudaSetDevice");
+    g_runtime = Runtime();
+    return;
+  }
   cuda_check(cudaSetDevice(g_runtime.device), "cudaSetDevice");
   // Work queued by XLA on other streams may still touch the buffer.
   cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");

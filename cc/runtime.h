@@ -1,10 +1,16 @@
-// Process-level native runtime: NVSHMEM bootstrap and the symmetric buffer.
+// Process-level native runtime: the symmetric buffer(s) and peer tables.
 //
 // Contract between the runtime (cc/runtime.cu, nanobind module) and the
-// kernels / FFI handlers (cc/kernels/*, cc/ffi_*.cc). One GPU per process: a
-// process is one NVSHMEM PE. The EP group is given to each FFI call as the
-// list of its PEs (attribute), so an EP axis that is a sub-axis of a larger
-// mesh works: kernels index peers by position in the group, not by PE.
+// kernels / FFI handlers (cc/kernels/*, cc/ffi_*.cc). Two transports fill the
+// same PeerTable (docs/transports.md):
+//  * NVSHMEM: one GPU per process, a process is one PE; the EP group reaches
+//    each FFI call as the list of its PEs (attribute);
+//  * peer memory: one process drives several GPUs; one plain buffer per GPU
+//    (cudaMalloc, peer access enabled between all of them), and the EP group
+//    is the list of its CUDA device ordinals; a call finds its own position
+//    from the device XLA runs it on (ffi::DeviceOrdinal).
+// Either way an EP axis that is a sub-axis of a larger mesh works: kernels
+// index peers by position in the group.
 #pragma once
 
 #include <cstddef>
@@ -23,18 +29,37 @@ struct PeerTable {
   void* peers[kMaxRanks] = {};
 };
 
+enum class Transport : int { kNvshmem = 0, kPeerMemory = 1 };
+
+constexpr int kMaxDevices = 16;  // local GPUs of one process (peer-memory transport)
+
 struct Runtime {
+  Transport transport = Transport::kNvshmem;
   int my_pe = -1;
   int n_pes = 0;
-  void* sym_base = nullptr;   // nvshmem_malloc'd, same offset on every PE
-  size_t sym_bytes = 0;
-  int device = -1;            // CUDA device of this process
-  int num_sms = 0;            // multiprocessors on that device
+  void* sym_base = nullptr;   // NVSHMEM: nvshmem_malloc'd, same offset on every PE
+  size_t sym_bytes = 0;       // per buffer (every PE / every device alike)
+  int device = -1;            // NVSHMEM: CUDA device of this process
+  int num_sms = 0;            // multiprocessors of `device` (of the first device: peer memory)
+  // Peer memory: the process's GPUs, by CUDA ordinal, and each one's buffer.
+  int num_devices = 0;
+  int ordinals[kMaxDevices] = {};
+  void* dev_base[kMaxDevices] = {};
+  int dev_sms[kMaxDevices] = {};
 
-  // PeerTable for the EP group given as a list of PEs (in group order).
-  // Returns false (and fills *err) when a PE is not reachable by P2P.
-  bool peer_table(const int32_t* group_pes, int group_size, PeerTable* out,
+  // PeerTable for the EP group given in group order as PEs (NVSHMEM) or CUDA
+  // ordinals (peer memory), seen from this process's PE / from device
+  // `device_ordinal`. Returns false (and fills *err) when a member is not
+  // reachable by P2P or this caller is not in the group.
+  bool peer_table(const int32_t* group, int group_size, int device_ordinal, PeerTable* out,
                   const char** err) const;
+  // Who the caller on device_ordinal is in ep_groups' terms: its PE (NVSHMEM)
+  // or the ordinal itself (peer memory).
+  int member_id(int device_ordinal) const {
+    return transport == Transport::kNvshmem ? my_pe : device_ordinal;
+  }
+  // Multiprocessors of the caller's device.
+  int sms_of(int device_ordinal) const;
 };
 
 // The live runtime or nullptr when jax_ep.initialize() has not been called.

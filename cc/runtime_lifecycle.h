@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace jax_ep {
 
@@ -19,7 +20,12 @@ std::string nvshmem_unique_id();
 bool nvshmem_init(const std::string& uid, int rank, int nranks, int device);
 // Collective: allocate the symmetric buffer and publish the Runtime.
 void runtime_attach(int device, size_t bytes);
-// Collective: free the symmetric buffer; runtime() becomes nullptr.
+// Peer-memory transport (one process, several GPUs): a zeroed buffer of
+// `bytes` on every CUDA device in `ordinals`, peer access between all pairs,
+// and the Runtime published. No NVSHMEM.
+void peer_memory_attach(const std::vector<int>& ordinals, size_t bytes);
+// Collective (NVSHMEM) / local (peer memory): free the buffer(s); runtime()
+// becomes nullptr.
 void runtime_detach();
 // Free bytes on CUDA `device` (cudaMemGetInfo), to size-check the heap.
 size_t device_free_bytes(int device);

@@ -67,7 +67,13 @@ def result_type(shape, dtype, like=None, vma: Optional[frozenset] = None):
 
 
 def pe_of_device(device) -> int:
-    """NVSHMEM PE that drives ``device``: its process (one GPU per process)."""
+    """Member id of ``device`` in the ``ep_groups`` attribute: the NVSHMEM PE
+    that drives it (its process: one GPU per process), or, with the
+    peer-memory transport (one process, several GPUs), its CUDA ordinal."""
+    from . import runtime
+
+    if runtime.transport() == "peer_memory":
+        return int(device.local_hardware_id)
     return int(device.process_index)
 
 
@@ -93,7 +99,8 @@ def ep_groups_of(devices: np.ndarray, axis_names: Sequence[str], axis_name: str,
             raise ValueError(
                 f"jax_ep native backend: the EP group along {axis_name!r} puts several mesh "
                 f"positions on one process (PEs {row.tolist()}); the NVSHMEM transport needs "
-                "one GPU per process (use the reference backend, or one process per GPU)")
+                "one GPU per process (use the reference backend, one process per GPU, or "
+                "jax_ep.initialize(transport='peer_memory'))")
     return groups
 
 

@@ -33,7 +33,9 @@ _state = {
     "nvshmem_up": False,     # NVSHMEM is initialised in this process
     "generation": 0,         # initialize() calls, for unique KV-store keys
     "reason": "jax_ep.initialize() not called",
+    "transport": None,       # "nvshmem" | "peer_memory" while initialized
 }
+TRANSPORTS = ("auto", "nvshmem", "peer_memory")
 _ext = {"module": None, "error": None, "registered": False}
 
 
@@ -163,13 +165,23 @@ def _not_up(reason: str) -> bool:
     return False
 
 
-def initialize(buffer_bytes: Optional[int] = None, config=None) -> bool:
+def transport() -> Optional[str]:
+    """The live runtime's transport, ``"nvshmem"`` or ``"peer_memory"``, or None."""
+    return _state["transport"] if _state["initialized"] else None
+
+
+def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str = "auto") -> bool:
     """Start the native runtime in this process. Collective over all processes.
 
     Call after ``jax.distributed.initialize`` (when there are several processes).
     Bootstraps NVSHMEM (rank 0's unique id travels through JAX's distributed
     key-value store; an NVSHMEM that XLA already started is reused) and
-    allocates the symmetric buffer with ``nvshmem_malloc``.
+    allocates the symmetric buffer with ``nvshmem_malloc``. With
+    ``transport="peer_memory"`` in a single process that drives several GPUs it
+    instead allocates one buffer per GPU and enables peer access between them
+    (no NVSHMEM; docs/transports.md). That mode has not run on GPUs yet, so
+    ``"auto"`` does not pick it: in such a process ``"auto"`` returns False
+    (reference backend) and says how to opt in.
 
     Args:
       buffer_bytes: symmetric buffer per process (default: from ``config``,
@@ -177,6 +189,8 @@ def initialize(buffer_bytes: Optional[int] = None, config=None) -> bool:
         lower ``XLA_PYTHON_CLIENT_MEM_FRACTION`` if it does not fit.
       config: an :class:`EpConfig` (or a list of them) to size the buffer
         for: the largest ``config.native_buffer_bytes(process_count)``.
+      transport: ``"auto"`` (NVSHMEM, one GPU per process), ``"nvshmem"`` or
+        ``"peer_memory"`` (one process, several GPUs; not yet validated on GPUs).
 
     Returns:
       True when the runtime is up; False (with a one-line notice, see
@@ -189,6 +203,9 @@ def initialize(buffer_bytes: Optional[int] = None, config=None) -> bool:
     """
     if _state["initialized"]:
         return True
+    if transport not in TRANSPORTS:
+        raise ValueError(f"jax_ep.initialize: transport must be one of {TRANSPORTS}, got "
+                         f"{transport!r}")
     C = _extension()
     if C is None:
         return _not_up(unavailable_reason())
@@ -207,10 +224,14 @@ def initialize(buffer_bytes: Optional[int] = None, config=None) -> bool:
     gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
     if not gpus:
         return _not_up("no CUDA GPU visible to JAX in this process")
+    if transport == "peer_memory":
+        return _attach_peer_memory(C, gpus, buffer_bytes)
     if len(gpus) != 1:
         return _not_up(
             f"this process drives {len(gpus)} GPUs; the NVSHMEM transport needs one GPU per "
-            "process (jax.distributed.initialize(..., local_device_ids=[i]) or jax-ep-launch)")
+            "process (jax.distributed.initialize(..., local_device_ids=[i]) or jax-ep-launch), "
+            "or opt in to the peer-memory transport (not yet validated on GPUs): "
+            "jax_ep.initialize(transport='peer_memory')")
     device = int(gpus[0].local_hardware_id)
     rank, nranks = jax.process_index(), jax.process_count()
     _register_targets()
@@ -240,6 +261,25 @@ def initialize(buffer_bytes: Optional[int] = None, config=None) -> bool:
         _state["nvshmem_up"] = True
     C.runtime_attach(device, buffer_bytes)  # raises naming XLA_PYTHON_CLIENT_MEM_FRACTION
     _state["initialized"] = True
+    _state["transport"] = "nvshmem"
+    _state["reason"] = ""
+    return True
+
+
+def _attach_peer_memory(C, gpus, buffer_bytes: int) -> bool:
+    """One process, several GPUs: a buffer per GPU, peer access between all."""
+    import jax
+
+    if jax.process_count() != 1:
+        raise ValueError("jax_ep.initialize(transport='peer_memory') drives the GPUs of ONE "
+                         f"process; this job has {jax.process_count()} processes (use the "
+                         "NVSHMEM transport, one GPU per process)")
+    _register_targets()
+    # The lowering names each GPU by its CUDA ordinal (jax_ep._ffi.pe_of_device),
+    # which is also XLA's device ordinal in the FFI call.
+    C.peer_memory_attach([int(d.local_hardware_id) for d in gpus], buffer_bytes)
+    _state["initialized"] = True
+    _state["transport"] = "peer_memory"
     _state["reason"] = ""
     return True
 
@@ -262,7 +302,11 @@ def finalize() -> None:
     C = _extension()
     _state["initialized"] = False
     _state["reason"] = "jax_ep.finalize() was called"
+    peer = _state["transport"] == "peer_memory"
+    _state["transport"] = None
     C.runtime_detach()
+    if peer:
+        return
     if _state["owns_nvshmem"] and not _keep_nvshmem():
         C.nvshmem_finalize()
         _state["nvshmem_up"] = False

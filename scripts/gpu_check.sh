@@ -13,8 +13,9 @@
 # then the layer at every T and Mixtral with the fused gate_up experts
 # (MOE_STEP_ARGS="--configs v3,mixtral --tokens 128,1024,4096,8192"); on one GPU,
 # the main loopback table (test_loopback.py --bench; 217 us dispatch before the
-# rings) and the R = 8 wrapping-ring test, which did not finish in session 6:
-#   GPU_TESTS="tests/gpu/test_loopback.py -k tiny_ring --runxfail" TEST_TIMEOUT=240 ...
+# rings) and the wrapping-ring tests (R = 2 and R = 8; R = 8 stalled in session 6
+# on a harness bug fixed since): GPU_TESTS="tests/gpu/test_loopback.py" ...; on
+# 2 GPUs also the single-process peer-memory test (tests/gpu/test_peer_memory.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/jax_ep_gpu_check}"

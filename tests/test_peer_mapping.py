@@ -111,3 +111,38 @@ def test_lowering_not_reused_across_device_orders(monkeypatch):
             text = f.lower(np.zeros((8, 1), np.int32)).as_text()
         got = [int(v) for v in re.search(r"ep_groups = dense<\[([0-9, ]+)\]>", text).group(1).split(",")]
         assert got == np.vectorize(lambda d: d.id)(mesh.devices).reshape(-1).tolist()
+
+
+class _GpuDev:
+    def __init__(self, ordinal):
+        self.local_hardware_id = ordinal
+        self.process_index = 0   # one process drives them all
+
+
+def test_peer_memory_groups_use_cuda_ordinals(monkeypatch):
+    """With the peer-memory transport (one process, several GPUs) a group names
+    its GPUs by CUDA ordinal, in axis order: permuted device lists, ('ep',
+    'data') order and EP on a sub-axis map as with one process per GPU; the
+    NVSHMEM mapping (by process) would put every position on PE 0."""
+    from jax_ep import runtime
+
+    devs = np.vectorize(_GpuDev, otypes=[object])
+    with pytest.raises(ValueError, match="one GPU per process"):
+        _ffi.ep_groups_of(devs([1, 0]), ("ep",), "ep")          # NVSHMEM: both on process 0
+    monkeypatch.setitem(runtime._state, "initialized", True)
+    monkeypatch.setitem(runtime._state, "transport", "peer_memory")
+    assert runtime.transport() == "peer_memory"
+    assert _ffi.ep_groups_of(devs([1, 0]), ("ep",), "ep").tolist() == [[1, 0]]
+    ords = np.array([[5, 2, 7, 0], [1, 6, 3, 4]])                # (data=2, ep=4), permuted
+    assert _ffi.ep_groups_of(devs(ords), ("data", "ep"), "ep").tolist() == ords.tolist()
+    assert _ffi.ep_groups_of(devs(ords.T), ("ep", "data"), "ep").tolist() == ords.tolist()
+    assert _ffi.ep_groups_of(devs(ords), ("data", "ep"), "data").tolist() == ords.T.tolist()
+    with pytest.raises(ValueError, match="several mesh positions"):
+        _ffi.ep_groups_of(devs([3, 3]), ("ep",), "ep")
+
+
+def test_initialize_transport_argument():
+    from jax_ep import runtime
+
+    with pytest.raises(ValueError, match="transport must be one of"):
+        runtime.initialize(transport="nccl")

@@ -277,6 +277,12 @@ combine_kernel(CombineArgs a, LaunchConfig lc, int num_chunks) {
     const int n_ci = blockIdx.x < num_chunks ? (num_chunks - blockIdx.x + G - 1) / G : 0;
     ItemCursor cb = ca;
     int na = 0, nb = 0;  // items done by A / B (B never overtakes A)
+    // Rings that wrap: before an item of chunk ci, wait for EVERY peer's chunk
+    // ci (all peers publish every chunk), not only the peers the token needs.
+    // A peer publishes ci only after the credit of ci - depth, i.e. after every
+    // warp of this block drained the slot, so no warp can count its drain of
+    // ci into the slot counter while a slower warp still owes ci - depth.
+    const bool wraps = depth < n_ci;
     while (cb.valid()) {
       const int tb = cb.t(), jb = cb.j, cib = jb / G, qb = cib % depth;
       const unsigned long long tag = chunk_tag(epoch, cib);
@@ -284,10 +290,11 @@ combine_kernel(CombineArgs a, LaunchConfig lc, int num_chunks) {
       if (nb < na) {
         bool ready = true;
         for (int r = 0; r < R && ready; ++r)
-          if (r != me && mb[r]) ready = tag_ready_warp(&ctrl->ready[r][blockIdx.x][qb], tag);
+          if (r != me && (mb[r] || wraps))
+            ready = tag_ready_warp(&ctrl->ready[r][blockIdx.x][qb], tag);
         if (!ready && !ca.valid()) {  // nothing else to do: block on the flags
           for (int r = 0; r < R; ++r)
-            if (r != me && mb[r])
+            if (r != me && (mb[r] || wraps))
               wait_tag(&ctrl->ready[r][blockIdx.x][qb], tag, a.host_err, a.timeout_ns);
           ready = true;
         }

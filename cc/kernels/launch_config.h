@@ -41,14 +41,13 @@ LaunchConfig make_launch_config(OpKind op, int num_tokens, int num_sms_requested
 // Sets lc->depth for R ranks, T tokens and rows of row_bytes (+ s_row_bytes
 // of scales) in a staging half of `half` bytes; halves the chunk while the
 // ring would hold fewer than 2 slots per (peer, block) (so sending and
-// draining overlap). False when not even one row per ring fits, or, above 2
-// ranks, when the ring would wrap (not yet validated there).
+// draining overlap). False when not even one row per ring fits.
 bool fit_ring(LaunchConfig* lc, int R, int T, long long row_bytes, long long s_row_bytes,
               size_t half);
 
 // The launch of op for R ranks and T tokens in a symmetric buffer of
-// sym_bytes (make_launch_config + fit_ring): "" and *lc, or why the staging
-// does not fit. The FFI handlers and the trace-time check in jax_ep/native.py
+// sym_bytes (make_launch_config + fit_ring; above 2 ranks without wrapping,
+// not yet validated there): "" and *lc, or why the staging does not fit. The FFI handlers and the trace-time check in jax_ep/native.py
 // (jax_ep._C.staging_error) both use it.
 std::string plan_launch(OpKind op, int R, int T, int num_sms_requested, int device_sms,
                         int chunk, long long row_bytes, long long s_row_bytes, size_t sym_bytes,

@@ -6,11 +6,13 @@
 namespace jax_ep {
 namespace {
 
-ffi::Error PingImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> x,
+ffi::Error PingImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> x,
                     ffi::Span<const int32_t> ep_groups, int32_t num_ranks,
                     ffi::ResultBuffer<ffi::S32> y) {
   PeerTable peers;
-  JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, &peers));
+  JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, device, &peers));
+  if (runtime()->transport != Transport::kNvshmem)
+    return InvalidArgument("ping: an NVSHMEM barrier test (the NVSHMEM transport only)");
   const int64_t n = static_cast<int64_t>(x.element_count());
   if (static_cast<size_t>(n) * sizeof(int32_t) > runtime()->sym_bytes)
     return InvalidArgument("ping: input larger than the symmetric buffer");
@@ -25,6 +27,7 @@ ffi::Error PingImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> x,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpPing, jax_ep::PingImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<jax_ep::Stream>()
+                                  .Ctx<jax_ep::Device>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Attr<xla::ffi::Span<const int32_t>>("ep_groups")
                                   .Attr<int32_t>("num_ranks")

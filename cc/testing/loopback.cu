@@ -75,6 +75,7 @@ std::string loopback_dispatch(const std::vector<uint64_t>& ptrs, const std::vect
   const bool cast = ints[7] == kDispatchCastBf16 || ints[7] == kDispatchCastF32;
   if (cast && ints[3] % 128 != 0) return "loopback_dispatch: hidden % 128";
   if (std::string e = check_resident(R, int(ints[9])); !e.empty()) return e;
+  if (sym_bytes <= kCtrlBytes) return "loopback_dispatch: sym_bytes must exceed the control region";
   static_assert(std::size(kLoopbackDispatchPtrs) == 11, "pointer layout below");
   auto P = [&](int r, int i) { return reinterpret_cast<void*>(ptrs[kPtrs * r + i]); };
   return run_ranks(R, iters, seconds, [&](int r, cudaStream_t st) {
@@ -128,6 +129,7 @@ std::string loopback_combine(const std::vector<uint64_t>& ptrs, const std::vecto
     return "loopback_combine: bad arguments";
   if (ints[1] > 32) return "loopback_combine: top-k above 32";
   if (std::string e = check_resident(R, int(ints[7])); !e.empty()) return e;
+  if (sym_bytes <= kCtrlBytes) return "loopback_combine: sym_bytes must exceed the control region";
   auto P = [&](int r, int i) { return reinterpret_cast<void*>(ptrs[7 * r + i]); };
   return run_ranks(R, iters, seconds, [&](int r, cudaStream_t st) {
     CombineArgs a;
