@@ -1,8 +1,12 @@
 """jax_ep benchmark: V3-train dispatch / combine on 2 GPUs (one process each).
 
     python bench/ep_bench.py --nproc 2 [--out DIR] [--quick]
+    python bench/ep_bench.py --transport peer_memory [--out DIR]   # one process, every GPU
 
-Spawns the worker processes itself. Per-op device time: a chain of N
+Spawns the worker processes itself (with --transport peer_memory it runs one
+process that drives every GPU: the peer-memory transport, no NVSHMEM; its
+files are named <date>-h200x<N>-1proc.* so they sit beside the multi-process
+ones). Per-op device time: a chain of N
 data-dependent calls inside one jit, timed N=10 and N=30 (median of >= 20
 runs each after warm-up); per op = (t30 - t10) / 20, which cancels the fixed
 launch/host overhead of a multi-process jit call. Reports µs and GB/s two
@@ -48,12 +52,18 @@ def main():
     ap.add_argument("--skip-ref", action="store_true", help="native ops only (iteration)")
     ap.add_argument("--only-fp8", action="store_true", help="fp8 dispatch ops only (iteration)")
     ap.add_argument("--no-ragged", action="store_true", help="skip the ragged_all_to_all row")
+    ap.add_argument("--transport", choices=("nvshmem", "peer_memory"), default="nvshmem",
+                    help="peer_memory: one process drives every GPU (no launcher)")
     ap.add_argument("--worker", type=int, default=-1)
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--ragged-only", default="", help=argparse.SUPPRESS)  # worker: row -> this file
     ap.add_argument("--ragged-row", default="", help=argparse.SUPPRESS)   # worker: row <- this file
     args = ap.parse_args()
     if args.worker >= 0:
+        return worker(args)
+    if args.transport == "peer_memory":  # one process, no jax.distributed: run it here
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
+        args.worker, args.no_ragged = 0, True
         return worker(args)
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1", PYTHONUNBUFFERED="1")
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
@@ -104,9 +114,13 @@ def worker(args):
     import jax
 
     rank = args.worker
-    jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.nproc,
-                               process_id=rank, local_device_ids=[rank],
-                               initialization_timeout=_INIT_TIMEOUT_S)
+    single = args.transport == "peer_memory"
+    if single:
+        args.nproc = len(jax.devices())
+    else:
+        jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.nproc,
+                                   process_id=rank, local_device_ids=[rank],
+                                   initialization_timeout=_INIT_TIMEOUT_S)
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -132,7 +146,7 @@ def worker(args):
         def combine_rows(self, y, row_weights, handle, cfg):
             return native.combine_raw(y, row_weights, handle, cfg, debug_skip=self.skip)
 
-    ok = jax_ep.initialize()
+    ok = jax_ep.initialize(transport="peer_memory") if single else jax_ep.initialize()
     R = args.nproc
     mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
     spec = P("ep")
@@ -177,7 +191,9 @@ def worker(args):
         # data dependence of the next call on this one's output, at ~no cost
         return x.at[0, 0].add((o.reshape(-1)[0] * 0).astype(x.dtype))
 
-    results = {"machine": f"{R}x {jax.local_devices()[0].device_kind}", "nproc": R,
+    results = {"machine": f"{R}x {jax.local_devices()[0].device_kind}"
+               + (", one process (peer memory)" if single else ", one process per GPU (NVSHMEM)"),
+               "nproc": R, "suffix": "-1proc" if single else "",
                "date": datetime.date.today().isoformat(),
                "jax": jax.__version__, "rows": [], "sweep": []}
 
@@ -465,7 +481,8 @@ def worker(args):
 
 def write_outputs(results, out_dir, bidir, quiet=False):
     os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, f"{results['date']}-h200x{results['nproc']}")
+    stem = os.path.join(out_dir, f"{results['date']}-h200x{results['nproc']}"
+                        f"{results.get('suffix', '')}")
     with open(stem + ".json", "w") as f:
         json.dump(results, f, indent=1)
     L = [f"# jax_ep benchmark — {results['machine']}, {results['date']} (jax {results['jax']})", "",

@@ -21,6 +21,11 @@ GPUs (one process per GPU, NVSHMEM native backend)::
 
     python -m jax_ep.launch -n 2 examples/train_moe.py --backend native
 
+GPUs, one process driving all of them (peer-memory transport; written, not
+yet run on GPUs)::
+
+    python examples/train_moe.py --backend native --transport peer_memory
+
 The output reports the loss every ``--log-every`` steps, tokens/s, and the
 share of a training step spent in dispatch + combine, measured by timing a
 jitted forward+backward of dispatch -> combine alone (same shapes, random
@@ -41,6 +46,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", choices=("reference", "native", "auto"), default="reference",
                    help="jax_ep backend (default reference; native needs GPUs + the launcher)")
+    p.add_argument("--transport", choices=("auto", "nvshmem", "peer_memory"), default="auto",
+                   help="native runtime transport: one GPU per process (NVSHMEM, the launcher) "
+                        "or peer_memory (one process drives every GPU; not yet run on GPUs)")
     p.add_argument("--platform", choices=("auto", "cpu", "gpu"), default="auto",
                    help="auto: gpu with --backend native or under the launcher on GPUs, else "
                         "cpu with 8 fake devices")
@@ -306,14 +314,15 @@ def train(args, verbose=True):
     if "JAX_EP_NUM_PROCESSES" in os.environ or backend == "native" or _want_gpu(args):
         from jax_ep.launch import init_distributed
         # "auto" on GPUs: start the native runtime when possible, else the reference runs
+        kw = {} if args.transport == "auto" else {"transport": args.transport}
         info = init_distributed(native=(backend == "native" or
-                                        (backend == "auto" and _want_gpu(args))))
+                                        (backend == "auto" and _want_gpu(args))), **kw)
         if backend == "native" and not info.native:
             from jax_ep import runtime
             raise SystemExit(f"--backend native: the jax_ep native runtime did not start "
                              f"({runtime.unavailable_reason()}); run one process per GPU "
-                             "with `python -m jax_ep.launch -n <gpus> ...`, or use "
-                             "--backend reference")
+                             "with `python -m jax_ep.launch -n <gpus> ...`, or one process "
+                             "with --transport peer_memory, or use --backend reference")
     is_main = jax.process_index() == 0
     say = print if (verbose and is_main) else (lambda *a, **k: None)
 
