@@ -46,6 +46,16 @@ bool debug_poison() {
   return on;
 }
 
+int peek_device_error() {
+  device_error_word();  // the word exists (and g_host is set) before anyone reads it
+  return g_host ? *reinterpret_cast<volatile int*>(g_host) : 0;
+}
+
+void clear_device_error() {
+  device_error_word();
+  if (g_host) *reinterpret_cast<volatile int*>(g_host) = 0;
+}
+
 int take_device_error() {
   if (!g_host) return 0;
   int v = *reinterpret_cast<volatile int*>(g_host);

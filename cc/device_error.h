@@ -10,6 +10,8 @@ enum KernelError : int { kErrNone = 0, kErrTimeout = 1 };
 // Host-mapped error word the kernels write on timeout (one per process).
 int* device_error_word();  // device pointer of the mapped word
 int take_device_error();   // reads and clears it (host side, no sync)
+int peek_device_error();   // reads it, leaves it set
+void clear_device_error(); // back to kErrNone (a new runtime)
 
 // TEST-ONLY debug helper, the one environment read of the library:
 // JAX_EP_DEBUG_POISON=1 makes the FFI handlers fill their outputs with 0xFF

@@ -88,10 +88,16 @@ inline ffi::Error GetPeerTable(ffi::Span<const int32_t> ep_groups, int32_t num_r
       const char* err = nullptr;
       if (!rt->peer_table(ep_groups.begin() + g, num_ranks, device, out, &err))
         return ffi::Error(ffi::ErrorCode::kFailedPrecondition, std::string("jax_ep: ") + err);
-      // One process, several GPUs: launches go to XLA's stream of `device`;
-      // make it current in case the calling thread last served another GPU.
-      if (rt->transport == Transport::kPeerMemory && cudaSetDevice(device) != cudaSuccess)
-        return ffi::Error(ffi::ErrorCode::kInternal, "jax_ep: cudaSetDevice failed");
+      // One process, several GPUs: XLA has made this GPU's context current;
+      // its ordinal must be the one ep_groups and the buffers are keyed by.
+      if (rt->transport == Transport::kPeerMemory) {
+        int cur = -1;
+        if (cudaGetDevice(&cur) != cudaSuccess || cur != device)
+          return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                            "jax_ep: XLA's device ordinal " + std::to_string(device) +
+                                " is not the current CUDA device (" + std::to_string(cur) +
+                                "): the peer-memory transport keys its buffers by CUDA ordinal");
+      }
       return ffi::Error::Success();
     }
   }
@@ -115,7 +121,13 @@ inline ffi::Error PlanLaunch(const std::string& o, OpKind op, int R, int T, int 
 
 // Surfaces a spin timeout a previous kernel of this process left behind.
 inline ffi::Error CheckDeviceError() {
-  if (int e = take_device_error()) {
+  // One process per GPU: the word is this rank's, read once. One process
+  // driving several GPUs shares one word: it stays set, so every GPU's next
+  // call fails (else the others would launch, spin and time out again, and
+  // the GPU that failed would fall an epoch behind).
+  const Runtime* rt = runtime();
+  const bool sticky = rt && rt->transport == Transport::kPeerMemory;
+  if (int e = sticky ? peek_device_error() : take_device_error()) {
     return ffi::Error(ffi::ErrorCode::kInternal,
                       "jax_ep: a previous dispatch/combine kernel timed out waiting for a peer "
                       "rank (error " + std::to_string(e) +

@@ -5,6 +5,7 @@
 #include "runtime_lifecycle.h"
 
 #include "buffer_layout.h"
+#include "device_error.h"
 
 #include <cuda_runtime.h>
 #include <nvshmem.h>
@@ -224,6 +225,13 @@ void peer_memory_attach(const std::vector<int>& ordinals, size_t bytes) {
     for (int i = 0; i < n; ++i) {
       cuda_check(cudaSetDevice(rt.ordinals[i]), "cudaSetDevice");
       cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // zeroed before any use
+      // every rank must pick the same grid (ring layout): same SM count
+      if (rt.dev_sms[i] != rt.dev_sms[0])
+        throw std::runtime_error("jax_ep: the peer-memory transport needs GPUs with one SM "
+                                 "count (GPU " + std::to_string(rt.ordinals[i]) + " has " +
+                                 std::to_string(rt.dev_sms[i]) + ", GPU " +
+                                 std::to_string(rt.ordinals[0]) + " " +
+                                 std::to_string(rt.dev_sms[0]) + ")");
     }
   } catch (...) {
     for (int i = 0; i < n; ++i)
@@ -235,6 +243,7 @@ void peer_memory_attach(const std::vector<int>& ordinals, size_t bytes) {
     throw;
   }
   cuda_check(cudaSetDevice(prev), "cudaSetDevice");
+  clear_device_error();  // a timeout of an earlier runtime is not this one's
   rt.device = rt.ordinals[0];
   rt.num_sms = rt.dev_sms[0];
   rt.sym_base = rt.dev_base[0];
@@ -246,15 +255,18 @@ void runtime_detach() {
   if (!g_live) return;
   if (g_runtime.transport == Transport::kPeerMemory) {
     int prev = 0;
-    cuda_check(cudaGetDevice(&prev), "cudaGetDevice");
+    cudaGetDevice(&prev);
     g_live = nullptr;
-    for (int i = 0; i < g_runtime.num_devices; ++i) {
-      cuda_check(cudaSetDevice(g_runtime.ordinals[i]), "cudaSetDevice");
-      cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // XLA's work may still run
-      cuda_check(cudaFree(g_runtime.dev_base[i]), "cudaFree(peer buffer)");
+    cudaError_t first = cudaSuccess;
+    for (int i = 0; i < g_runtime.num_devices; ++i) {  // best effort: free every buffer
+      cudaError_t e = cudaSetDevice(g_runtime.ordinals[i]);
+      if (e == cudaSuccess) e = cudaDeviceSynchronize();  // XLA's work may still run
+      if (e == cudaSuccess) e = cudaFree(g_runtime.dev_base[i]);
+      if (first == cudaSuccess) first = e;
     }
-    cuda_check(cudaSetDevice(prev), "cudaSetDevice");
+    cudaSetDevice(prev);
     g_runtime = Runtime();
+    cuda_check(first, "freeing the peer-memory buffers");
     return;
   }
   cuda_check(cudaSetDevice(g_runtime.device), "cudaSetDevice");

@@ -213,7 +213,10 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
         import jax
 
         cfgs = config if isinstance(config, (list, tuple)) else [config]
-        buffer_bytes = max(c.native_buffer_bytes(jax.process_count()) for c in cfgs)
+        # EP ranks: the processes (one GPU each), or every GPU of this process
+        ranks = (len([d for d in jax.local_devices() if d.platform == "gpu"])
+                 if transport == "peer_memory" else jax.process_count())
+        buffer_bytes = max(c.native_buffer_bytes(max(ranks, 1)) for c in cfgs)
     buffer_bytes = DEFAULT_BUFFER_BYTES if buffer_bytes is None else int(buffer_bytes)
     if buffer_bytes < 1:
         raise ValueError(f"jax_ep.initialize: buffer_bytes must be positive, got {buffer_bytes}")

@@ -16,7 +16,7 @@ import pytest
 import harness
 from gpu_helpers import from_stacked
 
-_REASON = harness.skip_reason()
+_REASON = harness.skip_reason(2)   # at least 2 GPUs, whatever JAX_EP_TEST_NPROCS says
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
 
 
@@ -82,6 +82,7 @@ def _peer_memory_worker(rank: int, n: int):
 
     devs = np.array(jax.devices())
     n = len(devs)
+    assert n >= 2, f"one process must see >= 2 GPUs, sees {n}"
     assert jax_ep.initialize(transport="peer_memory"), "peer-memory runtime did not start"
     from jax_ep import runtime
     results = {"transport": [runtime.transport() == "peer_memory", str(runtime.info())]}
@@ -91,6 +92,9 @@ def _peer_memory_worker(rank: int, n: int):
         "data_ep_reversed": (Mesh(devs[::-1].reshape(1, n), ("data", "ep")), ("data", "ep")),
         "ep_data_reversed": (Mesh(devs[::-1].reshape(n, 1), ("ep", "data")), ("ep", "data")),
     }
+    if n >= 4:  # EP on a real sub-axis: 2 groups of n/2
+        meshes["data2_ep_reversed"] = (Mesh(devs[::-1].reshape(2, n // 2), ("data", "ep")),
+                                       ("data", "ep"))
     rng = np.random.default_rng(7)
     T, H, K, E = 96, 1024, 4, 16
     idx = random_routing(rng, n, T, K, E, minus_one=0.2, skew=True)
@@ -105,9 +109,10 @@ def _peer_memory_worker(rank: int, n: int):
     r = _case(jax_ep, mesh, axes, "expert_major", x, idx, w, fp8_dispatch=True,
               tuning=jax_ep.KernelTuning(fp8_ieee_division=False))
     results["fp8_cast_reversed"] = [r[0], f"dispatch = {r[0]}"]
-    r = _case(jax_ep, mesh, axes, "expert_major", x, idx, w,
-              tuning=jax_ep.KernelTuning(dispatch_chunk=1, combine_chunk=1))
-    results["chunk1_rings_reversed"] = [all(r), f"dispatch, combine, grad = {r}"]
+    if n == 2:  # one block, 1-token chunks: 96 chunks through a 64-slot ring (wraps; EP <= 2)
+        r = _case(jax_ep, mesh, axes, "expert_major", x, idx, w, num_sms=1,
+                  tuning=jax_ep.KernelTuning(dispatch_chunk=1, combine_chunk=1))
+        results["chunk1_rings_reversed"] = [all(r), f"dispatch, combine, grad = {r}"]
     jax_ep.finalize()
     return results
 
@@ -117,4 +122,4 @@ def test_peer_memory_one_process_matches_reference():
                       init_native=False, distributed=False)
     bad = {k: v for r in res for k, v in r.items() if not v[0]}
     assert not bad, bad
-    assert len(res[0]) == 11
+    assert len(res[0]) >= 10
