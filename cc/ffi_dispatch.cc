@@ -59,7 +59,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, f
                         ffi::Buffer<ffi::S32> row_src, ffi::Buffer<ffi::S32> slot_row,
                         ffi::Buffer<ffi::PRED> send_mask, ffi::Span<const int32_t> ep_groups,
                         int32_t num_ranks, int32_t mode, int32_t rank_major, int32_t align,
-                        int32_t zero_tail, int32_t num_sms, int32_t chunk, int32_t fp8_div_mode,
+                        int32_t zero_tail, int32_t num_sms, int32_t chunk, int32_t fp8_scale_mode,
                         int32_t debug_skip, ffi::Result<ffi::AnyBuffer> out,
                         ffi::Result<ffi::Buffer<ffi::F32>> out_scales) {
   JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
@@ -87,10 +87,11 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, f
   a.hidden = static_cast<int>(W);
   a.mode = mode;
   a.rank_major = rank_major != 0;
-  // 3: XLA:GPU's rounding of 448/amax (the default), 0: IEEE division.
-  if (fp8_div_mode != 0 && fp8_div_mode != 3)
-    return InvalidArgument("dispatch: fp8_div_mode must be 0 (IEEE) or 3 (as XLA:GPU)");
-  a.div_mode = fp8_div_mode;
+  // XLA:GPU's rounding of 448/amax (the default), IEEE division, or UE8M0 scales.
+  if (fp8_scale_mode != kFp8ScaleIeee && fp8_scale_mode != kFp8ScaleXlaGpu &&
+      fp8_scale_mode != kFp8ScaleUe8m0)
+    return InvalidArgument("dispatch: fp8_scale_mode must be an Fp8ScaleMode (jax_ep/abi.py)");
+  a.scale_mode = fp8_scale_mode;
 
   const size_t so_rows = out_scales->element_count();
   a.s_row_bytes = C > 0 ? static_cast<long long>(so_rows / C) * 4 : 0;
@@ -199,7 +200,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::DispatchImpl,
                                   .Attr<int32_t>("zero_tail")  // zero rows past the last group
                                   .Attr<int32_t>("num_sms")
                                   .Attr<int32_t>("chunk")         // tokens per ring slot (0: default)
-                                  .Attr<int32_t>("fp8_div_mode")  // 3: as XLA:GPU, 0: IEEE
+                                  .Attr<int32_t>("fp8_scale_mode")  // Fp8ScaleMode
                                   .Attr<int32_t>("debug_skip")    // bench breakdown only (0)
                                   .Ret<xla::ffi::AnyBuffer>()                      // out [C, W]
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());        // out_scales [C, S]

@@ -1,7 +1,7 @@
 """Codes shared by the Python side and the CUDA kernels: the one source.
 
-The FFI attributes ``mode`` (jax_ep_dispatch) and the row dtype codes of the
-kernels are these numbers. At build time CMake runs this file as a script and
+The FFI attributes ``mode`` and ``fp8_scale_mode`` (jax_ep_dispatch) and the
+row dtype codes of the kernels are these numbers. At build time CMake runs this file as a script and
 compiles the C++ enums from its output (``jax_ep_abi.h``: ``DispatchMode``,
 ``RowDtype``), so the two sides cannot drift. Sizes of the symmetric buffer
 live on the C++ side (``cc/buffer_layout.h``) and reach Python through
@@ -22,6 +22,15 @@ DISPATCH_MODES = {
     "combine_bwd": ("kDispatchCombineBwd", 3, "backward of expert_major combine (fused)"),
 }
 
+# How the fp8 cast picks its per-128-channel scale (jax_ep.fp8_cast): amax / 448
+# with 448 / amax as an IEEE division or as XLA:GPU divides (div.full.f32), or
+# the smallest power of two with 448 * scale >= amax (UE8M0: an exact cast).
+FP8_SCALE_MODES = {
+    "ieee": ("kFp8ScaleIeee", 0, "scale = amax * fl(1/448), q = x * (448 / amax), IEEE division"),
+    "xla_gpu": ("kFp8ScaleXlaGpu", 3, "the same with 448 / amax as div.full.f32 (XLA:GPU)"),
+    "ue8m0": ("kFp8ScaleUe8m0", 4, "scale = 2^k, smallest with 448 * 2^k >= amax; q = x * 2^-k"),
+}
+
 ROW_DTYPES = {
     "bfloat16": ("kBf16", 0, "bf16 rows"),
     "float32": ("kF32", 1, "f32 rows"),
@@ -37,6 +46,10 @@ def row_dtype(name: str) -> int:
     return ROW_DTYPES[name][1]
 
 
+def fp8_scale_mode(name: str) -> int:
+    return FP8_SCALE_MODES[name][1]
+
+
 def _enum(name: str, table: dict) -> str:
     lines = [f"enum {name} : int {{"]
     lines += [f"  {cpp} = {code},  // {doc}" for cpp, code, doc in table.values()]
@@ -50,6 +63,7 @@ def render_header() -> str:
         "#pragma once", "", "namespace jax_ep {", "",
         _enum("DispatchMode", DISPATCH_MODES), "",
         _enum("RowDtype", ROW_DTYPES), "",
+        _enum("Fp8ScaleMode", FP8_SCALE_MODES), "",
         "}  // namespace jax_ep", ""])
 
 

@@ -66,6 +66,13 @@ def _check_staging(op: str, R: int, T: int, row_bytes: int, s_row_bytes: int, cf
         raise ValueError(f"jax_ep native {op}: {msg}")
 
 
+def _fp8_scale_mode(cfg: EpConfig) -> int:
+    """The kernel's Fp8ScaleMode (jax_ep/abi.py) for this config."""
+    if cfg.fp8_scale_format == "ue8m0":
+        return abi.fp8_scale_mode("ue8m0")
+    return abi.fp8_scale_mode("ieee" if cfg.tuning.fp8_ieee_division else "xla_gpu")
+
+
 def _empty_f32(n_rows: int):
     return jnp.zeros((n_rows, 0), jnp.float32)
 
@@ -87,10 +94,6 @@ def dispatch_raw(x, x_scales, handle: Handle, cfg: EpConfig, *, cast_fp8: bool =
     C = handle.capacity
     W = x.shape[1]
     if cast_fp8:
-        if cfg.fp8_scale_format != "f32":
-            raise NotImplementedError(
-                f"jax_ep native dispatch: fp8_scale_format={cfg.fp8_scale_format!r} is not in "
-                "the native kernels yet (reference backend only); use 'f32' or backend='reference'")
         if x.dtype == jnp.bfloat16:
             mode = _CAST_BF16
         elif x.dtype == jnp.float32:
@@ -117,7 +120,7 @@ def dispatch_raw(x, x_scales, handle: Handle, cfg: EpConfig, *, cast_fp8: bool =
         x, scales, handle.row_src, handle.slot_row, handle.send_mask,
         ep_axis=cfg.axis_name, has_side_effect=True,
         mode=np.int32(mode), rank_major=np.int32(handle.layout == "rank_major"), num_sms=sms,
-        fp8_div_mode=np.int32(0 if cfg.tuning.fp8_ieee_division else 3),  # DispatchArgs::div_mode
+        fp8_scale_mode=np.int32(_fp8_scale_mode(cfg)),
         **_row_attrs(handle, cfg), **_tuning_attrs(cfg, "dispatch", debug_skip))
     return out, (out_scales if (cast_fp8 or x_scales is not None) else None)
 

@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep import _ffi, backend, native
+from jax_ep import _ffi, abi, backend, native
 from ep_testing import make_mesh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,7 +62,7 @@ REMAT = tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 11)
 
 
 @pytest.mark.parametrize("layout", ["expert_major", "rank_major"])
-@pytest.mark.parametrize("variant", ["bf16", "fp8", "remat"])
+@pytest.mark.parametrize("variant", ["bf16", "fp8", "fp8_ue8m0", "remat"])
 def test_native_calls_match_cc_bindings(native_everywhere, layout, variant):
     if variant == "remat" and not REMAT:
         pytest.skip("jax 0.10 refuses remat of FFI calls with side effects")
@@ -70,7 +70,8 @@ def test_native_calls_match_cc_bindings(native_everywhere, layout, variant):
     T, H, K, E = 4, 128, 2, 8
     cfg = jax_ep.EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
                           backend="native", expert_alignment=2 if layout == "expert_major" else 1,
-                          fp8_dispatch=variant == "fp8")
+                          fp8_dispatch=variant.startswith("fp8"),
+                          fp8_scale_format="ue8m0" if variant == "fp8_ue8m0" else "f32")
 
     def layer(x, idx, w):
         d = jax_ep.dispatch(x, idx, w, cfg)
@@ -85,8 +86,10 @@ def test_native_calls_match_cc_bindings(native_everywhere, layout, variant):
     x = np.random.rand(32, H).astype(np.float32)
     idx = np.random.randint(0, E, (32, K)).astype(np.int32)
     w = np.random.rand(32, K).astype(np.float32)
-    if variant == "fp8":  # forward only
+    if variant.startswith("fp8"):  # forward only
         text = jax.jit(f).lower(x, idx, w).as_text()
+        want_mode = abi.fp8_scale_mode("ue8m0" if variant == "fp8_ue8m0" else "xla_gpu")
+        assert re.search(rf"fp8_scale_mode = {want_mode} : i32", text), "fp8_scale_mode"
     else:
         def loss(x, w):
             out, counts = f(x, idx, w)
@@ -97,7 +100,7 @@ def test_native_calls_match_cc_bindings(native_everywhere, layout, variant):
     calls = _calls(text)
     names = {c[0] for c in calls}
     want = {"jax_ep_dispatch", "jax_ep_combine", "jax_ep_layout"}
-    if variant != "fp8":
+    if not variant.startswith("fp8"):
         want.add("jax_ep_combine_bwd" if layout == "expert_major" else "jax_ep_dispatch")
     assert want <= names, names
     for target, n_ops, n_res, attrs in calls:

@@ -55,12 +55,13 @@ struct DispatchArgs {
   // Bench breakdown only (the debug_skip FFI attribute, 0 in production): bit0
   // no data sends, bit1 no local gather.
   int skip = 0;
-  // 448/amax in the fp8 cast: 3 = as XLA's GPU division rounds it
-  // (div.full.f32, the default), 0 = IEEE round-to-nearest division (the
-  // fp8_div_mode FFI attribute, EpConfig.tuning.fp8_ieee_division). The cast
-  // moves 16 elements per lane with one 16-byte store each (the NVLink send
-  // is store-bound).
-  int div_mode = 3;
+  // The fp8 cast's scale rule (Fp8ScaleMode, jax_ep/abi.py; the
+  // fp8_scale_mode FFI attribute): 448/amax as XLA's GPU division rounds it
+  // (div.full.f32, the default), as an IEEE division
+  // (EpConfig.tuning.fp8_ieee_division), or power-of-two UE8M0 scales
+  // (EpConfig.fp8_scale_format). The cast moves 16 elements per lane with one
+  // 16-byte store each (the NVLink send is store-bound).
+  int scale_mode = kFp8ScaleXlaGpu;
   int* host_err = nullptr;
   unsigned long long timeout_ns = kDefaultTimeoutNs;
 };

@@ -48,12 +48,11 @@ template <> struct Load8<float> {
   }
 };
 
-// 448 / amax, rounded as div_mode says (3: as XLA:GPU's f32 division).
-__device__ __forceinline__ float fp8_inv(float amax, int div_mode) {
-  switch (div_mode) {
-    case 1: return __fdividef(448.0f, amax);
-    case 2: return __fmul_rn(448.0f, __frcp_rn(amax));
-    case 3: {
+// 448 / amax, rounded as the scale mode says (kFp8ScaleXlaGpu: as XLA:GPU's
+// f32 division; kFp8ScaleIeee: IEEE).
+__device__ __forceinline__ float fp8_inv(float amax, int scale_mode) {
+  switch (scale_mode) {
+    case kFp8ScaleXlaGpu: {
       float r;
       asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(448.0f), "f"(amax));
       return r;
@@ -76,7 +75,7 @@ constexpr int kSmScales = 128;  // scales a warp collects before one coalesced s
 template <typename Tin, int EPL>
 __device__ __forceinline__ void warp_cast_row(const Tin* __restrict__ src, char* const* dst,
                                               char* const* dst_scales, int n, int g0, int g1,
-                                              int lane, int div_mode, float* sm) {
+                                              int lane, int scale_mode, float* sm) {
   constexpr int LPG = 128 / EPL;  // lanes per group
   constexpr int STEP = 32 * EPL;  // elements per warp step
   static_assert(EPL == 16, "the fp8 cast moves 16 elements per lane");
@@ -110,8 +109,19 @@ __device__ __forceinline__ void warp_cast_row(const Tin* __restrict__ src, char*
       const int e0 = base + STEP * u + EPL * lane;
       if (e0 >= e_end) continue;
       const float am = fmaxf(amax[u], 1e-4f);
-      const float scale = __fmul_rn(am, kInv448);
-      const float inv = fp8_inv(am, div_mode);
+      float scale, inv;
+      if (scale_mode == kFp8ScaleUe8m0) {
+        // smallest 2^k with 448 * 2^k >= am (448 = 1.75 * 2^8; am = m * 2^p,
+        // m in [0.5, 1)), exact like jax_ep.fp8_cast(scale_format="ue8m0")
+        int p;
+        const float m = frexpf(am, &p);
+        const int k = m <= 0.875f ? p - 9 : p - 8;
+        scale = ldexpf(1.0f, k);
+        inv = ldexpf(1.0f, -k);
+      } else {
+        scale = __fmul_rn(am, kInv448);
+        inv = fp8_inv(am, scale_mode);
+      }
       Q q;
       unsigned short* qs = reinterpret_cast<unsigned short*>(&q);
 #pragma unroll
@@ -165,7 +175,7 @@ __device__ __noinline__ void cast_row_f32(const DispatchArgs& a, const void* src
                                           char* const* dst_scales, int n, int g0, int g1, int lane,
                                           float* sm) {
   warp_cast_row<float, EPL>(static_cast<const float*>(src), dst, dst_scales, n, g0, g1, lane,
-                            a.div_mode, sm);
+                            a.scale_mode, sm);
 }
 
 // Moves groups [g0, g1) / bytes [off, off + len) of token row t (source xr) to
@@ -187,7 +197,7 @@ __device__ __forceinline__ void move_row_slice(const DispatchArgs& a, int t, con
     const int g0 = G * sl / slices, g1 = G * (sl + 1) / slices;
     if (a.mode == kDispatchCastBf16)
       warp_cast_row<__nv_bfloat16, EPL>(reinterpret_cast<const __nv_bfloat16*>(xr), dst, dsts, n,
-                                        g0, g1, lane, a.div_mode, sm);
+                                        g0, g1, lane, a.scale_mode, sm);
     else
       cast_row_f32<EPL>(a, xr, dst, dsts, n, g0, g1, lane, sm);
   }

@@ -98,7 +98,7 @@ std::string loopback_dispatch(const std::vector<uint64_t>& ptrs, const std::vect
     a.s_row_bytes = ints[6];
     a.mode = int(ints[7]);
     a.rank_major = ints[8] != 0;
-    a.div_mode = int(ints[11]);
+    a.scale_mode = int(ints[11]);
     a.zero_tail = ints[12] != 0;
     a.align = int(ints[13]);
     a.dtype = int(ints[14]);

@@ -23,7 +23,7 @@ inline constexpr const char* kLoopbackDispatchPtrs[] = {
     "dw"};
 inline constexpr const char* kLoopbackDispatchInts[] = {
     "T", "K", "C", "hidden", "x_row_bytes", "row_bytes", "s_row_bytes", "mode", "rank_major",
-    "num_blocks", "chunk", "div_mode", "zero_tail", "align", "dtype"};
+    "num_blocks", "chunk", "fp8_scale_mode", "zero_tail", "align", "dtype"};
 inline constexpr const char* kLoopbackCombinePtrs[] = {
     "y", "row_weights", "slot_row", "recv_local_idx", "send_mask", "out", "sym"};
 inline constexpr const char* kLoopbackCombineInts[] = {

@@ -11,7 +11,7 @@ backend on CPU (R fake devices). Outputs are poisoned with 0xFF first.
 This covers the kernels wherever a single GPU is all there is (and R = 4
 without four GPUs); the multi-process tests (test_native_dispatch.py) cover the
 NVSHMEM transport, FFI and JAX integration. fp8 casts use IEEE division here
-(div_mode 0), the CPU reference's rounding.
+(fp8_scale_mode "ieee"), the CPU reference's rounding; UE8M0 cases use power-of-two scales.
 
 Each test runs one worker below in its own process (harness.run, n = 1, no
 jax.distributed, JAX on 8 fake CPU devices); the worker returns its named checks
@@ -155,7 +155,8 @@ class Loopback:
         def fn(x, i):
             h = ref.router.route(i, cfg, R)[0]
             if mode in ("cast", "given"):
-                out, out_s = ref.dispatch_rows(*reference.fp8_cast(x), h, cfg)
+                out, out_s = ref.dispatch_rows(*reference.fp8_cast(x, cfg.fp8_scale_format),
+                                               h, cfg)
             else:
                 out, out_s = ref.dispatch_rows(x, None, h, cfg)
             outs = (h.send_mask, h.recv_local_idx, h.slot_row, h.row_src, out)
@@ -163,7 +164,8 @@ class Loopback:
         return run_per_rank(fn, mesh, "ep", x, idx)
 
     def dispatch(self, R, x, scales, hd, mode, rank_major, H, chunk=0, iters=1,
-                 num_blocks=None, zero_tail=True, align=1, yw=None, sym_bytes=None):
+                 num_blocks=None, zero_tail=True, align=1, yw=None, sym_bytes=None,
+                 scale_mode="ieee"):
         """-> (error, per-rank rows, per-rank scales or None, seconds per call).
 
         zero_tail / align: DispatchArgs' (True: every row without a source is
@@ -205,7 +207,8 @@ class Loopback:
             ptrs += [named[k].data_ptr() for k in self.C.LOOPBACK_DISPATCH_PTRS]
         vals = dict(T=T, K=K, C=C, hidden=H, x_row_bytes=x_row_bytes, row_bytes=row_bytes,
                     s_row_bytes=s_row_bytes, mode=kmode, rank_major=int(rank_major),
-                    num_blocks=num_blocks or self.sms // R, chunk=chunk, div_mode=0,
+                    num_blocks=num_blocks or self.sms // R, chunk=chunk,
+                    fp8_scale_mode=abi.fp8_scale_mode(scale_mode),
                     zero_tail=int(zero_tail), align=align, dtype=dt)
         ints = [vals[k] for k in self.C.LOOPBACK_DISPATCH_INTS]
         err, sec = self.C.loopback_dispatch(ptrs, ints, sym_bytes or syms[0].numel(), R, iters)
@@ -385,7 +388,7 @@ def _zero_tail_worker(rank, n):
 
 
 # ---- fp8: cast in the kernel (both cast widths), and fp8 + scales given ----------
-FP8_CASES = [  # name, R, T, H, K, E, layout, mode, x dtype, chunks
+FP8_CASES = [  # name, R, T, H, K, E, layout, mode, x dtype, chunks[, scale format]
     ("fp8_cast_bf16_rm_R2_T4096_H7168", 2, 4096, 7168, 8, 256, "rank_major", "cast",
      "bfloat16", (0, 3, 8)),
     ("fp8_cast_f32_em_R2_T7_H256", 2, 7, 256, 2, 8, "expert_major", "cast", "float32", (0,)),
@@ -394,6 +397,11 @@ FP8_CASES = [  # name, R, T, H, K, E, layout, mode, x dtype, chunks
     ("fp8_given_em_R4_T128_H7168", 4, 128, 7168, 8, 256, "expert_major", "given", None, (0,)),
     ("fp8_cast_bf16_em_R1_T64_H2048_local", 1, 64, 2048, 4, 16, "expert_major", "cast",
      "bfloat16", (0,)),
+    # UE8M0 (power-of-two) scales: the cast is exact, the same bits as the reference
+    ("fp8_ue8m0_bf16_rm_R2_T1024_H7168", 2, 1024, 7168, 8, 256, "rank_major", "cast",
+     "bfloat16", (0, 3), "ue8m0"),
+    ("fp8_ue8m0_f32_em_R4_T64_H2048", 4, 64, 2048, 4, 16, "expert_major", "cast", "float32",
+     (0,), "ue8m0"),
 ]
 
 
@@ -405,13 +413,14 @@ def _fp8_case(lb, checks, rng, case):
     from jax_ep import reference
     from jax_ep.config import EpConfig
 
-    name, R, T, H, K, E, layout, mode, xdt, chunks = case
+    name, R, T, H, K, E, layout, mode, xdt, chunks = case[:10]
+    fmt = case[10] if len(case) > 10 else "f32"   # scale format: "ue8m0" = power-of-two
     idx = random_routing(rng, R, T, K, E, minus_one=0.1)
     xf = (rng.standard_normal((R, T, H)) * rng.exponential(2.0, (R, T, 1))).astype(np.float32)
     xf[0, 0, :128] = 0.0  # an all-zero group: amax clamps to 1e-4
     x = xf if xdt == "float32" else xf.astype(jnp.bfloat16)
     cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
-                   backend="reference")
+                   backend="reference", fp8_scale_format=fmt)
     hd = lb.handles_and_ref(R, cfg, x, idx, mode)
     if mode == "given":
         q, s = jax.jit(jax.vmap(reference.fp8_cast))(x)
@@ -419,7 +428,8 @@ def _fp8_case(lb, checks, rng, case):
     else:
         xin, sin = x, None
     for chunk in chunks:
-        err, got, got_s, _ = lb.dispatch(R, xin, sin, hd, mode, layout == "rank_major", H, chunk)
+        err, got, got_s, _ = lb.dispatch(R, xin, sin, hd, mode, layout == "rank_major", H, chunk,
+                                         scale_mode="ue8m0" if fmt == "ue8m0" else "ieee")
         sq = [bool(np.array_equal(bits(g), bits(e))) for g, e in zip(got, hd[4])]
         ss = [bool(np.array_equal(bits(g), bits(e))) for g, e in zip(got_s, hd[5])]
         checks.report(f"{name}_chunk{chunk}", not err and all(sq) and all(ss), err=err,
