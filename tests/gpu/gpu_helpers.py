@@ -111,6 +111,22 @@ class Checks:
             self.report(name, False, f"{type(e).__name__}: {str(e)[:800]}")
 
 
+def mesh_case_data(n, seed=7):
+    """The permuted-mesh tests' inputs, stacked per rank: T 96, H 1024, top-4 of
+    16 experts, skewed routing with -1 slots and a repeated id; -> (idx, x bf16, w)."""
+    import jax.numpy as jnp
+
+    from ep_testing import random_routing
+
+    rng = np.random.default_rng(seed)
+    T, H, K, E = 96, 1024, 4, 16
+    idx = random_routing(rng, n, T, K, E, minus_one=0.2, skew=True)
+    idx[0, 0, :2] = [3, 3]  # a repeated id
+    x = rng.standard_normal((n, T, H)).astype(jnp.bfloat16)
+    w = rng.random((n, T, K)).astype(np.float32)
+    return idx, x, w
+
+
 # ------------------------------------------------------------------ test side
 
 def assert_checks(results, worker=""):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import harness
-from gpu_helpers import from_stacked, gather
+from gpu_helpers import from_stacked, gather, mesh_case_data
 
 _REASON = harness.skip_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
@@ -22,7 +22,6 @@ def _mesh_worker(rank: int, n: int):
     from jax.sharding import Mesh, PartitionSpec as P
 
     import jax_ep
-    from ep_testing import random_routing
 
     devs = np.array(jax.devices())
     meshes = {
@@ -31,12 +30,8 @@ def _mesh_worker(rank: int, n: int):
         "data_ep_reversed": (Mesh(devs[::-1].reshape(1, n), ("data", "ep")), ("data", "ep")),
         "ep_data_reversed": (Mesh(devs[::-1].reshape(n, 1), ("ep", "data")), ("ep", "data")),
     }
-    rng = np.random.default_rng(7)
-    T, H, K, E = 96, 1024, 4, 16
-    idx = random_routing(rng, n, T, K, E, minus_one=0.2, skew=True)
-    idx[0, 0, :2] = [3, 3]  # a repeated id
-    x = rng.standard_normal((n, T, H)).astype(jnp.bfloat16)
-    w = rng.random((n, T, K)).astype(np.float32)
+    idx, x, w = mesh_case_data(n)
+    T, H, K, E = x.shape[1], x.shape[2], idx.shape[2], 16
     results = {}
 
     for mname, (mesh, axes) in meshes.items():

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import harness
-from gpu_helpers import from_stacked
+from gpu_helpers import from_stacked, mesh_case_data
 
 _REASON = harness.skip_reason(2)   # at least 2 GPUs, whatever JAX_EP_TEST_NPROCS says
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
@@ -74,11 +74,9 @@ def _case(jax_ep, mesh, axes, layout, x, idx, w, **cfg_kw):
 
 def _peer_memory_worker(rank: int, n: int):
     import jax
-    import jax.numpy as jnp
     from jax.sharding import Mesh
 
     import jax_ep
-    from ep_testing import random_routing
 
     devs = np.array(jax.devices())
     n = len(devs)
@@ -95,12 +93,7 @@ def _peer_memory_worker(rank: int, n: int):
     if n >= 4:  # EP on a real sub-axis: 2 groups of n/2
         meshes["data2_ep_reversed"] = (Mesh(devs[::-1].reshape(2, n // 2), ("data", "ep")),
                                        ("data", "ep"))
-    rng = np.random.default_rng(7)
-    T, H, K, E = 96, 1024, 4, 16
-    idx = random_routing(rng, n, T, K, E, minus_one=0.2, skew=True)
-    idx[0, 0, :2] = [3, 3]  # a repeated id
-    x = rng.standard_normal((n, T, H)).astype(jnp.bfloat16)
-    w = rng.random((n, T, K)).astype(np.float32)
+    idx, x, w = mesh_case_data(n)
     for mname, (mesh, axes) in meshes.items():
         for layout in ("expert_major", "rank_major"):
             r = _case(jax_ep, mesh, axes, layout, x, idx, w)
