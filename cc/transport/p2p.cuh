@@ -25,7 +25,8 @@
 // after call e-1 on a finished, which waited for every peer's call e-1 data,
 // which peers only send after finishing call e-2 (and so after draining
 // parity e%2). Tags grow with the epoch, so no barrier, ack or reset is
-// needed between calls.
+// needed between calls. tests/test_ring_protocol.py models this protocol
+// under random interleavings (no deadlock, no slot rewritten while read).
 #pragma once
 
 #include <cuda_runtime.h>
