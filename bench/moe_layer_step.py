@@ -674,7 +674,7 @@ def _write(args, results, meta, final):
 
 def _group_stats(sizes, rows, bm=128, bk=64):
     """Group-size statistics of one rank's ``group_sizes`` on ``rows`` dispatched rows, in
-    the grouped-matmul kernels' terms (jax_ep/gmm.py): fwd/dx compute
+    the grouped-matmul kernels' terms (jax_ep/gmm/): fwd/dx compute
     ``cdiv(size + lead, bm)`` row tiles per non-empty group (from its first row
     rounded down to 8) and store zeros in the tail's tiles; dw walks each group in
     ``bk``-row k-steps from its start rounded down to 8."""

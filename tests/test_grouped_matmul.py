@@ -9,7 +9,9 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jax_ep import gmm as gm_mod
+from jax_ep.gmm import select as gm_select
 from jax_ep.gmm import GroupedMatmulConfig, grouped_matmul
+from jax_ep.gmm.pallas_common import row_tiles
 
 try:
     from jax.experimental.pallas import mosaic_gpu as _plgpu
@@ -214,7 +216,7 @@ def test_config_and_validation():
     # f32 is not a Pallas dtype: forcing it is an error, auto quietly uses XLA
     with pytest.raises(ValueError, match="16-bit"):
         grouped_matmul(x, w, gs, impl="pallas")
-    assert gm_mod._choose(GroupedMatmulConfig(), "fwd", jnp.asarray(x), jnp.asarray(w),
+    assert gm_select.choose(GroupedMatmulConfig(), "fwd", jnp.asarray(x), jnp.asarray(w),
                           jnp.dtype(jnp.float32)) == "xla"
 
 
@@ -245,7 +247,7 @@ def test_row_tiles_cover_every_row_once(bm):
             sizes = np.floor(sizes / max(sizes.sum(), 1) * m).astype(int)
             sizes[-1] += m - sizes.sum()
         off = np.concatenate([[0], np.minimum(np.cumsum(sizes), m)]).astype(np.int32)
-        row, lo, hi, g = (np.asarray(a) for a in gm_mod._row_tiles(jnp.asarray(off), m, bm))
+        row, lo, hi, g = (np.asarray(a) for a in row_tiles(jnp.asarray(off), m, bm))
         owner = np.full(m, -2)
         used = hi > lo
         assert not np.any(used[np.argmin(used):]) or used.all()   # unused entries last
@@ -311,13 +313,13 @@ def test_pallas_constraints_fall_back_to_xla():
     bf = jnp.bfloat16
     x = jax.ShapeDtypeStruct((260, 512), bf)          # M % 8 != 0
     w = jax.ShapeDtypeStruct((4, 512, 256), bf)
-    assert "M % 8" in gm_mod._constraint_error("fwd", (128, 128, 64, 4, 4), x, w, jnp.dtype(bf))
+    assert "M % 8" in gm_select.constraint_error("fwd", (128, 128, 64, 4, 4), x, w, jnp.dtype(bf))
     x = jax.ShapeDtypeStruct((264, 512), bf)
-    assert gm_mod._constraint_error("fwd", (128, 128, 64, 4, 4), x, w, jnp.dtype(bf)) is None
-    assert gm_mod._constraint_error("fwd", (128, 128, 64, 4, 4), x, w, jnp.dtype(jnp.float32))
-    assert gm_mod._constraint_error("fwd", (128, 384, 64, 4, 4), x, w, jnp.dtype(bf))
+    assert gm_select.constraint_error("fwd", (128, 128, 64, 4, 4), x, w, jnp.dtype(bf)) is None
+    assert gm_select.constraint_error("fwd", (128, 128, 64, 4, 4), x, w, jnp.dtype(jnp.float32))
+    assert gm_select.constraint_error("fwd", (128, 384, 64, 4, 4), x, w, jnp.dtype(bf))
     # not on a Hopper GPU here: auto uses XLA
-    assert gm_mod._choose(GroupedMatmulConfig(), "fwd", x, w, jnp.dtype(bf)) == "xla"
+    assert gm_select.choose(GroupedMatmulConfig(), "fwd", x, w, jnp.dtype(bf)) == "xla"
 
 
 @pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
@@ -330,7 +332,7 @@ def test_pallas_fwd_dx_two_warpgroups_interpret(sizes):
     xb, wb, dyb = (jnp.asarray(a, jnp.bfloat16) for a in (x, w, dy))
     cfg = GroupedMatmulConfig(impl="pallas", interpret=True, fwd=(64, 64, 64, 2, 1),
                               dx=(64, 64, 64, 2, 1), fwd_warpgroups=2)
-    assert gm_mod._fwd_ws_tiles(cfg, "fwd", xb, wb, False) is not None
+    assert gm_select.fwd_ws_tiles(cfg, "fwd", xb, wb, False) is not None
     y = np.asarray(gm_mod.gmm(xb, wb, gs, config=cfg), np.float32)
     dx = np.asarray(gm_mod.gmm(dyb, wb, gs, transpose_rhs=True, config=cfg), np.float32)
     xf, wf, dyf = (np.asarray(a, np.float32) for a in (xb, wb, dyb))

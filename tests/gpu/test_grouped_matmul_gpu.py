@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from jax_ep import gmm as gm_mod
+from jax_ep.gmm import select as gm_select
 from jax_ep.gmm import GroupedMatmulConfig, grouped_matmul
 
 
@@ -79,7 +80,7 @@ def rel_err(a, b):
 def test_auto_picks_pallas_on_hopper():
     x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((8, 512, 256), jnp.bfloat16)
-    assert gm_mod._choose(GroupedMatmulConfig(), "fwd", x, w, jnp.dtype(jnp.bfloat16)) == "pallas"
+    assert gm_select.choose(GroupedMatmulConfig(), "fwd", x, w, jnp.dtype(jnp.bfloat16)) == "pallas"
 
 
 @pytest.mark.parametrize("kind,total", [("uniform", 4096), ("skew", 4096), ("unaligned", 3001),
@@ -122,7 +123,7 @@ def test_tile_configs(tiles, fwd_wgs):
     x, w, dy, gs = data(m, k, n, sizes, seed=1)
     cfg = GroupedMatmulConfig(impl="pallas", fwd=tiles, dx=tiles, dw=tiles, fwd_warpgroups=fwd_wgs)
     if fwd_wgs == 2:
-        assert gm_mod._fwd_ws_tiles(cfg, "fwd", x, w, False) is not None
+        assert gm_select.fwd_ws_tiles(cfg, "fwd", x, w, False) is not None
     y = jax.jit(functools.partial(gm_mod.gmm, config=cfg))(x, w, gs)
     dx = jax.jit(functools.partial(gm_mod.gmm, transpose_rhs=True, config=cfg))(dy, w, gs)
     dw = jax.jit(functools.partial(gm_mod.tgmm, config=cfg))(x, dy, gs)
@@ -144,7 +145,7 @@ def test_dw_tiles(kind, total):
     outs = {}
     for tiles in [(128, 128, 64, 4, 4), (128, 128, 128, 2, 4), (128, 128, 64, 3, 8)]:
         for wgs in (1, 2):
-            if wgs == 2 and gm_mod._two_consumer_tiles(tiles, "m", k, x.dtype) is None:
+            if wgs == 2 and gm_select.two_consumer_tiles(tiles, "m", k, x.dtype) is None:
                 continue  # no stage fits: the 2-warpgroup config runs the 1-warpgroup kernel
             cfg = GroupedMatmulConfig(impl="pallas", dw=tiles, dw_warpgroups=wgs)
             outs[tiles, wgs] = jax.jit(functools.partial(gm_mod.tgmm, config=cfg))(x, dy, gs)

@@ -1,0 +1,96 @@
+"""Grouped (ragged) matmul: the expert compute behind an ``expert_major`` dispatch.
+
+``grouped_matmul(x [M, K], w [G, K, N], group_sizes [G]) -> [M, N]``
+
+Rows are grouped contiguously, in group order, starting at row 0: group ``g``
+owns rows ``[off[g], off[g+1])`` with ``off = concat([0], cumsum(group_sizes))``
+and those rows are multiplied by ``w[g]``. Rows at or past
+``total = sum(group_sizes)`` are *outside every group*: their output rows are
+zero and their input values (which may be garbage, NaN or Inf, e.g. rows a
+dispatch kernel left unwritten) never influence any result, forward or
+backward. Group sizes live on the device; nothing is synchronised to the host.
+Sizes are clipped so that ``off`` never exceeds ``M`` (a group that runs past
+row ``M`` is cut at ``M``); negative sizes are not allowed.
+
+Differentiable (``jax.custom_vjp``), with
+
+* ``dx = grouped_matmul(dy, w^T)`` -- computed against ``w [G, K, N]`` in place
+  (the kernel reads ``w[g]`` transposed from shared memory; ``w^T`` is never
+  materialised), rows past ``total`` get zero gradient;
+* ``dw[g] = x[rows of g]^T @ dy[rows of g]`` -- a grouped matmul that contracts
+  over the ragged row dimension (``[G, K, N]``; zero for empty groups).
+* ``group_sizes`` is integer and gets no gradient.
+
+Safe under ``jit``, ``grad``, ``jax.checkpoint``/remat, ``vmap``-free
+``shard_map`` with ``check_vma=True`` (operands are brought to the union of
+their varying mesh axes and every result carries that type). bf16/f16/f32
+inputs, f32 accumulation, output in ``x.dtype`` unless
+``preferred_element_type`` says otherwise.
+
+Implementations (``GroupedMatmulConfig.impl``):
+
+* ``"pallas"``: Pallas Mosaic-GPU kernels in this package (Hopper, sm_90):
+  persistent, one CTA per SM, TMA + WGMMA with a multi-stage shared-memory
+  pipeline, f32 accumulators in registers. See "Pallas kernels" below.
+* ``"xla"``: ``jax.lax.ragged_dot`` / ``ragged_dot_general`` (inputs' tail rows
+  masked to zero first). Runs everywhere; slow on GPU (~5 TF/s on H200).
+* ``"auto"`` (default): ``"pallas"`` on a Hopper GPU when the operation fits
+  the kernels' constraints and a small instance of the kernel compiles (checked
+  once per configuration), else ``"xla"``. The choice is made per operation
+  (forward, dx, dw).
+
+Layout of the package: ``api`` (``grouped_matmul``, ``gmm``, ``tgmm``),
+``config`` (``GroupedMatmulConfig``, default tiles), ``select`` (which
+implementation runs: constraints, a one-time compile check, two-consumer
+tiles), ``xla`` (the ragged_dot fallback), ``pallas_common``, ``pallas_fwd``,
+``pallas_dw`` (the kernels).
+
+Pallas kernels
+--------------
+Forward and dx (``pallas_fwd``: ``gmm_pallas``, and by default ``gmm_pallas_ws``, a
+producer and two consumer warpgroups on a ``block_m x 2 block_n`` tile): every non-empty group is cut into row tiles
+of ``block_m`` rows starting at its first row rounded down to 8 (TMA row
+offsets of the tiled shared-memory layout are 8-aligned; the up to 7 rows of
+the previous group are computed and not stored), and the tail ``[total, M)``
+into zero-store tiles. The tile table (row start, rows to store, group) is
+computed on the device by XLA and handed to the kernel as int32 arrays; the
+kernel loops over ``tiles x column tiles`` (persistent over SMs, ``band`` row
+tiles iterated together for L2 reuse of ``w`` tiles), computes the full
+``block_m x block_n`` tile against ``w[g]`` and stores only the group's rows
+(TMA stores of power-of-two row counts). Tail tiles skip the matmul and store
+zeros, so the output is fully written by the kernel (no extra masking pass);
+rows of other groups or of the tail can only reach accumulator rows that are
+never stored (a row's output depends on that row alone). Work:
+``sum_g cdiv(size_g + lead_g, block_m)`` tiles -- under one extra tile per
+group, none for empty groups and none past ``total`` (tiles cut at fixed
+``block_m`` boundaries, an earlier version, cost one more tile per boundary
+inside a block: 1.5x the work at ~256 rows per group).
+
+dw (``pallas_dw``): by default ``tgmm_pallas_ws``, two consumer warpgroups fed by a producer
+warpgroup (a CTA owns a ``2 block_m x block_n`` tile of ``dw[g]``; one
+warp-specialized pipeline per (SM, group) across the SM's tiles, so loads of
+the next tile overlap the epilogue of the last); where ``K % (2 block_m) != 0``
+(or ``dw_warpgroups=1``) ``tgmm_pallas``, one warpgroup with ``block_m x
+block_n`` tiles and one shared-memory pipeline per work item ``(g, tile)``
+(persistent over SMs). Either pipeline walks the rows of group ``g`` in steps
+of ``block_k`` starting at ``off[g]`` rounded down to a multiple of 8 (the tiled shared-memory
+layout needs 8-aligned TMA row offsets); on the first and last steps the rows
+outside ``[off[g], off[g+1])`` are *selected* to zero in both operands (a
+select, not a multiply, so NaN/Inf in neighbouring or tail rows cannot leak).
+Empty groups store zeros.
+
+Constraints of the Pallas path (checked; otherwise ``"auto"`` falls back to XLA
+and ``"pallas"`` raises): x and w of the same 16-bit dtype (bf16/f16) and the
+output in that dtype; ``block_m``/``block_n``/``block_k`` multiples of 64/64/16
+(block_n 8..256), forward: ``K % block_k == 0`` and ``N % block_n == 0``; dx:
+``N % block_k == 0`` and ``K % block_n == 0``; dw: ``K % block_m == 0`` and
+``N % block_n == 0``; ``M % 8 == 0``, ``M >= block_m`` (forward/dx) and
+``M >= block_k`` (dw).
+Any group sizes (empty, skewed, unaligned, ``total < M``) are fine.
+"""
+from __future__ import annotations
+
+from .api import gmm, grouped_matmul, tgmm
+from .config import DEFAULT_TILES, GroupedMatmulConfig, Tiles
+
+__all__ = ["GroupedMatmulConfig", "grouped_matmul", "gmm", "tgmm", "DEFAULT_TILES", "Tiles"]

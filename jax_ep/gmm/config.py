@@ -1,0 +1,79 @@
+"""GroupedMatmulConfig and the default tiles of the grouped-matmul kernels."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+# (block_m, block_n, block_k, max_concurrent_steps, band)
+Tiles = Tuple[int, int, int, int, int]
+
+
+# fwd/dx: best of the first H200 sweep (bench/results/history/2026-11-30-h200-grouped-
+# matmul-first.md): 5 stages, band 2. dw: the 2-consumer kernel cuts the stages to
+# fit shared memory (two_consumer_tiles); a 1-warpgroup variant with one pipeline per (SM,
+# group) measured slower and was deleted (bench/results/README.md, "Deleted variants").
+DEFAULT_TILES = {
+    "fwd": (128, 128, 64, 5, 2),
+    "dx": (128, 128, 64, 5, 2),
+    "dw": (128, 128, 64, 4, 4),
+}
+
+
+_IMPLS = ("auto", "pallas", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedMatmulConfig:
+    """How :func:`grouped_matmul` runs (hashable; safe as a static argument).
+
+    Attributes:
+      impl: ``"auto"`` (Pallas Mosaic-GPU on Hopper where it applies, else
+        XLA), ``"pallas"`` (force; raises when unsupported) or ``"xla"``
+        (``jax.lax.ragged_dot``).
+      fwd, dx, dw: tile configuration of the Pallas kernel for the forward
+        ``x @ w[g]``, for ``dx = dy @ w[g]^T`` and for
+        ``dw[g] = x[g]^T @ dy[g]``: a tuple
+        ``(block_m, block_n, block_k, max_concurrent_steps, band)``, or ``None``
+        for :data:`DEFAULT_TILES`. ``max_concurrent_steps`` is the number of
+        shared-memory pipeline stages (>= 2); ``band`` is how many row
+        tiles (forward/dx) or row tiles of ``dw`` are swept together per
+        column tile (L2 locality).
+      dw_warpgroups: consumer warpgroups of the dw kernel: 2 (a producer
+        warpgroup feeds two consumers that own a ``2 block_m x block_n`` tile;
+        used when ``K % (2 block_m) == 0``, else the 1-warpgroup kernel) or 1
+        (one warpgroup loads and computes ``block_m x block_n`` tiles).
+      fwd_warpgroups: consumer warpgroups of the forward / dx kernel: 2 (a
+        producer warpgroup feeds two consumers that own ``block_m x 2
+        block_n``; used where ``N % (2 block_n) == 0`` and the stages fit
+        shared memory, else the 1-warpgroup kernel) or 1.
+      interpret: run the Pallas kernels in Mosaic-GPU interpret mode (for
+        testing the kernels on CPU; jax >= 0.11; very slow).
+    """
+
+    impl: str = "auto"
+    fwd: Optional[Tiles] = None
+    dx: Optional[Tiles] = None
+    dw: Optional[Tiles] = None
+    interpret: bool = False
+    dw_warpgroups: int = 2
+    fwd_warpgroups: int = 2
+
+    def __post_init__(self):
+        if self.impl not in _IMPLS:
+            raise ValueError(f"impl must be one of {_IMPLS}, got {self.impl!r}")
+        for name in ("dw_warpgroups", "fwd_warpgroups"):
+            if getattr(self, name) not in (1, 2):
+                raise ValueError(f"{name} must be 1 or 2, got {getattr(self, name)!r}")
+        for name in ("fwd", "dx", "dw"):
+            t = getattr(self, name)
+            if t is None:
+                continue
+            t = tuple(int(v) for v in t)
+            if len(t) != 5:
+                raise ValueError(f"{name} tiles must be (block_m, block_n, block_k, "
+                                 f"max_concurrent_steps, band), got {t}")
+            object.__setattr__(self, name, t)
+
+    def tiles(self, op: str) -> Tiles:
+        t = getattr(self, op)
+        return DEFAULT_TILES[op] if t is None else t

@@ -1,0 +1,122 @@
+"""Pieces the Pallas Mosaic-GPU grouped-matmul kernels share: the lazily
+imported modules, kernel parameters, the forward's row-tile table, shared-memory
+transforms and row stores."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def pallas_modules():
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return pl, plgpu
+
+
+def transposed(plgpu, ref):
+    """``ref`` viewed transposed (jax 0.11: ``ref.transpose``; 0.10: ``transpose_ref``)."""
+    if hasattr(ref, "transpose"):
+        try:
+            return ref.transpose((1, 0))
+        except (TypeError, NotImplementedError):
+            pass
+    return plgpu.transpose_ref(ref, (1, 0))
+
+
+def kernel_params(plgpu, interpret):
+    kw = dict(compiler_params=plgpu.CompilerParams(
+        lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    if interpret:
+        kw["interpret"] = plgpu.InterpretGPUParams()
+    return kw
+
+
+def num_sms(interpret) -> int:
+    if interpret:
+        return 4
+    try:
+        d = jax.devices()[0]
+        n = int(getattr(d, "core_count", 0) or 0)
+        if n > 0:
+            return n
+    except Exception:  # pragma: no cover
+        pass
+    return 132  # H100/H200 SXM
+
+
+def row_tiles(offsets, m, bm):
+    """Row tiles of the forward/dx kernel: int32 ``start, lo, hi, group`` of static length.
+
+    Each non-empty group ``g`` is cut into ``cdiv(size + lead, bm)`` tiles of
+    ``bm`` rows starting at ``off[g]`` rounded down to 8 (``lead`` rows of the
+    previous group are computed and not stored: 8-aligned TMA row offsets); the
+    tail ``[total, m)`` into ``cdiv(m - total, bm)`` zero-store tiles
+    (``group -1``). A tile stores rows ``[lo, hi)``; its loads start at
+    ``start`` (moved back so the tile ends inside ``[0, m)``). Unused entries
+    (``lo == hi``) come last. Per-group tiles waste < ``bm + 7`` rows per
+    group, against up to ``2 bm`` for blocks cut at fixed ``bm`` boundaries.
+    """
+    g_count = offsets.shape[0] - 1
+    off = offsets.astype(jnp.int32)
+    start, end = off[:-1], off[1:]
+    total = off[-1]
+    a8 = (start // 8) * 8
+    n_g = jnp.where(end > start, (end - a8 + (bm - 1)) // bm, 0)
+    t8 = (total // 8) * 8
+    n_tail = (m - t8 + (bm - 1)) // bm
+    counts = jnp.concatenate([n_g, n_tail[None]])
+    cum = jnp.cumsum(counts)
+    first = cum - counts
+    n_max = (m + (g_count + 1) * (bm + 7)) // bm + 1    # bound on sum(counts)
+    t = jnp.arange(n_max, dtype=jnp.int32)
+    grp = jnp.searchsorted(cum, t, side="right").astype(jnp.int32)   # g_count = tail
+    used = grp <= g_count
+    gc = jnp.minimum(grp, g_count)
+    base = jnp.concatenate([a8, t8[None]])[gc]
+    row = base + (t - first[gc]) * bm
+    lo = jnp.maximum(row, jnp.concatenate([start, total[None]])[gc])
+    hi = jnp.minimum(row + bm, jnp.concatenate([end, jnp.full((1,), m, jnp.int32)])[gc])
+    row = jnp.maximum(jnp.minimum(row, m - bm), 0)      # m % 8 == 0: stays 8-aligned
+    lo = jnp.where(used, lo, 0)
+    hi = jnp.where(used, hi, 0)
+    g = jnp.where(gc == g_count, -1, gc)
+    return row.astype(jnp.int32), lo.astype(jnp.int32), hi.astype(jnp.int32), g.astype(jnp.int32)
+
+
+def dw_transforms(plgpu, dtype, bk, bn):
+    """Shared-memory transforms of the dw kernels: the staged ``[bk, *]`` input
+    tiles (swizzled along ``bk`` rows of 8) and the ``[*, bn]`` output tile."""
+    item = jnp.dtype(dtype).itemsize
+
+    def tiled(width):
+        sw = plgpu.find_swizzle(width * item * 8)
+        return (plgpu.TilingTransform((8, sw // item)), plgpu.SwizzleTransform(sw))
+    return tiled(bk), tiled(bn)
+
+
+def zero_rows_outside(plgpu, ref, width, s, bk, lead, size):
+    """dw k-step ``s`` of a group: zero the rows of the staged ``[bk, width]``
+    tile outside ``[lead, lead + size)`` with a select (never a multiply: the
+    neighbouring group's or the tail's rows may hold NaN/Inf)."""
+    r = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (bk, width), 0), plgpu.Layout.WGMMA)
+    r = r + s * bk
+    v = ref[...]
+    ref[...] = jnp.where((r >= lead) & (r < lead + size), v, jnp.zeros_like(v))
+
+
+def store_rows(pl, plgpu, src_smem, dst, lo, hi, row0, top):
+    """TMA-store rows ``[lo, hi)`` (absolute; the tile starts at ``row0``) of a
+    staged tile to ``dst`` (indexed by absolute row) as a sum of power-of-two
+    row counts (TMA boxes are static)."""
+    count = hi - lo
+    src = lo - row0
+    p = top
+    while p >= 1:
+        bit = count & p
+
+        @pl.when(bit != 0)
+        def _(src=src, p=p):
+            plgpu.copy_smem_to_gmem(src_smem.at[pl.ds(src, p)], dst.at[pl.ds(row0 + src, p)])
+        src = src + bit
+        p //= 2

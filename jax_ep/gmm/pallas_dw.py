@@ -1,0 +1,247 @@
+"""dw Pallas kernels: ``dw[g] = x[rows of g]^T @ dy[rows of g]`` (a ragged
+contraction); one warpgroup, or a producer and two consumer warpgroups."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .pallas_common import (dw_transforms, kernel_params, num_sms, pallas_modules, transposed,
+                            zero_rows_outside)
+
+
+def tgmm_pallas(x, dy, offsets, tiles, out_dtype, interpret):
+    pl, plgpu = pallas_modules()
+    bm, bn, bk, steps, band = tiles
+    m, k = x.shape
+    n = dy.shape[1]
+    g_count = offsets.shape[0] - 1
+    grid_m, grid_n = k // bm, n // bn
+    tr, o_tr = dw_transforms(plgpu, x.dtype, bk, bn)
+
+    def body(off_ref, x_ref, dy_ref, o_ref):
+        @plgpu.nd_loop((g_count, grid_m * grid_n), collective_axes="sm")
+        def _item(info):
+            g = info.index[0]
+            mi, ni = plgpu.planar_snake(info.index[1], (grid_m, grid_n), 0, band)
+            start = off_ref[g]
+            size = off_ref[g + 1] - start
+            # Tiled (8-row) shared-memory layouts need 8-aligned TMA row
+            # offsets: start at the 8-row boundary at or before the group and
+            # select away the `lead` rows of the previous group.
+            astart = pl.multiple_of(lax.div(start, jnp.int32(8)) * 8, 8)
+            lead = start - astart
+            nsteps = lax.div(size + lead + (bk - 1), jnp.int32(bk))
+
+            zero_outside = functools.partial(zero_rows_outside, plgpu, bk=bk, lead=lead,
+                                             size=size)
+
+            def mma_scope(acc_ref):
+                @pl.when(size > 0)
+                def _():
+                    def step(idx, x_smem, dy_smem):
+                        s = idx[0]
+
+                        @pl.when((s == 0) | (s == nsteps - 1))
+                        def _():
+                            zero_outside(x_smem, bm, s)
+                            zero_outside(dy_smem, bn, s)
+                            plgpu.commit_smem()
+
+                        plgpu.wgmma(acc_ref, transposed(plgpu, x_smem), dy_smem)
+
+                    rows = pl.ds(astart, m)  # may run past M; steps past the group are never issued
+                    plgpu.emit_pipeline(
+                        step,
+                        grid=(nsteps,),
+                        in_specs=[
+                            plgpu.BlockSpec((bk, bm), lambda s: (s, mi), delay_release=1,
+                                            transforms=tr),
+                            plgpu.BlockSpec((bk, bn), lambda s: (s, ni), delay_release=1,
+                                            transforms=tr),
+                        ],
+                        max_concurrent_steps=steps,
+                    )(x_ref.at[rows, :], dy_ref.at[rows, :])
+                return acc_ref[...]
+
+            acc = pl.run_scoped(mma_scope, plgpu.ACC((bm, bn)))
+
+            def store_scope(o_smem):
+                o_smem[...] = acc.astype(o_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(
+                    o_smem, o_ref.at[g, pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+            pl.run_scoped(store_scope, plgpu.SMEM((bm, bn), out_dtype, transforms=o_tr))
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((g_count, k, n), out_dtype),
+        grid=(num_sms(interpret),),
+        grid_names=("sm",),
+        **kernel_params(plgpu, interpret),
+    )
+    return kernel(offsets.astype(jnp.int32), x, dy)
+
+
+def _ws_step(pl, plgpu, sh, g, t0, lead, size, nsteps, store):
+    """Pipeline body of the 2-consumer dw kernel for group ``g`` (``sh``: the
+    kernel's static shape values): zero the rows outside the group on the first
+    and last k-steps, one wgmma per consumer half, and on a tile's last k-step
+    store the accumulator and reset it."""
+    bm, bn, bk, cm, nsm, interpret = sh
+
+    def step(idx, x_smem, dy_smem, carry):
+        j, s = idx
+        wg = lax.axis_index("wg")
+        acc_ref, base = carry if interpret else (carry, None)
+
+        @pl.when((s == 0) | (s == nsteps - 1))
+        def _():
+            # Both consumers select the same rows to zero (identical writes):
+            # neither reads a half-masked tile.
+            zero_rows_outside(plgpu, x_smem, cm, s, bk, lead, size)
+            zero_rows_outside(plgpu, dy_smem, bn, s, bk, lead, size)
+            plgpu.commit_smem()
+
+        xs = x_smem.at[:, pl.ds(pl.multiple_of(wg * bm, bm), bm)]
+        plgpu.wgmma(acc_ref, transposed(plgpu, xs), dy_smem)
+        plgpu.wgmma_wait(1)
+        last = s == nsteps - 1
+        if interpret:
+            # The interpreter cannot store to an accumulator: emulate the
+            # reset with a running base (test only).
+            val = acc_ref[...]
+
+            @pl.when(last)
+            def _():
+                store(g, t0 + j * nsm, val - base)
+            return acc_ref, jnp.where(last, val, base)
+
+        @pl.when(last)
+        def _():
+            plgpu.wgmma_wait(0)
+            store(g, t0 + j * nsm, acc_ref[...])
+            acc_ref[...] = jnp.zeros((bm, bn), jnp.float32)
+        return acc_ref
+
+    return step
+
+
+def _ws_group(pl, plgpu, sh, refs, g, tile_of, store, n_tiles, rot_step, steps, tr):
+    """Group ``g`` of the 2-consumer dw kernel on this SM: one warp-specialized
+    pipeline over (this SM's tiles of g) x (g's k-steps); zeros for an empty group."""
+    bm, bn, bk, cm, nsm, interpret = sh
+    off_ref, x_ref, dy_ref = refs
+    m = x_ref.shape[0]
+    start = off_ref[g]
+    size = off_ref[g + 1] - start
+    rot = lax.rem(g * jnp.int32(rot_step), jnp.int32(nsm))
+    t0 = lax.rem(lax.axis_index("sm") - rot + nsm, jnp.int32(nsm))
+    cnt = jnp.where(t0 < n_tiles, lax.div(n_tiles - t0 + (nsm - 1), jnp.int32(nsm)), 0)
+    cnt = cnt.astype(jnp.int32)
+    astart = pl.multiple_of(lax.div(start, jnp.int32(8)) * 8, 8)
+    lead = start - astart
+    nsteps = lax.div(size + lead + (bk - 1), jnp.int32(bk))
+
+    def compute_context(run):
+        if interpret:
+            pl.run_scoped(lambda a: run((a, a[...])), plgpu.ACC((bm, bn)))
+        else:
+            pl.run_scoped(run, plgpu.ACC((bm, bn)))
+
+    # No allocations= here on purpose: the pipeline's own scoped allocation
+    # synchronises the CTA on entry, which is what keeps this group's producer
+    # from refilling the slot of the previous group's last step (never released
+    # with delay_release=1) while a consumer may still read it. Hoisting the
+    # allocations out of the group loop needs an explicit barrier here.
+    @pl.when((size > 0) & (cnt > 0))
+    def _():
+        rows = pl.ds(astart, m)  # may run past M; steps past the group are never issued
+        plgpu.emit_pipeline_warp_specialized(
+            _ws_step(pl, plgpu, sh, g, t0, lead, size, nsteps, store),
+            grid=(cnt, nsteps),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((bk, cm), lambda j, s: (s, tile_of(t0 + j * nsm)[0]),
+                                delay_release=1, transforms=tr),
+                plgpu.BlockSpec((bk, bn), lambda j, s: (s, tile_of(t0 + j * nsm)[1]),
+                                delay_release=1, transforms=tr),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=steps,
+            compute_context=compute_context,
+        )(x_ref.at[rows, :], dy_ref.at[rows, :])
+
+    @pl.when((size <= 0) & (cnt > 0) & (lax.axis_index("wg") < 2))
+    def _():
+        @pl.loop(0, cnt)
+        def _(j):
+            store(g, t0 + j * nsm, jnp.zeros((bm, bn), jnp.float32))
+
+
+def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret):
+    """dw with two consumer warpgroups and a producer warpgroup (warp-specialized).
+
+    A CTA owns a ``2 block_m x block_n`` tile of ``dw[g]`` (each consumer
+    warpgroup one ``block_m x block_n`` half); per group, the SM's tiles (dealt
+    round-robin, rotated per group) and the group's k-steps form ONE pipeline
+    whose loads are issued by the producer warpgroup, so the next tile's loads
+    are in flight while the consumers run the previous tile's epilogue (a
+    group has only ~4 k-steps of 64 rows at V3 shapes: the epilogue and the
+    pipeline fill are what the one-warpgroup kernel waits on).
+    """
+    pl, plgpu = pallas_modules()
+    bm, bn, bk, steps, band = tiles
+    k, n = x.shape[1], dy.shape[1]
+    g_count = offsets.shape[0] - 1
+    cm = 2 * bm
+    grid_m, grid_n = k // cm, n // bn
+    n_tiles = grid_m * grid_n
+    nsm = num_sms(interpret)
+    sh = (bm, bn, bk, cm, nsm, interpret)
+    tr, o_tr = dw_transforms(plgpu, x.dtype, bk, bn)
+
+    def tile_of(t):
+        return plgpu.planar_snake(t, (grid_m, grid_n), 0, band)
+
+    def body(off_ref, x_ref, dy_ref, o_ref):
+        def scoped(o_smem):
+            wg = lax.axis_index("wg")
+
+            def store(g, t, val):
+                mi, ni = tile_of(t)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # this warpgroup's slot free
+                o_smem[wg] = val.astype(o_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(
+                    o_smem.at[wg], o_ref.at[g, pl.ds(mi * cm + wg * bm, bm), pl.ds(ni * bn, bn)])
+
+            def group(g, carry):
+                _ws_group(pl, plgpu, sh, (off_ref, x_ref, dy_ref), g, tile_of, store, n_tiles,
+                          n_tiles % nsm, steps, tr)
+                return carry
+
+            lax.fori_loop(0, g_count, group, jnp.int32(0))
+
+            @pl.when(wg < 2)
+            def _():
+                plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(scoped, plgpu.SMEM((2, bm, bn), out_dtype, transforms=o_tr),
+                      collective_axes="wg")
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((g_count, k, n), out_dtype),
+        grid=(nsm,),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        **kernel_params(plgpu, interpret),
+    )
+    return kernel(offsets.astype(jnp.int32), x, dy)

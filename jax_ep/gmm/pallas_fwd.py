@@ -1,0 +1,177 @@
+"""Forward / dx Pallas kernels: ``out[rows of g] = x[rows of g] @ w[g]`` (or ``w[g]^T``),
+per-group row tiles; one warpgroup, or a producer and two consumer warpgroups."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .pallas_common import (dw_transforms, kernel_params, num_sms, pallas_modules, row_tiles,
+                            store_rows, transposed)
+
+
+def gmm_pallas(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
+    pl, plgpu = pallas_modules()
+    bm, bn, bk, steps, band = tiles
+    m, k = x.shape
+    if transpose_rhs:
+        _, n, k2 = w.shape     # w [G, N_out, K_contract]
+    else:
+        _, k2, n = w.shape
+    assert k == k2, (x.shape, w.shape, transpose_rhs)
+    rs, r0, r1, grp = row_tiles(offsets, m, bm)
+    nf = r0.shape[0]
+    grid_n = n // bn
+    top = 1 << int(math.log2(bm))     # largest power of two <= bm
+
+    def body(rs_ref, r0_ref, r1_ref, g_ref, x_ref, w_ref, o_ref):
+        @plgpu.nd_loop((nf * grid_n,), collective_axes="sm")
+        def _item(info):
+            fi, ni = plgpu.planar_snake(info.index[0], (nf, grid_n), 0, band)
+            lo = r0_ref[fi]
+            hi = r1_ref[fi]
+            g = g_ref[fi]
+
+            @pl.when(hi > lo)
+            def _():
+                row0 = pl.multiple_of(rs_ref[fi], 8)
+
+                def mma_scope(acc_ref):
+                    @pl.when(g >= 0)
+                    def _():
+                        def step(_, x_smem, w_smem):
+                            rhs = transposed(plgpu, w_smem) if transpose_rhs else w_smem
+                            plgpu.wgmma(acc_ref, x_smem, rhs)
+
+                        w_spec = (plgpu.BlockSpec((bn, bk), lambda kk: (ni, kk), delay_release=1)
+                                  if transpose_rhs else
+                                  plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni), delay_release=1))
+                        plgpu.emit_pipeline(
+                            step,
+                            grid=(k // bk,),
+                            in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (0, kk),
+                                                      delay_release=1), w_spec],
+                            max_concurrent_steps=steps,
+                        )(x_ref.at[pl.ds(row0, bm), :], w_ref.at[jnp.maximum(g, 0)])
+                    return acc_ref[...]
+
+                acc = pl.run_scoped(mma_scope, plgpu.ACC((bm, bn)))
+
+                def store_scope(o_smem):
+                    o_smem[...] = acc.astype(o_smem.dtype)
+                    plgpu.commit_smem()
+                    store_rows(pl, plgpu, o_smem, o_ref.at[:, pl.ds(ni * bn, bn)], lo, hi,
+                                row0, top)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+                pl.run_scoped(store_scope, plgpu.SMEM((bm, bn), out_dtype))
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(num_sms(interpret),),
+        grid_names=("sm",),
+        **kernel_params(plgpu, interpret),
+    )
+    return kernel(rs, r0, r1, grp, x, w)
+
+
+def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
+    """Forward / dx with two consumer warpgroups and a producer warpgroup.
+
+    Same row tiles as :func:`gmm_pallas` (per group, ``row_tiles``); a CTA
+    owns ``block_m x 2 block_n`` of the output (each consumer warpgroup one
+    ``block_m x block_n`` half, sharing the staged ``x`` tile), and its k-loop
+    is a warp-specialized pipeline: the producer warpgroup keeps
+    ``max_concurrent_steps`` loads in flight while the consumers run wgmma.
+    (Consumers splitting ``2 block_m x block_n`` instead, skipping a
+    row-less half, measured no faster: bench/results/README.md.)
+    """
+    pl, plgpu = pallas_modules()
+    bm, bn, bk, steps, band = tiles
+    m, k = x.shape
+    n = w.shape[1] if transpose_rhs else w.shape[2]
+    rs, r0, r1, grp = row_tiles(offsets, m, bm)
+    nf, grid_n = r0.shape[0], n // (2 * bn)
+    top = 1 << int(math.log2(bm))
+    tr, _ = dw_transforms(plgpu, x.dtype, bk, bn)
+    w_block = (2 * bn, bk) if transpose_rhs else (bk, 2 * bn)
+
+    def mma(_, x_smem, w_smem, acc_ref):
+        wg = lax.axis_index("wg")
+        cols = pl.ds(pl.multiple_of(wg * bn, bn), bn)
+        rhs = (transposed(plgpu, w_smem.at[cols, :]) if transpose_rhs
+               else w_smem.at[:, cols])
+        plgpu.wgmma(acc_ref, x_smem, rhs)
+        # No delay_release: with the allocations hoisted out of the tile loop,
+        # a stage still read by the last step's wgmma would be refilled by the
+        # next tile's prologue.
+        plgpu.wgmma_wait(0)
+        return acc_ref
+
+    def pipeline(compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            mma, grid=(k // bk,), memory_registers=40,
+            in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=tr),
+                      plgpu.BlockSpec(w_block, (lambda kk: (0, kk)) if transpose_rhs
+                                      else (lambda kk: (kk, 0)), transforms=tr)],
+            wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=steps,
+            compute_context=compute_context)
+
+    def body(rs_ref, r0_ref, r1_ref, g_ref, x_ref, w_ref, o_ref):
+        def scoped(o_smem, allocs):
+            wg = lax.axis_index("wg")
+
+            @plgpu.nd_loop((nf * grid_n,), collective_axes="sm")
+            def _item(info):
+                fi, ni = plgpu.planar_snake(info.index[0], (nf, grid_n), 0, band)
+                lo, hi, g = r0_ref[fi], r1_ref[fi], g_ref[fi]
+                row0 = pl.multiple_of(rs_ref[fi], 8)
+                out = o_ref.at[:, pl.ds(ni * (2 * bn) + wg * bn, bn)]
+
+                def store(val):
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # our slot is free
+                    o_smem[wg] = val.astype(o_smem.dtype)
+                    plgpu.commit_smem()
+                    store_rows(pl, plgpu, o_smem.at[wg], out, lo, hi, row0, top)
+
+                def compute_context(run):
+                    def acc_scope(acc_ref):
+                        run(acc_ref)
+                        store(acc_ref[...])
+                    pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
+
+                cols = pl.ds(ni * (2 * bn), 2 * bn)
+                w_view = (w_ref.at[jnp.maximum(g, 0), cols, :] if transpose_rhs
+                          else w_ref.at[jnp.maximum(g, 0), :, cols])
+
+                @pl.when((hi > lo) & (g >= 0))
+                def _():
+                    pipeline(compute_context)(x_ref.at[pl.ds(row0, bm), :], w_view,
+                                              allocations=allocs)
+
+                @pl.when((hi > lo) & (g < 0) & (wg < 2))
+                def _():  # tail rows: zeros, no matmul
+                    store(jnp.zeros((bm, bn), jnp.float32))
+
+            @pl.when(wg < 2)
+            def _():
+                plgpu.wait_smem_to_gmem(0)
+
+        x_view = x_ref.at[pl.ds(0, bm), :]
+        w_view = w_ref.at[0, pl.ds(0, 2 * bn), :] if transpose_rhs else w_ref.at[0, :, pl.ds(0, 2 * bn)]
+        allocs = pipeline(lambda run: None).get_allocations(x_view, w_view)   # sizes only
+        pl.run_scoped(scoped, plgpu.SMEM((2, bm, bn), out_dtype), allocs, collective_axes="wg")
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(num_sms(interpret),),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        **kernel_params(plgpu, interpret),
+    )
+    return kernel(rs, r0, r1, grp, x, w)
