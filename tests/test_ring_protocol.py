@@ -62,6 +62,14 @@ class Sim:
         else:
             self.count[(r, key, q)] = c
 
+    def schedule(self, agents, step):
+        """Moves a random runnable agent until none can move."""
+        while True:
+            live = [a for a in agents if step(a, True)]
+            if not live:
+                return
+            step(self.rng.choice(live), False)
+
     def read(self, r, s, q, ci):
         if self.slot.get((r, s, q)) != ci:
             self.violations.append((r, s, q, ci, self.slot.get((r, s, q))))
@@ -74,13 +82,16 @@ class Dispatch(Sim):
         R = self.R
         cur = {(r, w): (0, 1) for r in range(R) for w in range(self.W)}
         agents = [("s", s) for s in range(R)] + [("w", k) for k in cur]
-        while True:
-            live = [a for a in agents if self._step(a, cur, probe=True)]
-            if not live:
-                break
-            self._step(self.rng.choice(live), cur, probe=False)
-        done = all(ci >= self.n for ci, _ in cur.values()) and min(self.send_ci) >= self.n
-        return done
+        self.schedule(agents, lambda a, probe: self._step(a, cur, probe))
+        return all(self._finished(c) for c in cur.values()) and min(self.send_ci) >= self.n
+
+    def _finished(self, c):
+        return c[0] >= self.n
+
+    def _advance(self, ci, pi):
+        """The cursor after (chunk ci, peer pi): every peer of a chunk first."""
+        pi += 1
+        return (ci + 1, 1) if pi == self.R else (ci, pi)
 
     def _step(self, a, cur, probe):
         kind, who = a
@@ -90,7 +101,7 @@ class Dispatch(Sim):
             return self.sender_step(who)
         r, w = who
         ci, pi = cur[who]
-        if ci >= self.n or self.R == 1:
+        if self._finished((ci, pi)) or self.R == 1:
             return False
         s, q = (r + pi) % self.R, ci % self.depth
         if self.ready.get((r, s, q), 0) < ci + 1:
@@ -99,10 +110,7 @@ class Dispatch(Sim):
             return True
         self.read(r, s, q, ci)
         self.drain(r, s, q, ci, self.W, [s])
-        pi += 1
-        if pi == self.R:
-            pi, ci = 1, ci + 1
-        cur[who] = (ci, pi)
+        cur[who] = self._advance(ci, pi)
         return True
 
     def _can_send(self, s):
@@ -124,11 +132,7 @@ class Combine(Dispatch):
         for k in list(cur):
             cur[k] = self._settle(k, 0)
         agents = [("s", s) for s in range(R)] + [("w", k) for k in cur]
-        while True:
-            live = [a for a in agents if self._cstep(a, cur, probe=True)]
-            if not live:
-                break
-            self._cstep(self.rng.choice(live), cur, probe=False)
+        self.schedule(agents, lambda a, probe: self._cstep(a, cur, probe))
         return all(c[0] >= self.n for c in cur.values()) and min(self.send_ci) >= self.n
 
     def _settle(self, k, ci):
@@ -206,36 +210,11 @@ class _PeerMajor(Dispatch):
     """Receivers that walk peer-major (every chunk of one peer, then the next),
     the pre-ring dispatch order."""
 
-    def _step(self, a, cur, probe):
-        kind, who = a
-        if kind == "s":
-            return super()._step(a, cur, probe)
-        r, w = who
-        ci, pi = cur[who]
-        if pi >= self.R:
-            return False
-        s, q = (r + pi) % self.R, ci % self.depth
-        if self.ready.get((r, s, q), 0) < ci + 1:
-            return False
-        if probe:
-            return True
-        self.read(r, s, q, ci)
-        self.drain(r, s, q, ci, self.W, [s])
-        ci += 1
-        if ci == self.n:
-            ci, pi = 0, pi + 1
-        cur[who] = (ci, pi)
-        return True
+    def _finished(self, c):
+        return c[1] >= self.R
 
-    def run(self):
-        cur = {(r, w): (0, 1) for r in range(self.R) for w in range(self.W)}
-        agents = [("s", s) for s in range(self.R)] + [("w", k) for k in cur]
-        while True:
-            live = [a for a in agents if self._step(a, cur, probe=True)]
-            if not live:
-                break
-            self._step(self.rng.choice(live), cur, probe=False)
-        return all(p >= self.R for _, p in cur.values())
+    def _advance(self, ci, pi):
+        return (0, pi + 1) if ci + 1 == self.n else (ci + 1, pi)
 
 
 def test_peer_major_receivers_deadlock_on_a_bounded_ring():
