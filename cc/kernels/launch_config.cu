@@ -54,12 +54,19 @@ std::string plan_launch(OpKind op, int R, int T, int num_sms_requested, int devi
   // ring that holds all of a block's chunks, as the pre-ring kernels needed.
   // (The loopback harness calls fit_ring directly and may wrap at any R.)
   if (R > 2) {
-    const LaunchConfig first = *lc;
-    if (fit_ring(lc, R, T, row_bytes, s_row_bytes, half)) {
+    // A ring that never wraps needs a slot per chunk of the block: at most
+    // kMaxDepth, so larger chunks where a block would have more (few SMs, large
+    // T; the pre-ring kernels doubled the chunk the same way past their flag limit).
+    auto per_block = [&] {
       const int num_chunks = T > 0 ? (T + lc->chunk - 1) / lc->chunk : 1;
-      const int per_block = (num_chunks + lc->num_blocks - 1) / lc->num_blocks;
-      if (lc->chunk == first.chunk && lc->depth >= per_block) return "";
+      return (num_chunks + lc->num_blocks - 1) / lc->num_blocks;
+    };
+    while (per_block() > kMaxDepth) {
+      lc->chunk *= 2;
+      lc->slices = slices_for_chunk(lc->chunk, lc->send_warps);
     }
+    lc->depth = ring_depth(R, T, lc->num_blocks, lc->chunk, row_bytes, s_row_bytes, half);
+    if (lc->depth >= per_block()) return "";
   } else if (fit_ring(lc, R, T, row_bytes, s_row_bytes, half)) {
     return "";
   }

@@ -76,6 +76,8 @@ std::string loopback_dispatch(const std::vector<uint64_t>& ptrs, const std::vect
   if (cast && ints[3] % 128 != 0) return "loopback_dispatch: hidden % 128";
   if (std::string e = check_resident(R, int(ints[9])); !e.empty()) return e;
   if (sym_bytes <= kCtrlBytes) return "loopback_dispatch: sym_bytes must exceed the control region";
+  if (ints[11] != kFp8ScaleIeee && ints[11] != kFp8ScaleXlaGpu && ints[11] != kFp8ScaleUe8m0)
+    return "loopback_dispatch: fp8_scale_mode must be an Fp8ScaleMode";
   static_assert(std::size(kLoopbackDispatchPtrs) == 11, "pointer layout below");
   auto P = [&](int r, int i) { return reinterpret_cast<void*>(ptrs[kPtrs * r + i]); };
   return run_ranks(R, iters, seconds, [&](int r, cudaStream_t st) {
