@@ -1,0 +1,71 @@
+"""The staging-ring sizing of cc/buffer_layout.h and cc/kernels/launch_config.cu,
+through the extension (no GPU needed: pure host arithmetic; skipped where
+jax_ep._C is not built). These numbers decide whether a call runs at all."""
+from __future__ import annotations
+
+import pytest
+
+from jax_ep import runtime
+
+C = runtime._extension()
+pytestmark = pytest.mark.skipif(C is None, reason="needs the jax_ep._C extension")
+
+GIB = 1 << 30
+V3_ROW = 7168 * 2      # bf16 row bytes at V3
+FP8_ROW, FP8_SCALES = 7168, 56 * 4
+
+
+def err(combine, R, T, sms, row, srow, sym, device_sms=132, chunk=0):
+    return C.staging_error(combine, R, T, sms, device_sms, chunk, row, srow, sym)
+
+
+def test_default_buffer_runs_any_t_at_ep2():
+    assert C.DEFAULT_BUFFER_BYTES == GIB and 0 < C.CTRL_BYTES < GIB // 16
+    for T in (1, 4096, 16384, 65536, 262144):
+        for combine in (False, True):
+            assert err(combine, 2, T, 0, V3_ROW, 0, GIB) == "", T
+        assert err(False, 2, T, 0, FP8_ROW, FP8_SCALES, GIB) == "", T
+    assert C.symmetric_buffer_bytes(2, 10 ** 6, 4 * 8192, 256) == GIB   # capped: rings wrap
+
+
+def test_ep2_small_configs_get_small_buffers_that_do_not_wrap():
+    sym = C.symmetric_buffer_bytes(2, 4096, V3_ROW, 0)
+    assert sym < GIB // 2
+    half = C.stage_half_bytes(sym)
+    chunks_per_block = -(-4096 // 8 // 132)
+    assert C.ring_depth(2, 4096, 132, 8, V3_ROW, 0, half) >= chunks_per_block
+    assert err(False, 2, 4096, 0, V3_ROW, 0, sym) == ""
+
+
+@pytest.mark.parametrize("R", [3, 4, 8])
+def test_above_two_ranks_the_sized_buffer_holds_every_row(R):
+    for T in (128, 4096, 8192):
+        sym = C.symmetric_buffer_bytes(R, T, V3_ROW, FP8_SCALES)
+        for sms in (0, 24, 132):
+            assert err(False, R, T, sms, V3_ROW, 0, sym) == "", (T, sms)
+            assert err(True, R, T, sms, V3_ROW, 0, sym) == "", (T, sms)
+    # the 1 GiB default is too small for R = 8, T 4096 at V3: a clear error, sizes named
+    msg = err(False, 8, 4096, 0, V3_ROW, 0, GIB)
+    assert "all of this call's rows" in msg and "buffer_bytes" in msg and "T = 4096" in msg
+
+
+def test_few_sms_and_many_tokens_double_the_chunk_above_two_ranks():
+    # 24 blocks x 64 slots x 8 tokens < 16384: the chunk doubles, as the pre-ring
+    # kernels did past their flag limit; a large enough buffer runs it
+    assert err(False, 8, 16384, 24, FP8_ROW, FP8_SCALES, 8 * GIB) == ""
+
+
+def test_tiny_buffers_fail_clearly():
+    msg = err(False, 2, 4096, 0, V3_ROW, 0, C.CTRL_BYTES + (1 << 20))
+    assert "cannot hold one ring slot" in msg and "buffer_bytes" in msg
+    assert C.ring_depth(2, 4096, 132, 1, V3_ROW, 0, 1000) == 0
+
+
+def test_ring_depth_is_monotonic_and_capped():
+    prev = 0
+    for half_mib in (1, 4, 16, 64, 256, 1024):
+        d = C.ring_depth(2, 262144, 132, 8, V3_ROW, 0, half_mib << 20)
+        assert d >= prev
+        prev = d
+    assert prev == 64   # kMaxDepth (249 chunks per block)
+    assert C.ring_depth(2, 65536, 132, 8, V3_ROW, 0, GIB) == 63   # every chunk of a block
