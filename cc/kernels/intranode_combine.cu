@@ -230,11 +230,8 @@ combine_kernel(CombineArgs a, LaunchConfig lc, int num_chunks) {
   if (warp < send_warps) {
     // ---- expert side: partial of every (s, t) received from a peer s; the
     // block's warps share chunk j's (token, slice) items ----
-    for (int j = blockIdx.x, ci = 0; j < num_chunks; j += G, ++ci) {
-      const int q = ci % depth;
-      if (ci >= depth)
-        wait_credits(a.peers, ctrl, q, chunk_tag(epoch, ci - depth), send_warps, a.host_err,
-                     a.timeout_ns);
+    send_ring_chunks(a.peers, ctrl, a.ctrl_off, num_chunks, depth, epoch, send_warps,
+                     a.host_err, a.timeout_ns, [&](int j, int q) {
       const int t0 = j * chunk, nit = (min(NT, t0 + chunk) - t0) * slices;
       for (int it = warp; it < nit; it += send_warps) {
         const int t = t0 + it / slices;
@@ -257,8 +254,7 @@ combine_kernel(CombineArgs a, LaunchConfig lc, int num_chunks) {
           }
         }
       }
-      publish_chunk(a.peers, a.ctrl_off, q, chunk_tag(epoch, ci), send_warps);
-    }
+    });
   } else {
     // ---- source side: sum the partials of ranks 0..R-1 ----
     // Per (token, slice) item two steps over this warp's item list (its items

@@ -331,11 +331,8 @@ dispatch_kernel(DispatchArgs a, LaunchConfig lc, int num_chunks) {
   if (warp < send_warps) {
     // ---- sender: chunk j of my tokens to every rank that wants them; the
     // block's warps share the chunk's (token, slice) items ----
-    for (int j = blockIdx.x, ci = 0; j < num_chunks; j += G, ++ci) {
-      const int q = ci % depth;
-      if (ci >= depth)
-        wait_credits(a.peers, ctrl, q, chunk_tag(epoch, ci - depth), send_warps, a.host_err,
-                     a.timeout_ns);
+    send_ring_chunks(a.peers, ctrl, a.ctrl_off, num_chunks, depth, epoch, send_warps,
+                     a.host_err, a.timeout_ns, [&](int j, int q) {
       const int t0 = j * chunk, nit = (min(T, t0 + chunk) - t0) * slices;
       for (int it = warp; it < nit; it += send_warps) {
         const int t = t0 + it / slices, sl = it % slices;
@@ -356,8 +353,7 @@ dispatch_kernel(DispatchArgs a, LaunchConfig lc, int num_chunks) {
         move_row_slice<EPL>(a, t, static_cast<const char*>(a.x) + t * a.x_row_bytes, dst, dsts, n,
                             sl, slices, v, sv, lane, sm);
       }
-      publish_chunk(a.peers, a.ctrl_off, q, chunk_tag(epoch, ci), send_warps);
-    }
+    });
   } else {
     // ---- receiver ----
     const int rw = warp - send_warps;

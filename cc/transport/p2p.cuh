@@ -77,6 +77,25 @@ __device__ __forceinline__ bool wait_credits(const PeerTable& p, const OpCtrl* c
   return ok;
 }
 
+// The sender warps of a block walk its chunks j = blockIdx.x, blockIdx.x +
+// gridDim.x, ... (the ci-th one in ring slot q = ci % depth): wait until every
+// peer returned the slot's previous credit, let items(j, q) write the chunk's
+// rows, then publish the chunk. The one sender loop of every ring kernel.
+template <typename Items>
+__device__ __forceinline__ void send_ring_chunks(const PeerTable& p, const OpCtrl* ctrl,
+                                                 size_t ctrl_off, int num_chunks, int depth,
+                                                 unsigned int epoch, int send_warps,
+                                                 int* host_err, unsigned long long timeout_ns,
+                                                 Items&& items) {
+  for (int j = blockIdx.x, ci = 0; j < num_chunks; j += gridDim.x, ++ci) {
+    const int q = ci % depth;
+    if (ci >= depth)
+      wait_credits(p, ctrl, q, chunk_tag(epoch, ci - depth), send_warps, host_err, timeout_ns);
+    items(j, q);
+    publish_chunk(p, ctrl_off, q, chunk_tag(epoch, ci), send_warps);
+  }
+}
+
 // A receiver warp is done with slot q of source s's ring (s < 0: of every
 // peer's ring) for the block's chunk `tag`. The last of `expect` warps to
 // finish returns the credit (all warps' reads of the slot happen before it:
