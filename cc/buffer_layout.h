@@ -89,13 +89,18 @@ inline size_t ring_bytes(int R, int G, int depth, int chunk, long long row_bytes
   return a + rows * size_t(s_row_bytes);
 }
 
+// Chunks of `chunk` tokens the busiest of G blocks handles (T = 0: one).
+inline int chunks_per_block(int T, int chunk, int G) {
+  const int num_chunks = T > 0 ? (T + chunk - 1) / chunk : 1;
+  return (num_chunks + G - 1) / G;
+}
+
 // Ring depth for T tokens in chunks of `chunk` over G blocks: as many slots as
 // a block has chunks (nothing wraps), capped by kMaxDepth and by what a
 // staging half of `half` bytes holds; 0 when not even one slot fits.
 inline int ring_depth(int R, int T, int G, int chunk, long long row_bytes, long long s_row_bytes,
                       size_t half) {
-  const int num_chunks = T > 0 ? (T + chunk - 1) / chunk : 1;
-  int depth = (num_chunks + G - 1) / G;
+  int depth = chunks_per_block(T, chunk, G);
   if (depth > kMaxDepth) depth = kMaxDepth;
   if (depth < 1) depth = 1;
   while (depth > 0 && ring_bytes(R, G, depth, chunk, row_bytes, s_row_bytes, nullptr) > half)

@@ -33,8 +33,7 @@ bool fit_ring(LaunchConfig* lc, int R, int T, long long row_bytes, long long s_r
               size_t half) {
   while (true) {
     const int G = lc->num_blocks;
-    const int num_chunks = T > 0 ? (T + lc->chunk - 1) / lc->chunk : 1;
-    const int per_block = (num_chunks + G - 1) / G;
+    const int per_block = chunks_per_block(T, lc->chunk, G);
     lc->depth = ring_depth(R, T, G, lc->chunk, row_bytes, s_row_bytes, half);
     const int want = per_block < 2 ? per_block : 2;
     if (lc->depth >= want || lc->chunk == 1) return lc->depth >= 1;
@@ -57,10 +56,7 @@ std::string plan_launch(OpKind op, int R, int T, int num_sms_requested, int devi
     // A ring that never wraps needs a slot per chunk of the block: at most
     // kMaxDepth, so larger chunks where a block would have more (few SMs, large
     // T; the pre-ring kernels doubled the chunk the same way past their flag limit).
-    auto per_block = [&] {
-      const int num_chunks = T > 0 ? (T + lc->chunk - 1) / lc->chunk : 1;
-      return (num_chunks + lc->num_blocks - 1) / lc->num_blocks;
-    };
+    auto per_block = [&] { return chunks_per_block(T, lc->chunk, lc->num_blocks); };
     while (per_block() > kMaxDepth) {
       lc->chunk *= 2;
       lc->slices = slices_for_chunk(lc->chunk, lc->send_warps);
