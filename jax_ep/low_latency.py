@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from . import validate
 from .config import EpConfig
 from .reference import FP8, fp8_cast
-from .routing import F32, merge_duplicate_weights
+from .routing import F32, excl_cumsum, merge_duplicate_weights, sanitize_topk
 
 SCALE_FORMATS = ("f32", "ue8m0")
 
@@ -93,23 +93,17 @@ jax.tree_util.register_dataclass(
     meta_fields=[])
 
 
-def _first_pairs(topk_idx, E):
-    """``[T, K]`` bool: slot k names a valid expert no earlier slot of the token names."""
-    valid = (topk_idx >= 0) & (topk_idx < E)
-    K = topk_idx.shape[1]
-    same = (topk_idx[:, :, None] == topk_idx[:, None, :]) & valid[:, None, :]
-    earlier = jnp.tril(jnp.ones((K, K), bool), -1)
-    return valid & ~jnp.any(same & earlier[None], axis=2)
-
-
 def _slots(topk_idx, E):
     """Per pair, its row in the destination block (the token's rank among this
-    rank's tokens that picked the same expert), and tokens per expert ``[E]``."""
-    first = _first_pairs(topk_idx, E)
-    e = jnp.where(first, topk_idx, E)
+    rank's tokens that picked the same expert), and tokens per expert ``[E]``.
+    Invalid ids and repeats of an id the token already named get no slot
+    (``sanitize_topk``, the normal mode's rule)."""
+    idx, _ = sanitize_topk(topk_idx, E)
+    first = idx >= 0
+    e = jnp.where(first, idx, E)
     onehot = jnp.zeros((topk_idx.shape[0], E + 1), jnp.int32).at[
         jnp.arange(topk_idx.shape[0])[:, None], e].add(1)[:, :E]   # [T, E] 0/1
-    pos = jnp.cumsum(onehot, axis=0) - onehot                       # exclusive
+    pos = excl_cumsum(onehot, axis=0)
     slot = jnp.where(first, jnp.take_along_axis(pos, jnp.minimum(e, E - 1), axis=1), -1)
     return slot.astype(jnp.int32), jnp.sum(onehot, axis=0).astype(jnp.int32)
 
