@@ -111,16 +111,15 @@ inline int ring_depth(int R, int T, int G, int chunk, long long row_bytes, long 
 // The symmetric buffer (a multiple of 1 MiB) for R ranks and T tokens per
 // rank with rows of row_bytes (+ s_row_bytes of scales): rings that never
 // wrap for any grid up to kMaxBlocks and chunk up to 8 (G * ceil(n / G) <=
-// n + G chunks per peer). At R <= 2 capped at kDefaultBufferBytes, beyond
-// which the rings wrap (any T runs in the default buffer); above 2 ranks the
-// rings may not wrap yet (launch_config.h, fit_ring), so it is the full need.
+// n + G chunks per peer), capped at kDefaultBufferBytes, beyond which the
+// rings wrap (any T runs in the default buffer).
 inline size_t symmetric_buffer_bytes(int R, int T, long long row_bytes, long long s_row_bytes) {
   const size_t rows = size_t(R > 1 ? R - 1 : 0) * (size_t(T > 0 ? T : 1) + size_t(kMaxBlocks) * 8);
   const size_t need = align_up(rows * size_t(row_bytes)) + rows * size_t(s_row_bytes);
   const size_t mib = size_t(1) << 20;
   size_t bytes = ((4 * (need + kRegionAlign) + 2 * kCtrlBytes) + mib - 1) / mib * mib;
   while (stage_half_bytes(bytes) < need) bytes += mib;
-  return (R <= 2 && bytes > kDefaultBufferBytes) ? kDefaultBufferBytes : bytes;
+  return bytes > kDefaultBufferBytes ? kDefaultBufferBytes : bytes;
 }
 
 }  // namespace jax_ep

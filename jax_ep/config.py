@@ -193,9 +193,9 @@ class EpConfig:
 
         Staging is a bounded ring per (peer, block) for dispatch and for
         combine, each double-buffered by call parity; rows sized for f32 (the
-        widest row dtype), plus the control words. At EP <= 2 the rings wrap,
-        so this is at most the 1 GiB default whatever T; above 2 ranks a ring
-        must still hold all of a call's rows (about 4 x R x T x row bytes).
+        widest row dtype), plus the control words. The rings wrap, so this is
+        at most the 1 GiB default whatever T and R (smaller when a ring that
+        never wraps fits in less).
         Computed by the extension (``cc/buffer_layout.h``, the one source of
         these sizes), so it needs ``jax_ep._C``. ``buffer_bytes`` overrides it."""
         if self.buffer_bytes is not None:

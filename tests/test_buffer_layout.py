@@ -38,21 +38,19 @@ def test_ep2_small_configs_get_small_buffers_that_do_not_wrap():
 
 
 @pytest.mark.parametrize("R", [3, 4, 8])
-def test_above_two_ranks_the_sized_buffer_holds_every_row(R):
-    for T in (128, 4096, 8192):
-        sym = C.symmetric_buffer_bytes(R, T, V3_ROW, FP8_SCALES)
+def test_default_buffer_runs_any_t_up_to_ep8(R):
+    # issue 14: the 1 GiB default runs any T at EP <= 8, H <= 8192, bf16 or
+    # f32 rows (the rings wrap), at any SM budget
+    for T in (1, 128, 4096, 16384, 65536):
         for sms in (0, 24, 132):
-            assert err(False, R, T, sms, V3_ROW, 0, sym) == "", (T, sms)
-            assert err(True, R, T, sms, V3_ROW, 0, sym) == "", (T, sms)
-    # the 1 GiB default is too small for R = 8, T 4096 at V3: a clear error, sizes named
-    msg = err(False, 8, 4096, 0, V3_ROW, 0, GIB)
-    assert "all of this call's rows" in msg and "buffer_bytes" in msg and "T = 4096" in msg
-
-
-def test_few_sms_and_many_tokens_double_the_chunk_above_two_ranks():
-    # 24 blocks x 64 slots x 8 tokens < 16384: the chunk doubles, as the pre-ring
-    # kernels did past their flag limit; a large enough buffer runs it
-    assert err(False, 8, 16384, 24, FP8_ROW, FP8_SCALES, 8 * GIB) == ""
+            for row in (8192 * 2, 8192 * 4):
+                assert err(False, R, T, sms, row, 0, GIB) == "", (T, sms, row)
+                assert err(True, R, T, sms, row, 0, GIB) == "", (T, sms, row)
+            assert err(False, R, T, sms, 8192, 64 * 4, GIB) == "", (T, sms)
+    assert C.symmetric_buffer_bytes(R, 65536, 8192 * 4, 256) == GIB   # capped: rings wrap
+    # small configs still get a buffer whose rings never wrap
+    sym = C.symmetric_buffer_bytes(R, 128, V3_ROW, FP8_SCALES)
+    assert sym < GIB and err(False, R, 128, 0, V3_ROW, 0, sym) == ""
 
 
 def test_tiny_buffers_fail_clearly():

@@ -47,29 +47,10 @@ std::string plan_launch(OpKind op, int R, int T, int num_sms_requested, int devi
                         LaunchConfig* lc) {
   *lc = make_launch_config(op, T > 0 ? T : 1, num_sms_requested, device_sms, chunk);
   const size_t half = stage_half_bytes(sym_bytes);
-  // Rings that wrap ran bit-exact at R = 2 only (1x H200 loopback, session 6;
-  // the R = 8 loopback test stalled on a test-harness bug, fixed since, and
-  // has not run again): above 2 ranks the calls the FFI handlers make keep a
-  // ring that holds all of a block's chunks, as the pre-ring kernels needed.
-  // (The loopback harness calls fit_ring directly and may wrap at any R.)
-  if (R > 2) {
-    // A ring that never wraps needs a slot per chunk of the block: at most
-    // kMaxDepth, so larger chunks where a block would have more (few SMs, large
-    // T; the pre-ring kernels doubled the chunk the same way past their flag limit).
-    auto per_block = [&] { return chunks_per_block(T, lc->chunk, lc->num_blocks); };
-    while (per_block() > kMaxDepth) {
-      lc->chunk *= 2;
-      lc->slices = slices_for_chunk(lc->chunk, lc->send_warps);
-    }
-    lc->depth = ring_depth(R, T, lc->num_blocks, lc->chunk, row_bytes, s_row_bytes, half);
-    if (lc->depth >= per_block()) return "";
-  } else if (fit_ring(lc, R, T, row_bytes, s_row_bytes, half)) {
-    return "";
-  }
-  const std::string what =
-      R > 2 ? "all of this call's rows (above 2 ranks the staging rings may not wrap yet; "
-              "about 4 x R x T x row bytes)"
-            : "one ring slot of one row per (peer, block)";
+  // Rings wrap at any R (1x H200 loopback, session 7: R = 2 and R = 8 with a
+  // tiny ring bit-exact to the reference), so the default buffer runs any T.
+  if (fit_ring(lc, R, T, row_bytes, s_row_bytes, half)) return "";
+  const std::string what = "one ring slot of one row per (peer, block)";
   return "the symmetric buffer's staging (" + std::to_string(half >> 20) +
          " MiB per parity) cannot hold " + what + " for rows of " +
          std::to_string(row_bytes + s_row_bytes) + " bytes, T = " + std::to_string(T) + ", " +

@@ -97,10 +97,8 @@ def test_loopback_tiny_ring_r2():
 
 @pytest.mark.gpu
 def test_loopback_tiny_ring_r8():
-    """As test_loopback_tiny_ring_r2 at R = 8 (every peer's ring wraps). The
-    FFI path still refuses wrapping above 2 ranks (plan_launch) until this has
-    passed on a GPU: its first run stalled on a harness bug (a reused buffer
-    put the control words on stale staging), fixed in session 6, not re-run."""
+    """As test_loopback_tiny_ring_r2 at R = 8 (every peer's ring wraps); its
+    pass (1x H200, session 7) is what lets plan_launch wrap rings at every R."""
     _run("_ring_worker_r8")
 
 
