@@ -835,10 +835,12 @@ def _worker_body(spec, out, save):
                 compile_s, reps, first, holder[0])
 
     def touch(tree, s):
-        """A data-dependent no-op update of one element per leaf (in place on the
-        carried buffer): the next step's use of the tree depends on this step."""
-        tiny = (1e-30 * s).astype(F32)
-        return jax.tree.map(lambda a: a.at[(0,) * a.ndim].add(tiny.astype(a.dtype)), tree)
+        """Ties ``tree`` to ``s`` (the step's loss): the next step's use of the tree
+        waits for this step. An optimization barrier, not an update: an in-place
+        ``.at[0].add`` on a loop-carried weight that the step also reads made XLA
+        copy every weight each step (measured on 1x H200, V3 with 128 local experts:
+        ~9 ms of a 31 ms layer step, the same for every impl; session 7)."""
+        return jax.lax.optimization_barrier((tree, s))[0]
 
     def rank_figures(vals):
         """Per-rank figures (a list of floats) of every process -> [ranks][len(vals)]."""
@@ -1101,8 +1103,7 @@ def _worker_body(spec, out, save):
                 g_s = jnp.where(l_prev > -3e38, gs, 0)
                 l, (gr, gew) = jax.value_and_grad(
                     lambda rr, ew: jnp.sum(ex_loss(rr, g_s, *ew, ct)), argnums=(0, 1))(rr, ew)
-                rr = rr.at[0].add((1e-30 * l).astype(rr.dtype))
-                return rr, touch(ew, l), gr, gew, l
+                return touch(rr, l), touch(ew, l), gr, gew, l
             rr, ew, gr, gew = state
             rr, ew, gr, gew, l = jax.lax.fori_loop(0, n, body,
                                                    (rr, ew, gr, gew, jnp.zeros((), F32)))
