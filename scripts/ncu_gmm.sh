@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Hardware counters of the grouped-matmul kernels (scripts/profile_gmm.py) with
+# Nsight Compute, clocks untouched. Writes $OUT/ncu_*.txt. One-GPU machines
+# with counters (Firecracker runtime, .library/device/KINDS.md).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/ncu_gmm}"; mkdir -p "$OUT"
+OPS="${OPS:-dw_up,fwd_up,dense_dw_up}"
+export XLA_FLAGS="--xla_gpu_autotune_level=0" PYTHONPATH=.
+M=gpu__time_duration.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_bytes.sum,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sector_hit_rate.pct,dram__bytes_read.sum,dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active
+# Only the matmul kernels: XLA's small fusions (group offsets, converts) are
+# skipped, each profiled kernel is replayed once per metric pass.
+KF='regex:^(?!.*fusion)(?!wrapped).*'
+timeout ${NCU_TIMEOUT:-240} ncu --clock-control none -k "$KF" --metrics "$M" --csv python3 scripts/profile_gmm.py "$OPS" \
+  > "$OUT/ncu_metrics.csv" 2> "$OUT/ncu_stderr.txt"
+echo "ncu rc=$?"
+pkill -f scripts/profile_gmm.py; sleep 2   # a timed-out ncu leaves its target holding the GPU
+python3 - "$OUT/ncu_metrics.csv" <<'PY' | tee "$OUT/ncu_summary.txt"
+import csv, sys, collections
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+hdr = rows[0]; rows = rows[1:]
+iK, iN, iM, iU, iV = (hdr.index(c) for c in ("ID", "Kernel Name", "Metric Name", "Metric Unit", "Metric Value"))
+k = collections.OrderedDict()
+for r in rows:
+    k.setdefault((r[iK], r[iN][:70]), {})[r[iM]] = (r[iV], r[iU])
+for (i, name), m in k.items():
+    t = m.get("gpu__time_duration.sum", ("0", ""))
+    if float(t[0].replace(",", "")) < (200 if t[1] == "usecond" else 200000 if t[1] == "nsecond" else 0.2):
+        continue
+    print(f"== {i} {name}")
+    for key, (v, u) in m.items():
+        print(f"   {key} = {v} {u}")
+PY
+# Stall reasons and memory breakdown of the longest kernel of the first run.
+name=$(python3 - "$OUT/ncu_metrics.csv" <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+h = rows[0]; iN, iM, iU, iV = (h.index(c) for c in ("Kernel Name", "Metric Name", "Metric Unit", "Metric Value"))
+scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}
+best = max((float(r[iV].replace(",", "")) * scale.get(r[iU], 1), r[iN]) for r in rows[1:]
+           if r[iM] == "gpu__time_duration.sum")
+print(best[1])
+PY
+)
+echo "longest kernel: $name" | tee -a "$OUT/ncu_summary.txt"
+OPS1="${OPS%%,*}"
+timeout ${NCU_TIMEOUT:-240} ncu --clock-control none -k "$name" --launch-skip 1 --launch-count 1 \
+  --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+  python3 scripts/profile_gmm.py "$OPS1" > "$OUT/ncu_sections.txt" 2>&1
+echo "ncu sections rc=$?"
+grep -E "Duration|Throughput|Hit Rate|Stall|stall|Warp Cycles|Issued|Achieved|Busy|Bandwidth|Registers|Shared Memory" "$OUT/ncu_sections.txt" | head -60
