@@ -346,10 +346,12 @@ def test_pallas_fwd_dx_two_warpgroups_interpret(sizes):
 
 
 @pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
-@pytest.mark.parametrize("sizes", [[70, 0, 33, 1, 60], [8, 8, 100, 50, 0]])
+@pytest.mark.parametrize("sizes", [[70, 0, 33, 1, 60], [8, 8, 100, 50, 0], [32, 64, 0, 96]])
 def test_pallas_dw_interpret(sizes):
     """dw, both kernels (1 and 2 consumer warpgroups): several tiles per SM,
-    empty groups, NaN/Inf tail -- matches numpy."""
+    empty groups, NaN/Inf tail, groups that start off the 8-row boundary or end
+    inside a k-step (zeroing pass) and groups on step boundaries (none) --
+    matches numpy."""
     x, _, dy, gs = make(sizes, m=200, k=256, n=192, seed=5)
     xb, dyb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
     tiles = (64, 64, 32, 3, 1)            # 4 x 3 (1 wg) or 2 x 3 (2 wg) tiles on 4 "SMs"

@@ -95,6 +95,18 @@ def dw_transforms(plgpu, dtype, bk, bn):
     return tiled(bk), tiled(bn)
 
 
+def step_has_outside_rows(s, nsteps, lead, size, bk):
+    """Whether dw k-step ``s`` of a group (``nsteps`` steps of ``bk`` rows from
+    the group's start rounded down to 8, ``lead`` rows before it) stages rows
+    of another group or of the tail: the first step when the group starts off
+    the 8-row boundary, the last when the group does not end on a step
+    boundary. Other steps (and every step of aligned groups) skip the zeroing
+    pass, which reads and writes the whole staged tile in shared memory."""
+    first = (s == 0) & (lead > 0)
+    last = (s == nsteps - 1) & (lax.rem(lead + size, jnp.int32(bk)) != 0)
+    return first | last
+
+
 def zero_rows_outside(plgpu, ref, width, s, bk, lead, size):
     """dw k-step ``s`` of a group: zero the rows of the staged ``[bk, width]``
     tile outside ``[lead, lead + size)`` with a select (never a multiply: the

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .pallas_common import (dw_transforms, kernel_params, num_sms, pallas_modules, transposed,
-                            zero_rows_outside)
+from .pallas_common import (dw_transforms, kernel_params, num_sms, pallas_modules,
+                            step_has_outside_rows, transposed, zero_rows_outside)
 
 
 def tgmm_pallas(x, dy, offsets, tiles, out_dtype, interpret):
@@ -44,7 +44,7 @@ def tgmm_pallas(x, dy, offsets, tiles, out_dtype, interpret):
                     def step(idx, x_smem, dy_smem):
                         s = idx[0]
 
-                        @pl.when((s == 0) | (s == nsteps - 1))
+                        @pl.when(step_has_outside_rows(s, nsteps, lead, size, bk))
                         def _():
                             zero_outside(x_smem, bm, s)
                             zero_outside(dy_smem, bn, s)
@@ -92,22 +92,24 @@ def _ws_step(pl, plgpu, sh, g, t0, lead, size, nsteps, store):
     kernel's static shape values): zero the rows outside the group on the first
     and last k-steps, one wgmma per consumer half, and on a tile's last k-step
     store the accumulator and reset it."""
-    bm, bn, bk, cm, nsm, interpret = sh
+    bm, bn, bk, _, nsm, interpret = sh
 
     def step(idx, x_smem, dy_smem, carry):
         j, s = idx
         wg = lax.axis_index("wg")
         acc_ref, base = carry if interpret else (carry, None)
 
-        @pl.when((s == 0) | (s == nsteps - 1))
+        xs = x_smem.at[:, pl.ds(pl.multiple_of(wg * bm, bm), bm)]
+
+        @pl.when(step_has_outside_rows(s, nsteps, lead, size, bk))
         def _():
-            # Both consumers select the same rows to zero (identical writes):
-            # neither reads a half-masked tile.
-            zero_rows_outside(plgpu, x_smem, cm, s, bk, lead, size)
+            # Each consumer zeroes the half of x it reads; both zero the dy
+            # tile they share (identical writes: neither reads a half-masked
+            # tile).
+            zero_rows_outside(plgpu, xs, bm, s, bk, lead, size)
             zero_rows_outside(plgpu, dy_smem, bn, s, bk, lead, size)
             plgpu.commit_smem()
 
-        xs = x_smem.at[:, pl.ds(pl.multiple_of(wg * bm, bm), bm)]
         plgpu.wgmma(acc_ref, transposed(plgpu, xs), dy_smem)
         plgpu.wgmma_wait(1)
         last = s == nsteps - 1
