@@ -92,24 +92,23 @@ def _ws_step(pl, plgpu, sh, g, t0, lead, size, nsteps, store):
     kernel's static shape values): zero the rows outside the group on the first
     and last k-steps, one wgmma per consumer half, and on a tile's last k-step
     store the accumulator and reset it."""
-    bm, bn, bk, _, nsm, interpret = sh
+    bm, bn, bk, cm, nsm, interpret = sh
 
     def step(idx, x_smem, dy_smem, carry):
         j, s = idx
         wg = lax.axis_index("wg")
         acc_ref, base = carry if interpret else (carry, None)
 
-        xs = x_smem.at[:, pl.ds(pl.multiple_of(wg * bm, bm), bm)]
-
         @pl.when(step_has_outside_rows(s, nsteps, lead, size, bk))
         def _():
-            # Each consumer zeroes the half of x it reads; both zero the dy
-            # tile they share (identical writes: neither reads a half-masked
-            # tile).
-            zero_rows_outside(plgpu, xs, bm, s, bk, lead, size)
+            # Both consumers select the same rows to zero (identical writes):
+            # neither reads a half-masked tile. (Zeroing only the consumer's
+            # own half of x would halve that pass; not yet compiled on a GPU.)
+            zero_rows_outside(plgpu, x_smem, cm, s, bk, lead, size)
             zero_rows_outside(plgpu, dy_smem, bn, s, bk, lead, size)
             plgpu.commit_smem()
 
+        xs = x_smem.at[:, pl.ds(pl.multiple_of(wg * bm, bm), bm)]
         plgpu.wgmma(acc_ref, transposed(plgpu, xs), dy_smem)
         plgpu.wgmma_wait(1)
         last = s == nsteps - 1
