@@ -122,4 +122,67 @@ inline size_t symmetric_buffer_bytes(int R, int T, long long row_bytes, long lon
   return bytes > kDefaultBufferBytes ? kDefaultBufferBytes : bytes;
 }
 
+// ---- Low-latency (decode) mode: its own region (docs/low_latency.md) ----
+// From byte `base`, every offset the same on every rank:
+//   ctrl         LlOpCtrl[2]: dispatch, combine (local counters)
+//   disp_count   u64 [2 parity][L][R]: source s's tagged count for (l, s)
+//   comb_flag    u64 [2 parity][R]: expert rank r's "all my rows to you" word
+//   per parity:  disp_rows [L][R][Tmax] rows of row_bytes (= the dispatch
+//                output's [L, R*Tmax] order), disp_scales (s_row_bytes each),
+//                disp_info int32 [L][R][Tmax] (t*K + k of the pair at the
+//                source), comb_rows [Tmax][K] rows of comb_row_bytes (the
+//                source's pair (t, k) at row t*K + k).
+// Double-buffered by call parity: cc/kernels/low_latency.cu says why two suffice.
+struct LlOpCtrl {
+  unsigned int send_epoch;  // last finished send call (local only)
+  unsigned int recv_epoch;  // last finished receive call
+  unsigned int send_done;   // blocks finished in the current send call
+  unsigned int recv_done;   // blocks finished in the current receive call
+  unsigned int pad[28];
+};
+enum LlOp : int { kLlDispatch = 0, kLlCombine = 1 };
+
+struct LlLayout {
+  size_t ctrl = 0, disp_count = 0, comb_flag = 0;
+  size_t disp_rows[2] = {0, 0}, disp_scales[2] = {0, 0}, disp_info[2] = {0, 0};
+  size_t comb_rows[2] = {0, 0};
+  size_t end = 0;  // one past the region (bytes from the buffer start)
+  int Tmax = 0, K = 0;  // the shape the areas are sized for (launchers check calls against it)
+};
+
+inline LlLayout ll_layout(size_t base, int R, int L, int Tmax, int K, long long row_bytes,
+                          long long s_row_bytes, long long comb_row_bytes) {
+  LlLayout y;
+  y.Tmax = Tmax;
+  y.K = K;
+  const size_t rows = size_t(L) * size_t(R) * size_t(Tmax);
+  size_t o = align_up(base);
+  y.ctrl = o;
+  o = align_up(o + 2 * sizeof(LlOpCtrl));
+  y.disp_count = o;
+  o = align_up(o + 2 * size_t(L) * size_t(R) * sizeof(unsigned long long));
+  y.comb_flag = o;
+  o = align_up(o + 2 * size_t(R) * sizeof(unsigned long long));
+  for (int p = 0; p < 2; ++p) {
+    y.disp_rows[p] = o;
+    o = align_up(o + rows * size_t(row_bytes));
+    y.disp_scales[p] = o;
+    o = align_up(o + rows * size_t(s_row_bytes));
+    y.disp_info[p] = o;
+    o = align_up(o + rows * sizeof(int32_t));
+    y.comb_rows[p] = o;
+    o = align_up(o + size_t(Tmax) * size_t(K) * size_t(comb_row_bytes));
+  }
+  y.end = o;
+  return y;
+}
+
+// Bytes of the low-latency region for R ranks, E experts, Tmax tokens, top-K,
+// dispatch rows of row_bytes (+ s_row_bytes of fp8 scales), combine rows of
+// comb_row_bytes: 2 x (E * Tmax dispatch rows + Tmax * K combine rows) + control.
+inline size_t ll_region_bytes(int R, int E, int Tmax, int K, long long row_bytes,
+                              long long s_row_bytes, long long comb_row_bytes) {
+  return ll_layout(0, R, R > 0 ? E / R : 0, Tmax, K, row_bytes, s_row_bytes, comb_row_bytes).end;
+}
+
 }  // namespace jax_ep

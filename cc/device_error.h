@@ -5,7 +5,9 @@
 namespace jax_ep {
 
 // Error codes the kernels leave in host-mapped memory (read by the next call).
-enum KernelError : int { kErrNone = 0, kErrTimeout = 1 };
+// kErrLlOrder: a low-latency send of an op before its previous receive
+// finished on this rank (cc/kernels/low_latency.cu, ll_send_in_order).
+enum KernelError : int { kErrNone = 0, kErrTimeout = 1, kErrLlOrder = 2 };
 
 // Host-mapped error word the kernels write on timeout (one per process).
 int* device_error_word();  // device pointer of the mapped word

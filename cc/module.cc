@@ -14,6 +14,7 @@
 #include "xla/ffi/api/api.h"
 #if JAX_EP_TESTING
 #include "testing/loopback.h"
+#include "testing/loopback_ll.h"
 #endif
 
 #define JAX_EP_DECLARE_TARGET(name, sym) XLA_FFI_DECLARE_HANDLER_SYMBOL(sym);
@@ -56,6 +57,10 @@ NB_MODULE(_C, m) {
       "(\"\": it can); the FFI handlers' check, for trace time.");
   m.def("stage_half_bytes", &jax_ep::stage_half_bytes, nb::arg("sym_bytes"),
         "Staging bytes per op and call parity in a symmetric buffer of sym_bytes.");
+  m.def("ll_region_bytes", &jax_ep::ll_region_bytes, nb::arg("num_ranks"), nb::arg("num_experts"),
+        nb::arg("max_tokens"), nb::arg("topk"), nb::arg("row_bytes"), nb::arg("scale_row_bytes"),
+        nb::arg("combine_row_bytes"),
+        "Bytes of the low-latency region (both ops, both call parities, control).");
 
   m.def("registrations", [] {
     nb::dict d;
@@ -136,6 +141,28 @@ NB_MODULE(_C, m) {
         },
         nb::arg("ptrs"), nb::arg("ints"), nb::arg("sym_bytes"), nb::arg("num_ranks"),
         nb::arg("iters") = 1);
+  // Low-latency kernels (tests/gpu/test_loopback_ll.py): one pointer / int
+  // layout for dispatch, combine and the round trip (dispatch then combine).
+  m.attr("LOOPBACK_LL_PTRS") = names(jax_ep::kLoopbackLlPtrs);
+  m.attr("LOOPBACK_LL_INTS") = names(jax_ep::kLoopbackLlInts);
+  auto ll_entry = [&m](const char* name, int ops) {
+    m.def(name,
+          [ops](const std::vector<uint64_t>& ptrs, const std::vector<int64_t>& ints,
+                size_t sym_bytes, int num_ranks, int iters) {
+            double sec = 0;
+            std::string err;
+            {
+              nb::gil_scoped_release release;
+              err = jax_ep::loopback_ll(ptrs, ints, sym_bytes, num_ranks, iters, ops, &sec);
+            }
+            return nb::make_tuple(err, sec);
+          },
+          nb::arg("ptrs"), nb::arg("ints"), nb::arg("sym_bytes"), nb::arg("num_ranks"),
+          nb::arg("iters") = 1);
+  };
+  ll_entry("loopback_ll_dispatch", jax_ep::kLlOpDispatch);
+  ll_entry("loopback_ll_combine", jax_ep::kLlOpCombine);
+  ll_entry("loopback_ll_round_trip", jax_ep::kLlOpDispatch | jax_ep::kLlOpCombine);
 #endif  // JAX_EP_TESTING
   m.def("runtime_info", []() -> nb::object {
     jax_ep::Runtime* rt = jax_ep::runtime();

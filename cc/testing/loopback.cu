@@ -4,13 +4,12 @@
 #include <cuda_runtime.h>
 
 #include <chrono>
+#include <functional>
 #include <iterator>
 
 #include "kernels/intranode.h"
 
 namespace jax_ep {
-
-namespace {
 
 PeerTable loopback_peers(const std::vector<uint64_t>& ptrs, int stride, int sym_index, int R,
                          int r) {
@@ -35,8 +34,8 @@ std::string check_resident(int R, int num_blocks) {
 // Launches fn(r, stream_r) for every rank on its own stream, `iters` times
 // back to back, then waits. *seconds: wall time per iteration (host clock
 // around the whole queue: meaningful for iters >> 1 only).
-template <typename F>
-std::string run_ranks(int R, int iters, double* seconds, F fn) {
+std::string run_ranks(int R, int iters, double* seconds,
+                      const std::function<cudaError_t(int, cudaStream_t)>& fn) {
   std::vector<cudaStream_t> streams(R, nullptr);
   std::string err;
   for (auto& s : streams)
@@ -62,8 +61,6 @@ std::string run_ranks(int R, int iters, double* seconds, F fn) {
   // caller must start from fresh (zeroed) buffers after any error.
   return err;
 }
-
-}  // namespace
 
 std::string loopback_dispatch(const std::vector<uint64_t>& ptrs, const std::vector<int64_t>& ints,
                               size_t sym_bytes, int R, int iters, double* seconds) {

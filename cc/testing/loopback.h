@@ -7,10 +7,15 @@
 // device, since blocks of all ranks spin on each other.
 #pragma once
 
+#include <cuda_runtime.h>
+
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
+
+#include "runtime.h"
 
 namespace jax_ep {
 
@@ -37,5 +42,16 @@ std::string loopback_dispatch(const std::vector<uint64_t>& ptrs, const std::vect
 // As loopback_dispatch (row_weights 0: none).
 std::string loopback_combine(const std::vector<uint64_t>& ptrs, const std::vector<int64_t>& ints,
                              size_t sym_bytes, int num_ranks, int iters, double* seconds);
+
+// Shared by the loopback entry points (here and loopback_ll.cu).
+// Rank r's peer table: rank i's stand-in symmetric buffer is ptrs[stride * i + sym_index].
+PeerTable loopback_peers(const std::vector<uint64_t>& ptrs, int stride, int sym_index, int R,
+                         int r);
+// "" when R ranks of num_blocks blocks each fit the device at once (one block per SM).
+std::string check_resident(int R, int num_blocks);
+// Launches fn(r, stream_r) for every rank on its own stream, `iters` times
+// back to back, then waits; "" or the error (a device-side timeout included).
+std::string run_ranks(int R, int iters, double* seconds,
+                      const std::function<cudaError_t(int, cudaStream_t)>& fn);
 
 }  // namespace jax_ep

@@ -1,0 +1,424 @@
+// Low-latency (decode) dispatch and combine (docs/semantics.md §12; the plan
+// is docs/low_latency.md). The reference is jax_ep/low_latency.py; these
+// kernels give its bits.
+//
+// Every (token, expert) pair travels on its own, one warp per pair (decode
+// sizes are small: T <= Tmax ~ 128, so the grid is never the limit). The
+// source knows where its pair lands (slot, computed in XLA before the
+// kernel), so no counts are exchanged first: each op is one pass of stores
+// plus one round of tagged signal words.
+//
+// Receive areas (LlLayout, buffer_layout.h):
+//  - dispatch: [L][R][Tmax] rows on the expert's rank, the dispatch output's
+//    own order, so the receive kernel copies valid rows 1:1. Each row carries
+//    an int32 info word t*K + k (the pair at its source, DeepEP's src_info),
+//    an output of the dispatch that the combine takes back.
+//  - combine: [Tmax][K] rows on the source, row t*K + k for pair (t, k). The
+//    alternative, an [E][Tmax] area indexed (expert, slot) as the reference
+//    indexes its dense all_to_all, needs no info word but is E*Tmax rows per
+//    parity (470 MB at V3-decode, Tmax 128, H 7168, bf16) against Tmax*K
+//    (15 MB); the info word costs 4 bytes per dispatched row.
+//
+// Signals: the send kernels' blocks never wait. Each block fences and bumps
+// a local counter when its stores are issued; the last block (which then
+// sees every block's stores, fence-cumulativity) raises the signal words with
+// system-scope release stores:
+//  - dispatch: per (l, me) on the expert's rank, tag(epoch, n[l, me]) =
+//    (epoch << 32) | (n + 1), from the expert_count input (the reference's
+//    tokens per expert), so the receiver learns n[l, s] from the word;
+//  - combine: per (me) on every source rank, tag(epoch, 0).
+// A receive kernel waits (acquire, device-side timeout raising host_err,
+// never a hang) for every word of its epoch, then reads rows.
+//
+// Epochs and parity: each op keeps two local counters (LlOpCtrl), the last
+// finished send and the last finished receive; call e uses parity e % 2 for
+// its rows and words, and tags its words with e, so nothing is ever reset.
+// Two parities suffice when each rank runs send(e), recv(e), send(e+1), ...
+// per op: rank A's send(e+2) into B's parity-e area comes after A's recv(e+1),
+// which waited for B's send(e+1), which B issued after its recv(e) finished
+// reading that area. One parity would not: A's send(e+1) may start while B's
+// recv(e) still copies (A finished recv(e) first), overwriting rows B reads.
+// (Two sends of one op in flight before the first receive, e.g. two
+// micro-batches both dispatched before either is received, would need a
+// third buffer; the hook must keep them interleaved.)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <type_traits>
+
+#include "kernels/fp8_cast.cuh"
+#include "kernels/launch_config.h"  // row_slice
+#include "kernels/low_latency.h"
+#include "kernels/row_copy.cuh"
+#include "kernels/sync.cuh"
+#include "transport/p2p.cuh"
+
+namespace jax_ep {
+
+namespace {
+
+// ---- transport seam: the only places a low-latency kernel touches another
+// rank. Over NVLink P2P a row is written in place through peer_ptr and a
+// signal is a release store. A network transport (NVSHMEM put-with-signal)
+// replaces these two: ll_row_dst then returns a local staging row that a
+// put sends after the warp wrote it, and ll_signal becomes the signal op.
+__device__ __forceinline__ char* ll_row_dst(const PeerTable& p, int r, size_t off) {
+  return peer_ptr(p, r, off);
+}
+__device__ __forceinline__ void ll_signal(const PeerTable& p, int r, size_t off,
+                                          unsigned long long tag) {
+  st_release_sys64(reinterpret_cast<unsigned long long*>(peer_ptr(p, r, off)), tag);
+}
+
+__device__ __forceinline__ LlOpCtrl* ll_ctrl(const PeerTable& p, const LlLayout& lay, int op) {
+  return reinterpret_cast<LlOpCtrl*>(peer_ptr(p, p.rank, lay.ctrl)) + op;
+}
+
+__device__ __forceinline__ void set_epoch(unsigned int* w, unsigned int epoch) {
+  *reinterpret_cast<volatile unsigned int*>(w) = epoch;
+}
+
+// The two-parity rule (top of file) needs send(e+1) after recv(e) on this
+// rank: a send of an op whose previous receive has not finished raises
+// kErrLlOrder and sends nothing (its peers then time out: a clear error, not
+// silently overwritten rows). Block-uniform.
+__device__ __forceinline__ bool ll_send_in_order(const LlOpCtrl* ctrl, int* host_err) {
+  const unsigned int sent = ld_volatile(&ctrl->send_epoch);
+  const unsigned int recvd = ld_volatile(&ctrl->recv_epoch);
+  if (sent == recvd) return true;
+  if (threadIdx.x == 0 && host_err) *reinterpret_cast<volatile int*>(host_err) = kErrLlOrder;
+  return false;
+}
+
+// Every block calls this once, after its stores; true (block-uniform) in the
+// last block to arrive, which is then ordered after every block's stores
+// (fence before each arrival, fence after the last). *done is back at 0 after.
+__device__ __forceinline__ bool last_block(unsigned int* done) {
+  __shared__ int last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    last = atomicAdd(done, 1u) == gridDim.x - 1;
+    if (last) *done = 0u;
+  }
+  __syncthreads();
+  if (last) __threadfence_system();
+  return last;
+}
+
+// In place over sm[0..n): sm[i] = sum of the inputs before i, sm[n] = total.
+// One warp scans (n = L*R is a few hundred); the block waits at the barriers.
+__device__ __forceinline__ void block_exclusive_scan(int* sm, int n) {
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    int carry = 0;
+    for (int base = 0; base < n; base += 32) {
+      const int i = base + lane;
+      const int v = i < n ? sm[i] : 0;
+      int incl = v;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int u = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += u;
+      }
+      if (i < n) sm[i] = carry + incl - v;
+      carry += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    if (lane == 0) sm[n] = carry;
+  }
+  __syncthreads();
+}
+
+// The block b with pre[b] <= v < pre[b + 1] (pre[0] = 0 <= v < pre[n]).
+__device__ __forceinline__ int locate(const int* pre, int n, int v) {
+  int lo = 0, hi = n;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (pre[mid] <= v) lo = mid;
+    else hi = mid;
+  }
+  return lo;
+}
+
+__device__ __forceinline__ int global_warp() {
+  return blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+}
+__device__ __forceinline__ int num_warps() { return gridDim.x * (blockDim.x / 32); }
+
+// ------------------------------------------------------------------ dispatch
+
+template <int MODE>  // DispatchMode: kDispatchCopy, kDispatchCastBf16, kDispatchCastF32
+__global__ void __launch_bounds__(32 * kLlMaxWarps)
+ll_dispatch_send_kernel(LlDispatchSendArgs a) {
+  __shared__ float sm_scales[kLlMaxWarps][kSmScales];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int me = a.peers.rank, R = a.peers.num_ranks, E = a.L * R;
+  LlOpCtrl* ctrl = ll_ctrl(a.peers, a.lay, kLlDispatch);
+  if (!ll_send_in_order(ctrl, a.host_err)) return;
+  const unsigned int epoch = ld_volatile(&ctrl->send_epoch) + 1u;
+  const int par = epoch & 1u;
+  const int v = row_vec_bytes(a.row_bytes);
+  for (int i = global_warp(); i < a.T * a.K; i += num_warps()) {  // i = t*K + k
+    const int j = __ldg(a.slot + i), e = __ldg(a.topk_idx + i);
+    if (j < 0 || j >= a.Tmax || e < 0 || e >= E) continue;  // -1, invalid, repeated id
+    const int t = i / a.K, r = e / a.L, l = e % a.L;
+    const long long row = (static_cast<long long>(l) * R + me) * a.Tmax + j;
+    char* dst = ll_row_dst(a.peers, r, a.lay.disp_rows[par] + row * a.row_bytes);
+    const char* xr = static_cast<const char*>(a.x) + t * a.x_row_bytes;
+    if constexpr (MODE == kDispatchCopy) {
+      warp_copy_row_any(xr, reinterpret_cast<void* const*>(&dst), 1, 0, a.row_bytes, v, lane);
+    } else {
+      using Tin = std::conditional_t<MODE == kDispatchCastBf16, __nv_bfloat16, float>;
+      char* dsts = ll_row_dst(a.peers, r, a.lay.disp_scales[par] + row * a.s_row_bytes);
+      warp_cast_row<Tin, 16>(reinterpret_cast<const Tin*>(xr), &dst, &dsts, 1, 0, a.hidden / 128,
+                             lane, a.scale_mode, sm_scales[warp]);
+    }
+    if (lane == 0)
+      *reinterpret_cast<int32_t*>(ll_row_dst(a.peers, r, a.lay.disp_info[par] + row * 4)) = i;
+  }
+  if (last_block(&ctrl->send_done)) {
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+      const int r = e / a.L, l = e % a.L;
+      const size_t w = a.lay.disp_count + ((static_cast<size_t>(par) * a.L + l) * R + me) * 8;
+      ll_signal(a.peers, r, w, chunk_tag(epoch, __ldg(a.expert_count + e)));
+    }
+    if (threadIdx.x == 0) set_epoch(&ctrl->send_epoch, epoch);
+  }
+}
+
+__global__ void __launch_bounds__(32 * kLlMaxWarps)
+ll_dispatch_recv_kernel(LlDispatchRecvArgs a) {
+  extern __shared__ int sm_pre[];  // [L*R + 1]: counts, then their exclusive prefix
+  const int lane = threadIdx.x % 32;
+  const int me = a.peers.rank, R = a.peers.num_ranks, LR = a.L * R;
+  LlOpCtrl* ctrl = ll_ctrl(a.peers, a.lay, kLlDispatch);
+  const unsigned int epoch = ld_volatile(&ctrl->recv_epoch) + 1u;
+  const int par = epoch & 1u;
+  const auto* words =
+      reinterpret_cast<const unsigned long long*>(peer_ptr(a.peers, me, a.lay.disp_count)) +
+      static_cast<size_t>(par) * LR;
+  // Word b = l*R + s; each thread acquires its words, the barrier in the scan
+  // then orders the row reads of every warp after them.
+  for (int b = threadIdx.x; b < LR; b += blockDim.x) {
+    int n = 0;
+    if (wait_tag(words + b, chunk_tag(epoch, -1), a.host_err, a.timeout_ns))
+      n = static_cast<int>(static_cast<unsigned int>(ld_acquire_sys64(words + b))) - 1;
+    sm_pre[b] = min(max(n, 0), a.Tmax);
+  }
+  block_exclusive_scan(sm_pre, LR);
+  if (blockIdx.x == 0) {
+    for (int b = threadIdx.x; b < LR; b += blockDim.x) a.src_count[b] = sm_pre[b + 1] - sm_pre[b];
+    for (int l = threadIdx.x; l < a.L; l += blockDim.x)
+      a.count[l] = sm_pre[(l + 1) * R] - sm_pre[l * R];
+  }
+  // Valid rows only, spread evenly over the warps (skewed routing fills one
+  // block): row v of the valid ones is row j = v - pre[b] of block b.
+  const char* rows = peer_ptr(a.peers, me, a.lay.disp_rows[par]);
+  const char* srows = peer_ptr(a.peers, me, a.lay.disp_scales[par]);
+  const auto* info = reinterpret_cast<const int32_t*>(peer_ptr(a.peers, me, a.lay.disp_info[par]));
+  const int v = row_vec_bytes(a.row_bytes), sv = a.s_row_bytes ? row_vec_bytes(a.s_row_bytes) : 1;
+  for (int i = global_warp(); i < sm_pre[LR]; i += num_warps()) {
+    const int b = locate(sm_pre, LR, i);
+    const long long row = static_cast<long long>(b) * a.Tmax + (i - sm_pre[b]);  // same in out
+    void* dst = static_cast<char*>(a.out) + row * a.row_bytes;
+    warp_copy_row_any(rows + row * a.row_bytes, &dst, 1, 0, a.row_bytes, v, lane);
+    if (a.s_row_bytes) {
+      void* dsts = static_cast<char*>(a.out_scales) + row * a.s_row_bytes;
+      warp_copy_row_any(srows + row * a.s_row_bytes, &dsts, 1, 0, a.s_row_bytes, sv, lane);
+    }
+    if (lane == 0) a.out_info[row] = info[row];
+  }
+  if (last_block(&ctrl->recv_done) && threadIdx.x == 0) set_epoch(&ctrl->recv_epoch, epoch);
+}
+
+// ------------------------------------------------------------------- combine
+
+__global__ void __launch_bounds__(32 * kLlMaxWarps)
+ll_combine_send_kernel(LlCombineSendArgs a) {
+  extern __shared__ int sm_pre[];  // [L*R + 1]
+  const int lane = threadIdx.x % 32;
+  const int me = a.peers.rank, R = a.peers.num_ranks, LR = a.L * R;
+  LlOpCtrl* ctrl = ll_ctrl(a.peers, a.lay, kLlCombine);
+  if (!ll_send_in_order(ctrl, a.host_err)) return;
+  const unsigned int epoch = ld_volatile(&ctrl->send_epoch) + 1u;
+  const int par = epoch & 1u;
+  for (int b = threadIdx.x; b < LR; b += blockDim.x)
+    sm_pre[b] = min(max(__ldg(a.src_count + b), 0), a.Tmax);
+  block_exclusive_scan(sm_pre, LR);
+  const int v = row_vec_bytes(a.y_row_bytes);
+  for (int i = global_warp(); i < sm_pre[LR]; i += num_warps()) {
+    const int b = locate(sm_pre, LR, i), s = b % R;
+    const long long row = static_cast<long long>(b) * a.Tmax + (i - sm_pre[b]);
+    const int tk = __ldg(a.info + row);
+    if (tk < 0 || tk >= a.Tmax * a.K) continue;  // never for a dispatch's own info
+    char* dst = ll_row_dst(a.peers, s, a.lay.comb_rows[par] + tk * a.y_row_bytes);
+    warp_copy_row_any(static_cast<const char*>(a.y) + row * a.y_row_bytes,
+                      reinterpret_cast<void* const*>(&dst), 1, 0, a.y_row_bytes, v, lane);
+  }
+  if (last_block(&ctrl->send_done)) {
+    for (int s = threadIdx.x; s < R; s += blockDim.x)
+      ll_signal(a.peers, s, a.lay.comb_flag + (static_cast<size_t>(par) * R + me) * 8,
+                chunk_tag(epoch, 0));
+    if (threadIdx.x == 0) set_epoch(&ctrl->send_epoch, epoch);
+  }
+}
+
+// Bytes [off, off + len) of out[t] = cast(sum_k sel_k), sel_k = slot_k >= 0 ?
+// w_k * f32(row(t, k)) : 0, in the f32 operations of the reference's HLO: XLA
+// folds its `zeros + sel_0` to sel_0, so the sum starts at sel_0 (not 0 + sel_0,
+// which differs for -0), then adds sel_1, sel_2, ... one rounding each
+// (__fmul_rn / __fadd_rn, no FMA). (XLA's CPU backend contracts some of these
+// into FMAs on hosts that have them, after hoisting the select out of its row
+// loop; the loopback test runs the reference without FMA for that reason.
+// Whether XLA:GPU contracts any is not yet checked.) slot_l / w_l: lane k
+// holds pair k's.
+template <typename T, int V>
+__device__ __forceinline__ void reduce_slice(const char* area, long long rb, int t, int K,
+                                             int slot_l, float w_l, char* out, long long off,
+                                             long long len, int lane) {
+  using Vec = typename VecT<V>::type;
+  constexpr int EL = V / sizeof(T);
+  constexpr int U = 4;  // vectors in flight per lane per row
+  const long long nv = len / V;
+  // Warp-uniform trip count: the shuffles below need every lane (a lane past
+  // nv still runs the loop, with every vector guarded).
+  for (long long base = 0; base < nv; base += 32 * U) {
+    const long long i0 = base + lane;
+    float acc[U][EL] = {};
+    for (int k = 0; k < K; ++k) {
+      const int sk = __shfl_sync(0xffffffffu, slot_l, k);
+      const float wk = __shfl_sync(0xffffffffu, w_l, k);
+      if (sk < 0) {  // sel_k = +0 (warp-uniform branch)
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+          for (int e = 0; e < EL; ++e) acc[u][e] = k == 0 ? 0.f : __fadd_rn(acc[u][e], 0.f);
+        continue;
+      }
+      const Vec* p = reinterpret_cast<const Vec*>(area + (static_cast<long long>(t) * K + k) * rb + off);
+      Vec x[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (i0 + 32 * u < nv) x[u] = p[i0 + 32 * u];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (i0 + 32 * u >= nv) continue;
+        const T* xt = reinterpret_cast<const T*>(&x[u]);
+#pragma unroll
+        for (int e = 0; e < EL; ++e) {
+          const float term = __fmul_rn(wk, Cvt<T>::f(xt[e]));
+          acc[u][e] = k == 0 ? term : __fadd_rn(acc[u][e], term);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (i0 + 32 * u >= nv) continue;
+      Vec o;
+      T* ot = reinterpret_cast<T*>(&o);
+#pragma unroll
+      for (int e = 0; e < EL; ++e) ot[e] = Cvt<T>::t(acc[u][e]);
+      reinterpret_cast<Vec*>(out + off)[i0 + 32 * u] = o;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(32 * kLlMaxWarps)
+ll_combine_recv_kernel(LlCombineRecvArgs a) {
+  const int lane = threadIdx.x % 32;
+  const int me = a.peers.rank, R = a.peers.num_ranks;
+  LlOpCtrl* ctrl = ll_ctrl(a.peers, a.lay, kLlCombine);
+  const unsigned int epoch = ld_volatile(&ctrl->recv_epoch) + 1u;
+  const int par = epoch & 1u;
+  const auto* flags =
+      reinterpret_cast<const unsigned long long*>(peer_ptr(a.peers, me, a.lay.comb_flag)) +
+      static_cast<size_t>(par) * R;
+  for (int s = threadIdx.x; s < R; s += blockDim.x)
+    wait_tag(flags + s, chunk_tag(epoch, -1), a.host_err, a.timeout_ns);
+  __syncthreads();
+  const char* area = peer_ptr(a.peers, me, a.lay.comb_rows[par]);
+  const bool v16 = a.y_row_bytes % 16 == 0;
+  const int vb = v16 ? 16 : int(sizeof(T));
+  const long long nv = a.y_row_bytes / vb;
+  // Column slices of a row per warp when there are fewer tokens than warps.
+  const int slices = max(1, min(num_warps() / max(a.T, 1), static_cast<int>((nv + 31) / 32)));
+  for (int it = global_warp(); it < a.T * slices; it += num_warps()) {
+    const int t = it / slices, sl = it % slices;
+    const int slot_l = lane < a.K ? __ldg(a.slot + t * a.K + lane) : -1;
+    const float w_l = lane < a.K ? __ldg(a.weights + t * a.K + lane) : 0.f;
+    long long off, len;
+    row_slice(nv, vb, sl, slices, &off, &len);
+    char* out = static_cast<char*>(a.out) + t * a.y_row_bytes;
+    if (v16) reduce_slice<T, 16>(area, a.y_row_bytes, t, a.K, slot_l, w_l, out, off, len, lane);
+    else reduce_slice<T, sizeof(T)>(area, a.y_row_bytes, t, a.K, slot_l, w_l, out, off, len, lane);
+  }
+  if (last_block(&ctrl->recv_done) && threadIdx.x == 0) set_epoch(&ctrl->recv_epoch, epoch);
+}
+
+bool grid_ok(const LlGrid& g) {
+  return g.num_blocks >= 1 && g.warps >= 1 && g.warps <= kLlMaxWarps;
+}
+
+}  // namespace
+
+cudaError_t launch_ll_dispatch_send(const LlDispatchSendArgs& a, const LlGrid& g, cudaStream_t s) {
+  const bool cast = a.mode == kDispatchCastBf16 || a.mode == kDispatchCastF32;
+  if (!grid_ok(g) || a.K < 1 || a.K > kLlMaxTopk || a.L < 1 || a.T < 0 || a.T > a.Tmax ||
+      a.Tmax != a.lay.Tmax || a.K != a.lay.K ||
+      (cast && (a.hidden % 128 != 0 || a.s_row_bytes != a.hidden / 128 * 4 ||
+                a.row_bytes != a.hidden)) ||
+      (!cast && (a.mode != kDispatchCopy || a.row_bytes != a.x_row_bytes)))
+    return cudaErrorInvalidValue;
+  const dim3 grid(g.num_blocks), block(32 * g.warps);
+  switch (a.mode) {
+    case kDispatchCastBf16: ll_dispatch_send_kernel<kDispatchCastBf16><<<grid, block, 0, s>>>(a); break;
+    case kDispatchCastF32: ll_dispatch_send_kernel<kDispatchCastF32><<<grid, block, 0, s>>>(a); break;
+    default: ll_dispatch_send_kernel<kDispatchCopy><<<grid, block, 0, s>>>(a); break;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_ll_dispatch_recv(const LlDispatchRecvArgs& a, const LlGrid& g, cudaStream_t s) {
+  const long long LR = static_cast<long long>(a.L) * a.peers.num_ranks;
+  if (!grid_ok(g) || a.L < 1 || LR > kLlMaxBlocksLR || a.Tmax != a.lay.Tmax)
+    return cudaErrorInvalidValue;
+  ll_dispatch_recv_kernel<<<g.num_blocks, 32 * g.warps, (LR + 1) * sizeof(int), s>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_ll_combine_send(const LlCombineSendArgs& a, const LlGrid& g, cudaStream_t s) {
+  const long long LR = static_cast<long long>(a.L) * a.peers.num_ranks;
+  if (!grid_ok(g) || a.L < 1 || LR > kLlMaxBlocksLR || a.K < 1 || a.K > kLlMaxTopk ||
+      a.K != a.lay.K || a.Tmax != a.lay.Tmax)
+    return cudaErrorInvalidValue;
+  ll_combine_send_kernel<<<g.num_blocks, 32 * g.warps, (LR + 1) * sizeof(int), s>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_ll_combine_recv(const LlCombineRecvArgs& a, const LlGrid& g, cudaStream_t s) {
+  // The combine area holds Tmax x K rows: a larger T or another K reads past it.
+  if (!grid_ok(g) || a.K < 1 || a.K > kLlMaxTopk || a.T < 0 || a.T > a.lay.Tmax ||
+      a.K != a.lay.K)
+    return cudaErrorInvalidValue;
+  const dim3 grid(g.num_blocks), block(32 * g.warps);
+  switch (a.dtype) {
+    case kBf16:
+      if (a.y_row_bytes % 2) return cudaErrorInvalidValue;
+      ll_combine_recv_kernel<__nv_bfloat16><<<grid, block, 0, s>>>(a);
+      break;
+    case kF16:
+      if (a.y_row_bytes % 2) return cudaErrorInvalidValue;
+      ll_combine_recv_kernel<__half><<<grid, block, 0, s>>>(a);
+      break;
+    case kF32:
+      if (a.y_row_bytes % 4) return cudaErrorInvalidValue;
+      ll_combine_recv_kernel<float><<<grid, block, 0, s>>>(a);
+      break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace jax_ep

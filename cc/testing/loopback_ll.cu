@@ -1,0 +1,118 @@
+// See loopback_ll.h.
+#include "testing/loopback_ll.h"
+
+#include <cuda_runtime.h>
+
+#include <iterator>
+
+#include "buffer_layout.h"
+#include "device_error.h"
+#include "kernels/low_latency.h"
+#include "testing/loopback.h"
+
+namespace jax_ep {
+
+namespace {
+
+// Indices into kLoopbackLlPtrs / kLoopbackLlInts.
+enum Ptr : int {
+  kX, kIdx, kSlot, kExpertCount, kOut, kOutScales, kOutInfo, kSrcCount, kCount, kY, kCInfo,
+  kCSrcCount, kWeights, kCOut, kSym, kNumPtrs
+};
+enum Int : int {
+  kT, kK, kE, kTmax, kHidden, kXRowBytes, kRowBytes, kSRowBytes, kYRowBytes, kMode,
+  kScaleMode, kYDtype, kNumBlocks, kWarps, kNumInts
+};
+static_assert(std::size(kLoopbackLlPtrs) == kNumPtrs, "pointer names and indices");
+static_assert(std::size(kLoopbackLlInts) == kNumInts, "int names and indices");
+
+constexpr unsigned long long kLoopbackTimeoutNs = 2ull * 1000 * 1000 * 1000;
+
+}  // namespace
+
+std::string loopback_ll(const std::vector<uint64_t>& ptrs, const std::vector<int64_t>& ints,
+                        size_t sym_bytes, int R, int iters, int ops, double* seconds) {
+  if (R < 1 || R > kMaxRanks || ptrs.size() != size_t(kNumPtrs) * R || ints.size() != kNumInts)
+    return "loopback_ll: bad arguments";
+  const int T = int(ints[kT]), K = int(ints[kK]), E = int(ints[kE]), Tmax = int(ints[kTmax]);
+  if (E % R != 0 || K < 1 || K > kLlMaxTopk || T < 0 || T > Tmax)
+    return "loopback_ll: need E % R == 0, 1 <= K <= 32, 0 <= T <= max_tokens";
+  if (std::string e = check_resident(R, int(ints[kNumBlocks])); !e.empty()) return e;
+  const int L = E / R;
+  const LlLayout lay = ll_layout(0, R, L, Tmax, K, ints[kRowBytes], ints[kSRowBytes],
+                                 ints[kYRowBytes]);
+  if (sym_bytes < lay.end)
+    return "loopback_ll: sym_bytes below ll_region_bytes (" + std::to_string(lay.end) + ")";
+  const LlGrid grid{int(ints[kNumBlocks]), int(ints[kWarps])};
+  auto P = [&](int r, int i) { return reinterpret_cast<void*>(ptrs[kNumPtrs * r + i]); };
+  auto I32 = [&](int r, int i) { return static_cast<int32_t*>(P(r, i)); };
+  return run_ranks(R, iters, seconds, [&](int r, cudaStream_t st) -> cudaError_t {
+    const PeerTable peers = loopback_peers(ptrs, kNumPtrs, kSym, R, r);
+    if (ops & kLlOpDispatch) {
+      LlDispatchSendArgs s;
+      s.peers = peers;
+      s.lay = lay;
+      s.x = P(r, kX);
+      s.x_row_bytes = ints[kXRowBytes];
+      s.topk_idx = I32(r, kIdx);
+      s.slot = I32(r, kSlot);
+      s.expert_count = I32(r, kExpertCount);
+      s.T = T;
+      s.K = K;
+      s.L = L;
+      s.Tmax = Tmax;
+      s.hidden = int(ints[kHidden]);
+      s.mode = int(ints[kMode]);
+      s.scale_mode = int(ints[kScaleMode]);
+      s.row_bytes = ints[kRowBytes];
+      s.s_row_bytes = ints[kSRowBytes];
+      s.host_err = device_error_word();
+      if (cudaError_t e = launch_ll_dispatch_send(s, grid, st); e != cudaSuccess) return e;
+      LlDispatchRecvArgs v;
+      v.peers = peers;
+      v.lay = lay;
+      v.L = L;
+      v.Tmax = Tmax;
+      v.row_bytes = ints[kRowBytes];
+      v.s_row_bytes = ints[kSRowBytes];
+      v.out = P(r, kOut);
+      v.out_scales = P(r, kOutScales);
+      v.out_info = I32(r, kOutInfo);
+      v.src_count = I32(r, kSrcCount);
+      v.count = I32(r, kCount);
+      v.host_err = device_error_word();
+      v.timeout_ns = kLoopbackTimeoutNs;
+      if (cudaError_t e = launch_ll_dispatch_recv(v, grid, st); e != cudaSuccess) return e;
+    }
+    if (ops & kLlOpCombine) {
+      LlCombineSendArgs s;
+      s.peers = peers;
+      s.lay = lay;
+      s.L = L;
+      s.Tmax = Tmax;
+      s.K = K;
+      s.y = P(r, kY);
+      s.y_row_bytes = ints[kYRowBytes];
+      s.info = I32(r, kCInfo);
+      s.src_count = I32(r, kCSrcCount);
+      s.host_err = device_error_word();
+      if (cudaError_t e = launch_ll_combine_send(s, grid, st); e != cudaSuccess) return e;
+      LlCombineRecvArgs v;
+      v.peers = peers;
+      v.lay = lay;
+      v.T = T;
+      v.K = K;
+      v.slot = I32(r, kSlot);
+      v.weights = static_cast<const float*>(P(r, kWeights));
+      v.y_row_bytes = ints[kYRowBytes];
+      v.dtype = int(ints[kYDtype]);
+      v.out = P(r, kCOut);
+      v.host_err = device_error_word();
+      v.timeout_ns = kLoopbackTimeoutNs;
+      if (cudaError_t e = launch_ll_combine_recv(v, grid, st); e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+  });
+}
+
+}  // namespace jax_ep
