@@ -79,6 +79,14 @@ def test_loopback_ll_round_trip():
     _run("_round_trip_worker")
 
 
+@pytest.mark.gpu
+def test_loopback_ll_grids():
+    """Small and odd grids (1 block of 4 warps, 2 x 8, 3 x 16), T = 0, K = 1 and
+    K = 32, and a combine whose row slices are not a multiple of 128 vectors
+    (H 7168 in 6 slices: the case a lane-dependent shuffle loop got wrong)."""
+    _run("_grid_worker")
+
+
 def test_ll_expected_side_cpu():
     """No GPU: the worker's inputs and expected values build on CPU, and the
     kernel's combine order (sel_0 + sel_1 + ..., no FMA) gives the reference's bits."""
@@ -104,6 +112,13 @@ BF16_CASES = [
     ("R8_E64_K4_H2560_bf16_skew", 8, 64, 4, 32, 2560, "bf16", True, (20, 32, 5)),
     ("R2_E16_K4_H2048_f32", 2, 16, 4, 24, 2048, "f32", False, (24, 7)),
     ("R4_E16_K2_H1000_bf16", 4, 16, 2, 16, 1000, "bf16", False, (16, 3)),   # H % 128 != 0
+]
+GRID_CASES = [  # + num_blocks, warps per block
+    # 3 blocks x 16 warps, T 8: 6 slices of a 896-vector row (149 / 150 each)
+    ("grid_R2_E32_K8_H7168_bf16_b3w16", 2, 32, 8, 16, 7168, "bf16", False, (8, 16), 3, 16),
+    ("grid_R4_E16_K1_H2048_ieee_b1w4", 4, 16, 1, 32, 2048, "ieee", False, (32, 0, 5), 1, 4),
+    ("grid_R8_E64_K32_H1024_bf16_b2w8", 8, 64, 32, 8, 1024, "bf16", True, (8, 3), 2, 8),
+    ("grid_R2_E16_K4_H2560_ue8m0_b2w16", 2, 16, 4, 64, 2560, "ue8m0", True, (0, 64), 2, 16),
 ]
 ROUND_TRIP_CASES = [  # + iters
     ("rt_v3decode_R2_E256_K8_H7168_ieee", 2, 256, 8, 128, 7168, "ieee", False, (128, 64), 3),
@@ -164,7 +179,8 @@ def _inputs(rng, spec, T, skew):
     s = spec
     idx = _routing(rng, s.R, T, s.K, s.E, skew)
     x = (rng.standard_normal((s.R, T, s.H)) * rng.exponential(3.0, (s.R, T, 1))).astype(np.float32)
-    x[0, 0, :128] = 0.0   # an all-zero group: amax clamps to 1e-4
+    if T:
+        x[0, 0, :128] = 0.0   # an all-zero group: amax clamps to 1e-4
     x = x if s.x_f32 else x.astype(jnp.bfloat16)
     w = rng.random((s.R, T, s.K)).astype(np.float32) + np.float32(0.01)
     return x, idx, w
@@ -359,23 +375,26 @@ def _check_combine(checks, name, err, got, expect, model):
                   finite=bool(np.isfinite(a).all()))
 
 
-def _case(lb, checks, rng, case):
+def _case(lb, checks, rng, case, grid=None):
     """Consecutive calls on the same buffers, new data each: dispatch, then
-    combine of that dispatch's device results (copied back in)."""
+    combine of that dispatch's device results (copied back in). grid:
+    (num_blocks, warps) or the default (the rank's SMs x 16)."""
     name, R, E, K, Tmax, H, fmt, skew, Ts = case
+    kw = dict(num_blocks=grid[0], warps=grid[1]) if grid else {}
     spec = Spec(R, E, K, Tmax, H, fmt)
     for call, T in enumerate(Ts):
         tag = f"{name}_call{call}_T{T}"
         x, idx, w = _inputs(rng, spec, T, skew)
         e = _expected_dispatch(spec, x, idx, w)
         assert np.array_equal(e["slot"], e["handle_slot"])
-        err, got, _ = lb.run("dispatch", spec, x, idx, e["slot"], e["expert_count"], e["wm"])
+        err, got, _ = lb.run("dispatch", spec, x, idx, e["slot"], e["expert_count"], e["wm"],
+                             **kw)
         _check_dispatch(checks, tag, spec, err, got, e)
         y = _make_y(rng, spec, e["valid"])
         expect = _expected_combine(spec, y, idx, w, e["slot"])
         model = _np_kernel_combine(spec, np.asarray(y), idx, e["slot"], e["wm"])
         err, gotc, _ = lb.run("combine", spec, x, idx, e["slot"], e["expert_count"], e["wm"],
-                              y=y, cinfo=got["out_info"], csrc=got["src_count"])
+                              y=y, cinfo=got["out_info"], csrc=got["src_count"], **kw)
         _check_combine(checks, tag, err, gotc, expect, model)
 
 
@@ -384,6 +403,14 @@ def _worker(cases):
     for case in cases:
         with checks.guard(case[0]):
             _case(lb, checks, rng, case)
+    return checks.results
+
+
+def _grid_worker(rank, n):
+    lb, checks, rng = LlLoopback(), Checks(), np.random.default_rng(13)
+    for case in GRID_CASES:
+        with checks.guard(case[0]):
+            _case(lb, checks, rng, case[:9], grid=case[9:])
     return checks.results
 
 
@@ -426,6 +453,8 @@ def _selfcheck_worker(rank, n):
         ("R2_E16_K4_f32", 2, 16, 4, 8, 1000, "f32", False, (8,)),
         ("R2_E16_K4_ieee_f32x", 2, 16, 4, 8, 256, "ieee_f32x", False, (5,)),
         ("R4_E16_K1_bf16", 4, 16, 1, 8, 256, "bf16", False, (6,)),
+        ("R4_E16_K1_ieee_T0", 4, 16, 1, 8, 256, "ieee", False, (0, 5)),
+        ("R8_E64_K32_bf16_skew", 8, 64, 32, 8, 128, "bf16", True, (8,)),
     ]
     for name, R, E, K, Tmax, H, fmt, skew, Ts in small:
         with checks.guard(name):
