@@ -49,13 +49,20 @@ def _skip_reason():
     return harness.testing_skip_reason()
 
 
-def _run(worker):
-    reason = _skip_reason()
+def run_worker(module, worker, env=_ENV, gpu=True):
+    """Runs ``module:worker`` in its own process (one GPU, no jax.distributed)
+    and asserts that every check it reports passed; skips without a GPU
+    (``gpu=False``: a CPU-only worker, never skipped)."""
+    reason = _skip_reason() if gpu else None
     if reason:
         pytest.skip(reason)
-    results = harness.run(f"test_loopback:{worker}", 1, timeout=900, env=_ENV,
+    results = harness.run(f"{module}:{worker}", 1, timeout=900, env=env,
                           init_native=False, distributed=False)
     assert_checks(results, worker)
+
+
+def _run(worker):
+    run_worker("test_loopback", worker)
 
 
 @pytest.mark.gpu

@@ -37,9 +37,8 @@ import sys
 import numpy as np
 import pytest
 
-import harness
-from gpu_helpers import Checks, assert_checks, bits
-from test_loopback import _ENV, Loopback, _skip_reason
+from gpu_helpers import Checks, bits
+from test_loopback import _ENV, Loopback, run_worker
 
 # The CPU reference without FMA instructions: with them LLVM contracts some of
 # the combine's `acc + where(ok, w * row, 0)` (after hoisting the per-token
@@ -52,12 +51,7 @@ _LL_ENV = dict(_ENV, XLA_FLAGS=_ENV["XLA_FLAGS"] + " --xla_cpu_max_isa=AVX")
 
 
 def _run(worker, gpu=True):
-    reason = _skip_reason() if gpu else None
-    if reason:
-        pytest.skip(reason)
-    results = harness.run(f"test_loopback_ll:{worker}", 1, timeout=900, env=_LL_ENV,
-                          init_native=False, distributed=False)
-    assert_checks(results, worker)
+    run_worker("test_loopback_ll", worker, env=_LL_ENV, gpu=gpu)
 
 
 @pytest.mark.gpu
