@@ -8,14 +8,19 @@
 # together takes longer than one 10-minute device call on 2 GPUs: split it, e.g.
 #   SKIP_BENCH=1 SKIP_EXAMPLES=1 GMM_BENCH=1 bash scripts/gpu_check.sh   # tests + grouped matmul
 #   GPU_TESTS=none BENCH_ARGS="--no-sweep --no-ragged" bash scripts/gpu_check.sh   # ops + layer
-# Open after session 6 (one H200 lent, 30 min): on 2 GPUs, the whole suite and
-# the V3-train ops (bench/run.sh) on the bounded-ring kernels against session 5,
-# then the layer at every T and Mixtral with the fused gate_up experts
-# (MOE_STEP_ARGS="--configs v3,mixtral --tokens 128,1024,4096,8192"); on one GPU,
-# the main loopback table (test_loopback.py --bench; 217 us dispatch before the
-# rings) and the wrapping-ring tests (R = 2 and R = 8; R = 8 stalled in session 6
-# on a harness bug fixed since): GPU_TESTS="tests/gpu/test_loopback.py" ...; on
-# 2 GPUs also the single-process peer-memory test (tests/gpu/test_peer_memory.py).
+# Open after session 7 (one H200 lent again; its device budget ran out before
+# these ran): on one GPU, the low-latency loopback tests and bench
+# (GPU_TESTS="tests/gpu/test_loopback_ll.py tests/gpu/test_grouped_matmul_gpu.py"
+# SKIP_BENCH=0: the one-GPU bench branch runs both loopback benches), the dw
+# kernels with the zeroing skip (GMM_BENCH=1 GMM_ARGS="--no-xla --ops dw"),
+# and the layer at EP 1 with the weight-copy fix: python bench/moe_layer_step.py
+# -n 1 --configs v3 --experts 128 --tokens 4096,8192 --impls jax_ep,xla_padded
+# --expert-breakdown (compare bench/results/2026-12-01-h200x1-layer-ep1.md);
+# scripts/ncu_gmm.sh for the dw stall reasons. On 2 GPUs: the whole suite,
+# bench/run.sh on the ring kernels (session 5: rank_major round trip 401.9 us,
+# fp8 124.9), the layer at every T and Mixtral
+# (MOE_STEP_ARGS="--configs v3,mixtral --tokens 128,1024,4096,8192"), and the
+# single-process peer-memory test (tests/gpu/test_peer_memory.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/jax_ep_gpu_check}"
@@ -103,6 +108,9 @@ elif [ "${SKIP_BENCH:-0}" != 1 ] && [ "$build_rc" = 0 ]; then
   JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2 \
     timeout ${LOOPBACK_TIMEOUT:-400} "$PY" tests/gpu/test_loopback.py --bench > "$OUT/loopback_bench.log" 2>&1
   bench_rc=$?
+  # the low-latency kernels at V3-decode (same log)
+  CUDA_DEVICE_MAX_CONNECTIONS=32 JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2 \
+    timeout ${LL_BENCH_TIMEOUT:-120} "$PY" tests/gpu/test_loopback_ll.py --bench >> "$OUT/loopback_bench.log" 2>&1
 fi
 
 echo "===== gpu_check summary ====="
@@ -113,7 +121,7 @@ echo "tests: rc=$test_rc (${t_test}s)  $(tail -1 "$OUT/gpu_tests.log" 2>/dev/nul
 [ "$test_rc" = 0 ] || [ "$test_rc" = skipped ] || grep -E "FAILED|ERROR|Error|error" "$OUT/gpu_tests.log" | tail -30
 echo "bench: rc=$bench_rc"
 if [ -f "$OUT/ep_bench.log" ]; then tail -30 "$OUT/ep_bench.log"; elif [ -f /tmp/jax_ep_bench.out ]; then tail -30 /tmp/jax_ep_bench.out; fi
-[ -f "$OUT/loopback_bench.log" ] && tail -45 "$OUT/loopback_bench.log"
+[ -f "$OUT/loopback_bench.log" ] && tail -60 "$OUT/loopback_bench.log"
 echo "grouped matmul: rc=$gmm_rc"
 [ -f "$OUT/gmm_bench.log" ] && grep "^|" "$OUT/gmm_bench.log" | tail -30
 echo "examples: rc=$ex_rc"
