@@ -11,7 +11,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jax_ep import gmm as gm_mod
 from jax_ep.gmm import select as gm_select
 from jax_ep.gmm import GroupedMatmulConfig, grouped_matmul
-from jax_ep.gmm.pallas_common import row_tiles
+from jax_ep.gmm.pallas_common import row_tiles, step_has_outside_rows
 
 try:
     from jax.experimental.pallas import mosaic_gpu as _plgpu
@@ -230,6 +230,26 @@ PSIZES = {
     "all_empty": [0, 0, 0, 0, 0],
     "ends_at_m": [70, 0, 33, 1, 96],                   # sum 200 = m: last tiles moved back
 }
+
+
+@pytest.mark.parametrize("bk", [32, 64])
+def test_dw_zeroing_runs_exactly_on_steps_with_foreign_rows(bk):
+    """step_has_outside_rows (the dw kernels' zeroing predicate) against the
+    rows each k-step stages: from the group's start rounded down to 8, bk rows
+    per step; a step needs the pass iff one of its rows is outside the group."""
+    cases, want = [], []
+    for start in range(0, 40):
+        for size in range(1, 3 * bk + 9):
+            lead = start % 8
+            nsteps = -(-(size + lead) // bk)
+            for st in range(nsteps):
+                rows = np.arange(st * bk, (st + 1) * bk)          # relative to start - lead
+                want.append(bool(np.any((rows < lead) | (rows >= lead + size))))
+                cases.append((st, nsteps, lead, size))
+    st, nsteps, lead, size = (jnp.asarray(c, jnp.int32) for c in zip(*cases))
+    got = np.asarray(step_has_outside_rows(st, nsteps, lead, size, bk))
+    bad = np.nonzero(got != np.asarray(want))[0]
+    assert bad.size == 0, [cases[i] for i in bad[:5]]
 
 
 @pytest.mark.parametrize("bm", [64, 128])
