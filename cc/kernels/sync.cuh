@@ -37,9 +37,17 @@ __device__ __forceinline__ void st_release_sys64(unsigned long long* p, unsigned
 }
 
 // The epoch-tagged value of a ring slot's flags for a block's i-th chunk
-// (buffer_layout.h): later calls and later chunks compare greater.
+// (buffer_layout.h): later calls and later chunks compare greater
+// (tag_reached: modulo 2^64, so the 32-bit epoch may wrap).
 __device__ __forceinline__ unsigned long long chunk_tag(unsigned int epoch, int i) {
   return (static_cast<unsigned long long>(epoch) << 32) | static_cast<unsigned int>(i + 1);
+}
+
+// v has reached tag: the signed difference, as the 32-bit epoch words compare,
+// so a word of the epoch before a wrap (2^32 calls of one op: about a day of
+// decode steps) never passes for one after it.
+__device__ __forceinline__ bool tag_reached(unsigned long long v, unsigned long long tag) {
+  return static_cast<long long>(v - tag) >= 0;
 }
 
 __device__ __forceinline__ unsigned int ld_volatile(const unsigned int* p) {
@@ -88,14 +96,14 @@ __device__ __forceinline__ bool wait_flag(const unsigned int* flag, unsigned int
   }
 }
 
-// As wait_flag for a 64-bit tagged word: spin until *flag >= tag.
+// As wait_flag for a 64-bit tagged word: spin until *flag has reached tag.
 __device__ __forceinline__ bool wait_tag(const unsigned long long* flag, unsigned long long tag,
                                          int* host_err, unsigned long long timeout_ns) {
-  if (ld_acquire_sys64(flag) >= tag) return true;
+  if (tag_reached(ld_acquire_sys64(flag), tag)) return true;
   unsigned long long t0 = global_timer_ns();
   while (true) {
     for (int i = 0; i < 64; ++i)
-      if (ld_acquire_sys64(flag) >= tag) return true;
+      if (tag_reached(ld_acquire_sys64(flag), tag)) return true;
     if (global_timer_ns() - t0 > timeout_ns) {
       if (host_err) *reinterpret_cast<volatile int*>(host_err) = kErrTimeout;
       return false;
@@ -103,10 +111,10 @@ __device__ __forceinline__ bool wait_tag(const unsigned long long* flag, unsigne
   }
 }
 
-// Non-blocking, warp-uniform: every lane saw *flag >= tag (acquire).
+// Non-blocking, warp-uniform: every lane saw *flag reach tag (acquire).
 __device__ __forceinline__ bool tag_ready_warp(const unsigned long long* flag,
                                                unsigned long long tag) {
-  return __all_sync(0xffffffffu, ld_acquire_sys64(flag) >= tag);
+  return __all_sync(0xffffffffu, tag_reached(ld_acquire_sys64(flag), tag));
 }
 
 // Non-blocking: true (uniformly over the warp) when every lane's acquire load
