@@ -147,14 +147,21 @@ struct LlLayout {
   size_t disp_rows[2] = {0, 0}, disp_scales[2] = {0, 0}, disp_info[2] = {0, 0};
   size_t comb_rows[2] = {0, 0};
   size_t end = 0;  // one past the region (bytes from the buffer start)
-  int Tmax = 0, K = 0;  // the shape the areas are sized for (launchers check calls against it)
+  // The shape the areas are laid out for; the kernels read it from here (one
+  // source: a call cannot index the region with another shape or row size).
+  int L = 0, Tmax = 0, K = 0;
+  long long row_bytes = 0, s_row_bytes = 0, comb_row_bytes = 0;
 };
 
 inline LlLayout ll_layout(size_t base, int R, int L, int Tmax, int K, long long row_bytes,
                           long long s_row_bytes, long long comb_row_bytes) {
   LlLayout y;
+  y.L = L;
   y.Tmax = Tmax;
   y.K = K;
+  y.row_bytes = row_bytes;
+  y.s_row_bytes = s_row_bytes;
+  y.comb_row_bytes = comb_row_bytes;
   const size_t rows = size_t(L) * size_t(R) * size_t(Tmax);
   size_t o = align_up(base);
   y.ctrl = o;

@@ -153,24 +153,24 @@ __global__ void __launch_bounds__(32 * kLlMaxWarps)
 ll_dispatch_send_kernel(LlDispatchSendArgs a) {
   __shared__ float sm_scales[kLlMaxWarps][kSmScales];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int me = a.peers.rank, R = a.peers.num_ranks, E = a.L * R;
+  const int me = a.peers.rank, R = a.peers.num_ranks, E = a.lay.L * R;
   LlOpCtrl* ctrl = ll_ctrl(a.peers, a.lay, kLlDispatch);
   if (!ll_send_in_order(ctrl, a.host_err)) return;
   const unsigned int epoch = ld_volatile(&ctrl->send_epoch) + 1u;
   const int par = epoch & 1u;
-  const int v = row_vec_bytes(a.row_bytes);
-  for (int i = global_warp(); i < a.T * a.K; i += num_warps()) {  // i = t*K + k
+  const int v = row_vec_bytes(a.lay.row_bytes);
+  for (int i = global_warp(); i < a.T * a.lay.K; i += num_warps()) {  // i = t*K + k
     const int j = __ldg(a.slot + i), e = __ldg(a.topk_idx + i);
-    if (j < 0 || j >= a.Tmax || e < 0 || e >= E) continue;  // -1, invalid, repeated id
-    const int t = i / a.K, r = e / a.L, l = e % a.L;
-    const long long row = (static_cast<long long>(l) * R + me) * a.Tmax + j;
-    char* dst = ll_row_dst(a.peers, r, a.lay.disp_rows[par] + row * a.row_bytes);
+    if (j < 0 || j >= a.lay.Tmax || e < 0 || e >= E) continue;  // -1, invalid, repeated id
+    const int t = i / a.lay.K, r = e / a.lay.L, l = e % a.lay.L;
+    const long long row = (static_cast<long long>(l) * R + me) * a.lay.Tmax + j;
+    char* dst = ll_row_dst(a.peers, r, a.lay.disp_rows[par] + row * a.lay.row_bytes);
     const char* xr = static_cast<const char*>(a.x) + t * a.x_row_bytes;
     if constexpr (MODE == kDispatchCopy) {
-      warp_copy_row_any(xr, reinterpret_cast<void* const*>(&dst), 1, 0, a.row_bytes, v, lane);
+      warp_copy_row_any(xr, reinterpret_cast<void* const*>(&dst), 1, 0, a.lay.row_bytes, v, lane);
     } else {
       using Tin = std::conditional_t<MODE == kDispatchCastBf16, __nv_bfloat16, float>;
-      char* dsts = ll_row_dst(a.peers, r, a.lay.disp_scales[par] + row * a.s_row_bytes);
+      char* dsts = ll_row_dst(a.peers, r, a.lay.disp_scales[par] + row * a.lay.s_row_bytes);
       warp_cast_row<Tin, 16>(reinterpret_cast<const Tin*>(xr), &dst, &dsts, 1, 0, a.hidden / 128,
                              lane, a.scale_mode, sm_scales[warp]);
     }
@@ -179,8 +179,8 @@ ll_dispatch_send_kernel(LlDispatchSendArgs a) {
   }
   if (last_block(&ctrl->send_done)) {
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
-      const int r = e / a.L, l = e % a.L;
-      const size_t w = a.lay.disp_count + ((static_cast<size_t>(par) * a.L + l) * R + me) * 8;
+      const int r = e / a.lay.L, l = e % a.lay.L;
+      const size_t w = a.lay.disp_count + ((static_cast<size_t>(par) * a.lay.L + l) * R + me) * 8;
       ll_signal(a.peers, r, w, chunk_tag(epoch, __ldg(a.expert_count + e)));
     }
     if (threadIdx.x == 0) set_epoch(&ctrl->send_epoch, epoch);
@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(32 * kLlMaxWarps)
 ll_dispatch_recv_kernel(LlDispatchRecvArgs a) {
   extern __shared__ int sm_pre[];  // [L*R + 1]: counts, then their exclusive prefix
   const int lane = threadIdx.x % 32;
-  const int me = a.peers.rank, R = a.peers.num_ranks, LR = a.L * R;
+  const int me = a.peers.rank, R = a.peers.num_ranks, LR = a.lay.L * R;
   LlOpCtrl* ctrl = ll_ctrl(a.peers, a.lay, kLlDispatch);
   const unsigned int epoch = ld_volatile(&ctrl->recv_epoch) + 1u;
   const int par = epoch & 1u;
@@ -204,12 +204,12 @@ ll_dispatch_recv_kernel(LlDispatchRecvArgs a) {
     int n = 0;
     if (wait_tag(words + b, chunk_tag(epoch, -1), a.host_err, a.timeout_ns))
       n = static_cast<int>(static_cast<unsigned int>(ld_acquire_sys64(words + b))) - 1;
-    sm_pre[b] = min(max(n, 0), a.Tmax);
+    sm_pre[b] = min(max(n, 0), a.lay.Tmax);
   }
   block_exclusive_scan(sm_pre, LR);
   if (blockIdx.x == 0) {
     for (int b = threadIdx.x; b < LR; b += blockDim.x) a.src_count[b] = sm_pre[b + 1] - sm_pre[b];
-    for (int l = threadIdx.x; l < a.L; l += blockDim.x)
+    for (int l = threadIdx.x; l < a.lay.L; l += blockDim.x)
       a.count[l] = sm_pre[(l + 1) * R] - sm_pre[l * R];
   }
   // Valid rows only, spread evenly over the warps (skewed routing fills one
@@ -217,15 +217,16 @@ ll_dispatch_recv_kernel(LlDispatchRecvArgs a) {
   const char* rows = peer_ptr(a.peers, me, a.lay.disp_rows[par]);
   const char* srows = peer_ptr(a.peers, me, a.lay.disp_scales[par]);
   const auto* info = reinterpret_cast<const int32_t*>(peer_ptr(a.peers, me, a.lay.disp_info[par]));
-  const int v = row_vec_bytes(a.row_bytes), sv = a.s_row_bytes ? row_vec_bytes(a.s_row_bytes) : 1;
+  const long long rb = a.lay.row_bytes, srb = a.lay.s_row_bytes;
+  const int v = row_vec_bytes(rb), sv = srb ? row_vec_bytes(srb) : 1;
   for (int i = global_warp(); i < sm_pre[LR]; i += num_warps()) {
     const int b = locate(sm_pre, LR, i);
-    const long long row = static_cast<long long>(b) * a.Tmax + (i - sm_pre[b]);  // same in out
-    void* dst = static_cast<char*>(a.out) + row * a.row_bytes;
-    warp_copy_row_any(rows + row * a.row_bytes, &dst, 1, 0, a.row_bytes, v, lane);
-    if (a.s_row_bytes) {
-      void* dsts = static_cast<char*>(a.out_scales) + row * a.s_row_bytes;
-      warp_copy_row_any(srows + row * a.s_row_bytes, &dsts, 1, 0, a.s_row_bytes, sv, lane);
+    const long long row = static_cast<long long>(b) * a.lay.Tmax + (i - sm_pre[b]);  // same in out
+    void* dst = static_cast<char*>(a.out) + row * rb;
+    warp_copy_row_any(rows + row * rb, &dst, 1, 0, rb, v, lane);
+    if (srb) {
+      void* dsts = static_cast<char*>(a.out_scales) + row * srb;
+      warp_copy_row_any(srows + row * srb, &dsts, 1, 0, srb, sv, lane);
     }
     if (lane == 0) a.out_info[row] = info[row];
   }
@@ -238,23 +239,23 @@ __global__ void __launch_bounds__(32 * kLlMaxWarps)
 ll_combine_send_kernel(LlCombineSendArgs a) {
   extern __shared__ int sm_pre[];  // [L*R + 1]
   const int lane = threadIdx.x % 32;
-  const int me = a.peers.rank, R = a.peers.num_ranks, LR = a.L * R;
+  const int me = a.peers.rank, R = a.peers.num_ranks, LR = a.lay.L * R;
   LlOpCtrl* ctrl = ll_ctrl(a.peers, a.lay, kLlCombine);
   if (!ll_send_in_order(ctrl, a.host_err)) return;
   const unsigned int epoch = ld_volatile(&ctrl->send_epoch) + 1u;
   const int par = epoch & 1u;
   for (int b = threadIdx.x; b < LR; b += blockDim.x)
-    sm_pre[b] = min(max(__ldg(a.src_count + b), 0), a.Tmax);
+    sm_pre[b] = min(max(__ldg(a.src_count + b), 0), a.lay.Tmax);
   block_exclusive_scan(sm_pre, LR);
-  const int v = row_vec_bytes(a.y_row_bytes);
+  const int v = row_vec_bytes(a.lay.comb_row_bytes);
   for (int i = global_warp(); i < sm_pre[LR]; i += num_warps()) {
     const int b = locate(sm_pre, LR, i), s = b % R;
-    const long long row = static_cast<long long>(b) * a.Tmax + (i - sm_pre[b]);
+    const long long row = static_cast<long long>(b) * a.lay.Tmax + (i - sm_pre[b]);
     const int tk = __ldg(a.info + row);
-    if (tk < 0 || tk >= a.Tmax * a.K) continue;  // never for a dispatch's own info
-    char* dst = ll_row_dst(a.peers, s, a.lay.comb_rows[par] + tk * a.y_row_bytes);
-    warp_copy_row_any(static_cast<const char*>(a.y) + row * a.y_row_bytes,
-                      reinterpret_cast<void* const*>(&dst), 1, 0, a.y_row_bytes, v, lane);
+    if (tk < 0 || tk >= a.lay.Tmax * a.lay.K) continue;  // never for a dispatch's own info
+    char* dst = ll_row_dst(a.peers, s, a.lay.comb_rows[par] + tk * a.lay.comb_row_bytes);
+    warp_copy_row_any(static_cast<const char*>(a.y) + row * a.lay.comb_row_bytes,
+                      reinterpret_cast<void* const*>(&dst), 1, 0, a.lay.comb_row_bytes, v, lane);
   }
   if (last_block(&ctrl->send_done)) {
     for (int s = threadIdx.x; s < R; s += blockDim.x)
@@ -339,20 +340,22 @@ ll_combine_recv_kernel(LlCombineRecvArgs a) {
     wait_tag(flags + s, chunk_tag(epoch, -1), a.host_err, a.timeout_ns);
   __syncthreads();
   const char* area = peer_ptr(a.peers, me, a.lay.comb_rows[par]);
-  const bool v16 = a.y_row_bytes % 16 == 0;
+  const long long rb = a.lay.comb_row_bytes;
+  const int K = a.lay.K;
+  const bool v16 = rb % 16 == 0;
   const int vb = v16 ? 16 : int(sizeof(T));
-  const long long nv = a.y_row_bytes / vb;
+  const long long nv = rb / vb;
   // Column slices of a row per warp when there are fewer tokens than warps.
   const int slices = max(1, min(num_warps() / max(a.T, 1), static_cast<int>((nv + 31) / 32)));
   for (int it = global_warp(); it < a.T * slices; it += num_warps()) {
     const int t = it / slices, sl = it % slices;
-    const int slot_l = lane < a.K ? __ldg(a.slot + t * a.K + lane) : -1;
-    const float w_l = lane < a.K ? __ldg(a.weights + t * a.K + lane) : 0.f;
+    const int slot_l = lane < K ? __ldg(a.slot + t * K + lane) : -1;
+    const float w_l = lane < K ? __ldg(a.weights + t * K + lane) : 0.f;
     long long off, len;
     row_slice(nv, vb, sl, slices, &off, &len);
-    char* out = static_cast<char*>(a.out) + t * a.y_row_bytes;
-    if (v16) reduce_slice<T, 16>(area, a.y_row_bytes, t, a.K, slot_l, w_l, out, off, len, lane);
-    else reduce_slice<T, sizeof(T)>(area, a.y_row_bytes, t, a.K, slot_l, w_l, out, off, len, lane);
+    char* out = static_cast<char*>(a.out) + t * rb;
+    if (v16) reduce_slice<T, 16>(area, rb, t, K, slot_l, w_l, out, off, len, lane);
+    else reduce_slice<T, sizeof(T)>(area, rb, t, K, slot_l, w_l, out, off, len, lane);
   }
   if (last_block(&ctrl->recv_done) && threadIdx.x == 0) set_epoch(&ctrl->recv_epoch, epoch);
 }
@@ -365,11 +368,11 @@ bool grid_ok(const LlGrid& g) {
 
 cudaError_t launch_ll_dispatch_send(const LlDispatchSendArgs& a, const LlGrid& g, cudaStream_t s) {
   const bool cast = a.mode == kDispatchCastBf16 || a.mode == kDispatchCastF32;
-  if (!grid_ok(g) || a.K < 1 || a.K > kLlMaxTopk || a.L < 1 || a.T < 0 || a.T > a.Tmax ||
-      a.Tmax != a.lay.Tmax || a.K != a.lay.K ||
-      (cast && (a.hidden % 128 != 0 || a.s_row_bytes != a.hidden / 128 * 4 ||
-                a.row_bytes != a.hidden)) ||
-      (!cast && (a.mode != kDispatchCopy || a.row_bytes != a.x_row_bytes)))
+  if (!grid_ok(g) || a.lay.K < 1 || a.lay.K > kLlMaxTopk || a.lay.L < 1 || a.T < 0 ||
+      a.T > a.lay.Tmax ||
+      (cast && (a.hidden % 128 != 0 || a.lay.s_row_bytes != a.hidden / 128 * 4 ||
+                a.lay.row_bytes != a.hidden)) ||
+      (!cast && (a.mode != kDispatchCopy || a.lay.row_bytes != a.x_row_bytes)))
     return cudaErrorInvalidValue;
   const dim3 grid(g.num_blocks), block(32 * g.warps);
   switch (a.mode) {
@@ -381,39 +384,36 @@ cudaError_t launch_ll_dispatch_send(const LlDispatchSendArgs& a, const LlGrid& g
 }
 
 cudaError_t launch_ll_dispatch_recv(const LlDispatchRecvArgs& a, const LlGrid& g, cudaStream_t s) {
-  const long long LR = static_cast<long long>(a.L) * a.peers.num_ranks;
-  if (!grid_ok(g) || a.L < 1 || LR > kLlMaxBlocksLR || a.Tmax != a.lay.Tmax)
-    return cudaErrorInvalidValue;
+  const long long LR = static_cast<long long>(a.lay.L) * a.peers.num_ranks;
+  if (!grid_ok(g) || a.lay.L < 1 || LR > kLlMaxBlocksLR) return cudaErrorInvalidValue;
   ll_dispatch_recv_kernel<<<g.num_blocks, 32 * g.warps, (LR + 1) * sizeof(int), s>>>(a);
   return cudaGetLastError();
 }
 
 cudaError_t launch_ll_combine_send(const LlCombineSendArgs& a, const LlGrid& g, cudaStream_t s) {
-  const long long LR = static_cast<long long>(a.L) * a.peers.num_ranks;
-  if (!grid_ok(g) || a.L < 1 || LR > kLlMaxBlocksLR || a.K < 1 || a.K > kLlMaxTopk ||
-      a.K != a.lay.K || a.Tmax != a.lay.Tmax)
+  const long long LR = static_cast<long long>(a.lay.L) * a.peers.num_ranks;
+  if (!grid_ok(g) || a.lay.L < 1 || LR > kLlMaxBlocksLR || a.lay.K < 1 || a.lay.K > kLlMaxTopk)
     return cudaErrorInvalidValue;
   ll_combine_send_kernel<<<g.num_blocks, 32 * g.warps, (LR + 1) * sizeof(int), s>>>(a);
   return cudaGetLastError();
 }
 
 cudaError_t launch_ll_combine_recv(const LlCombineRecvArgs& a, const LlGrid& g, cudaStream_t s) {
-  // The combine area holds Tmax x K rows: a larger T or another K reads past it.
-  if (!grid_ok(g) || a.K < 1 || a.K > kLlMaxTopk || a.T < 0 || a.T > a.lay.Tmax ||
-      a.K != a.lay.K)
+  // The combine area holds Tmax x K rows: a larger T reads past it.
+  if (!grid_ok(g) || a.lay.K < 1 || a.lay.K > kLlMaxTopk || a.T < 0 || a.T > a.lay.Tmax)
     return cudaErrorInvalidValue;
   const dim3 grid(g.num_blocks), block(32 * g.warps);
   switch (a.dtype) {
     case kBf16:
-      if (a.y_row_bytes % 2) return cudaErrorInvalidValue;
+      if (a.lay.comb_row_bytes % 2) return cudaErrorInvalidValue;
       ll_combine_recv_kernel<__nv_bfloat16><<<grid, block, 0, s>>>(a);
       break;
     case kF16:
-      if (a.y_row_bytes % 2) return cudaErrorInvalidValue;
+      if (a.lay.comb_row_bytes % 2) return cudaErrorInvalidValue;
       ll_combine_recv_kernel<__half><<<grid, block, 0, s>>>(a);
       break;
     case kF32:
-      if (a.y_row_bytes % 4) return cudaErrorInvalidValue;
+      if (a.lay.comb_row_bytes % 4) return cudaErrorInvalidValue;
       ll_combine_recv_kernel<float><<<grid, block, 0, s>>>(a);
       break;
     default: return cudaErrorInvalidValue;

@@ -41,12 +41,10 @@ struct LlDispatchSendArgs {
   const int32_t* topk_idx = nullptr;  // [T, K]
   const int32_t* slot = nullptr;      // [T, K]: the reference's handle (-1: not sent)
   const int32_t* expert_count = nullptr;  // [E]: this rank's pairs per expert (slots 0..n-1)
-  int T = 0, K = 0, L = 0, Tmax = 0;
+  int T = 0;                          // tokens of this call (<= lay.Tmax)
   int hidden = 0;                     // elements per row (cast modes)
   int mode = kDispatchCopy;           // kDispatchCopy / kDispatchCastBf16 / kDispatchCastF32
   int scale_mode = kFp8ScaleXlaGpu;   // Fp8ScaleMode of the cast
-  long long row_bytes = 0;            // received row bytes (H fp8, or x_row_bytes)
-  long long s_row_bytes = 0;          // scale row bytes (H/128 * 4 in the cast modes, else 0)
   int* host_err = nullptr;            // kErrLlOrder: a send before the previous receive
 };
 
@@ -56,10 +54,8 @@ struct LlDispatchSendArgs {
 struct LlDispatchRecvArgs {
   PeerTable peers;
   LlLayout lay;
-  int L = 0, Tmax = 0;
-  long long row_bytes = 0, s_row_bytes = 0;
-  void* out = nullptr;                // [L, R*Tmax, row_bytes]
-  void* out_scales = nullptr;         // [L, R*Tmax, s_row_bytes] (cast modes)
+  void* out = nullptr;                // [L, R*Tmax, lay.row_bytes]
+  void* out_scales = nullptr;         // [L, R*Tmax, lay.s_row_bytes] (cast modes)
   int32_t* out_info = nullptr;        // [L, R*Tmax]: t*K + k at the source (combine's input)
   int32_t* src_count = nullptr;       // [L, R]
   int32_t* count = nullptr;           // [L]
@@ -73,9 +69,7 @@ struct LlDispatchRecvArgs {
 struct LlCombineSendArgs {
   PeerTable peers;
   LlLayout lay;
-  int L = 0, Tmax = 0, K = 0;
-  const void* y = nullptr;            // [L, R*Tmax, y_row_bytes]
-  long long y_row_bytes = 0;
+  const void* y = nullptr;            // [L, R*Tmax, lay.comb_row_bytes]
   const int32_t* info = nullptr;      // [L, R*Tmax]: the dispatch's out_info
   const int32_t* src_count = nullptr; // [L, R]: the dispatch's src_count
   int* host_err = nullptr;            // kErrLlOrder: a send before the previous receive
@@ -87,12 +81,11 @@ struct LlCombineSendArgs {
 struct LlCombineRecvArgs {
   PeerTable peers;
   LlLayout lay;
-  int T = 0, K = 0;
+  int T = 0;                          // tokens of this call (<= lay.Tmax)
   const int32_t* slot = nullptr;      // [T, K]: dispatch's handle
   const float* weights = nullptr;     // [T, K]: merged weights (routing.merge_duplicate_weights)
-  long long y_row_bytes = 0;
   int dtype = kBf16;                  // RowDtype of y and out
-  void* out = nullptr;                // [T, y_row_bytes]
+  void* out = nullptr;                // [T, lay.comb_row_bytes]
   int* host_err = nullptr;
   unsigned long long timeout_ns = kDefaultTimeoutNs;
 };

@@ -107,7 +107,7 @@ std::string loopback_dispatch(const std::vector<uint64_t>& ptrs, const std::vect
       a.dw = static_cast<float*>(P(r, 10));
     }
     a.host_err = device_error_word();
-    a.timeout_ns = 2ull * 1000 * 1000 * 1000;
+    a.timeout_ns = kLoopbackTimeoutNs;
     LaunchConfig lc = make_launch_config(kOpDispatch, a.T > 0 ? a.T : 1, int(ints[9]),
                                          int(ints[9]), int(ints[10]));
     if (!fit_ring(&lc, R, a.T, a.row_bytes, a.s_row_bytes, stage_half_bytes(sym_bytes)))
@@ -148,7 +148,7 @@ std::string loopback_combine(const std::vector<uint64_t>& ptrs, const std::vecto
     a.row_bytes = ints[5];
     a.rank_major = ints[6] != 0;
     a.host_err = device_error_word();
-    a.timeout_ns = 2ull * 1000 * 1000 * 1000;
+    a.timeout_ns = kLoopbackTimeoutNs;
     LaunchConfig lc = make_launch_config(kOpCombine, a.T > 0 ? a.T : 1, int(ints[7]),
                                          int(ints[7]), int(ints[8]));
     if (!fit_ring(&lc, R, a.T, a.row_bytes, 0, stage_half_bytes(sym_bytes)))

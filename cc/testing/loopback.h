@@ -44,6 +44,8 @@ std::string loopback_combine(const std::vector<uint64_t>& ptrs, const std::vecto
                              size_t sym_bytes, int num_ranks, int iters, double* seconds);
 
 // Shared by the loopback entry points (here and loopback_ll.cu).
+// Receive spins give up after 2 s (a stalled test fails fast, never hangs).
+constexpr unsigned long long kLoopbackTimeoutNs = 2ull * 1000 * 1000 * 1000;
 // Rank r's peer table: rank i's stand-in symmetric buffer is ptrs[stride * i + sym_index].
 PeerTable loopback_peers(const std::vector<uint64_t>& ptrs, int stride, int sym_index, int R,
                          int r);

@@ -26,8 +26,6 @@ enum Int : int {
 static_assert(std::size(kLoopbackLlPtrs) == kNumPtrs, "pointer names and indices");
 static_assert(std::size(kLoopbackLlInts) == kNumInts, "int names and indices");
 
-constexpr unsigned long long kLoopbackTimeoutNs = 2ull * 1000 * 1000 * 1000;
-
 }  // namespace
 
 std::string loopback_ll(const std::vector<uint64_t>& ptrs, const std::vector<int64_t>& ints,
@@ -58,23 +56,14 @@ std::string loopback_ll(const std::vector<uint64_t>& ptrs, const std::vector<int
       s.slot = I32(r, kSlot);
       s.expert_count = I32(r, kExpertCount);
       s.T = T;
-      s.K = K;
-      s.L = L;
-      s.Tmax = Tmax;
       s.hidden = int(ints[kHidden]);
       s.mode = int(ints[kMode]);
       s.scale_mode = int(ints[kScaleMode]);
-      s.row_bytes = ints[kRowBytes];
-      s.s_row_bytes = ints[kSRowBytes];
       s.host_err = device_error_word();
       if (cudaError_t e = launch_ll_dispatch_send(s, grid, st); e != cudaSuccess) return e;
       LlDispatchRecvArgs v;
       v.peers = peers;
       v.lay = lay;
-      v.L = L;
-      v.Tmax = Tmax;
-      v.row_bytes = ints[kRowBytes];
-      v.s_row_bytes = ints[kSRowBytes];
       v.out = P(r, kOut);
       v.out_scales = P(r, kOutScales);
       v.out_info = I32(r, kOutInfo);
@@ -88,11 +77,7 @@ std::string loopback_ll(const std::vector<uint64_t>& ptrs, const std::vector<int
       LlCombineSendArgs s;
       s.peers = peers;
       s.lay = lay;
-      s.L = L;
-      s.Tmax = Tmax;
-      s.K = K;
       s.y = P(r, kY);
-      s.y_row_bytes = ints[kYRowBytes];
       s.info = I32(r, kCInfo);
       s.src_count = I32(r, kCSrcCount);
       s.host_err = device_error_word();
@@ -101,10 +86,8 @@ std::string loopback_ll(const std::vector<uint64_t>& ptrs, const std::vector<int
       v.peers = peers;
       v.lay = lay;
       v.T = T;
-      v.K = K;
       v.slot = I32(r, kSlot);
       v.weights = static_cast<const float*>(P(r, kWeights));
-      v.y_row_bytes = ints[kYRowBytes];
       v.dtype = int(ints[kYDtype]);
       v.out = P(r, kCOut);
       v.host_err = device_error_word();
