@@ -15,33 +15,32 @@ timeout ${NCU_TIMEOUT:-240} ncu --clock-control none -k "$KF" --metrics "$M" --c
   > "$OUT/ncu_metrics.csv" 2> "$OUT/ncu_stderr.txt"
 echo "ncu rc=$?"
 pkill -f scripts/profile_gmm.py; sleep 2   # a timed-out ncu leaves its target holding the GPU
-python3 - "$OUT/ncu_metrics.csv" <<'PY' | tee "$OUT/ncu_summary.txt"
+# One pass over the CSV: the metrics of every kernel of 200 us or more, and
+# the longest kernel's full name (for the second run) in ncu_longest.txt.
+python3 - "$OUT/ncu_metrics.csv" "$OUT/ncu_longest.txt" <<'PY' | tee "$OUT/ncu_summary.txt"
 import csv, sys, collections
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
 hdr = rows[0]; rows = rows[1:]
 iK, iN, iM, iU, iV = (hdr.index(c) for c in ("ID", "Kernel Name", "Metric Name", "Metric Unit", "Metric Value"))
+US = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3,
+      "second": 1e6, "s": 1e6}
 k = collections.OrderedDict()
 for r in rows:
-    k.setdefault((r[iK], r[iN][:70]), {})[r[iM]] = (r[iV], r[iU])
+    k.setdefault((r[iK], r[iN]), {})[r[iM]] = (r[iV], r[iU])
+def us(m):
+    v, u = m.get("gpu__time_duration.sum", ("0", "usecond"))
+    return float(v.replace(",", "")) * US.get(u, 1.0)
 for (i, name), m in k.items():
-    t = m.get("gpu__time_duration.sum", ("0", ""))
-    if float(t[0].replace(",", "")) < (200 if t[1] == "usecond" else 200000 if t[1] == "nsecond" else 0.2):
+    if us(m) < 200:
         continue
-    print(f"== {i} {name}")
+    print(f"== {i} {name[:70]}")
     for key, (v, u) in m.items():
         print(f"   {key} = {v} {u}")
+if k:
+    open(sys.argv[2], "w").write(max(k.items(), key=lambda kv: us(kv[1]))[0][1])
 PY
 # Stall reasons and memory breakdown of the longest kernel of the first run.
-name=$(python3 - "$OUT/ncu_metrics.csv" <<'PY'
-import csv, sys
-rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
-h = rows[0]; iN, iM, iU, iV = (h.index(c) for c in ("Kernel Name", "Metric Name", "Metric Unit", "Metric Value"))
-scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}
-best = max((float(r[iV].replace(",", "")) * scale.get(r[iU], 1), r[iN]) for r in rows[1:]
-           if r[iM] == "gpu__time_duration.sum")
-print(best[1])
-PY
-)
+name=$(cat "$OUT/ncu_longest.txt" 2>/dev/null)
 echo "longest kernel: $name" | tee -a "$OUT/ncu_summary.txt"
 OPS1="${OPS%%,*}"
 timeout ${NCU_TIMEOUT:-240} ncu --clock-control none -k "$name" --launch-skip 1 --launch-count 1 \
