@@ -7,6 +7,10 @@ from typing import Literal, Optional
 
 import numpy as np
 
+# Scales of the fp8 cast (jax_ep.fp8_cast): "f32" amax / 448, or "ue8m0"
+# powers of two (an exact cast).
+FP8_SCALE_FORMATS = ("f32", "ue8m0")
+
 Layout = Literal["expert_major", "rank_major"]
 Backend = Literal["auto", "reference", "native"]
 
@@ -156,9 +160,9 @@ class EpConfig:
             raise TypeError(f"EpConfig.axis_name must be a str, got {self.axis_name!r}")
         if not isinstance(self.tuning, KernelTuning):
             raise TypeError(f"EpConfig.tuning must be a jax_ep.KernelTuning, got {self.tuning!r}")
-        if self.fp8_scale_format not in ("f32", "ue8m0"):
-            raise ValueError(f"EpConfig.fp8_scale_format must be 'f32' or 'ue8m0', got "
-                             f"{self.fp8_scale_format!r}")
+        if self.fp8_scale_format not in FP8_SCALE_FORMATS:
+            raise ValueError(f"EpConfig.fp8_scale_format must be one of {FP8_SCALE_FORMATS}, "
+                             f"got {self.fp8_scale_format!r}")
         if self.fp8_dispatch and self.hidden % 128 != 0:
             raise ValueError(
                 f"EpConfig.fp8_dispatch needs hidden % 128 == 0, got hidden={self.hidden}")

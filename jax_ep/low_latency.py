@@ -33,11 +33,9 @@ import jax
 import jax.numpy as jnp
 
 from . import validate
-from .config import EpConfig
+from .config import FP8_SCALE_FORMATS, EpConfig
 from .reference import FP8, fp8_cast
 from .routing import F32, excl_cumsum, merge_duplicate_weights, sanitize_topk
-
-SCALE_FORMATS = ("f32", "ue8m0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,9 +127,9 @@ def _check(x, topk_idx, cfg: EpConfig, R: int, fp8: bool, scale_format: str):
         raise TypeError(f"low_latency_dispatch: topk_idx must be integer, got {topk_idx.dtype}")
     if x.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
         raise TypeError(f"low_latency_dispatch: x must be bf16 or f32, got {x.dtype}")
-    if scale_format not in SCALE_FORMATS:
-        raise ValueError(f"low_latency_dispatch: scale_format must be one of {SCALE_FORMATS}, "
-                         f"got {scale_format!r}")
+    if scale_format not in FP8_SCALE_FORMATS:
+        raise ValueError("low_latency_dispatch: scale_format must be one of "
+                         f"{FP8_SCALE_FORMATS}, got {scale_format!r}")
     if fp8 and x.shape[1] % 128:
         raise ValueError(f"low_latency_dispatch: fp8 needs H % 128 == 0, got H={x.shape[1]}")
     if cfg.backend == "native":

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from . import routing
-from .config import EpConfig
+from .config import FP8_SCALE_FORMATS, EpConfig
 from .routing import merge_duplicate_weights, sanitize_topk  # noqa: F401  (public names)
 from .types import Handle
 
@@ -45,6 +45,9 @@ def fp8_cast(x: jax.Array, scale_format: str = "f32"):
     so the bits of q differ between platforms in rare last-ulp cases. The native
     kernel follows XLA:GPU (``KernelTuning(fp8_ieee_division=True)`` switches it to IEEE), so
     native and reference agree bit for bit when both run on the GPU."""
+    if scale_format not in FP8_SCALE_FORMATS:
+        raise ValueError(f"fp8_cast: scale_format must be one of {FP8_SCALE_FORMATS}, got "
+                         f"{scale_format!r}")
     T, H = x.shape
     xf = x.astype(F32).reshape(T, H // FP8_BLOCK, FP8_BLOCK)
     amax = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1), F32(1e-4))
@@ -54,8 +57,6 @@ def fp8_cast(x: jax.Array, scale_format: str = "f32"):
         inv_pow2 = jnp.ldexp(jnp.ones_like(amax), -k)
         q = jnp.clip(xf * inv_pow2[..., None], -FP8_MAX, FP8_MAX).astype(FP8)
         return q.reshape(T, H), jnp.ldexp(jnp.ones_like(amax), k)
-    if scale_format != "f32":
-        raise ValueError(f"fp8_cast: scale_format must be 'f32' or 'ue8m0', got {scale_format!r}")
     scale = amax * F32(1.0 / FP8_MAX)
     inv = F32(FP8_MAX) / amax
     q = jnp.clip(xf * inv[..., None], -FP8_MAX, FP8_MAX).astype(FP8)
