@@ -20,19 +20,6 @@ namespace jax_ep {
 
 namespace {
 
-
-constexpr int kU = 4;  // vectors in flight per lane per row (latency hiding)
-
-// Loads the lane's kU vectors at i0 + 32u of row r (bytes from off).
-template <int V>
-__device__ __forceinline__ void load_vecs(const char* r, long long i0, long long nv,
-                                          typename VecT<V>::type (&v)[kU]) {
-  const auto* p = reinterpret_cast<const typename VecT<V>::type*>(r);
-#pragma unroll
-  for (int u = 0; u < kU; ++u)
-    if (i0 + 32 * u < nv) v[u] = p[i0 + 32 * u];
-}
-
 // pa += wk * f32(v) (or f32(v) unweighted), element by element.
 template <typename T, int V>
 __device__ __forceinline__ void add_vecs(const typename VecT<V>::type (&v)[kU], float wk,
@@ -79,21 +66,6 @@ __device__ __forceinline__ void zero_acc(float (&acc)[kU][E]) {
     for (int e = 0; e < E; ++e) acc[u][e] = 0.f;
 }
 
-// Casts the lane's accumulators to T and stores them at vectors i0 + 32u of dst.
-template <typename T, int V>
-__device__ __forceinline__ void store_acc(const float (&acc)[kU][V / sizeof(T)], char* dst,
-                                          long long i0, long long nv) {
-  using Vec = typename VecT<V>::type;
-#pragma unroll
-  for (int u = 0; u < kU; ++u) {
-    if (i0 + 32 * u >= nv) continue;
-    Vec o;
-    T* to = reinterpret_cast<T*>(&o);
-#pragma unroll
-    for (int e = 0; e < int(V / sizeof(T)); ++e) to[e] = Cvt<T>::t(acc[u][e]);
-    reinterpret_cast<Vec*>(dst)[i0 + 32 * u] = o;
-  }
-}
 
 // Warp reduces bytes [off, off + len) of n rows (weights w or 1) into the
 // same range of dst (may be remote), cast to T.

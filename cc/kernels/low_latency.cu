@@ -280,30 +280,26 @@ __device__ __forceinline__ void reduce_slice(const char* area, long long rb, int
                                              long long len, int lane) {
   using Vec = typename VecT<V>::type;
   constexpr int EL = V / sizeof(T);
-  constexpr int U = 4;  // vectors in flight per lane per row
   const long long nv = len / V;
   // Warp-uniform trip count: the shuffles below need every lane (a lane past
   // nv still runs the loop, with every vector guarded).
-  for (long long base = 0; base < nv; base += 32 * U) {
+  for (long long base = 0; base < nv; base += 32 * kU) {
     const long long i0 = base + lane;
-    float acc[U][EL] = {};
+    float acc[kU][EL] = {};
     for (int k = 0; k < K; ++k) {
       const int sk = __shfl_sync(0xffffffffu, slot_l, k);
       const float wk = __shfl_sync(0xffffffffu, w_l, k);
       if (sk < 0) {  // sel_k = +0 (warp-uniform branch)
 #pragma unroll
-        for (int u = 0; u < U; ++u)
+        for (int u = 0; u < kU; ++u)
 #pragma unroll
           for (int e = 0; e < EL; ++e) acc[u][e] = k == 0 ? 0.f : __fadd_rn(acc[u][e], 0.f);
         continue;
       }
-      const Vec* p = reinterpret_cast<const Vec*>(area + (static_cast<long long>(t) * K + k) * rb + off);
-      Vec x[U];
+      Vec x[kU];
+      load_vecs<V>(area + (static_cast<long long>(t) * K + k) * rb + off, i0, nv, x);
 #pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (i0 + 32 * u < nv) x[u] = p[i0 + 32 * u];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
+      for (int u = 0; u < kU; ++u) {
         if (i0 + 32 * u >= nv) continue;
         const T* xt = reinterpret_cast<const T*>(&x[u]);
 #pragma unroll
@@ -313,15 +309,7 @@ __device__ __forceinline__ void reduce_slice(const char* area, long long rb, int
         }
       }
     }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (i0 + 32 * u >= nv) continue;
-      Vec o;
-      T* ot = reinterpret_cast<T*>(&o);
-#pragma unroll
-      for (int e = 0; e < EL; ++e) ot[e] = Cvt<T>::t(acc[u][e]);
-      reinterpret_cast<Vec*>(out + off)[i0 + 32 * u] = o;
-    }
+    store_acc<T, V>(acc, out + off, i0, nv);
   }
 }
 

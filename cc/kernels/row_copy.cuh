@@ -65,6 +65,37 @@ __device__ __forceinline__ void warp_copy_row_multi(const void* __restrict__ src
   }
 }
 
+// A lane's share of a row reduction (the combine kernels of both families):
+// kU vectors of V bytes in flight per lane, at vectors i0 + 32u (u < kU) of
+// a row of nv vectors.
+constexpr int kU = 4;  // vectors in flight per lane per row (latency hiding)
+
+// Loads the lane's kU vectors at i0 + 32u of row r (bytes from off).
+template <int V>
+__device__ __forceinline__ void load_vecs(const char* r, long long i0, long long nv,
+                                          typename VecT<V>::type (&v)[kU]) {
+  const auto* p = reinterpret_cast<const typename VecT<V>::type*>(r);
+#pragma unroll
+  for (int u = 0; u < kU; ++u)
+    if (i0 + 32 * u < nv) v[u] = p[i0 + 32 * u];
+}
+
+// Casts the lane's accumulators to T and stores them at vectors i0 + 32u of dst.
+template <typename T, int V>
+__device__ __forceinline__ void store_acc(const float (&acc)[kU][V / sizeof(T)], char* dst,
+                                          long long i0, long long nv) {
+  using Vec = typename VecT<V>::type;
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    if (i0 + 32 * u >= nv) continue;
+    Vec o;
+    T* to = reinterpret_cast<T*>(&o);
+#pragma unroll
+    for (int e = 0; e < int(V / sizeof(T)); ++e) to[e] = Cvt<T>::t(acc[u][e]);
+    reinterpret_cast<Vec*>(dst)[i0 + 32 * u] = o;
+  }
+}
+
 template <int V>
 __device__ __forceinline__ void warp_zero_row(void* dst, long long bytes, int lane) {
   using T = typename VecT<V>::type;
