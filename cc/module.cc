@@ -4,7 +4,9 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <functional>
 #include <string>
+#include <utility>
 
 #include "ffi_targets.h"
 #include "runtime.h"
@@ -115,54 +117,40 @@ NB_MODULE(_C, m) {
   m.attr("LOOPBACK_DISPATCH_INTS") = names(jax_ep::kLoopbackDispatchInts);
   m.attr("LOOPBACK_COMBINE_PTRS") = names(jax_ep::kLoopbackCombinePtrs);
   m.attr("LOOPBACK_COMBINE_INTS") = names(jax_ep::kLoopbackCombineInts);
-  m.def("loopback_dispatch",
-        [](const std::vector<uint64_t>& ptrs, const std::vector<int64_t>& ints, size_t sym_bytes,
-           int num_ranks, int iters) {
-          double sec = 0;
-          std::string err;
-          {
-            nb::gil_scoped_release release;
-            err = jax_ep::loopback_dispatch(ptrs, ints, sym_bytes, num_ranks, iters, &sec);
-          }
-          return nb::make_tuple(err, sec);
-        },
-        nb::arg("ptrs"), nb::arg("ints"), nb::arg("sym_bytes"), nb::arg("num_ranks"),
-        nb::arg("iters") = 1);
-  m.def("loopback_combine",
-        [](const std::vector<uint64_t>& ptrs, const std::vector<int64_t>& ints, size_t sym_bytes,
-           int num_ranks, int iters) {
-          double sec = 0;
-          std::string err;
-          {
-            nb::gil_scoped_release release;
-            err = jax_ep::loopback_combine(ptrs, ints, sym_bytes, num_ranks, iters, &sec);
-          }
-          return nb::make_tuple(err, sec);
-        },
-        nb::arg("ptrs"), nb::arg("ints"), nb::arg("sym_bytes"), nb::arg("num_ranks"),
-        nb::arg("iters") = 1);
-  // Low-latency kernels (tests/gpu/test_loopback_ll.py): one pointer / int
-  // layout for dispatch, combine and the round trip (dispatch then combine).
-  m.attr("LOOPBACK_LL_PTRS") = names(jax_ep::kLoopbackLlPtrs);
-  m.attr("LOOPBACK_LL_INTS") = names(jax_ep::kLoopbackLlInts);
-  auto ll_entry = [&m](const char* name, int ops) {
+  // One binding for every loopback entry point: run(ptrs, ints, sym_bytes,
+  // num_ranks, iters, &seconds) -> error string, GIL released while it runs.
+  using LoopbackRun = std::function<std::string(const std::vector<uint64_t>&,
+                                                const std::vector<int64_t>&, size_t, int, int,
+                                                double*)>;
+  auto bind_loopback = [&m](const char* name, LoopbackRun run) {
     m.def(name,
-          [ops](const std::vector<uint64_t>& ptrs, const std::vector<int64_t>& ints,
+          [run](const std::vector<uint64_t>& ptrs, const std::vector<int64_t>& ints,
                 size_t sym_bytes, int num_ranks, int iters) {
             double sec = 0;
             std::string err;
             {
               nb::gil_scoped_release release;
-              err = jax_ep::loopback_ll(ptrs, ints, sym_bytes, num_ranks, iters, ops, &sec);
+              err = run(ptrs, ints, sym_bytes, num_ranks, iters, &sec);
             }
             return nb::make_tuple(err, sec);
           },
           nb::arg("ptrs"), nb::arg("ints"), nb::arg("sym_bytes"), nb::arg("num_ranks"),
           nb::arg("iters") = 1);
   };
-  ll_entry("loopback_ll_dispatch", jax_ep::kLlOpDispatch);
-  ll_entry("loopback_ll_combine", jax_ep::kLlOpCombine);
-  ll_entry("loopback_ll_round_trip", jax_ep::kLlOpDispatch | jax_ep::kLlOpCombine);
+  bind_loopback("loopback_dispatch", jax_ep::loopback_dispatch);
+  bind_loopback("loopback_combine", jax_ep::loopback_combine);
+  // Low-latency kernels (tests/gpu/test_loopback_ll.py): one pointer / int
+  // layout for dispatch, combine and the round trip (dispatch then combine).
+  m.attr("LOOPBACK_LL_PTRS") = names(jax_ep::kLoopbackLlPtrs);
+  m.attr("LOOPBACK_LL_INTS") = names(jax_ep::kLoopbackLlInts);
+  for (auto [name, ops] : {std::pair{"loopback_ll_dispatch", int(jax_ep::kLlOpDispatch)},
+                           std::pair{"loopback_ll_combine", int(jax_ep::kLlOpCombine)},
+                           std::pair{"loopback_ll_round_trip",
+                                     int(jax_ep::kLlOpDispatch | jax_ep::kLlOpCombine)}})
+    bind_loopback(name, [ops](const std::vector<uint64_t>& p, const std::vector<int64_t>& i,
+                              size_t sym, int r, int it, double* sec) {
+      return jax_ep::loopback_ll(p, i, sym, r, it, ops, sec);
+    });
 #endif  // JAX_EP_TESTING
   m.def("runtime_info", []() -> nb::object {
     jax_ep::Runtime* rt = jax_ep::runtime();
