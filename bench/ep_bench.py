@@ -147,16 +147,9 @@ def worker(args):
         def combine_rows(self, y, row_weights, handle, cfg):
             return native.combine_raw(y, row_weights, handle, cfg, debug_skip=self.skip)
 
-    if single:
-        # above 2 GPUs a ring must hold a call's rows: size the buffers for the
-        # largest T of the run (bf16 rows, fp8 scales), not the 1 GiB default
-        from jax_ep import runtime as _rt
-
-        t_max = 4096 if (args.quick or args.no_sweep) else 8192
-        ok = jax_ep.initialize(transport="peer_memory", buffer_bytes=_rt._extension()
-                               .symmetric_buffer_bytes(args.nproc, t_max, 2 * 7168, 56 * 4))
-    else:
-        ok = jax_ep.initialize()
+    # the default buffer either way (the rings wrap at any EP), as the
+    # multi-process run uses
+    ok = jax_ep.initialize(transport="peer_memory" if single else "auto")
     R = args.nproc
     mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
     spec = P("ep")
