@@ -74,8 +74,9 @@ the next tile overlap the epilogue of the last); where ``K % (2 block_m) != 0``
 block_n`` tiles and one shared-memory pipeline per work item ``(g, tile)``
 (persistent over SMs). Either pipeline walks the rows of group ``g`` in steps
 of ``block_k`` starting at ``off[g]`` rounded down to a multiple of 8 (the tiled shared-memory
-layout needs 8-aligned TMA row offsets); on the first and last steps the rows
-outside ``[off[g], off[g+1])`` are *selected* to zero in both operands (a
+layout needs 8-aligned TMA row offsets); on the steps that stage rows outside
+``[off[g], off[g+1])`` (the first when ``off[g] % 8 != 0``, the last when the
+group ends inside it) those rows are *selected* to zero in both operands (a
 select, not a multiply, so NaN/Inf in neighbouring or tail rows cannot leak).
 Empty groups store zeros.
 
