@@ -126,13 +126,16 @@ inline size_t symmetric_buffer_bytes(int R, int T, long long row_bytes, long lon
 // From byte `base`, every offset the same on every rank:
 //   ctrl         LlOpCtrl[2]: dispatch, combine (local counters)
 //   disp_count   u64 [2 parity][L][R]: source s's tagged count for (l, s)
-//   comb_flag    u64 [2 parity][R]: expert rank r's "all my rows to you" word
-//   per parity:  disp_rows [L][R][Tmax] rows of row_bytes (= the dispatch
-//                output's [L, R*Tmax] order), disp_scales (s_row_bytes each),
+//   comb_flag    u64 [2 parity][flag_ranks]: expert rank r's "all my rows to you" word
+//   per parity:  disp_rows [L][R][Tmax] rows of row_stride bytes (= the dispatch
+//                output's [L, R*Tmax] order), disp_scales (s_row_stride each),
 //                disp_info int32 [L][R][Tmax] (t*K + k of the pair at the
-//                source), comb_rows [Tmax][K] rows of comb_row_bytes (the
+//                source), comb_rows [Tmax][K] rows of comb_row_stride (the
 //                source's pair (t, k) at row t*K + k).
 // Double-buffered by call parity: cc/kernels/low_latency.cu says why two suffice.
+// A call's rows may be shorter than the strides (the runtime's region is laid
+// out once for the widest rows, so a call's format never moves the areas a
+// slower peer may still read).
 struct LlOpCtrl {
   unsigned int send_epoch;  // last finished send call (local only)
   unsigned int recv_epoch;  // last finished receive call
@@ -148,20 +151,23 @@ struct LlLayout {
   size_t comb_rows[2] = {0, 0};
   size_t end = 0;  // one past the region (bytes from the buffer start)
   // The shape the areas are laid out for; the kernels read it from here (one
-  // source: a call cannot index the region with another shape or row size).
+  // source: a call cannot index the region with another shape).
   int L = 0, Tmax = 0, K = 0;
-  long long row_bytes = 0, s_row_bytes = 0, comb_row_bytes = 0;
+  long long row_bytes = 0, s_row_bytes = 0, comb_row_bytes = 0;        // this call's rows
+  long long row_stride = 0, s_row_stride = 0, comb_row_stride = 0;     // the areas' rows
 };
 
-inline LlLayout ll_layout(size_t base, int R, int L, int Tmax, int K, long long row_bytes,
-                          long long s_row_bytes, long long comb_row_bytes) {
+// The layout with explicit strides; row sizes are set by the callers below.
+inline LlLayout ll_layout_strided(size_t base, int R, int L, int Tmax, int K, int flag_ranks,
+                                  long long row_stride, long long s_row_stride,
+                                  long long comb_row_stride) {
   LlLayout y;
   y.L = L;
   y.Tmax = Tmax;
   y.K = K;
-  y.row_bytes = row_bytes;
-  y.s_row_bytes = s_row_bytes;
-  y.comb_row_bytes = comb_row_bytes;
+  y.row_stride = row_stride;
+  y.s_row_stride = s_row_stride;
+  y.comb_row_stride = comb_row_stride;
   const size_t rows = size_t(L) * size_t(R) * size_t(Tmax);
   size_t o = align_up(base);
   y.ctrl = o;
@@ -169,18 +175,29 @@ inline LlLayout ll_layout(size_t base, int R, int L, int Tmax, int K, long long 
   y.disp_count = o;
   o = align_up(o + 2 * size_t(L) * size_t(R) * sizeof(unsigned long long));
   y.comb_flag = o;
-  o = align_up(o + 2 * size_t(R) * sizeof(unsigned long long));
+  o = align_up(o + 2 * size_t(flag_ranks) * sizeof(unsigned long long));
   for (int p = 0; p < 2; ++p) {
     y.disp_rows[p] = o;
-    o = align_up(o + rows * size_t(row_bytes));
+    o = align_up(o + rows * size_t(row_stride));
     y.disp_scales[p] = o;
-    o = align_up(o + rows * size_t(s_row_bytes));
+    o = align_up(o + rows * size_t(s_row_stride));
     y.disp_info[p] = o;
     o = align_up(o + rows * sizeof(int32_t));
     y.comb_rows[p] = o;
-    o = align_up(o + size_t(Tmax) * size_t(K) * size_t(comb_row_bytes));
+    o = align_up(o + size_t(Tmax) * size_t(K) * size_t(comb_row_stride));
   }
   y.end = o;
+  return y;
+}
+
+// A region laid out for exactly these rows (the loopback harness: plain
+// buffers, one format per run).
+inline LlLayout ll_layout(size_t base, int R, int L, int Tmax, int K, long long row_bytes,
+                          long long s_row_bytes, long long comb_row_bytes) {
+  LlLayout y = ll_layout_strided(base, R, L, Tmax, K, R, row_bytes, s_row_bytes, comb_row_bytes);
+  y.row_bytes = row_bytes;
+  y.s_row_bytes = s_row_bytes;
+  y.comb_row_bytes = comb_row_bytes;
   return y;
 }
 
@@ -190,6 +207,35 @@ inline LlLayout ll_layout(size_t base, int R, int L, int Tmax, int K, long long 
 inline size_t ll_region_bytes(int R, int E, int Tmax, int K, long long row_bytes,
                               long long s_row_bytes, long long comb_row_bytes) {
   return ll_layout(0, R, R > 0 ? E / R : 0, Tmax, K, row_bytes, s_row_bytes, comb_row_bytes).end;
+}
+
+// The runtime's region (jax_ep.initialize(low_latency=config)), laid out once
+// for its shape s and the widest rows of each area: bf16 dispatch rows (fp8
+// rows are shorter), per-128 f32 scales, f32 combine rows; flag words for
+// kMaxRanks. Offsets depend on s only, never on R or a call's formats: every
+// area keeps its place from call to call. rows = E * Tmax whatever R.
+inline LlLayout ll_region_layout(size_t base, int R, const LlShape& s, long long row_bytes,
+                                 long long s_row_bytes, long long comb_row_bytes) {
+  const long long H = s.hidden;
+  LlLayout y = ll_layout_strided(base, R, R > 0 ? s.E / R : 0, s.Tmax, s.K, kMaxRanks, 2 * H,
+                                 H / 128 * 4, 4 * H);
+  y.row_bytes = row_bytes;
+  y.s_row_bytes = s_row_bytes;
+  y.comb_row_bytes = comb_row_bytes;
+  return y;
+}
+
+// Why a call's rows do not fit the region's strides ("" when they do).
+inline const char* ll_rows_error(const LlLayout& y) {
+  if (y.row_bytes > y.row_stride) return "dispatch rows wider than the region's (bf16 / fp8 rows)";
+  if (y.s_row_bytes > y.s_row_stride) return "scale rows wider than the region's";
+  if (y.comb_row_bytes > y.comb_row_stride) return "combine rows wider than the region's (f32)";
+  return "";
+}
+
+// Bytes of the runtime's low-latency region for shape s (0 when s.E == 0).
+inline size_t ll_region_size(const LlShape& s) {
+  return s.E > 0 ? ll_region_layout(0, 1, s, 0, 0, 0).end : 0;
 }
 
 }  // namespace jax_ep

@@ -128,6 +128,13 @@ inline ffi::Error CheckDeviceError() {
   const Runtime* rt = runtime();
   const bool sticky = rt && rt->transport == Transport::kPeerMemory;
   if (int e = sticky ? peek_device_error() : take_device_error()) {
+    if (e == kErrLlOrder)
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                        "jax_ep: a low-latency send ran before the previous receive of the same "
+                        "op had finished on this rank (each op must alternate send, receive, "
+                        "send, ...: two sends of one op in flight would overwrite rows a peer "
+                        "still reads); its peers time out; results since are invalid, restart "
+                        "the job");
     return ffi::Error(ffi::ErrorCode::kInternal,
                       "jax_ep: a previous dispatch/combine kernel timed out waiting for a peer "
                       "rank (error " + std::to_string(e) +

@@ -7,6 +7,12 @@
 //   X("jax_ep_foo", JaxEpFoo)
 // to the production (or testing) list below. jax_ep/runtime.py registers every entry with
 // jax.ffi.register_ffi_target(name, capsule, platform="CUDA") on import.
+//
+// Every production target is registered command-buffer compatible (XLA may
+// capture it into a CUDA graph): each enqueues only on XLA's stream, its
+// launch depends only on its attributes and shapes, and its epochs live in
+// device memory. Testing targets are not (the ping / bench targets are never
+// part of a model step).
 #pragma once
 
 #define JAX_EP_PRODUCTION_TARGETS(X)   \
@@ -14,6 +20,10 @@
   X("jax_ep_dispatch", JaxEpDispatch)  \
   X("jax_ep_combine", JaxEpCombine)    \
   X("jax_ep_combine_bwd", JaxEpCombineBwd) \
+  X("jax_ep_ll_dispatch_send", JaxEpLlDispatchSend) \
+  X("jax_ep_ll_dispatch_recv", JaxEpLlDispatchRecv) \
+  X("jax_ep_ll_combine_send", JaxEpLlCombineSend) \
+  X("jax_ep_ll_combine_recv", JaxEpLlCombineRecv) \
   /* dispatch / combine targets: append here (one X(...) per line) */
 
 // Runtime self-test and link ceilings (cc/testing/, built with JAX_EP_TESTING,

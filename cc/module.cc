@@ -1,9 +1,11 @@
 // jax_ep._C: the nanobind module. Exposes the runtime lifecycle
 // (runtime_lifecycle.h) and the FFI handler capsules (ffi_targets.h).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/array.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <array>
 #include <functional>
 #include <string>
 #include <utility>
@@ -71,6 +73,13 @@ NB_MODULE(_C, m) {
 #undef JAX_EP_ADD_TARGET
     return d;
   }, "{target name: PyCapsule of its XLA FFI handler}");
+  m.def("command_buffer_targets", [] {
+    nb::list l;
+#define JAX_EP_ADD_NAME(name, sym) l.append(name);
+    JAX_EP_PRODUCTION_TARGETS(JAX_EP_ADD_NAME)
+#undef JAX_EP_ADD_NAME
+    return nb::tuple(l);
+  }, "Names of the targets registered command-buffer compatible (cc/ffi_targets.h).");
 
   m.def("nvshmem_status", &jax_ep::nvshmem_status);
   m.def("nvshmem_unique_id", [] {
@@ -84,19 +93,32 @@ NB_MODULE(_C, m) {
           return jax_ep::nvshmem_init(s, rank, nranks, device);
         },
         nb::arg("uid"), nb::arg("rank"), nb::arg("nranks"), nb::arg("device"));
+  // ll_shape: (E, Tmax, K, hidden) of the low-latency region, or all zero for none.
+  auto ll_of = [](const std::array<int, 4>& v) {
+    jax_ep::LlShape s;
+    s.E = v[0];
+    s.Tmax = v[1];
+    s.K = v[2];
+    s.hidden = v[3];
+    return s;
+  };
   m.def("runtime_attach",
-        [](int device, size_t bytes) {
+        [ll_of](int device, size_t bytes, std::array<int, 4> ll_shape) {
           nb::gil_scoped_release release;
-          jax_ep::runtime_attach(device, bytes);
+          jax_ep::runtime_attach(device, bytes, ll_of(ll_shape));
         },
-        nb::arg("device"), nb::arg("bytes"));
+        nb::arg("device"), nb::arg("bytes"), nb::arg("ll_shape"));
   m.def("peer_memory_attach",
-        [](std::vector<int> ordinals, size_t bytes) {
+        [ll_of](std::vector<int> ordinals, size_t bytes, std::array<int, 4> ll_shape) {
           nb::gil_scoped_release release;
-          jax_ep::peer_memory_attach(ordinals, bytes);
+          jax_ep::peer_memory_attach(ordinals, bytes, ll_of(ll_shape));
         },
-        nb::arg("ordinals"), nb::arg("bytes"),
+        nb::arg("ordinals"), nb::arg("bytes"), nb::arg("ll_shape"),
         "Peer-memory transport: one zeroed buffer per CUDA device, peer access between all.");
+  m.def("ll_region_size",
+        [ll_of](std::array<int, 4> ll_shape) { return jax_ep::ll_region_size(ll_of(ll_shape)); },
+        nb::arg("ll_shape"),
+        "Bytes of the runtime's low-latency region for (E, Tmax, K, hidden) (buffer_layout.h).");
   m.def("runtime_detach", [] {
     nb::gil_scoped_release release;
     jax_ep::runtime_detach();
@@ -165,6 +187,9 @@ NB_MODULE(_C, m) {
     d["devices"] = ords;
     d["device"] = rt->device;
     d["num_sms"] = rt->num_sms;
+    const jax_ep::LlShape& ll = rt->ll_shape;
+    d["ll_shape"] = nb::make_tuple(ll.E, ll.Tmax, ll.K, ll.hidden);
+    d["ll_bytes"] = rt->ll_bytes;
     return d;
   });
 }

@@ -147,24 +147,34 @@ static void check_buffer_bytes(size_t bytes) {
                              "and some staging)");
 }
 
-void runtime_attach(int device, size_t bytes) {
+// The allocation: the normal-mode buffer, then (ll.E > 0) the low-latency
+// region at the next kRegionAlign boundary.
+static size_t total_bytes(size_t bytes, const LlShape& ll, Runtime* rt) {
+  rt->sym_bytes = bytes;
+  rt->ll_shape = ll;
+  rt->ll_off = align_up(bytes);
+  rt->ll_bytes = ll_region_size(ll);
+  return rt->ll_bytes ? rt->ll_off + rt->ll_bytes : bytes;
+}
+
+void runtime_attach(int device, size_t bytes, const LlShape& ll) {
   if (g_live) throw std::runtime_error("jax_ep: runtime already attached");
   check_buffer_bytes(bytes);
+  Runtime rt;
+  const size_t total = total_bytes(bytes, ll, &rt);
   cuda_check(cudaSetDevice(device), "cudaSetDevice");
-  void* base = nvshmem_malloc(bytes);  // collective
+  void* base = nvshmem_malloc(total);  // collective
   if (!base)
     throw std::runtime_error(
-        "jax_ep: nvshmem_malloc(" + std::to_string(bytes >> 20) +
+        "jax_ep: nvshmem_malloc(" + std::to_string(total >> 20) +
         " MiB) failed: the NVSHMEM symmetric heap does not fit in the GPU memory JAX left free. "
         "Lower XLA_PYTHON_CLIENT_MEM_FRACTION (e.g. 0.6) or set XLA_PYTHON_CLIENT_PREALLOCATE=false "
         "before JAX starts, or pass a smaller buffer_bytes to jax_ep.initialize()");
-  cuda_check(cudaMemset(base, 0, bytes), "cudaMemset(symmetric buffer)");
+  cuda_check(cudaMemset(base, 0, total), "cudaMemset(symmetric buffer)");
   cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  Runtime rt;
   rt.my_pe = nvshmem_my_pe();
   rt.n_pes = nvshmem_n_pes();
   rt.sym_base = base;
-  rt.sym_bytes = bytes;
   rt.device = device;
   cuda_check(cudaDeviceGetAttribute(&rt.num_sms, cudaDevAttrMultiProcessorCount, device),
              "cudaDeviceGetAttribute");
@@ -176,7 +186,7 @@ void runtime_attach(int device, size_t bytes) {
   g_live = &g_runtime;
 }
 
-void peer_memory_attach(const std::vector<int>& ordinals, size_t bytes) {
+void peer_memory_attach(const std::vector<int>& ordinals, size_t bytes, const LlShape& ll) {
   if (g_live) throw std::runtime_error("jax_ep: runtime already attached");
   check_buffer_bytes(bytes);
   const int n = static_cast<int>(ordinals.size());
@@ -189,7 +199,7 @@ void peer_memory_attach(const std::vector<int>& ordinals, size_t bytes) {
   rt.transport = Transport::kPeerMemory;
   rt.my_pe = 0;
   rt.n_pes = 1;
-  rt.sym_bytes = bytes;
+  const size_t total = total_bytes(bytes, ll, &rt);
   rt.num_devices = n;
   try {
     for (int i = 0; i < n; ++i) {
@@ -209,16 +219,16 @@ void peer_memory_attach(const std::vector<int>& ordinals, size_t bytes) {
         else cuda_check(e, "cudaDeviceEnablePeerAccess");
       }
       void* base = nullptr;
-      cudaError_t e = cudaMalloc(&base, bytes);
+      cudaError_t e = cudaMalloc(&base, total);
       if (e != cudaSuccess) {
         cudaGetLastError();
         throw std::runtime_error(
-            "jax_ep: cudaMalloc(" + std::to_string(bytes >> 20) + " MiB) on GPU " +
+            "jax_ep: cudaMalloc(" + std::to_string(total >> 20) + " MiB) on GPU " +
             std::to_string(d) + " failed: the buffer does not fit in the GPU memory JAX left "
             "free. Lower XLA_PYTHON_CLIENT_MEM_FRACTION or pass a smaller buffer_bytes");
       }
       rt.dev_base[i] = base;
-      cuda_check(cudaMemset(base, 0, bytes), "cudaMemset(peer buffer)");  // epochs start at 0
+      cuda_check(cudaMemset(base, 0, total), "cudaMemset(peer buffer)");  // epochs start at 0
       cuda_check(cudaDeviceGetAttribute(&rt.dev_sms[i], cudaDevAttrMultiProcessorCount, d),
                  "cudaDeviceGetAttribute");
     }

@@ -31,6 +31,12 @@ struct PeerTable {
 
 enum class Transport : int { kNvshmem = 0, kPeerMemory = 1 };
 
+// Shape of the low-latency (decode) region (jax_ep.initialize(low_latency=
+// config)): experts, max tokens per rank, top-k, hidden. E == 0: no region.
+struct LlShape {
+  int E = 0, Tmax = 0, K = 0, hidden = 0;
+};
+
 constexpr int kMaxDevices = 16;  // local GPUs of one process (peer-memory transport)
 
 struct Runtime {
@@ -38,7 +44,11 @@ struct Runtime {
   int my_pe = -1;
   int n_pes = 0;
   void* sym_base = nullptr;   // NVSHMEM: nvshmem_malloc'd, same offset on every PE
-  size_t sym_bytes = 0;       // per buffer (every PE / every device alike)
+  size_t sym_bytes = 0;       // normal-mode part of each buffer (every PE / device alike)
+  // The low-latency region follows it: [ll_off, ll_off + ll_bytes) of the
+  // same allocation (buffer_layout.h, ll_region_layout), laid out for ll_shape.
+  size_t ll_off = 0, ll_bytes = 0;
+  LlShape ll_shape;
   int device = -1;            // NVSHMEM: CUDA device of this process
   int num_sms = 0;            // multiprocessors of `device` (of the first device: peer memory)
   // Peer memory: the process's GPUs, by CUDA ordinal, and each one's buffer.

@@ -18,12 +18,14 @@ std::string nvshmem_unique_id();
 // When NVSHMEM is already initialised in the process (e.g. by XLA), attaches to
 // it instead (returns false: "not owned", never finalised by us).
 bool nvshmem_init(const std::string& uid, int rank, int nranks, int device);
-// Collective: allocate the symmetric buffer and publish the Runtime.
-void runtime_attach(int device, size_t bytes);
+// Collective: allocate the symmetric buffer (bytes for the normal mode, then
+// the low-latency region for `ll` when ll.E > 0) and publish the Runtime.
+struct LlShape;
+void runtime_attach(int device, size_t bytes, const LlShape& ll);
 // Peer-memory transport (one process, several GPUs): a zeroed buffer of
 // `bytes` on every CUDA device in `ordinals`, peer access between all pairs,
 // and the Runtime published. No NVSHMEM.
-void peer_memory_attach(const std::vector<int>& ordinals, size_t bytes);
+void peer_memory_attach(const std::vector<int>& ordinals, size_t bytes, const LlShape& ll);
 // Collective (NVSHMEM) / local (peer memory): free the buffer(s); runtime()
 // becomes nullptr.
 void runtime_detach();

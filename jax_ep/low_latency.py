@@ -20,8 +20,20 @@ source, k ascending, in f32 (``w'``: repeated ids merged onto the first slot,
 as in normal mode).
 
 The reference implementation here (XLA all_to_all of a dense
-``[R, L * Tmax, H]`` buffer) is the semantics; native kernels (put-with-signal,
-a send/receive hook) are future work. Forward-only: differentiating raises.
+``[R, L * Tmax, H]`` buffer) is the semantics; the native kernels
+(``jax_ep/low_latency_native.py``, cc/kernels/low_latency.cu) give its bits.
+Forward-only: differentiating raises.
+
+The hook: each op also exists as a send half and a receive half,
+``low_latency_dispatch_send`` / ``low_latency_dispatch_recv`` and
+``low_latency_combine_send`` / ``low_latency_combine_recv``, linked by a
+:class:`LowLatencyPending` value. Natively the send kernel only issues its
+stores and signals and exits; work placed between the halves runs while the
+data travels, and the receive kernel waits for the signals. Per op, calls
+must alternate send, receive, send, ... on every rank (two sends of one op in
+flight would overwrite rows a peer still reads: the native send then raises).
+With the reference backend the send half does everything and the receive
+half returns its result (same values, no overlap).
 """
 from __future__ import annotations
 
@@ -46,15 +58,22 @@ class LowLatencyHandle:
       slot: ``[T, K]`` int32, the row inside its source block where pair
         ``(t, topk_idx[t, k])`` landed on the expert's rank; -1 for unused
         slots, invalid ids and repeats of an expert already named by the token.
+      info: ``[L, R * Tmax]`` int32 (native backend): ``t * K + k`` of each
+        received row at its source, where combine sends the row back; None
+        with the reference backend.
+      src_count: ``[L, R]`` int32 (native backend): valid rows per block; None
+        with the reference backend.
       num_ranks, max_tokens: static R and Tmax.
     """
 
     slot: jax.Array
+    info: Optional[jax.Array] = None
+    src_count: Optional[jax.Array] = None
     num_ranks: int = 0
     max_tokens: int = 0
 
 
-jax.tree_util.register_dataclass(LowLatencyHandle, data_fields=["slot"],
+jax.tree_util.register_dataclass(LowLatencyHandle, data_fields=["slot", "info", "src_count"],
                                  meta_fields=["num_ranks", "max_tokens"])
 
 
@@ -91,6 +110,30 @@ jax.tree_util.register_dataclass(
     meta_fields=[])
 
 
+@dataclasses.dataclass(frozen=True)
+class LowLatencyPending:
+    """An op between its send half and its receive half (the hook).
+
+    Attributes:
+      token: native backend: ``[1]`` uint32 output of the send custom call,
+        the receive's input (it orders the receive after the send; it holds
+        no data). None with the reference backend.
+      arrays: what the receive half needs (native: the handle's slot for
+        dispatch; slot and merged weights for combine).
+      result: reference backend: the op's finished result.
+      meta: static: the op ("dispatch" / "combine") and the receive's shapes.
+    """
+
+    token: Optional[jax.Array]
+    arrays: tuple
+    result: object
+    meta: tuple
+
+
+jax.tree_util.register_dataclass(LowLatencyPending, data_fields=["token", "arrays", "result"],
+                                 meta_fields=["meta"])
+
+
 def _slots(topk_idx, E):
     """Per pair, its row in the destination block (the token's rank among this
     rank's tokens that picked the same expert), and tokens per expert ``[E]``.
@@ -109,6 +152,27 @@ def _slots(topk_idx, E):
 def _exchange(buf, cfg: EpConfig):
     """``[R, ...]`` block r to rank r; returns ``[R(source), ...]``."""
     return jax.lax.all_to_all(buf, cfg.axis_name, 0, 0, tiled=True)
+
+
+def _native(cfg: EpConfig) -> bool:
+    """Whether this config runs the native kernels: ``native``, or ``auto``
+    with the runtime up and a low-latency region (``initialize(low_latency=)``)."""
+    if cfg.backend == "reference":
+        return False
+    from . import runtime
+
+    info = runtime.info() if runtime.is_initialized() else None
+    has_region = bool(info and info.get("ll_bytes"))
+    if cfg.backend == "native":
+        if not runtime.is_initialized():
+            raise RuntimeError(f"{runtime.not_initialized_message()} "
+                               f"({runtime.unavailable_reason()})")
+        if not has_region:
+            raise ValueError("jax_ep low-latency mode, backend='native': the runtime has no "
+                             "low-latency region; call jax_ep.initialize(low_latency=config) "
+                             "with the decode EpConfig")
+        return True
+    return has_region
 
 
 def _check(x, topk_idx, cfg: EpConfig, R: int, fp8: bool, scale_format: str):
@@ -132,10 +196,6 @@ def _check(x, topk_idx, cfg: EpConfig, R: int, fp8: bool, scale_format: str):
                          f"{FP8_SCALE_FORMATS}, got {scale_format!r}")
     if fp8 and x.shape[1] % 128:
         raise ValueError(f"low_latency_dispatch: fp8 needs H % 128 == 0, got H={x.shape[1]}")
-    if cfg.backend == "native":
-        raise NotImplementedError(
-            "jax_ep low-latency mode has no native kernels yet: use EpConfig(backend='reference') "
-            "or 'auto' (which runs the reference implementation for it)")
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -156,30 +216,9 @@ def _forward_only_bwd(name, res, g):
 _forward_only.defvjp(_forward_only_fwd, _forward_only_bwd)
 
 
-def low_latency_dispatch(x: jax.Array, topk_idx: jax.Array, config: EpConfig, *,
-                         fp8: bool = True, scale_format: str = "f32") -> LowLatencyDispatched:
-    """Send each (token, expert) pair to the expert's rank, into a static layout.
-
-    Args:
-      x: ``[T, H]`` bf16 / f32 tokens, ``T <= config.max_tokens_per_rank`` (Tmax).
-      topk_idx: ``[T, K]`` expert ids in ``[-1, E)`` (-1, or any id outside,
-        = slot unused); an expert named twice by a token is sent once.
-      config: :class:`EpConfig` (``num_experts``, ``topk``, ``hidden``,
-        ``max_tokens_per_rank``, ``axis_name``; layout and capacity unused).
-      fp8: send fp8-e4m3 rows with per-token, per-128-channel scales (else x's dtype).
-      scale_format: ``"f32"`` (``jax_ep.fp8_cast``) or ``"ue8m0"`` (power-of-two
-        scales: the cast is exact, the same bits on every platform).
-
-    Returns:
-      :class:`LowLatencyDispatched` (``x [L, R*Tmax, H]``, ``x_scales``,
-      ``count [L]``, ``src_count [L, R]``, ``handle``). Forward-only.
-    """
-    R = validate.axis_size(config)
-    _check(x, topk_idx, config, R, fp8, scale_format)
-    E, L, Tm, H = config.num_experts, config.num_experts // R, config.max_tokens_per_rank, x.shape[1]
-    x, = _forward_only("low_latency_dispatch", x)
-    idx = topk_idx.astype(jnp.int32)
-    slot, per_expert = _slots(idx, E)
+def _ref_dispatch(x, idx, slot, per_expert, cfg: EpConfig, R: int, fp8: bool,
+                  scale_format: str) -> LowLatencyDispatched:
+    E, L, Tm = cfg.num_experts, cfg.num_experts // R, cfg.max_tokens_per_rank
     # send buffer [E * Tm, W]: expert e's block (rank e // L, local e % L), row slot
     T, K = idx.shape
     dest = jnp.where(slot >= 0, idx * Tm + slot, E * Tm).reshape(-1)
@@ -187,7 +226,7 @@ def low_latency_dispatch(x: jax.Array, topk_idx: jax.Array, config: EpConfig, *,
 
     def place(rows):
         buf = jnp.zeros((E * Tm + 1,) + rows.shape[1:], rows.dtype).at[dest].set(rows[src])
-        recv = _exchange(buf[:-1].reshape(R, L * Tm, *rows.shape[1:]), config)
+        recv = _exchange(buf[:-1].reshape(R, L * Tm, *rows.shape[1:]), cfg)
         recv = recv.reshape(R, L, Tm, *rows.shape[1:]).swapaxes(0, 1)   # [L, R, Tm, ...]
         return recv.reshape(L, R * Tm, *rows.shape[1:])
 
@@ -196,10 +235,132 @@ def low_latency_dispatch(x: jax.Array, topk_idx: jax.Array, config: EpConfig, *,
         recv_x, recv_s = place(q), place(s)
     else:
         recv_x, recv_s = place(x), None
-    src_count = _exchange(per_expert.reshape(R, L), config).T          # [L, R]
+    src_count = _exchange(per_expert.reshape(R, L), cfg).T          # [L, R]
     return LowLatencyDispatched(x=recv_x, x_scales=recv_s, count=jnp.sum(src_count, axis=1),
                                 src_count=src_count,
                                 handle=LowLatencyHandle(slot=slot, num_ranks=R, max_tokens=Tm))
+
+
+def low_latency_dispatch_send(x: jax.Array, topk_idx: jax.Array, config: EpConfig, *,
+                              fp8: bool = True, scale_format: str = "f32") -> LowLatencyPending:
+    """Send half of :func:`low_latency_dispatch` (same arguments).
+
+    Natively: one kernel stores every (token, expert) row into the expert
+    rank's receive area and raises the signal words, then exits (nothing
+    waits while the rows travel). Finish with :func:`low_latency_dispatch_recv`;
+    independent work may run in between. Per op, sends and receives must
+    alternate on every rank.
+    """
+    R = validate.axis_size(config)
+    _check(x, topk_idx, config, R, fp8, scale_format)
+    x, = _forward_only("low_latency_dispatch", x)
+    idx = topk_idx.astype(jnp.int32)
+    slot, per_expert = _slots(idx, config.num_experts)
+    if _native(config):
+        from . import low_latency_native as nat
+
+        return nat.dispatch_send(x, idx, slot, per_expert, config, R, fp8, scale_format)
+    d = _ref_dispatch(x, idx, slot, per_expert, config, R, fp8, scale_format)
+    return LowLatencyPending(token=None, arrays=(), result=d, meta=("dispatch",))
+
+
+def low_latency_dispatch_recv(pending: LowLatencyPending) -> LowLatencyDispatched:
+    """Receive half of :func:`low_latency_dispatch`: waits for every source's
+    signals (a device-side timeout, never a hang) and writes the outputs.
+
+    Args:
+      pending: the :func:`low_latency_dispatch_send` result.
+
+    Returns:
+      :class:`LowLatencyDispatched`, as :func:`low_latency_dispatch`.
+    """
+    if pending.meta[0] != "dispatch":
+        raise ValueError(f"low_latency_dispatch_recv: got the pending {pending.meta[0]!r} op")
+    if pending.token is None:
+        return pending.result
+    from . import low_latency_native as nat
+
+    return nat.dispatch_recv(pending)
+
+
+def low_latency_dispatch(x: jax.Array, topk_idx: jax.Array, config: EpConfig, *,
+                         fp8: bool = True, scale_format: str = "f32") -> LowLatencyDispatched:
+    """Send each (token, expert) pair to the expert's rank, into a static layout.
+
+    Args:
+      x: ``[T, H]`` bf16 / f32 tokens, ``T <= config.max_tokens_per_rank`` (Tmax).
+        The native backend sends fp8 or bf16 rows (f32 needs ``fp8=True``).
+      topk_idx: ``[T, K]`` expert ids in ``[-1, E)`` (-1, or any id outside,
+        = slot unused); an expert named twice by a token is sent once.
+      config: :class:`EpConfig` (``num_experts``, ``topk``, ``hidden``,
+        ``max_tokens_per_rank``, ``axis_name``, ``backend``, ``num_sms``;
+        layout and capacity unused). The native backend needs
+        ``jax_ep.initialize(low_latency=config)``.
+      fp8: send fp8-e4m3 rows with per-token, per-128-channel scales (else x's dtype).
+      scale_format: ``"f32"`` (``jax_ep.fp8_cast``) or ``"ue8m0"`` (power-of-two
+        scales: the cast is exact, the same bits on every platform).
+
+    Returns:
+      :class:`LowLatencyDispatched` (``x [L, R*Tmax, H]``, ``x_scales``,
+      ``count [L]``, ``src_count [L, R]``, ``handle``). Forward-only.
+    """
+    return low_latency_dispatch_recv(
+        low_latency_dispatch_send(x, topk_idx, config, fp8=fp8, scale_format=scale_format))
+
+
+def _ref_combine(y, idx, w, slot, cfg: EpConfig, R: int, Tm: int):
+    E, L = cfg.num_experts, cfg.num_experts // R
+    H = y.shape[2]
+    back = y.reshape(L, R, Tm, H).swapaxes(0, 1).reshape(R, L * Tm, H)
+    back = _exchange(back, cfg).reshape(E * Tm, H)                  # [e * Tm + slot]
+    out = jnp.zeros((idx.shape[0], H), F32)
+    for k in range(idx.shape[1]):   # fixed order: k ascending
+        ok = (slot[:, k] >= 0)[:, None]
+        row = back[jnp.where(slot[:, k] >= 0, idx[:, k] * Tm + slot[:, k], 0)].astype(F32)
+        out = out + jnp.where(ok, w[:, k:k + 1] * row, F32(0))
+    return out.astype(y.dtype)
+
+
+def low_latency_combine_send(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
+                             handle: LowLatencyHandle, config: EpConfig) -> LowLatencyPending:
+    """Send half of :func:`low_latency_combine` (same arguments): natively one
+    kernel stores every valid row of ``y`` into its source's combine area and
+    signals; finish with :func:`low_latency_combine_recv`."""
+    R = validate.axis_size(config)
+    E, L, Tm = config.num_experts, config.num_experts // R, handle.max_tokens
+    if y.ndim != 3 or y.shape[:2] != (L, R * Tm):
+        raise ValueError(f"low_latency_combine: y must be [L, R*Tmax, H] = [{L}, {R * Tm}, H], "
+                         f"got {y.shape}")
+    if topk_idx.shape != handle.slot.shape or topk_weights.shape != handle.slot.shape:
+        raise ValueError(f"low_latency_combine: topk_idx / topk_weights must be {handle.slot.shape} "
+                         f"(the dispatch's [T, K]), got {topk_idx.shape} / {topk_weights.shape}")
+    if handle.num_ranks != R:
+        raise ValueError(f"low_latency_combine: handle is for R={handle.num_ranks}, axis has {R}")
+    y, topk_weights = _forward_only("low_latency_combine", y, topk_weights)
+    idx = topk_idx.astype(jnp.int32)
+    w = merge_duplicate_weights(idx, topk_weights.astype(F32), E)
+    if _native(config):
+        if handle.info is None:
+            raise ValueError("low_latency_combine (native): the handle comes from a reference "
+                             "low_latency_dispatch (no info / src_count); dispatch and combine "
+                             "must use one backend")
+        from . import low_latency_native as nat
+
+        return nat.combine_send(y, w, handle, config, R)
+    out = _ref_combine(y, idx, w, handle.slot, config, R, Tm)
+    return LowLatencyPending(token=None, arrays=(), result=out, meta=("combine",))
+
+
+def low_latency_combine_recv(pending: LowLatencyPending) -> jax.Array:
+    """Receive half of :func:`low_latency_combine`: waits for every expert
+    rank's signal, then reduces; returns ``[T, H]`` as :func:`low_latency_combine`."""
+    if pending.meta[0] != "combine":
+        raise ValueError(f"low_latency_combine_recv: got the pending {pending.meta[0]!r} op")
+    if pending.token is None:
+        return pending.result
+    from . import low_latency_native as nat
+
+    return nat.combine_recv(pending)
 
 
 def low_latency_combine(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
@@ -219,26 +380,5 @@ def low_latency_combine(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arr
       f32 accumulation, where ``w'`` merges repeated ids onto the first slot.
       Forward-only.
     """
-    R = validate.axis_size(config)
-    E, L, Tm = config.num_experts, config.num_experts // R, handle.max_tokens
-    if y.ndim != 3 or y.shape[:2] != (L, R * Tm):
-        raise ValueError(f"low_latency_combine: y must be [L, R*Tmax, H] = [{L}, {R * Tm}, H], "
-                         f"got {y.shape}")
-    if topk_idx.shape != handle.slot.shape or topk_weights.shape != handle.slot.shape:
-        raise ValueError(f"low_latency_combine: topk_idx / topk_weights must be {handle.slot.shape} "
-                         f"(the dispatch's [T, K]), got {topk_idx.shape} / {topk_weights.shape}")
-    if handle.num_ranks != R:
-        raise ValueError(f"low_latency_combine: handle is for R={handle.num_ranks}, axis has {R}")
-    y, topk_weights = _forward_only("low_latency_combine", y, topk_weights)
-    H = y.shape[2]
-    back = y.reshape(L, R, Tm, H).swapaxes(0, 1).reshape(R, L * Tm, H)
-    back = _exchange(back, config).reshape(E * Tm, H)                  # [e * Tm + slot]
-    idx = topk_idx.astype(jnp.int32)
-    w = merge_duplicate_weights(idx, topk_weights.astype(F32), E)
-    slot = handle.slot
-    out = jnp.zeros((idx.shape[0], H), F32)
-    for k in range(idx.shape[1]):   # fixed order: k ascending
-        ok = (slot[:, k] >= 0)[:, None]
-        row = back[jnp.where(slot[:, k] >= 0, idx[:, k] * Tm + slot[:, k], 0)].astype(F32)
-        out = out + jnp.where(ok, w[:, k:k + 1] * row, F32(0))
-    return out.astype(y.dtype)
+    return low_latency_combine_recv(
+        low_latency_combine_send(y, topk_idx, topk_weights, handle, config))

@@ -85,8 +85,15 @@ def _register_targets() -> None:
         return
     import jax
 
+    from jaxlib import xla_client
+
+    graph_ok = set(C.command_buffer_targets())
     for name, capsule in C.registrations().items():
-        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+        # Production targets may be captured into XLA command buffers (CUDA
+        # graphs; cc/ffi_targets.h says why that is safe).
+        traits = (xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
+                  if name in graph_ok else xla_client.CustomCallTargetTraits.DEFAULT)
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA", traits=traits)
     _ext["registered"] = True
 
 
@@ -108,7 +115,9 @@ def is_initialized() -> bool:
 
 
 def info() -> Optional[dict]:
-    """``{my_pe, n_pes, sym_bytes, device, num_sms}`` of the live runtime, or None."""
+    """``{my_pe, n_pes, sym_bytes, device, num_sms, ll_shape, ll_bytes}`` of the
+    live runtime, or None. ``ll_shape``: (E, Tmax, K, H) of the low-latency
+    region (zeros when there is none), ``ll_bytes`` its size."""
     C = _extension()
     return C.runtime_info() if C is not None else None
 
@@ -170,7 +179,33 @@ def transport() -> Optional[str]:
     return _state["transport"] if _state["initialized"] else None
 
 
-def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str = "auto") -> bool:
+def ll_shape_of(config) -> tuple:
+    """(E, Tmax, K, H) of the low-latency region for an :class:`EpConfig` (or None: none)."""
+    if config is None:
+        return (0, 0, 0, 0)
+    from .config import EpConfig
+
+    if not isinstance(config, EpConfig):
+        raise TypeError(f"jax_ep.initialize: low_latency must be an EpConfig or None, got "
+                        f"{type(config).__name__}")
+    return (config.num_experts, config.max_tokens_per_rank, config.topk, config.hidden)
+
+
+def low_latency_region_bytes(config) -> int:
+    """Bytes of the low-latency region ``initialize(low_latency=config)`` adds to
+    each GPU's buffer: both call parities of ``E * Tmax`` dispatch rows (bf16
+    width, so fp8 and bf16 rows fit; + f32 scales and an int32 info word per
+    row) and ``Tmax * K`` combine rows (f32 width), whatever the EP size.
+    About 1.0 GB at DeepSeek-V3 decode (E 256, Tmax 128, K 8, H 7168)."""
+    C = _extension()
+    if C is None:
+        raise RuntimeError("low_latency_region_bytes needs the native extension: "
+                           + unavailable_reason())
+    return int(C.ll_region_size(ll_shape_of(config)))
+
+
+def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str = "auto",
+               low_latency=None) -> bool:
     """Start the native runtime in this process. Collective over all processes.
 
     Call after ``jax.distributed.initialize`` (when there are several processes).
@@ -191,6 +226,11 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
         for: the largest ``config.native_buffer_bytes(process_count)``.
       transport: ``"auto"`` (NVSHMEM, one GPU per process), ``"nvshmem"`` or
         ``"peer_memory"`` (one process, several GPUs; not yet validated on GPUs).
+      low_latency: the decode :class:`EpConfig` (``num_experts``,
+        ``max_tokens_per_rank`` = Tmax, ``topk``, ``hidden``) to lay out the
+        low-latency region for (:func:`jax_ep.low_latency_dispatch` with the
+        native backend needs it; calls must use that E, K, H and T <= Tmax).
+        Adds :func:`low_latency_region_bytes` to each buffer. None: no region.
 
     Returns:
       True when the runtime is up; False (with a one-line notice, see
@@ -220,6 +260,8 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
     buffer_bytes = DEFAULT_BUFFER_BYTES if buffer_bytes is None else int(buffer_bytes)
     if buffer_bytes < 1:
         raise ValueError(f"jax_ep.initialize: buffer_bytes must be positive, got {buffer_bytes}")
+    ll_shape = ll_shape_of(low_latency)
+    ll_bytes = int(C.ll_region_size(ll_shape))
 
     import jax
 
@@ -228,7 +270,7 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
     if not gpus:
         return _not_up("no CUDA GPU visible to JAX in this process")
     if transport == "peer_memory":
-        return _attach_peer_memory(C, gpus, buffer_bytes)
+        return _attach_peer_memory(C, gpus, buffer_bytes, ll_shape)
     if len(gpus) != 1:
         return _not_up(
             f"this process drives {len(gpus)} GPUs; the NVSHMEM transport needs one GPU per "
@@ -238,7 +280,7 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
     device = int(gpus[0].local_hardware_id)
     rank, nranks = jax.process_index(), jax.process_count()
     _register_targets()
-    _set_nvshmem_env(buffer_bytes)
+    _set_nvshmem_env(buffer_bytes + ll_bytes + 256)   # the region starts 256-aligned
 
     if not _state["nvshmem_up"]:
         # Same answer on every rank (same JAX settings), so no rank is left
@@ -262,14 +304,14 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
             uid = _share_unique_id(C, rank, nranks)
             _state["owns_nvshmem"] = C.nvshmem_init(uid, rank, nranks, device)
         _state["nvshmem_up"] = True
-    C.runtime_attach(device, buffer_bytes)  # raises naming XLA_PYTHON_CLIENT_MEM_FRACTION
+    C.runtime_attach(device, buffer_bytes, ll_shape)  # raises naming XLA_PYTHON_CLIENT_MEM_FRACTION
     _state["initialized"] = True
     _state["transport"] = "nvshmem"
     _state["reason"] = ""
     return True
 
 
-def _attach_peer_memory(C, gpus, buffer_bytes: int) -> bool:
+def _attach_peer_memory(C, gpus, buffer_bytes: int, ll_shape: tuple) -> bool:
     """One process, several GPUs: a buffer per GPU, peer access between all."""
     import jax
 
@@ -280,7 +322,7 @@ def _attach_peer_memory(C, gpus, buffer_bytes: int) -> bool:
     _register_targets()
     # The lowering names each GPU by its CUDA ordinal (jax_ep._ffi.pe_of_device),
     # which is also XLA's device ordinal in the FFI call.
-    C.peer_memory_attach([int(d.local_hardware_id) for d in gpus], buffer_bytes)
+    C.peer_memory_attach([int(d.local_hardware_id) for d in gpus], buffer_bytes, ll_shape)
     _state["initialized"] = True
     _state["transport"] = "peer_memory"
     _state["reason"] = ""

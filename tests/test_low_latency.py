@@ -167,7 +167,7 @@ def test_low_latency_errors_and_forward_only():
             num_experts=E, topk=K, max_tokens_per_rank=T, hidden=100)).count, x, idx)
     with pytest.raises(ValueError, match="scale_format"):
         run(lambda x, i: low_latency_dispatch(x, i, cfg, scale_format="e5m2").count, x, idx)
-    with pytest.raises(NotImplementedError, match="no native kernels"):
+    with pytest.raises(RuntimeError, match="not initialised"):
         run(lambda x, i: low_latency_dispatch(x, i, EpConfig(
             num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, backend="native")).count,
             x, idx)
@@ -205,3 +205,41 @@ def test_normal_dispatch_ue8m0_scales():
     assert np.all(m == 0.5)
     with pytest.raises(ValueError, match="fp8_scale_format"):
         EpConfig(**base, fp8_scale_format="e8m0")
+
+
+def test_low_latency_hook_reference():
+    """The send / receive halves give the one-shot ops' values (reference
+    backend: the send does the work), and a receive rejects the other op's pending."""
+    import jax_ep
+
+    R, T, Tmax, H, K, E = 2, 6, 8, 256, 3, 8
+    cfg = _cfg(R, T, Tmax, H, K, E)
+    mesh = make_mesh((R,), ("ep",))
+    rng = np.random.default_rng(11)
+    idx = _routing(rng, R, T, K, E, True)
+    x = rng.standard_normal((R, T, H)).astype(np.float32).astype(jnp.bfloat16)
+    w = rng.random((R, T, K)).astype(np.float32)
+
+    def step(x, i, w, hooked):
+        if hooked:
+            d = jax_ep.low_latency_dispatch_recv(jax_ep.low_latency_dispatch_send(x, i, cfg))
+        else:
+            d = low_latency_dispatch(x, i, cfg)
+        y = (d.x.astype(jnp.float32) * jnp.repeat(d.x_scales, 128, axis=-1)).astype(jnp.bfloat16)
+        if hooked:
+            out = jax_ep.low_latency_combine_recv(
+                jax_ep.low_latency_combine_send(y, i, w, d.handle, cfg))
+        else:
+            out = low_latency_combine(y, i, w, d.handle, cfg)
+        return out, d.count
+
+    a = run_per_rank(functools.partial(step, hooked=True), mesh, "ep", x, idx, w)
+    b = run_per_rank(functools.partial(step, hooked=False), mesh, "ep", x, idx, w)
+    for u, v in zip(a, b):
+        assert np.array_equal(np.asarray(u), np.asarray(v))
+
+    def wrong(x, i):
+        p = jax_ep.low_latency_dispatch_send(x, i, cfg)
+        return jax_ep.low_latency_combine_recv(p)
+    with pytest.raises(ValueError, match="pending 'dispatch'"):
+        run_per_rank(wrong, mesh, "ep", x, idx)

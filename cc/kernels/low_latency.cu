@@ -164,13 +164,13 @@ ll_dispatch_send_kernel(LlDispatchSendArgs a) {
     if (j < 0 || j >= a.lay.Tmax || e < 0 || e >= E) continue;  // -1, invalid, repeated id
     const int t = i / a.lay.K, r = e / a.lay.L, l = e % a.lay.L;
     const long long row = (static_cast<long long>(l) * R + me) * a.lay.Tmax + j;
-    char* dst = ll_row_dst(a.peers, r, a.lay.disp_rows[par] + row * a.lay.row_bytes);
+    char* dst = ll_row_dst(a.peers, r, a.lay.disp_rows[par] + row * a.lay.row_stride);
     const char* xr = static_cast<const char*>(a.x) + t * a.x_row_bytes;
     if constexpr (MODE == kDispatchCopy) {
       warp_copy_row_any(xr, reinterpret_cast<void* const*>(&dst), 1, 0, a.lay.row_bytes, v, lane);
     } else {
       using Tin = std::conditional_t<MODE == kDispatchCastBf16, __nv_bfloat16, float>;
-      char* dsts = ll_row_dst(a.peers, r, a.lay.disp_scales[par] + row * a.lay.s_row_bytes);
+      char* dsts = ll_row_dst(a.peers, r, a.lay.disp_scales[par] + row * a.lay.s_row_stride);
       warp_cast_row<Tin, 16>(reinterpret_cast<const Tin*>(xr), &dst, &dsts, 1, 0, a.hidden / 128,
                              lane, a.scale_mode, sm_scales[warp]);
     }
@@ -217,16 +217,19 @@ ll_dispatch_recv_kernel(LlDispatchRecvArgs a) {
   const char* rows = peer_ptr(a.peers, me, a.lay.disp_rows[par]);
   const char* srows = peer_ptr(a.peers, me, a.lay.disp_scales[par]);
   const auto* info = reinterpret_cast<const int32_t*>(peer_ptr(a.peers, me, a.lay.disp_info[par]));
+  // Region rows are row_stride apart, output rows row_bytes (a call's rows may
+  // be shorter than the region's).
   const long long rb = a.lay.row_bytes, srb = a.lay.s_row_bytes;
+  const long long rs = a.lay.row_stride, srs = a.lay.s_row_stride;
   const int v = row_vec_bytes(rb), sv = srb ? row_vec_bytes(srb) : 1;
   for (int i = global_warp(); i < sm_pre[LR]; i += num_warps()) {
     const int b = locate(sm_pre, LR, i);
     const long long row = static_cast<long long>(b) * a.lay.Tmax + (i - sm_pre[b]);  // same in out
     void* dst = static_cast<char*>(a.out) + row * rb;
-    warp_copy_row_any(rows + row * rb, &dst, 1, 0, rb, v, lane);
+    warp_copy_row_any(rows + row * rs, &dst, 1, 0, rb, v, lane);
     if (srb) {
       void* dsts = static_cast<char*>(a.out_scales) + row * srb;
-      warp_copy_row_any(srows + row * srb, &dsts, 1, 0, srb, sv, lane);
+      warp_copy_row_any(srows + row * srs, &dsts, 1, 0, srb, sv, lane);
     }
     if (lane == 0) a.out_info[row] = info[row];
   }
@@ -253,7 +256,7 @@ ll_combine_send_kernel(LlCombineSendArgs a) {
     const long long row = static_cast<long long>(b) * a.lay.Tmax + (i - sm_pre[b]);
     const int tk = __ldg(a.info + row);
     if (tk < 0 || tk >= a.lay.Tmax * a.lay.K) continue;  // never for a dispatch's own info
-    char* dst = ll_row_dst(a.peers, s, a.lay.comb_rows[par] + tk * a.lay.comb_row_bytes);
+    char* dst = ll_row_dst(a.peers, s, a.lay.comb_rows[par] + tk * a.lay.comb_row_stride);
     warp_copy_row_any(static_cast<const char*>(a.y) + row * a.lay.comb_row_bytes,
                       reinterpret_cast<void* const*>(&dst), 1, 0, a.lay.comb_row_bytes, v, lane);
   }
@@ -275,7 +278,7 @@ ll_combine_send_kernel(LlCombineSendArgs a) {
 // Whether XLA:GPU contracts any is not yet checked.) slot_l / w_l: lane k
 // holds pair k's.
 template <typename T, int V>
-__device__ __forceinline__ void reduce_slice(const char* area, long long rb, int t, int K,
+__device__ __forceinline__ void reduce_slice(const char* area, long long stride, int t, int K,
                                              int slot_l, float w_l, char* out, long long off,
                                              long long len, int lane) {
   using Vec = typename VecT<V>::type;
@@ -297,7 +300,7 @@ __device__ __forceinline__ void reduce_slice(const char* area, long long rb, int
         continue;
       }
       Vec x[kU];
-      load_vecs<V>(area + (static_cast<long long>(t) * K + k) * rb + off, i0, nv, x);
+      load_vecs<V>(area + (static_cast<long long>(t) * K + k) * stride + off, i0, nv, x);
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
         if (i0 + 32 * u >= nv) continue;
@@ -342,8 +345,9 @@ ll_combine_recv_kernel(LlCombineRecvArgs a) {
     long long off, len;
     row_slice(nv, vb, sl, slices, &off, &len);
     char* out = static_cast<char*>(a.out) + t * rb;
-    if (v16) reduce_slice<T, 16>(area, rb, t, K, slot_l, w_l, out, off, len, lane);
-    else reduce_slice<T, sizeof(T)>(area, rb, t, K, slot_l, w_l, out, off, len, lane);
+    const long long rs = a.lay.comb_row_stride;
+    if (v16) reduce_slice<T, 16>(area, rs, t, K, slot_l, w_l, out, off, len, lane);
+    else reduce_slice<T, sizeof(T)>(area, rs, t, K, slot_l, w_l, out, off, len, lane);
   }
   if (last_block(&ctrl->recv_done) && threadIdx.x == 0) set_epoch(&ctrl->recv_epoch, epoch);
 }
@@ -352,12 +356,19 @@ bool grid_ok(const LlGrid& g) {
   return g.num_blocks >= 1 && g.warps >= 1 && g.warps <= kLlMaxWarps;
 }
 
+// A call's rows fit the region's strides (and 16-byte vectors stay aligned
+// when the rows are: strides are multiples of 16 whenever the rows are).
+bool rows_ok(const LlLayout& y) {
+  return y.row_bytes <= y.row_stride && y.s_row_bytes <= y.s_row_stride &&
+         y.comb_row_bytes <= y.comb_row_stride;
+}
+
 }  // namespace
 
 cudaError_t launch_ll_dispatch_send(const LlDispatchSendArgs& a, const LlGrid& g, cudaStream_t s) {
   const bool cast = a.mode == kDispatchCastBf16 || a.mode == kDispatchCastF32;
-  if (!grid_ok(g) || a.lay.K < 1 || a.lay.K > kLlMaxTopk || a.lay.L < 1 || a.T < 0 ||
-      a.T > a.lay.Tmax ||
+  if (!grid_ok(g) || !rows_ok(a.lay) || a.lay.K < 1 || a.lay.K > kLlMaxTopk || a.lay.L < 1 ||
+      a.T < 0 || a.T > a.lay.Tmax ||
       (cast && (a.hidden % 128 != 0 || a.lay.s_row_bytes != a.hidden / 128 * 4 ||
                 a.lay.row_bytes != a.hidden)) ||
       (!cast && (a.mode != kDispatchCopy || a.lay.row_bytes != a.x_row_bytes)))
@@ -373,14 +384,16 @@ cudaError_t launch_ll_dispatch_send(const LlDispatchSendArgs& a, const LlGrid& g
 
 cudaError_t launch_ll_dispatch_recv(const LlDispatchRecvArgs& a, const LlGrid& g, cudaStream_t s) {
   const long long LR = static_cast<long long>(a.lay.L) * a.peers.num_ranks;
-  if (!grid_ok(g) || a.lay.L < 1 || LR > kLlMaxBlocksLR) return cudaErrorInvalidValue;
+  if (!grid_ok(g) || !rows_ok(a.lay) || a.lay.L < 1 || LR > kLlMaxBlocksLR)
+    return cudaErrorInvalidValue;
   ll_dispatch_recv_kernel<<<g.num_blocks, 32 * g.warps, (LR + 1) * sizeof(int), s>>>(a);
   return cudaGetLastError();
 }
 
 cudaError_t launch_ll_combine_send(const LlCombineSendArgs& a, const LlGrid& g, cudaStream_t s) {
   const long long LR = static_cast<long long>(a.lay.L) * a.peers.num_ranks;
-  if (!grid_ok(g) || a.lay.L < 1 || LR > kLlMaxBlocksLR || a.lay.K < 1 || a.lay.K > kLlMaxTopk)
+  if (!grid_ok(g) || !rows_ok(a.lay) || a.lay.L < 1 || LR > kLlMaxBlocksLR || a.lay.K < 1 ||
+      a.lay.K > kLlMaxTopk)
     return cudaErrorInvalidValue;
   ll_combine_send_kernel<<<g.num_blocks, 32 * g.warps, (LR + 1) * sizeof(int), s>>>(a);
   return cudaGetLastError();
@@ -388,7 +401,8 @@ cudaError_t launch_ll_combine_send(const LlCombineSendArgs& a, const LlGrid& g, 
 
 cudaError_t launch_ll_combine_recv(const LlCombineRecvArgs& a, const LlGrid& g, cudaStream_t s) {
   // The combine area holds Tmax x K rows: a larger T reads past it.
-  if (!grid_ok(g) || a.lay.K < 1 || a.lay.K > kLlMaxTopk || a.T < 0 || a.T > a.lay.Tmax)
+  if (!grid_ok(g) || !rows_ok(a.lay) || a.lay.K < 1 || a.lay.K > kLlMaxTopk || a.T < 0 ||
+      a.T > a.lay.Tmax)
     return cudaErrorInvalidValue;
   const dim3 grid(g.num_blocks), block(32 * g.warps);
   switch (a.dtype) {

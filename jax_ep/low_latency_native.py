@@ -1,0 +1,109 @@
+"""Native low-latency (decode) ops: the send and receive custom calls.
+
+Four FFI targets (cc/ffi_low_latency.cc over cc/kernels/low_latency.cu):
+``jax_ep_ll_dispatch_send`` / ``_recv`` and ``jax_ep_ll_combine_send`` /
+``_recv``. A send returns a ``[1]`` uint32 token (no data) that its receive
+takes, so XLA orders the two and may schedule independent work between them.
+Every call is marked side-effecting: a receive advances this rank's epoch even
+when its outputs are unused, so XLA must neither drop nor merge one.
+
+XLA computes the kernels' inputs (jax_ep/low_latency.py): ``slot [T, K]``
+(each pair's row in its source block), tokens per expert ``[E]`` and the
+merged weights, so the kernels never re-derive them and the reference's bits
+follow.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _ffi, abi
+from .config import EpConfig
+from .low_latency import LowLatencyDispatched, LowLatencyHandle, LowLatencyPending
+from .reference import FP8
+
+_TOKEN = ((1,), jnp.uint32)
+
+
+def _check_region(cfg: EpConfig, op: str) -> None:
+    """Trace time: the call's shape is the region's (the handler checks too)."""
+    from . import runtime
+
+    info = runtime.info()
+    E, Tm, K, H = (int(v) for v in info["ll_shape"])
+    want = (cfg.num_experts, cfg.max_tokens_per_rank, cfg.topk, cfg.hidden)
+    if want != (E, Tm, K, H):
+        raise ValueError(
+            f"jax_ep {op} (native): the low-latency region was laid out for (E, Tmax, K, H) = "
+            f"{(E, Tm, K, H)} (jax_ep.initialize(low_latency=...)); this config has {want}")
+
+
+def _num_sms(cfg: EpConfig) -> np.int32:
+    return np.int32(cfg.num_sms or 0)   # 0: every SM
+
+
+def _scale_mode(cfg: EpConfig, scale_format: str) -> np.int32:
+    if scale_format == "ue8m0":
+        return np.int32(abi.fp8_scale_mode("ue8m0"))
+    # f32 scales: the reference's division as XLA:GPU computes it (or IEEE)
+    return np.int32(abi.fp8_scale_mode("ieee" if cfg.tuning.fp8_ieee_division else "xla_gpu"))
+
+
+def dispatch_send(x, idx, slot, per_expert, cfg: EpConfig, R: int, fp8: bool,
+                  scale_format: str) -> LowLatencyPending:
+    _check_region(cfg, "low_latency_dispatch")
+    if fp8:
+        mode = abi.dispatch_mode("cast_bf16" if x.dtype == jnp.bfloat16 else "cast_f32")
+    elif x.dtype == jnp.bfloat16:
+        mode = abi.dispatch_mode("copy")
+    else:
+        raise ValueError("jax_ep low_latency_dispatch (native): f32 rows are sent only as fp8 "
+                         "(fp8=True) or after a cast to bf16; the region holds bf16-wide rows")
+    token, = _ffi.call("jax_ep_ll_dispatch_send", [_TOKEN], x, idx, slot, per_expert,
+                       ep_axis=cfg.axis_name, has_side_effect=True, mode=np.int32(mode),
+                       fp8_scale_mode=_scale_mode(cfg, scale_format), num_sms=_num_sms(cfg))
+    L, Tm, H, K = cfg.num_experts // R, cfg.max_tokens_per_rank, x.shape[1], idx.shape[1]
+    dtype = FP8 if fp8 else x.dtype
+    meta = ("dispatch", L, R, Tm, H, K, jnp.dtype(dtype).name, bool(fp8), cfg.axis_name,
+            int(_num_sms(cfg)))
+    return LowLatencyPending(token=token, arrays=(slot,), result=None, meta=meta)
+
+
+def dispatch_recv(p: LowLatencyPending) -> LowLatencyDispatched:
+    _, L, R, Tm, H, K, dtype, fp8, axis, num_sms = p.meta
+    S = H // 128 if fp8 else 0
+    results = [((L, R * Tm, H), jnp.dtype(dtype)), ((L, R * Tm, S), jnp.float32),
+               ((L, R * Tm), jnp.int32), ((L, R), jnp.int32), ((L,), jnp.int32)]
+    x, scales, info, src_count, count = _ffi.call(
+        "jax_ep_ll_dispatch_recv", results, p.token, ep_axis=axis, has_side_effect=True,
+        topk=np.int32(K), num_sms=np.int32(num_sms))
+    slot, = p.arrays
+    handle = LowLatencyHandle(slot=slot, info=info, src_count=src_count, num_ranks=R,
+                              max_tokens=Tm)
+    return LowLatencyDispatched(x=x, x_scales=scales if fp8 else None, count=count,
+                                src_count=src_count, handle=handle)
+
+
+def combine_send(y, w, handle: LowLatencyHandle, cfg: EpConfig, R: int) -> LowLatencyPending:
+    _check_region(cfg, "low_latency_combine")
+    if y.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+        raise TypeError(f"jax_ep low_latency_combine (native): y must be bf16, f16 or f32, got "
+                        f"{y.dtype}")
+    K = handle.slot.shape[1]
+    token, = _ffi.call("jax_ep_ll_combine_send", [_TOKEN], y, handle.info, handle.src_count,
+                       ep_axis=cfg.axis_name, has_side_effect=True, topk=np.int32(K),
+                       num_sms=_num_sms(cfg))
+    T, H = handle.slot.shape[0], y.shape[2]
+    meta = ("combine", T, H, jnp.dtype(y.dtype).name, cfg.num_experts, cfg.axis_name,
+            int(_num_sms(cfg)))
+    return LowLatencyPending(token=token, arrays=(handle.slot, w), result=None, meta=meta)
+
+
+def combine_recv(p: LowLatencyPending) -> jax.Array:
+    _, T, H, dtype, E, axis, num_sms = p.meta
+    slot, w = p.arrays
+    out, = _ffi.call("jax_ep_ll_combine_recv", [((T, H), jnp.dtype(dtype))], p.token, slot, w,
+                     ep_axis=axis, has_side_effect=True, num_experts=np.int32(E),
+                     num_sms=np.int32(num_sms))
+    return out

@@ -1,0 +1,343 @@
+"""Native low-latency (decode) ops against the reference backend, on the GPUs.
+
+Each test runs one worker below as an N-process job (harness.run, N =
+``$JAX_EP_TEST_NPROCS``, default 2; N = 1 runs every kernel with R = 1 on one
+GPU). The worker lays out the low-latency region for each shape
+(``jax_ep.initialize(low_latency=cfg)``; NVSHMEM kept up between shapes),
+runs native and reference (``backend="reference"``, XLA's all_to_all on the
+same GPUs) on the same inputs, and compares:
+
+* dispatch: the valid rows (``valid_rows()``; the rest is unspecified) and
+  their scales bit for bit, ``count``, ``src_count``; outputs poisoned first
+  (``JAX_EP_DEBUG_POISON=1``);
+* combine: y holds NaN on every row that is not a valid row, so a kernel that
+  reads one shows; the result equal to the reference's bits (reported) and
+  within one bf16 ulp (asserted), and bitwise stable over repeated calls;
+* consecutive calls with different T and data (epochs, both parities), the
+  hook (send, independent matmuls, receive) equal to the one-shot op, a
+  ``fori_loop`` of decode steps in one executable;
+* command buffers (``_graphs_worker``, run with XLA command buffers on for
+  custom calls): the compiled HLO captures the jax_ep custom calls in a
+  command buffer and the results equal the reference's;
+* the order check: two sends of one op without a receive raise a clear error.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import harness
+from gpu_helpers import Checks, assert_checks, bits, local, per_rank_jit
+
+_REASON = harness.skip_reason()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
+
+_TIMEOUT = float(os.environ.get("JAX_EP_GPU_TEST_TIMEOUT", "420"))
+_SEED = 4321
+_ENV = {"JAX_EP_DEBUG_POISON": "1", "JAX_EP_KEEP_NVSHMEM": "1"}
+# Command buffers for fusions and custom calls, even for a one-op graph.
+GRAPH_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+
+
+def _run(worker: str, env=None):
+    results = harness.run(f"test_native_low_latency:{worker}", timeout=_TIMEOUT,
+                          env=dict(_ENV, **(env or {})), init_native=False)
+    assert_checks(results, worker)
+
+
+def test_native_ll_ops():
+    _run("_ops_worker")
+
+
+def test_native_ll_hook_and_loop():
+    _run("_hook_worker")
+
+
+def test_native_ll_command_buffers():
+    _run("_graphs_worker", env={"XLA_FLAGS": GRAPH_FLAGS})
+
+
+def test_native_ll_order_error():
+    _run("_order_worker")
+
+
+# ----------------------------------------------------------------------------
+# worker side
+# ----------------------------------------------------------------------------
+# (name, E, Tmax, K, H): one region each
+SHAPES = [
+    ("v3_decode", 256, 128, 8, 7168),
+    ("small", 16, 33, 4, 256),
+]
+
+
+def _cfg(shape, backend, n):
+    from jax_ep.config import EpConfig
+
+    _, E, Tm, K, H = shape
+    E = max(E, n)   # E % R == 0 holds for every N used (1, 2, 4, 8)
+    return EpConfig(num_experts=E, topk=K, max_tokens_per_rank=Tm, hidden=H, backend=backend)
+
+
+def _init(shape, n):
+    import jax_ep
+
+    jax_ep.finalize()
+    if not jax_ep.initialize(low_latency=_cfg(shape, "native", n)):
+        from jax_ep import runtime
+        raise SystemExit(f"jax_ep.initialize() failed: {runtime.unavailable_reason()}")
+
+
+def _routing(rng, n, T, K, E, skew):
+    from ep_testing import random_routing
+
+    idx = random_routing(rng, n, T, K, E, minus_one=0.15, skew=skew)
+    if T > 1 and K > 1:
+        idx[0, 1, :2] = [idx[0, 1, 0], idx[0, 1, 0]]   # a repeated id
+        idx[-1, 0, 0] = E + 3                           # an id outside [-1, E)
+    return idx
+
+
+def _dispatch(x, idx, cfg, fp8, fmt):
+    import jax_ep
+
+    d = jax_ep.low_latency_dispatch(x, idx, cfg, fp8=fp8, scale_format=fmt)
+    return d
+
+
+def _dispatch_fields(d):
+    """Valid rows (others zeroed here, after the comparison mask) and counts."""
+    import jax.numpy as jnp
+
+    v = d.valid_rows()
+    x = jnp.where(v[..., None], d.x.view(jnp.uint8) if d.x.dtype.itemsize == 1 else d.x,
+                  jnp.zeros((), d.x.dtype if d.x.dtype.itemsize > 1 else jnp.uint8))
+    s = (jnp.where(v[..., None], d.x_scales, 0.0) if d.x_scales is not None
+         else jnp.zeros((1,), jnp.float32))
+    return x, s, d.count, d.src_count
+
+
+def _combine_case_y(rng, n, L, Tm, H, dt):
+    import jax.numpy as jnp
+
+    y = rng.standard_normal((n, L, n * Tm, H)).astype(np.float32)
+    return y.astype(jnp.bfloat16) if dt == "bfloat16" else y
+
+
+def _nan_outside(y, d):
+    """y with NaN on every row that holds no token (a kernel reading one shows)."""
+    import jax.numpy as jnp
+
+    return jnp.where(d.valid_rows()[..., None], y, jnp.asarray(np.nan, y.dtype))
+
+
+def _ops_case(checks, rng, mesh, n, shape, T, fp8, fmt, xdt, ydt, skew):
+    import jax
+    import jax.numpy as jnp
+
+    import jax_ep
+
+    name = f"{shape[0]}_T{T}_{'fp8_' + fmt if fp8 else 'bf16'}_x{xdt}_y{ydt}{'_skew' if skew else ''}"
+    cfg_n, cfg_r = _cfg(shape, "native", n), _cfg(shape, "reference", n)
+    E, Tm, K, H = cfg_n.num_experts, cfg_n.max_tokens_per_rank, cfg_n.topk, cfg_n.hidden
+    L = E // n
+    idx = _routing(rng, n, T, K, E, skew)
+    x = rng.standard_normal((n, T, H)).astype(np.float32) * 3
+    x = x.astype(jnp.bfloat16) if xdt == "bfloat16" else x
+    w = rng.random((n, T, K)).astype(np.float32)
+    y = _combine_case_y(rng, n, L, Tm, H, ydt)
+    outs = {}
+    for tag, cfg in (("native", cfg_n), ("reference", cfg_r)):
+        def step(x, i, w, y, cfg=cfg):
+            d = _dispatch(x, i, cfg, fp8, fmt)
+            out = jax_ep.low_latency_combine(_nan_outside(y[0], d), i, w, d.handle, cfg)
+            return _dispatch_fields(d) + (out,)
+        f, ins = per_rank_jit(step, mesh, ("ep",), x, idx, w, y[:, None])
+        outs[tag] = [local(o) for o in f(*ins)]
+        if tag == "native":
+            again = [local(o) for o in f(*ins)]
+    a, b = outs["native"], outs["reference"]
+    names = ("rows", "scales", "count", "src_count")
+    bad = [nm for nm, u, v in zip(names, a[:4], b[:4]) if not np.array_equal(bits(u), bits(v))]
+    checks.report(name + "_dispatch", not bad, f"mismatch in {bad}" if bad else
+                  f"valid rows {int(b[2].sum())}")
+    co, cr = a[4].astype(np.float32), b[4].astype(np.float32)
+    same = bool(np.array_equal(bits(a[4]), bits(b[4])))
+    ulp = np.float32(2.0 ** -7) if ydt == "bfloat16" else np.float32(2.0 ** -20)
+    close = bool(np.all(np.isfinite(co)) and
+                 np.all(np.abs(co - cr) <= ulp * np.maximum(np.abs(cr), 1e-30) + 1e-30))
+    stable = all(np.array_equal(bits(u), bits(v)) for u, v in zip(a, again))
+    checks.report(name + "_combine", close and stable, bitwise_equal_reference=same,
+                  max_abs_diff=float(np.max(np.abs(co - cr))) if co.size else 0.0,
+                  stable=stable, finite=bool(np.all(np.isfinite(co))))
+
+
+def _ops_worker(rank, n):
+    from ep_testing import make_mesh
+
+    checks, rng, mesh = Checks(), np.random.default_rng(_SEED), make_mesh((n,), ("ep",))
+    for shape in SHAPES:
+        _init(shape, n)
+        Tm = shape[2]
+        cases = [  # T, fp8, fmt, x dtype, y dtype, skew
+            (Tm, True, "f32", "bfloat16", "bfloat16", False),
+            (Tm - 5, True, "ue8m0", "bfloat16", "bfloat16", True),
+            (Tm, False, "f32", "bfloat16", "float32", False),
+            (7, True, "f32", "float32", "bfloat16", True),
+            (1, True, "ue8m0", "float32", "float32", False),
+        ]
+        for case in cases:
+            with checks.guard(f"{shape[0]}_{case}"):
+                _ops_case(checks, rng, mesh, n, shape, *case)
+    import jax_ep
+    jax_ep.finalize()
+    return checks.results
+
+
+def _hook_worker(rank, n):
+    """send -> matmuls -> recv equals the one-shot op; a fori_loop of steps."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_ep
+    from ep_testing import make_mesh
+
+    checks, rng, mesh = Checks(), np.random.default_rng(_SEED + 1), make_mesh((n,), ("ep",))
+    shape = SHAPES[0]
+    _init(shape, n)
+    cfg_n, cfg_r = _cfg(shape, "native", n), _cfg(shape, "reference", n)
+    E, Tm, K, H = cfg_n.num_experts, cfg_n.max_tokens_per_rank, cfg_n.topk, cfg_n.hidden
+    idx = _routing(rng, n, Tm, K, E, False)
+    x = rng.standard_normal((n, Tm, H)).astype(jnp.bfloat16)
+    w = rng.random((n, Tm, K)).astype(np.float32)
+    m = (rng.standard_normal((n, H, H)) / np.sqrt(H)).astype(jnp.bfloat16)
+
+    def expert(d):   # a stand-in expert: dequantise, scale
+        xs = d.x.astype(jnp.float32) * jnp.repeat(d.x_scales, 128, axis=-1)
+        return (xs * 0.5).astype(jnp.bfloat16)
+
+    def hooked(x, i, w, m, cfg):
+        p = jax_ep.low_latency_dispatch_send(x, i, cfg)
+        z = x
+        for _ in range(4):   # independent work between the halves
+            z = (z @ m[0]).astype(jnp.bfloat16)
+        d = jax_ep.low_latency_dispatch_recv(p)
+        q = jax_ep.low_latency_combine_send(expert(d), i, w, d.handle, cfg)
+        for _ in range(4):
+            z = (z @ m[0]).astype(jnp.bfloat16)
+        return jax_ep.low_latency_combine_recv(q), z
+
+    def plain(x, i, w, m, cfg):
+        d = jax_ep.low_latency_dispatch(x, i, cfg)
+        return jax_ep.low_latency_combine(expert(d), i, w, d.handle, cfg)
+
+    res = {}
+    for tag, fn, cfg in (("hook", hooked, cfg_n), ("plain", plain, cfg_n), ("ref", plain, cfg_r)):
+        f, ins = per_rank_jit(lambda *a, fn=fn, cfg=cfg: fn(*a, cfg), mesh, ("ep",), x, idx, w, m)
+        res[tag] = jax.tree_util.tree_map(local, f(*ins))
+    checks.report("hook_equals_plain", np.array_equal(bits(res["hook"][0]), bits(res["plain"])))
+    d = np.abs(res["plain"].astype(np.float32) - res["ref"].astype(np.float32))
+    checks.report("plain_close_to_reference", bool(np.all(d <= 2.0 ** -7 * np.maximum(
+        np.abs(res["ref"].astype(np.float32)), 1e-30))), max_abs_diff=float(d.max()))
+
+    # a loop of decode steps in one executable (epochs advance inside it)
+    steps = 5
+
+    def loop(x, i, w, m, cfg):
+        def body(_, h):
+            d = jax_ep.low_latency_dispatch(h, i, cfg)
+            return jax_ep.low_latency_combine(expert(d), i, w, d.handle, cfg)
+        return jax.lax.fori_loop(0, steps, body, x)
+
+    out = {}
+    for tag, cfg in (("native", cfg_n), ("reference", cfg_r)):
+        f, ins = per_rank_jit(lambda *a, cfg=cfg: loop(*a, cfg), mesh, ("ep",), x, idx, w, m)
+        out[tag] = local(f(*ins)).astype(np.float32)
+    d = np.abs(out["native"] - out["reference"])
+    tol = 2.0 ** -6 * np.maximum(np.abs(out["reference"]), 1e-30) + 1e-6
+    checks.report("fori_loop_5_steps", bool(np.all(np.isfinite(out["native"])) and np.all(d <= tol)),
+                  bitwise_equal_reference=bool(np.array_equal(out["native"], out["reference"])),
+                  max_abs_diff=float(d.max()))
+    jax_ep.finalize()
+    return checks.results
+
+
+def _graphs_worker(rank, n):
+    """With command buffers on: the custom calls are captured, results right."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_ep
+    from ep_testing import make_mesh
+
+    checks, rng, mesh = Checks(), np.random.default_rng(_SEED + 2), make_mesh((n,), ("ep",))
+    shape = SHAPES[0]
+    _init(shape, n)
+    cfg_n, cfg_r = _cfg(shape, "native", n), _cfg(shape, "reference", n)
+    E, Tm, K, H = cfg_n.num_experts, cfg_n.max_tokens_per_rank, cfg_n.topk, cfg_n.hidden
+    idx = _routing(rng, n, Tm, K, E, True)
+    x = rng.standard_normal((n, Tm, H)).astype(jnp.bfloat16)
+    w = rng.random((n, Tm, K)).astype(np.float32)
+
+    def step(x, i, w, cfg):
+        d = jax_ep.low_latency_dispatch(x, i, cfg)
+        y = (d.x.astype(jnp.float32) * jnp.repeat(d.x_scales, 128, axis=-1)).astype(jnp.bfloat16)
+        return jax_ep.low_latency_combine(y, i, w, d.handle, cfg)
+
+    out = {}
+    for tag, cfg in (("native", cfg_n), ("reference", cfg_r)):
+        f, ins = per_rank_jit(lambda *a, cfg=cfg: step(*a, cfg), mesh, ("ep",), x, idx, w)
+        if tag == "native":
+            hlo = f.lower(*ins).compile().as_text()
+            captured = [ln for ln in hlo.splitlines() if "jax_ep_ll" in ln]
+            in_cb = "command_buffer" in hlo
+            checks.report("custom_calls_in_command_buffer", in_cb and bool(captured),
+                          command_buffer_in_hlo=in_cb, ll_calls=len(captured))
+            runs = [local(f(*ins)) for _ in range(3)]
+            checks.report("graph_replays_stable",
+                          all(np.array_equal(bits(runs[0]), bits(r)) for r in runs[1:]))
+            out[tag] = runs[-1]
+        else:
+            out[tag] = local(f(*ins))
+    d = np.abs(out["native"].astype(np.float32) - out["reference"].astype(np.float32))
+    checks.report("graph_close_to_reference", bool(np.all(d <= 2.0 ** -7 * np.maximum(
+        np.abs(out["reference"].astype(np.float32)), 1e-30))), max_abs_diff=float(d.max()))
+    jax_ep.finalize()
+    return checks.results
+
+
+def _order_worker(rank, n):
+    """Two dispatch sends without a receive: the second sends nothing and the
+    next call raises the order error (every rank: each one's own second send)."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_ep
+    from ep_testing import make_mesh
+
+    checks, rng, mesh = Checks(), np.random.default_rng(_SEED + 3), make_mesh((n,), ("ep",))
+    shape = SHAPES[1]
+    _init(shape, n)
+    cfg = _cfg(shape, "native", n)
+    E, Tm, K, H = cfg.num_experts, cfg.max_tokens_per_rank, cfg.topk, cfg.hidden
+    idx = _routing(rng, n, Tm, K, E, False)
+    x = rng.standard_normal((n, Tm, H)).astype(jnp.bfloat16)
+
+    def twice(x, i):
+        a = jax_ep.low_latency_dispatch_send(x, i, cfg)
+        b = jax_ep.low_latency_dispatch_send(x, i, cfg)
+        return a.token, b.token
+
+    f, ins = per_rank_jit(twice, mesh, ("ep",), x, idx)
+    jax.block_until_ready(f(*ins))
+    g, ins2 = per_rank_jit(lambda x, i: jax_ep.low_latency_dispatch(x, i, cfg).count,
+                           mesh, ("ep",), x, idx)
+    try:
+        jax.block_until_ready(g(*ins2))
+        checks.report("order_error_raised", False, "the next call did not raise")
+    except Exception as e:  # noqa: BLE001
+        msg = str(e)
+        checks.report("order_error_raised", "before the previous receive" in msg, msg[-300:])
+    return checks.results
