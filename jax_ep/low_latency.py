@@ -241,18 +241,30 @@ def _ref_dispatch(x, idx, slot, per_expert, cfg: EpConfig, R: int, fp8: bool,
                                 handle=LowLatencyHandle(slot=slot, num_ranks=R, max_tokens=Tm))
 
 
+def _after(x, after):
+    """``x``, available to XLA only once ``after`` is computed (an ordering edge
+    without data: XLA may not move the send before what ``after`` depends on)."""
+    if after is None:
+        return x
+    return jax.lax.optimization_barrier((x, after))[0]
+
+
 def low_latency_dispatch_send(x: jax.Array, topk_idx: jax.Array, config: EpConfig, *,
-                              fp8: bool = True, scale_format: str = "f32") -> LowLatencyPending:
+                              fp8: bool = True, scale_format: str = "f32",
+                              after=None) -> LowLatencyPending:
     """Send half of :func:`low_latency_dispatch` (same arguments).
 
     Natively: one kernel stores every (token, expert) row into the expert
     rank's receive area and raises the signal words, then exits (nothing
     waits while the rows travel). Finish with :func:`low_latency_dispatch_recv`;
     independent work may run in between. Per op, sends and receives must
-    alternate on every rank.
+    alternate on every rank: with two micro-batches, pass the previous
+    dispatch's result (any pytree of arrays) as ``after`` so that XLA cannot
+    schedule this send before that receive.
     """
     R = validate.axis_size(config)
     _check(x, topk_idx, config, R, fp8, scale_format)
+    x = _after(x, after)
     x, = _forward_only("low_latency_dispatch", x)
     idx = topk_idx.astype(jnp.int32)
     slot, per_expert = _slots(idx, config.num_experts)
@@ -322,10 +334,12 @@ def _ref_combine(y, idx, w, slot, cfg: EpConfig, R: int, Tm: int):
 
 
 def low_latency_combine_send(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                             handle: LowLatencyHandle, config: EpConfig) -> LowLatencyPending:
+                             handle: LowLatencyHandle, config: EpConfig, *,
+                             after=None) -> LowLatencyPending:
     """Send half of :func:`low_latency_combine` (same arguments): natively one
     kernel stores every valid row of ``y`` into its source's combine area and
-    signals; finish with :func:`low_latency_combine_recv`."""
+    signals; finish with :func:`low_latency_combine_recv`. ``after``: as in
+    :func:`low_latency_dispatch_send` (the previous combine's output)."""
     R = validate.axis_size(config)
     E, L, Tm = config.num_experts, config.num_experts // R, handle.max_tokens
     if y.ndim != 3 or y.shape[:2] != (L, R * Tm):
@@ -336,6 +350,7 @@ def low_latency_combine_send(y: jax.Array, topk_idx: jax.Array, topk_weights: ja
                          f"(the dispatch's [T, K]), got {topk_idx.shape} / {topk_weights.shape}")
     if handle.num_ranks != R:
         raise ValueError(f"low_latency_combine: handle is for R={handle.num_ranks}, axis has {R}")
+    y = _after(y, after)
     y, topk_weights = _forward_only("low_latency_combine", y, topk_weights)
     idx = topk_idx.astype(jnp.int32)
     w = merge_duplicate_weights(idx, topk_weights.astype(F32), E)

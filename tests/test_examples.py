@@ -231,3 +231,17 @@ def test_multinode_model_smoke(tmp_path):
     finally:
         sys.argv = old
     assert "| 16 | 128 |" in (tmp_path / "multinode_model.md").read_text()
+
+
+def test_decode_overlap_example():
+    """examples/decode_overlap.py on CPU (reference backend, 4 fake devices):
+    the two-micro-batch hooked step equals the sequential one."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_EP_")}
+    env.pop("XLA_FLAGS", None)   # the example sets its own device count
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, os.path.join(ROOT, "examples", "decode_overlap.py")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "overlapped == sequential up to bf16 rounding: True" in proc.stdout

@@ -1,0 +1,194 @@
+"""Low-latency (decode) mode: per-op device time, the hook's overlap, graphs on/off.
+
+One process per GPU (NVSHMEM), V3-decode shapes by default (T 128 tokens per
+rank, H 7168, E 256, top-8, fp8 dispatch with f32 scales, bf16 combine)::
+
+    python -m jax_ep.launch -n 2 bench/low_latency_bench.py            # graphs off
+    python -m jax_ep.launch -n 2 bench/low_latency_bench.py --graphs   # XLA command buffers on
+
+``--graphs`` sets ``--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL`` (and
+a minimum graph size of 1) before JAX starts, so XLA captures the jax_ep
+custom calls into CUDA graphs; the table says which mode ran.
+
+Rows (µs per step; a step is chained n times inside one jit, each step's input
+depending on the previous step's output; per step = median over reps of
+(t(n_hi) - t(n_lo)) / (n_hi - n_lo), which cancels the per-call host costs):
+
+* ``ll dispatch`` (fp8), ``ll combine`` (bf16), ``ll round trip`` (both);
+* ``xla round trip``: the reference backend (XLA all_to_all of the dense
+  [R, L*Tmax, H] buffers), same semantics;
+* ``normal round trip``: jax_ep.dispatch + combine (expert_major, fp8) at the
+  same T, the training-mode kernels;
+* ``compute X``: the stand-in compute block alone (``--matmuls`` bf16
+  [T, H] @ [H, H] products);
+* ``hooked``: dispatch send, compute, dispatch receive, combine send, compute,
+  combine receive; beside ``sequential`` (round trip + 2 compute blocks): the
+  hook hides the transfer when hooked ~ 2 X + the kernels' own time.
+
+Rank 0 prints one markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GRAPH_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--matmuls", type=int, default=4, help="[T,H]@[H,H] products per compute block")
+    ap.add_argument("--graphs", action="store_true", help="XLA command buffers on (custom calls too)")
+    ap.add_argument("--steps", default="10,30", help="n_lo,n_hi chained steps")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--no-normal", action="store_true", help="skip the normal-mode row")
+    args = ap.parse_args()
+    if args.graphs:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + GRAPH_FLAGS).strip()
+
+    sys.path.insert(0, ROOT)
+    from jax_ep.config import EpConfig
+    from jax_ep.launch import init_distributed
+
+    T, H, E, K = args.tokens, args.hidden, args.experts, args.topk
+    ll_cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, backend="native")
+    info = init_distributed(native=True, low_latency=ll_cfg)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import jax_ep
+
+    R = jax.process_count()
+    rank = jax.process_index()
+    log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    if not info.native:
+        log("native runtime not up:", jax_ep.runtime.unavailable_reason())
+        return 1
+    mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+    spec = P("ep")
+    ref_cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, backend="reference")
+    nrm_cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, backend="native",
+                       fp8_dispatch=True)
+    rng = np.random.default_rng(0)
+    idx = np.argsort(rng.random((R * T, E)), axis=1)[:, :K].astype(np.int32)   # uniform, distinct
+    x = rng.standard_normal((R * T, H)).astype(jnp.bfloat16)
+    w = rng.random((R * T, K)).astype(np.float32)
+    m = (rng.standard_normal((R * H, H)) / np.sqrt(H)).astype(jnp.bfloat16)
+
+    def glob(a):
+        a = np.asarray(a)
+        return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i: a[i])
+
+    ins = [glob(a) for a in (x, idx, w, m)]
+
+    def dep(x, o):   # the next step depends on this one's output, at ~no cost
+        return x.at[0, 0].add((o.reshape(-1)[0].astype(jnp.float32) * 0).astype(x.dtype))
+
+    def dequant(d):
+        return (d.x.astype(jnp.float32) * jnp.repeat(d.x_scales, 128, axis=-1)).astype(jnp.bfloat16)
+
+    def compute(z, mm):
+        for _ in range(args.matmuls):
+            z = (z @ mm).astype(jnp.bfloat16)
+        return z
+
+    def ll_round(x, i, w, cfg):
+        d = jax_ep.low_latency_dispatch(x, i, cfg)
+        return jax_ep.low_latency_combine(dequant(d), i, w, d.handle, cfg)
+
+    def step_fns():
+        yield "ll dispatch (fp8)", lambda x, i, w, mm: dep(x, jax_ep.low_latency_dispatch(
+            x, i, ll_cfg).x.view(jnp.uint8))
+        # combine alone: one dispatch outside the chain gives the layout and handle
+        yield "ll round trip", lambda x, i, w, mm: ll_round(x, i, w, ll_cfg)
+        yield "xla round trip (reference)", lambda x, i, w, mm: ll_round(x, i, w, ref_cfg)
+        if not args.no_normal:
+            def normal(x, i, w, mm):
+                d = jax_ep.dispatch(x, i, w, nrm_cfg)
+                y = (d.x.astype(jnp.float32) * jnp.repeat(d.x_scales, 128, axis=-1)).astype(
+                    jnp.bfloat16)
+                return jax_ep.combine(y, d, nrm_cfg)
+            yield "normal round trip (fp8, expert_major)", normal
+        yield f"compute X ({args.matmuls} matmuls)", lambda x, i, w, mm: compute(x, mm)
+
+        def sequential(x, i, w, mm):
+            d = jax_ep.low_latency_dispatch(x, i, ll_cfg)
+            z = compute(x, mm)
+            y = dequant(d)
+            out = jax_ep.low_latency_combine(y, i, w, d.handle, ll_cfg)
+            z = compute(z, mm)
+            return out + z * 0
+        yield "sequential (round trip + 2 X)", sequential
+
+        def hooked(x, i, w, mm):
+            p = jax_ep.low_latency_dispatch_send(x, i, ll_cfg)
+            z = compute(x, mm)
+            d = jax_ep.low_latency_dispatch_recv(p)
+            q = jax_ep.low_latency_combine_send(dequant(d), i, w, d.handle, ll_cfg)
+            z = compute(z, mm)
+            return jax_ep.low_latency_combine_recv(q) + z * 0
+        yield "hooked (send, X, recv) x 2", hooked
+
+    n_lo, n_hi = (int(v) for v in args.steps.split(","))
+
+    def chain(fn, n):
+        def body(x, i, w, mm):
+            for _ in range(n):
+                o = fn(x, i, w, mm)
+                x = dep(x, o)
+            return x
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec))
+
+    def timed(f):
+        for _ in range(2):
+            jax.block_until_ready(f(*ins))
+        ts = []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*ins))
+            ts.append(time.perf_counter() - t0)
+        return ts
+
+    rows = []
+    for name, fn in step_fns():
+        try:
+            f_lo, f_hi = chain(fn, n_lo), chain(fn, n_hi)
+            lo, hi = timed(f_lo), timed(f_hi)
+            per = [(b - a) / (n_hi - n_lo) * 1e6 for a, b in zip(lo, hi)]
+            rows.append((name, float(np.median(per)), float(np.min(per)), float(np.max(per))))
+        except Exception as e:  # noqa: BLE001 - one failed row does not hide the rest
+            rows.append((name, float("nan"), float("nan"), float("nan")))
+            log(f"{name}: {type(e).__name__}: {str(e)[:400]}")
+    # combine alone = round trip - dispatch (chaining combine alone needs the
+    # dispatch's handle inside the chain)
+    med = {r[0]: r[1] for r in rows}
+    comb = med.get("ll round trip", float("nan")) - med.get("ll dispatch (fp8)", float("nan"))
+
+    dev = jax.local_devices()[0].device_kind
+    log(f"\n# Low-latency decode bench — {R}x {dev}, {datetime.date.today().isoformat()}, "
+        f"command buffers {'ON' if args.graphs else 'off'}\n")
+    log(f"T {T} per rank, H {H}, E {E}, top-{K}; fp8 dispatch (f32 scales), bf16 combine; "
+        f"jax {jax.__version__}; per step: median over {args.reps} reps of "
+        f"(t({n_hi}) - t({n_lo})) / {n_hi - n_lo}, chained steps in one jit\n")
+    log("| op | us per step (median) | min | max |")
+    log("|---|---|---|---|")
+    for name, mid, lo, hi in rows:
+        log(f"| {name} | {mid:.1f} | {lo:.1f} | {hi:.1f} |")
+    log(f"| ll combine (bf16) = round trip - dispatch | {comb:.1f} | | |")
+    jax_ep.finalize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
