@@ -17,7 +17,9 @@
 #include "kernels/launch_config.h"
 #include "xla/ffi/api/api.h"
 #if JAX_EP_TESTING
+#include "kernels/internode_layout.h"
 #include "testing/loopback.h"
+#include "testing/loopback_internode.h"
 #include "testing/loopback_ll.h"
 #endif
 
@@ -161,6 +163,13 @@ NB_MODULE(_C, m) {
   };
   bind_loopback("loopback_dispatch", jax_ep::loopback_dispatch);
   bind_loopback("loopback_combine", jax_ep::loopback_combine);
+  // Internode kernels on emulated nodes (tests/gpu/test_loopback_internode.py):
+  // the layouts above plus one int, `nodes`.
+  bind_loopback("loopback_internode_dispatch", jax_ep::loopback_inter_dispatch);
+  bind_loopback("loopback_internode_combine", jax_ep::loopback_inter_combine);
+  m.def("internode_buffer_bytes", &jax_ep::internode_buffer_bytes, nb::arg("nodes"),
+        nb::arg("ranks_per_node"), nb::arg("tokens"), nb::arg("row_bytes"),
+        nb::arg("scale_row_bytes"), nb::arg("combine_row_bytes"));
   // Low-latency kernels (tests/gpu/test_loopback_ll.py): one pointer / int
   // layout for dispatch, combine and the round trip (dispatch then combine).
   m.attr("LOOPBACK_LL_PTRS") = names(jax_ep::kLoopbackLlPtrs);

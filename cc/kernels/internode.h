@@ -1,0 +1,57 @@
+// Host interface of the internode (hierarchical) dispatch and combine kernels
+// (docs/internode.md): R = N nodes x G ranks; a token crosses the network
+// once per destination node, to the rank of its own local index there (the
+// forwarder), which forwards it over NVLink to the node's ranks that want it.
+// Combine reverses it: the partials of a node's ranks are summed on the
+// forwarder, one row per (token, node) crosses the network, the source sums
+// the node partials. Outputs use the intranode handle (slot_row, row_src,
+// send_mask): dispatch is bit-identical to the intranode kernels.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "kernels/internode_layout.h"
+#include "kernels/intranode.h"
+
+namespace jax_ep {
+
+// Warp roles of a block (every block has all three; each role's items are
+// strided over the role's warps of the whole grid). Blocks spin on flags of
+// other ranks, so the grid must be resident, like the intranode kernels'.
+struct InterLaunch {
+  int num_blocks = 0;
+  int send_warps = 4;  // dispatch: network leg out; combine: expert-side partials (NVLink)
+  int fwd_warps = 6;   // forwarders (both ops)
+  int recv_warps = 6;  // dispatch: gather into out; combine: final sum at the source
+  int chunk = 4;       // tokens per flag (one warp moves a whole chunk)
+  __host__ __device__ int threads() const { return 32 * (send_warps + fwd_warps + recv_warps); }
+};
+
+// num_blocks blocks; chunk <= 0: the default (4, fewer when T is small).
+InterLaunch make_inter_launch(int T, int num_blocks, int chunk);
+
+// The DispatchArgs / CombineArgs fields used: everything but ctrl_off,
+// stage_off, stage_scales_off (the internode region replaces them) and skip.
+// Modes: copy (with or without given scales) and the fp8 casts; the fused
+// combine backward (kDispatchCombineBwd) is not implemented here (rejected).
+struct InterDispatchArgs {
+  DispatchArgs a;
+  int nodes = 1;   // N; G = a.peers.num_ranks / N
+  size_t sym_bytes = 0;  // the region: byte 0 of every rank's buffer (same size everywhere)
+};
+struct InterCombineArgs {
+  CombineArgs a;
+  int nodes = 1;
+  size_t sym_bytes = 0;
+};
+
+// "" or why the shape does not fit (checked before launching).
+const char* inter_dispatch_check(const InterDispatchArgs& a);
+const char* inter_combine_check(const InterCombineArgs& a);
+
+cudaError_t launch_inter_dispatch(const InterDispatchArgs& a, const InterLaunch& lc,
+                                  cudaStream_t stream);
+cudaError_t launch_inter_combine(const InterCombineArgs& a, const InterLaunch& lc,
+                                 cudaStream_t stream);
+
+}  // namespace jax_ep

@@ -1,0 +1,205 @@
+// Internode (hierarchical) dispatch, docs/internode.md. Three warp roles per
+// block, each a pipeline stage that waits only on the stage before it (on
+// other ranks), so with every block resident nothing can deadlock:
+//   sender    (source s = (n, g)): chunk j of its tokens; each token once per
+//             destination node m (any of m's ranks in send_mask), into the
+//             forwarder (m, g)'s net area [n][t], cast to fp8 here (once, at
+//             the source), with a G-bit mask of the ranks of m that want it;
+//             one network signal per (forwarder, chunk), sent for every chunk.
+//   forwarder (f = (m, g)): per source node ns and chunk j, once its signal is
+//             up: each token row to the ranks of m in its mask, over NVLink,
+//             into their nvl area [s][t] (s = (ns, g)); one flag per (rank of
+//             m, s, chunk), raised for every chunk.
+//   receiver  (r): per source rank s and chunk j: the rows into out at
+//             slot_row[s, t, :], exactly the intranode receiver's gather (and
+//             its zero rows while flags are down).
+// Every flag is raised each call whether or not data moved, so a rank that
+// finished call e has seen every rank it depends on start call e; with the
+// areas double-buffered by call parity no area is rewritten while read
+// (docs/internode.md, "Reuse across calls").
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include "kernels/dispatch_rows.cuh"
+#include "kernels/internode.cuh"
+#include "kernels/row_copy.cuh"
+
+namespace jax_ep {
+
+namespace {
+
+template <int EPL>
+__global__ void __launch_bounds__(512, 1)
+inter_dispatch_kernel(InterDispatchArgs ia, InterLaunch lc) {
+  const DispatchArgs& a = ia.a;
+  __shared__ float sm_scales[16][kSmScales];
+  const int me = a.peers.rank, R = a.peers.num_ranks, N = ia.nodes, G = R / N;
+  const int my_node = me / G, my_g = me % G;
+  const int T = a.T, chunk = lc.chunk, NC = (T + chunk - 1) / chunk;
+  const InterLayout lay = inter_layout(ia.sym_bytes, N, G, T);
+  InterCtrl* ctrl = inter_ctrl(a.peers, lay, kInterDispatch);
+  const unsigned int epoch = ld_volatile(&ctrl->epoch) + 1u;
+  const InterDispatchAreas ar = inter_dispatch_areas(lay.op_base(kInterDispatch, epoch & 1u), N,
+                                                     G, T, a.row_bytes, a.s_row_bytes);
+  const unsigned long long tag = chunk_tag(epoch, 0);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int v = row_vec_bytes(a.row_bytes);
+  const int sv = a.s_row_bytes ? row_vec_bytes(a.s_row_bytes) : 1;
+  const long long RB = a.row_bytes, SB = a.s_row_bytes;
+
+  if (warp < lc.send_warps) {
+    // ---- sender: the network leg out ----
+    float* sm = sm_scales[warp & 15];
+    const int nw = gridDim.x * lc.send_warps;
+    for (int j = blockIdx.x * lc.send_warps + warp; j < NC; j += nw) {
+      for (int t = j * chunk; t < min(T, (j + 1) * chunk); ++t) {
+        // lane m < N: the mask of node m's ranks that want t
+        unsigned int m = 0;
+        if (lane < N)
+          for (int gg = 0; gg < G; ++gg)
+            if (a.send_mask[static_cast<long long>(t) * R + lane * G + gg]) m |= 1u << gg;
+        const unsigned int nodes = __ballot_sync(0xffffffffu, m != 0);
+        const size_t slot = size_t(my_node) * T + t;
+        if (lane < N)
+          *reinterpret_cast<uint32_t*>(net_dst(a.peers, lane * G + my_g, ar.net_meta + slot * 4)) = m;
+        char* dst[kMaxRanks];
+        char* dsts[kMaxRanks];
+        int n = 0;
+        for (int nd = 0; nd < N; ++nd) {
+          if (!((nodes >> nd) & 1u)) continue;
+          dst[n] = net_dst(a.peers, nd * G + my_g, ar.net_rows + slot * RB);
+          dsts[n] = net_dst(a.peers, nd * G + my_g, ar.net_scales + slot * SB);
+          ++n;
+        }
+        if (n)
+          move_row_slice<EPL>(a, t, static_cast<const char*>(a.x) + t * a.x_row_bytes, dst, dsts,
+                              n, 0, 1, v, sv, lane, sm);
+      }
+      __syncwarp();
+      if (lane < N)
+        net_signal(a.peers, lane * G + my_g, lay.d_net_ready + (size_t(my_node) * T + j) * 8, tag);
+      __syncwarp();
+    }
+  } else if (warp < lc.send_warps + lc.fwd_warps) {
+    // ---- forwarder: network area -> the node's ranks over NVLink ----
+    const int nw = gridDim.x * lc.fwd_warps;
+    const char* net_rows = peer_ptr(a.peers, me, ar.net_rows);
+    const char* net_scales = peer_ptr(a.peers, me, ar.net_scales);
+    const uint32_t* net_meta = reinterpret_cast<const uint32_t*>(peer_ptr(a.peers, me, ar.net_meta));
+    for (int it = blockIdx.x * lc.fwd_warps + warp - lc.send_warps; it < NC * N; it += nw) {
+      const int j = it / N, ns = it % N, s = ns * G + my_g;  // chunk-major: early chunks first
+      wait_local(a.peers, lay.d_net_ready + (size_t(ns) * T + j) * 8, tag, a.host_err, a.timeout_ns);
+      for (int t = j * chunk; t < min(T, (j + 1) * chunk); ++t) {
+        const size_t slot = size_t(ns) * T + t;
+        const unsigned int m = net_meta[slot];
+        if (!m) continue;
+        char* dst[kMaxRanks];
+        char* dsts[kMaxRanks];
+        int n = 0;
+        const size_t out_slot = size_t(s) * T + t;
+        for (int gg = 0; gg < G; ++gg) {
+          if (!((m >> gg) & 1u)) continue;
+          dst[n] = nvl_dst(a.peers, my_node * G + gg, ar.nvl_rows + out_slot * RB);
+          dsts[n] = nvl_dst(a.peers, my_node * G + gg, ar.nvl_scales + out_slot * SB);
+          ++n;
+        }
+        warp_copy_row_any(net_rows + slot * RB, reinterpret_cast<void* const*>(dst), n, 0, RB, v,
+                          lane);
+        if (SB)
+          warp_copy_row_any(net_scales + slot * SB, reinterpret_cast<void* const*>(dsts), n, 0, SB,
+                            sv, lane);
+      }
+      __syncwarp();
+      if (lane < G)
+        nvl_signal(a.peers, my_node * G + lane, lay.d_nvl_ready + (size_t(s) * T + j) * 8, tag);
+      __syncwarp();
+    }
+  } else {
+    // ---- receiver: nvl area -> out (slot_row), zero rows while waiting ----
+    const int rw = warp - lc.send_warps - lc.fwd_warps;
+    const int nrw = gridDim.x * lc.recv_warps, gw = blockIdx.x * lc.recv_warps + rw;
+    const char* nvl_rows = peer_ptr(a.peers, me, ar.nvl_rows);
+    const char* nvl_scales = peer_ptr(a.peers, me, ar.nvl_scales);
+    char* rows[kMaxDst];
+    char* srows[kMaxDst];
+    ZeroCursor zc(gw, nrw);
+    for (int it = gw;;) {
+      if (it >= NC * R) {  // only zero rows left
+        const int z = zc.pop(a, lane);
+        if (z < 0) break;
+        warp_zero_row_any(static_cast<char*>(a.out) + static_cast<long long>(z) * RB, RB, lane);
+        if (SB) warp_zero_row_any(static_cast<char*>(a.out_scales) + static_cast<long long>(z) * SB, SB, lane);
+        continue;
+      }
+      const int j = it / R, s = it % R;
+      const size_t flag = lay.d_nvl_ready + (size_t(s) * T + j) * 8;
+      if (!ready_local(a.peers, flag, tag)) {
+        const int z = zc.pop(a, lane);
+        if (z >= 0) {
+          warp_zero_row_any(static_cast<char*>(a.out) + static_cast<long long>(z) * RB, RB, lane);
+          if (SB) warp_zero_row_any(static_cast<char*>(a.out_scales) + static_cast<long long>(z) * SB, SB, lane);
+          continue;
+        }
+        wait_local(a.peers, flag, tag, a.host_err, a.timeout_ns);
+      }
+      for (int t = j * chunk; t < min(T, (j + 1) * chunk); ++t) {
+        const int n = gather_rows(a, s, t, rows, srows, lane);
+        if (n == 0) continue;
+        const size_t slot = size_t(s) * T + t;
+        warp_copy_row_any(nvl_rows + slot * RB, reinterpret_cast<void* const*>(rows), n, 0, RB, v,
+                          lane);
+        if (SB)
+          warp_copy_row_any(nvl_scales + slot * SB, reinterpret_cast<void* const*>(srows), n, 0,
+                            SB, sv, lane);
+      }
+      it += nrw;
+    }
+  }
+  inter_finish(ctrl, epoch);
+}
+
+}  // namespace
+
+InterLaunch make_inter_launch(int T, int num_blocks, int chunk) {
+  InterLaunch lc;
+  lc.num_blocks = num_blocks < 1 ? 1 : num_blocks;
+  if (chunk <= 0) {  // one chunk per sender warp at least, at most 4 tokens
+    const int warps = lc.num_blocks * lc.send_warps;
+    chunk = (T + warps - 1) / warps;
+    chunk = chunk < 1 ? 1 : chunk > 4 ? 4 : chunk;
+  }
+  lc.chunk = chunk;
+  return lc;
+}
+
+const char* inter_dispatch_check(const InterDispatchArgs& ia) {
+  const DispatchArgs& a = ia.a;
+  const int R = a.peers.num_ranks;
+  if (ia.nodes < 1 || R < 1 || R > kMaxRanks || R % ia.nodes != 0)
+    return "internode dispatch: the ranks must split into `nodes` nodes of equal size";
+  if (a.T < 1) return "internode dispatch: T must be >= 1";
+  if (a.K > kMaxDst) return "internode dispatch: top-k above 32";
+  if (a.mode == kDispatchCombineBwd)
+    return "internode dispatch: the fused combine backward is not implemented";
+  if ((a.mode == kDispatchCastBf16 || a.mode == kDispatchCastF32) && a.hidden % 128 != 0)
+    return "internode dispatch: hidden % 128";
+  const int G = R / ia.nodes;
+  const InterLayout lay = inter_layout(ia.sym_bytes, ia.nodes, G, a.T);
+  const InterDispatchAreas ar = inter_dispatch_areas(0, ia.nodes, G, a.T, a.row_bytes, a.s_row_bytes);
+  if (ar.end > lay.op_bytes / 2)
+    return "internode dispatch: the buffer is smaller than internode_buffer_bytes()";
+  return "";
+}
+
+cudaError_t launch_inter_dispatch(const InterDispatchArgs& a, const InterLaunch& lc,
+                                  cudaStream_t stream) {
+  if (*inter_dispatch_check(a) || lc.threads() > 512 || lc.chunk < 1)
+    return cudaErrorInvalidValue;
+  if (a.a.mode != kDispatchCopy)
+    inter_dispatch_kernel<16><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc);
+  else
+    inter_dispatch_kernel<8><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc);
+  return cudaGetLastError();
+}
+
+}  // namespace jax_ep

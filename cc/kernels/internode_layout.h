@@ -1,0 +1,146 @@
+// Layout of the internode (hierarchical) dispatch / combine region: R = N
+// nodes x G ranks per node, rank r = node r / G, local index r % G (nodes are
+// consecutive ranks of the EP axis; docs/internode.md).
+//
+// First version: dedicated receive areas (no bounded rings), one row slot per
+// (sender, token), so nothing is ever reused inside a call and no credits are
+// needed. The region (from byte 0 of the buffer given) is
+//
+//   ctrl          InterCtrl[2]            dispatch, combine (local counters)
+//   d_net_ready   u64 [N][T]   forwarder: source node ns raised chunk j
+//   d_nvl_ready   u64 [R][T]   receiver:  the forwarder of source rank s raised chunk j
+//   c_nvl_ready   u64 [G][N][T] forwarder: contributor g' raised chunk j of source node ns
+//   c_net_ready   u64 [N][T]   source:    the forwarder of node n raised chunk j
+//   dispatch data 2 parity halves of op_bytes / 2
+//   combine data  2 parity halves of op_bytes / 2
+//
+// Flags are indexed by chunk (chunk >= 1 token, so at most T chunks) and hold
+// epoch-tagged words (sync.cuh chunk_tag), monotonic over calls: never reset.
+// Per parity half, dispatch: net_rows [N][T] (+ net_scales, net_meta u32: the
+// G-bit mask of the node's ranks that want the token), nvl_rows [R][T] (+
+// nvl_scales); combine: cnvl_rows [G][N][T] (+ cnvl_meta u8: the contributor
+// received the token), cnet_rows [N][T]. Sizes: the per-parity bytes below;
+// the region is laid out for T = the largest T of any call on it.
+#pragma once
+
+#include <cuda_runtime.h>  // __host__ __device__
+
+#include <cstddef>
+#include <cstdint>
+
+#include "buffer_layout.h"
+
+namespace jax_ep {
+
+// The kernels compute the layout themselves (from the call's shape): every
+// function here is __host__ __device__.
+__host__ __device__ inline size_t inter_align(size_t n) {
+  return (n + kRegionAlign - 1) & ~(kRegionAlign - 1);
+}
+
+struct InterCtrl {
+  unsigned int epoch;  // last finished epoch (local only)
+  unsigned int done;   // blocks finished in the current call
+  unsigned int pad[30];
+};
+enum InterOp : int { kInterDispatch = 0, kInterCombine = 1 };
+
+// Per-parity data of dispatch: rows of row_bytes, scale rows of s_row_bytes.
+struct InterDispatchAreas {
+  size_t net_rows = 0, net_scales = 0, net_meta = 0, nvl_rows = 0, nvl_scales = 0, end = 0;
+};
+__host__ __device__ inline InterDispatchAreas inter_dispatch_areas(size_t base, int N, int G, int T,
+                                               long long row_bytes, long long s_row_bytes) {
+  InterDispatchAreas d;
+  const size_t nt = size_t(N) * size_t(T), rt = size_t(N) * size_t(G) * size_t(T);
+  size_t o = inter_align(base);
+  d.net_rows = o;
+  o = inter_align(o + nt * size_t(row_bytes));
+  d.net_scales = o;
+  o = inter_align(o + nt * size_t(s_row_bytes));
+  d.net_meta = o;
+  o = inter_align(o + nt * sizeof(uint32_t));
+  d.nvl_rows = o;
+  o = inter_align(o + rt * size_t(row_bytes));
+  d.nvl_scales = o;
+  o = inter_align(o + rt * size_t(s_row_bytes));
+  d.end = o;
+  return d;
+}
+
+// Per-parity data of combine: rows of row_bytes.
+struct InterCombineAreas {
+  size_t cnvl_rows = 0, cnvl_meta = 0, cnet_rows = 0, end = 0;
+};
+__host__ __device__ inline InterCombineAreas inter_combine_areas(size_t base, int N, int G, int T,
+                                             long long row_bytes) {
+  InterCombineAreas c;
+  const size_t nt = size_t(N) * size_t(T), gnt = size_t(G) * nt;
+  size_t o = inter_align(base);
+  c.cnvl_rows = o;
+  o = inter_align(o + gnt * size_t(row_bytes));
+  c.cnvl_meta = o;
+  o = inter_align(o + gnt);
+  c.cnet_rows = o;
+  o = inter_align(o + nt * size_t(row_bytes));
+  c.end = o;
+  return c;
+}
+
+struct InterLayout {
+  int N = 0, G = 0, T = 0;
+  size_t ctrl = 0, d_net_ready = 0, d_nvl_ready = 0, c_nvl_ready = 0, c_net_ready = 0;
+  size_t data = 0;      // start of the two op regions
+  size_t op_bytes = 0;  // each op's region (two parity halves of op_bytes / 2)
+  __host__ __device__ size_t op_base(int op, int parity) const {
+    return data + size_t(op) * op_bytes + size_t(parity) * (op_bytes / 2);
+  }
+};
+
+// Bytes before the data: control and flags.
+inline size_t inter_head_bytes(int N, int G, int T) {
+  const size_t t = size_t(T > 0 ? T : 1), n = size_t(N), g = size_t(G);
+  size_t o = inter_align(2 * sizeof(InterCtrl));
+  o = inter_align(o + n * t * 8);
+  o = inter_align(o + n * g * t * 8);
+  o = inter_align(o + g * n * t * 8);
+  o = inter_align(o + n * t * 8);
+  return o;
+}
+
+// The region in a buffer of sym_bytes: the data after the head, split evenly
+// between the two ops (op_bytes 0 when the head does not fit).
+__host__ __device__ inline InterLayout inter_layout(size_t sym_bytes, int N, int G, int T) {
+  InterLayout y;
+  y.N = N;
+  y.G = G;
+  y.T = T > 0 ? T : 1;
+  const size_t t = size_t(y.T), n = size_t(N), g = size_t(G);
+  size_t o = 0;
+  y.ctrl = o;
+  o = inter_align(o + 2 * sizeof(InterCtrl));
+  y.d_net_ready = o;
+  o = inter_align(o + n * t * 8);
+  y.d_nvl_ready = o;
+  o = inter_align(o + n * g * t * 8);
+  y.c_nvl_ready = o;
+  o = inter_align(o + g * n * t * 8);
+  y.c_net_ready = o;
+  o = inter_align(o + n * t * 8);
+  y.data = o;
+  y.op_bytes = sym_bytes > o ? ((sym_bytes - o) / 2) & ~(2 * kRegionAlign - 1) : 0;
+  return y;
+}
+
+// The buffer that holds both ops for N x G ranks and T tokens: dispatch rows
+// of row_bytes (+ s_row_bytes of fp8 scales), combine rows of comb_row_bytes.
+// Per rank and parity: dispatch (N + R) * T rows, combine (G + 1) * N * T rows.
+inline size_t internode_buffer_bytes(int N, int G, int T, long long row_bytes,
+                                     long long s_row_bytes, long long comb_row_bytes) {
+  const size_t d = inter_dispatch_areas(0, N, G, T > 0 ? T : 1, row_bytes, s_row_bytes).end;
+  const size_t c = inter_combine_areas(0, N, G, T > 0 ? T : 1, comb_row_bytes).end;
+  const size_t half = inter_align(d > c ? d : c);
+  return inter_head_bytes(N, G, T) + 4 * half + 4 * kRegionAlign;
+}
+
+}  // namespace jax_ep

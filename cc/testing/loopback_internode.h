@@ -1,0 +1,31 @@
+// Loopback harness of the internode (hierarchical) kernels (tests only): R
+// ranks on ONE GPU, as cc/testing/loopback.h does for the intranode kernels,
+// grouped into `nodes` emulated nodes of R / nodes consecutive ranks (the
+// config that says "treat these ranks as nodes"). Both legs are P2P stores
+// into the other ranks' stand-in buffers on the same device (HBM standing in
+// for NVLink and for the network).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace jax_ep {
+
+// Arguments: exactly loopback_dispatch's / loopback_combine's (the names
+// kLoopbackDispatchPtrs / Ints, kLoopbackCombinePtrs / Ints, jax_ep._C.LOOPBACK_*)
+// with one more int at the end of ints: `nodes` (N, dividing R). Each rank's
+// "sym" buffer holds the internode region from byte 0 and must be
+// internode_buffer_bytes(N, R / N, T, ...) large, zeroed before the first call;
+// a buffer is used with one (N, T) only (its flags are laid out for them).
+// chunk <= 0: the default. Dispatch modes: copy (with or without given
+// scales) and the fp8 casts; zero_tail / align as loopback_dispatch.
+std::string loopback_inter_dispatch(const std::vector<uint64_t>& ptrs,
+                                    const std::vector<int64_t>& ints, size_t sym_bytes,
+                                    int num_ranks, int iters, double* seconds);
+std::string loopback_inter_combine(const std::vector<uint64_t>& ptrs,
+                                   const std::vector<int64_t>& ints, size_t sym_bytes,
+                                   int num_ranks, int iters, double* seconds);
+
+}  // namespace jax_ep
