@@ -222,11 +222,11 @@ def _hook_worker(rank, n):
         p = jax_ep.low_latency_dispatch_send(x, i, cfg)
         z = x
         for _ in range(4):   # independent work between the halves
-            z = (z @ m[0]).astype(jnp.bfloat16)
+            z = (z @ m).astype(jnp.bfloat16)
         d = jax_ep.low_latency_dispatch_recv(p)
         q = jax_ep.low_latency_combine_send(expert(d), i, w, d.handle, cfg)
         for _ in range(4):
-            z = (z @ m[0]).astype(jnp.bfloat16)
+            z = (z @ m).astype(jnp.bfloat16)
         return jax_ep.low_latency_combine_recv(q), z
 
     def plain(x, i, w, m, cfg):
@@ -291,10 +291,16 @@ def _graphs_worker(rank, n):
         f, ins = per_rank_jit(lambda *a, cfg=cfg: step(*a, cfg), mesh, ("ep",), x, idx, w)
         if tag == "native":
             hlo = f.lower(*ins).compile().as_text()
-            captured = [ln for ln in hlo.splitlines() if "jax_ep_ll" in ln]
-            in_cb = "command_buffer" in hlo
-            checks.report("custom_calls_in_command_buffer", in_cb and bool(captured),
-                          command_buffer_in_hlo=in_cb, ll_calls=len(captured))
+            # XLA outlines each captured sequence into a computation that the
+            # entry calls (named command_buffer*); the jax_ep calls must be in one.
+            comps = _computations(hlo)
+            cb = {n: body for n, body in comps.items() if "command_buffer" in n}
+            in_cb = sum(body.count("jax_ep_ll") for body in cb.values())
+            total = hlo.count('custom_call_target="jax_ep_ll')
+            checks.report("custom_calls_in_command_buffer", total > 0 and in_cb == total,
+                          command_buffers=len(cb), ll_calls=total, ll_calls_captured=in_cb,
+                          names=sorted(comps)[:12],
+                          flags=os.environ.get("XLA_FLAGS", ""))
             runs = [local(f(*ins)) for _ in range(3)]
             checks.report("graph_replays_stable",
                           all(np.array_equal(bits(runs[0]), bits(r)) for r in runs[1:]))
@@ -306,6 +312,21 @@ def _graphs_worker(rank, n):
         np.abs(out["reference"].astype(np.float32)), 1e-30))), max_abs_diff=float(d.max()))
     jax_ep.finalize()
     return checks.results
+
+
+def _computations(hlo: str) -> dict:
+    """{computation name: its text} of an HLO module's text."""
+    out, name, lines = {}, None, []
+    for ln in hlo.splitlines():
+        head = ln.split("(")[0].split()
+        if ln and not ln.startswith(" ") and ln.rstrip().endswith("{") and head:
+            name = head[-1].lstrip("%")
+            lines = []
+            out[name] = ""
+        elif name is not None:
+            lines.append(ln)
+            out[name] = "\n".join(lines)
+    return out
 
 
 def _order_worker(rank, n):
