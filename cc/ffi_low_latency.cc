@@ -15,6 +15,7 @@
 #include <string>
 
 #include "ffi_common.h"
+#include "graph_capture.h"
 #include "kernels/low_latency.h"
 
 namespace jax_ep {
@@ -76,6 +77,7 @@ ffi::Error LlDispatchSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
                               ffi::Result<ffi::Buffer<ffi::U32>> token) {
   (void)token;  // carries no data: it orders the receive after this send
   JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
+  note_graph_capture(stream);
   PeerTable peers;
   JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, device, &peers));
   auto xd = x.dimensions();
@@ -131,6 +133,7 @@ ffi::Error LlDispatchRecvImpl(cudaStream_t stream, int32_t device, ffi::Buffer<f
                               ffi::Result<ffi::Buffer<ffi::S32>> count) {
   (void)token;
   JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
+  note_graph_capture(stream);
   PeerTable peers;
   JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, device, &peers));
   const int R = peers.num_ranks;
@@ -174,6 +177,7 @@ ffi::Error LlCombineSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
                              int32_t num_sms, ffi::Result<ffi::Buffer<ffi::U32>> token) {
   (void)token;
   JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
+  note_graph_capture(stream);
   PeerTable peers;
   JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, device, &peers));
   const int R = peers.num_ranks;
@@ -211,6 +215,7 @@ ffi::Error LlCombineRecvImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ff
                              ffi::Result<ffi::AnyBuffer> out) {
   (void)token;
   JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
+  note_graph_capture(stream);
   PeerTable peers;
   JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, device, &peers));
   auto sd = slot.dimensions();

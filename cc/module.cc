@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "ffi_targets.h"
+#include "graph_capture.h"
 #include "runtime.h"
 #include "runtime_lifecycle.h"
 #include "buffer_layout.h"
@@ -75,6 +76,8 @@ NB_MODULE(_C, m) {
 #undef JAX_EP_ADD_TARGET
     return d;
   }, "{target name: PyCapsule of its XLA FFI handler}");
+  m.def("graph_capture_count", &jax_ep::graph_capture_count,
+        "Low-latency FFI calls this process made while XLA captured a CUDA graph.");
   m.def("command_buffer_targets", [] {
     nb::list l;
 #define JAX_EP_ADD_NAME(name, sym) l.append(name);
