@@ -770,7 +770,7 @@ def _worker_body(spec, out, save):
     backend, impl = spec["backend"], spec["experts_impl"]
     overrides = {k: spec[k] for k in ("capacity", "expert_alignment", "num_sms")
                  if spec.get(k) is not None}
-    ep_cfg = ml.make_ep_config(cfg, T, "ep", backend, **overrides)
+    ep_cfg = ml.make_ep_config(cfg, T, "ep", backend, impl, **overrides)
     dev = jax.local_devices()[0]
     out.update(machine=f"{n_dev}x {dev.device_kind}", devices=n_dev, jax=jax.__version__,
                platform=dev.platform, backend=backend, L=E // R,
@@ -1116,9 +1116,13 @@ def _worker_body(spec, out, save):
         ex_fn = jax.jit(ex_chain, static_argnums=(0,) if static_all else (), **jit_kw)
         med, p10, p90, comp, reps, _, ex_state = measure(ex_fn, (rows, ew, gr0, gw0),
                                                          (gs, ct_rows), spec["steps"], static_all)
-        flops = 18.0 * valid_rows / n_dev * H * Fd  # (2F + F wide) x (fwd + 2 bwd) x 2, per device
+        # useful FLOPs: the routed (token, expert) pairs (N * K, the router picks K
+        # distinct experts), not the rows in groups, which include the
+        # expert_alignment padding rows
+        pairs = N * K
+        flops = 18.0 * pairs / n_dev * H * Fd  # (2F + F wide) x (fwd + 2 bwd) x 2, per device
         out.update(experts_s=med, experts_p10_s=p10, experts_p90_s=p90, experts_compile_s=comp,
-                   valid_rows_per_rank=valid_rows / n_dev,
+                   valid_rows_per_rank=valid_rows / n_dev, routed_pairs_per_rank=pairs / n_dev,
                    experts_tflops=flops / med / 1e12 if med > 0 else None)
         if "comm_s" in out:
             out["rest_s"] = out["layer_s"] - out["comm_s"] - med

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_ep
-from jax_ep.gmm import grouped_matmul  # Pallas Mosaic-GPU; ragged_dot off Hopper
+from jax_ep.gmm import GROUP_ALIGNMENT, grouped_matmul  # Pallas Mosaic-GPU; ragged_dot off Hopper
 
 F32 = jnp.float32
 EXPERT_IMPLS = ("grouped", "padded", "ragged_dot")
@@ -265,8 +265,17 @@ def routed_experts_padded(x, gate_up, down, group_sizes, expert_capacity: int):
 
 
 def make_ep_config(cfg: MoEConfig, tokens_per_rank: int, ep_axis: str = "ep",
-                   backend: str = "auto", **overrides) -> jax_ep.EpConfig:
-    """The :class:`jax_ep.EpConfig` of this block for ``tokens_per_rank`` tokens per device."""
+                   backend: str = "auto", expert_impl: str = "grouped",
+                   **overrides) -> jax_ep.EpConfig:
+    """The :class:`jax_ep.EpConfig` of this block for ``tokens_per_rank`` tokens per device.
+
+    With the grouped-matmul experts each expert group starts at a multiple of
+    ``jax_ep.gmm.GROUP_ALIGNMENT`` (64) rows unless ``overrides`` says
+    otherwise: the dw kernel then never zeroes foreign rows (12% faster V3
+    layer step at EP 1, session 8); the padding rows are zeros and cost up to
+    63 rows per local expert of capacity."""
+    if expert_impl == "grouped":
+        overrides = dict({"expert_alignment": GROUP_ALIGNMENT}, **overrides)
     return jax_ep.EpConfig(num_experts=cfg.num_experts, topk=cfg.topk,
                            max_tokens_per_rank=tokens_per_rank, hidden=cfg.d_model,
                            axis_name=ep_axis, backend=backend, **overrides)
@@ -364,7 +373,8 @@ def moe_block(params: dict, bias: jax.Array, x: jax.Array, cfg: MoEConfig, mesh:
     if N % n_dev:
         raise ValueError(f"{N} tokens do not split over {n_dev} devices of axes {token_axes}")
     idx, w, _ = route(params, bias, xf, cfg)
-    ep_cfg = make_ep_config(cfg, N // n_dev, ep_axis, backend, **(ep_overrides or {}))
+    ep_cfg = make_ep_config(cfg, N // n_dev, ep_axis, backend, expert_impl,
+                            **(ep_overrides or {}))
     routed, dropped = routed_ep(params["experts"], xf.astype(cfg.dtype), idx, w, mesh, ep_cfg,
                                 token_axes, expert_impl, expert_capacity)
     out = routed.astype(F32)

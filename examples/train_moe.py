@@ -436,7 +436,8 @@ def train(args, verbose=True):
            "params": params, "biases": biases}
 
     if not args.no_comm_timing:
-        ep_cfg = ml.make_ep_config(moe_cfg, tokens_total // n_dev, "ep", backend)
+        ep_cfg = ml.make_ep_config(moe_cfg, tokens_total // n_dev, "ep", backend,
+                                   args.experts_impl)
         t_comm = time_dispatch_combine(mesh, ep_cfg, tokens_total, moe_cfg, dtype,
                                        seed=args.seed)
         share = args.layers * t_comm / step_med

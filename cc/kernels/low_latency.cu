@@ -44,6 +44,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <mutex>
 #include <type_traits>
 
 #include "kernels/fp8_cast.cuh"
@@ -352,6 +353,38 @@ ll_combine_recv_kernel(LlCombineRecvArgs a) {
   if (last_block(&ctrl->recv_done) && threadIdx.x == 0) set_epoch(&ctrl->recv_epoch, epoch);
 }
 
+// CUDA loads kernels lazily (CUDA_MODULE_LOADING=LAZY, the default since
+// 12.2) at their first launch, and that load can wait for kernels already
+// running on the device. A receive kernel spins on a peer's send: when one
+// host thread drives several ranks (the loopback harness, the peer-memory
+// transport) and blocks loading, say, the combine send behind a spinning
+// dispatch receive, the peer's send is never launched until the receive
+// times out (session 8: the loopback round trip's first call). So the first
+// launch of any low-latency kernel on a device loads all of them
+// (cudaFuncGetAttributes forces the load), before anything of ours spins.
+cudaError_t preload_ll_kernels() {
+  static std::mutex mu;
+  static unsigned long long loaded = 0;   // bit d: device d done
+  int dev = 0;
+  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+  std::lock_guard<std::mutex> lock(mu);
+  if (dev < 64 && (loaded >> dev) & 1ull) return cudaSuccess;
+  cudaFuncAttributes at;
+  const void* fns[] = {
+      reinterpret_cast<const void*>(ll_dispatch_send_kernel<kDispatchCopy>),
+      reinterpret_cast<const void*>(ll_dispatch_send_kernel<kDispatchCastBf16>),
+      reinterpret_cast<const void*>(ll_dispatch_send_kernel<kDispatchCastF32>),
+      reinterpret_cast<const void*>(ll_dispatch_recv_kernel),
+      reinterpret_cast<const void*>(ll_combine_send_kernel),
+      reinterpret_cast<const void*>(ll_combine_recv_kernel<__nv_bfloat16>),
+      reinterpret_cast<const void*>(ll_combine_recv_kernel<__half>),
+      reinterpret_cast<const void*>(ll_combine_recv_kernel<float>)};
+  for (const void* f : fns)
+    if (cudaError_t e = cudaFuncGetAttributes(&at, f); e != cudaSuccess) return e;
+  if (dev < 64) loaded |= 1ull << dev;
+  return cudaSuccess;
+}
+
 bool grid_ok(const LlGrid& g) {
   return g.num_blocks >= 1 && g.warps >= 1 && g.warps <= kLlMaxWarps;
 }
@@ -366,6 +399,7 @@ bool rows_ok(const LlLayout& y) {
 }  // namespace
 
 cudaError_t launch_ll_dispatch_send(const LlDispatchSendArgs& a, const LlGrid& g, cudaStream_t s) {
+  if (cudaError_t e = preload_ll_kernels(); e != cudaSuccess) return e;
   const bool cast = a.mode == kDispatchCastBf16 || a.mode == kDispatchCastF32;
   if (!grid_ok(g) || !rows_ok(a.lay) || a.lay.K < 1 || a.lay.K > kLlMaxTopk || a.lay.L < 1 ||
       a.T < 0 || a.T > a.lay.Tmax ||
@@ -383,6 +417,7 @@ cudaError_t launch_ll_dispatch_send(const LlDispatchSendArgs& a, const LlGrid& g
 }
 
 cudaError_t launch_ll_dispatch_recv(const LlDispatchRecvArgs& a, const LlGrid& g, cudaStream_t s) {
+  if (cudaError_t e = preload_ll_kernels(); e != cudaSuccess) return e;
   const long long LR = static_cast<long long>(a.lay.L) * a.peers.num_ranks;
   if (!grid_ok(g) || !rows_ok(a.lay) || a.lay.L < 1 || LR > kLlMaxBlocksLR)
     return cudaErrorInvalidValue;
@@ -391,6 +426,7 @@ cudaError_t launch_ll_dispatch_recv(const LlDispatchRecvArgs& a, const LlGrid& g
 }
 
 cudaError_t launch_ll_combine_send(const LlCombineSendArgs& a, const LlGrid& g, cudaStream_t s) {
+  if (cudaError_t e = preload_ll_kernels(); e != cudaSuccess) return e;
   const long long LR = static_cast<long long>(a.lay.L) * a.peers.num_ranks;
   if (!grid_ok(g) || !rows_ok(a.lay) || a.lay.L < 1 || LR > kLlMaxBlocksLR || a.lay.K < 1 ||
       a.lay.K > kLlMaxTopk)
@@ -400,6 +436,7 @@ cudaError_t launch_ll_combine_send(const LlCombineSendArgs& a, const LlGrid& g, 
 }
 
 cudaError_t launch_ll_combine_recv(const LlCombineRecvArgs& a, const LlGrid& g, cudaStream_t s) {
+  if (cudaError_t e = preload_ll_kernels(); e != cudaSuccess) return e;
   // The combine area holds Tmax x K rows: a larger T reads past it.
   if (!grid_ok(g) || !rows_ok(a.lay) || a.lay.K < 1 || a.lay.K > kLlMaxTopk || a.T < 0 ||
       a.T > a.lay.Tmax)
