@@ -8,3 +8,10 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 DEST=${OUT:-bench/results}
 python3 bench/ep_bench.py --nproc ${JAX_EP_TEST_NPROCS:-2} --out "$DEST" ${BENCH_ARGS:-} 2>&1 | grep -v "WatchTasks\|GRPC\|CANCELLED" | tee "$DEST/ep_bench.log"
+# The low-latency (decode) mode at V3-decode, XLA command buffers off and on.
+if [ "${SKIP_LL_BENCH:-0}" != 1 ]; then
+  for g in "" --graphs; do
+    timeout ${LL_BENCH_TIMEOUT:-150} python3 -m jax_ep.launch -n ${JAX_EP_TEST_NPROCS:-2} \
+      bench/low_latency_bench.py $g 2>&1 | grep -v "WatchTasks\|GRPC\|CANCELLED" | tee -a "$DEST/ll_bench.log"
+  done
+fi

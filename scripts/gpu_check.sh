@@ -8,19 +8,16 @@
 # together takes longer than one 10-minute device call on 2 GPUs: split it, e.g.
 #   SKIP_BENCH=1 SKIP_EXAMPLES=1 GMM_BENCH=1 bash scripts/gpu_check.sh   # tests + grouped matmul
 #   GPU_TESTS=none BENCH_ARGS="--no-sweep --no-ragged" bash scripts/gpu_check.sh   # ops + layer
-# Open after session 7 (one H200 lent again; its device budget ran out before
-# these ran): on one GPU, the low-latency loopback tests and bench
-# (GPU_TESTS="tests/gpu/test_loopback_ll.py tests/gpu/test_grouped_matmul_gpu.py"
-# SKIP_BENCH=0: the one-GPU bench branch runs both loopback benches), the dw
-# kernels with the zeroing skip (GMM_BENCH=1 GMM_ARGS="--no-xla --ops dw"),
-# and the layer at EP 1 with the weight-copy fix: python bench/moe_layer_step.py
-# -n 1 --configs v3 --experts 128 --tokens 4096,8192 --impls jax_ep,xla_padded
-# --expert-breakdown (compare bench/results/2026-12-01-h200x1-layer-ep1.md);
-# scripts/ncu_gmm.sh for the dw stall reasons. On 2 GPUs: the whole suite,
-# bench/run.sh on the ring kernels (session 5: rank_major round trip 401.9 us,
-# fp8 124.9), the layer at every T and Mixtral
-# (MOE_STEP_ARGS="--configs v3,mixtral --tokens 128,1024,4096,8192"), and the
-# single-process peer-memory test (tests/gpu/test_peer_memory.py).
+# Open after session 8 (one H200 again; see bench/results/2026-12-01-h200x1-s8.md):
+# on one GPU, the loopback round trip with the lazy-loading fix
+# (GPU_TESTS="tests/gpu/test_loopback_ll.py", TEST_TIMEOUT=500: the fp8 / bf16
+# workers' R 8 cases are slow) and the internode bench's fp8 / expert_major
+# rows (the one-GPU bench branch below, LOOPBACK_TIMEOUT). On 2 GPUs: the
+# whole suite (test_native_low_latency.py at R = 2, test_peer_memory.py),
+# bench/run.sh (ring kernels, and the low-latency bench with command buffers
+# off / on), the layer at every T and Mixtral with the alignment-64 default
+# (MOE_STEP_ARGS="--configs v3,mixtral --tokens 128,1024,4096,8192"), and
+# python -m jax_ep.launch -n 2 examples/decode_overlap.py --backend native.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/jax_ep_gpu_check}"
@@ -108,9 +105,16 @@ elif [ "${SKIP_BENCH:-0}" != 1 ] && [ "$build_rc" = 0 ]; then
   JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2 \
     timeout ${LOOPBACK_TIMEOUT:-400} "$PY" tests/gpu/test_loopback.py --bench > "$OUT/loopback_bench.log" 2>&1
   bench_rc=$?
-  # the low-latency kernels at V3-decode (same log)
+  # the low-latency kernels at V3-decode, loopback and the native path at R = 1,
+  # and the emulated-node (internode) kernels (same log)
   CUDA_DEVICE_MAX_CONNECTIONS=32 JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2 \
     timeout ${LL_BENCH_TIMEOUT:-120} "$PY" tests/gpu/test_loopback_ll.py --bench >> "$OUT/loopback_bench.log" 2>&1
+  for g in "" --graphs; do
+    timeout ${LL_BENCH_TIMEOUT:-120} "$PY" -m jax_ep.launch -n 1 bench/low_latency_bench.py $g \
+      >> "$OUT/loopback_bench.log" 2>&1
+  done
+  CUDA_DEVICE_MAX_CONNECTIONS=32 JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+    timeout ${LOOPBACK_TIMEOUT:-400} "$PY" tests/gpu/test_loopback_internode.py --bench >> "$OUT/loopback_bench.log" 2>&1
 fi
 
 echo "===== gpu_check summary ====="
