@@ -8,11 +8,14 @@
 // to the production (or testing) list below. jax_ep/runtime.py registers every entry with
 // jax.ffi.register_ffi_target(name, capsule, platform="CUDA") on import.
 //
-// Every production target is registered command-buffer compatible (XLA may
-// capture it into a CUDA graph): each enqueues only on XLA's stream, its
-// launch depends only on its attributes and shapes, and its epochs live in
-// device memory. Testing targets are not (the ping / bench targets are never
-// part of a model step).
+// The low-latency targets are registered command-buffer compatible (XLA may
+// capture them into a CUDA graph, which a decode step needs): each enqueues
+// only on XLA's stream, its launch depends only on its attributes and shapes,
+// and its epochs live in device memory. Inside a graph the host-side check of
+// the kernels' error word runs at capture only: jax_ep.check_device_error()
+// reads it between steps. The normal-mode targets are not (yet): their ring
+// kernels have not been measured in graphs, and XLA's default flags capture
+// custom calls, so marking them would change every training step.
 #pragma once
 
 #define JAX_EP_PRODUCTION_TARGETS(X)   \
@@ -20,11 +23,15 @@
   X("jax_ep_dispatch", JaxEpDispatch)  \
   X("jax_ep_combine", JaxEpCombine)    \
   X("jax_ep_combine_bwd", JaxEpCombineBwd) \
-  X("jax_ep_ll_dispatch_send", JaxEpLlDispatchSend) \
-  X("jax_ep_ll_dispatch_recv", JaxEpLlDispatchRecv) \
-  X("jax_ep_ll_combine_send", JaxEpLlCombineSend) \
-  X("jax_ep_ll_combine_recv", JaxEpLlCombineRecv) \
+  JAX_EP_GRAPH_TARGETS(X)              \
   /* dispatch / combine targets: append here (one X(...) per line) */
+
+// Production targets registered command-buffer compatible (see above).
+#define JAX_EP_GRAPH_TARGETS(X)                        \
+  X("jax_ep_ll_dispatch_send", JaxEpLlDispatchSend)   \
+  X("jax_ep_ll_dispatch_recv", JaxEpLlDispatchRecv)   \
+  X("jax_ep_ll_combine_send", JaxEpLlCombineSend)     \
+  X("jax_ep_ll_combine_recv", JaxEpLlCombineRecv)
 
 // Runtime self-test and link ceilings (cc/testing/, built with JAX_EP_TESTING,
 // the default; a production build can leave them out).

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "ffi_targets.h"
+#include "device_error.h"
 #include "graph_capture.h"
 #include "runtime.h"
 #include "runtime_lifecycle.h"
@@ -76,12 +77,16 @@ NB_MODULE(_C, m) {
 #undef JAX_EP_ADD_TARGET
     return d;
   }, "{target name: PyCapsule of its XLA FFI handler}");
+  m.def("device_error", &jax_ep::peek_device_error,
+        "The kernels' error word (0: none; KernelError codes), left as it is.");
+  m.def("take_device_error", &jax_ep::take_device_error,
+        "The kernels' error word, then cleared.");
   m.def("graph_capture_count", &jax_ep::graph_capture_count,
         "Low-latency FFI calls this process made while XLA captured a CUDA graph.");
   m.def("command_buffer_targets", [] {
     nb::list l;
 #define JAX_EP_ADD_NAME(name, sym) l.append(name);
-    JAX_EP_PRODUCTION_TARGETS(JAX_EP_ADD_NAME)
+    JAX_EP_GRAPH_TARGETS(JAX_EP_ADD_NAME)
 #undef JAX_EP_ADD_NAME
     return nb::tuple(l);
   }, "Names of the targets registered command-buffer compatible (cc/ffi_targets.h).");

@@ -6,6 +6,7 @@
 
 #include "buffer_layout.h"
 #include "device_error.h"
+#include "kernels/low_latency.h"
 
 #include <cuda_runtime.h>
 #include <nvshmem.h>
@@ -181,6 +182,8 @@ void runtime_attach(int device, size_t bytes, const LlShape& ll) {
   g_pe_base.assign(rt.n_pes, nullptr);
   for (int pe = 0; pe < rt.n_pes; ++pe)
     g_pe_base[pe] = pe == rt.my_pe ? base : nvshmem_ptr(base, pe);
+  // before any kernel of ours can spin (and outside any graph capture)
+  if (rt.ll_bytes) cuda_check(preload_ll_kernels(), "loading the low-latency kernels");
   nvshmem_barrier_all();  // every PE has zeroed its buffer before anyone uses it
   g_runtime = rt;
   g_live = &g_runtime;
@@ -235,6 +238,7 @@ void peer_memory_attach(const std::vector<int>& ordinals, size_t bytes, const Ll
     for (int i = 0; i < n; ++i) {
       cuda_check(cudaSetDevice(rt.ordinals[i]), "cudaSetDevice");
       cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // zeroed before any use
+      if (rt.ll_bytes) cuda_check(preload_ll_kernels(), "loading the low-latency kernels");
       // every rank must pick the same grid (ring layout): same SM count
       if (rt.dev_sms[i] != rt.dev_sms[0])
         throw std::runtime_error("jax_ep: the peer-memory transport needs GPUs with one SM "

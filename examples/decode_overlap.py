@@ -132,7 +132,8 @@ def main(argv=None):
         for h in (x[:Tm], x[Tm:]):
             h = attn(h, p)
             i, w = route(h, p)
-            d = jax_ep.low_latency_dispatch(h, i, cfg, fp8=fp8)
+            prev = outs[-1] if outs else None   # B's ops after A's (same op alternates)
+            d = jax_ep.low_latency_dispatch(h, i, cfg, fp8=fp8, after=prev)
             outs.append(h + jax_ep.low_latency_combine(experts(d, p), i, w, d.handle, cfg))
         return jnp.concatenate(outs)
 

@@ -15,7 +15,8 @@ from .low_latency import (LowLatencyDispatched, LowLatencyHandle, LowLatencyPend
                           low_latency_dispatch, low_latency_dispatch_recv,
                           low_latency_dispatch_send)
 from .reference import fp8_cast
-from .runtime import finalize, initialize, is_initialized, low_latency_region_bytes
+from .runtime import (check_device_error, finalize, initialize, is_initialized,
+                      low_latency_region_bytes)
 from .types import Dispatched, Handle
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "low_latency_dispatch", "low_latency_combine", "LowLatencyDispatched", "LowLatencyHandle",
     "low_latency_dispatch_send", "low_latency_dispatch_recv", "low_latency_combine_send",
     "low_latency_combine_recv", "LowLatencyPending", "low_latency_region_bytes",
+    "check_device_error",
     "initialize", "finalize", "is_initialized", "fp8_cast",
 ]
 __version__ = "0.1.0"

@@ -156,13 +156,16 @@ def _exchange(buf, cfg: EpConfig):
 
 def _native(cfg: EpConfig) -> bool:
     """Whether this config runs the native kernels: ``native``, or ``auto``
-    with the runtime up and a low-latency region (``initialize(low_latency=)``)."""
+    with the runtime up and a low-latency region (``initialize(low_latency=)``)
+    laid out for this config's (E, Tmax, K, H)."""
     if cfg.backend == "reference":
         return False
     from . import runtime
 
     info = runtime.info() if runtime.is_initialized() else None
     has_region = bool(info and info.get("ll_bytes"))
+    fits = has_region and tuple(int(v) for v in info["ll_shape"]) == (
+        cfg.num_experts, cfg.max_tokens_per_rank, cfg.topk, cfg.hidden)
     if cfg.backend == "native":
         if not runtime.is_initialized():
             raise RuntimeError(f"{runtime.not_initialized_message()} "
@@ -172,7 +175,7 @@ def _native(cfg: EpConfig) -> bool:
                              "low-latency region; call jax_ep.initialize(low_latency=config) "
                              "with the decode EpConfig")
         return True
-    return has_region
+    return fits   # auto: native only for the shape the region was laid out for
 
 
 def _check(x, topk_idx, cfg: EpConfig, R: int, fp8: bool, scale_format: str):
@@ -242,8 +245,11 @@ def _ref_dispatch(x, idx, slot, per_expert, cfg: EpConfig, R: int, fp8: bool,
 
 
 def _after(x, after):
-    """``x``, available to XLA only once ``after`` is computed (an ordering edge
-    without data: XLA may not move the send before what ``after`` depends on)."""
+    """``x``, available to XLA only once ``after`` is computed: an ordering
+    edge without data (an optimization barrier, which XLA keeps as a control
+    dependency in its thunk order; under
+    ``--xla_gpu_command_buffer_scheduling_mode=CONCURRENT`` a captured graph
+    orders by buffers only, and this edge is not guaranteed to survive)."""
     if after is None:
         return x
     return jax.lax.optimization_barrier((x, after))[0]
@@ -296,7 +302,8 @@ def low_latency_dispatch_recv(pending: LowLatencyPending) -> LowLatencyDispatche
 
 
 def low_latency_dispatch(x: jax.Array, topk_idx: jax.Array, config: EpConfig, *,
-                         fp8: bool = True, scale_format: str = "f32") -> LowLatencyDispatched:
+                         fp8: bool = True, scale_format: str = "f32",
+                         after=None) -> LowLatencyDispatched:
     """Send each (token, expert) pair to the expert's rank, into a static layout.
 
     Args:
@@ -311,13 +318,19 @@ def low_latency_dispatch(x: jax.Array, topk_idx: jax.Array, config: EpConfig, *,
       fp8: send fp8-e4m3 rows with per-token, per-128-channel scales (else x's dtype).
       scale_format: ``"f32"`` (``jax_ep.fp8_cast``) or ``"ue8m0"`` (power-of-two
         scales: the cast is exact, the same bits on every platform).
+      after: any pytree of arrays this dispatch must run after. Two dispatches
+        in one program that do not depend on each other by data (e.g. two
+        micro-batches) must be ordered this way: pass the first one's result
+        to the second (the native send of an op must follow its previous
+        receive on every rank).
 
     Returns:
       :class:`LowLatencyDispatched` (``x [L, R*Tmax, H]``, ``x_scales``,
       ``count [L]``, ``src_count [L, R]``, ``handle``). Forward-only.
     """
     return low_latency_dispatch_recv(
-        low_latency_dispatch_send(x, topk_idx, config, fp8=fp8, scale_format=scale_format))
+        low_latency_dispatch_send(x, topk_idx, config, fp8=fp8, scale_format=scale_format,
+                                  after=after))
 
 
 def _ref_combine(y, idx, w, slot, cfg: EpConfig, R: int, Tm: int):
@@ -379,7 +392,7 @@ def low_latency_combine_recv(pending: LowLatencyPending) -> jax.Array:
 
 
 def low_latency_combine(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                        handle: LowLatencyHandle, config: EpConfig) -> jax.Array:
+                        handle: LowLatencyHandle, config: EpConfig, *, after=None) -> jax.Array:
     """Bring every expert's output row back and reduce it with the routing weights.
 
     Args:
@@ -389,6 +402,7 @@ def low_latency_combine(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arr
       topk_weights: ``[T, K]`` routing weights (used as f32).
       handle: the dispatch's :class:`LowLatencyHandle`.
       config: the dispatch's :class:`EpConfig`.
+      after: as in :func:`low_latency_dispatch` (the previous combine's output).
 
     Returns:
       ``[T, H]`` in y's dtype: ``cast(sum_k w'_k f32(y_(t, k)))``, k ascending,
@@ -396,4 +410,4 @@ def low_latency_combine(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arr
       Forward-only.
     """
     return low_latency_combine_recv(
-        low_latency_combine_send(y, topk_idx, topk_weights, handle, config))
+        low_latency_combine_send(y, topk_idx, topk_weights, handle, config, after=after))

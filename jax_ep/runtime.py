@@ -204,6 +204,31 @@ def low_latency_region_bytes(config) -> int:
     return int(C.ll_region_size(ll_shape_of(config)))
 
 
+def check_device_error() -> None:
+    """Raise if a jax_ep kernel has left an error (a peer timeout, a low-latency
+    send out of order) since the last check; clears it.
+
+    Every jax_ep custom call checks this word before it launches. Inside an
+    XLA command buffer (CUDA graph: the low-latency ops may be captured) that
+    check runs only when the graph is recorded, so a decode loop that runs
+    captured steps should call this between steps (a host read of mapped
+    memory, no synchronisation: call it after ``block_until_ready`` to cover
+    the step just finished). No-op when the runtime is not up.
+    """
+    C = _extension()
+    if C is None or not _state["initialized"]:
+        return
+    code = int(C.take_device_error())
+    if code == 0:
+        return
+    what = {1: "a kernel timed out waiting for a peer rank (ranks called different ops, or a "
+               "peer died)",
+            2: "a low-latency send ran before the previous receive of the same op finished "
+               "(sends and receives of one op must alternate on every rank)"}.get(
+        code, f"kernel error {code}")
+    raise RuntimeError(f"jax_ep: {what}; results since are invalid, restart the job")
+
+
 def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str = "auto",
                low_latency=None) -> bool:
     """Start the native runtime in this process. Collective over all processes.
@@ -242,6 +267,13 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
     ``NVSHMEM_SYMMETRIC_SIZE`` to fit the buffer.
     """
     if _state["initialized"]:
+        want = ll_shape_of(low_latency)
+        have = tuple(int(v) for v in (info() or {}).get("ll_shape", (0, 0, 0, 0)))
+        if low_latency is not None and want != have:
+            raise ValueError(
+                f"jax_ep.initialize(low_latency=...): the runtime is already up with a "
+                f"low-latency region for (E, Tmax, K, H) = {have} (zeros: none); this call asks "
+                f"for {want}. Call jax_ep.finalize() first")
         return True
     if transport not in TRANSPORTS:
         raise ValueError(f"jax_ep.initialize: transport must be one of {TRANSPORTS}, got "
@@ -262,6 +294,7 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
         raise ValueError(f"jax_ep.initialize: buffer_bytes must be positive, got {buffer_bytes}")
     ll_shape = ll_shape_of(low_latency)
     ll_bytes = int(C.ll_region_size(ll_shape))
+    need_heap = buffer_bytes + ll_bytes + 256
 
     import jax
 
@@ -280,7 +313,15 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
     device = int(gpus[0].local_hardware_id)
     rank, nranks = jax.process_index(), jax.process_count()
     _register_targets()
-    _set_nvshmem_env(buffer_bytes + ll_bytes + 256)   # the region starts 256-aligned
+    _set_nvshmem_env(need_heap)   # the region starts 256-aligned
+    if _state["nvshmem_up"] and _state.get("heap_bytes") and need_heap > _state["heap_bytes"]:
+        # NVSHMEM stayed up (JAX_EP_KEEP_NVSHMEM=1, or started by XLA): its heap
+        # was sized when it started and does not grow.
+        raise RuntimeError(
+            f"jax_ep.initialize: buffer {buffer_bytes >> 20} MiB + low-latency region "
+            f"{ll_bytes >> 20} MiB exceed the NVSHMEM symmetric heap NVSHMEM started with "
+            f"({_state['heap_bytes'] >> 20} MiB); initialize the largest configuration first, or "
+            "set NVSHMEM_SYMMETRIC_SIZE before the first initialize")
 
     if not _state["nvshmem_up"]:
         # Same answer on every rank (same JAX settings), so no rank is left
@@ -290,7 +331,7 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
         if heap > free:
             raise RuntimeError(
                 f"jax_ep.initialize: the NVSHMEM symmetric heap ({heap >> 20} MiB for "
-                f"buffer_bytes={buffer_bytes}) does not fit in the {free >> 20} MiB of GPU memory "
+                f"buffer_bytes={buffer_bytes} + a low-latency region of {ll_bytes}) does not fit in the {free >> 20} MiB of GPU memory "
                 "JAX left free; lower XLA_PYTHON_CLIENT_MEM_FRACTION (now "
                 f"{os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION', 'unset: 0.75')}) or set "
                 "XLA_PYTHON_CLIENT_PREALLOCATE=false before JAX starts, or pass a smaller "
@@ -304,6 +345,7 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
             uid = _share_unique_id(C, rank, nranks)
             _state["owns_nvshmem"] = C.nvshmem_init(uid, rank, nranks, device)
         _state["nvshmem_up"] = True
+        _state["heap_bytes"] = int(os.environ["NVSHMEM_SYMMETRIC_SIZE"])
     C.runtime_attach(device, buffer_bytes, ll_shape)  # raises naming XLA_PYTHON_CLIENT_MEM_FRACTION
     _state["initialized"] = True
     _state["transport"] = "nvshmem"

@@ -87,7 +87,7 @@ __device__ __forceinline__ bool ll_send_in_order(const LlOpCtrl* ctrl, int* host
   const unsigned int sent = ld_volatile(&ctrl->send_epoch);
   const unsigned int recvd = ld_volatile(&ctrl->recv_epoch);
   if (sent == recvd) return true;
-  if (threadIdx.x == 0 && host_err) *reinterpret_cast<volatile int*>(host_err) = kErrLlOrder;
+  if (threadIdx.x == 0) raise_error(host_err, kErrLlOrder);
   return false;
 }
 
@@ -353,6 +353,19 @@ ll_combine_recv_kernel(LlCombineRecvArgs a) {
   if (last_block(&ctrl->recv_done) && threadIdx.x == 0) set_epoch(&ctrl->recv_epoch, epoch);
 }
 
+bool grid_ok(const LlGrid& g) {
+  return g.num_blocks >= 1 && g.warps >= 1 && g.warps <= kLlMaxWarps;
+}
+
+// A call's rows fit the region's strides (and 16-byte vectors stay aligned
+// when the rows are: strides are multiples of 16 whenever the rows are).
+bool rows_ok(const LlLayout& y) {
+  return y.row_bytes <= y.row_stride && y.s_row_bytes <= y.s_row_stride &&
+         y.comb_row_bytes <= y.comb_row_stride;
+}
+
+}  // namespace
+
 // CUDA loads kernels lazily (CUDA_MODULE_LOADING=LAZY, the default since
 // 12.2) at their first launch, and that load can wait for kernels already
 // running on the device. A receive kernel spins on a peer's send: when one
@@ -384,19 +397,6 @@ cudaError_t preload_ll_kernels() {
   if (dev < 64) loaded |= 1ull << dev;
   return cudaSuccess;
 }
-
-bool grid_ok(const LlGrid& g) {
-  return g.num_blocks >= 1 && g.warps >= 1 && g.warps <= kLlMaxWarps;
-}
-
-// A call's rows fit the region's strides (and 16-byte vectors stay aligned
-// when the rows are: strides are multiples of 16 whenever the rows are).
-bool rows_ok(const LlLayout& y) {
-  return y.row_bytes <= y.row_stride && y.s_row_bytes <= y.s_row_stride &&
-         y.comb_row_bytes <= y.comb_row_stride;
-}
-
-}  // namespace
 
 cudaError_t launch_ll_dispatch_send(const LlDispatchSendArgs& a, const LlGrid& g, cudaStream_t s) {
   if (cudaError_t e = preload_ll_kernels(); e != cudaSuccess) return e;

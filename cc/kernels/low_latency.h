@@ -90,6 +90,12 @@ struct LlCombineRecvArgs {
   unsigned long long timeout_ns = kDefaultTimeoutNs;
 };
 
+// Load every low-latency kernel on the current device now (CUDA loads them
+// lazily; a load behind a spinning receive can stall the sender it waits for:
+// low_latency.cu). The runtime calls it at attach; every launch_ll_* calls it
+// too (once per device).
+cudaError_t preload_ll_kernels();
+
 cudaError_t launch_ll_dispatch_send(const LlDispatchSendArgs& a, const LlGrid& g, cudaStream_t s);
 cudaError_t launch_ll_dispatch_recv(const LlDispatchRecvArgs& a, const LlGrid& g, cudaStream_t s);
 cudaError_t launch_ll_combine_send(const LlCombineSendArgs& a, const LlGrid& g, cudaStream_t s);

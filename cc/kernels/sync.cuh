@@ -79,6 +79,17 @@ __device__ __forceinline__ void finish_call(OpCtrl* ctrl, unsigned int epoch) {
   }
 }
 
+// Raise a kernel error in host-mapped memory; the first error stays (an
+// order error, kErrLlOrder, is the cause of the timeouts that follow it, and
+// the host reports whichever word it finds). A plain check-then-store: two
+// errors racing may leave either, which is fine; atomics on host memory are
+// not used.
+__device__ __forceinline__ void raise_error(int* host_err, int code) {
+  if (!host_err) return;
+  volatile int* w = reinterpret_cast<volatile int*>(host_err);
+  if (*w == kErrNone) *w = code;
+}
+
 // Spin (every lane of the warp) until *flag >= epoch. On timeout, raise the
 // error in host-mapped memory and return false (the caller moves on; data is
 // then garbage, and the next FFI call reports the error).
@@ -90,7 +101,7 @@ __device__ __forceinline__ bool wait_flag(const unsigned int* flag, unsigned int
     for (int i = 0; i < 64; ++i)
       if (static_cast<int>(ld_acquire_sys(flag) - epoch) >= 0) return true;
     if (global_timer_ns() - t0 > timeout_ns) {
-      if (host_err) *reinterpret_cast<volatile int*>(host_err) = kErrTimeout;
+      raise_error(host_err, kErrTimeout);
       return false;
     }
   }
@@ -105,7 +116,7 @@ __device__ __forceinline__ bool wait_tag(const unsigned long long* flag, unsigne
     for (int i = 0; i < 64; ++i)
       if (tag_reached(ld_acquire_sys64(flag), tag)) return true;
     if (global_timer_ns() - t0 > timeout_ns) {
-      if (host_err) *reinterpret_cast<volatile int*>(host_err) = kErrTimeout;
+      raise_error(host_err, kErrTimeout);
       return false;
     }
   }

@@ -19,7 +19,8 @@ same GPUs) on the same inputs, and compares:
 * command buffers (``_graphs_worker``, run with XLA command buffers on for
   custom calls): the compiled HLO captures the jax_ep custom calls in a
   command buffer and the results equal the reference's;
-* the order check: two sends of one op without a receive raise a clear error.
+* the order check: two sends of one op without a receive raise a clear error,
+  also when a receive then times out (the first error is the one reported).
 """
 from __future__ import annotations
 
@@ -306,7 +307,7 @@ def _graphs_worker(rank, n):
             runs = [local(f(*ins)) for _ in range(3)]
             captured = runtime._extension().graph_capture_count() - before
             # each of the 4 calls once while XLA records the graph, not per replay
-            checks.report("custom_calls_captured_in_cuda_graph", captured > 0,
+            checks.report("custom_calls_captured_in_cuda_graph", captured >= 4,   # all 4
                           handler_calls_while_capturing=int(captured))
             checks.report("graph_replays_stable",
                           all(np.array_equal(bits(runs[0]), bits(r)) for r in runs[1:]))
@@ -367,4 +368,23 @@ def _order_worker(rank, n):
     except Exception as e:  # noqa: BLE001
         msg = str(e)
         checks.report("order_error_raised", "before the previous receive" in msg, msg[-300:])
+
+    # send, send, recv, recv in one executable: the second receive times out
+    # (its signals never come), and the order error, raised first, must be
+    # the one reported (first error wins).
+    _init(shape, n)   # a fresh region (zeroed epochs)
+
+    def misordered(x, i):
+        a = jax_ep.low_latency_dispatch_send(x, i, cfg)
+        b = jax_ep.low_latency_dispatch_send(x, i, cfg)
+        return (jax_ep.low_latency_dispatch_recv(a).count,
+                jax_ep.low_latency_dispatch_recv(b).count)
+
+    f, ins = per_rank_jit(misordered, mesh, ("ep",), x, idx)
+    jax.block_until_ready(f(*ins))
+    try:
+        jax_ep.check_device_error()
+        checks.report("order_error_survives_timeout", False, "no error left")
+    except RuntimeError as e:
+        checks.report("order_error_survives_timeout", "previous receive" in str(e), str(e)[-300:])
     return checks.results
