@@ -67,3 +67,31 @@ def test_ring_depth_is_monotonic_and_capped():
         prev = d
     assert prev == 64   # kMaxDepth (249 chunks per block)
     assert C.ring_depth(2, 65536, 132, 8, V3_ROW, 0, GIB) == 63   # every chunk of a block
+
+
+def _align(n, a=256):
+    return -(-n // a) * a
+
+
+def test_low_latency_region_size():
+    """The runtime's low-latency region (buffer_layout.h ll_region_layout): both
+    parities of E * Tmax dispatch rows at bf16 width + f32 scale rows + int32
+    info words and Tmax * K combine rows at f32 width, plus control, count and
+    flag words; independent of R; none for an empty shape."""
+    E, Tm, K, H = 256, 128, 8, 7168
+    rows = E * Tm
+    per_parity = (_align(rows * 2 * H) + _align(rows * (H // 128) * 4) + _align(rows * 4)
+                  + _align(Tm * K * 4 * H))
+    head = _align(2 * 128) + _align(2 * E * 8) + _align(2 * C.MAX_RANKS * 8)
+    assert C.ll_region_size((E, Tm, K, H)) == head + 2 * per_parity
+    assert 0.9 * GIB < C.ll_region_size((E, Tm, K, H)) < GIB       # ~0.94 GiB at V3-decode
+    assert C.ll_region_size((0, 0, 0, 0)) == 0
+
+
+def test_low_latency_region_bytes_api():
+    import jax_ep
+
+    cfg = jax_ep.EpConfig(num_experts=256, topk=8, max_tokens_per_rank=128, hidden=7168)
+    assert jax_ep.low_latency_region_bytes(cfg) == C.ll_region_size((256, 128, 8, 7168))
+    with pytest.raises(TypeError, match="EpConfig"):
+        jax_ep.low_latency_region_bytes((256, 128, 8, 7168))
