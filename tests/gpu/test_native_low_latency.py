@@ -197,22 +197,33 @@ def _ops_worker(rank, n):
     return checks.results
 
 
+def _v3_decode_case(n, seed, skew):
+    """A region for V3-decode, its native and reference configs, and one
+    routing: -> (checks, rng, mesh, cfg_n, cfg_r, (x bf16, idx, w) stacked per rank)."""
+    import jax.numpy as jnp
+
+    from ep_testing import make_mesh
+
+    checks, rng, mesh = Checks(), np.random.default_rng(seed), make_mesh((n,), ("ep",))
+    shape = SHAPES[0]
+    _init(shape, n)
+    cfg_n, cfg_r = _cfg(shape, "native", n), _cfg(shape, "reference", n)
+    E, Tm, K, H = cfg_n.num_experts, cfg_n.max_tokens_per_rank, cfg_n.topk, cfg_n.hidden
+    idx = _routing(rng, n, Tm, K, E, skew)
+    x = rng.standard_normal((n, Tm, H)).astype(jnp.bfloat16)
+    w = rng.random((n, Tm, K)).astype(np.float32)
+    return checks, rng, mesh, cfg_n, cfg_r, (x, idx, w)
+
+
 def _hook_worker(rank, n):
     """send -> matmuls -> recv equals the one-shot op; a fori_loop of steps."""
     import jax
     import jax.numpy as jnp
 
     import jax_ep
-    from ep_testing import make_mesh
 
-    checks, rng, mesh = Checks(), np.random.default_rng(_SEED + 1), make_mesh((n,), ("ep",))
-    shape = SHAPES[0]
-    _init(shape, n)
-    cfg_n, cfg_r = _cfg(shape, "native", n), _cfg(shape, "reference", n)
-    E, Tm, K, H = cfg_n.num_experts, cfg_n.max_tokens_per_rank, cfg_n.topk, cfg_n.hidden
-    idx = _routing(rng, n, Tm, K, E, False)
-    x = rng.standard_normal((n, Tm, H)).astype(jnp.bfloat16)
-    w = rng.random((n, Tm, K)).astype(np.float32)
+    checks, rng, mesh, cfg_n, cfg_r, (x, idx, w) = _v3_decode_case(n, _SEED + 1, skew=False)
+    H = cfg_n.hidden
     m = (rng.standard_normal((n, H, H)) / np.sqrt(H)).astype(jnp.bfloat16)
 
     def expert(d):   # a stand-in expert: dequantise, scale
@@ -267,20 +278,11 @@ def _hook_worker(rank, n):
 
 def _graphs_worker(rank, n):
     """With command buffers on: the custom calls are captured, results right."""
-    import jax
     import jax.numpy as jnp
 
     import jax_ep
-    from ep_testing import make_mesh
 
-    checks, rng, mesh = Checks(), np.random.default_rng(_SEED + 2), make_mesh((n,), ("ep",))
-    shape = SHAPES[0]
-    _init(shape, n)
-    cfg_n, cfg_r = _cfg(shape, "native", n), _cfg(shape, "reference", n)
-    E, Tm, K, H = cfg_n.num_experts, cfg_n.max_tokens_per_rank, cfg_n.topk, cfg_n.hidden
-    idx = _routing(rng, n, Tm, K, E, True)
-    x = rng.standard_normal((n, Tm, H)).astype(jnp.bfloat16)
-    w = rng.random((n, Tm, K)).astype(np.float32)
+    checks, rng, mesh, cfg_n, cfg_r, (x, idx, w) = _v3_decode_case(n, _SEED + 2, skew=True)
 
     def step(x, i, w, cfg):
         d = jax_ep.low_latency_dispatch(x, i, cfg)
