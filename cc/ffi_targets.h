@@ -24,6 +24,8 @@
   X("jax_ep_ll_dispatch_recv", JaxEpLlDispatchRecv) \
   X("jax_ep_ll_combine_send", JaxEpLlCombineSend) \
   X("jax_ep_ll_combine_recv", JaxEpLlCombineRecv) \
+  X("jax_ep_internode_dispatch", JaxEpInternodeDispatch) \
+  X("jax_ep_internode_combine", JaxEpInternodeCombine) \
   /* dispatch / combine targets: append here (one X(...) per line) */
 
 // Runtime self-test and link ceilings (cc/testing/, built with JAX_EP_TESTING,
