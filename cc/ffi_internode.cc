@@ -161,6 +161,10 @@ ffi::Error InterDispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
       InterRegion(o, &a.peers, nodes, T, DispatchNeed, &rs, &ia.sym_bytes, &ia.layout_T));
   if (const char* e = inter_dispatch_check(ia); *e) return InvalidArgument(e);
   const InterLaunch lc = make_inter_launch(T, InterBlocks(num_sms, device), chunk);
+  if (debug_poison()) {  // tests: a row the kernel forgets to write shows as NaN
+    JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.out, 0xFF, out->size_bytes(), stream));
+    JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.out_scales, 0xFF, out_scales->size_bytes(), stream));
+  }
   JAX_EP_CUDA_RETURN(launch_inter_dispatch(ia, lc, stream));
   return ffi::Error::Success();
 }
@@ -223,6 +227,7 @@ ffi::Error InterCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
       InterRegion(o, &a.peers, nodes, T, CombineNeed, &rs, &ia.sym_bytes, &ia.layout_T));
   if (const char* e = inter_combine_check(ia); *e) return InvalidArgument(e);
   const InterLaunch lc = make_inter_launch(T, InterBlocks(num_sms, device), chunk);
+  if (debug_poison()) JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.out, 0xFF, out->size_bytes(), stream));
   JAX_EP_CUDA_RETURN(launch_inter_combine(ia, lc, stream));
   return ffi::Error::Success();
 }
