@@ -23,6 +23,8 @@
   X("jax_ep_dispatch", JaxEpDispatch)  \
   X("jax_ep_combine", JaxEpCombine)    \
   X("jax_ep_combine_bwd", JaxEpCombineBwd) \
+  X("jax_ep_internode_dispatch", JaxEpInternodeDispatch) \
+  X("jax_ep_internode_combine", JaxEpInternodeCombine) \
   JAX_EP_GRAPH_TARGETS(X)              \
   /* dispatch / combine targets: append here (one X(...) per line) */
 

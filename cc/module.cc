@@ -16,10 +16,10 @@
 #include "runtime.h"
 #include "runtime_lifecycle.h"
 #include "buffer_layout.h"
+#include "kernels/internode_layout.h"
 #include "kernels/launch_config.h"
 #include "xla/ffi/api/api.h"
 #if JAX_EP_TESTING
-#include "kernels/internode_layout.h"
 #include "testing/loopback.h"
 #include "testing/loopback_internode.h"
 #include "testing/loopback_ll.h"
@@ -112,19 +112,37 @@ NB_MODULE(_C, m) {
     s.hidden = v[3];
     return s;
   };
+  // inter_shape: (nodes, ranks, T, hidden) of the internode region, or all
+  // zero for none (the default, as before the region existed).
+  auto inter_of = [](const std::array<int, 4>& v) {
+    jax_ep::InterShape s;
+    s.nodes = v[0];
+    s.ranks = v[1];
+    s.T = v[2];
+    s.hidden = v[3];
+    return s;
+  };
   m.def("runtime_attach",
-        [ll_of](int device, size_t bytes, std::array<int, 4> ll_shape) {
+        [ll_of, inter_of](int device, size_t bytes, std::array<int, 4> ll_shape,
+                          std::array<int, 4> inter_shape) {
           nb::gil_scoped_release release;
-          jax_ep::runtime_attach(device, bytes, ll_of(ll_shape));
+          jax_ep::runtime_attach(device, bytes, ll_of(ll_shape), inter_of(inter_shape));
         },
-        nb::arg("device"), nb::arg("bytes"), nb::arg("ll_shape"));
+        nb::arg("device"), nb::arg("bytes"), nb::arg("ll_shape"),
+        nb::arg("inter_shape") = std::array<int, 4>{0, 0, 0, 0});
   m.def("peer_memory_attach",
-        [ll_of](std::vector<int> ordinals, size_t bytes, std::array<int, 4> ll_shape) {
+        [ll_of, inter_of](std::vector<int> ordinals, size_t bytes, std::array<int, 4> ll_shape,
+                          std::array<int, 4> inter_shape) {
           nb::gil_scoped_release release;
-          jax_ep::peer_memory_attach(ordinals, bytes, ll_of(ll_shape));
+          jax_ep::peer_memory_attach(ordinals, bytes, ll_of(ll_shape), inter_of(inter_shape));
         },
         nb::arg("ordinals"), nb::arg("bytes"), nb::arg("ll_shape"),
+        nb::arg("inter_shape") = std::array<int, 4>{0, 0, 0, 0},
         "Peer-memory transport: one zeroed buffer per CUDA device, peer access between all.");
+  m.def("internode_region_bytes", &jax_ep::internode_region_bytes, nb::arg("nodes"),
+        nb::arg("ranks"), nb::arg("tokens"), nb::arg("hidden"),
+        "Bytes of the runtime's internode region for (nodes, EP ranks, T, hidden) "
+        "(kernels/internode_layout.h); 0 for one node.");
   m.def("ll_region_size",
         [ll_of](std::array<int, 4> ll_shape) { return jax_ep::ll_region_size(ll_of(ll_shape)); },
         nb::arg("ll_shape"),
@@ -207,6 +225,9 @@ NB_MODULE(_C, m) {
     const jax_ep::LlShape& ll = rt->ll_shape;
     d["ll_shape"] = nb::make_tuple(ll.E, ll.Tmax, ll.K, ll.hidden);
     d["ll_bytes"] = rt->ll_bytes;
+    const jax_ep::InterShape& is = rt->inter_shape;
+    d["inter_shape"] = nb::make_tuple(is.nodes, is.ranks, is.T, is.hidden);
+    d["inter_bytes"] = rt->inter_bytes;
     return d;
   });
 }

@@ -5,6 +5,7 @@
 #include "runtime_lifecycle.h"
 
 #include "buffer_layout.h"
+#include "kernels/internode_layout.h"
 #include "device_error.h"
 #include "kernels/low_latency.h"
 
@@ -149,20 +150,28 @@ static void check_buffer_bytes(size_t bytes) {
 }
 
 // The allocation: the normal-mode buffer, then (ll.E > 0) the low-latency
-// region at the next kRegionAlign boundary.
-static size_t total_bytes(size_t bytes, const LlShape& ll, Runtime* rt) {
+// region, then (inter.nodes > 1) the internode region, each at the next
+// kRegionAlign boundary (the earlier regions' offsets never move).
+static size_t total_bytes(size_t bytes, const LlShape& ll, const InterShape& inter, Runtime* rt) {
   rt->sym_bytes = bytes;
   rt->ll_shape = ll;
   rt->ll_off = align_up(bytes);
   rt->ll_bytes = ll_region_size(ll);
-  return rt->ll_bytes ? rt->ll_off + rt->ll_bytes : bytes;
+  size_t end = rt->ll_bytes ? rt->ll_off + rt->ll_bytes : bytes;
+  rt->inter_bytes = internode_region_bytes(inter.nodes, inter.ranks, inter.T, inter.hidden);
+  if (rt->inter_bytes) {
+    rt->inter_shape = inter;
+    rt->inter_off = align_up(end);
+    end = rt->inter_off + rt->inter_bytes;
+  }
+  return end;
 }
 
-void runtime_attach(int device, size_t bytes, const LlShape& ll) {
+void runtime_attach(int device, size_t bytes, const LlShape& ll, const InterShape& inter) {
   if (g_live) throw std::runtime_error("jax_ep: runtime already attached");
   check_buffer_bytes(bytes);
   Runtime rt;
-  const size_t total = total_bytes(bytes, ll, &rt);
+  const size_t total = total_bytes(bytes, ll, inter, &rt);
   cuda_check(cudaSetDevice(device), "cudaSetDevice");
   void* base = nvshmem_malloc(total);  // collective
   if (!base)
@@ -189,7 +198,8 @@ void runtime_attach(int device, size_t bytes, const LlShape& ll) {
   g_live = &g_runtime;
 }
 
-void peer_memory_attach(const std::vector<int>& ordinals, size_t bytes, const LlShape& ll) {
+void peer_memory_attach(const std::vector<int>& ordinals, size_t bytes, const LlShape& ll,
+                        const InterShape& inter) {
   if (g_live) throw std::runtime_error("jax_ep: runtime already attached");
   check_buffer_bytes(bytes);
   const int n = static_cast<int>(ordinals.size());
@@ -202,7 +212,7 @@ void peer_memory_attach(const std::vector<int>& ordinals, size_t bytes, const Ll
   rt.transport = Transport::kPeerMemory;
   rt.my_pe = 0;
   rt.n_pes = 1;
-  const size_t total = total_bytes(bytes, ll, &rt);
+  const size_t total = total_bytes(bytes, ll, inter, &rt);
   rt.num_devices = n;
   try {
     for (int i = 0; i < n; ++i) {

@@ -37,6 +37,13 @@ struct LlShape {
   int E = 0, Tmax = 0, K = 0, hidden = 0;
 };
 
+// Shape the internode region is sized for (jax_ep.initialize(config=...) with
+// an EpConfig of num_nodes > 1): nodes, EP ranks, T (the layout's fixed T:
+// calls need T <= it), hidden. nodes <= 1: no region.
+struct InterShape {
+  int nodes = 0, ranks = 0, T = 0, hidden = 0;
+};
+
 constexpr int kMaxDevices = 16;  // local GPUs of one process (peer-memory transport)
 
 struct Runtime {
@@ -49,6 +56,11 @@ struct Runtime {
   // same allocation (buffer_layout.h, ll_region_layout), laid out for ll_shape.
   size_t ll_off = 0, ll_bytes = 0;
   LlShape ll_shape;
+  // The internode region follows (kernels/internode_layout.h,
+  // internode_region_bytes): [inter_off, inter_off + inter_bytes), laid out
+  // with fixed_T = inter_shape.T. inter_bytes 0: none.
+  size_t inter_off = 0, inter_bytes = 0;
+  InterShape inter_shape;
   int device = -1;            // NVSHMEM: CUDA device of this process
   int num_sms = 0;            // multiprocessors of `device` (of the first device: peer memory)
   // Peer memory: the process's GPUs, by CUDA ordinal, and each one's buffer.

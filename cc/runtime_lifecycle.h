@@ -19,13 +19,16 @@ std::string nvshmem_unique_id();
 // it instead (returns false: "not owned", never finalised by us).
 bool nvshmem_init(const std::string& uid, int rank, int nranks, int device);
 // Collective: allocate the symmetric buffer (bytes for the normal mode, then
-// the low-latency region for `ll` when ll.E > 0) and publish the Runtime.
+// the low-latency region for `ll` when ll.E > 0, then the internode region
+// for `inter` when inter.nodes > 1) and publish the Runtime.
 struct LlShape;
-void runtime_attach(int device, size_t bytes, const LlShape& ll);
+struct InterShape;
+void runtime_attach(int device, size_t bytes, const LlShape& ll, const InterShape& inter);
 // Peer-memory transport (one process, several GPUs): a zeroed buffer of
 // `bytes` on every CUDA device in `ordinals`, peer access between all pairs,
 // and the Runtime published. No NVSHMEM.
-void peer_memory_attach(const std::vector<int>& ordinals, size_t bytes, const LlShape& ll);
+void peer_memory_attach(const std::vector<int>& ordinals, size_t bytes, const LlShape& ll,
+                        const InterShape& inter);
 // Collective (NVSHMEM) / local (peer memory): free the buffer(s); runtime()
 // becomes nullptr.
 void runtime_detach();

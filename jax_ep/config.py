@@ -112,6 +112,19 @@ class EpConfig:
         shapes above, see :meth:`native_buffer_bytes`).
       tuning: :class:`KernelTuning`, the native kernels' tuning knobs (the
         defaults are the measured best; the reference backend ignores them).
+      num_nodes: the EP group is ``num_nodes`` consecutive blocks of
+        ``R / num_nodes`` ranks ("nodes": rank r is in node ``r // (R /
+        num_nodes)``); R must be a multiple of it (checked at trace time).
+        1 (the default): the intranode kernels. > 1: the native backend uses
+        the hierarchical (internode) kernels, docs/internode.md: each token
+        crosses the "network" once per destination node and is forwarded
+        inside the node; combine sums each node's partials before the network
+        leg (so bf16 results differ from the flat sum by one rounding per node
+        partial). Nothing is inferred from the hardware: on one host this
+        *emulates* nodes (the network leg goes through the same P2P stores).
+        Pass the config to ``jax_ep.initialize(config=...)`` so the buffer
+        gets the internode region. The reference backend ignores it (same
+        semantics). Not yet run on GPUs through JAX.
     """
 
     num_experts: int
@@ -130,6 +143,7 @@ class EpConfig:
     buffer_bytes: Optional[int] = None
     zero_tail: bool = False
     tuning: KernelTuning = KernelTuning()
+    num_nodes: int = 1
 
     def __post_init__(self):
         def pos_int(name, v):
@@ -141,7 +155,8 @@ class EpConfig:
                 raise ValueError(f"EpConfig.{name} must be a positive int, got {v!r}")
             object.__setattr__(self, name, int(iv))  # keep the config hashable and plain
 
-        for name in ("num_experts", "topk", "max_tokens_per_rank", "hidden", "expert_alignment"):
+        for name in ("num_experts", "topk", "max_tokens_per_rank", "hidden", "expert_alignment",
+                     "num_nodes"):
             pos_int(name, getattr(self, name))
         if self.topk > self.num_experts:
             raise ValueError(
@@ -174,6 +189,15 @@ class EpConfig:
                 f"num_experts ({self.num_experts}) must be divisible by the size of "
                 f"axis {self.axis_name!r} ({num_ranks})")
         return self.num_experts // num_ranks
+
+    def ranks_per_node(self, num_ranks: int) -> int:
+        """R / num_nodes, checked (R must split into num_nodes equal nodes)."""
+        if num_ranks % self.num_nodes != 0:
+            raise ValueError(
+                f"EpConfig.num_nodes ({self.num_nodes}) must divide the size of axis "
+                f"{self.axis_name!r} ({num_ranks}): the EP group is num_nodes consecutive "
+                "blocks of equally many ranks")
+        return num_ranks // self.num_nodes
 
     def capacity_for(self, num_ranks: int, num_tokens: int) -> int:
         """Static row count C of the dispatch output on each rank.
@@ -213,3 +237,21 @@ class EpConfig:
         return int(C.symmetric_buffer_bytes(num_ranks, self.max_tokens_per_rank,
                                             self.hidden * 4, (self.hidden // 128) * 4))
 
+    def native_internode_bytes(self, num_ranks: int) -> int:
+        """Bytes of the internode region ``jax_ep.initialize(config=...)`` adds
+        to each buffer for this config (0 when ``num_nodes == 1``): per call
+        parity, dispatch rows ``(N + R) * T`` and combine rows ``(R + N) * T``,
+        f32 wide (any row dtype fits), plus flags; T = max_tokens_per_rank, no
+        bounded rings yet (docs/internode.md: about 2.3 GB per rank at
+        V3-train, 2 x 4). Not covered by ``buffer_bytes``. Computed by the
+        extension (``cc/kernels/internode_layout.h``)."""
+        if self.num_nodes == 1:
+            return 0
+        from .runtime import _extension, unavailable_reason
+
+        C = _extension()
+        if C is None:
+            raise RuntimeError("EpConfig.native_internode_bytes needs the native extension: "
+                               + unavailable_reason())
+        return int(C.internode_region_bytes(self.num_nodes, num_ranks, self.max_tokens_per_rank,
+                                            self.hidden))

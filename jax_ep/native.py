@@ -66,6 +66,25 @@ def _check_staging(op: str, R: int, T: int, row_bytes: int, s_row_bytes: int, cf
         raise ValueError(f"jax_ep native {op}: {msg}")
 
 
+def _check_internode(op: str, R: int, T: int, cfg: EpConfig) -> None:
+    """Trace time, num_nodes > 1: the live runtime has an internode region
+    laid out for this T (the handlers check the bytes too, naming them)."""
+    from . import runtime
+
+    cfg.ranks_per_node(R)
+    info = runtime.info() if runtime.is_initialized() else None
+    if not info:
+        return
+    nodes, _, t_max, _ = info.get("inter_shape", (0, 0, 0, 0))
+    if not info.get("inter_bytes"):
+        raise ValueError(f"jax_ep native {op}: EpConfig.num_nodes={cfg.num_nodes} needs the "
+                         "internode region: pass this config to jax_ep.initialize(config=...)")
+    if T > t_max:
+        raise ValueError(f"jax_ep native {op}: {T} tokens per rank, but the internode region "
+                         f"was laid out for T <= {t_max}: pass this config to "
+                         "jax_ep.initialize(config=...)")
+
+
 def _fp8_scale_mode(cfg: EpConfig) -> int:
     """The kernel's Fp8ScaleMode (jax_ep/abi.py) for this config."""
     if cfg.fp8_scale_format == "ue8m0":
@@ -112,6 +131,17 @@ def dispatch_raw(x, x_scales, handle: Handle, cfg: EpConfig, *, cast_fp8: bool =
         else:
             scales, S = _empty_f32(T), 0
     sms = np.int32(num_sms) if num_sms is not None else _num_sms(cfg)
+    if cfg.num_nodes > 1:  # hierarchical kernels (cc/ffi_internode.cc); no debug_skip there
+        _check_internode("dispatch", handle.num_ranks, T, cfg)
+        out, out_scales = _ffi.call(
+            "jax_ep_internode_dispatch",
+            [((C, W), out_dtype), ((C, S), jnp.float32)],
+            x, scales, handle.row_src, handle.slot_row, handle.send_mask,
+            ep_axis=cfg.axis_name, has_side_effect=True, nodes=np.int32(cfg.num_nodes),
+            mode=np.int32(mode), rank_major=np.int32(handle.layout == "rank_major"), num_sms=sms,
+            fp8_scale_mode=np.int32(_fp8_scale_mode(cfg)), **_row_attrs(handle, cfg),
+            chunk=_tuning_attrs(cfg, "dispatch", 0)["chunk"])
+        return out, (out_scales if (cast_fp8 or x_scales is not None) else None)
     _check_staging("dispatch", handle.num_ranks, T, W * jnp.dtype(out_dtype).itemsize, 4 * S,
                    cfg, sms)
     out, out_scales = _ffi.call(
@@ -153,6 +183,16 @@ def combine_raw(y, row_weights, handle: Handle, cfg: EpConfig, *, num_sms: Optio
     weighted = row_weights is not None and not rank_major
     w = row_weights.astype(jnp.float32) if weighted else jnp.zeros((0,), jnp.float32)
     sms = np.int32(num_sms) if num_sms is not None else _num_sms(cfg)
+    if cfg.num_nodes > 1:  # hierarchical kernels (cc/ffi_internode.cc)
+        _check_internode("combine", handle.num_ranks, T, cfg)
+        (out,) = _ffi.call(
+            "jax_ep_internode_combine",
+            [((T, y.shape[1]), y.dtype)],
+            y, w, handle.slot_row, handle.recv_local_idx, handle.send_mask,
+            ep_axis=cfg.axis_name, has_side_effect=True, nodes=np.int32(cfg.num_nodes),
+            rank_major=np.int32(rank_major), weighted=np.int32(weighted), num_sms=sms,
+            chunk=_tuning_attrs(cfg, "combine", 0)["chunk"])
+        return out
     _check_staging("combine", handle.num_ranks, T, y.shape[1] * y.dtype.itemsize, 0, cfg, sms)
     (out,) = _ffi.call(
         "jax_ep_combine",
@@ -214,6 +254,14 @@ class NativeBackend:
     def combine_backward(self, g, y, w, handle: Handle, cfg: EpConfig):
         if w is None or handle.layout != "expert_major":  # rank_major: a dispatch of g
             return dispatch_raw(g, None, handle, cfg)[0].astype(y.dtype), None
+        if cfg.num_nodes > 1:
+            # No fused internode kernel: the internode dispatch of g (bit-identical
+            # to the flat one), then the reference's dy / dw in XLA ([C, W] f32
+            # temporaries, as the reference backend).
+            g_rows = dispatch_raw(g.astype(y.dtype), None, handle, cfg)[0].astype(jnp.float32)
+            dy = (w[:, None] * g_rows).astype(y.dtype)
+            dw = jnp.sum(g_rows * y.astype(jnp.float32), axis=1)
+            return dy, dw
         # combine's output is in y's dtype, so its cotangent is too
         return combine_bwd_raw(g.astype(y.dtype), y, w, handle, cfg)
 

@@ -115,9 +115,11 @@ def is_initialized() -> bool:
 
 
 def info() -> Optional[dict]:
-    """``{my_pe, n_pes, sym_bytes, device, num_sms, ll_shape, ll_bytes}`` of the
-    live runtime, or None. ``ll_shape``: (E, Tmax, K, H) of the low-latency
-    region (zeros when there is none), ``ll_bytes`` its size."""
+    """``{my_pe, n_pes, sym_bytes, device, num_sms, ll_shape, ll_bytes,
+    inter_shape, inter_bytes}`` of the live runtime, or None. ``ll_shape``:
+    (E, Tmax, K, H) of the low-latency region (zeros when there is none),
+    ``ll_bytes`` its size; ``inter_shape``: (nodes, ranks, T, H) of the
+    internode region, ``inter_bytes`` its size."""
     C = _extension()
     return C.runtime_info() if C is not None else None
 
@@ -191,6 +193,27 @@ def ll_shape_of(config) -> tuple:
     return (config.num_experts, config.max_tokens_per_rank, config.topk, config.hidden)
 
 
+def internode_shape_of(configs, ranks: int) -> tuple:
+    """(nodes, ranks, T, H) of the internode region for the configs given to
+    :func:`initialize`, or zeros when none has ``num_nodes > 1``. The region
+    is laid out for the largest ``max_tokens_per_rank`` and ``hidden`` of
+    them (calls may use any T up to it); ``ranks`` is the EP size initialize
+    assumes (every process, or every GPU with peer memory). Configs must agree
+    on ``num_nodes`` (one region, one node split to size it for)."""
+    inter = [c for c in configs if c.num_nodes > 1]
+    if not inter:
+        return (0, 0, 0, 0)
+    nodes = {c.num_nodes for c in inter}
+    if len(nodes) > 1:
+        raise ValueError(f"jax_ep.initialize: configs with different num_nodes {sorted(nodes)}; "
+                         "the internode region is sized for one")
+    N = nodes.pop()
+    if ranks % N != 0:
+        raise ValueError(f"jax_ep.initialize: EpConfig.num_nodes ({N}) must divide the "
+                         f"{ranks} EP ranks of this job")
+    return (N, ranks, max(c.max_tokens_per_rank for c in inter), max(c.hidden for c in inter))
+
+
 def low_latency_region_bytes(config) -> int:
     """Bytes of the low-latency region ``initialize(low_latency=config)`` adds to
     each GPU's buffer: both call parities of ``E * Tmax`` dispatch rows (bf16
@@ -248,7 +271,10 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
         else 1 GiB). It comes out of the GPU memory JAX did not preallocate;
         lower ``XLA_PYTHON_CLIENT_MEM_FRACTION`` if it does not fit.
       config: an :class:`EpConfig` (or a list of them) to size the buffer
-        for: the largest ``config.native_buffer_bytes(process_count)``.
+        for: the largest ``config.native_buffer_bytes(process_count)``. When
+        any has ``num_nodes > 1``, an internode region is appended after the
+        other regions (:func:`internode_shape_of`; added even when
+        ``buffer_bytes`` is given, which sizes only the normal buffer).
       transport: ``"auto"`` (NVSHMEM, one GPU per process), ``"nvshmem"`` or
         ``"peer_memory"`` (one process, several GPUs; not yet validated on GPUs).
       low_latency: the decode :class:`EpConfig` (``num_experts``,
@@ -281,20 +307,25 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
     C = _extension()
     if C is None:
         return _not_up(unavailable_reason())
-    if buffer_bytes is None and config is not None:
+    cfgs = [] if config is None else (list(config) if isinstance(config, (list, tuple))
+                                      else [config])
+    ranks = 1
+    if cfgs:
         import jax
 
-        cfgs = config if isinstance(config, (list, tuple)) else [config]
         # EP ranks: the processes (one GPU each), or every GPU of this process
-        ranks = (len([d for d in jax.local_devices() if d.platform == "gpu"])
-                 if transport == "peer_memory" else jax.process_count())
-        buffer_bytes = max(c.native_buffer_bytes(max(ranks, 1)) for c in cfgs)
+        ranks = max(1, (len([d for d in jax.local_devices() if d.platform == "gpu"])
+                        if transport == "peer_memory" else jax.process_count()))
+    if buffer_bytes is None and cfgs:
+        buffer_bytes = max(c.native_buffer_bytes(ranks) for c in cfgs)
     buffer_bytes = DEFAULT_BUFFER_BYTES if buffer_bytes is None else int(buffer_bytes)
     if buffer_bytes < 1:
         raise ValueError(f"jax_ep.initialize: buffer_bytes must be positive, got {buffer_bytes}")
     ll_shape = ll_shape_of(low_latency)
     ll_bytes = int(C.ll_region_size(ll_shape))
-    need_heap = buffer_bytes + ll_bytes + 256
+    inter_shape = internode_shape_of(cfgs, ranks)
+    inter_bytes = int(C.internode_region_bytes(*inter_shape))
+    need_heap = buffer_bytes + ll_bytes + 256 + inter_bytes + 256   # regions start 256-aligned
 
     import jax
 
@@ -303,7 +334,7 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
     if not gpus:
         return _not_up("no CUDA GPU visible to JAX in this process")
     if transport == "peer_memory":
-        return _attach_peer_memory(C, gpus, buffer_bytes, ll_shape)
+        return _attach_peer_memory(C, gpus, buffer_bytes, ll_shape, inter_shape)
     if len(gpus) != 1:
         return _not_up(
             f"this process drives {len(gpus)} GPUs; the NVSHMEM transport needs one GPU per "
@@ -313,15 +344,16 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
     device = int(gpus[0].local_hardware_id)
     rank, nranks = jax.process_index(), jax.process_count()
     _register_targets()
-    _set_nvshmem_env(need_heap)   # the region starts 256-aligned
+    _set_nvshmem_env(need_heap)
     if _state["nvshmem_up"] and _state.get("heap_bytes") and need_heap > _state["heap_bytes"]:
         # NVSHMEM stayed up (JAX_EP_KEEP_NVSHMEM=1, or started by XLA): its heap
         # was sized when it started and does not grow.
         raise RuntimeError(
             f"jax_ep.initialize: buffer {buffer_bytes >> 20} MiB + low-latency region "
-            f"{ll_bytes >> 20} MiB exceed the NVSHMEM symmetric heap NVSHMEM started with "
-            f"({_state['heap_bytes'] >> 20} MiB); initialize the largest configuration first, or "
-            "set NVSHMEM_SYMMETRIC_SIZE before the first initialize")
+            f"{ll_bytes >> 20} MiB + internode region {inter_bytes >> 20} MiB exceed the NVSHMEM "
+            f"symmetric heap NVSHMEM started with ({_state['heap_bytes'] >> 20} MiB); initialize "
+            "the largest configuration first, or set NVSHMEM_SYMMETRIC_SIZE before the first "
+            "initialize")
 
     if not _state["nvshmem_up"]:
         # Same answer on every rank (same JAX settings), so no rank is left
@@ -331,7 +363,8 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
         if heap > free:
             raise RuntimeError(
                 f"jax_ep.initialize: the NVSHMEM symmetric heap ({heap >> 20} MiB for "
-                f"buffer_bytes={buffer_bytes} + a low-latency region of {ll_bytes}) does not fit in the {free >> 20} MiB of GPU memory "
+                f"buffer_bytes={buffer_bytes} + regions of {ll_bytes + inter_bytes} bytes) does not "
+                f"fit in the {free >> 20} MiB of GPU memory "
                 "JAX left free; lower XLA_PYTHON_CLIENT_MEM_FRACTION (now "
                 f"{os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION', 'unset: 0.75')}) or set "
                 "XLA_PYTHON_CLIENT_PREALLOCATE=false before JAX starts, or pass a smaller "
@@ -346,14 +379,15 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
             _state["owns_nvshmem"] = C.nvshmem_init(uid, rank, nranks, device)
         _state["nvshmem_up"] = True
         _state["heap_bytes"] = int(os.environ["NVSHMEM_SYMMETRIC_SIZE"])
-    C.runtime_attach(device, buffer_bytes, ll_shape)  # raises naming XLA_PYTHON_CLIENT_MEM_FRACTION
+    # raises naming XLA_PYTHON_CLIENT_MEM_FRACTION
+    C.runtime_attach(device, buffer_bytes, ll_shape, inter_shape)
     _state["initialized"] = True
     _state["transport"] = "nvshmem"
     _state["reason"] = ""
     return True
 
 
-def _attach_peer_memory(C, gpus, buffer_bytes: int, ll_shape: tuple) -> bool:
+def _attach_peer_memory(C, gpus, buffer_bytes: int, ll_shape: tuple, inter_shape: tuple) -> bool:
     """One process, several GPUs: a buffer per GPU, peer access between all."""
     import jax
 
@@ -364,7 +398,8 @@ def _attach_peer_memory(C, gpus, buffer_bytes: int, ll_shape: tuple) -> bool:
     _register_targets()
     # The lowering names each GPU by its CUDA ordinal (jax_ep._ffi.pe_of_device),
     # which is also XLA's device ordinal in the FFI call.
-    C.peer_memory_attach([int(d.local_hardware_id) for d in gpus], buffer_bytes, ll_shape)
+    C.peer_memory_attach([int(d.local_hardware_id) for d in gpus], buffer_bytes, ll_shape,
+                         inter_shape)
     _state["initialized"] = True
     _state["transport"] = "peer_memory"
     _state["reason"] = ""

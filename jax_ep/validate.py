@@ -38,6 +38,7 @@ def axis_size(cfg: EpConfig) -> int:
             f"{where}: call jax_ep inside jax.shard_map over a mesh that has an axis named "
             f"{cfg.axis_name!r}, or set EpConfig.axis_name to one of them") from None
     cfg.local_experts(R)  # E % R check
+    cfg.ranks_per_node(R)  # R % num_nodes check
     return R
 
 

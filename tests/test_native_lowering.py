@@ -109,3 +109,45 @@ def test_native_calls_match_cc_bindings(native_everywhere, layout, variant):
         assert (n_ops, n_res, attrs) == (b_ops, b_res, b_attrs), (
             f"{target}: lowered with {n_ops} operands, {n_res} results, attributes "
             f"{sorted(attrs)}; cc binds {b_ops}, {b_res}, {sorted(b_attrs)}")
+
+
+@pytest.mark.parametrize("layout", ["expert_major", "rank_major"])
+@pytest.mark.parametrize("variant", ["bf16", "fp8"])
+def test_internode_calls_match_cc_bindings(native_everywhere, layout, variant):
+    """EpConfig.num_nodes > 1 lowers to the internode targets only (2 nodes x 2
+    ranks on an EP axis of 4), with their bindings; the expert_major backward
+    is the internode dispatch (no fused combine_bwd)."""
+    mesh = make_mesh((2, 4), ("data", "ep"))
+    T, H, K, E = 4, 128, 2, 8
+    cfg = jax_ep.EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
+                          backend="native", num_nodes=2, num_sms=7,
+                          fp8_dispatch=variant == "fp8")
+
+    def layer(x, idx, w):
+        d = jax_ep.dispatch(x, idx, w, cfg)
+        return jax_ep.combine((d.x.astype(jnp.float32) * 2.0).astype(x.dtype), d, cfg)
+
+    tok = P(("data", "ep"))
+    f = jax.shard_map(layer, mesh=mesh, in_specs=(tok,) * 3, out_specs=tok)
+    x = np.random.rand(32, H).astype(np.float32)
+    idx = np.random.randint(0, E, (32, K)).astype(np.int32)
+    w = np.random.rand(32, K).astype(np.float32)
+    if variant == "fp8":
+        text = jax.jit(f).lower(x, idx, w).as_text()
+    else:
+        text = jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, idx, w)), argnums=(0, 1))).lower(
+            x, w).as_text()
+    binds = _bindings()
+    calls = _calls(text)
+    names = {c[0] for c in calls}
+    assert {"jax_ep_internode_dispatch", "jax_ep_internode_combine"} <= names, names
+    assert not names & {"jax_ep_dispatch", "jax_ep_combine", "jax_ep_combine_bwd"}, names
+    if variant == "bf16":  # forward dispatch + combine's backward; combine + dispatch's backward
+        assert sum(c[0] == "jax_ep_internode_dispatch" for c in calls) == 2
+        assert sum(c[0] == "jax_ep_internode_combine" for c in calls) == 2
+    assert re.search(r"nodes = 2 : i32", text) and re.search(r"num_sms = 7 : i32", text)
+    for target, n_ops, n_res, attrs in calls:
+        b_ops, b_res, b_attrs = binds[target]
+        assert (n_ops, n_res, attrs) == (b_ops, b_res, b_attrs), (
+            f"{target}: lowered with {n_ops} operands, {n_res} results, attributes "
+            f"{sorted(attrs)}; cc binds {b_ops}, {b_res}, {sorted(b_attrs)}")

@@ -38,11 +38,15 @@ struct InterDispatchArgs {
   DispatchArgs a;
   int nodes = 1;   // N; G = a.peers.num_ranks / N
   size_t sym_bytes = 0;  // the region: byte 0 of every rank's buffer (same size everywhere)
+  // > 0: the region is laid out for this T whatever the call's T (<= it):
+  // inter_layout's fixed_T (the runtime's region); 0: laid out for a.T.
+  int layout_T = 0;
 };
 struct InterCombineArgs {
   CombineArgs a;
   int nodes = 1;
   size_t sym_bytes = 0;
+  int layout_T = 0;  // as InterDispatchArgs::layout_T
 };
 
 // "" or why the shape does not fit (checked before launching).

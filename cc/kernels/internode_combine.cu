@@ -35,11 +35,12 @@ inter_combine_kernel(InterCombineArgs ia, InterLaunch lc) {
   const int me = a.peers.rank, R = a.peers.num_ranks, N = ia.nodes, G = R / N;
   const int my_node = me / G, my_g = me % G;
   const int NT = a.T, chunk = lc.chunk, NC = (NT + chunk - 1) / chunk;
-  const InterLayout lay = inter_layout(ia.sym_bytes, N, G, NT);
+  const InterLayout lay = inter_layout(ia.sym_bytes, N, G, NT, ia.layout_T);
+  const int LT = lay.T;  // token stride of every flag and data area (>= NT)
   InterCtrl* ctrl = inter_ctrl(a.peers, lay, kInterCombine);
   const unsigned int epoch = ld_volatile(&ctrl->epoch) + 1u;
   const InterCombineAreas ar =
-      inter_combine_areas(lay.op_base(kInterCombine, epoch & 1u), N, G, NT, a.row_bytes);
+      inter_combine_areas(lay.op_base(kInterCombine, epoch & 1u), N, G, LT, a.row_bytes);
   const unsigned long long tag = chunk_tag(epoch, 0);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const char* y = static_cast<const char*>(a.y);
@@ -53,7 +54,7 @@ inter_combine_kernel(InterCombineArgs ia, InterLaunch lc) {
     const int nw = gridDim.x * lc.send_warps;
     for (int it = blockIdx.x * lc.send_warps + warp; it < NC * R; it += nw) {
       const int j = it / R, s = it % R, ns = s / G, f = my_node * G + s % G;
-      const size_t base = (size_t(my_g) * N + ns) * NT;
+      const size_t base = (size_t(my_g) * N + ns) * LT;
       for (int t = j * chunk; t < min(NT, (j + 1) * chunk); ++t) {
         bool received;
         const int n = slot_rows(a, s, t, rows, w, &received, lane);
@@ -81,22 +82,22 @@ inter_combine_kernel(InterCombineArgs ia, InterLaunch lc) {
     for (int it = blockIdx.x * lc.fwd_warps + warp - lc.send_warps; it < NC * N; it += nw) {
       const int j = it / N, ns = it % N, s = ns * G + my_g;
       for (int gg = 0; gg < G; ++gg)
-        wait_local(a.peers, lay.c_nvl_ready + ((size_t(gg) * N + ns) * NT + j) * 8, tag,
+        wait_local(a.peers, lay.c_nvl_ready + ((size_t(gg) * N + ns) * LT + j) * 8, tag,
                    a.host_err, a.timeout_ns);
       for (int t = j * chunk; t < min(NT, (j + 1) * chunk); ++t) {
         const char* src[kMaxRanks];
         int q = 0;
         for (int gg = 0; gg < G; ++gg) {
-          const size_t slot = (size_t(gg) * N + ns) * NT + t;
+          const size_t slot = (size_t(gg) * N + ns) * LT + t;
           if (cnvl_meta[slot]) src[q++] = cnvl_rows + slot * RB;
         }
         if (!q) continue;  // t reached no rank of this node: the source expects nothing
-        char* dst = net_dst(a.peers, s, ar.cnet_rows + (size_t(my_node) * NT + t) * RB);
+        char* dst = net_dst(a.peers, s, ar.cnet_rows + (size_t(my_node) * LT + t) * RB);
         warp_combine_token<T, V>(src, q, -1, nullptr, RB, nullptr, nullptr, 0, false, dst, 0, RB,
                                  lane);
       }
       __syncwarp();
-      if (lane == 0) net_signal(a.peers, s, lay.c_net_ready + (size_t(my_node) * NT + j) * 8, tag);
+      if (lane == 0) net_signal(a.peers, s, lay.c_net_ready + (size_t(my_node) * LT + j) * 8, tag);
       __syncwarp();
     }
   } else {
@@ -106,7 +107,7 @@ inter_combine_kernel(InterCombineArgs ia, InterLaunch lc) {
     for (int j = blockIdx.x * lc.recv_warps + warp - lc.send_warps - lc.fwd_warps; j < NC;
          j += nw) {
       for (int nd = 0; nd < N; ++nd)
-        wait_local(a.peers, lay.c_net_ready + (size_t(nd) * NT + j) * 8, tag, a.host_err,
+        wait_local(a.peers, lay.c_net_ready + (size_t(nd) * LT + j) * 8, tag, a.host_err,
                    a.timeout_ns);
       for (int t = j * chunk; t < min(NT, (j + 1) * chunk); ++t) {
         const bool* mb = a.send_mask + static_cast<long long>(t) * R;
@@ -115,7 +116,7 @@ inter_combine_kernel(InterCombineArgs ia, InterLaunch lc) {
         for (int nd = 0; nd < N; ++nd) {
           bool any = false;
           for (int gg = 0; gg < G; ++gg) any |= mb[nd * G + gg];
-          if (any) src[q++] = cnet_rows + (size_t(nd) * NT + t) * RB;
+          if (any) src[q++] = cnet_rows + (size_t(nd) * LT + t) * RB;
         }
         char* out = static_cast<char*>(a.out) + static_cast<long long>(t) * RB;
         if (!q) warp_zero_row<V>(out, RB, lane);
@@ -152,9 +153,11 @@ const char* inter_combine_check(const InterCombineArgs& ia) {
   if (a.K > kMaxK) return "internode combine: top-k above 32";
   if (a.dtype != kBf16 && a.dtype != kF16 && a.dtype != kF32)
     return "internode combine: dtype must be bf16, f16 or f32";
+  if (ia.layout_T > 0 && a.T > ia.layout_T)
+    return "internode combine: T above the T the internode region was laid out for";
   const int G = R / ia.nodes;
-  const InterLayout lay = inter_layout(ia.sym_bytes, ia.nodes, G, a.T);
-  if (inter_combine_areas(0, ia.nodes, G, a.T, a.row_bytes).end > lay.op_bytes / 2)
+  const InterLayout lay = inter_layout(ia.sym_bytes, ia.nodes, G, a.T, ia.layout_T);
+  if (inter_combine_areas(0, ia.nodes, G, lay.T, a.row_bytes).end > lay.op_bytes / 2)
     return "internode combine: the buffer is smaller than internode_buffer_bytes()";
   return "";
 }

@@ -36,11 +36,12 @@ inter_dispatch_kernel(InterDispatchArgs ia, InterLaunch lc) {
   const int me = a.peers.rank, R = a.peers.num_ranks, N = ia.nodes, G = R / N;
   const int my_node = me / G, my_g = me % G;
   const int T = a.T, chunk = lc.chunk, NC = (T + chunk - 1) / chunk;
-  const InterLayout lay = inter_layout(ia.sym_bytes, N, G, T);
+  const InterLayout lay = inter_layout(ia.sym_bytes, N, G, T, ia.layout_T);
+  const int LT = lay.T;  // token stride of every flag and data area (>= T)
   InterCtrl* ctrl = inter_ctrl(a.peers, lay, kInterDispatch);
   const unsigned int epoch = ld_volatile(&ctrl->epoch) + 1u;
   const InterDispatchAreas ar = inter_dispatch_areas(lay.op_base(kInterDispatch, epoch & 1u), N,
-                                                     G, T, a.row_bytes, a.s_row_bytes);
+                                                     G, LT, a.row_bytes, a.s_row_bytes);
   const unsigned long long tag = chunk_tag(epoch, 0);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int v = row_vec_bytes(a.row_bytes);
@@ -59,7 +60,7 @@ inter_dispatch_kernel(InterDispatchArgs ia, InterLaunch lc) {
           for (int gg = 0; gg < G; ++gg)
             if (a.send_mask[static_cast<long long>(t) * R + lane * G + gg]) m |= 1u << gg;
         const unsigned int nodes = __ballot_sync(0xffffffffu, m != 0);
-        const size_t slot = size_t(my_node) * T + t;
+        const size_t slot = size_t(my_node) * LT + t;
         if (lane < N)
           *reinterpret_cast<uint32_t*>(net_dst(a.peers, lane * G + my_g, ar.net_meta + slot * 4)) = m;
         char* dst[kMaxRanks];
@@ -77,7 +78,7 @@ inter_dispatch_kernel(InterDispatchArgs ia, InterLaunch lc) {
       }
       __syncwarp();
       if (lane < N)
-        net_signal(a.peers, lane * G + my_g, lay.d_net_ready + (size_t(my_node) * T + j) * 8, tag);
+        net_signal(a.peers, lane * G + my_g, lay.d_net_ready + (size_t(my_node) * LT + j) * 8, tag);
       __syncwarp();
     }
   } else if (warp < lc.send_warps + lc.fwd_warps) {
@@ -88,15 +89,15 @@ inter_dispatch_kernel(InterDispatchArgs ia, InterLaunch lc) {
     const uint32_t* net_meta = reinterpret_cast<const uint32_t*>(peer_ptr(a.peers, me, ar.net_meta));
     for (int it = blockIdx.x * lc.fwd_warps + warp - lc.send_warps; it < NC * N; it += nw) {
       const int j = it / N, ns = it % N, s = ns * G + my_g;  // chunk-major: early chunks first
-      wait_local(a.peers, lay.d_net_ready + (size_t(ns) * T + j) * 8, tag, a.host_err, a.timeout_ns);
+      wait_local(a.peers, lay.d_net_ready + (size_t(ns) * LT + j) * 8, tag, a.host_err, a.timeout_ns);
       for (int t = j * chunk; t < min(T, (j + 1) * chunk); ++t) {
-        const size_t slot = size_t(ns) * T + t;
+        const size_t slot = size_t(ns) * LT + t;
         const unsigned int m = net_meta[slot];
         if (!m) continue;
         char* dst[kMaxRanks];
         char* dsts[kMaxRanks];
         int n = 0;
-        const size_t out_slot = size_t(s) * T + t;
+        const size_t out_slot = size_t(s) * LT + t;
         for (int gg = 0; gg < G; ++gg) {
           if (!((m >> gg) & 1u)) continue;
           dst[n] = nvl_dst(a.peers, my_node * G + gg, ar.nvl_rows + out_slot * RB);
@@ -111,7 +112,7 @@ inter_dispatch_kernel(InterDispatchArgs ia, InterLaunch lc) {
       }
       __syncwarp();
       if (lane < G)
-        nvl_signal(a.peers, my_node * G + lane, lay.d_nvl_ready + (size_t(s) * T + j) * 8, tag);
+        nvl_signal(a.peers, my_node * G + lane, lay.d_nvl_ready + (size_t(s) * LT + j) * 8, tag);
       __syncwarp();
     }
   } else {
@@ -132,7 +133,7 @@ inter_dispatch_kernel(InterDispatchArgs ia, InterLaunch lc) {
         continue;
       }
       const int j = it / R, s = it % R;
-      const size_t flag = lay.d_nvl_ready + (size_t(s) * T + j) * 8;
+      const size_t flag = lay.d_nvl_ready + (size_t(s) * LT + j) * 8;
       if (!ready_local(a.peers, flag, tag)) {
         const int z = zc.pop(a, lane);
         if (z >= 0) {
@@ -145,7 +146,7 @@ inter_dispatch_kernel(InterDispatchArgs ia, InterLaunch lc) {
       for (int t = j * chunk; t < min(T, (j + 1) * chunk); ++t) {
         const int n = gather_rows(a, s, t, rows, srows, lane);
         if (n == 0) continue;
-        const size_t slot = size_t(s) * T + t;
+        const size_t slot = size_t(s) * LT + t;
         warp_copy_row_any(nvl_rows + slot * RB, reinterpret_cast<void* const*>(rows), n, 0, RB, v,
                           lane);
         if (SB)
@@ -183,9 +184,11 @@ const char* inter_dispatch_check(const InterDispatchArgs& ia) {
     return "internode dispatch: the fused combine backward is not implemented";
   if ((a.mode == kDispatchCastBf16 || a.mode == kDispatchCastF32) && a.hidden % 128 != 0)
     return "internode dispatch: hidden % 128";
+  if (ia.layout_T > 0 && a.T > ia.layout_T)
+    return "internode dispatch: T above the T the internode region was laid out for";
   const int G = R / ia.nodes;
-  const InterLayout lay = inter_layout(ia.sym_bytes, ia.nodes, G, a.T);
-  const InterDispatchAreas ar = inter_dispatch_areas(0, ia.nodes, G, a.T, a.row_bytes, a.s_row_bytes);
+  const InterLayout lay = inter_layout(ia.sym_bytes, ia.nodes, G, a.T, ia.layout_T);
+  const InterDispatchAreas ar = inter_dispatch_areas(0, ia.nodes, G, lay.T, a.row_bytes, a.s_row_bytes);
   if (ar.end > lay.op_bytes / 2)
     return "internode dispatch: the buffer is smaller than internode_buffer_bytes()";
   return "";

@@ -97,36 +97,60 @@ struct InterLayout {
   }
 };
 
+// Flag words per flag array: (N x T, N*G x T, G*N x T, N x T), or with
+// fixed_T > 0 (the runtime's region, cc/ffi_internode.cc) kMaxRanks x fixed_T
+// for every array: then no flag offset depends on the call's T or node split,
+// so calls of any shape share the region and a flag word only ever holds tags
+// (a data word left where a later call's flag lies could pass for a tag).
+struct InterFlagRows {
+  size_t t = 1, net = 0, nvl = 0, cnvl = 0, cnet = 0;
+};
+__host__ __device__ inline InterFlagRows inter_flag_rows(int N, int G, int T, int fixed_T) {
+  InterFlagRows f;
+  if (fixed_T > 0) {
+    f.t = size_t(fixed_T);
+    f.net = f.nvl = f.cnvl = f.cnet = size_t(kMaxRanks);
+  } else {
+    f.t = size_t(T > 0 ? T : 1);
+    f.net = f.cnet = size_t(N);
+    f.nvl = f.cnvl = size_t(N) * size_t(G);
+  }
+  return f;
+}
+
 // Bytes before the data: control and flags.
-inline size_t inter_head_bytes(int N, int G, int T) {
-  const size_t t = size_t(T > 0 ? T : 1), n = size_t(N), g = size_t(G);
+inline size_t inter_head_bytes(int N, int G, int T, int fixed_T = 0) {
+  const InterFlagRows f = inter_flag_rows(N, G, T, fixed_T);
   size_t o = inter_align(2 * sizeof(InterCtrl));
-  o = inter_align(o + n * t * 8);
-  o = inter_align(o + n * g * t * 8);
-  o = inter_align(o + g * n * t * 8);
-  o = inter_align(o + n * t * 8);
+  o = inter_align(o + f.net * f.t * 8);
+  o = inter_align(o + f.nvl * f.t * 8);
+  o = inter_align(o + f.cnvl * f.t * 8);
+  o = inter_align(o + f.cnet * f.t * 8);
   return o;
 }
 
 // The region in a buffer of sym_bytes: the data after the head, split evenly
-// between the two ops (op_bytes 0 when the head does not fit).
-__host__ __device__ inline InterLayout inter_layout(size_t sym_bytes, int N, int G, int T) {
+// between the two ops (op_bytes 0 when the head does not fit). fixed_T > 0:
+// the layout of the runtime's region (see InterFlagRows); y.T is then fixed_T,
+// the token stride of every flag and data area (calls have T <= fixed_T).
+__host__ __device__ inline InterLayout inter_layout(size_t sym_bytes, int N, int G, int T,
+                                                    int fixed_T = 0) {
   InterLayout y;
   y.N = N;
   y.G = G;
-  y.T = T > 0 ? T : 1;
-  const size_t t = size_t(y.T), n = size_t(N), g = size_t(G);
+  const InterFlagRows f = inter_flag_rows(N, G, T, fixed_T);
+  y.T = int(f.t);
   size_t o = 0;
   y.ctrl = o;
   o = inter_align(o + 2 * sizeof(InterCtrl));
   y.d_net_ready = o;
-  o = inter_align(o + n * t * 8);
+  o = inter_align(o + f.net * f.t * 8);
   y.d_nvl_ready = o;
-  o = inter_align(o + n * g * t * 8);
+  o = inter_align(o + f.nvl * f.t * 8);
   y.c_nvl_ready = o;
-  o = inter_align(o + g * n * t * 8);
+  o = inter_align(o + f.cnvl * f.t * 8);
   y.c_net_ready = o;
-  o = inter_align(o + n * t * 8);
+  o = inter_align(o + f.cnet * f.t * 8);
   y.data = o;
   y.op_bytes = sym_bytes > o ? ((sym_bytes - o) / 2) & ~(2 * kRegionAlign - 1) : 0;
   return y;
@@ -141,6 +165,21 @@ inline size_t internode_buffer_bytes(int N, int G, int T, long long row_bytes,
   const size_t c = inter_combine_areas(0, N, G, T > 0 ? T : 1, comb_row_bytes).end;
   const size_t half = inter_align(d > c ? d : c);
   return inter_head_bytes(N, G, T) + 4 * half + 4 * kRegionAlign;
+}
+
+// The runtime's internode region (Runtime::inter_off, jax_ep.initialize with
+// an EpConfig of num_nodes > 1): the fixed_T = T layout, data sized for N
+// nodes of ceil(R / N) ranks (a smaller EP group with N nodes fits too), rows
+// of the widest dtype: dispatch f32 rows of `hidden` (+ hidden / 128 f32
+// scales), combine f32 rows. 0 when N <= 1.
+inline size_t internode_region_bytes(int N, int R, int T, int hidden) {
+  if (N <= 1 || R < 1 || T < 1 || hidden < 1) return 0;
+  const int G = (R + N - 1) / N;
+  const long long row = 4LL * hidden, srow = 4LL * (hidden / 128);
+  const size_t d = inter_dispatch_areas(0, N, G, T, row, srow).end;
+  const size_t c = inter_combine_areas(0, N, G, T, row).end;
+  const size_t half = inter_align(d > c ? d : c);
+  return inter_head_bytes(N, G, T, T) + 4 * half + 4 * kRegionAlign;
 }
 
 }  // namespace jax_ep

@@ -1,0 +1,125 @@
+"""EpConfig.num_nodes (the hierarchical kernels' node split) on CPU: the
+config and trace-time checks, the reference backend ignoring it, and the
+internode region's sizing (through the extension: skipped without it)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from jax_ep import runtime
+from ep_testing import make_mesh, random_routing
+
+R, T, H, K, E = 8, 4, 256, 2, 16
+
+
+def _cfg(**kw):
+    base = dict(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, backend="reference")
+    base.update(kw)
+    return jax_ep.EpConfig(**base)
+
+
+def test_default_is_one_node():
+    assert _cfg().num_nodes == 1
+    assert _cfg() == _cfg(num_nodes=1) and hash(_cfg()) == hash(_cfg(num_nodes=1))
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "2", None])
+def test_num_nodes_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match="EpConfig.num_nodes must be a positive int"):
+        _cfg(num_nodes=bad)
+
+
+def test_num_nodes_numpy_int_is_plain():
+    c = _cfg(num_nodes=np.int64(2))
+    assert c.num_nodes == 2 and type(c.num_nodes) is int
+
+
+def test_ranks_per_node():
+    assert _cfg(num_nodes=2).ranks_per_node(8) == 4
+    assert _cfg(num_nodes=8).ranks_per_node(8) == 1
+    with pytest.raises(ValueError, match=r"num_nodes \(3\) must divide the size of axis 'ep' \(8\)"):
+        _cfg(num_nodes=3).ranks_per_node(8)
+
+
+def _run(cfg, x, idx, w, grad=False):
+    mesh = make_mesh((R,), ("ep",))
+    spec = P("ep")
+
+    def layer(x, idx, w):
+        d = jax_ep.dispatch(x, idx, w, cfg)
+        return jax_ep.combine(d.x * 2, d, cfg)
+
+    f = jax.shard_map(layer, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+    if grad:
+        return jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, idx, w) ** 2), argnums=(0, 1)))(x, w)
+    return jax.jit(f)(x, idx, w)
+
+
+@pytest.mark.parametrize("nodes", [3, 16])
+def test_trace_time_error_when_nodes_do_not_split_the_axis(nodes):
+    x = jnp.zeros((R * T, H), jnp.bfloat16)
+    idx = jnp.zeros((R * T, K), jnp.int32)
+    w = jnp.ones((R * T, K), jnp.float32)
+    with pytest.raises(ValueError, match=f"num_nodes \\({nodes}\\) must divide"):
+        _run(_cfg(num_nodes=nodes), x, idx, w)
+
+
+@pytest.mark.parametrize("layout", ["expert_major", "rank_major"])
+def test_reference_backend_ignores_num_nodes(layout):
+    rng = np.random.default_rng(0)
+    idx = jnp.asarray(random_routing(rng, R, T, K, E).reshape(R * T, K))
+    x = jnp.asarray(rng.standard_normal((R * T, H)), jnp.float32)
+    w = jnp.asarray(rng.random((R * T, K)), jnp.float32)
+    flat, hier = _cfg(layout=layout), _cfg(layout=layout, num_nodes=2)
+    np.testing.assert_array_equal(np.asarray(_run(flat, x, idx, w)),
+                                  np.asarray(_run(hier, x, idx, w)))
+    for a, b in zip(_run(flat, x, idx, w, grad=True), _run(hier, x, idx, w, grad=True)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_internode_shape_of():
+    one, two = _cfg(), _cfg(num_nodes=2)
+    assert runtime.internode_shape_of([], 8) == (0, 0, 0, 0)
+    assert runtime.internode_shape_of([one], 8) == (0, 0, 0, 0)
+    big = _cfg(num_nodes=2, max_tokens_per_rank=64, hidden=512)
+    # largest T and H of the internode configs; single-node configs do not count
+    assert runtime.internode_shape_of([one, two, big], 8) == (2, 8, 64, 512)
+    with pytest.raises(ValueError, match="different num_nodes"):
+        runtime.internode_shape_of([two, _cfg(num_nodes=4)], 8)
+    with pytest.raises(ValueError, match="must divide the 6 EP ranks"):
+        runtime.internode_shape_of([_cfg(num_nodes=4)], 6)
+
+
+C = runtime._extension()
+needs_ext = pytest.mark.skipif(C is None, reason="needs the jax_ep._C extension")
+
+
+@needs_ext
+def test_region_bytes_zero_for_one_node():
+    assert _cfg().native_internode_bytes(8) == 0
+    assert C.internode_region_bytes(1, 8, 4096, 7168) == 0
+
+
+@needs_ext
+@pytest.mark.parametrize("N,Rk", [(2, 2), (2, 8), (4, 8), (8, 8)])
+def test_region_holds_both_ops_at_f32_rows(N, Rk):
+    """The data of each op and parity, (N + R) * T rows of f32 (+ scales and
+    per-slot words), fits a quarter of the region; the region grows with T and
+    H, and is the EpConfig method's number."""
+    Tk, Hk = 512, 1024
+    got = C.internode_region_bytes(N, Rk, Tk, Hk)
+    rows = (N + Rk) * Tk * 4 * Hk
+    assert 4 * rows < got < 4 * rows * 1.1 + (1 << 20)
+    assert C.internode_region_bytes(N, Rk, 2 * Tk, Hk) > got
+    assert C.internode_region_bytes(N, Rk, Tk, 2 * Hk) > got
+    cfg = _cfg(num_nodes=N, max_tokens_per_rank=Tk, hidden=Hk)
+    assert cfg.native_internode_bytes(Rk) == got
+
+
+@needs_ext
+def test_region_at_v3_train_2x4():
+    # f32-wide rows, no bounded rings yet: documented in docs/internode.md
+    got = C.internode_region_bytes(2, 8, 4096, 7168)
+    assert 4.5e9 < got < 5.0e9
