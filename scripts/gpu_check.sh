@@ -13,7 +13,8 @@
 # (GPU_TESTS="tests/gpu/test_loopback_ll.py", TEST_TIMEOUT=500: the fp8 / bf16
 # workers' R 8 cases are slow) and the internode bench's fp8 / expert_major
 # rows (the one-GPU bench branch below, LOOPBACK_TIMEOUT). On 2 GPUs: the
-# whole suite (test_native_low_latency.py at R = 2, test_peer_memory.py),
+# whole suite (test_native_low_latency.py at R = 2, test_native_internode.py:
+# the emulated 2-node path through JAX, never run yet, test_peer_memory.py),
 # bench/run.sh (ring kernels, and the low-latency bench with command buffers
 # off / on), the layer at every T and Mixtral with the alignment-64 default
 # (MOE_STEP_ARGS="--configs v3,mixtral --tokens 128,1024,4096,8192"), and
