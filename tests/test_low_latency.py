@@ -233,6 +233,18 @@ def test_low_latency_hook_reference():
             out = low_latency_combine(y, i, w, d.handle, cfg)
         return out, d.count
 
+    def ordered(x, i, w):   # after= only orders: same values
+        d1 = low_latency_dispatch(x, i, cfg)
+        d2 = low_latency_dispatch(x, i, cfg, after=d1.count)
+        y = d2.x.astype(jnp.float32) * jnp.repeat(d2.x_scales, 128, axis=-1)
+        o1 = low_latency_combine(y.astype(jnp.bfloat16), i, w, d2.handle, cfg)
+        o2 = low_latency_combine(y.astype(jnp.bfloat16), i, w, d2.handle, cfg, after=o1)
+        return o1, o2, d1.count, d2.count
+
+    o1, o2, c1, c2 = run_per_rank(ordered, mesh, "ep", x, idx, w)
+    assert np.array_equal(np.asarray(o1), np.asarray(o2))
+    assert np.array_equal(np.asarray(c1), np.asarray(c2))
+
     a = run_per_rank(functools.partial(step, hooked=True), mesh, "ep", x, idx, w)
     b = run_per_rank(functools.partial(step, hooked=False), mesh, "ep", x, idx, w)
     for u, v in zip(a, b):
