@@ -7,6 +7,7 @@
 #include <functional>
 #include <iterator>
 
+#include "device_error.h"
 #include "kernels/intranode.h"
 
 namespace jax_ep {
@@ -18,6 +19,63 @@ PeerTable loopback_peers(const std::vector<uint64_t>& ptrs, int stride, int sym_
   p.num_ranks = R;
   for (int i = 0; i < R; ++i) p.peers[i] = reinterpret_cast<void*>(ptrs[stride * i + sym_index]);
   return p;
+}
+
+DispatchArgs loopback_dispatch_args(const std::vector<uint64_t>& ptrs,
+                                    const std::vector<int64_t>& ints, int R, int r) {
+  constexpr int kPtrs = int(std::size(kLoopbackDispatchPtrs));
+  static_assert(kPtrs == 11, "pointer layout below");
+  auto P = [&](int i) { return reinterpret_cast<void*>(ptrs[kPtrs * r + i]); };
+  DispatchArgs a;
+  a.peers = loopback_peers(ptrs, kPtrs, 7, R, r);
+  a.x = P(0);
+  a.scales = ints[6] && ints[7] == kDispatchCopy ? P(1) : nullptr;
+  a.out = P(2);
+  a.out_scales = P(3);
+  a.row_src = static_cast<const int32_t*>(P(4));
+  a.slot_row = static_cast<const int32_t*>(P(5));
+  a.send_mask = static_cast<const bool*>(P(6));
+  a.T = int(ints[0]);
+  a.K = int(ints[1]);
+  a.C = int(ints[2]);
+  a.hidden = int(ints[3]);
+  a.x_row_bytes = ints[4];
+  a.row_bytes = ints[5];
+  a.s_row_bytes = ints[6];
+  a.mode = int(ints[7]);
+  a.rank_major = ints[8] != 0;
+  a.scale_mode = int(ints[11]);
+  a.zero_tail = ints[12] != 0;
+  a.align = int(ints[13]);
+  a.dtype = int(ints[14]);
+  a.host_err = device_error_word();
+  a.timeout_ns = kLoopbackTimeoutNs;
+  return a;
+}
+
+CombineArgs loopback_combine_args(const std::vector<uint64_t>& ptrs,
+                                  const std::vector<int64_t>& ints, int R, int r) {
+  constexpr int kPtrs = int(std::size(kLoopbackCombinePtrs));
+  static_assert(kPtrs == 7, "pointer layout below");
+  auto P = [&](int i) { return reinterpret_cast<void*>(ptrs[kPtrs * r + i]); };
+  CombineArgs a;
+  a.peers = loopback_peers(ptrs, kPtrs, 6, R, r);
+  a.y = P(0);
+  a.row_weights = static_cast<const float*>(P(1));
+  a.slot_row = static_cast<const int32_t*>(P(2));
+  a.recv_local_idx = static_cast<const int32_t*>(P(3));
+  a.send_mask = static_cast<const bool*>(P(4));
+  a.out = P(5);
+  a.T = int(ints[0]);
+  a.K = int(ints[1]);
+  a.C = int(ints[2]);
+  a.W = int(ints[3]);
+  a.dtype = int(ints[4]);
+  a.row_bytes = ints[5];
+  a.rank_major = ints[6] != 0;
+  a.host_err = device_error_word();
+  a.timeout_ns = kLoopbackTimeoutNs;
+  return a;
 }
 
 // Every rank's blocks spin on each other's flags: all must be resident at once.
@@ -78,36 +136,13 @@ std::string loopback_dispatch(const std::vector<uint64_t>& ptrs, const std::vect
   static_assert(std::size(kLoopbackDispatchPtrs) == 11, "pointer layout below");
   auto P = [&](int r, int i) { return reinterpret_cast<void*>(ptrs[kPtrs * r + i]); };
   return run_ranks(R, iters, seconds, [&](int r, cudaStream_t st) {
-    DispatchArgs a;
-    a.peers = loopback_peers(ptrs, kPtrs, 7, R, r);
+    DispatchArgs a = loopback_dispatch_args(ptrs, ints, R, r);
     a.ctrl_off = ctrl_offset(sym_bytes, kOpDispatch);
-    a.x = P(r, 0);
-    a.scales = ints[6] && ints[7] == kDispatchCopy ? P(r, 1) : nullptr;
-    a.out = P(r, 2);
-    a.out_scales = P(r, 3);
-    a.row_src = static_cast<const int32_t*>(P(r, 4));
-    a.slot_row = static_cast<const int32_t*>(P(r, 5));
-    a.send_mask = static_cast<const bool*>(P(r, 6));
-    a.T = int(ints[0]);
-    a.K = int(ints[1]);
-    a.C = int(ints[2]);
-    a.hidden = int(ints[3]);
-    a.x_row_bytes = ints[4];
-    a.row_bytes = ints[5];
-    a.s_row_bytes = ints[6];
-    a.mode = int(ints[7]);
-    a.rank_major = ints[8] != 0;
-    a.scale_mode = int(ints[11]);
-    a.zero_tail = ints[12] != 0;
-    a.align = int(ints[13]);
-    a.dtype = int(ints[14]);
     if (a.mode == kDispatchCombineBwd) {
       a.y = P(r, 8);
       a.row_w = static_cast<const float*>(P(r, 9));
       a.dw = static_cast<float*>(P(r, 10));
     }
-    a.host_err = device_error_word();
-    a.timeout_ns = kLoopbackTimeoutNs;
     LaunchConfig lc = make_launch_config(kOpDispatch, a.T > 0 ? a.T : 1, int(ints[9]),
                                          int(ints[9]), int(ints[10]));
     if (!fit_ring(&lc, R, a.T, a.row_bytes, a.s_row_bytes, stage_half_bytes(sym_bytes)))
@@ -129,26 +164,9 @@ std::string loopback_combine(const std::vector<uint64_t>& ptrs, const std::vecto
   if (ints[1] > 32) return "loopback_combine: top-k above 32";
   if (std::string e = check_resident(R, int(ints[7])); !e.empty()) return e;
   if (sym_bytes <= kCtrlBytes) return "loopback_combine: sym_bytes must exceed the control region";
-  auto P = [&](int r, int i) { return reinterpret_cast<void*>(ptrs[7 * r + i]); };
   return run_ranks(R, iters, seconds, [&](int r, cudaStream_t st) {
-    CombineArgs a;
-    a.peers = loopback_peers(ptrs, 7, 6, R, r);
+    CombineArgs a = loopback_combine_args(ptrs, ints, R, r);
     a.ctrl_off = ctrl_offset(sym_bytes, kOpCombine);
-    a.y = P(r, 0);
-    a.row_weights = static_cast<const float*>(P(r, 1));
-    a.slot_row = static_cast<const int32_t*>(P(r, 2));
-    a.recv_local_idx = static_cast<const int32_t*>(P(r, 3));
-    a.send_mask = static_cast<const bool*>(P(r, 4));
-    a.out = P(r, 5);
-    a.T = int(ints[0]);
-    a.K = int(ints[1]);
-    a.C = int(ints[2]);
-    a.W = int(ints[3]);
-    a.dtype = int(ints[4]);
-    a.row_bytes = ints[5];
-    a.rank_major = ints[6] != 0;
-    a.host_err = device_error_word();
-    a.timeout_ns = kLoopbackTimeoutNs;
     LaunchConfig lc = make_launch_config(kOpCombine, a.T > 0 ? a.T : 1, int(ints[7]),
                                          int(ints[7]), int(ints[8]));
     if (!fit_ring(&lc, R, a.T, a.row_bytes, 0, stage_half_bytes(sym_bytes)))

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/intranode.h"
 #include "runtime.h"
 
 namespace jax_ep {
@@ -49,6 +50,14 @@ constexpr unsigned long long kLoopbackTimeoutNs = 2ull * 1000 * 1000 * 1000;
 // Rank r's peer table: rank i's stand-in symmetric buffer is ptrs[stride * i + sym_index].
 PeerTable loopback_peers(const std::vector<uint64_t>& ptrs, int stride, int sym_index, int R,
                          int r);
+// Rank r's kernel arguments from the loopback_dispatch / loopback_combine
+// pointer and int lists (kLoopback*Ptrs / *Ints): every field the intranode
+// and the internode kernels both read. The caller adds its own (control and
+// staging offsets, the combine-backward pointers; the internode layout).
+DispatchArgs loopback_dispatch_args(const std::vector<uint64_t>& ptrs,
+                                    const std::vector<int64_t>& ints, int R, int r);
+CombineArgs loopback_combine_args(const std::vector<uint64_t>& ptrs,
+                                  const std::vector<int64_t>& ints, int R, int r);
 // "" when R ranks of num_blocks blocks each fit the device at once (one block per SM).
 std::string check_resident(int R, int num_blocks);
 // Launches fn(r, stream_r) for every rank on its own stream, `iters` times
