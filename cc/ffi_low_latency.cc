@@ -61,7 +61,14 @@ ffi::Error LlLayoutFor(const char* op, const PeerTable& peers, int E, int K, int
   return ffi::Error::Success();
 }
 
-ffi::Error LlGridFor(int32_t num_sms, int32_t device, LlGrid* g) {
+// What every low-latency handler does first: surface an earlier kernel error,
+// count a graph capture, find the caller's EP group and pick the grid (the
+// SM budget num_sms, 0: every SM, capped by the device).
+ffi::Error LlBegin(cudaStream_t stream, int32_t device, ffi::Span<const int32_t> ep_groups,
+                   int32_t num_ranks, int32_t num_sms, PeerTable* peers, LlGrid* g) {
+  JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
+  note_graph_capture(stream);
+  JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, device, peers));
   const int sms = runtime()->sms_of(device);
   if (num_sms < 0) return InvalidArgument("low-latency: num_sms must be >= 0 (0: every SM)");
   g->num_blocks = num_sms > 0 && num_sms < sms ? num_sms : sms;
@@ -76,10 +83,9 @@ ffi::Error LlDispatchSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
                               int32_t fp8_scale_mode, int32_t num_sms,
                               ffi::Result<ffi::Buffer<ffi::U32>> token) {
   (void)token;  // carries no data: it orders the receive after this send
-  JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
-  note_graph_capture(stream);
   PeerTable peers;
-  JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, device, &peers));
+  LlGrid g;
+  JAX_EP_RETURN_IF_ERROR(LlBegin(stream, device, ep_groups, num_ranks, num_sms, &peers, &g));
   auto xd = x.dimensions();
   auto id = topk_idx.dimensions();
   if (xd.size() != 2 || id.size() != 2 || id[0] != xd[0])
@@ -106,8 +112,6 @@ ffi::Error LlDispatchSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
   const long long s_row_bytes = cast ? (H / 128) * 4 : 0;
   JAX_EP_RETURN_IF_ERROR(LlLayoutFor("low_latency_dispatch", peers, E, K, H, T, row_bytes,
                                      s_row_bytes, 0, &a.lay));
-  LlGrid g;
-  JAX_EP_RETURN_IF_ERROR(LlGridFor(num_sms, device, &g));
   a.peers = peers;
   a.x = x.untyped_data();
   a.x_row_bytes = x_row;
@@ -132,10 +136,9 @@ ffi::Error LlDispatchRecvImpl(cudaStream_t stream, int32_t device, ffi::Buffer<f
                               ffi::Result<ffi::Buffer<ffi::S32>> src_count,
                               ffi::Result<ffi::Buffer<ffi::S32>> count) {
   (void)token;
-  JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
-  note_graph_capture(stream);
   PeerTable peers;
-  JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, device, &peers));
+  LlGrid g;
+  JAX_EP_RETURN_IF_ERROR(LlBegin(stream, device, ep_groups, num_ranks, num_sms, &peers, &g));
   const int R = peers.num_ranks;
   auto od = out->dimensions();
   if (od.size() != 3) return InvalidArgument("low_latency_dispatch: out must be [L, R*Tmax, H]");
@@ -153,8 +156,6 @@ ffi::Error LlDispatchRecvImpl(cudaStream_t stream, int32_t device, ffi::Buffer<f
   LlDispatchRecvArgs a;
   JAX_EP_RETURN_IF_ERROR(LlLayoutFor("low_latency_dispatch", peers, L * R, topk, H, 0, row_bytes,
                                      s_row_bytes, 0, &a.lay));
-  LlGrid g;
-  JAX_EP_RETURN_IF_ERROR(LlGridFor(num_sms, device, &g));
   a.peers = peers;
   a.out = out->untyped_data();
   a.out_scales = out_scales->untyped_data();
@@ -176,10 +177,9 @@ ffi::Error LlCombineSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
                              ffi::Span<const int32_t> ep_groups, int32_t num_ranks, int32_t topk,
                              int32_t num_sms, ffi::Result<ffi::Buffer<ffi::U32>> token) {
   (void)token;
-  JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
-  note_graph_capture(stream);
   PeerTable peers;
-  JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, device, &peers));
+  LlGrid g;
+  JAX_EP_RETURN_IF_ERROR(LlBegin(stream, device, ep_groups, num_ranks, num_sms, &peers, &g));
   const int R = peers.num_ranks;
   auto yd = y.dimensions();
   if (yd.size() != 3) return InvalidArgument("low_latency_combine: y must be [L, R*Tmax, H]");
@@ -197,8 +197,6 @@ ffi::Error LlCombineSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   LlCombineSendArgs a;
   JAX_EP_RETURN_IF_ERROR(LlLayoutFor("low_latency_combine", peers, L * R, topk, H, 0, 0, 0,
                                      comb_row, &a.lay));
-  LlGrid g;
-  JAX_EP_RETURN_IF_ERROR(LlGridFor(num_sms, device, &g));
   a.peers = peers;
   a.y = y.untyped_data();
   a.info = info.typed_data();
@@ -214,10 +212,9 @@ ffi::Error LlCombineRecvImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ff
                              int32_t num_experts, int32_t num_sms,
                              ffi::Result<ffi::AnyBuffer> out) {
   (void)token;
-  JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
-  note_graph_capture(stream);
   PeerTable peers;
-  JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, device, &peers));
+  LlGrid g;
+  JAX_EP_RETURN_IF_ERROR(LlBegin(stream, device, ep_groups, num_ranks, num_sms, &peers, &g));
   auto sd = slot.dimensions();
   auto od = out->dimensions();
   if (sd.size() != 2 || od.size() != 2 || od[0] != sd[0] || !SameDims(weights.dimensions(), sd))
@@ -234,8 +231,6 @@ ffi::Error LlCombineRecvImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ff
   const long long comb_row = static_cast<long long>(ffi::ByteWidth(out->element_type())) * H;
   JAX_EP_RETURN_IF_ERROR(LlLayoutFor("low_latency_combine", peers, num_experts, K, H, T, 0, 0,
                                      comb_row, &a.lay));
-  LlGrid g;
-  JAX_EP_RETURN_IF_ERROR(LlGridFor(num_sms, device, &g));
   a.peers = peers;
   a.T = T;
   a.slot = slot.typed_data();

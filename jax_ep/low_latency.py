@@ -164,18 +164,23 @@ def _native(cfg: EpConfig) -> bool:
 
     info = runtime.info() if runtime.is_initialized() else None
     has_region = bool(info and info.get("ll_bytes"))
-    fits = has_region and tuple(int(v) for v in info["ll_shape"]) == (
-        cfg.num_experts, cfg.max_tokens_per_rank, cfg.topk, cfg.hidden)
-    if cfg.backend == "native":
-        if not runtime.is_initialized():
-            raise RuntimeError(f"{runtime.not_initialized_message()} "
-                               f"({runtime.unavailable_reason()})")
-        if not has_region:
-            raise ValueError("jax_ep low-latency mode, backend='native': the runtime has no "
-                             "low-latency region; call jax_ep.initialize(low_latency=config) "
-                             "with the decode EpConfig")
-        return True
-    return fits   # auto: native only for the shape the region was laid out for
+    want = (cfg.num_experts, cfg.max_tokens_per_rank, cfg.topk, cfg.hidden)
+    have = tuple(int(v) for v in info["ll_shape"]) if has_region else None
+    if cfg.backend == "auto":
+        return have == want   # native only for the shape the region was laid out for
+    if not runtime.is_initialized():
+        raise RuntimeError(f"{runtime.not_initialized_message()} "
+                           f"({runtime.unavailable_reason()})")
+    if not has_region:
+        raise ValueError("jax_ep low-latency mode, backend='native': the runtime has no "
+                         "low-latency region; call jax_ep.initialize(low_latency=config) "
+                         "with the decode EpConfig")
+    if have != want:   # the handlers check too; this says it at trace time
+        raise ValueError(
+            f"jax_ep low-latency mode (native): the low-latency region was laid out for "
+            f"(E, Tmax, K, H) = {have} (jax_ep.initialize(low_latency=...)); this config has "
+            f"{want}")
+    return True
 
 
 def _check(x, topk_idx, cfg: EpConfig, R: int, fp8: bool, scale_format: str):

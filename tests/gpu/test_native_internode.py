@@ -22,7 +22,7 @@ buffers are poisoned (JAX_EP_DEBUG_POISON=1) before the kernels run.
   reference (the expert_major backward is the internode dispatch of w * g
   plus dw in XLA: jax_ep/native.py).
 
-Written in session 9 and NOT yet run on GPUs. ``$JAX_EP_GPU_TEST_TIMEOUT``
+Written in session 8 and NOT yet run on GPUs. ``$JAX_EP_GPU_TEST_TIMEOUT``
 (seconds, default 420) bounds each job.
 """
 from __future__ import annotations
