@@ -372,9 +372,10 @@ bool rows_ok(const LlLayout& y) {
 // host thread drives several ranks (the loopback harness, the peer-memory
 // transport) and blocks loading, say, the combine send behind a spinning
 // dispatch receive, the peer's send is never launched until the receive
-// times out (session 8: the loopback round trip's first call). So the first
-// launch of any low-latency kernel on a device loads all of them
-// (cudaFuncGetAttributes forces the load), before anything of ours spins.
+// times out (session 8: the loopback round trip's first call). So whoever
+// starts the low-latency kernels on a device (the runtime at attach, the
+// loopback harness) loads all of them first (cudaFuncGetAttributes forces
+// the load), before anything of ours spins; the launches stay free of it.
 cudaError_t preload_ll_kernels() {
   static std::mutex mu;
   static unsigned long long loaded = 0;   // bit d: device d done
@@ -399,7 +400,6 @@ cudaError_t preload_ll_kernels() {
 }
 
 cudaError_t launch_ll_dispatch_send(const LlDispatchSendArgs& a, const LlGrid& g, cudaStream_t s) {
-  if (cudaError_t e = preload_ll_kernels(); e != cudaSuccess) return e;
   const bool cast = a.mode == kDispatchCastBf16 || a.mode == kDispatchCastF32;
   if (!grid_ok(g) || !rows_ok(a.lay) || a.lay.K < 1 || a.lay.K > kLlMaxTopk || a.lay.L < 1 ||
       a.T < 0 || a.T > a.lay.Tmax ||
@@ -417,7 +417,6 @@ cudaError_t launch_ll_dispatch_send(const LlDispatchSendArgs& a, const LlGrid& g
 }
 
 cudaError_t launch_ll_dispatch_recv(const LlDispatchRecvArgs& a, const LlGrid& g, cudaStream_t s) {
-  if (cudaError_t e = preload_ll_kernels(); e != cudaSuccess) return e;
   const long long LR = static_cast<long long>(a.lay.L) * a.peers.num_ranks;
   if (!grid_ok(g) || !rows_ok(a.lay) || a.lay.L < 1 || LR > kLlMaxBlocksLR)
     return cudaErrorInvalidValue;
@@ -426,7 +425,6 @@ cudaError_t launch_ll_dispatch_recv(const LlDispatchRecvArgs& a, const LlGrid& g
 }
 
 cudaError_t launch_ll_combine_send(const LlCombineSendArgs& a, const LlGrid& g, cudaStream_t s) {
-  if (cudaError_t e = preload_ll_kernels(); e != cudaSuccess) return e;
   const long long LR = static_cast<long long>(a.lay.L) * a.peers.num_ranks;
   if (!grid_ok(g) || !rows_ok(a.lay) || a.lay.L < 1 || LR > kLlMaxBlocksLR || a.lay.K < 1 ||
       a.lay.K > kLlMaxTopk)
@@ -436,7 +434,6 @@ cudaError_t launch_ll_combine_send(const LlCombineSendArgs& a, const LlGrid& g, 
 }
 
 cudaError_t launch_ll_combine_recv(const LlCombineRecvArgs& a, const LlGrid& g, cudaStream_t s) {
-  if (cudaError_t e = preload_ll_kernels(); e != cudaSuccess) return e;
   // The combine area holds Tmax x K rows: a larger T reads past it.
   if (!grid_ok(g) || !rows_ok(a.lay) || a.lay.K < 1 || a.lay.K > kLlMaxTopk || a.T < 0 ||
       a.T > a.lay.Tmax)

@@ -92,8 +92,8 @@ struct LlCombineRecvArgs {
 
 // Load every low-latency kernel on the current device now (CUDA loads them
 // lazily; a load behind a spinning receive can stall the sender it waits for:
-// low_latency.cu). The runtime calls it at attach; every launch_ll_* calls it
-// too (once per device).
+// low_latency.cu). Call before the first launch on a device: the runtime does
+// at attach, the loopback harness before its ranks start. Once per device.
 cudaError_t preload_ll_kernels();
 
 cudaError_t launch_ll_dispatch_send(const LlDispatchSendArgs& a, const LlGrid& g, cudaStream_t s);

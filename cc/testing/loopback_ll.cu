@@ -42,6 +42,8 @@ std::string loopback_ll(const std::vector<uint64_t>& ptrs, const std::vector<int
   if (sym_bytes < lay.end)
     return "loopback_ll: sym_bytes below ll_region_bytes (" + std::to_string(lay.end) + ")";
   const LlGrid grid{int(ints[kNumBlocks]), int(ints[kWarps])};
+  if (cudaError_t e = preload_ll_kernels(); e != cudaSuccess)
+    return std::string("loopback_ll: loading the kernels: ") + cudaGetErrorString(e);
   auto P = [&](int r, int i) { return reinterpret_cast<void*>(ptrs[kNumPtrs * r + i]); };
   auto I32 = [&](int r, int i) { return static_cast<int32_t*>(P(r, i)); };
   return run_ranks(R, iters, seconds, [&](int r, cudaStream_t st) -> cudaError_t {
