@@ -58,9 +58,11 @@ SWEEP["dx"] = SWEEP["fwd"]
 # --sweep-small: a few targeted configs (op -> [(tiles, config kwargs, dists)]);
 # one GPU run with --no-xla --sweep-small should take ~90 s.
 SWEEP_SMALL = {
-    "fwd": [((128, 128, 64, 5, 2), {"fwd_warpgroups": 1}, ("uniform", "skewed"))],  # 1-wg kernel
-    "dx": [((128, 128, 64, 5, 2), {"fwd_warpgroups": 1}, ("uniform", "skewed"))],
-    "dw": [((128, 128, 64, 4, 4), {"dw_warpgroups": 1}, ("uniform", "skewed"))],
+    # session 9: the ping-pong dw kernel (consumers on alternate whole tiles)
+    "dw": [((128, 128, 64, 4, 4), {"dw_schedule": "pingpong"}, ("uniform", "skewed")),
+           ((128, 64, 64, 7, 4), {"dw_schedule": "pingpong"}, ("uniform", "skewed")),
+           ((64, 128, 64, 7, 4), {"dw_schedule": "pingpong"}, ("uniform",)),
+           ((128, 128, 64, 4, 8), {"dw_schedule": "pingpong"}, ("uniform",))],
 }
 
 
@@ -198,6 +200,8 @@ def main():
                 if args.sweep_small:
                     sweep += [(t, kw) for t, kw, dists in SWEEP_SMALL.get(op, ()) if dist in dists]
                 if sweep:
+                    # every sweep row's output against the main row's (rel. Frobenius)
+                    main_out = jnp.asarray(jax.jit(gfn)(*g_args), jnp.float32)
                     for tiles, kw in sweep:
                         cfg = GroupedMatmulConfig(impl="pallas", **{op: tiles}, **kw)
                         label = "pallas (sweep" + "".join(f", {a}={v}" for a, v in kw.items()) + ")"
@@ -205,6 +209,9 @@ def main():
                             # same method as the main rows (n1, n2), fewer reps
                             ms = per_call_ms(ops(cfg)[op][0], g_args, args.n1, args.n2,
                                              args.sweep_reps)
+                            out = jnp.asarray(jax.jit(ops(cfg)[op][0])(*g_args), jnp.float32)
+                            err = float(jnp.linalg.norm(out - main_out) / jnp.linalg.norm(main_out))
+                            label += f" err {err:.1e}"
                             r = (f"{ms:.3f}", f"{flops / ms / 1e9:.0f}",
                                  f"{flops / ms / 1e9 / dense_tf:.2f}")
                         except Exception as e:  # noqa: BLE001
