@@ -57,13 +57,7 @@ SWEEP["dx"] = SWEEP["fwd"]
 
 # --sweep-small: a few targeted configs (op -> [(tiles, config kwargs, dists)]);
 # one GPU run with --no-xla --sweep-small should take ~90 s.
-SWEEP_SMALL = {
-    # session 9: the ping-pong dw kernel (consumers on alternate whole tiles)
-    "dw": [((128, 128, 64, 4, 4), {"dw_schedule": "pingpong"}, ("uniform", "skewed")),
-           ((128, 64, 64, 7, 4), {"dw_schedule": "pingpong"}, ("uniform", "skewed")),
-           ((64, 128, 64, 7, 4), {"dw_schedule": "pingpong"}, ("uniform",)),
-           ((128, 128, 64, 4, 8), {"dw_schedule": "pingpong"}, ("uniform",))],
-}
+SWEEP_SMALL = {}   # session 9's ping-pong dw rows: measured slower, deleted (bench/results/README.md)
 
 
 def group_sizes(kind, seed=0):

@@ -306,15 +306,14 @@ def test_pallas_kernels_interpret(case):
         assert np.all(dw[g] == 0)
 
 
-@pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwd_ws", "dx_ws", "dw_1wg", "dw_pingpong"])
+@pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwd_ws", "dx_ws", "dw_1wg"])
 def test_pallas_lowers_for_cuda(op):
     """Every kernel traces and lowers to a CUDA module (no GPU needed)."""
     sds = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
     m, k, n, g = 1024, 512, 256, 8
     cfg = GroupedMatmulConfig(impl="pallas", fwd_warpgroups=2 if op.endswith("_ws") else 1,
-                              dw_warpgroups=1 if op == "dw_1wg" else 2,
-                              dw_schedule="pingpong" if op == "dw_pingpong" else "cooperative")
+                              dw_warpgroups=1 if op == "dw_1wg" else 2)
     op = op.split("_")[0]
     gsd = sds((g,), jnp.int32)
     if op == "fwd":
@@ -369,7 +368,7 @@ def test_pallas_fwd_dx_two_warpgroups_interpret(sizes):
 @pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
 @pytest.mark.parametrize("sizes", [[70, 0, 33, 1, 60], [8, 8, 100, 50, 0], [32, 64, 0, 96]])
 def test_pallas_dw_interpret(sizes):
-    """dw, every kernel (1 warpgroup; 2 consumers, cooperative and ping-pong): several tiles per SM,
+    """dw, both kernels (1 and 2 consumer warpgroups): several tiles per SM,
     empty groups, NaN/Inf tail, groups that start off the 8-row boundary or end
     inside a k-step (zeroing pass) and groups on step boundaries (none) --
     matches numpy."""
@@ -377,8 +376,8 @@ def test_pallas_dw_interpret(sizes):
     xb, dyb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
     tiles = (64, 64, 32, 3, 1)            # 4 x 3 (1 wg) or 2 x 3 (2 wg) tiles on 4 "SMs"
     outs = [np.asarray(gm_mod.tgmm(xb, dyb, gs, config=GroupedMatmulConfig(
-        impl="pallas", interpret=True, dw=tiles, dw_warpgroups=wgs, dw_schedule=sched)), np.float32)
-        for wgs, sched in ((1, "cooperative"), (2, "cooperative"), (2, "pingpong"))]
+        impl="pallas", interpret=True, dw=tiles, dw_warpgroups=wgs)), np.float32)
+        for wgs in (1, 2)]
     xf, dyf = np.asarray(xb, np.float32), np.asarray(dyb, np.float32)
     off = _offsets(sizes)
     ref = np.stack([xf[off[g]:off[g + 1]].T.astype(np.float64) @ dyf[off[g]:off[g + 1]]

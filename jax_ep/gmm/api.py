@@ -120,13 +120,12 @@ def tgmm(x, dy, group_sizes, *, config: Optional[GroupedMatmulConfig] = None,
     offsets = _offsets(group_sizes, x.shape[0])
     if choose(cfg, "dw", x, dy, out_dtype) == "pallas":
         tiles = cfg.tiles("dw")
-        pp = cfg.dw_schedule == "pingpong"
-        ws = (two_consumer_tiles(tiles, "pingpong" if pp else "m", x.shape[1], x.dtype)
-              if cfg.dw_warpgroups == 2 else None)
+        ws = (two_consumer_tiles(tiles, "m", x.shape[1], x.dtype) if cfg.dw_warpgroups == 2
+              else None)
         if ws is not None and not cfg.interpret and cfg.impl == "auto":
-            ws = ws if pallas_compiles("dw_pingpong" if pp else "dw_ws", ws, x.dtype.name) else None
+            ws = ws if pallas_compiles("dw_ws", ws, x.dtype.name) else None
         if ws is not None:
-            out = tgmm_pallas_ws(x, dy, offsets, ws, out_dtype, cfg.interpret, pingpong=pp)
+            out = tgmm_pallas_ws(x, dy, offsets, ws, out_dtype, cfg.interpret)
         else:
             out = tgmm_pallas(x, dy, offsets, tiles, out_dtype, cfg.interpret)
     else:

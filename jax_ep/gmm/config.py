@@ -27,7 +27,6 @@ DEFAULT_TILES = {
 GROUP_ALIGNMENT = 64
 
 _IMPLS = ("auto", "pallas", "xla")
-_DW_SCHEDULES = ("cooperative", "pingpong")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +49,6 @@ class GroupedMatmulConfig:
         warpgroup feeds two consumers that own a ``2 block_m x block_n`` tile;
         used when ``K % (2 block_m) == 0``, else the 1-warpgroup kernel) or 1
         (one warpgroup loads and computes ``block_m x block_n`` tiles).
-      dw_schedule: how the two dw consumers share the work: ``"cooperative"``
-        (both on every k-step of one ``2 block_m x block_n`` tile) or
-        ``"pingpong"`` (alternate ``block_m x block_n`` tiles, one consumer's
-        epilogue under the other's wgmmas).
       fwd_warpgroups: consumer warpgroups of the forward / dx kernel: 2 (a
         producer warpgroup feeds two consumers that own ``block_m x 2
         block_n``; used where ``N % (2 block_n) == 0`` and the stages fit
@@ -69,7 +64,6 @@ class GroupedMatmulConfig:
     interpret: bool = False
     dw_warpgroups: int = 2
     fwd_warpgroups: int = 2
-    dw_schedule: str = "cooperative"
 
     def __post_init__(self):
         if self.impl not in _IMPLS:
@@ -77,8 +71,6 @@ class GroupedMatmulConfig:
         for name in ("dw_warpgroups", "fwd_warpgroups"):
             if getattr(self, name) not in (1, 2):
                 raise ValueError(f"{name} must be 1 or 2, got {getattr(self, name)!r}")
-        if self.dw_schedule not in _DW_SCHEDULES:
-            raise ValueError(f"dw_schedule must be one of {_DW_SCHEDULES}, got {self.dw_schedule!r}")
         for name in ("fwd", "dx", "dw"):
             t = getattr(self, name)
             if t is None:

@@ -88,69 +88,54 @@ def tgmm_pallas(x, dy, offsets, tiles, out_dtype, interpret):
 
 
 def _ws_step(pl, plgpu, sh, g, t0, lead, size, nsteps, store):
-    """Pipeline body of the 2-consumer dw kernels for group ``g`` (``sh``: the
+    """Pipeline body of the 2-consumer dw kernel for group ``g`` (``sh``: the
     kernel's static shape values): zero the rows outside the group on the first
-    and last k-steps, the wgmma, and on a tile's last k-step store the
-    accumulator and reset it. Cooperative: both consumers take every step, each
-    its ``block_m`` half of the staged x tile. Ping-pong: the consumers take
-    alternate tiles whole (``(j + g) % 2 == wg``) and pass over the other's
-    steps, so one consumer's epilogue runs while the other's wgmmas do."""
-    bm, bn, bk, cm, nsm, interpret, pingpong = sh
+    and last k-steps, one wgmma per consumer half, and on a tile's last k-step
+    store the accumulator and reset it."""
+    bm, bn, bk, cm, nsm, interpret = sh
 
     def step(idx, x_smem, dy_smem, carry):
         j, s = idx
         wg = lax.axis_index("wg")
         acc_ref, base = carry if interpret else (carry, None)
-        mine = (lax.rem(j + g, jnp.int32(2)) == wg) if pingpong else None
 
-        def when(cond):   # cond AND (ping-pong: this consumer's tile)
-            if mine is None:
-                return pl.when(cond) if cond is not None else (lambda f: f())
-            return pl.when(mine if cond is None else mine & cond)
-
-        @when(step_has_outside_rows(s, nsteps, lead, size, bk))
+        @pl.when(step_has_outside_rows(s, nsteps, lead, size, bk))
         def _():
-            # Cooperative: both consumers select the same rows to zero
-            # (identical writes): neither reads a half-masked tile.
+            # Both consumers select the same rows to zero (identical writes):
+            # neither reads a half-masked tile. (Zeroing only the consumer's
+            # own half of x would halve that pass; not yet compiled on a GPU.)
             zero_rows_outside(plgpu, x_smem, cm, s, bk, lead, size)
             zero_rows_outside(plgpu, dy_smem, bn, s, bk, lead, size)
             plgpu.commit_smem()
 
-        xs = x_smem if pingpong else x_smem.at[:, pl.ds(pl.multiple_of(wg * bm, bm), bm)]
+        xs = x_smem.at[:, pl.ds(pl.multiple_of(wg * bm, bm), bm)]
+        plgpu.wgmma(acc_ref, transposed(plgpu, xs), dy_smem)
+        plgpu.wgmma_wait(1)
         last = s == nsteps - 1
         if interpret:
             # The interpreter cannot store to an accumulator: emulate the
             # reset with a running base (test only).
-            @when(None)
-            def _():
-                plgpu.wgmma(acc_ref, transposed(plgpu, xs), dy_smem)
             val = acc_ref[...]
-            done = last if mine is None else mine & last
-
-            @pl.when(done)
-            def _():
-                store(g, t0 + j * nsm, val - base)
-            return acc_ref, jnp.where(done, val, base)
-
-        @when(None)
-        def _():
-            plgpu.wgmma(acc_ref, transposed(plgpu, xs), dy_smem)
-            plgpu.wgmma_wait(1)
 
             @pl.when(last)
             def _():
-                plgpu.wgmma_wait(0)
-                store(g, t0 + j * nsm, acc_ref[...])
-                acc_ref[...] = jnp.zeros((bm, bn), jnp.float32)
+                store(g, t0 + j * nsm, val - base)
+            return acc_ref, jnp.where(last, val, base)
+
+        @pl.when(last)
+        def _():
+            plgpu.wgmma_wait(0)
+            store(g, t0 + j * nsm, acc_ref[...])
+            acc_ref[...] = jnp.zeros((bm, bn), jnp.float32)
         return acc_ref
 
     return step
 
 
 def _ws_group(pl, plgpu, sh, refs, g, tile_of, store, n_tiles, rot_step, steps, tr):
-    """Group ``g`` of the 2-consumer dw kernels on this SM: one warp-specialized
+    """Group ``g`` of the 2-consumer dw kernel on this SM: one warp-specialized
     pipeline over (this SM's tiles of g) x (g's k-steps); zeros for an empty group."""
-    bm, bn, bk, cm, nsm, interpret, pingpong = sh
+    bm, bn, bk, cm, nsm, interpret = sh
     off_ref, x_ref, dy_ref = refs
     m = x_ref.shape[0]
     start = off_ref[g]
@@ -195,41 +180,31 @@ def _ws_group(pl, plgpu, sh, refs, g, tile_of, store, n_tiles, rot_step, steps, 
 
     @pl.when((size <= 0) & (cnt > 0) & (lax.axis_index("wg") < 2))
     def _():
-        wg = lax.axis_index("wg")
-
         @pl.loop(0, cnt)
         def _(j):
-            if pingpong:
-                @pl.when(lax.rem(j + g, jnp.int32(2)) == wg)
-                def _():
-                    store(g, t0 + j * nsm, jnp.zeros((bm, bn), jnp.float32))
-            else:
-                store(g, t0 + j * nsm, jnp.zeros((bm, bn), jnp.float32))
+            store(g, t0 + j * nsm, jnp.zeros((bm, bn), jnp.float32))
 
 
-def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, pingpong=False):
+def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret):
     """dw with two consumer warpgroups and a producer warpgroup (warp-specialized).
 
-    Cooperative (default): a CTA owns a ``2 block_m x block_n`` tile of
-    ``dw[g]``, each consumer warpgroup one ``block_m x block_n`` half.
-    Ping-pong: each consumer owns whole ``block_m x block_n`` tiles, the two
-    taking alternate tiles, so one's epilogue (accumulator to shared memory,
-    TMA store) overlaps the other's wgmmas. Either way, per group, the SM's
-    tiles (dealt round-robin, rotated per group) and the group's k-steps form
-    ONE pipeline whose loads are issued by the producer warpgroup, so the next
-    tile's loads are in flight during an epilogue (a group has only ~4
-    k-steps of 64 rows at V3 shapes: the epilogue and the pipeline fill are
-    what the one-warpgroup kernel waits on).
+    A CTA owns a ``2 block_m x block_n`` tile of ``dw[g]`` (each consumer
+    warpgroup one ``block_m x block_n`` half); per group, the SM's tiles (dealt
+    round-robin, rotated per group) and the group's k-steps form ONE pipeline
+    whose loads are issued by the producer warpgroup, so the next tile's loads
+    are in flight while the consumers run the previous tile's epilogue (a
+    group has only ~4 k-steps of 64 rows at V3 shapes: the epilogue and the
+    pipeline fill are what the one-warpgroup kernel waits on).
     """
     pl, plgpu = pallas_modules()
     bm, bn, bk, steps, band = tiles
     k, n = x.shape[1], dy.shape[1]
     g_count = offsets.shape[0] - 1
-    cm = bm if pingpong else 2 * bm
+    cm = 2 * bm
     grid_m, grid_n = k // cm, n // bn
     n_tiles = grid_m * grid_n
     nsm = num_sms(interpret)
-    sh = (bm, bn, bk, cm, nsm, interpret, pingpong)
+    sh = (bm, bn, bk, cm, nsm, interpret)
     tr, o_tr = dw_transforms(plgpu, x.dtype, bk, bn)
 
     def tile_of(t):
@@ -245,8 +220,7 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, pingpong=False):
                 o_smem[wg] = val.astype(o_smem.dtype)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(
-                    o_smem.at[wg], o_ref.at[g, pl.ds(mi * cm + (0 if pingpong else wg * bm), bm),
-                                            pl.ds(ni * bn, bn)])
+                    o_smem.at[wg], o_ref.at[g, pl.ds(mi * cm + wg * bm, bm), pl.ds(ni * bn, bn)])
 
             def group(g, carry):
                 _ws_group(pl, plgpu, sh, (off_ref, x_ref, dy_ref), g, tile_of, store, n_tiles,

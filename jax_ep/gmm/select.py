@@ -21,17 +21,14 @@ def two_consumer_tiles(tiles: Tiles, split: str, dim: int, dtype) -> Optional[Ti
     """The tiles of a 2-consumer kernel, stages cut to fit shared memory, or
     None where it does not apply. ``split``: which tile side the two consumer
     warpgroups split, ``"m"`` (dw: CTA tile ``2 block_m x block_n``, needs
-    ``dim = K`` divisible by ``2 block_m``), ``"pingpong"`` (dw: each consumer
-    its own ``block_m x block_n`` tile, ``K`` divisible by ``block_m``) or
-    ``"n"`` (forward/dx: CTA tile ``block_m x 2 block_n``, needs ``dim = N``
-    divisible by ``2 block_n``)."""
+    ``dim = K`` divisible by ``2 block_m``) or ``"n"`` (forward/dx: CTA tile
+    ``block_m x 2 block_n``, needs ``dim = N`` divisible by ``2 block_n``)."""
     bm, bn, bk, steps, band = tiles
-    wide = {"m": 2 * bm, "pingpong": bm, "n": 2 * bn}[split]
+    wide = 2 * bm if split == "m" else 2 * bn
     if dim % wide or bm * bn > 128 * 128:
         return None   # a consumer's f32 accumulator: at most 128 x 128 (registers)
     item = jnp.dtype(dtype).itemsize
-    # one staged x tile and one w / dy tile
-    stage = bk * ((bm + bn) if split == "pingpong" else (bm + bn + wide // 2)) * item
+    stage = bk * (bm + bn + wide // 2) * item     # one staged x tile and one w / dy tile
     fit = (SMEM_BYTES - 2 * bm * bn * item - 4096) // stage   # 4 KiB: barriers, alignment
     if fit < 2:
         return None
@@ -107,11 +104,8 @@ def pallas_compiles(op: str, tiles: Tiles, dtype_name: str) -> bool:
             warnings.simplefilter("ignore")
             if op.startswith("dw"):
                 m, k, n = 2 * bk + 8, 2 * bm, bn
-                if op == "dw":
-                    f = lambda a, b, o: tgmm_pallas(a, b, o, tiles, dt, False)
-                else:   # dw_ws, dw_pingpong
-                    pp = op == "dw_pingpong"
-                    f = lambda a, b, o: tgmm_pallas_ws(a, b, o, tiles, dt, False, pingpong=pp)
+                kern = tgmm_pallas_ws if op == "dw_ws" else tgmm_pallas
+                f = lambda a, b, o: kern(a, b, o, tiles, dt, False)
                 args = (sds((m, k), dt), sds((m, n), dt), sds((g + 1,), jnp.int32))
             else:   # fwd, dx, fwd_ws, dx_ws
                 m, k, n = 2 * bm + 8, bk, 2 * bn
