@@ -132,6 +132,14 @@ inline size_t symmetric_buffer_bytes(int R, int T, long long row_bytes, long lon
 //                disp_info int32 [L][R][Tmax] (t*K + k of the pair at the
 //                source), comb_rows [Tmax][K] rows of comb_row_stride (the
 //                source's pair (t, k) at row t*K + k).
+//   staging      (the runtime's region only) this rank's own source rows for
+//                NVSHMEM puts (a put to a network PE reads symmetric memory,
+//                and its source must stay put until the kernel's quiet):
+//                disp_stage [Tmax][K] rows of row_stride (pair (t, k) at row
+//                t*K + k) + disp_stage_scales; comb_stage comb_stage_rows rows
+//                of comb_row_stride (the combine send's i-th valid row at row
+//                i). One of each, not per parity: a send kernel's puts are
+//                complete before it ends, and sends of one op never overlap.
 // Double-buffered by call parity: cc/kernels/low_latency.cu says why two suffice.
 // A call's rows may be shorter than the strides (the runtime's region is laid
 // out once for the widest rows, so a call's format never moves the areas a
@@ -149,6 +157,8 @@ struct LlLayout {
   size_t ctrl = 0, disp_count = 0, comb_flag = 0;
   size_t disp_rows[2] = {0, 0}, disp_scales[2] = {0, 0}, disp_info[2] = {0, 0};
   size_t comb_rows[2] = {0, 0};
+  size_t disp_stage = 0, disp_stage_scales = 0, comb_stage = 0;  // staging (put transport)
+  long long comb_stage_rows = 0;  // rows of comb_stage (0: no staging, P2P only)
   size_t end = 0;  // one past the region (bytes from the buffer start)
   // The shape the areas are laid out for; the kernels read it from here (one
   // source: a call cannot index the region with another shape).
@@ -157,10 +167,19 @@ struct LlLayout {
   long long row_stride = 0, s_row_stride = 0, comb_row_stride = 0;     // the areas' rows
 };
 
+// Rows a rank's combine send may stage: one per row it received, at most
+// Tmax * min(K, L) from each source (a token names an expert once), so
+// R * Tmax * min(K, L) <= min(E, kMaxRanks * K) * Tmax: a bound for every R.
+inline long long ll_comb_stage_rows(int E, int Tmax, int K) {
+  const long long by_k = static_cast<long long>(kMaxRanks) * K;
+  return (E < by_k ? E : by_k) * Tmax;
+}
+
 // The layout with explicit strides; row sizes are set by the callers below.
+// stage: with the put transport's staging areas.
 inline LlLayout ll_layout_strided(size_t base, int R, int L, int Tmax, int K, int flag_ranks,
                                   long long row_stride, long long s_row_stride,
-                                  long long comb_row_stride) {
+                                  long long comb_row_stride, bool stage) {
   LlLayout y;
   y.L = L;
   y.Tmax = Tmax;
@@ -186,15 +205,26 @@ inline LlLayout ll_layout_strided(size_t base, int R, int L, int Tmax, int K, in
     y.comb_rows[p] = o;
     o = align_up(o + size_t(Tmax) * size_t(K) * size_t(comb_row_stride));
   }
+  if (stage) {
+    const size_t pairs = size_t(Tmax) * size_t(K);
+    y.comb_stage_rows = ll_comb_stage_rows(L * R, Tmax, K);
+    y.disp_stage = o;
+    o = align_up(o + pairs * size_t(row_stride));
+    y.disp_stage_scales = o;
+    o = align_up(o + pairs * size_t(s_row_stride));
+    y.comb_stage = o;
+    o = align_up(o + size_t(y.comb_stage_rows) * size_t(comb_row_stride));
+  }
   y.end = o;
   return y;
 }
 
 // A region laid out for exactly these rows (the loopback harness: plain
-// buffers, one format per run).
+// buffers, one format per run, P2P only, so no staging).
 inline LlLayout ll_layout(size_t base, int R, int L, int Tmax, int K, long long row_bytes,
                           long long s_row_bytes, long long comb_row_bytes) {
-  LlLayout y = ll_layout_strided(base, R, L, Tmax, K, R, row_bytes, s_row_bytes, comb_row_bytes);
+  LlLayout y = ll_layout_strided(base, R, L, Tmax, K, R, row_bytes, s_row_bytes, comb_row_bytes,
+                                 false);
   y.row_bytes = row_bytes;
   y.s_row_bytes = s_row_bytes;
   y.comb_row_bytes = comb_row_bytes;
@@ -203,7 +233,8 @@ inline LlLayout ll_layout(size_t base, int R, int L, int Tmax, int K, long long 
 
 // Bytes of the low-latency region for R ranks, E experts, Tmax tokens, top-K,
 // dispatch rows of row_bytes (+ s_row_bytes of fp8 scales), combine rows of
-// comb_row_bytes: 2 x (E * Tmax dispatch rows + Tmax * K combine rows) + control.
+// comb_row_bytes: 2 x (E * Tmax dispatch rows + Tmax * K combine rows) + control
+// (the loopback harness's region: no staging).
 inline size_t ll_region_bytes(int R, int E, int Tmax, int K, long long row_bytes,
                               long long s_row_bytes, long long comb_row_bytes) {
   return ll_layout(0, R, R > 0 ? E / R : 0, Tmax, K, row_bytes, s_row_bytes, comb_row_bytes).end;
@@ -212,13 +243,14 @@ inline size_t ll_region_bytes(int R, int E, int Tmax, int K, long long row_bytes
 // The runtime's region (jax_ep.initialize(low_latency=config)), laid out once
 // for its shape s and the widest rows of each area: bf16 dispatch rows (fp8
 // rows are shorter), per-128 f32 scales, f32 combine rows; flag words for
-// kMaxRanks. Offsets depend on s only, never on R or a call's formats: every
-// area keeps its place from call to call. rows = E * Tmax whatever R.
+// kMaxRanks; the put transport's staging. Offsets depend on s only, never on
+// R or a call's formats: every area keeps its place from call to call.
+// rows = E * Tmax whatever R.
 inline LlLayout ll_region_layout(size_t base, int R, const LlShape& s, long long row_bytes,
                                  long long s_row_bytes, long long comb_row_bytes) {
   const long long H = s.hidden;
   LlLayout y = ll_layout_strided(base, R, R > 0 ? s.E / R : 0, s.Tmax, s.K, kMaxRanks, 2 * H,
-                                 H / 128 * 4, 4 * H);
+                                 H / 128 * 4, 4 * H, true);
   y.row_bytes = row_bytes;
   y.s_row_bytes = s_row_bytes;
   y.comb_row_bytes = comb_row_bytes;

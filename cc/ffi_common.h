@@ -72,8 +72,10 @@ inline ffi::Error GetRuntime(Runtime** out) {
 // PeerTable of the EP group that holds the caller (this process's PE, or
 // with peer memory the GPU `device` the call runs on), from the `ep_groups`
 // and `num_ranks` attributes (see jax_ep/_ffi.py: rows = groups, in axis order).
+// allow_unmapped: members NVSHMEM does not map are kept, with null peers[]
+// (for kernels that reach them by puts); else they are an error.
 inline ffi::Error GetPeerTable(ffi::Span<const int32_t> ep_groups, int32_t num_ranks,
-                               int32_t device, PeerTable* out) {
+                               int32_t device, PeerTable* out, bool allow_unmapped = false) {
   Runtime* rt = runtime();
   if (!rt) return NotInitialized();
   if (num_ranks < 1 || num_ranks > kMaxRanks)
@@ -86,7 +88,7 @@ inline ffi::Error GetPeerTable(ffi::Span<const int32_t> ep_groups, int32_t num_r
     for (int32_t i = 0; i < num_ranks; ++i) {
       if (ep_groups[g + i] != me) continue;
       const char* err = nullptr;
-      if (!rt->peer_table(ep_groups.begin() + g, num_ranks, device, out, &err))
+      if (!rt->peer_table(ep_groups.begin() + g, num_ranks, device, out, &err, allow_unmapped))
         return ffi::Error(ffi::ErrorCode::kFailedPrecondition, std::string("jax_ep: ") + err);
       // One process, several GPUs: XLA has made this GPU's context current;
       // its ordinal must be the one ep_groups and the buffers are keyed by.

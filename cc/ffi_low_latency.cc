@@ -7,6 +7,15 @@
 // config)), laid out once for its shape (buffer_layout.h, ll_region_layout);
 // a call must have that shape's E, K, H and at most its Tmax tokens.
 //
+// Transport: the int32 attribute ll_transport (LlTransport, EpConfig.
+// ll_transport) decides per rank of the group whether the kernels reach it by
+// P2P stores or by NVSHMEM puts (put_mask, kernels/low_latency.h): "p2p" every
+// rank by stores (each must be mapped), "put" every rank by puts (this one
+// too: a put to the own PE is valid, which tests the path on one GPU),
+// "auto" puts exactly where nvshmem_ptr gave no mapping (a PE across a
+// network). The receive handlers take it too: their kernels add NVSHMEM's
+// consistency step when some rank reaches them by puts.
+//
 // Command buffers: these handlers keep no host state and enqueue only on
 // XLA's stream (epochs live in the region), so they are registered as
 // command-buffer compatible. Inside a captured graph the host-side checks
@@ -61,14 +70,48 @@ ffi::Error LlLayoutFor(const char* op, const PeerTable& peers, int E, int K, int
   return ffi::Error::Success();
 }
 
+// Bit r set: rank r is reached by puts, under transport (see the top).
+ffi::Error LlPutMask(int32_t transport, const PeerTable& p, unsigned int* mask) {
+  *mask = 0;
+  switch (transport) {
+    case kLlTransportAuto:
+      for (int r = 0; r < p.num_ranks; ++r)
+        if (!p.peers[r]) *mask |= 1u << r;
+      return ffi::Error::Success();
+    case kLlTransportP2p:
+      for (int r = 0; r < p.num_ranks; ++r)
+        if (!p.peers[r])
+          return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                            "jax_ep: low-latency, ll_transport='p2p': rank " + std::to_string(r) +
+                                " of the EP group is not mapped into this process (NVSHMEM gave "
+                                "no P2P pointer: a PE across a network); use 'auto' or 'put'");
+      return ffi::Error::Success();
+    case kLlTransportPut:
+      if (runtime()->transport != Transport::kNvshmem)
+        return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                          "jax_ep: low-latency, ll_transport='put' needs the NVSHMEM transport "
+                          "(the peer-memory transport has no PEs to put to); use 'auto' or 'p2p'");
+      *mask = (1u << p.num_ranks) - 1u;
+      return ffi::Error::Success();
+    default:
+      return InvalidArgument("low-latency: ll_transport must be an LlTransport (0 auto, 1 p2p, "
+                             "2 put), got " + std::to_string(transport));
+  }
+}
+
 // What every low-latency handler does first: surface an earlier kernel error,
-// count a graph capture, find the caller's EP group and pick the grid (the
-// SM budget num_sms, 0: every SM, capped by the device).
+// count a graph capture, find the caller's EP group, how to reach each rank
+// (put_mask) and pick the grid (the SM budget num_sms, 0: every SM, capped by
+// the device).
 ffi::Error LlBegin(cudaStream_t stream, int32_t device, ffi::Span<const int32_t> ep_groups,
-                   int32_t num_ranks, int32_t num_sms, PeerTable* peers, LlGrid* g) {
+                   int32_t num_ranks, int32_t transport, int32_t num_sms, PeerTable* peers,
+                   unsigned int* put_mask, LlGrid* g) {
   JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
   note_graph_capture(stream);
-  JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, device, peers));
+  // unmapped members are kept (null peers[]) unless every rank must be by P2P
+  JAX_EP_RETURN_IF_ERROR(
+      GetPeerTable(ep_groups, num_ranks, device, peers, transport != kLlTransportP2p));
+  JAX_EP_RETURN_IF_ERROR(LlPutMask(transport, *peers, put_mask));
   const int sms = runtime()->sms_of(device);
   if (num_sms < 0) return InvalidArgument("low-latency: num_sms must be >= 0 (0: every SM)");
   g->num_blocks = num_sms > 0 && num_sms < sms ? num_sms : sms;
@@ -80,12 +123,14 @@ ffi::Error LlDispatchSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
                               ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::S32> slot,
                               ffi::Buffer<ffi::S32> expert_count,
                               ffi::Span<const int32_t> ep_groups, int32_t num_ranks, int32_t mode,
-                              int32_t fp8_scale_mode, int32_t num_sms,
+                              int32_t fp8_scale_mode, int32_t ll_transport, int32_t num_sms,
                               ffi::Result<ffi::Buffer<ffi::U32>> token) {
   (void)token;  // carries no data: it orders the receive after this send
   PeerTable peers;
   LlGrid g;
-  JAX_EP_RETURN_IF_ERROR(LlBegin(stream, device, ep_groups, num_ranks, num_sms, &peers, &g));
+  LlDispatchSendArgs a;
+  JAX_EP_RETURN_IF_ERROR(LlBegin(stream, device, ep_groups, num_ranks, ll_transport, num_sms,
+                                 &peers, &a.put_mask, &g));
   auto xd = x.dimensions();
   auto id = topk_idx.dimensions();
   if (xd.size() != 2 || id.size() != 2 || id[0] != xd[0])
@@ -94,7 +139,6 @@ ffi::Error LlDispatchSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
   const int T = static_cast<int>(xd[0]), K = static_cast<int>(id[1]);
   const int H = static_cast<int>(xd[1]);
   const int E = static_cast<int>(expert_count.element_count());
-  LlDispatchSendArgs a;
   const bool cast = mode == kDispatchCastBf16 || mode == kDispatchCastF32;
   if (cast) {
     const ffi::DataType want = mode == kDispatchCastBf16 ? ffi::DataType::BF16 : ffi::DataType::F32;
@@ -130,7 +174,8 @@ ffi::Error LlDispatchSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
 
 ffi::Error LlDispatchRecvImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::U32> token,
                               ffi::Span<const int32_t> ep_groups, int32_t num_ranks, int32_t topk,
-                              int32_t num_sms, ffi::Result<ffi::AnyBuffer> out,
+                              int32_t ll_transport, int32_t num_sms,
+                              ffi::Result<ffi::AnyBuffer> out,
                               ffi::Result<ffi::Buffer<ffi::F32>> out_scales,
                               ffi::Result<ffi::Buffer<ffi::S32>> out_info,
                               ffi::Result<ffi::Buffer<ffi::S32>> src_count,
@@ -138,7 +183,9 @@ ffi::Error LlDispatchRecvImpl(cudaStream_t stream, int32_t device, ffi::Buffer<f
   (void)token;
   PeerTable peers;
   LlGrid g;
-  JAX_EP_RETURN_IF_ERROR(LlBegin(stream, device, ep_groups, num_ranks, num_sms, &peers, &g));
+  LlDispatchRecvArgs a;
+  JAX_EP_RETURN_IF_ERROR(LlBegin(stream, device, ep_groups, num_ranks, ll_transport, num_sms,
+                                 &peers, &a.put_mask, &g));
   const int R = peers.num_ranks;
   auto od = out->dimensions();
   if (od.size() != 3) return InvalidArgument("low_latency_dispatch: out must be [L, R*Tmax, H]");
@@ -153,7 +200,6 @@ ffi::Error LlDispatchRecvImpl(cudaStream_t stream, int32_t device, ffi::Buffer<f
       count->element_count() != static_cast<size_t>(L) ||
       out_info->element_count() != static_cast<size_t>(od[0] * od[1]))
     return InvalidArgument("low_latency_dispatch: bad output shapes");
-  LlDispatchRecvArgs a;
   JAX_EP_RETURN_IF_ERROR(LlLayoutFor("low_latency_dispatch", peers, L * R, topk, H, 0, row_bytes,
                                      s_row_bytes, 0, &a.lay));
   a.peers = peers;
@@ -175,11 +221,14 @@ ffi::Error LlDispatchRecvImpl(cudaStream_t stream, int32_t device, ffi::Buffer<f
 ffi::Error LlCombineSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
                              ffi::Buffer<ffi::S32> info, ffi::Buffer<ffi::S32> src_count,
                              ffi::Span<const int32_t> ep_groups, int32_t num_ranks, int32_t topk,
-                             int32_t num_sms, ffi::Result<ffi::Buffer<ffi::U32>> token) {
+                             int32_t ll_transport, int32_t num_sms,
+                             ffi::Result<ffi::Buffer<ffi::U32>> token) {
   (void)token;
   PeerTable peers;
   LlGrid g;
-  JAX_EP_RETURN_IF_ERROR(LlBegin(stream, device, ep_groups, num_ranks, num_sms, &peers, &g));
+  LlCombineSendArgs a;
+  JAX_EP_RETURN_IF_ERROR(LlBegin(stream, device, ep_groups, num_ranks, ll_transport, num_sms,
+                                 &peers, &a.put_mask, &g));
   const int R = peers.num_ranks;
   auto yd = y.dimensions();
   if (yd.size() != 3) return InvalidArgument("low_latency_combine: y must be [L, R*Tmax, H]");
@@ -194,7 +243,6 @@ ffi::Error LlCombineSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
     default: return InvalidArgument("low_latency_combine: y must be bf16, f16 or f32");
   }
   const long long comb_row = static_cast<long long>(ffi::ByteWidth(y.element_type())) * H;
-  LlCombineSendArgs a;
   JAX_EP_RETURN_IF_ERROR(LlLayoutFor("low_latency_combine", peers, L * R, topk, H, 0, 0, 0,
                                      comb_row, &a.lay));
   a.peers = peers;
@@ -209,19 +257,20 @@ ffi::Error LlCombineSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
 ffi::Error LlCombineRecvImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::U32> token,
                              ffi::Buffer<ffi::S32> slot, ffi::Buffer<ffi::F32> weights,
                              ffi::Span<const int32_t> ep_groups, int32_t num_ranks,
-                             int32_t num_experts, int32_t num_sms,
+                             int32_t num_experts, int32_t ll_transport, int32_t num_sms,
                              ffi::Result<ffi::AnyBuffer> out) {
   (void)token;
   PeerTable peers;
   LlGrid g;
-  JAX_EP_RETURN_IF_ERROR(LlBegin(stream, device, ep_groups, num_ranks, num_sms, &peers, &g));
+  LlCombineRecvArgs a;
+  JAX_EP_RETURN_IF_ERROR(LlBegin(stream, device, ep_groups, num_ranks, ll_transport, num_sms,
+                                 &peers, &a.put_mask, &g));
   auto sd = slot.dimensions();
   auto od = out->dimensions();
   if (sd.size() != 2 || od.size() != 2 || od[0] != sd[0] || !SameDims(weights.dimensions(), sd))
     return InvalidArgument("low_latency_combine: slot / weights must be [T, K] and out [T, H]");
   const int T = static_cast<int>(sd[0]), K = static_cast<int>(sd[1]);
   const int H = static_cast<int>(od[1]);
-  LlCombineRecvArgs a;
   switch (out->element_type()) {
     case ffi::DataType::BF16: a.dtype = kBf16; break;
     case ffi::DataType::F16: a.dtype = kF16; break;
@@ -257,6 +306,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchSend, jax_ep::LlDispatchSendImpl,
                                   .Attr<int32_t>("num_ranks")
                                   .Attr<int32_t>("mode")            // DispatchMode
                                   .Attr<int32_t>("fp8_scale_mode")  // Fp8ScaleMode
+                                  .Attr<int32_t>("ll_transport")    // LlTransport
                                   .Attr<int32_t>("num_sms")         // blocks (0: every SM)
                                   .Ret<xla::ffi::Buffer<xla::ffi::U32>>());  // token [1]
 
@@ -268,6 +318,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchRecv, jax_ep::LlDispatchRecvImpl,
                                   .Attr<xla::ffi::Span<const int32_t>>("ep_groups")
                                   .Attr<int32_t>("num_ranks")
                                   .Attr<int32_t>("topk")
+                                  .Attr<int32_t>("ll_transport")
                                   .Attr<int32_t>("num_sms")
                                   .Ret<xla::ffi::AnyBuffer>()                // x [L, R*Tmax, H]
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()    // scales [L, R*Tmax, H/128] / [.., 0]
@@ -285,6 +336,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineSend, jax_ep::LlCombineSendImpl,
                                   .Attr<xla::ffi::Span<const int32_t>>("ep_groups")
                                   .Attr<int32_t>("num_ranks")
                                   .Attr<int32_t>("topk")
+                                  .Attr<int32_t>("ll_transport")
                                   .Attr<int32_t>("num_sms")
                                   .Ret<xla::ffi::Buffer<xla::ffi::U32>>());  // token [1]
 
@@ -298,5 +350,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineRecv, jax_ep::LlCombineRecvImpl,
                                   .Attr<xla::ffi::Span<const int32_t>>("ep_groups")
                                   .Attr<int32_t>("num_ranks")
                                   .Attr<int32_t>("num_experts")
+                                  .Attr<int32_t>("ll_transport")
                                   .Attr<int32_t>("num_sms")
                                   .Ret<xla::ffi::AnyBuffer>());            // out [T, H]

@@ -51,7 +51,7 @@ int Runtime::sms_of(int device_ordinal) const {
 }
 
 bool Runtime::peer_table(const int32_t* group, int group_size, int device_ordinal,
-                         PeerTable* out, const char** err) const {
+                         PeerTable* out, const char** err, bool allow_unmapped) const {
   if (group_size < 1 || group_size > kMaxRanks) {
     *err = "EP group size outside [1, kMaxRanks]";
     return false;
@@ -69,6 +69,7 @@ bool Runtime::peer_table(const int32_t* group, int group_size, int device_ordina
         return false;
       }
       t.peers[i] = g_pe_base[m];
+      t.pe[i] = m;
     } else {
       const int slot = device_slot(*this, m);
       if (slot < 0) {
@@ -84,7 +85,7 @@ bool Runtime::peer_table(const int32_t* group, int group_size, int device_ordina
       }
       t.rank = i;
     }
-    if (!t.peers[i]) {
+    if (!t.peers[i] && !allow_unmapped) {
       *err = "a member of the EP group is not reachable by CUDA P2P (NVLink) from this GPU";
       return false;
     }

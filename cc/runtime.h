@@ -25,8 +25,13 @@ struct PeerTable {
   int rank = 0;        // position of this process in the EP group
   int num_ranks = 0;   // R
   // Base of the symmetric buffer on each group member, mapped into this
-  // process (nvshmem_ptr). peers[rank] is the local buffer.
+  // process (nvshmem_ptr). peers[rank] is the local buffer. Null only where a
+  // caller allowed unmapped members (the low-latency kernels, which reach
+  // those by NVSHMEM puts).
   void* peers[kMaxRanks] = {};
+  // NVSHMEM PE of each member (the puts' target); 0 with peer memory, which
+  // has no PEs and maps every member.
+  int pe[kMaxRanks] = {};
 };
 
 enum class Transport : int { kNvshmem = 0, kPeerMemory = 1 };
@@ -71,10 +76,11 @@ struct Runtime {
 
   // PeerTable for the EP group given in group order as PEs (NVSHMEM) or CUDA
   // ordinals (peer memory), seen from this process's PE / from device
-  // `device_ordinal`. Returns false (and fills *err) when a member is not
-  // reachable by P2P or this caller is not in the group.
+  // `device_ordinal`. Returns false (and fills *err) when this caller is not
+  // in the group, or a member is not reachable by P2P unless allow_unmapped
+  // (then its peers[] entry is null).
   bool peer_table(const int32_t* group, int group_size, int device_ordinal, PeerTable* out,
-                  const char** err) const;
+                  const char** err, bool allow_unmapped = false) const;
   // Who the caller on device_ordinal is in ep_groups' terms: its PE (NVSHMEM)
   // or the ordinal itself (peer memory).
   int member_id(int device_ordinal) const {

@@ -1,10 +1,12 @@
 """Codes shared by the Python side and the CUDA kernels: the one source.
 
-The FFI attributes ``mode`` and ``fp8_scale_mode`` (jax_ep_dispatch) and the
-row dtype codes of the kernels are these numbers. At build time CMake runs this file as a script and
+The FFI attributes ``mode`` and ``fp8_scale_mode`` (jax_ep_dispatch),
+``ll_transport`` (the low-latency targets) and the row dtype codes of the
+kernels are these numbers. At build time CMake runs this file as a script and
 compiles the C++ enums from its output (``jax_ep_abi.h``: ``DispatchMode``,
-``RowDtype``), so the two sides cannot drift. Sizes of the symmetric buffer
-live on the C++ side (``cc/buffer_layout.h``) and reach Python through
+``RowDtype``, ``Fp8ScaleMode``, ``LlTransport``), so the two sides cannot
+drift. Sizes of the symmetric buffer live on the C++ side
+(``cc/buffer_layout.h``) and reach Python through
 ``jax_ep._C.symmetric_buffer_bytes``. No imports beyond the standard library:
 the build runs it before jax_ep is installed.
 """
@@ -31,6 +33,14 @@ FP8_SCALE_MODES = {
     "ue8m0": ("kFp8ScaleUe8m0", 4, "scale = 2^k, smallest with 448 * 2^k >= amax; q = x * 2^-k"),
 }
 
+# How the low-latency kernels reach each rank of the EP group (attribute
+# ll_transport of the four jax_ep_ll_* targets; EpConfig.ll_transport).
+LL_TRANSPORTS = {
+    "auto": ("kLlTransportAuto", 0, "P2P stores where the peer is mapped, NVSHMEM puts where not"),
+    "p2p": ("kLlTransportP2p", 1, "P2P stores to every rank (every peer must be mapped)"),
+    "put": ("kLlTransportPut", 2, "NVSHMEM puts to every rank, this one included"),
+}
+
 ROW_DTYPES = {
     "bfloat16": ("kBf16", 0, "bf16 rows"),
     "float32": ("kF32", 1, "f32 rows"),
@@ -50,6 +60,10 @@ def fp8_scale_mode(name: str) -> int:
     return FP8_SCALE_MODES[name][1]
 
 
+def ll_transport(name: str) -> int:
+    return LL_TRANSPORTS[name][1]
+
+
 def _enum(name: str, table: dict) -> str:
     lines = [f"enum {name} : int {{"]
     lines += [f"  {cpp} = {code},  // {doc}" for cpp, code, doc in table.values()]
@@ -64,6 +78,7 @@ def render_header() -> str:
         _enum("DispatchMode", DISPATCH_MODES), "",
         _enum("RowDtype", ROW_DTYPES), "",
         _enum("Fp8ScaleMode", FP8_SCALE_MODES), "",
+        _enum("LlTransport", LL_TRANSPORTS), "",
         "}  // namespace jax_ep", ""])
 
 

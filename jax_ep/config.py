@@ -7,6 +7,8 @@ from typing import Literal, Optional
 
 import numpy as np
 
+from . import abi
+
 # Scales of the fp8 cast (jax_ep.fp8_cast): "f32" amax / 448, or "ue8m0"
 # powers of two (an exact cast).
 FP8_SCALE_FORMATS = ("f32", "ue8m0")
@@ -16,6 +18,8 @@ Backend = Literal["auto", "reference", "native"]
 
 _LAYOUTS = ("expert_major", "rank_major")
 _BACKENDS = ("auto", "reference", "native")
+# How the native low-latency kernels reach each rank (abi.LL_TRANSPORTS).
+LL_TRANSPORTS = tuple(abi.LL_TRANSPORTS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +129,12 @@ class EpConfig:
         Pass the config to ``jax_ep.initialize(config=...)`` so the buffer
         gets the internode region. The reference backend ignores it (same
         semantics). Not yet run on GPUs through JAX.
+      ll_transport: how the native low-latency (decode) kernels reach each
+        rank of the EP group: ``"auto"`` (P2P stores to the ranks whose memory
+        NVSHMEM maps, over NVLink; NVSHMEM puts to the others, e.g. a PE
+        across a network), ``"p2p"`` (stores only: every rank must be mapped)
+        or ``"put"`` (NVSHMEM puts to every rank, this one included; needs
+        the NVSHMEM transport). The normal-mode kernels ignore it.
     """
 
     num_experts: int
@@ -144,6 +154,7 @@ class EpConfig:
     zero_tail: bool = False
     tuning: KernelTuning = KernelTuning()
     num_nodes: int = 1
+    ll_transport: str = "auto"
 
     def __post_init__(self):
         def pos_int(name, v):
@@ -178,6 +189,9 @@ class EpConfig:
         if self.fp8_scale_format not in FP8_SCALE_FORMATS:
             raise ValueError(f"EpConfig.fp8_scale_format must be one of {FP8_SCALE_FORMATS}, "
                              f"got {self.fp8_scale_format!r}")
+        if self.ll_transport not in LL_TRANSPORTS:
+            raise ValueError(f"EpConfig.ll_transport must be one of {LL_TRANSPORTS}, "
+                             f"got {self.ll_transport!r}")
         if self.fp8_dispatch and self.hidden % 128 != 0:
             raise ValueError(
                 f"EpConfig.fp8_dispatch needs hidden % 128 == 0, got hidden={self.hidden}")

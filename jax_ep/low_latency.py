@@ -317,8 +317,8 @@ def low_latency_dispatch(x: jax.Array, topk_idx: jax.Array, config: EpConfig, *,
       topk_idx: ``[T, K]`` expert ids in ``[-1, E)`` (-1, or any id outside,
         = slot unused); an expert named twice by a token is sent once.
       config: :class:`EpConfig` (``num_experts``, ``topk``, ``hidden``,
-        ``max_tokens_per_rank``, ``axis_name``, ``backend``, ``num_sms``;
-        layout and capacity unused). The native backend needs
+        ``max_tokens_per_rank``, ``axis_name``, ``backend``, ``num_sms``,
+        ``ll_transport``; layout and capacity unused). The native backend needs
         ``jax_ep.initialize(low_latency=config)``.
       fp8: send fp8-e4m3 rows with per-token, per-128-channel scales (else x's dtype).
       scale_format: ``"f32"`` (``jax_ep.fp8_cast``) or ``"ue8m0"`` (power-of-two

@@ -11,6 +11,10 @@ XLA computes the kernels' inputs (jax_ep/low_latency.py): ``slot [T, K]``
 (each pair's row in its source block), tokens per expert ``[E]`` and the
 merged weights, so the kernels never re-derive them and the reference's bits
 follow.
+
+Every call takes ``ll_transport`` (``EpConfig.ll_transport`` as its
+``abi.LL_TRANSPORTS`` code): how the kernels reach each rank, P2P stores or
+NVSHMEM puts (cc/ffi_low_latency.cc).
 """
 from __future__ import annotations
 
@@ -30,6 +34,18 @@ def _num_sms(cfg: EpConfig) -> np.int32:
     return np.int32(cfg.num_sms or 0)   # 0: every SM
 
 
+def _transport(cfg: EpConfig) -> np.int32:
+    """The ll_transport attribute; "put" needs NVSHMEM PEs (said here, at trace
+    time, rather than by the handler at run time)."""
+    from . import runtime
+
+    if cfg.ll_transport == "put" and runtime.transport() == "peer_memory":
+        raise ValueError("jax_ep low-latency mode: EpConfig.ll_transport='put' needs the NVSHMEM "
+                         "transport; the runtime uses peer memory (one process, several GPUs: "
+                         "no PEs to put to). Use 'auto' or 'p2p'")
+    return np.int32(abi.ll_transport(cfg.ll_transport))
+
+
 def _scale_mode(cfg: EpConfig, scale_format: str) -> np.int32:
     if scale_format == "ue8m0":
         return np.int32(abi.fp8_scale_mode("ue8m0"))
@@ -46,24 +62,26 @@ def dispatch_send(x, idx, slot, per_expert, cfg: EpConfig, R: int, fp8: bool,
     else:
         raise ValueError("jax_ep low_latency_dispatch (native): f32 rows are sent only as fp8 "
                          "(fp8=True) or after a cast to bf16; the region holds bf16-wide rows")
+    transport = _transport(cfg)
     token, = _ffi.call("jax_ep_ll_dispatch_send", [_TOKEN], x, idx, slot, per_expert,
                        ep_axis=cfg.axis_name, has_side_effect=True, mode=np.int32(mode),
-                       fp8_scale_mode=_scale_mode(cfg, scale_format), num_sms=_num_sms(cfg))
+                       fp8_scale_mode=_scale_mode(cfg, scale_format), ll_transport=transport,
+                       num_sms=_num_sms(cfg))
     L, Tm, H, K = cfg.num_experts // R, cfg.max_tokens_per_rank, x.shape[1], idx.shape[1]
     dtype = FP8 if fp8 else x.dtype
     meta = ("dispatch", L, R, Tm, H, K, jnp.dtype(dtype).name, bool(fp8), cfg.axis_name,
-            int(_num_sms(cfg)))
+            int(_num_sms(cfg)), int(transport))
     return LowLatencyPending(token=token, arrays=(slot,), result=None, meta=meta)
 
 
 def dispatch_recv(p: LowLatencyPending) -> LowLatencyDispatched:
-    _, L, R, Tm, H, K, dtype, fp8, axis, num_sms = p.meta
+    _, L, R, Tm, H, K, dtype, fp8, axis, num_sms, transport = p.meta
     S = H // 128 if fp8 else 0
     results = [((L, R * Tm, H), jnp.dtype(dtype)), ((L, R * Tm, S), jnp.float32),
                ((L, R * Tm), jnp.int32), ((L, R), jnp.int32), ((L,), jnp.int32)]
     x, scales, info, src_count, count = _ffi.call(
         "jax_ep_ll_dispatch_recv", results, p.token, ep_axis=axis, has_side_effect=True,
-        topk=np.int32(K), num_sms=np.int32(num_sms))
+        topk=np.int32(K), ll_transport=np.int32(transport), num_sms=np.int32(num_sms))
     slot, = p.arrays
     handle = LowLatencyHandle(slot=slot, info=info, src_count=src_count, num_ranks=R,
                               max_tokens=Tm)
@@ -76,19 +94,20 @@ def combine_send(y, w, handle: LowLatencyHandle, cfg: EpConfig, R: int) -> LowLa
         raise TypeError(f"jax_ep low_latency_combine (native): y must be bf16, f16 or f32, got "
                         f"{y.dtype}")
     K = handle.slot.shape[1]
+    transport = _transport(cfg)
     token, = _ffi.call("jax_ep_ll_combine_send", [_TOKEN], y, handle.info, handle.src_count,
                        ep_axis=cfg.axis_name, has_side_effect=True, topk=np.int32(K),
-                       num_sms=_num_sms(cfg))
+                       ll_transport=transport, num_sms=_num_sms(cfg))
     T, H = handle.slot.shape[0], y.shape[2]
     meta = ("combine", T, H, jnp.dtype(y.dtype).name, cfg.num_experts, cfg.axis_name,
-            int(_num_sms(cfg)))
+            int(_num_sms(cfg)), int(transport))
     return LowLatencyPending(token=token, arrays=(handle.slot, w), result=None, meta=meta)
 
 
 def combine_recv(p: LowLatencyPending) -> jax.Array:
-    _, T, H, dtype, E, axis, num_sms = p.meta
+    _, T, H, dtype, E, axis, num_sms, transport = p.meta
     slot, w = p.arrays
     out, = _ffi.call("jax_ep_ll_combine_recv", [((T, H), jnp.dtype(dtype))], p.token, slot, w,
                      ep_axis=axis, has_side_effect=True, num_experts=np.int32(E),
-                     num_sms=np.int32(num_sms))
+                     ll_transport=np.int32(transport), num_sms=np.int32(num_sms))
     return out

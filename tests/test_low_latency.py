@@ -255,3 +255,39 @@ def test_low_latency_hook_reference():
         return jax_ep.low_latency_combine_recv(p)
     with pytest.raises(ValueError, match="pending 'dispatch'"):
         run_per_rank(wrong, mesh, "ep", x, idx)
+
+
+def test_ll_transport_config():
+    """EpConfig.ll_transport: "auto" by default, the abi's names only (a clear
+    ValueError otherwise), part of the config's identity; the reference
+    backend ignores it (same values for every transport)."""
+    from jax_ep import abi
+    from jax_ep.config import LL_TRANSPORTS
+
+    base = dict(num_experts=8, topk=2, max_tokens_per_rank=4, hidden=128)
+    assert LL_TRANSPORTS == ("auto", "p2p", "put") == tuple(abi.LL_TRANSPORTS)
+    assert EpConfig(**base).ll_transport == "auto"
+    assert sorted(abi.ll_transport(t) for t in LL_TRANSPORTS) == [0, 1, 2]
+    msg = r"ll_transport must be one of \('auto', 'p2p', 'put'\)"
+    for bad in ("nvlink", "PUT", None, 2):
+        with pytest.raises(ValueError, match=msg):
+            EpConfig(**base, ll_transport=bad)
+    assert EpConfig(**base, ll_transport="put") != EpConfig(**base)
+    assert hash(EpConfig(**base, ll_transport="put")) == hash(EpConfig(**base, ll_transport="put"))
+
+    R, T = 2, 4
+    mesh = make_mesh((R,), ("ep",))
+    rng = np.random.default_rng(3)
+    idx = _routing(rng, R, T, 2, 8, False)
+    x = rng.standard_normal((R, T, 128)).astype(np.float32).astype(jnp.bfloat16)
+    w = rng.random((R, T, 2)).astype(np.float32)
+    outs = []
+    for t in LL_TRANSPORTS:
+        cfg = EpConfig(**base, backend="reference", ll_transport=t)
+
+        def step(x, i, w, cfg=cfg):
+            d = low_latency_dispatch(x, i, cfg)
+            y = (d.x.astype(jnp.float32) * jnp.repeat(d.x_scales, 128, axis=-1)).astype(x.dtype)
+            return low_latency_combine(y, i, w, d.handle, cfg)
+        outs.append(np.asarray(run_per_rank(step, mesh, "ep", x, idx, w)).view(np.uint16))
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])

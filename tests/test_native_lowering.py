@@ -151,3 +151,67 @@ def test_internode_calls_match_cc_bindings(native_everywhere, layout, variant):
         assert (n_ops, n_res, attrs) == (b_ops, b_res, b_attrs), (
             f"{target}: lowered with {n_ops} operands, {n_res} results, attributes "
             f"{sorted(attrs)}; cc binds {b_ops}, {b_res}, {sorted(b_attrs)}")
+
+
+@pytest.mark.parametrize("transport", ["auto", "p2p", "put"])
+@pytest.mark.parametrize("fp8", [True, False])
+def test_low_latency_calls_match_cc_bindings(monkeypatch, transport, fp8):
+    """The four low-latency targets (send and receive of dispatch and combine)
+    lower with their bindings, and each carries EpConfig.ll_transport as its
+    abi code in the ll_transport attribute."""
+    import importlib
+
+    ll = importlib.import_module("jax_ep.low_latency")
+    monkeypatch.setattr(_ffi, "pe_of_device", lambda d: d.id)
+    monkeypatch.setattr(ll, "_native", lambda cfg: True)
+    mesh = make_mesh((2, 4), ("data", "ep"))
+    T, H, K, E = 4, 128, 2, 8
+    cfg = jax_ep.EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H,
+                          backend="native", ll_transport=transport)
+
+    def step(x, idx, w):
+        d = jax_ep.low_latency_dispatch(x, idx, cfg, fp8=fp8)
+        y = d.x.astype(jnp.bfloat16)
+        return jax_ep.low_latency_combine(y, idx, w, d.handle, cfg)
+
+    tok = P(("data", "ep"))
+    f = jax.shard_map(step, mesh=mesh, in_specs=(tok,) * 3, out_specs=tok)
+    x = np.random.rand(32, H).astype(jnp.bfloat16)
+    idx = np.random.randint(0, E, (32, K)).astype(np.int32)
+    w = np.random.rand(32, K).astype(np.float32)
+    text = jax.jit(f).lower(x, idx, w).as_text()
+    binds = _bindings()
+    calls = _calls(text)
+    ll_targets = {"jax_ep_ll_dispatch_send", "jax_ep_ll_dispatch_recv", "jax_ep_ll_combine_send",
+                  "jax_ep_ll_combine_recv"}
+    assert {c[0] for c in calls} == ll_targets, calls
+    for target, n_ops, n_res, attrs in calls:
+        b_ops, b_res, b_attrs = binds[target]
+        assert "ll_transport" in b_attrs, target
+        assert (n_ops, n_res, attrs) == (b_ops, b_res, b_attrs), (
+            f"{target}: lowered with {n_ops} operands, {n_res} results, attributes "
+            f"{sorted(attrs)}; cc binds {b_ops}, {b_res}, {sorted(b_attrs)}")
+    code = abi.ll_transport(transport)
+    assert len(re.findall(rf"ll_transport = {code} : i32", text)) == len(calls) == 4
+
+
+def test_low_latency_put_needs_nvshmem(monkeypatch):
+    """ll_transport="put" under the peer-memory runtime (no PEs) is refused at
+    trace time, with the way out in the message."""
+    import importlib
+
+    from jax_ep import runtime
+
+    ll = importlib.import_module("jax_ep.low_latency")
+    monkeypatch.setattr(_ffi, "pe_of_device", lambda d: d.id)
+    monkeypatch.setattr(ll, "_native", lambda cfg: True)
+    monkeypatch.setattr(runtime, "transport", lambda: "peer_memory")
+    mesh = make_mesh((4,), ("ep",))
+    cfg = jax_ep.EpConfig(num_experts=8, topk=2, max_tokens_per_rank=4, hidden=128,
+                          backend="native", ll_transport="put")
+    f = jax.shard_map(lambda x, i: jax_ep.low_latency_dispatch(x, i, cfg).count, mesh=mesh,
+                      in_specs=(P("ep"),) * 2, out_specs=P("ep"))
+    x = np.ones((16, 128), jnp.bfloat16)
+    idx = np.zeros((16, 2), np.int32)
+    with pytest.raises(ValueError, match="ll_transport='put' needs the NVSHMEM transport"):
+        jax.jit(f).lower(x, idx)

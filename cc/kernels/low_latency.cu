@@ -22,7 +22,8 @@
 // Signals: the send kernels' blocks never wait. Each block fences and bumps
 // a local counter when its stores are issued; the last block (which then
 // sees every block's stores, fence-cumulativity) raises the signal words with
-// system-scope release stores:
+// system-scope release stores (NVSHMEM signal ops for ranks reached by puts:
+// the transport seam below):
 //  - dispatch: per (l, me) on the expert's rank, tag(epoch, n[l, me]) =
 //    (epoch << 32) | (n + 1), from the expert_count input (the reference's
 //    tokens per expert), so the receiver learns n[l, s] from the word;
@@ -43,6 +44,8 @@
 // third buffer; the hook must keep them interleaved.)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <nvshmem.h>
+#include <nvshmemx.h>
 
 #include <mutex>
 #include <type_traits>
@@ -59,15 +62,47 @@ namespace jax_ep {
 namespace {
 
 // ---- transport seam: the only places a low-latency kernel touches another
-// rank. Over NVLink P2P a row is written in place through peer_ptr and a
-// signal is a release store. A network transport (NVSHMEM put-with-signal)
-// replaces these two: ll_row_dst then returns a local staging row that a
-// put sends after the warp wrote it, and ll_signal becomes the signal op.
-__device__ __forceinline__ char* ll_row_dst(const PeerTable& p, int r, size_t off) {
-  return peer_ptr(p, r, off);
+// rank. Rank r is reached one of two ways (bit r of put_mask, low_latency.h):
+//  - P2P: a warp writes its row in place through peer_ptr; a signal is a
+//    release store. Each block fences before it arrives on the done counter
+//    and the last block fences again (fence cumulativity covers the stores).
+//  - put: a warp writes its row into this rank's staging area (symmetric
+//    memory: a network put reads its source from there) and sends it with
+//    nvshmemx_putmem_nbi_warp to the same offset on PE pe[r]; a signal is
+//    nvshmemx_signal_op(SET). A fence does not cover a put that a NIC carries
+//    out, so each block completes its puts (nvshmem_quiet: done and visible
+//    at the target) before it arrives; the last block's signals then follow
+//    every block's rows, and the staging rows are free when the kernel ends.
+// The send kernels are instantiated twice: PUT = false (no rank by puts: no
+// NVSHMEM call at all, the P2P code as it was) and PUT = true (per rank).
+__device__ __forceinline__ bool ll_by_put(unsigned int put_mask, int r) {
+  return (put_mask >> r) & 1u;
 }
-__device__ __forceinline__ void ll_signal(const PeerTable& p, int r, size_t off,
-                                          unsigned long long tag) {
+
+// Byte off of this rank's buffer: NVSHMEM names a put's target by the
+// caller's own address of the symmetric object.
+__device__ __forceinline__ char* ll_sym(const PeerTable& p, size_t off) {
+  return peer_ptr(p, p.rank, off);
+}
+
+// Whole warp: `bytes` staged at src (the warp's own writes, ordered before
+// this by __syncwarp) to byte off of rank r. Non-blocking: src stays
+// untouched until the block's quiet.
+__device__ __forceinline__ void ll_put_warp(const PeerTable& p, int r, size_t off, const char* src,
+                                            long long bytes) {
+  nvshmemx_putmem_nbi_warp(ll_sym(p, off), src, static_cast<size_t>(bytes), p.pe[r]);
+}
+
+template <bool PUT>
+__device__ __forceinline__ void ll_signal(const PeerTable& p, unsigned int put_mask, int r,
+                                          size_t off, unsigned long long tag) {
+  if constexpr (PUT) {
+    if (ll_by_put(put_mask, r)) {
+      nvshmemx_signal_op(reinterpret_cast<uint64_t*>(ll_sym(p, off)), tag, NVSHMEM_SIGNAL_SET,
+                         p.pe[r]);
+      return;
+    }
+  }
   st_release_sys64(reinterpret_cast<unsigned long long*>(peer_ptr(p, r, off)), tag);
 }
 
@@ -105,6 +140,35 @@ __device__ __forceinline__ bool last_block(unsigned int* done) {
   __syncthreads();
   if (last) __threadfence_system();
   return last;
+}
+
+// Every block of a send kernel calls this once, after its stores and puts:
+// true (block-uniform) in the last block, which may then raise the signals.
+// With puts, thread 0's quiet (after the barrier: every warp's puts issued)
+// completes the block's puts first.
+template <bool PUT>
+__device__ __forceinline__ bool ll_send_finished(unsigned int* done) {
+  if constexpr (PUT) {
+    __syncthreads();
+    if (threadIdx.x == 0) nvshmem_quiet();
+  }
+  return last_block(done);
+}
+
+// A receive kernel, after its waits, when some rank reaches this one by puts:
+// a word being set does not by itself make a network put's rows visible to
+// this GPU's loads on every platform (NVSHMEM follows its own waits and tests
+// with a consistency step at the target); a test of a word already seen set
+// takes that step and returns at once. Block-uniform; the barriers order
+// every thread's waits before it and every row read after it.
+__device__ __forceinline__ void ll_puts_visible(unsigned int put_mask,
+                                                const unsigned long long* word) {
+  if (!put_mask) return;
+  __syncthreads();
+  if (threadIdx.x == 0)
+    nvshmem_uint64_test(reinterpret_cast<uint64_t*>(const_cast<unsigned long long*>(word)),
+                        NVSHMEM_CMP_GE, 0);
+  __syncthreads();
 }
 
 // In place over sm[0..n): sm[i] = sum of the inputs before i, sm[n] = total.
@@ -149,7 +213,8 @@ __device__ __forceinline__ int num_warps() { return gridDim.x * (blockDim.x / 32
 
 // ------------------------------------------------------------------ dispatch
 
-template <int MODE>  // DispatchMode: kDispatchCopy, kDispatchCastBf16, kDispatchCastF32
+// MODE: kDispatchCopy, kDispatchCastBf16, kDispatchCastF32; PUT: some rank by puts.
+template <int MODE, bool PUT>
 __global__ void __launch_bounds__(32 * kLlMaxWarps)
 ll_dispatch_send_kernel(LlDispatchSendArgs a) {
   __shared__ float sm_scales[kLlMaxWarps][kSmScales];
@@ -165,24 +230,41 @@ ll_dispatch_send_kernel(LlDispatchSendArgs a) {
     if (j < 0 || j >= a.lay.Tmax || e < 0 || e >= E) continue;  // -1, invalid, repeated id
     const int t = i / a.lay.K, r = e / a.lay.L, l = e % a.lay.L;
     const long long row = (static_cast<long long>(l) * R + me) * a.lay.Tmax + j;
-    char* dst = ll_row_dst(a.peers, r, a.lay.disp_rows[par] + row * a.lay.row_stride);
+    const size_t off = a.lay.disp_rows[par] + row * a.lay.row_stride;
+    const size_t soff = a.lay.disp_scales[par] + row * a.lay.s_row_stride;
+    const size_t ioff = a.lay.disp_info[par] + row * 4;
+    const bool put = PUT && ll_by_put(a.put_mask, r);  // warp-uniform
+    // By put: written to pair i's staging row first.
+    char* dst = put ? ll_sym(a.peers, a.lay.disp_stage + i * a.lay.row_stride)
+                    : peer_ptr(a.peers, r, off);
+    char* dsts = nullptr;
     const char* xr = static_cast<const char*>(a.x) + t * a.x_row_bytes;
     if constexpr (MODE == kDispatchCopy) {
       warp_copy_row_any(xr, reinterpret_cast<void* const*>(&dst), 1, 0, a.lay.row_bytes, v, lane);
     } else {
       using Tin = std::conditional_t<MODE == kDispatchCastBf16, __nv_bfloat16, float>;
-      char* dsts = ll_row_dst(a.peers, r, a.lay.disp_scales[par] + row * a.lay.s_row_stride);
+      dsts = put ? ll_sym(a.peers, a.lay.disp_stage_scales + i * a.lay.s_row_stride)
+                 : peer_ptr(a.peers, r, soff);
       warp_cast_row<Tin, 16>(reinterpret_cast<const Tin*>(xr), &dst, &dsts, 1, 0, a.hidden / 128,
                              lane, a.scale_mode, sm_scales[warp]);
     }
-    if (lane == 0)
-      *reinterpret_cast<int32_t*>(ll_row_dst(a.peers, r, a.lay.disp_info[par] + row * 4)) = i;
+    if constexpr (PUT) {
+      if (put) {
+        __syncwarp();
+        ll_put_warp(a.peers, r, off, dst, a.lay.row_bytes);
+        if constexpr (MODE != kDispatchCopy) ll_put_warp(a.peers, r, soff, dsts, a.lay.s_row_bytes);
+        if (lane == 0)  // the info word travels by value: nothing to stage
+          nvshmem_int32_p(reinterpret_cast<int32_t*>(ll_sym(a.peers, ioff)), i, a.peers.pe[r]);
+        continue;
+      }
+    }
+    if (lane == 0) *reinterpret_cast<int32_t*>(peer_ptr(a.peers, r, ioff)) = i;
   }
-  if (last_block(&ctrl->send_done)) {
+  if (ll_send_finished<PUT>(&ctrl->send_done)) {
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
       const int r = e / a.lay.L, l = e % a.lay.L;
       const size_t w = a.lay.disp_count + ((static_cast<size_t>(par) * a.lay.L + l) * R + me) * 8;
-      ll_signal(a.peers, r, w, chunk_tag(epoch, __ldg(a.expert_count + e)));
+      ll_signal<PUT>(a.peers, a.put_mask, r, w, chunk_tag(epoch, __ldg(a.expert_count + e)));
     }
     if (threadIdx.x == 0) set_epoch(&ctrl->send_epoch, epoch);
   }
@@ -207,6 +289,7 @@ ll_dispatch_recv_kernel(LlDispatchRecvArgs a) {
       n = static_cast<int>(static_cast<unsigned int>(ld_acquire_sys64(words + b))) - 1;
     sm_pre[b] = min(max(n, 0), a.lay.Tmax);
   }
+  ll_puts_visible(a.put_mask, words);
   block_exclusive_scan(sm_pre, LR);
   if (blockIdx.x == 0) {
     for (int b = threadIdx.x; b < LR; b += blockDim.x) a.src_count[b] = sm_pre[b + 1] - sm_pre[b];
@@ -239,6 +322,7 @@ ll_dispatch_recv_kernel(LlDispatchRecvArgs a) {
 
 // ------------------------------------------------------------------- combine
 
+template <bool PUT>  // some rank by puts
 __global__ void __launch_bounds__(32 * kLlMaxWarps)
 ll_combine_send_kernel(LlCombineSendArgs a) {
   extern __shared__ int sm_pre[];  // [L*R + 1]
@@ -257,14 +341,27 @@ ll_combine_send_kernel(LlCombineSendArgs a) {
     const long long row = static_cast<long long>(b) * a.lay.Tmax + (i - sm_pre[b]);
     const int tk = __ldg(a.info + row);
     if (tk < 0 || tk >= a.lay.Tmax * a.lay.K) continue;  // never for a dispatch's own info
-    char* dst = ll_row_dst(a.peers, s, a.lay.comb_rows[par] + tk * a.lay.comb_row_stride);
+    const size_t off = a.lay.comb_rows[par] + tk * a.lay.comb_row_stride;
+    const bool put = PUT && ll_by_put(a.put_mask, s);  // warp-uniform
+    // By put: written to staging row i first (i < comb_stage_rows for a
+    // dispatch's own src_count: buffer_layout.h).
+    if (put && i >= a.lay.comb_stage_rows) continue;
+    char* dst = put ? ll_sym(a.peers, a.lay.comb_stage + i * a.lay.comb_row_stride)
+                    : peer_ptr(a.peers, s, off);
     warp_copy_row_any(static_cast<const char*>(a.y) + row * a.lay.comb_row_bytes,
                       reinterpret_cast<void* const*>(&dst), 1, 0, a.lay.comb_row_bytes, v, lane);
+    if constexpr (PUT) {
+      if (put) {
+        __syncwarp();
+        ll_put_warp(a.peers, s, off, dst, a.lay.comb_row_bytes);
+      }
+    }
   }
-  if (last_block(&ctrl->send_done)) {
+  if (ll_send_finished<PUT>(&ctrl->send_done)) {
     for (int s = threadIdx.x; s < R; s += blockDim.x)
-      ll_signal(a.peers, s, a.lay.comb_flag + (static_cast<size_t>(par) * R + me) * 8,
-                chunk_tag(epoch, 0));
+      ll_signal<PUT>(a.peers, a.put_mask, s,
+                     a.lay.comb_flag + (static_cast<size_t>(par) * R + me) * 8,
+                     chunk_tag(epoch, 0));
     if (threadIdx.x == 0) set_epoch(&ctrl->send_epoch, epoch);
   }
 }
@@ -331,6 +428,7 @@ ll_combine_recv_kernel(LlCombineRecvArgs a) {
   for (int s = threadIdx.x; s < R; s += blockDim.x)
     wait_tag(flags + s, chunk_tag(epoch, -1), a.host_err, a.timeout_ns);
   __syncthreads();
+  ll_puts_visible(a.put_mask, flags);
   const char* area = peer_ptr(a.peers, me, a.lay.comb_rows[par]);
   const long long rb = a.lay.comb_row_bytes;
   const int K = a.lay.K;
@@ -364,6 +462,21 @@ bool rows_ok(const LlLayout& y) {
          y.comb_row_bytes <= y.comb_row_stride;
 }
 
+// Puts name ranks of the group only.
+static_assert(kMaxRanks < 32, "put_mask holds a bit per rank");
+bool mask_ok(unsigned int put_mask, int R) { return R >= 1 && R <= kMaxRanks && !(put_mask >> R); }
+
+// A send by puts needs the staging areas to send from (the runtime's region).
+bool sends_ok(unsigned int put_mask, int R, const LlLayout& y) {
+  return mask_ok(put_mask, R) && (!put_mask || y.comb_stage_rows > 0);
+}
+
+template <int MODE>
+void dispatch_send(const LlDispatchSendArgs& a, dim3 grid, dim3 block, cudaStream_t s) {
+  if (a.put_mask) ll_dispatch_send_kernel<MODE, true><<<grid, block, 0, s>>>(a);
+  else ll_dispatch_send_kernel<MODE, false><<<grid, block, 0, s>>>(a);
+}
+
 }  // namespace
 
 // CUDA loads kernels lazily (CUDA_MODULE_LOADING=LAZY, the default since
@@ -385,11 +498,15 @@ cudaError_t preload_ll_kernels() {
   if (dev < 64 && (loaded >> dev) & 1ull) return cudaSuccess;
   cudaFuncAttributes at;
   const void* fns[] = {
-      reinterpret_cast<const void*>(ll_dispatch_send_kernel<kDispatchCopy>),
-      reinterpret_cast<const void*>(ll_dispatch_send_kernel<kDispatchCastBf16>),
-      reinterpret_cast<const void*>(ll_dispatch_send_kernel<kDispatchCastF32>),
+      reinterpret_cast<const void*>(ll_dispatch_send_kernel<kDispatchCopy, false>),
+      reinterpret_cast<const void*>(ll_dispatch_send_kernel<kDispatchCastBf16, false>),
+      reinterpret_cast<const void*>(ll_dispatch_send_kernel<kDispatchCastF32, false>),
+      reinterpret_cast<const void*>(ll_dispatch_send_kernel<kDispatchCopy, true>),
+      reinterpret_cast<const void*>(ll_dispatch_send_kernel<kDispatchCastBf16, true>),
+      reinterpret_cast<const void*>(ll_dispatch_send_kernel<kDispatchCastF32, true>),
       reinterpret_cast<const void*>(ll_dispatch_recv_kernel),
-      reinterpret_cast<const void*>(ll_combine_send_kernel),
+      reinterpret_cast<const void*>(ll_combine_send_kernel<false>),
+      reinterpret_cast<const void*>(ll_combine_send_kernel<true>),
       reinterpret_cast<const void*>(ll_combine_recv_kernel<__nv_bfloat16>),
       reinterpret_cast<const void*>(ll_combine_recv_kernel<__half>),
       reinterpret_cast<const void*>(ll_combine_recv_kernel<float>)};
@@ -401,24 +518,25 @@ cudaError_t preload_ll_kernels() {
 
 cudaError_t launch_ll_dispatch_send(const LlDispatchSendArgs& a, const LlGrid& g, cudaStream_t s) {
   const bool cast = a.mode == kDispatchCastBf16 || a.mode == kDispatchCastF32;
-  if (!grid_ok(g) || !rows_ok(a.lay) || a.lay.K < 1 || a.lay.K > kLlMaxTopk || a.lay.L < 1 ||
-      a.T < 0 || a.T > a.lay.Tmax ||
+  if (!grid_ok(g) || !rows_ok(a.lay) || !sends_ok(a.put_mask, a.peers.num_ranks, a.lay) ||
+      a.lay.K < 1 || a.lay.K > kLlMaxTopk || a.lay.L < 1 || a.T < 0 || a.T > a.lay.Tmax ||
       (cast && (a.hidden % 128 != 0 || a.lay.s_row_bytes != a.hidden / 128 * 4 ||
                 a.lay.row_bytes != a.hidden)) ||
       (!cast && (a.mode != kDispatchCopy || a.lay.row_bytes != a.x_row_bytes)))
     return cudaErrorInvalidValue;
   const dim3 grid(g.num_blocks), block(32 * g.warps);
   switch (a.mode) {
-    case kDispatchCastBf16: ll_dispatch_send_kernel<kDispatchCastBf16><<<grid, block, 0, s>>>(a); break;
-    case kDispatchCastF32: ll_dispatch_send_kernel<kDispatchCastF32><<<grid, block, 0, s>>>(a); break;
-    default: ll_dispatch_send_kernel<kDispatchCopy><<<grid, block, 0, s>>>(a); break;
+    case kDispatchCastBf16: dispatch_send<kDispatchCastBf16>(a, grid, block, s); break;
+    case kDispatchCastF32: dispatch_send<kDispatchCastF32>(a, grid, block, s); break;
+    default: dispatch_send<kDispatchCopy>(a, grid, block, s); break;
   }
   return cudaGetLastError();
 }
 
 cudaError_t launch_ll_dispatch_recv(const LlDispatchRecvArgs& a, const LlGrid& g, cudaStream_t s) {
   const long long LR = static_cast<long long>(a.lay.L) * a.peers.num_ranks;
-  if (!grid_ok(g) || !rows_ok(a.lay) || a.lay.L < 1 || LR > kLlMaxBlocksLR)
+  if (!grid_ok(g) || !rows_ok(a.lay) || a.lay.L < 1 || LR > kLlMaxBlocksLR ||
+      !mask_ok(a.put_mask, a.peers.num_ranks))
     return cudaErrorInvalidValue;
   ll_dispatch_recv_kernel<<<g.num_blocks, 32 * g.warps, (LR + 1) * sizeof(int), s>>>(a);
   return cudaGetLastError();
@@ -427,16 +545,18 @@ cudaError_t launch_ll_dispatch_recv(const LlDispatchRecvArgs& a, const LlGrid& g
 cudaError_t launch_ll_combine_send(const LlCombineSendArgs& a, const LlGrid& g, cudaStream_t s) {
   const long long LR = static_cast<long long>(a.lay.L) * a.peers.num_ranks;
   if (!grid_ok(g) || !rows_ok(a.lay) || a.lay.L < 1 || LR > kLlMaxBlocksLR || a.lay.K < 1 ||
-      a.lay.K > kLlMaxTopk)
+      a.lay.K > kLlMaxTopk || !sends_ok(a.put_mask, a.peers.num_ranks, a.lay))
     return cudaErrorInvalidValue;
-  ll_combine_send_kernel<<<g.num_blocks, 32 * g.warps, (LR + 1) * sizeof(int), s>>>(a);
+  const size_t smem = (LR + 1) * sizeof(int);
+  if (a.put_mask) ll_combine_send_kernel<true><<<g.num_blocks, 32 * g.warps, smem, s>>>(a);
+  else ll_combine_send_kernel<false><<<g.num_blocks, 32 * g.warps, smem, s>>>(a);
   return cudaGetLastError();
 }
 
 cudaError_t launch_ll_combine_recv(const LlCombineRecvArgs& a, const LlGrid& g, cudaStream_t s) {
   // The combine area holds Tmax x K rows: a larger T reads past it.
   if (!grid_ok(g) || !rows_ok(a.lay) || a.lay.K < 1 || a.lay.K > kLlMaxTopk || a.T < 0 ||
-      a.T > a.lay.Tmax)
+      a.T > a.lay.Tmax || !mask_ok(a.put_mask, a.peers.num_ranks))
     return cudaErrorInvalidValue;
   const dim3 grid(g.num_blocks), block(32 * g.warps);
   switch (a.dtype) {

@@ -5,6 +5,14 @@
 // half that waits for the signals and writes the XLA outputs. One args struct
 // per kernel; the low-latency region's offsets (LlLayout, buffer_layout.h)
 // are the same on every rank.
+//
+// Transports (put_mask in every args struct, filled by the FFI handler from
+// the ll_transport attribute): bit r clear, rank r is reached by P2P stores
+// through peers.peers[r]; set, by NVSHMEM puts to PE peers.pe[r] (from this
+// rank's staging areas, LlLayout). 0 (the loopback harness, the peer-memory
+// transport, "p2p"): P2P only, no NVSHMEM call. Receive kernels read their
+// own region either way; a non-zero mask there adds NVSHMEM's consistency
+// step after the waits.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -45,6 +53,7 @@ struct LlDispatchSendArgs {
   int hidden = 0;                     // elements per row (cast modes)
   int mode = kDispatchCopy;           // kDispatchCopy / kDispatchCastBf16 / kDispatchCastF32
   int scale_mode = kFp8ScaleXlaGpu;   // Fp8ScaleMode of the cast
+  unsigned int put_mask = 0;          // bit r: rank r by puts (top of file)
   int* host_err = nullptr;            // kErrLlOrder: a send before the previous receive
 };
 
@@ -59,6 +68,7 @@ struct LlDispatchRecvArgs {
   int32_t* out_info = nullptr;        // [L, R*Tmax]: t*K + k at the source (combine's input)
   int32_t* src_count = nullptr;       // [L, R]
   int32_t* count = nullptr;           // [L]
+  unsigned int put_mask = 0;          // bit s: rank s reaches this one by puts
   int* host_err = nullptr;
   unsigned long long timeout_ns = kDefaultTimeoutNs;
 };
@@ -72,6 +82,7 @@ struct LlCombineSendArgs {
   const void* y = nullptr;            // [L, R*Tmax, lay.comb_row_bytes]
   const int32_t* info = nullptr;      // [L, R*Tmax]: the dispatch's out_info
   const int32_t* src_count = nullptr; // [L, R]: the dispatch's src_count
+  unsigned int put_mask = 0;          // bit s: rank s by puts
   int* host_err = nullptr;            // kErrLlOrder: a send before the previous receive
 };
 
@@ -86,6 +97,7 @@ struct LlCombineRecvArgs {
   const float* weights = nullptr;     // [T, K]: merged weights (routing.merge_duplicate_weights)
   int dtype = kBf16;                  // RowDtype of y and out
   void* out = nullptr;                // [T, lay.comb_row_bytes]
+  unsigned int put_mask = 0;          // bit r: rank r reaches this one by puts
   int* host_err = nullptr;
   unsigned long long timeout_ns = kDefaultTimeoutNs;
 };

@@ -2,7 +2,9 @@
 // GPU, as loopback.h does for the normal mode. Each rank gets its own zeroed
 // buffer holding the low-latency region (LlLayout at offset 0) in place of
 // the symmetric buffer, and its own stream; every call launches the send
-// kernel and then the receive kernel of each op on the rank's stream.
+// kernel and then the receive kernel of each op on the rank's stream. P2P
+// only (put_mask 0): plain buffers have no NVSHMEM PE to put to, and the
+// region has no staging (ll_layout).
 #pragma once
 
 #include <cstddef>

@@ -21,6 +21,11 @@ same GPUs) on the same inputs, and compares:
   command buffer and the results equal the reference's;
 * the order check: two sends of one op without a receive raise a clear error,
   also when a receive then times out (the first error is the one reported).
+
+The ops, hook and command-buffer workers also run with
+``EpConfig.ll_transport="put"``: every row and signal goes by NVSHMEM puts
+(from the region's staging areas), to the own PE too, so the put path is
+checked against the same reference bits on one GPU (R = 1) as on two.
 """
 from __future__ import annotations
 
@@ -42,22 +47,29 @@ _ENV = {"JAX_EP_DEBUG_POISON": "1", "JAX_EP_KEEP_NVSHMEM": "1"}
 GRAPH_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
 
 
-def _run(worker: str, env=None):
-    results = harness.run(f"test_native_low_latency:{worker}", timeout=_TIMEOUT,
+def _run(worker: str, env=None, **kwargs):
+    results = harness.run(f"test_native_low_latency:{worker}", timeout=_TIMEOUT, kwargs=kwargs,
                           env=dict(_ENV, **(env or {})), init_native=False)
-    assert_checks(results, worker)
+    assert_checks(results, f"{worker}{kwargs or ''}")
 
 
-def test_native_ll_ops():
-    _run("_ops_worker")
+# "auto": P2P stores to every (mapped) rank; "put": NVSHMEM puts to every rank
+TRANSPORTS = ["auto", "put"]
 
 
-def test_native_ll_hook_and_loop():
-    _run("_hook_worker")
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_native_ll_ops(transport):
+    _run("_ops_worker", transport=transport)
 
 
-def test_native_ll_command_buffers():
-    _run("_graphs_worker", env={"XLA_FLAGS": GRAPH_FLAGS})
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_native_ll_hook_and_loop(transport):
+    _run("_hook_worker", transport=transport)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_native_ll_command_buffers(transport):
+    _run("_graphs_worker", env={"XLA_FLAGS": GRAPH_FLAGS}, transport=transport)
 
 
 def test_native_ll_order_error():
@@ -74,12 +86,13 @@ SHAPES = [
 ]
 
 
-def _cfg(shape, backend, n):
+def _cfg(shape, backend, n, transport="auto"):
     from jax_ep.config import EpConfig
 
     _, E, Tm, K, H = shape
     E = max(E, n)   # E % R == 0 holds for every N used (1, 2, 4, 8)
-    return EpConfig(num_experts=E, topk=K, max_tokens_per_rank=Tm, hidden=H, backend=backend)
+    return EpConfig(num_experts=E, topk=K, max_tokens_per_rank=Tm, hidden=H, backend=backend,
+                    ll_transport=transport)
 
 
 def _init(shape, n):
@@ -134,14 +147,15 @@ def _nan_outside(y, d):
     return jnp.where(d.valid_rows()[..., None], y, jnp.asarray(np.nan, y.dtype))
 
 
-def _ops_case(checks, rng, mesh, n, shape, T, fp8, fmt, xdt, ydt, skew):
+def _ops_case(checks, rng, mesh, n, shape, transport, T, fp8, fmt, xdt, ydt, skew):
     import jax
     import jax.numpy as jnp
 
     import jax_ep
 
-    name = f"{shape[0]}_T{T}_{'fp8_' + fmt if fp8 else 'bf16'}_x{xdt}_y{ydt}{'_skew' if skew else ''}"
-    cfg_n, cfg_r = _cfg(shape, "native", n), _cfg(shape, "reference", n)
+    name = (f"{transport}_{shape[0]}_T{T}_{'fp8_' + fmt if fp8 else 'bf16'}_x{xdt}_y{ydt}"
+            f"{'_skew' if skew else ''}")
+    cfg_n, cfg_r = _cfg(shape, "native", n, transport), _cfg(shape, "reference", n)
     E, Tm, K, H = cfg_n.num_experts, cfg_n.max_tokens_per_rank, cfg_n.topk, cfg_n.hidden
     L = E // n
     idx = _routing(rng, n, T, K, E, skew)
@@ -175,7 +189,7 @@ def _ops_case(checks, rng, mesh, n, shape, T, fp8, fmt, xdt, ydt, skew):
                   stable=stable, finite=bool(np.all(np.isfinite(co))))
 
 
-def _ops_worker(rank, n):
+def _ops_worker(rank, n, transport="auto"):
     from ep_testing import make_mesh
 
     checks, rng, mesh = Checks(), np.random.default_rng(_SEED), make_mesh((n,), ("ep",))
@@ -190,16 +204,17 @@ def _ops_worker(rank, n):
             (1, True, "ue8m0", "float32", "float32", False),
         ]
         for case in cases:
-            with checks.guard(f"{shape[0]}_{case}"):
-                _ops_case(checks, rng, mesh, n, shape, *case)
+            with checks.guard(f"{transport}_{shape[0]}_{case}"):
+                _ops_case(checks, rng, mesh, n, shape, transport, *case)
     import jax_ep
     jax_ep.finalize()
     return checks.results
 
 
-def _v3_decode_case(n, seed, skew):
-    """A region for V3-decode, its native and reference configs, and one
-    routing: -> (checks, rng, mesh, cfg_n, cfg_r, (x bf16, idx, w) stacked per rank)."""
+def _v3_decode_case(n, seed, skew, transport):
+    """A region for V3-decode, its native (over `transport`) and reference
+    configs, and one routing:
+    -> (checks, rng, mesh, cfg_n, cfg_r, (x bf16, idx, w) stacked per rank)."""
     import jax.numpy as jnp
 
     from ep_testing import make_mesh
@@ -207,7 +222,7 @@ def _v3_decode_case(n, seed, skew):
     checks, rng, mesh = Checks(), np.random.default_rng(seed), make_mesh((n,), ("ep",))
     shape = SHAPES[0]
     _init(shape, n)
-    cfg_n, cfg_r = _cfg(shape, "native", n), _cfg(shape, "reference", n)
+    cfg_n, cfg_r = _cfg(shape, "native", n, transport), _cfg(shape, "reference", n)
     E, Tm, K, H = cfg_n.num_experts, cfg_n.max_tokens_per_rank, cfg_n.topk, cfg_n.hidden
     idx = _routing(rng, n, Tm, K, E, skew)
     x = rng.standard_normal((n, Tm, H)).astype(jnp.bfloat16)
@@ -215,14 +230,14 @@ def _v3_decode_case(n, seed, skew):
     return checks, rng, mesh, cfg_n, cfg_r, (x, idx, w)
 
 
-def _hook_worker(rank, n):
+def _hook_worker(rank, n, transport="auto"):
     """send -> matmuls -> recv equals the one-shot op; a fori_loop of steps."""
     import jax
     import jax.numpy as jnp
 
     import jax_ep
 
-    checks, rng, mesh, cfg_n, cfg_r, (x, idx, w) = _v3_decode_case(n, _SEED + 1, skew=False)
+    checks, rng, mesh, cfg_n, cfg_r, (x, idx, w) = _v3_decode_case(n, _SEED + 1, False, transport)
     H = cfg_n.hidden
     m = (rng.standard_normal((n, H, H)) / np.sqrt(H)).astype(jnp.bfloat16)
 
@@ -276,13 +291,13 @@ def _hook_worker(rank, n):
     return checks.results
 
 
-def _graphs_worker(rank, n):
+def _graphs_worker(rank, n, transport="auto"):
     """With command buffers on: the custom calls are captured, results right."""
     import jax.numpy as jnp
 
     import jax_ep
 
-    checks, rng, mesh, cfg_n, cfg_r, (x, idx, w) = _v3_decode_case(n, _SEED + 2, skew=True)
+    checks, rng, mesh, cfg_n, cfg_r, (x, idx, w) = _v3_decode_case(n, _SEED + 2, True, transport)
 
     def step(x, i, w, cfg):
         d = jax_ep.low_latency_dispatch(x, i, cfg)
