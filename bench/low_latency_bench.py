@@ -54,6 +54,9 @@ def main():
     ap.add_argument("--steps", default="10,30", help="n_lo,n_hi chained steps")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-normal", action="store_true", help="skip the normal-mode row")
+    ap.add_argument("--ll-transport", default="auto", choices=("auto", "p2p", "put"),
+                    help="EpConfig.ll_transport of the low-latency ops (put: NVSHMEM puts to "
+                         "every rank, the own one included)")
     args = ap.parse_args()
     if args.graphs:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + GRAPH_FLAGS).strip()
@@ -63,7 +66,8 @@ def main():
     from jax_ep.launch import init_distributed
 
     T, H, E, K = args.tokens, args.hidden, args.experts, args.topk
-    ll_cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, backend="native")
+    ll_cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, backend="native",
+                      ll_transport=args.ll_transport)
     info = init_distributed(native=True, low_latency=ll_cfg)
 
     import jax
@@ -196,7 +200,7 @@ def main():
 
     dev = jax.local_devices()[0].device_kind
     log(f"\n# Low-latency decode bench — {R}x {dev}, {datetime.date.today().isoformat()}, "
-        f"command buffers {'ON' if args.graphs else 'off'}\n")
+        f"command buffers {'ON' if args.graphs else 'off'}, ll_transport {args.ll_transport}\n")
     log(f"T {T} per rank, H {H}, E {E}, top-{K}; fp8 dispatch (f32 scales), bf16 combine; "
         f"jax {jax.__version__}; per step: median over {args.reps} reps of "
         f"(t({n_hi}) - t({n_lo})) / {n_hi - n_lo}, chained steps in one jit\n")
