@@ -204,14 +204,6 @@ def test_config_and_validation():
     cfg = GroupedMatmulConfig(fwd=[128, 128, 64, 4, 2])
     assert cfg.fwd == (128, 128, 64, 4, 2) and hash(cfg)
     assert cfg.tiles("dw") == gm_mod.DEFAULT_TILES["dw"]
-    # small groups (rows per group < SMALL_GROUP_ROWS): 64-row forward/dx tiles
-    # by default; explicit tiles and dw never change
-    d = GroupedMatmulConfig()
-    small = gm_mod.SMALL_GROUP_ROWS * 128 - 8
-    assert d.tiles("fwd", small, 128) == d.tiles("dx", small, 128) == gm_mod.SMALL_GROUP_TILES
-    assert d.tiles("fwd", small + 8, 128) == gm_mod.DEFAULT_TILES["fwd"]
-    assert d.tiles("dw", small, 128) == gm_mod.DEFAULT_TILES["dw"]
-    assert cfg.tiles("fwd", small, 128) == (128, 128, 64, 4, 2)
     with pytest.raises(ValueError):
         GroupedMatmulConfig(impl="cuda")
     with pytest.raises(ValueError):

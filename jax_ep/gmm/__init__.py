@@ -92,8 +92,7 @@ Any group sizes (empty, skewed, unaligned, ``total < M``) are fine.
 from __future__ import annotations
 
 from .api import gmm, grouped_matmul, tgmm
-from .config import (DEFAULT_TILES, GROUP_ALIGNMENT, SMALL_GROUP_ROWS, SMALL_GROUP_TILES,
-                     GroupedMatmulConfig, Tiles)
+from .config import DEFAULT_TILES, GROUP_ALIGNMENT, GroupedMatmulConfig, Tiles
 
 __all__ = ["GroupedMatmulConfig", "grouped_matmul", "gmm", "tgmm", "DEFAULT_TILES", "Tiles",
-           "GROUP_ALIGNMENT", "SMALL_GROUP_ROWS", "SMALL_GROUP_TILES"]
+           "GROUP_ALIGNMENT"]

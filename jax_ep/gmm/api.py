@@ -100,8 +100,8 @@ def gmm(x, w, group_sizes, *, transpose_rhs: bool = False,
         if ws is not None:
             out = gmm_pallas_ws(x, w, offsets, transpose_rhs, ws, out_dtype, cfg.interpret)
         else:
-            out = gmm_pallas(x, w, offsets, transpose_rhs, cfg.tiles(op, x.shape[0], w.shape[0]),
-                             out_dtype, cfg.interpret)
+            out = gmm_pallas(x, w, offsets, transpose_rhs, cfg.tiles(op), out_dtype,
+                              cfg.interpret)
     else:
         out = gmm_xla(x, w, offsets, transpose_rhs, out_dtype)
     return to_vma(out, vma_of(x) | vma_of(w) | vma_of(group_sizes))

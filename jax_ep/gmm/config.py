@@ -19,13 +19,6 @@ DEFAULT_TILES = {
 }
 
 
-# fwd/dx when the groups are small (rows per group M / G < SMALL_GROUP_ROWS,
-# e.g. the V3 layer at T 128: ~8 routed rows per expert, 64 with the
-# alignment): 64-row tiles halve the wgmma rows of a one-tile group, where
-# the weights' reads are what the kernel waits on.
-SMALL_GROUP_ROWS = 96
-SMALL_GROUP_TILES = (64, 128, 64, 5, 2)
-
 # The expert alignment (EpConfig.expert_alignment) that suits these kernels:
 # the default dw block_k. Groups that start and end on a k-step boundary need
 # no zeroing pass in dw (pallas_common.step_has_outside_rows). Measured in the
@@ -88,11 +81,6 @@ class GroupedMatmulConfig:
                                  f"max_concurrent_steps, band), got {t}")
             object.__setattr__(self, name, t)
 
-    def tiles(self, op: str, rows: Optional[int] = None, groups: Optional[int] = None) -> Tiles:
-        """Tiles of ``op`` for ``rows`` rows in ``groups`` groups (static shapes)."""
+    def tiles(self, op: str) -> Tiles:
         t = getattr(self, op)
-        if t is not None:
-            return t
-        if op != "dw" and rows is not None and groups and rows < SMALL_GROUP_ROWS * groups:
-            return SMALL_GROUP_TILES
-        return DEFAULT_TILES[op]
+        return DEFAULT_TILES[op] if t is None else t

@@ -40,7 +40,7 @@ def fwd_ws_tiles(cfg, op, x, w, transpose_rhs) -> Optional[Tiles]:
     if cfg.fwd_warpgroups != 2:
         return None
     n = w.shape[1] if transpose_rhs else w.shape[2]
-    ws = two_consumer_tiles(cfg.tiles(op, x.shape[0], w.shape[0]), "n", n, x.dtype)
+    ws = two_consumer_tiles(cfg.tiles(op), "n", n, x.dtype)
     if ws is not None and not cfg.interpret and cfg.impl == "auto":
         ws = ws if pallas_compiles(f"{op}_ws", ws, x.dtype.name) else None
     return ws
@@ -129,12 +129,11 @@ def pallas_compiles(op: str, tiles: Tiles, dtype_name: str) -> bool:
 def choose(cfg: GroupedMatmulConfig, op, x, w, out_dtype) -> str:
     if cfg.impl == "xla":
         return "xla"
-    tiles = cfg.tiles(op, x.shape[0], w.shape[0])
-    err = constraint_error(op, tiles, x, w, out_dtype)
+    err = constraint_error(op, cfg.tiles(op), x, w, out_dtype)
     if cfg.impl == "pallas":
         if err is not None:
             raise ValueError(f"grouped_matmul impl='pallas': {err}")
         return "pallas"
     if err is not None or cfg.interpret or not _on_hopper():
         return "pallas" if (err is None and cfg.interpret) else "xla"
-    return "pallas" if pallas_compiles(op, tiles, x.dtype.name) else "xla"
+    return "pallas" if pallas_compiles(op, cfg.tiles(op), x.dtype.name) else "xla"
