@@ -8,15 +8,13 @@
 # together takes longer than one 10-minute device call on 2 GPUs: split it, e.g.
 #   SKIP_BENCH=1 SKIP_EXAMPLES=1 GMM_BENCH=1 bash scripts/gpu_check.sh   # tests + grouped matmul
 #   GPU_TESTS=none BENCH_ARGS="--no-sweep --no-ragged" bash scripts/gpu_check.sh   # ops + layer
-# Open after session 8 (one H200 again; see bench/results/2026-12-01-h200x1-s8.md):
-# on one GPU, the loopback round trip with the lazy-loading fix
-# (GPU_TESTS="tests/gpu/test_loopback_ll.py", TEST_TIMEOUT=500: the fp8 / bf16
-# workers' R 8 cases are slow) and the internode bench's fp8 / expert_major
-# rows (the one-GPU bench branch below, LOOPBACK_TIMEOUT). On 2 GPUs: the
-# whole suite (test_native_low_latency.py at R = 2, test_native_internode.py:
-# the emulated 2-node path through JAX, never run yet, test_peer_memory.py),
+# Open after session 9 (one H200 again; bench/results/2026-12-01-h200x1-s9.md:
+# every one-GPU suite of session 8's code passed, the layer ran at EP 1 at
+# every T). Waiting for 2 GPUs: the whole suite (test_native_low_latency.py at
+# R = 2 under ll_transport "auto" and "put", test_native_internode.py: the
+# emulated 2-node path through JAX, never run yet, test_peer_memory.py),
 # bench/run.sh (ring kernels, and the low-latency bench with command buffers
-# off / on), the layer at every T and Mixtral with the alignment-64 default
+# off / on; add --ll-transport put), the layer at every T and Mixtral at EP 2
 # (MOE_STEP_ARGS="--configs v3,mixtral --tokens 128,1024,4096,8192"), and
 # python -m jax_ep.launch -n 2 examples/decode_overlap.py --backend native.
 set -uo pipefail
