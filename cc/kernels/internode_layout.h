@@ -21,6 +21,12 @@
 // nvl_scales); combine: cnvl_rows [G][N][T] (+ cnvl_meta u8: the contributor
 // received the token), cnet_rows [N][T]. Sizes: the per-parity bytes below;
 // the region is laid out for T = the largest T of any call on it.
+// Staging of the network leg by NVSHMEM puts (appended last, so the areas
+// above keep their offsets): a put reads its source from the symmetric heap,
+// so a row bound for a node reached by puts is written here first. Dispatch:
+// stage_rows [T] (+ stage_scales; a token's row is the same for every node,
+// one staged copy is put to each), stage_meta u32 [N][T] (the mask differs
+// per node); combine: cstage_rows [N][T] (the node partial for source node ns).
 #pragma once
 
 #include <cuda_runtime.h>  // __host__ __device__
@@ -47,7 +53,8 @@ enum InterOp : int { kInterDispatch = 0, kInterCombine = 1 };
 
 // Per-parity data of dispatch: rows of row_bytes, scale rows of s_row_bytes.
 struct InterDispatchAreas {
-  size_t net_rows = 0, net_scales = 0, net_meta = 0, nvl_rows = 0, nvl_scales = 0, end = 0;
+  size_t net_rows = 0, net_scales = 0, net_meta = 0, nvl_rows = 0, nvl_scales = 0;
+  size_t stage_rows = 0, stage_scales = 0, stage_meta = 0, end = 0;
 };
 __host__ __device__ inline InterDispatchAreas inter_dispatch_areas(size_t base, int N, int G, int T,
                                                long long row_bytes, long long s_row_bytes) {
@@ -64,13 +71,19 @@ __host__ __device__ inline InterDispatchAreas inter_dispatch_areas(size_t base, 
   o = inter_align(o + rt * size_t(row_bytes));
   d.nvl_scales = o;
   o = inter_align(o + rt * size_t(s_row_bytes));
+  d.stage_rows = o;
+  o = inter_align(o + size_t(T) * size_t(row_bytes));
+  d.stage_scales = o;
+  o = inter_align(o + size_t(T) * size_t(s_row_bytes));
+  d.stage_meta = o;
+  o = inter_align(o + nt * sizeof(uint32_t));
   d.end = o;
   return d;
 }
 
 // Per-parity data of combine: rows of row_bytes.
 struct InterCombineAreas {
-  size_t cnvl_rows = 0, cnvl_meta = 0, cnet_rows = 0, end = 0;
+  size_t cnvl_rows = 0, cnvl_meta = 0, cnet_rows = 0, cstage_rows = 0, end = 0;
 };
 __host__ __device__ inline InterCombineAreas inter_combine_areas(size_t base, int N, int G, int T,
                                              long long row_bytes) {
@@ -82,6 +95,8 @@ __host__ __device__ inline InterCombineAreas inter_combine_areas(size_t base, in
   c.cnvl_meta = o;
   o = inter_align(o + gnt);
   c.cnet_rows = o;
+  o = inter_align(o + nt * size_t(row_bytes));
+  c.cstage_rows = o;
   o = inter_align(o + nt * size_t(row_bytes));
   c.end = o;
   return c;
@@ -158,7 +173,8 @@ __host__ __device__ inline InterLayout inter_layout(size_t sym_bytes, int N, int
 
 // The buffer that holds both ops for N x G ranks and T tokens: dispatch rows
 // of row_bytes (+ s_row_bytes of fp8 scales), combine rows of comb_row_bytes.
-// Per rank and parity: dispatch (N + R) * T rows, combine (G + 1) * N * T rows.
+// Per rank and parity: dispatch (N + R + 1) * T rows, combine (G + 2) * N * T
+// rows (each with its staging).
 inline size_t internode_buffer_bytes(int N, int G, int T, long long row_bytes,
                                      long long s_row_bytes, long long comb_row_bytes) {
   const size_t d = inter_dispatch_areas(0, N, G, T > 0 ? T : 1, row_bytes, s_row_bytes).end;
