@@ -1,10 +1,10 @@
 """Codes shared by the Python side and the CUDA kernels: the one source.
 
 The FFI attributes ``mode`` and ``fp8_scale_mode`` (jax_ep_dispatch),
-``ll_transport`` (the low-latency targets) and the row dtype codes of the
-kernels are these numbers. At build time CMake runs this file as a script and
+``ll_transport`` (the low-latency targets), ``net_transport`` (the internode
+targets) and the row dtype codes of the kernels are these numbers. At build time CMake runs this file as a script and
 compiles the C++ enums from its output (``jax_ep_abi.h``: ``DispatchMode``,
-``RowDtype``, ``Fp8ScaleMode``, ``LlTransport``), so the two sides cannot
+``RowDtype``, ``Fp8ScaleMode``, ``LlTransport``, ``NetTransport``), so the two sides cannot
 drift. Sizes of the symmetric buffer live on the C++ side
 (``cc/buffer_layout.h``) and reach Python through
 ``jax_ep._C.symmetric_buffer_bytes``. No imports beyond the standard library:
@@ -41,6 +41,15 @@ LL_TRANSPORTS = {
     "put": ("kLlTransportPut", 2, "NVSHMEM puts to every rank, this one included"),
 }
 
+# How the internode kernels' network leg (between nodes) reaches each rank
+# (attribute net_transport of jax_ep_internode_{dispatch,combine};
+# EpConfig.net_transport). The NVLink leg is always P2P stores.
+NET_TRANSPORTS = {
+    "auto": ("kNetTransportAuto", 0, "P2P stores where the peer is mapped, NVSHMEM puts where not"),
+    "p2p": ("kNetTransportP2p", 1, "P2P stores only (every network peer must be mapped)"),
+    "put": ("kNetTransportPut", 2, "NVSHMEM puts for the whole network leg, this rank included"),
+}
+
 ROW_DTYPES = {
     "bfloat16": ("kBf16", 0, "bf16 rows"),
     "float32": ("kF32", 1, "f32 rows"),
@@ -64,6 +73,10 @@ def ll_transport(name: str) -> int:
     return LL_TRANSPORTS[name][1]
 
 
+def net_transport(name: str) -> int:
+    return NET_TRANSPORTS[name][1]
+
+
 def _enum(name: str, table: dict) -> str:
     lines = [f"enum {name} : int {{"]
     lines += [f"  {cpp} = {code},  // {doc}" for cpp, code, doc in table.values()]
@@ -79,6 +92,7 @@ def render_header() -> str:
         _enum("RowDtype", ROW_DTYPES), "",
         _enum("Fp8ScaleMode", FP8_SCALE_MODES), "",
         _enum("LlTransport", LL_TRANSPORTS), "",
+        _enum("NetTransport", NET_TRANSPORTS), "",
         "}  // namespace jax_ep", ""])
 
 

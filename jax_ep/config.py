@@ -20,6 +20,8 @@ _LAYOUTS = ("expert_major", "rank_major")
 _BACKENDS = ("auto", "reference", "native")
 # How the native low-latency kernels reach each rank (abi.LL_TRANSPORTS).
 LL_TRANSPORTS = tuple(abi.LL_TRANSPORTS)
+# How the internode kernels' network leg reaches each rank (abi.NET_TRANSPORTS).
+NET_TRANSPORTS = tuple(abi.NET_TRANSPORTS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +137,17 @@ class EpConfig:
         across a network), ``"p2p"`` (stores only: every rank must be mapped)
         or ``"put"`` (NVSHMEM puts to every rank, this one included; needs
         the NVSHMEM transport). The normal-mode kernels ignore it.
+      net_transport: how the internode kernels (``num_nodes > 1``) move rows
+        across the network leg, between nodes (docs/internode.md, "Network
+        leg transports"): ``"auto"`` (P2P stores to the network peers NVSHMEM
+        maps, NVSHMEM put-with-signal to the others, e.g. a GPU of another
+        host over IBGDA), ``"p2p"`` (stores only: every network peer must be
+        mapped) or ``"put"`` (puts for the whole network leg, this rank
+        included, even where mapped; needs the NVSHMEM transport: how emulated
+        nodes test the put path). The NVLink leg inside a node is always P2P.
+        A field of its own, not ``ll_transport``: the two kernel families
+        reach different peers (every rank vs. the network leg's), and a test
+        can force puts on one without the other.
     """
 
     num_experts: int
@@ -155,6 +168,7 @@ class EpConfig:
     tuning: KernelTuning = KernelTuning()
     num_nodes: int = 1
     ll_transport: str = "auto"
+    net_transport: str = "auto"
 
     def __post_init__(self):
         def pos_int(name, v):
@@ -192,6 +206,9 @@ class EpConfig:
         if self.ll_transport not in LL_TRANSPORTS:
             raise ValueError(f"EpConfig.ll_transport must be one of {LL_TRANSPORTS}, "
                              f"got {self.ll_transport!r}")
+        if self.net_transport not in NET_TRANSPORTS:
+            raise ValueError(f"EpConfig.net_transport must be one of {NET_TRANSPORTS}, "
+                             f"got {self.net_transport!r}")
         if self.fp8_dispatch and self.hidden % 128 != 0:
             raise ValueError(
                 f"EpConfig.fp8_dispatch needs hidden % 128 == 0, got hidden={self.hidden}")
