@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cuda_runtime.h>
+#include <nvshmem.h>
+#include <nvshmemx.h>
 
 #include "kernels/internode.h"
 #include "kernels/sync.cuh"
@@ -12,22 +14,71 @@
 namespace jax_ep {
 namespace {
 
-// ---- The network leg (between nodes). Today a P2P store through the peer
-// table (emulated nodes: every rank is mapped). NVSHMEM put-with-signal
-// (IBGDA) replaces these two: net_dst then returns a local staging row that
-// the put sends once the warp wrote it, and net_signal becomes the signal
-// half of nvshmemx_putmem_signal_nbi_warp (NVSHMEM_SIGNAL_SET, tag). Callers
-// already write every row and meta word of a chunk before the one signal of
-// that chunk, which is what put-with-signal orders.
+// ---- The network leg (between nodes): the only place the kernels may reach
+// a rank by NVSHMEM puts. Bit r of put_mask (InterDispatchArgs) says how rank
+// r is reached (cc/ffi_internode.cc, NetPutMask; docs/internode.md "Network
+// leg transports"):
+//  - P2P: net_dst is the row in place on r (peer table); net_signal is a
+//    system-scope release store after a system fence.
+//  - put: the warp writes the row into this rank's staging area (symmetric
+//    heap: a put reads its source there), then net_put_warp sends it to the
+//    same offset on PE pe[r]; net_signal is nvshmem_fence + nvshmemx_signal_op
+//    (SET, tag). The fence orders delivery of every earlier put of this PE to
+//    pe[r] before the signal ("All operations on symmetric data objects issued
+//    to a particular PE prior to the call to nvshmem_fence are guaranteed to
+//    be delivered before any subsequent operations ... to the same PE",
+//    https://docs.nvidia.com/nvshmem/api/gen/api/ordering.html). A chunk is
+//    several puts (rows, scales, the chunk's mask words), so the single-put
+//    nvshmemx_putmem_signal_nbi_warp would order only its own data: fence it is.
+// Callers write every row and meta word of a chunk before that chunk's one
+// signal. The kernels are built twice: PUT = false is the P2P code with no
+// NVSHMEM call (the loopback harness runs only that), PUT = true per rank.
+__device__ __forceinline__ bool net_by_put(unsigned int put_mask, int r) {
+  return (put_mask >> r) & 1u;
+}
 __device__ __forceinline__ char* net_dst(const PeerTable& p, int r, size_t off) {
   return peer_ptr(p, r, off);
 }
-// One lane: the warp's writes for rank r (ordered before it by __syncwarp)
-// are visible before the flag reads tag.
-__device__ __forceinline__ void net_signal(const PeerTable& p, int r, size_t flag_off,
-                                           unsigned long long tag) {
+// Byte off of this rank's region: NVSHMEM names a symmetric object (a put's
+// target on another PE too) by the caller's own address of it.
+__device__ __forceinline__ char* net_sym(const PeerTable& p, size_t off) {
+  return peer_ptr(p, p.rank, off);
+}
+// Whole warp: bytes staged at src_off here (the warp's writes, ordered before
+// this by __syncwarp) to dst_off on rank r. Non-blocking: the staging bytes
+// stay untouched until the kernel's quiet (inter_finish).
+__device__ __forceinline__ void net_put_warp(const PeerTable& p, int r, size_t dst_off,
+                                             size_t src_off, long long bytes) {
+  nvshmemx_putmem_nbi_warp(net_sym(p, dst_off), net_sym(p, src_off), static_cast<size_t>(bytes),
+                           p.pe[r]);
+}
+// One lane: the warp's writes / puts for rank r (ordered before it by
+// __syncwarp) are delivered before the flag reads tag.
+template <bool PUT>
+__device__ __forceinline__ void net_signal(const PeerTable& p, unsigned int put_mask, int r,
+                                           size_t flag_off, unsigned long long tag) {
+  if constexpr (PUT) {
+    if (net_by_put(put_mask, r)) {
+      nvshmem_fence();
+      nvshmemx_signal_op(reinterpret_cast<uint64_t*>(net_sym(p, flag_off)), tag,
+                         NVSHMEM_SIGNAL_SET, p.pe[r]);
+      return;
+    }
+  }
   __threadfence_system();
   st_release_sys64(reinterpret_cast<unsigned long long*>(peer_ptr(p, r, flag_off)), tag);
+}
+// Whole warp, after its wait for a network flag raised by puts: a word seen
+// set does not by itself make a network put's data visible to this GPU's
+// loads on every platform; NVSHMEM's test of a word takes that consistency
+// step (as low_latency.cu's ll_puts_visible). No-op without puts.
+template <bool PUT>
+__device__ __forceinline__ void net_puts_visible(const PeerTable& p, size_t flag_off, int lane) {
+  if constexpr (PUT) {
+    if (lane == 0)
+      nvshmem_uint64_test(reinterpret_cast<uint64_t*>(net_sym(p, flag_off)), NVSHMEM_CMP_GE, 0);
+    __syncwarp();
+  }
 }
 
 // ---- The NVLink leg (inside a node): P2P stores, as the intranode kernels.
@@ -45,9 +96,16 @@ __device__ __forceinline__ InterCtrl* inter_ctrl(const PeerTable& p, const Inter
   return reinterpret_cast<InterCtrl*>(peer_ptr(p, p.rank, lay.ctrl)) + op;
 }
 
-// As sync.cuh's finish_call, for the internode control words.
+// As sync.cuh's finish_call, for the internode control words. PUT: thread
+// 0's quiet (after the barrier: every warp's puts issued) completes the
+// block's puts first, so the staging rows are free for the next call.
+template <bool PUT>
 __device__ __forceinline__ void inter_finish(InterCtrl* ctrl, unsigned int epoch) {
   __syncthreads();
+  if constexpr (PUT) {
+    if (threadIdx.x == 0) nvshmem_quiet();
+    __syncthreads();
+  }
   if (threadIdx.x == 0) {
     __threadfence();
     const unsigned int prev = atomicAdd(&ctrl->done, 1u);

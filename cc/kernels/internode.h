@@ -41,12 +41,17 @@ struct InterDispatchArgs {
   // > 0: the region is laid out for this T whatever the call's T (<= it):
   // inter_layout's fixed_T (the runtime's region); 0: laid out for a.T.
   int layout_T = 0;
+  // Bit r: rank r's network leg goes by NVSHMEM puts (only ranks of this
+  // rank's local index; cc/ffi_internode.cc NetPutMask). 0: P2P stores only,
+  // the kernels without any NVSHMEM call (the loopback harness).
+  unsigned int put_mask = 0;
 };
 struct InterCombineArgs {
   CombineArgs a;
   int nodes = 1;
   size_t sym_bytes = 0;
   int layout_T = 0;  // as InterDispatchArgs::layout_T
+  unsigned int put_mask = 0;  // as InterDispatchArgs::put_mask
 };
 
 // "" or why the shape does not fit (checked before launching).

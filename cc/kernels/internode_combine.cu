@@ -17,6 +17,9 @@
 // y's dtype (DeepEP's order too). With one node, or one rank per node, it is
 // the intranode result bit for bit (cast is idempotent). Fixed order:
 // deterministic run to run. The arithmetic is combine_rows.cuh's (no FMA).
+// PUT (template): some source is reached by NVSHMEM puts (put_mask,
+// internode.cuh): the forwarder stages its node partial and puts it; PUT =
+// false is the P2P kernel with no NVSHMEM call.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -28,7 +31,7 @@ namespace jax_ep {
 
 namespace {
 
-template <typename T, int V>
+template <typename T, int V, bool PUT>
 __global__ void __launch_bounds__(512, 1)
 inter_combine_kernel(InterCombineArgs ia, InterLaunch lc) {
   const CombineArgs& a = ia.a;
@@ -81,6 +84,7 @@ inter_combine_kernel(InterCombineArgs ia, InterLaunch lc) {
     const uint8_t* cnvl_meta = reinterpret_cast<const uint8_t*>(peer_ptr(a.peers, me, ar.cnvl_meta));
     for (int it = blockIdx.x * lc.fwd_warps + warp - lc.send_warps; it < NC * N; it += nw) {
       const int j = it / N, ns = it % N, s = ns * G + my_g;
+      const bool put = PUT && net_by_put(ia.put_mask, s);  // warp-uniform
       for (int gg = 0; gg < G; ++gg)
         wait_local(a.peers, lay.c_nvl_ready + ((size_t(gg) * N + ns) * LT + j) * 8, tag,
                    a.host_err, a.timeout_ns);
@@ -92,12 +96,22 @@ inter_combine_kernel(InterCombineArgs ia, InterLaunch lc) {
           if (cnvl_meta[slot]) src[q++] = cnvl_rows + slot * RB;
         }
         if (!q) continue;  // t reached no rank of this node: the source expects nothing
-        char* dst = net_dst(a.peers, s, ar.cnet_rows + (size_t(my_node) * LT + t) * RB);
+        const size_t off = ar.cnet_rows + (size_t(my_node) * LT + t) * RB;
+        const size_t stage = ar.cstage_rows + (size_t(ns) * LT + t) * RB;
+        char* dst = put ? net_sym(a.peers, stage) : net_dst(a.peers, s, off);
         warp_combine_token<T, V>(src, q, -1, nullptr, RB, nullptr, nullptr, 0, false, dst, 0, RB,
                                  lane);
+        if constexpr (PUT) {
+          if (put) {
+            __syncwarp();  // every lane's staged bytes before the warp's put reads them
+            net_put_warp(a.peers, s, off, stage, RB);
+          }
+        }
       }
       __syncwarp();
-      if (lane == 0) net_signal(a.peers, s, lay.c_net_ready + (size_t(my_node) * LT + j) * 8, tag);
+      if (lane == 0)
+        net_signal<PUT>(a.peers, ia.put_mask, s, lay.c_net_ready + (size_t(my_node) * LT + j) * 8,
+                        tag);
       __syncwarp();
     }
   } else {
@@ -109,6 +123,7 @@ inter_combine_kernel(InterCombineArgs ia, InterLaunch lc) {
       for (int nd = 0; nd < N; ++nd)
         wait_local(a.peers, lay.c_net_ready + (size_t(nd) * LT + j) * 8, tag, a.host_err,
                    a.timeout_ns);
+      net_puts_visible<PUT>(a.peers, lay.c_net_ready + j * 8, lane);
       for (int t = j * chunk; t < min(NT, (j + 1) * chunk); ++t) {
         const bool* mb = a.send_mask + static_cast<long long>(t) * R;
         const char* src[kMaxRanks];
@@ -125,20 +140,28 @@ inter_combine_kernel(InterCombineArgs ia, InterLaunch lc) {
       }
     }
   }
-  inter_finish(ctrl, epoch);
+  inter_finish<PUT>(ctrl, epoch);
+}
+
+template <typename T, int V>
+void launch_v(const InterCombineArgs& a, const InterLaunch& lc, cudaStream_t stream) {
+  if (a.put_mask)
+    inter_combine_kernel<T, V, true><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc);
+  else
+    inter_combine_kernel<T, V, false><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc);
 }
 
 template <typename T>
 cudaError_t launch_typed(const InterCombineArgs& a, const InterLaunch& lc, cudaStream_t stream) {
   const int v = row_vec_bytes(a.a.row_bytes);
   if (v >= 16)
-    inter_combine_kernel<T, 16><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc);
+    launch_v<T, 16>(a, lc, stream);
   else if (v >= 8)
-    inter_combine_kernel<T, 8><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc);
+    launch_v<T, 8>(a, lc, stream);
   else if (v >= 4 && sizeof(T) <= 4)
-    inter_combine_kernel<T, 4><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc);
+    launch_v<T, 4>(a, lc, stream);
   else
-    inter_combine_kernel<T, sizeof(T)><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc);
+    launch_v<T, sizeof(T)>(a, lc, stream);
   return cudaGetLastError();
 }
 

@@ -17,6 +17,9 @@
 // finished call e has seen every rank it depends on start call e; with the
 // areas double-buffered by call parity no area is rewritten while read
 // (docs/internode.md, "Reuse across calls").
+// PUT (template): some forwarder is reached by NVSHMEM puts (put_mask,
+// internode.cuh): its rows, scales and mask words are staged here and put;
+// PUT = false is the P2P kernel with no NVSHMEM call.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
@@ -28,7 +31,37 @@ namespace jax_ep {
 
 namespace {
 
-template <int EPL>
+// Whole warp, PUT only: token t's staged row (and scales) to the forwarder of
+// every node in put_t, at its network slot (the offset the P2P path writes).
+__device__ __forceinline__ void put_token_row(const PeerTable& p, unsigned int put_t, int G,
+                                              int my_g, const InterDispatchAreas& ar, size_t slot,
+                                              int t, long long RB, long long SB) {
+  if (!put_t) return;
+  __syncwarp();  // every lane's staging writes before the warp's puts read them
+  for (int nd = 0; put_t >> nd; ++nd) {
+    if (!((put_t >> nd) & 1u)) continue;
+    net_put_warp(p, nd * G + my_g, ar.net_rows + slot * RB, ar.stage_rows + size_t(t) * RB, RB);
+    if (SB)
+      net_put_warp(p, nd * G + my_g, ar.net_scales + slot * SB, ar.stage_scales + size_t(t) * SB,
+                   SB);
+  }
+}
+
+// Whole warp, PUT only, after __syncwarp: the mask words of tokens [t0, t1)
+// (0 for a token the node does not want: the forwarder reads every one) to
+// each node reached by puts, one contiguous put per node.
+__device__ __forceinline__ void put_chunk_meta(const PeerTable& p, unsigned int put_nodes, int N,
+                                               int G, int my_node, int my_g,
+                                               const InterDispatchAreas& ar, int LT, int t0,
+                                               int t1) {
+  for (int nd = 0; nd < N; ++nd) {
+    if (!((put_nodes >> nd) & 1u)) continue;
+    net_put_warp(p, nd * G + my_g, ar.net_meta + (size_t(my_node) * LT + t0) * 4,
+                 ar.stage_meta + (size_t(nd) * LT + t0) * 4, 4LL * (t1 - t0));
+  }
+}
+
+template <int EPL, bool PUT>
 __global__ void __launch_bounds__(512, 1)
 inter_dispatch_kernel(InterDispatchArgs ia, InterLaunch lc) {
   const DispatchArgs& a = ia.a;
@@ -52,6 +85,10 @@ inter_dispatch_kernel(InterDispatchArgs ia, InterLaunch lc) {
     // ---- sender: the network leg out ----
     float* sm = sm_scales[warp & 15];
     const int nw = gridDim.x * lc.send_warps;
+    unsigned int put_nodes = 0;  // bit nd: forwarder (nd, my_g) is reached by puts
+    if constexpr (PUT)
+      for (int nd = 0; nd < N; ++nd)
+        if (net_by_put(ia.put_mask, nd * G + my_g)) put_nodes |= 1u << nd;
     for (int j = blockIdx.x * lc.send_warps + warp; j < NC; j += nw) {
       for (int t = j * chunk; t < min(T, (j + 1) * chunk); ++t) {
         // lane m < N: the mask of node m's ranks that want t
@@ -61,24 +98,38 @@ inter_dispatch_kernel(InterDispatchArgs ia, InterLaunch lc) {
             if (a.send_mask[static_cast<long long>(t) * R + lane * G + gg]) m |= 1u << gg;
         const unsigned int nodes = __ballot_sync(0xffffffffu, m != 0);
         const size_t slot = size_t(my_node) * LT + t;
-        if (lane < N)
-          *reinterpret_cast<uint32_t*>(net_dst(a.peers, lane * G + my_g, ar.net_meta + slot * 4)) = m;
+        if (lane < N) {
+          if (PUT && ((put_nodes >> lane) & 1u))  // staged: the chunk's words go in one put
+            *reinterpret_cast<uint32_t*>(net_sym(a.peers, ar.stage_meta + (size_t(lane) * LT + t) * 4)) = m;
+          else
+            *reinterpret_cast<uint32_t*>(net_dst(a.peers, lane * G + my_g, ar.net_meta + slot * 4)) = m;
+        }
+        const unsigned int put_t = PUT ? nodes & put_nodes : 0u;  // nodes t goes to by puts
         char* dst[kMaxRanks];
         char* dsts[kMaxRanks];
         int n = 0;
         for (int nd = 0; nd < N; ++nd) {
-          if (!((nodes >> nd) & 1u)) continue;
+          if (!((nodes >> nd) & 1u) || ((put_t >> nd) & 1u)) continue;
           dst[n] = net_dst(a.peers, nd * G + my_g, ar.net_rows + slot * RB);
           dsts[n] = net_dst(a.peers, nd * G + my_g, ar.net_scales + slot * SB);
+          ++n;
+        }
+        if (put_t) {  // one staged copy (n < N here), put to each of those nodes below
+          dst[n] = net_sym(a.peers, ar.stage_rows + size_t(t) * RB);
+          dsts[n] = net_sym(a.peers, ar.stage_scales + size_t(t) * SB);
           ++n;
         }
         if (n)
           move_row_slice<EPL>(a, t, static_cast<const char*>(a.x) + t * a.x_row_bytes, dst, dsts,
                               n, 0, 1, v, sv, lane, sm);
+        if constexpr (PUT) put_token_row(a.peers, put_t, G, my_g, ar, slot, t, RB, SB);
       }
       __syncwarp();
+      if constexpr (PUT) put_chunk_meta(a.peers, put_nodes, N, G, my_node, my_g, ar, LT, j * chunk,
+                                        min(T, (j + 1) * chunk));
       if (lane < N)
-        net_signal(a.peers, lane * G + my_g, lay.d_net_ready + (size_t(my_node) * LT + j) * 8, tag);
+        net_signal<PUT>(a.peers, ia.put_mask, lane * G + my_g,
+                        lay.d_net_ready + (size_t(my_node) * LT + j) * 8, tag);
       __syncwarp();
     }
   } else if (warp < lc.send_warps + lc.fwd_warps) {
@@ -89,7 +140,9 @@ inter_dispatch_kernel(InterDispatchArgs ia, InterLaunch lc) {
     const uint32_t* net_meta = reinterpret_cast<const uint32_t*>(peer_ptr(a.peers, me, ar.net_meta));
     for (int it = blockIdx.x * lc.fwd_warps + warp - lc.send_warps; it < NC * N; it += nw) {
       const int j = it / N, ns = it % N, s = ns * G + my_g;  // chunk-major: early chunks first
-      wait_local(a.peers, lay.d_net_ready + (size_t(ns) * LT + j) * 8, tag, a.host_err, a.timeout_ns);
+      const size_t flag = lay.d_net_ready + (size_t(ns) * LT + j) * 8;
+      wait_local(a.peers, flag, tag, a.host_err, a.timeout_ns);
+      net_puts_visible<PUT>(a.peers, flag, lane);
       for (int t = j * chunk; t < min(T, (j + 1) * chunk); ++t) {
         const size_t slot = size_t(ns) * LT + t;
         const unsigned int m = net_meta[slot];
@@ -156,7 +209,15 @@ inter_dispatch_kernel(InterDispatchArgs ia, InterLaunch lc) {
       it += nrw;
     }
   }
-  inter_finish(ctrl, epoch);
+  inter_finish<PUT>(ctrl, epoch);
+}
+
+template <int EPL>
+void launch_epl(const InterDispatchArgs& a, const InterLaunch& lc, cudaStream_t stream) {
+  if (a.put_mask)
+    inter_dispatch_kernel<EPL, true><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc);
+  else
+    inter_dispatch_kernel<EPL, false><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc);
 }
 
 }  // namespace
@@ -199,9 +260,9 @@ cudaError_t launch_inter_dispatch(const InterDispatchArgs& a, const InterLaunch&
   if (*inter_dispatch_check(a) || lc.threads() > 512 || lc.chunk < 1)
     return cudaErrorInvalidValue;
   if (a.a.mode != kDispatchCopy)
-    inter_dispatch_kernel<16><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc);
+    launch_epl<16>(a, lc, stream);
   else
-    inter_dispatch_kernel<8><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc);
+    launch_epl<8>(a, lc, stream);
   return cudaGetLastError();
 }
 
