@@ -9,6 +9,14 @@
 // with the region's fixed T so calls of any T <= it share it. There is no
 // fused combine backward here: jax_ep/native.py does it as this dispatch plus
 // XLA. All enqueue on XLA's stream and never synchronise the host.
+//
+// Transport: the int32 attribute net_transport (NetTransport, EpConfig.
+// net_transport) decides how the network leg reaches each network peer (the
+// ranks of this rank's local index, one per node): "p2p" stores (each must be
+// mapped), "put" NVSHMEM puts to all of them (this rank too: a put to the own
+// PE is valid, which tests the path on emulated nodes), "auto" puts exactly
+// where nvshmem_ptr gave no mapping (a PE on another host). The NVLink leg
+// (the ranks of this node) is P2P stores in every mode.
 #include <algorithm>
 #include <string>
 
@@ -20,8 +28,43 @@ namespace jax_ep {
 
 namespace {
 
+// Bit r set: rank r's network leg goes by puts, under transport (see the
+// top). Ranks outside this rank's node and local index are never touched by
+// the kernels, mapped or not; an unmapped rank of this node is an error.
+ffi::Error NetPutMask(const std::string& op, int32_t transport, const PeerTable& p, int nodes,
+                      unsigned int* mask) {
+  *mask = 0;
+  if (transport < kNetTransportAuto || transport > kNetTransportPut)
+    return InvalidArgument(op + ": net_transport must be a NetTransport (0 auto, 1 p2p, 2 put), "
+                           "got " + std::to_string(transport));
+  if (transport == kNetTransportPut && runtime()->transport != Transport::kNvshmem)
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "jax_ep: " + op + ", net_transport='put' needs the NVSHMEM transport (the "
+                      "peer-memory transport has no PEs to put to); use 'auto' or 'p2p'");
+  const int G = p.num_ranks / nodes, my_node = p.rank / G, my_g = p.rank % G;
+  for (int r = 0; r < p.num_ranks; ++r) {
+    const bool mapped = p.peers[r] != nullptr;
+    if (r / G == my_node && !mapped)  // NVLink leg
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                        "jax_ep: " + op + ": rank " + std::to_string(r) + " is in this rank's "
+                        "node (nodes of " + std::to_string(G) + " ranks) but not mapped into "
+                        "this process (NVSHMEM gave no P2P pointer); the NVLink leg needs P2P: "
+                        "check EpConfig.num_nodes against the hosts");
+    if (r % G != my_g) continue;  // not a network peer
+    if (transport == kNetTransportPut || (transport == kNetTransportAuto && !mapped))
+      *mask |= 1u << r;
+    else if (!mapped)
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                        "jax_ep: " + op + ", net_transport='p2p': network peer rank " +
+                            std::to_string(r) + " is not mapped into this process (NVSHMEM gave "
+                            "no P2P pointer: a PE across a network); use 'auto' or 'put'");
+  }
+  return ffi::Error::Success();
+}
+
 // The caller's view of the internode region: `peers` rebased to the region's
-// first byte on every rank (the kernels address it from 0), its size and
+// first byte on every mapped rank (the kernels address it from 0; unmapped
+// ranks stay null: reached by puts, which name this rank's own address), its size and
 // layout T; a clear error when there is none or it cannot hold this call
 // (per call parity, the op's data areas: dispatch rows of row_bytes + scale
 // rows of s_row_bytes, or combine rows of row_bytes).
@@ -56,7 +99,8 @@ ffi::Error InterRegion(const std::string& op, bool combine, long long row_bytes,
                            std::to_string(s.ranks) + " ranks, T " + std::to_string(s.T) +
                            ", hidden " + std::to_string(s.hidden) + ") has " +
                            std::to_string(have) + ": pass this config to jax_ep.initialize");
-  for (int r = 0; r < R; ++r) peers->peers[r] = static_cast<char*>(peers->peers[r]) + rt->inter_off;
+  for (int r = 0; r < R; ++r)
+    if (peers->peers[r]) peers->peers[r] = static_cast<char*>(peers->peers[r]) + rt->inter_off;
   *sym_bytes = rt->inter_bytes;
   *layout_T = s.T;
   return ffi::Error::Success();
@@ -74,7 +118,7 @@ ffi::Error InterDispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
                              ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> row_src,
                              ffi::Buffer<ffi::S32> slot_row, ffi::Buffer<ffi::PRED> send_mask,
                              ffi::Span<const int32_t> ep_groups, int32_t num_ranks, int32_t nodes,
-                             int32_t mode, int32_t rank_major, int32_t align, int32_t zero_tail,
+                             int32_t net_transport, int32_t mode, int32_t rank_major, int32_t align, int32_t zero_tail,
                              int32_t num_sms, int32_t chunk, int32_t fp8_scale_mode,
                              ffi::Result<ffi::AnyBuffer> out,
                              ffi::Result<ffi::Buffer<ffi::F32>> out_scales) {
@@ -82,7 +126,8 @@ ffi::Error InterDispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
   InterDispatchArgs ia;
   DispatchArgs& a = ia.a;
-  JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, device, &a.peers));
+  // unmapped members kept (null peers[]): NetPutMask says which may be
+  JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, device, &a.peers, true));
   const int R = a.peers.num_ranks;
 
   JAX_EP_RETURN_IF_ERROR(DispatchRowArgs(o, x, scales, *out, *out_scales, mode, rank_major,
@@ -100,6 +145,7 @@ ffi::Error InterDispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   }
   JAX_EP_RETURN_IF_ERROR(InterRegion(o, false, a.row_bytes, a.s_row_bytes, &a.peers, nodes, T,
                                      &ia.sym_bytes, &ia.layout_T));
+  JAX_EP_RETURN_IF_ERROR(NetPutMask(o, net_transport, a.peers, nodes, &ia.put_mask));
   if (const char* e = inter_dispatch_check(ia); *e) return InvalidArgument(e);
   const InterLaunch lc = make_inter_launch(T, InterBlocks(num_sms, device), chunk);
   if (debug_poison()) {  // tests: a row the kernel forgets to write shows as NaN
@@ -114,13 +160,13 @@ ffi::Error InterCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                             ffi::Buffer<ffi::F32> row_weights, ffi::Buffer<ffi::S32> slot_row,
                             ffi::Buffer<ffi::S32> recv_local_idx, ffi::Buffer<ffi::PRED> send_mask,
                             ffi::Span<const int32_t> ep_groups, int32_t num_ranks, int32_t nodes,
-                            int32_t rank_major, int32_t weighted, int32_t num_sms, int32_t chunk,
+                            int32_t net_transport, int32_t rank_major, int32_t weighted, int32_t num_sms, int32_t chunk,
                             ffi::Result<ffi::AnyBuffer> out) {
   const std::string o = "internode combine";
   JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
   InterCombineArgs ia;
   CombineArgs& a = ia.a;
-  JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, device, &a.peers));
+  JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, device, &a.peers, true));
   const int R = a.peers.num_ranks;
 
   JAX_EP_RETURN_IF_ERROR(CombineArgsOf(o, R, y, row_weights, slot_row, recv_local_idx,
@@ -130,6 +176,7 @@ ffi::Error InterCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   if (T == 0) return ffi::Error::Success();
   JAX_EP_RETURN_IF_ERROR(InterRegion(o, true, a.row_bytes, 0, &a.peers, nodes, T, &ia.sym_bytes,
                                      &ia.layout_T));
+  JAX_EP_RETURN_IF_ERROR(NetPutMask(o, net_transport, a.peers, nodes, &ia.put_mask));
   if (const char* e = inter_combine_check(ia); *e) return InvalidArgument(e);
   const InterLaunch lc = make_inter_launch(T, InterBlocks(num_sms, device), chunk);
   if (debug_poison()) JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.out, 0xFF, out->size_bytes(), stream));
@@ -152,6 +199,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpInternodeDispatch, jax_ep::InterDispatchImpl,
                                   .Attr<xla::ffi::Span<const int32_t>>("ep_groups")
                                   .Attr<int32_t>("num_ranks")
                                   .Attr<int32_t>("nodes")      // EpConfig.num_nodes (>= 2)
+                                  .Attr<int32_t>("net_transport")  // NetTransport
                                   .Attr<int32_t>("mode")
                                   .Attr<int32_t>("rank_major")
                                   .Attr<int32_t>("align")
@@ -174,6 +222,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpInternodeCombine, jax_ep::InterCombineImpl,
                                   .Attr<xla::ffi::Span<const int32_t>>("ep_groups")
                                   .Attr<int32_t>("num_ranks")
                                   .Attr<int32_t>("nodes")
+                                  .Attr<int32_t>("net_transport")  // NetTransport
                                   .Attr<int32_t>("rank_major")
                                   .Attr<int32_t>("weighted")
                                   .Attr<int32_t>("num_sms")

@@ -85,6 +85,18 @@ def _check_internode(op: str, R: int, T: int, cfg: EpConfig) -> None:
                          "jax_ep.initialize(config=...)")
 
 
+def _net_transport(cfg: EpConfig) -> np.int32:
+    """The internode net_transport attribute; "put" needs NVSHMEM PEs (said
+    here, at trace time, rather than by the handler at run time)."""
+    from . import runtime
+
+    if cfg.net_transport == "put" and runtime.transport() == "peer_memory":
+        raise ValueError("jax_ep native internode: EpConfig.net_transport='put' needs the NVSHMEM "
+                         "transport; the runtime uses peer memory (one process, several GPUs: "
+                         "no PEs to put to). Use 'auto' or 'p2p'")
+    return np.int32(abi.net_transport(cfg.net_transport))
+
+
 def _fp8_scale_mode(cfg: EpConfig) -> int:
     """The kernel's Fp8ScaleMode (jax_ep/abi.py) for this config."""
     if cfg.fp8_scale_format == "ue8m0":
@@ -138,7 +150,7 @@ def dispatch_raw(x, x_scales, handle: Handle, cfg: EpConfig, *, cast_fp8: bool =
             [((C, W), out_dtype), ((C, S), jnp.float32)],
             x, scales, handle.row_src, handle.slot_row, handle.send_mask,
             ep_axis=cfg.axis_name, has_side_effect=True, nodes=np.int32(cfg.num_nodes),
-            mode=np.int32(mode), rank_major=np.int32(handle.layout == "rank_major"), num_sms=sms,
+            net_transport=_net_transport(cfg), mode=np.int32(mode), rank_major=np.int32(handle.layout == "rank_major"), num_sms=sms,
             fp8_scale_mode=np.int32(_fp8_scale_mode(cfg)), **_row_attrs(handle, cfg),
             chunk=_tuning_attrs(cfg, "dispatch", 0)["chunk"])
         return out, (out_scales if (cast_fp8 or x_scales is not None) else None)
@@ -190,7 +202,7 @@ def combine_raw(y, row_weights, handle: Handle, cfg: EpConfig, *, num_sms: Optio
             [((T, y.shape[1]), y.dtype)],
             y, w, handle.slot_row, handle.recv_local_idx, handle.send_mask,
             ep_axis=cfg.axis_name, has_side_effect=True, nodes=np.int32(cfg.num_nodes),
-            rank_major=np.int32(rank_major), weighted=np.int32(weighted), num_sms=sms,
+            net_transport=_net_transport(cfg), rank_major=np.int32(rank_major), weighted=np.int32(weighted), num_sms=sms,
             chunk=_tuning_attrs(cfg, "combine", 0)["chunk"])
         return out
     _check_staging("combine", handle.num_ranks, T, y.shape[1] * y.dtype.itemsize, 0, cfg, sms)
