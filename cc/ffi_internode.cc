@@ -59,6 +59,10 @@ ffi::Error NetPutMask(const std::string& op, int32_t transport, const PeerTable&
                             std::to_string(r) + " is not mapped into this process (NVSHMEM gave "
                             "no P2P pointer: a PE across a network); use 'auto' or 'put'");
   }
+  if (*mask && runtime()->transport != Transport::kNvshmem)  // "auto", an unmapped GPU
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "jax_ep: " + op + ": a network peer is not reachable by CUDA P2P and the "
+                      "peer-memory transport has no PEs to put to");
   return ffi::Error::Success();
 }
 

@@ -43,6 +43,32 @@ def test_ranks_per_node():
         _cfg(num_nodes=3).ranks_per_node(8)
 
 
+def test_net_transport_config():
+    """EpConfig.net_transport: "auto" by default, the abi's names only (a clear
+    ValueError at construction), part of the config's identity."""
+    from jax_ep import abi
+    from jax_ep.config import NET_TRANSPORTS
+
+    assert NET_TRANSPORTS == ("auto", "p2p", "put") == tuple(abi.NET_TRANSPORTS)
+    assert _cfg().net_transport == "auto"
+    assert sorted(abi.net_transport(t) for t in NET_TRANSPORTS) == [0, 1, 2]
+    for bad in ("P2P", "ibgda", "", None, 2):
+        with pytest.raises(ValueError,
+                           match=r"EpConfig.net_transport must be one of \('auto', 'p2p', 'put'\)"):
+            _cfg(net_transport=bad)
+    assert _cfg(net_transport="put") != _cfg()
+    assert hash(_cfg(net_transport="put")) == hash(_cfg(net_transport="put"))
+
+
+def test_net_transport_is_in_the_generated_header():
+    from jax_ep import abi
+
+    h = abi.render_header()
+    assert "enum NetTransport : int {" in h
+    for cpp, code, _ in abi.NET_TRANSPORTS.values():
+        assert f"{cpp} = {code}," in h
+
+
 def _run(cfg, x, idx, w, grad=False):
     mesh = make_mesh((R,), ("ep",))
     spec = P("ep")
@@ -66,13 +92,14 @@ def test_trace_time_error_when_nodes_do_not_split_the_axis(nodes):
         _run(_cfg(num_nodes=nodes), x, idx, w)
 
 
+@pytest.mark.parametrize("net", ["auto", "put"])
 @pytest.mark.parametrize("layout", ["expert_major", "rank_major"])
-def test_reference_backend_ignores_num_nodes(layout):
+def test_reference_backend_ignores_num_nodes(layout, net):
     rng = np.random.default_rng(0)
     idx = jnp.asarray(random_routing(rng, R, T, K, E).reshape(R * T, K))
     x = jnp.asarray(rng.standard_normal((R * T, H)), jnp.float32)
     w = jnp.asarray(rng.random((R * T, K)), jnp.float32)
-    flat, hier = _cfg(layout=layout), _cfg(layout=layout, num_nodes=2)
+    flat, hier = _cfg(layout=layout), _cfg(layout=layout, num_nodes=2, net_transport=net)
     np.testing.assert_array_equal(np.asarray(_run(flat, x, idx, w)),
                                   np.asarray(_run(hier, x, idx, w)))
     for a, b in zip(_run(flat, x, idx, w, grad=True), _run(hier, x, idx, w, grad=True)):
@@ -105,12 +132,14 @@ def test_region_bytes_zero_for_one_node():
 @needs_ext
 @pytest.mark.parametrize("N,Rk", [(2, 2), (2, 8), (4, 8), (8, 8)])
 def test_region_holds_both_ops_at_f32_rows(N, Rk):
-    """The data of each op and parity, (N + R) * T rows of f32 (+ scales and
-    per-slot words), fits a quarter of the region; the region grows with T and
-    H, and is the EpConfig method's number."""
+    """The data of each op and parity with its put staging, dispatch (N + R + 1)
+    * T and combine (G + 2) * N * T rows of f32 (+ scales and per-slot words),
+    fits a quarter of the region; the region grows with T and H, and is the
+    EpConfig method's number."""
     Tk, Hk = 512, 1024
     got = C.internode_region_bytes(N, Rk, Tk, Hk)
-    rows = (N + Rk) * Tk * 4 * Hk
+    G = Rk // N
+    rows = max(N + Rk + 1, (G + 2) * N) * Tk * 4 * Hk
     assert 4 * rows < got < 4 * rows * 1.1 + (1 << 20)
     assert C.internode_region_bytes(N, Rk, 2 * Tk, Hk) > got
     assert C.internode_region_bytes(N, Rk, Tk, 2 * Hk) > got
@@ -120,6 +149,7 @@ def test_region_holds_both_ops_at_f32_rows(N, Rk):
 
 @needs_ext
 def test_region_at_v3_train_2x4():
-    # f32-wide rows, no bounded rings yet: documented in docs/internode.md
+    # f32-wide rows and the put staging (combine: (4 + 2) * 2 * T rows per
+    # parity), no bounded rings yet: documented in docs/internode.md
     got = C.internode_region_bytes(2, 8, 4096, 7168)
-    assert 4.5e9 < got < 5.0e9
+    assert 5.5e9 < got < 5.8e9

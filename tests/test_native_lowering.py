@@ -111,17 +111,19 @@ def test_native_calls_match_cc_bindings(native_everywhere, layout, variant):
             f"{sorted(attrs)}; cc binds {b_ops}, {b_res}, {sorted(b_attrs)}")
 
 
+@pytest.mark.parametrize("net", ["auto", "p2p"])
 @pytest.mark.parametrize("layout", ["expert_major", "rank_major"])
 @pytest.mark.parametrize("variant", ["bf16", "fp8"])
-def test_internode_calls_match_cc_bindings(native_everywhere, layout, variant):
+def test_internode_calls_match_cc_bindings(native_everywhere, layout, variant, net):
     """EpConfig.num_nodes > 1 lowers to the internode targets only (2 nodes x 2
-    ranks on an EP axis of 4), with their bindings; the expert_major backward
-    is the internode dispatch (no fused combine_bwd)."""
+    ranks on an EP axis of 4), with their bindings, each carrying
+    EpConfig.net_transport as its abi code; the expert_major backward is the
+    internode dispatch (no fused combine_bwd)."""
     mesh = make_mesh((2, 4), ("data", "ep"))
     T, H, K, E = 4, 128, 2, 8
     cfg = jax_ep.EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
                           backend="native", num_nodes=2, num_sms=7,
-                          fp8_dispatch=variant == "fp8")
+                          fp8_dispatch=variant == "fp8", net_transport=net)
 
     def layer(x, idx, w):
         d = jax_ep.dispatch(x, idx, w, cfg)
@@ -148,9 +150,34 @@ def test_internode_calls_match_cc_bindings(native_everywhere, layout, variant):
     assert re.search(r"nodes = 2 : i32", text) and re.search(r"num_sms = 7 : i32", text)
     for target, n_ops, n_res, attrs in calls:
         b_ops, b_res, b_attrs = binds[target]
+        assert "net_transport" in b_attrs, target
         assert (n_ops, n_res, attrs) == (b_ops, b_res, b_attrs), (
             f"{target}: lowered with {n_ops} operands, {n_res} results, attributes "
             f"{sorted(attrs)}; cc binds {b_ops}, {b_res}, {sorted(b_attrs)}")
+    code = abi.net_transport(net)
+    assert len(re.findall(rf"net_transport = {code} : i32", text)) == len(calls)
+
+
+def test_internode_put_lowers_with_nvshmem_and_is_refused_without(native_everywhere,
+                                                                  monkeypatch):
+    """net_transport="put" lowers with its code under NVSHMEM and is refused at
+    trace time under the peer-memory runtime (no PEs), naming the way out."""
+    from jax_ep import runtime
+
+    mesh = make_mesh((2, 4), ("data", "ep"))
+    cfg = jax_ep.EpConfig(num_experts=8, topk=2, max_tokens_per_rank=4, hidden=128,
+                          backend="native", num_nodes=2, net_transport="put")
+    f = jax.shard_map(lambda x, i, w: jax_ep.dispatch(x, i, w, cfg).x, mesh=mesh,
+                      in_specs=(P(("data", "ep")),) * 3, out_specs=P(("data", "ep")))
+    x = np.ones((32, 128), np.float32)
+    idx = np.zeros((32, 2), np.int32)
+    w = np.ones((32, 2), np.float32)
+    monkeypatch.setattr(runtime, "transport", lambda: "nvshmem")
+    text = jax.jit(f).lower(x, idx, w).as_text()
+    assert re.search(rf"net_transport = {abi.net_transport('put')} : i32", text)
+    monkeypatch.setattr(runtime, "transport", lambda: "peer_memory")
+    with pytest.raises(ValueError, match="net_transport='put' needs the NVSHMEM transport"):
+        jax.jit(f).lower(x, idx, w)
 
 
 @pytest.mark.parametrize("transport", ["auto", "p2p", "put"])

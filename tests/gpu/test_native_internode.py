@@ -3,6 +3,12 @@ nodes x 1 GPU (EpConfig.num_nodes=2): the "network" leg between the two GPUs
 goes through the same P2P stores behind the transport seam
 (cc/kernels/internode.cuh), forwarding inside a node is trivial (G = 1).
 
+The dispatch, fp8 and combine tests run twice, over EpConfig.net_transport:
+"auto" (both GPUs are mapped: the P2P kernels, no NVSHMEM call) and "put"
+(the whole network leg by NVSHMEM puts and fence + signal, this rank
+included: the put kernels, docs/internode.md "Network leg transports"); both
+must give the same bits as the reference.
+
 Each test is a 2-process job (harness.run, one GPU per process) whose worker
 starts the native runtime itself with ``jax_ep.initialize(config=...)`` of a
 num_nodes=2 config (T 1024, H 7168: the internode region is laid out for that
@@ -44,22 +50,29 @@ _SEED = 4321
 T_MAX, H_MAX = 1024, 7168  # the internode region's shape
 
 
-def _run(worker: str):
+NETS = ["auto", "put"]  # EpConfig.net_transport of the native configs
+
+
+def _run(worker: str, net: str = "auto"):
     results = harness.run(f"test_native_internode:{worker}", n=_N, timeout=_TIMEOUT,
-                          env={"JAX_EP_DEBUG_POISON": "1"}, init_native=False)
-    assert_checks(results, worker)
+                          kwargs={"net": net}, env={"JAX_EP_DEBUG_POISON": "1"},
+                          init_native=False)
+    assert_checks(results, f"{worker}[{net}]")
 
 
-def test_internode_dispatch_bitexact():
-    _run("_dispatch_worker")
+@pytest.mark.parametrize("net", NETS)
+def test_internode_dispatch_bitexact(net):
+    _run("_dispatch_worker", net)
 
 
-def test_internode_dispatch_fp8():
-    _run("_fp8_worker")
+@pytest.mark.parametrize("net", NETS)
+def test_internode_dispatch_fp8(net):
+    _run("_fp8_worker", net)
 
 
-def test_internode_combine():
-    _run("_combine_worker")
+@pytest.mark.parametrize("net", NETS)
+def test_internode_combine(net):
+    _run("_combine_worker", net)
 
 
 def test_internode_grad():
@@ -113,7 +126,7 @@ DISPATCH_CASES = [
 ]
 
 
-def _dispatch_case(checks, rng, mesh, R, case):
+def _dispatch_case(checks, rng, mesh, R, case, net):
     import jax
     import jax.numpy as jnp
 
@@ -128,7 +141,8 @@ def _dispatch_case(checks, rng, mesh, R, case):
     outs = {}
     for be in ("native", "reference"):
         cfg = _cfg(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
-                   expert_alignment=align, capacity=cap, backend=be, num_sms=sms)
+                   expert_alignment=align, capacity=cap, backend=be, num_sms=sms,
+                   net_transport=net)
         f, ins = per_rank_jit(lambda a, b, c, cfg=cfg: jax_ep.dispatch(a, b, c, cfg),
                               mesh, ("ep",), x, idx, w)
         outs[be] = jax.tree_util.tree_map(local, f(*ins))
@@ -145,11 +159,11 @@ def _dispatch_case(checks, rng, mesh, R, case):
                   f"tail_untouched={untouched}")
 
 
-def _dispatch_worker(rank, n):
+def _dispatch_worker(rank, n, net="auto"):
     checks, rng, mesh = _start(n)
     for case in DISPATCH_CASES:
         with checks.guard(case[0]):
-            _dispatch_case(checks, rng, mesh, n, case)
+            _dispatch_case(checks, rng, mesh, n, case, net)
     return _finish(checks)
 
 
@@ -162,7 +176,7 @@ FP8_CASES = [  # name, T, H, K, E, layout, x dtype (None: fp8 + scales given)
 ]
 
 
-def _fp8_case(checks, rng, mesh, R, case):
+def _fp8_case(checks, rng, mesh, R, case, net):
     import jax.numpy as jnp
 
     from ep_testing import random_routing
@@ -174,7 +188,7 @@ def _fp8_case(checks, rng, mesh, R, case):
     xf[0, 0, :128] = 0.0  # an all-zero group: amax clamps
     x = xf.astype(jnp.bfloat16) if xdt != "float32" else xf
     cfg = _cfg(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
-               fp8_dispatch=True)
+               fp8_dispatch=True, net_transport=net)
     res = {}
     for be_name in ("native", "reference"):
         def fn(a, b, be_name=be_name):
@@ -197,11 +211,11 @@ def _fp8_case(checks, rng, mesh, R, case):
                             f"{(s1 != s2).sum()} / {s1.size}")
 
 
-def _fp8_worker(rank, n):
+def _fp8_worker(rank, n, net="auto"):
     checks, rng, mesh = _start(n)
     for case in FP8_CASES:
         with checks.guard(case[0]):
-            _fp8_case(checks, rng, mesh, n, case)
+            _fp8_case(checks, rng, mesh, n, case, net)
     return _finish(checks)
 
 
@@ -214,7 +228,7 @@ COMBINE_CASES = [  # name, T, H, K, E, layout, dtype
 ]
 
 
-def _combine_case(checks, rng, mesh, R, case):
+def _combine_case(checks, rng, mesh, R, case, net):
     import jax.numpy as jnp
 
     import jax_ep
@@ -229,7 +243,7 @@ def _combine_case(checks, rng, mesh, R, case):
     for var, be, nodes in (("internode", "native", 2), ("intranode", "native", 1),
                            ("reference", "reference", 2)):
         cfg = _cfg(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
-                   backend=be, num_nodes=nodes)
+                   backend=be, num_nodes=nodes, net_transport=net)
 
         def fn(a, b, c, cfg=cfg):
             d = jax_ep.dispatch(a, b, c, cfg)
@@ -256,11 +270,11 @@ def _combine_case(checks, rng, mesh, R, case):
                   f"mismatching elements {(bits(res['internode']) != bits(res['intranode'])).sum()}")
 
 
-def _combine_worker(rank, n):
+def _combine_worker(rank, n, net="auto"):
     checks, rng, mesh = _start(n)
     for case in COMBINE_CASES:
         with checks.guard(case[0]):
-            _combine_case(checks, rng, mesh, n, case)
+            _combine_case(checks, rng, mesh, n, case, net)
     return _finish(checks)
 
 
