@@ -271,10 +271,10 @@ class EpConfig:
     def native_internode_bytes(self, num_ranks: int) -> int:
         """Bytes of the internode region ``jax_ep.initialize(config=...)`` adds
         to each buffer for this config (0 when ``num_nodes == 1``): per call
-        parity, dispatch rows ``(N + R) * T`` and combine rows ``(R + N) * T``,
-        f32 wide (any row dtype fits), plus flags; T = max_tokens_per_rank, no
-        bounded rings yet (docs/internode.md: about 2.3 GB per rank at
-        V3-train, 2 x 4). Not covered by ``buffer_bytes``. Computed by the
+        parity, dispatch rows ``(N + R + 1) * T`` and combine rows ``(G + 2) *
+        N * T`` (G = R / N; each with its put staging), f32 wide (any row dtype
+        fits), plus flags; T = max_tokens_per_rank, no bounded rings yet
+        (docs/internode.md: about 5.6 GB per rank at V3-train, 2 x 4). Not covered by ``buffer_bytes``. Computed by the
         extension (``cc/kernels/internode_layout.h``)."""
         if self.num_nodes == 1:
             return 0
