@@ -167,17 +167,20 @@ def test_internode_put_lowers_with_nvshmem_and_is_refused_without(native_everywh
     mesh = make_mesh((2, 4), ("data", "ep"))
     cfg = jax_ep.EpConfig(num_experts=8, topk=2, max_tokens_per_rank=4, hidden=128,
                           backend="native", num_nodes=2, net_transport="put")
-    f = jax.shard_map(lambda x, i, w: jax_ep.dispatch(x, i, w, cfg).x, mesh=mesh,
-                      in_specs=(P(("data", "ep")),) * 3, out_specs=P(("data", "ep")))
     x = np.ones((32, 128), np.float32)
     idx = np.zeros((32, 2), np.int32)
     w = np.ones((32, 2), np.float32)
+
+    def lower():  # a new function each time: no trace cache between the two
+        f = jax.shard_map(lambda x, i, w: jax_ep.dispatch(x, i, w, cfg).x, mesh=mesh,
+                          in_specs=(P(("data", "ep")),) * 3, out_specs=P(("data", "ep")))
+        return jax.jit(f).lower(x, idx, w).as_text()
+
     monkeypatch.setattr(runtime, "transport", lambda: "nvshmem")
-    text = jax.jit(f).lower(x, idx, w).as_text()
-    assert re.search(rf"net_transport = {abi.net_transport('put')} : i32", text)
+    assert re.search(rf"net_transport = {abi.net_transport('put')} : i32", lower())
     monkeypatch.setattr(runtime, "transport", lambda: "peer_memory")
     with pytest.raises(ValueError, match="net_transport='put' needs the NVSHMEM transport"):
-        jax.jit(f).lower(x, idx, w)
+        lower()
 
 
 @pytest.mark.parametrize("transport", ["auto", "p2p", "put"])
