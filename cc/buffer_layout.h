@@ -219,12 +219,12 @@ inline LlLayout ll_layout_strided(size_t base, int R, int L, int Tmax, int K, in
   return y;
 }
 
-// A region laid out for exactly these rows (the loopback harness: plain
-// buffers, one format per run, P2P only, so no staging).
+// A region laid out for exactly these rows (the loopback harness: one format
+// per run; staging only in its put mode, cc/testing/loopback_put.h).
 inline LlLayout ll_layout(size_t base, int R, int L, int Tmax, int K, long long row_bytes,
-                          long long s_row_bytes, long long comb_row_bytes) {
+                          long long s_row_bytes, long long comb_row_bytes, bool stage = false) {
   LlLayout y = ll_layout_strided(base, R, L, Tmax, K, R, row_bytes, s_row_bytes, comb_row_bytes,
-                                 false);
+                                 stage);
   y.row_bytes = row_bytes;
   y.s_row_bytes = s_row_bytes;
   y.comb_row_bytes = comb_row_bytes;
@@ -234,10 +234,12 @@ inline LlLayout ll_layout(size_t base, int R, int L, int Tmax, int K, long long 
 // Bytes of the low-latency region for R ranks, E experts, Tmax tokens, top-K,
 // dispatch rows of row_bytes (+ s_row_bytes of fp8 scales), combine rows of
 // comb_row_bytes: 2 x (E * Tmax dispatch rows + Tmax * K combine rows) + control
-// (the loopback harness's region: no staging).
+// (the loopback harness's region; stage: with the put staging).
 inline size_t ll_region_bytes(int R, int E, int Tmax, int K, long long row_bytes,
-                              long long s_row_bytes, long long comb_row_bytes) {
-  return ll_layout(0, R, R > 0 ? E / R : 0, Tmax, K, row_bytes, s_row_bytes, comb_row_bytes).end;
+                              long long s_row_bytes, long long comb_row_bytes,
+                              bool stage = false) {
+  return ll_layout(0, R, R > 0 ? E / R : 0, Tmax, K, row_bytes, s_row_bytes, comb_row_bytes,
+                   stage).end;
 }
 
 // The runtime's region (jax_ep.initialize(low_latency=config)), laid out once

@@ -23,6 +23,7 @@
 #include "testing/loopback.h"
 #include "testing/loopback_internode.h"
 #include "testing/loopback_ll.h"
+#include "testing/loopback_put.h"
 #endif
 
 #define JAX_EP_DECLARE_TARGET(name, sym) XLA_FFI_DECLARE_HANDLER_SYMBOL(sym);
@@ -67,8 +68,9 @@ NB_MODULE(_C, m) {
         "Staging bytes per op and call parity in a symmetric buffer of sym_bytes.");
   m.def("ll_region_bytes", &jax_ep::ll_region_bytes, nb::arg("num_ranks"), nb::arg("num_experts"),
         nb::arg("max_tokens"), nb::arg("topk"), nb::arg("row_bytes"), nb::arg("scale_row_bytes"),
-        nb::arg("combine_row_bytes"),
-        "Bytes of the low-latency region (both ops, both call parities, control).");
+        nb::arg("combine_row_bytes"), nb::arg("stage") = false,
+        "Bytes of the low-latency region (both ops, both call parities, control; "
+        "stage: with the put transport's staging).");
 
   m.def("registrations", [] {
     nb::dict d;
@@ -190,7 +192,7 @@ NB_MODULE(_C, m) {
   bind_loopback("loopback_dispatch", jax_ep::loopback_dispatch);
   bind_loopback("loopback_combine", jax_ep::loopback_combine);
   // Internode kernels on emulated nodes (tests/gpu/test_loopback_internode.py):
-  // the layouts above plus one int, `nodes`.
+  // the layouts above plus two ints, `nodes` and `put`.
   bind_loopback("loopback_internode_dispatch", jax_ep::loopback_inter_dispatch);
   bind_loopback("loopback_internode_combine", jax_ep::loopback_inter_combine);
   m.def("internode_buffer_bytes", &jax_ep::internode_buffer_bytes, nb::arg("nodes"),
@@ -208,6 +210,11 @@ NB_MODULE(_C, m) {
                               size_t sym, int r, int it, double* sec) {
       return jax_ep::loopback_ll(p, i, sym, r, it, ops, sec);
     });
+  // Put mode (cc/testing/loopback_put.h): stand-in buffers in the NVSHMEM heap
+  // of this process, the only PE.
+  m.def("loopback_sym_alloc", &jax_ep::loopback_sym_alloc, nb::arg("nbytes"),
+        "A zeroed buffer from the NVSHMEM symmetric heap (one PE): its device address.");
+  m.def("loopback_sym_free", &jax_ep::loopback_sym_free, nb::arg("ptr"));
 #endif  // JAX_EP_TESTING
   m.def("runtime_info", []() -> nb::object {
     jax_ep::Runtime* rt = jax_ep::runtime();

@@ -22,7 +22,7 @@ namespace {
 //    system-scope release store after a system fence.
 //  - put: the warp writes the row into this rank's staging area (symmetric
 //    heap: a put reads its source there), then net_put_warp sends it to the
-//    same offset on PE pe[r]; net_signal is nvshmem_fence + nvshmemx_signal_op
+//    same offset on PE pe[r] (put_target); net_signal is nvshmem_fence + nvshmemx_signal_op
 //    (SET, tag). The fence orders delivery of every earlier put of this PE to
 //    pe[r] before the signal ("All operations on symmetric data objects issued
 //    to a particular PE prior to the call to nvshmem_fence are guaranteed to
@@ -32,7 +32,8 @@ namespace {
 //    nvshmemx_putmem_signal_nbi_warp would order only its own data: fence it is.
 // Callers write every row and meta word of a chunk before that chunk's one
 // signal. The kernels are built twice: PUT = false is the P2P code with no
-// NVSHMEM call (the loopback harness runs only that), PUT = true per rank.
+// NVSHMEM call, PUT = true per rank (the loopback harness runs both: its
+// put mode holds every rank's buffer in one PE's heap, PeerTable::put_at_peer).
 __device__ __forceinline__ bool net_by_put(unsigned int put_mask, int r) {
   return (put_mask >> r) & 1u;
 }
@@ -49,8 +50,8 @@ __device__ __forceinline__ char* net_sym(const PeerTable& p, size_t off) {
 // stay untouched until the kernel's quiet (inter_finish).
 __device__ __forceinline__ void net_put_warp(const PeerTable& p, int r, size_t dst_off,
                                              size_t src_off, long long bytes) {
-  nvshmemx_putmem_nbi_warp(net_sym(p, dst_off), net_sym(p, src_off), static_cast<size_t>(bytes),
-                           p.pe[r]);
+  nvshmemx_putmem_nbi_warp(put_target(p, r, dst_off), net_sym(p, src_off),
+                           static_cast<size_t>(bytes), p.pe[r]);
 }
 // One lane: the warp's writes / puts for rank r (ordered before it by
 // __syncwarp) are delivered before the flag reads tag.
@@ -60,7 +61,7 @@ __device__ __forceinline__ void net_signal(const PeerTable& p, unsigned int put_
   if constexpr (PUT) {
     if (net_by_put(put_mask, r)) {
       nvshmem_fence();
-      nvshmemx_signal_op(reinterpret_cast<uint64_t*>(net_sym(p, flag_off)), tag,
+      nvshmemx_signal_op(reinterpret_cast<uint64_t*>(put_target(p, r, flag_off)), tag,
                          NVSHMEM_SIGNAL_SET, p.pe[r]);
       return;
     }

@@ -68,7 +68,7 @@ namespace {
 //    and the last block fences again (fence cumulativity covers the stores).
 //  - put: a warp writes its row into this rank's staging area (symmetric
 //    memory: a network put reads its source from there) and sends it with
-//    nvshmemx_putmem_nbi_warp to the same offset on PE pe[r]; a signal is
+//    nvshmemx_putmem_nbi_warp to the same offset on PE pe[r] (put_target); a signal is
 //    nvshmemx_signal_op(SET). A fence does not cover a put that a NIC carries
 //    out, so each block completes its puts (nvshmem_quiet: done and visible
 //    at the target) before it arrives; the last block's signals then follow
@@ -90,7 +90,7 @@ __device__ __forceinline__ char* ll_sym(const PeerTable& p, size_t off) {
 // untouched until the block's quiet.
 __device__ __forceinline__ void ll_put_warp(const PeerTable& p, int r, size_t off, const char* src,
                                             long long bytes) {
-  nvshmemx_putmem_nbi_warp(ll_sym(p, off), src, static_cast<size_t>(bytes), p.pe[r]);
+  nvshmemx_putmem_nbi_warp(put_target(p, r, off), src, static_cast<size_t>(bytes), p.pe[r]);
 }
 
 template <bool PUT>
@@ -98,7 +98,7 @@ __device__ __forceinline__ void ll_signal(const PeerTable& p, unsigned int put_m
                                           size_t off, unsigned long long tag) {
   if constexpr (PUT) {
     if (ll_by_put(put_mask, r)) {
-      nvshmemx_signal_op(reinterpret_cast<uint64_t*>(ll_sym(p, off)), tag, NVSHMEM_SIGNAL_SET,
+      nvshmemx_signal_op(reinterpret_cast<uint64_t*>(put_target(p, r, off)), tag, NVSHMEM_SIGNAL_SET,
                          p.pe[r]);
       return;
     }
@@ -254,7 +254,7 @@ ll_dispatch_send_kernel(LlDispatchSendArgs a) {
         ll_put_warp(a.peers, r, off, dst, a.lay.row_bytes);
         if constexpr (MODE != kDispatchCopy) ll_put_warp(a.peers, r, soff, dsts, a.lay.s_row_bytes);
         if (lane == 0)  // the info word travels by value: nothing to stage
-          nvshmem_int32_p(reinterpret_cast<int32_t*>(ll_sym(a.peers, ioff)), i, a.peers.pe[r]);
+          nvshmem_int32_p(reinterpret_cast<int32_t*>(put_target(a.peers, r, ioff)), i, a.peers.pe[r]);
         continue;
       }
     }

@@ -15,7 +15,9 @@ namespace jax_ep {
 
 // Arguments: exactly loopback_dispatch's / loopback_combine's (the names
 // kLoopbackDispatchPtrs / Ints, kLoopbackCombinePtrs / Ints, jax_ep._C.LOOPBACK_*)
-// with one more int at the end of ints: `nodes` (N, dividing R). Each rank's
+// with two more ints at the end of ints: `nodes` (N, dividing R) and `put`
+// (1: the network leg by NVSHMEM puts, every rank's "sym" buffer from
+// loopback_sym_alloc: cc/testing/loopback_put.h). Each rank's
 // "sym" buffer holds the internode region from byte 0 and must be
 // internode_buffer_bytes(N, R / N, T, ...) large, zeroed before the first call;
 // a buffer is used with one (N, T) only (its flags are laid out for them).

@@ -9,6 +9,7 @@
 #include "device_error.h"
 #include "kernels/low_latency.h"
 #include "testing/loopback.h"
+#include "testing/loopback_put.h"
 
 namespace jax_ep {
 
@@ -21,7 +22,7 @@ enum Ptr : int {
 };
 enum Int : int {
   kT, kK, kE, kTmax, kHidden, kXRowBytes, kRowBytes, kSRowBytes, kYRowBytes, kMode,
-  kScaleMode, kYDtype, kNumBlocks, kWarps, kNumInts
+  kScaleMode, kYDtype, kNumBlocks, kWarps, kPut, kNumInts
 };
 static_assert(std::size(kLoopbackLlPtrs) == kNumPtrs, "pointer names and indices");
 static_assert(std::size(kLoopbackLlInts) == kNumInts, "int names and indices");
@@ -37,8 +38,9 @@ std::string loopback_ll(const std::vector<uint64_t>& ptrs, const std::vector<int
     return "loopback_ll: need E % R == 0, 1 <= K <= 32, 0 <= T <= max_tokens";
   if (std::string e = check_resident(R, int(ints[kNumBlocks])); !e.empty()) return e;
   const int L = E / R;
+  const bool put = ints[kPut] != 0;
   const LlLayout lay = ll_layout(0, R, L, Tmax, K, ints[kRowBytes], ints[kSRowBytes],
-                                 ints[kYRowBytes]);
+                                 ints[kYRowBytes], put);
   if (sym_bytes < lay.end)
     return "loopback_ll: sym_bytes below ll_region_bytes (" + std::to_string(lay.end) + ")";
   const LlGrid grid{int(ints[kNumBlocks]), int(ints[kWarps])};
@@ -46,8 +48,16 @@ std::string loopback_ll(const std::vector<uint64_t>& ptrs, const std::vector<int
     return std::string("loopback_ll: loading the kernels: ") + cudaGetErrorString(e);
   auto P = [&](int r, int i) { return reinterpret_cast<void*>(ptrs[kNumPtrs * r + i]); };
   auto I32 = [&](int r, int i) { return static_cast<int32_t*>(P(r, i)); };
+  std::vector<PeerTable> tables(R);
+  for (int r = 0; r < R; ++r) {
+    tables[r] = loopback_peers(ptrs, kNumPtrs, kSym, R, r);
+    if (put)
+      if (std::string e = loopback_put_peers(&tables[r], sym_bytes); !e.empty()) return e;
+  }
+  // put: every rank (this one too) by puts, as EpConfig.ll_transport="put"
+  const unsigned int put_mask = put ? (1u << R) - 1u : 0u;
   return run_ranks(R, iters, seconds, [&](int r, cudaStream_t st) -> cudaError_t {
-    const PeerTable peers = loopback_peers(ptrs, kNumPtrs, kSym, R, r);
+    const PeerTable& peers = tables[r];
     if (ops & kLlOpDispatch) {
       LlDispatchSendArgs s;
       s.peers = peers;
@@ -61,6 +71,7 @@ std::string loopback_ll(const std::vector<uint64_t>& ptrs, const std::vector<int
       s.hidden = int(ints[kHidden]);
       s.mode = int(ints[kMode]);
       s.scale_mode = int(ints[kScaleMode]);
+      s.put_mask = put_mask;
       s.host_err = device_error_word();
       if (cudaError_t e = launch_ll_dispatch_send(s, grid, st); e != cudaSuccess) return e;
       LlDispatchRecvArgs v;
@@ -71,6 +82,7 @@ std::string loopback_ll(const std::vector<uint64_t>& ptrs, const std::vector<int
       v.out_info = I32(r, kOutInfo);
       v.src_count = I32(r, kSrcCount);
       v.count = I32(r, kCount);
+      v.put_mask = put_mask;
       v.host_err = device_error_word();
       v.timeout_ns = kLoopbackTimeoutNs;
       if (cudaError_t e = launch_ll_dispatch_recv(v, grid, st); e != cudaSuccess) return e;
@@ -82,6 +94,7 @@ std::string loopback_ll(const std::vector<uint64_t>& ptrs, const std::vector<int
       s.y = P(r, kY);
       s.info = I32(r, kCInfo);
       s.src_count = I32(r, kCSrcCount);
+      s.put_mask = put_mask;
       s.host_err = device_error_word();
       if (cudaError_t e = launch_ll_combine_send(s, grid, st); e != cudaSuccess) return e;
       LlCombineRecvArgs v;
@@ -92,6 +105,7 @@ std::string loopback_ll(const std::vector<uint64_t>& ptrs, const std::vector<int
       v.weights = static_cast<const float*>(P(r, kWeights));
       v.dtype = int(ints[kYDtype]);
       v.out = P(r, kCOut);
+      v.put_mask = put_mask;
       v.host_err = device_error_word();
       v.timeout_ns = kLoopbackTimeoutNs;
       if (cudaError_t e = launch_ll_combine_recv(v, grid, st); e != cudaSuccess) return e;

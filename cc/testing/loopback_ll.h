@@ -2,9 +2,10 @@
 // GPU, as loopback.h does for the normal mode. Each rank gets its own zeroed
 // buffer holding the low-latency region (LlLayout at offset 0) in place of
 // the symmetric buffer, and its own stream; every call launches the send
-// kernel and then the receive kernel of each op on the rank's stream. P2P
-// only (put_mask 0): plain buffers have no NVSHMEM PE to put to, and the
-// region has no staging (ll_layout).
+// kernel and then the receive kernel of each op on the rank's stream. put 0:
+// P2P stores (put_mask 0, no staging); put 1: every rank by NVSHMEM puts, the
+// buffers from loopback_sym_alloc and laid out with staging
+// (cc/testing/loopback_put.h).
 #pragma once
 
 #include <cstddef>
@@ -21,13 +22,14 @@ namespace jax_ep {
 // count; combine reads y, combine_info / combine_src_count (a dispatch's
 // out_info / src_count: the same pointers for a round trip), slot, weights
 // (merged) and writes combine_out. ints: mode a DispatchMode (copy or a
-// cast), fp8_scale_mode an Fp8ScaleMode, y_dtype a RowDtype.
+// cast), fp8_scale_mode an Fp8ScaleMode, y_dtype a RowDtype, put 0 / 1.
 inline constexpr const char* kLoopbackLlPtrs[] = {
     "x", "topk_idx", "slot", "expert_count", "out", "out_scales", "out_info", "src_count",
     "count", "y", "combine_info", "combine_src_count", "weights", "combine_out", "sym"};
 inline constexpr const char* kLoopbackLlInts[] = {
     "T", "K", "num_experts", "max_tokens", "hidden", "x_row_bytes", "row_bytes",
-    "s_row_bytes", "y_row_bytes", "mode", "fp8_scale_mode", "y_dtype", "num_blocks", "warps"};
+    "s_row_bytes", "y_row_bytes", "mode", "fp8_scale_mode", "y_dtype", "num_blocks", "warps",
+    "put"};
 
 // Which ops one call runs, in this order (bits).
 enum LoopbackLlOps : int { kLlOpDispatch = 1, kLlOpCombine = 2 };

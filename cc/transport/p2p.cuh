@@ -42,6 +42,13 @@ __device__ __forceinline__ char* peer_ptr(const PeerTable& p, int r, size_t off)
   return static_cast<char*>(p.peers[r]) + off;
 }
 
+// The symmetric address an NVSHMEM put or signal to PE p.pe[r] names for byte
+// `off` of rank r's buffer (PeerTable::put_at_peer): this rank's own address
+// of the same offset, or (loopback harness) rank r's buffer in this PE's heap.
+__device__ __forceinline__ char* put_target(const PeerTable& p, int r, size_t off) {
+  return peer_ptr(p, p.put_at_peer ? r : p.rank, off);
+}
+
 // Sender warps of a block publish their i-th chunk (slot q) to every peer:
 // its rows (written by any sender thread of the block) are visible before
 // the ready word reads tag. The sender warps meet at a barrier and one thread

@@ -110,10 +110,49 @@ def test_loopback_tiny_ring_r8():
 
 
 # ---------------------------------------------------------------------------- worker
-class Loopback:
-    """Device buffers, reference handles and raw launches for the worker / bench."""
+# Put mode's NVSHMEM heap (virtual; NVSHMEM maps granules as buffers are taken).
+PUT_HEAP_BYTES = 48 << 30
 
-    def __init__(self):
+
+def init_put_mode(C):
+    """This process as the only NVSHMEM PE, so the loopback harnesses' put mode
+    (cc/testing/loopback_put.h) can take stand-in buffers from its heap."""
+    if C.nvshmem_status() >= 2:
+        return
+    os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(PUT_HEAP_BYTES))
+    C.nvshmem_init(C.nvshmem_unique_id(), 0, 1, 0)
+
+
+class HeapBuf:
+    """A zeroed stand-in symmetric buffer from the NVSHMEM heap (put mode), with
+    the two things the harness reads of a torch buffer."""
+
+    def __init__(self, C, nbytes):
+        self._C, self._n = C, nbytes
+        self._p = C.loopback_sym_alloc(nbytes)
+
+    def data_ptr(self):
+        return self._p
+
+    def numel(self):
+        return self._n
+
+    def __del__(self):
+        try:
+            self._C.loopback_sym_free(self._p)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class Loopback:
+    """Device buffers, reference handles and raw launches for the worker / bench.
+
+    put=True: the kernels' NVSHMEM put path (every network leg / low-latency
+    send by puts to this process's one PE), the stand-in buffers from its heap."""
+
+    def __init__(self, put=False):
         import numpy as np
         import torch
 
@@ -125,6 +164,16 @@ class Loopback:
         assert self.C is not None, runtime.unavailable_reason()
         self.sms = torch.cuda.get_device_properties(0).multi_processor_count
         self._sym = {}
+        self.put = bool(put)
+        if self.put:
+            torch.zeros(1, device="cuda")  # the CUDA context before NVSHMEM's
+            init_put_mode(self.C)
+
+    def zeros_sym(self, nbytes):
+        """One zeroed stand-in symmetric buffer (the NVSHMEM heap in put mode)."""
+        if self.put:
+            return HeapBuf(self.C, nbytes)
+        return self.torch.zeros(nbytes, dtype=self.torch.uint8, device="cuda")
 
     def sym_buffers(self, R, nbytes):
         """One zeroed stand-in symmetric buffer per rank, reused across calls of
@@ -134,8 +183,7 @@ class Loopback:
         if R not in self._sym or self._sym[R][0].numel() != nbytes:
             self._sym.pop(R, None)
             self.torch.cuda.empty_cache()
-            self._sym[R] = [self.torch.zeros(nbytes, dtype=self.torch.uint8, device="cuda")
-                            for _ in range(R)]
+            self._sym[R] = [self.zeros_sym(nbytes) for _ in range(R)]
         return self._sym[R]
 
     def dev(self, a):

@@ -56,30 +56,41 @@ def test_internode_combine():
     _run("_combine_worker")
 
 
+@pytest.mark.gpu
+def test_internode_put():
+    """The network leg by NVSHMEM puts (net_transport "put": staged rows and
+    scales, the chunk's mask words, fence + signal_op, the receive-side test,
+    the quiet at the end): this process the only PE, every rank's buffer in its
+    heap (cc/testing/loopback_put.h). Dispatch, fp8 and combine cases at
+    2 x 4, 4 x 2 and 8 x 1, checked as the P2P ones."""
+    _run("_put_worker")
+
+
 # ---------------------------------------------------------------------------- harness
 class _InterC:
     """jax_ep._C with loopback_dispatch / loopback_combine bound to the
     internode entry points for N nodes (ints gain `nodes`)."""
 
-    def __init__(self, C, nodes):
-        self._C, self.nodes = C, nodes
+    def __init__(self, C, nodes, put):
+        self._C, self.tail = C, [nodes, int(put)]
 
     def __getattr__(self, name):
         return getattr(self._C, name)
 
     def loopback_dispatch(self, ptrs, ints, sym_bytes, num_ranks, iters):
-        return self._C.loopback_internode_dispatch(ptrs, list(ints) + [self.nodes], sym_bytes,
+        return self._C.loopback_internode_dispatch(ptrs, list(ints) + self.tail, sym_bytes,
                                                    num_ranks, iters)
 
     def loopback_combine(self, ptrs, ints, sym_bytes, num_ranks, iters):
-        return self._C.loopback_internode_combine(ptrs, list(ints) + [self.nodes], sym_bytes,
+        return self._C.loopback_internode_combine(ptrs, list(ints) + self.tail, sym_bytes,
                                                   num_ranks, iters)
 
 
 def inter(lb, N):
-    """A view of Loopback ``lb`` whose dispatch / combine run the internode kernels."""
+    """A view of Loopback ``lb`` whose dispatch / combine run the internode
+    kernels (the network leg by NVSHMEM puts when ``lb.put``)."""
     c = copy.copy(lb)
-    c.C = _InterC(lb.C, N)
+    c.C = _InterC(lb.C, N, lb.put)
     return c
 
 
@@ -280,6 +291,19 @@ def _combine_worker(rank, n):
     for case in COMBINE_CASES:
         with checks.guard(case[0]):
             _combine_case(lb, checks, rng, case)
+    return checks.results
+
+
+# ---- put mode: a case of each kind at every node split ------------------------
+def _put_worker(rank, n):
+    lb, checks, rng = tl.Loopback(put=True), Checks(), np.random.default_rng(17)
+    runs = ([(_dispatch_case, DISPATCH_CASES[i]) for i in (0, 2, 3, 5, 7)]
+            + [(_fp8_case, c) for c in FP8_CASES]
+            + [(_combine_case, COMBINE_CASES[i]) for i in (0, 1, 2, 3, 6)])
+    for fn, case in runs:
+        case = ("put_" + case[0],) + tuple(case[1:])
+        with checks.guard(case[0]):
+            fn(lb, checks, rng, case)
     return checks.results
 
 

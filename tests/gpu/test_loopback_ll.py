@@ -81,6 +81,15 @@ def test_loopback_ll_grids():
     _run("_grid_worker")
 
 
+@pytest.mark.gpu
+def test_loopback_ll_put():
+    """The NVSHMEM put transport (ll_transport "put": every row, info word and
+    signal a put / signal op, staged rows, quiets, the receive-side test) at
+    R = 2 / 4 / 8: this process the only PE, every rank's buffer in its heap
+    (cc/testing/loopback_put.h). Same checks as the P2P cases."""
+    _run("_put_worker")
+
+
 def test_ll_expected_side_cpu():
     """No GPU: the worker's inputs and expected values build on CPU, and the
     kernel's combine order (sel_0 + sel_1 + ..., no FMA) gives the reference's bits."""
@@ -270,8 +279,8 @@ def _np_kernel_combine(spec, y, idx, slot, wm):
 class LlLoopback(Loopback):
     """Device buffers and raw launches of the low-latency kernels."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, put=False):
+        super().__init__(put=put)
         self._ll_sym = {}
 
     def ll_sym(self, spec):
@@ -283,9 +292,8 @@ class LlLoopback(Loopback):
             self._ll_sym.clear()
             self.torch.cuda.empty_cache()
             n = self.C.ll_region_bytes(spec.R, spec.E, spec.Tmax, spec.K, spec.row_bytes,
-                                       spec.s_row_bytes, spec.y_row_bytes)
-            self._ll_sym[key] = [self.torch.zeros(n, dtype=self.torch.uint8, device="cuda")
-                                 for _ in range(spec.R)]
+                                       spec.s_row_bytes, spec.y_row_bytes, stage=self.put)
+            self._ll_sym[key] = [self.zeros_sym(n) for _ in range(spec.R)]
         return self._ll_sym[key]
 
     def run(self, op, spec, x, idx, slot, expert_count, wm, y=None, cinfo=None, csrc=None,
@@ -327,7 +335,7 @@ class LlLoopback(Loopback):
                     s_row_bytes=s.s_row_bytes, y_row_bytes=s.y_row_bytes, mode=mode,
                     fp8_scale_mode=abi.fp8_scale_mode(scale_mode),
                     y_dtype=abi.row_dtype("bfloat16"),
-                    num_blocks=num_blocks or self.sms // R, warps=warps)
+                    num_blocks=num_blocks or self.sms // R, warps=warps, put=int(self.put))
         ints = [vals[k] for k in self.C.LOOPBACK_LL_INTS]
         fn = getattr(self.C, f"loopback_ll_{op}")
         err, sec = fn(ptrs, ints, syms[0].numel(), R, iters)
@@ -392,10 +400,10 @@ def _case(lb, checks, rng, case, grid=None):
         _check_combine(checks, tag, err, gotc, expect, model)
 
 
-def _worker(cases):
-    lb, checks, rng = LlLoopback(), Checks(), np.random.default_rng(7)
+def _worker(cases, put=False):
+    lb, checks, rng = LlLoopback(put=put), Checks(), np.random.default_rng(7)
     for case in cases:
-        with checks.guard(case[0]):
+        with checks.guard(("put_" if put else "") + case[0]):
             _case(lb, checks, rng, case)
     return checks.results
 
@@ -412,13 +420,24 @@ def _fp8_worker(rank, n):
     return _worker(FP8_CASES)
 
 
+# Put mode: P2P cases of each kind, every R, and round trips (iters > 1)
+PUT_CASES = [c for i, c in enumerate(FP8_CASES) if i in (0, 2, 4, 5)] + \
+    [c for i, c in enumerate(BF16_CASES) if i in (0, 2, 4)]
+
+
+def _put_worker(rank, n):
+    checks = _worker(PUT_CASES, put=True)
+    return checks + _round_trip_worker(rank, n, put=True)
+
+
 def _bf16_worker(rank, n):
     return _worker(BF16_CASES)
 
 
-def _round_trip_worker(rank, n):
-    lb, checks, rng = LlLoopback(), Checks(), np.random.default_rng(11)
+def _round_trip_worker(rank, n, put=False):
+    lb, checks, rng = LlLoopback(put=put), Checks(), np.random.default_rng(11)
     for name, R, E, K, Tmax, H, fmt, skew, Ts, iters in ROUND_TRIP_CASES:
+        name = ("put_" if put else "") + name
         with checks.guard(name):
             spec = Spec(R, E, K, Tmax, H, fmt)
             for call, T in enumerate(Ts):
