@@ -308,16 +308,18 @@ def _put_worker(rank, n):
 
 
 # ---------------------------------------------------------------------------- bench
-def _bench():
+def _bench(put=False):
     """Intranode loopback (R = 8) vs emulated internode (2 x 4, 4 x 2), V3
     shapes, T 4096 per rank, uniform routing; per-call wall time over 20
     queued calls (median of 3). One GPU: HBM stands in for both links and all
-    8 ranks share it, so this compares the kernels' work, not link speed."""
+    8 ranks share it, so this compares the kernels' work, not link speed.
+    put: the internode network leg by NVSHMEM puts (loopback put mode)."""
     import jax.numpy as jnp
 
     from jax_ep.config import EpConfig
 
-    lb = tl.Loopback()
+    lb = tl.Loopback(put=put)
+    print(f"network leg: {'NVSHMEM puts' if put else 'P2P stores'}")
     T, H, K, E = 4096, 7168, 8, 256
     rng = np.random.default_rng(3)
     idx = np.stack([np.argsort(rng.random((T, E)), axis=1)[:, :K]
@@ -389,4 +391,4 @@ def _bench_handles(lb, cfg, x, idx, fp8):
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--bench"]:
-    sys.exit(_bench())
+    sys.exit(_bench(put="--put" in sys.argv[2:]))

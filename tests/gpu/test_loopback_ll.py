@@ -28,7 +28,7 @@ Bench (V3-decode, one GPU; HBM stands in for NVLink, so compare variants,
 never quote it as link performance):
 
     JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2 \\
-        python tests/gpu/test_loopback_ll.py --bench
+        python tests/gpu/test_loopback_ll.py --bench [--put]
 """
 from __future__ import annotations
 
@@ -491,19 +491,21 @@ def _selfcheck_worker(rank, n):
 
 
 # ---------------------------------------------------------------------------- bench
-def _bench():
+def _bench(put=False):
     """V3-decode (R 2, T 128, H 7168, E 256, K 8; fp8 dispatch with XLA:GPU's
     division, bf16 combine) on ONE GPU: us per call of dispatch, combine and
-    the round trip, each the median of 5 runs of 50 queued calls."""
+    the round trip, each the median of 5 runs of 50 queued calls. put: every
+    send by NVSHMEM puts (loopback put mode), the put path's own cost."""
     import jax.numpy as jnp
 
     from ep_testing import random_routing
 
-    lb = LlLoopback()
+    lb = LlLoopback(put=put)
     rng = np.random.default_rng(3)
     R, E, K, Tmax, H = 2, 256, 8, 128, 7168
     print(f"low-latency loopback on 1 GPU ({lb.sms} SMs, {lb.sms // R} per rank), R={R} "
-          f"T={Tmax} H={H} E={E} K={K}; HBM stands in for NVLink")
+          f"T={Tmax} H={H} E={E} K={K}; transport {'put' if put else 'P2P'}; "
+          f"HBM stands in for NVLink")
     print("| op | routing | rows | us per call |\n|---|---|---|---|")
     for label, skew in (("uniform", False), ("skewed", True)):
         spec = Spec(R, E, K, Tmax, H, "ieee")
@@ -534,4 +536,4 @@ def _bench():
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--bench"]:
-    sys.exit(_bench())
+    sys.exit(_bench(put="--put" in sys.argv[2:]))
