@@ -96,7 +96,8 @@ class EpConfig:
         per-128-channel f32 scales before sending (H % 128 == 0).
       fp8_scale_format: the scales of that cast: ``"f32"`` (``amax / 448``)
         or ``"ue8m0"`` (powers of two: an exact cast, the same bits on every
-        platform; in the native cast kernel too, not yet run on GPUs).
+        platform; in the native cast kernel too, bit-identical in the one-GPU
+        loopback harness, not yet run across GPUs).
       check_overflow: raise ``OverflowError`` when any rank drops a pair
         (capacity overflow or an expert id outside ``[-1, E)``) instead of
         only reporting ``num_dropped``. The drop count is summed over every

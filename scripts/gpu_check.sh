@@ -8,9 +8,10 @@
 # together takes longer than one 10-minute device call on 2 GPUs: split it, e.g.
 #   SKIP_BENCH=1 SKIP_EXAMPLES=1 GMM_BENCH=1 bash scripts/gpu_check.sh   # tests + grouped matmul
 #   GPU_TESTS=none BENCH_ARGS="--no-sweep --no-ragged" bash scripts/gpu_check.sh   # ops + layer
-# Open after session 9 (one H200 again; bench/results/2026-12-01-h200x1-s9.md:
-# every one-GPU suite of session 8's code passed, the layer ran at EP 1 at
-# every T). Waiting for 2 GPUs: the whole suite (test_native_low_latency.py at
+# Open after session 10 (one H200 again; bench/results/2026-12-01-h200x1-s10.md:
+# the put path ran in the loopback put mode, the one-GPU suite passed, with
+#   JAX_EP_TEST_NPROCS=1 SKIP_BENCH=1 SKIP_EXAMPLES=1 TEST_TIMEOUT=545
+# it needs more than one 600 s call: split GPU_TESTS). Waiting for 2 GPUs: the whole suite (test_native_low_latency.py at
 # R = 2 under ll_transport "auto" and "put", test_native_internode.py: the
 # emulated 2-node path through JAX, never run yet, test_peer_memory.py),
 # bench/run.sh (ring kernels, and the low-latency bench with command buffers
