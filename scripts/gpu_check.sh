@@ -107,8 +107,10 @@ elif [ "${SKIP_BENCH:-0}" != 1 ] && [ "$build_rc" = 0 ]; then
   bench_rc=$?
   # the low-latency kernels at V3-decode, loopback and the native path at R = 1,
   # and the emulated-node (internode) kernels (same log)
-  CUDA_DEVICE_MAX_CONNECTIONS=32 JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2 \
-    timeout ${LL_BENCH_TIMEOUT:-120} "$PY" tests/gpu/test_loopback_ll.py --bench >> "$OUT/loopback_bench.log" 2>&1
+  for p in "" --put; do   # P2P stores, then every send by NVSHMEM puts (the put path's own cost)
+    CUDA_DEVICE_MAX_CONNECTIONS=32 JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2 \
+      timeout ${LL_BENCH_TIMEOUT:-120} "$PY" tests/gpu/test_loopback_ll.py --bench $p >> "$OUT/loopback_bench.log" 2>&1
+  done
   for g in "" --graphs; do
     timeout ${LL_BENCH_TIMEOUT:-120} "$PY" -m jax_ep.launch -n 1 bench/low_latency_bench.py $g \
       >> "$OUT/loopback_bench.log" 2>&1
