@@ -193,6 +193,28 @@ def ll_shape_of(config) -> tuple:
     return (config.num_experts, config.max_tokens_per_rank, config.topk, config.hidden)
 
 
+def _check_internode_region(config) -> None:
+    """A later ``initialize(config=...)`` on a live runtime: its internode
+    configs must fit the region laid out at start (else their calls would fail
+    with "pass this config to jax_ep.initialize" although the user did)."""
+    cfgs = [] if config is None else (list(config) if isinstance(config, (list, tuple))
+                                      else [config])
+    inter = [c for c in cfgs if getattr(c, "num_nodes", 1) > 1]
+    if not inter:
+        return
+    have = tuple(int(v) for v in (info() or {}).get("inter_shape", (0, 0, 0, 0)))
+    n, _, t, h = have
+    bad = [c for c in inter
+           if c.num_nodes != n or c.max_tokens_per_rank > t or c.hidden > h]
+    if bad:
+        c = bad[0]
+        raise ValueError(
+            f"jax_ep.initialize(config=...): the runtime is already up with an internode region "
+            f"for (nodes, ranks, T, H) = {have} (zeros: none); this config needs num_nodes="
+            f"{c.num_nodes}, T <= {t} and hidden <= {h} to fit, and has T="
+            f"{c.max_tokens_per_rank}, hidden={c.hidden}. Call jax_ep.finalize() first")
+
+
 def internode_shape_of(configs, ranks: int) -> tuple:
     """(nodes, ranks, T, H) of the internode region for the configs given to
     :func:`initialize`, or zeros when none has ``num_nodes > 1``. The region
@@ -303,6 +325,7 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
                 f"jax_ep.initialize(low_latency=...): the runtime is already up with a "
                 f"low-latency region for (E, Tmax, K, H) = {have} (zeros: none); this call asks "
                 f"for {want}. Call jax_ep.finalize() first")
+        _check_internode_region(config)
         return True
     if transport not in TRANSPORTS:
         raise ValueError(f"jax_ep.initialize: transport must be one of {TRANSPORTS}, got "

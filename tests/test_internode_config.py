@@ -119,6 +119,23 @@ def test_internode_shape_of():
         runtime.internode_shape_of([_cfg(num_nodes=4)], 6)
 
 
+def test_second_initialize_checks_the_internode_region(monkeypatch):
+    """A later initialize(config=...) on a live runtime: an internode config
+    that does not fit the region laid out at start is an error, not ignored."""
+    monkeypatch.setattr(runtime, "info", lambda: {"inter_shape": (2, 8, 64, 512)})
+    runtime._check_internode_region(None)
+    runtime._check_internode_region(_cfg())                     # one node: no region needed
+    runtime._check_internode_region([_cfg(num_nodes=2, max_tokens_per_rank=64, hidden=512),
+                                     _cfg(num_nodes=2)])        # fits
+    for bad in (_cfg(num_nodes=2, max_tokens_per_rank=65), _cfg(num_nodes=2, hidden=1024),
+                _cfg(num_nodes=4)):
+        with pytest.raises(ValueError, match="already up with an internode region"):
+            runtime._check_internode_region(bad)
+    monkeypatch.setattr(runtime, "info", lambda: {"inter_shape": (0, 0, 0, 0)})
+    with pytest.raises(ValueError, match="Call jax_ep.finalize"):
+        runtime._check_internode_region(_cfg(num_nodes=2))
+
+
 C = runtime._extension()
 needs_ext = pytest.mark.skipif(C is None, reason="needs the jax_ep._C extension")
 

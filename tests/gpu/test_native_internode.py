@@ -285,7 +285,7 @@ GRAD_CASES = [  # name, T, H, K, E, layout, dtype
 ]
 
 
-def _grad_case(checks, rng, mesh, R, case):
+def _grad_case(checks, rng, mesh, R, case, net="auto"):
     import jax
     import jax.numpy as jnp
 
@@ -299,7 +299,7 @@ def _grad_case(checks, rng, mesh, R, case):
     res = {}
     for be in ("native", "reference"):
         cfg = _cfg(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
-                   backend=be)
+                   backend=be, net_transport=net)
 
         def loss(a, c, b, cfg=cfg):
             d = jax_ep.dispatch(a, b, c, cfg)
@@ -322,9 +322,9 @@ def _grad_case(checks, rng, mesh, R, case):
                   f"rel_err gx={errs[0]:.2e} gw={errs[1]:.2e}")
 
 
-def _grad_worker(rank, n):
+def _grad_worker(rank, n, net="auto"):
     checks, rng, mesh = _start(n)
     for case in GRAD_CASES:
         with checks.guard(case[0]):
-            _grad_case(checks, rng, mesh, n, case)
+            _grad_case(checks, rng, mesh, n, case, net)
     return _finish(checks)
