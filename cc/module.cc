@@ -192,7 +192,7 @@ NB_MODULE(_C, m) {
   bind_loopback("loopback_dispatch", jax_ep::loopback_dispatch);
   bind_loopback("loopback_combine", jax_ep::loopback_combine);
   // Internode kernels on emulated nodes (tests/gpu/test_loopback_internode.py):
-  // the layouts above plus two ints, `nodes` and `put`.
+  // the layouts above plus three ints, `nodes`, `put` and `layout_T`.
   bind_loopback("loopback_internode_dispatch", jax_ep::loopback_inter_dispatch);
   bind_loopback("loopback_internode_combine", jax_ep::loopback_inter_combine);
   m.def("internode_buffer_bytes", &jax_ep::internode_buffer_bytes, nb::arg("nodes"),

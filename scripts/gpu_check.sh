@@ -11,7 +11,9 @@
 # Open after session 10 (one H200 again; bench/results/2026-12-01-h200x1-s10.md:
 # the put path ran in the loopback put mode, the one-GPU suite passed, with
 #   JAX_EP_TEST_NPROCS=1 SKIP_BENCH=1 SKIP_EXAMPLES=1 TEST_TIMEOUT=545
-# it needs more than one 600 s call: split GPU_TESTS). Waiting for 2 GPUs: the whole suite (test_native_low_latency.py at
+# it needs more than one 600 s call: split GPU_TESTS). One GPU, not yet run:
+# tests/gpu/test_loopback_internode.py::test_internode_fixed_t (the JAX
+# path's fixed-T region layout in loopback). Waiting for 2 GPUs: the whole suite (test_native_low_latency.py at
 # R = 2 under ll_transport "auto" and "put", test_native_internode.py: the
 # emulated 2-node path through JAX, never run yet, test_peer_memory.py),
 # bench/run.sh (ring kernels, and the low-latency bench with command buffers

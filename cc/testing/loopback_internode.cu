@@ -13,10 +13,12 @@ namespace jax_ep {
 
 namespace {
 
-// ints' tail past the loopback_dispatch / loopback_combine layout: nodes, put.
+// ints' tail past the loopback_dispatch / loopback_combine layout: nodes,
+// put, layout_T.
 struct InterTail {
   int nodes = 1;
   bool put = false;
+  int layout_T = 0;  // > 0: the runtime's fixed-T layout (InterDispatchArgs::layout_T)
 };
 
 // Rank r's network leg by puts (put mode): every rank of its local index, its
@@ -45,9 +47,9 @@ std::string loopback_inter_dispatch(const std::vector<uint64_t>& ptrs,
                                     int iters, double* seconds) {
   constexpr int kPtrs = int(std::size(kLoopbackDispatchPtrs));
   constexpr int kInts = int(std::size(kLoopbackDispatchInts));
-  if (R < 1 || R > kMaxRanks || ptrs.size() != size_t(kPtrs * R) || ints.size() != size_t(kInts + 2))
+  if (R < 1 || R > kMaxRanks || ptrs.size() != size_t(kPtrs * R) || ints.size() != size_t(kInts + 3))
     return "loopback_inter_dispatch: bad arguments";
-  const InterTail tail{int(ints[kInts]), ints[kInts + 1] != 0};
+  const InterTail tail{int(ints[kInts]), ints[kInts + 1] != 0, int(ints[kInts + 2])};
   if (std::string e = check_resident(R, int(ints[9])); !e.empty()) return e;
   if (ints[11] != kFp8ScaleIeee && ints[11] != kFp8ScaleXlaGpu && ints[11] != kFp8ScaleUe8m0)
     return "loopback_inter_dispatch: fp8_scale_mode must be an Fp8ScaleMode";
@@ -56,6 +58,7 @@ std::string loopback_inter_dispatch(const std::vector<uint64_t>& ptrs,
     args[r].a = loopback_dispatch_args(ptrs, ints, R, r);
     args[r].nodes = tail.nodes;
     args[r].sym_bytes = sym_bytes;
+    args[r].layout_T = tail.layout_T;
     if (std::string e = apply_put(tail, sym_bytes, R, r, &args[r]); !e.empty()) return e;
   }
   if (const char* e = inter_dispatch_check(args[0]); *e) return e;
@@ -70,15 +73,16 @@ std::string loopback_inter_combine(const std::vector<uint64_t>& ptrs,
                                    int iters, double* seconds) {
   constexpr int kPtrs = int(std::size(kLoopbackCombinePtrs));
   constexpr int kInts = int(std::size(kLoopbackCombineInts));
-  if (R < 1 || R > kMaxRanks || ptrs.size() != size_t(kPtrs * R) || ints.size() != size_t(kInts + 2))
+  if (R < 1 || R > kMaxRanks || ptrs.size() != size_t(kPtrs * R) || ints.size() != size_t(kInts + 3))
     return "loopback_inter_combine: bad arguments";
-  const InterTail tail{int(ints[kInts]), ints[kInts + 1] != 0};
+  const InterTail tail{int(ints[kInts]), ints[kInts + 1] != 0, int(ints[kInts + 2])};
   if (std::string e = check_resident(R, int(ints[7])); !e.empty()) return e;
   std::vector<InterCombineArgs> args(R);
   for (int r = 0; r < R; ++r) {
     args[r].a = loopback_combine_args(ptrs, ints, R, r);
     args[r].nodes = tail.nodes;
     args[r].sym_bytes = sym_bytes;
+    args[r].layout_T = tail.layout_T;
     if (std::string e = apply_put(tail, sym_bytes, R, r, &args[r]); !e.empty()) return e;
   }
   if (const char* e = inter_combine_check(args[0]); *e) return e;

@@ -57,6 +57,13 @@ def test_internode_combine():
 
 
 @pytest.mark.gpu
+def test_internode_fixed_t():
+    """The runtime's fixed-T region (layout_T, as the JAX path lays it out):
+    calls of different T, dtypes and layouts on one buffer, epochs carried."""
+    _run("_fixed_t_worker")
+
+
+@pytest.mark.gpu
 def test_internode_put():
     """The network leg by NVSHMEM puts (net_transport "put": staged rows and
     scales, the chunk's mask words, fence + signal_op, the receive-side test,
@@ -71,8 +78,8 @@ class _InterC:
     """jax_ep._C with loopback_dispatch / loopback_combine bound to the
     internode entry points for N nodes (ints gain `nodes`)."""
 
-    def __init__(self, C, nodes, put):
-        self._C, self.tail = C, [nodes, int(put)]
+    def __init__(self, C, nodes, put, layout_T):
+        self._C, self.tail = C, [nodes, int(put), layout_T]
 
     def __getattr__(self, name):
         return getattr(self._C, name)
@@ -86,11 +93,12 @@ class _InterC:
                                                   num_ranks, iters)
 
 
-def inter(lb, N):
+def inter(lb, N, layout_T=0):
     """A view of Loopback ``lb`` whose dispatch / combine run the internode
-    kernels (the network leg by NVSHMEM puts when ``lb.put``)."""
+    kernels (the network leg by NVSHMEM puts when ``lb.put``; layout_T > 0:
+    the runtime's fixed-T region layout)."""
     c = copy.copy(lb)
-    c.C = _InterC(lb.C, N, lb.put)
+    c.C = _InterC(lb.C, N, lb.put, layout_T)
     return c
 
 
@@ -134,7 +142,7 @@ DISPATCH_CASES = [
 ]
 
 
-def _dispatch_case(lb, checks, rng, case):
+def _dispatch_case(lb, checks, rng, case, region=None):
     import jax.numpy as jnp
 
     from jax_ep.config import EpConfig
@@ -146,7 +154,7 @@ def _dispatch_case(lb, checks, rng, case):
     cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
                    expert_alignment=align, capacity=cap, backend="reference")
     hd = lb.handles_and_ref(R, cfg, x, idx, "copy")
-    il, sym = inter(lb, N), inter_sym(lb, N, T, H)
+    il, sym = region(N) if region else (inter(lb, N), inter_sym(lb, N, T, H))
     for chunk in chunks:
         err, got, _, _ = il.dispatch(R, x, None, hd, "copy", layout == "rank_major", H, chunk,
                                      iters=2, align=align, sym_bytes=sym)
@@ -244,7 +252,7 @@ def _ref_combine(cfg, hd, y, w, layout, T):
     return np.asarray(run_per_rank(fn, make_mesh((R,), ("ep",)), "ep", *args))
 
 
-def _combine_case(lb, checks, rng, case):
+def _combine_case(lb, checks, rng, case, region=None):
     import jax.numpy as jnp
 
     import internode_model as im
@@ -261,7 +269,7 @@ def _combine_case(lb, checks, rng, case):
     w = rng.random((R, y.shape[1])).astype(np.float32) if weighted else None
     expect = _ref_combine(cfg, hd, y, w, layout, T)
     model = im.combine_hier(y, w, hd[0], hd[1], hd[2], N, layout == "rank_major")
-    il, sym = inter(lb, N), inter_sym(lb, N, T, H)
+    il, sym = region(N) if region else (inter(lb, N), inter_sym(lb, N, T, H))
     first = None
     for chunk in chunks:
         err, got, _ = il.combine(R, y, w, hd, layout, H, chunk, iters=2, sym_bytes=sym)
@@ -304,6 +312,43 @@ def _put_worker(rank, n):
         case = ("put_" + case[0],) + tuple(case[1:])
         with checks.guard(case[0]):
             fn(lb, checks, rng, case)
+    return checks.results
+
+
+# ---- the runtime's fixed-T layout: calls of every T on one buffer ---------------
+# name, N, T, H, K, E, layout, align, dtype, capacity, routing, chunks (dispatch)
+# and name, N, T, H, K, E, layout, dtype, weighted, routing, chunks (combine),
+# in this order on one region laid out for (N, R, FIXED_T, FIXED_H)
+FIXED_T, FIXED_H = 256, 2048
+FIXED_T_CALLS = [
+    ("d", ("fixed_em_T256", 2, 256, 2048, 8, 64, "expert_major", 1, "bfloat16", None, "skew",
+           (0,))),
+    ("c", ("fixed_em_T256_w", 2, 256, 2048, 8, 64, "expert_major", "bfloat16", True, "skew",
+           (0,))),
+    ("d", ("fixed_rm_T7", 2, 7, 2048, 2, 16, "rank_major", 1, "bfloat16", None, "uniform", (0,))),
+    ("c", ("fixed_rm_T7_f32", 2, 7, 1024, 2, 16, "rank_major", "float32", False, "uniform", (0,))),
+    ("d", ("fixed_em_T128_H1024_f32", 2, 128, 1024, 4, 32, "expert_major", 1, "float32", None,
+           "group1", (0, 2))),
+    ("d", ("fixed_rm_T1", 2, 1, 2048, 8, 64, "rank_major", 1, "bfloat16", None, "uniform", (0,))),
+    ("c", ("fixed_em_T200_w", 2, 200, 2048, 8, 64, "expert_major", "bfloat16", True, "group2",
+           (0,))),
+]
+
+
+def _fixed_t_worker(rank, n):
+    """As the JAX path runs them (cc/ffi_internode.cc: layout_T = the region's
+    T, one region for every call, epochs carried over): dispatch and combine
+    calls of T 256, 7, 128, 1, 200 and three row widths on one buffer per rank."""
+    lb, checks, rng = _start()
+    nbytes = lb.C.internode_region_bytes(2, R, FIXED_T, FIXED_H)
+
+    def region(N):
+        lb.sym_buffers(R, nbytes)      # the same buffers for every call (same size)
+        return inter(lb, N, FIXED_T), nbytes
+    lb._sym.pop(R, None)
+    for kind, case in FIXED_T_CALLS:
+        with checks.guard(case[0]):
+            (_dispatch_case if kind == "d" else _combine_case)(lb, checks, rng, case, region)
     return checks.results
 
 
