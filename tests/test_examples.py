@@ -234,15 +234,19 @@ def test_multinode_model_smoke(tmp_path):
     assert "| 16 | 128 |" in (tmp_path / "multinode_model.md").read_text()
 
 
-def test_decode_overlap_example():
-    """examples/decode_overlap.py on CPU (reference backend, 4 fake devices):
-    the two-micro-batch hooked step equals the sequential one."""
+@pytest.mark.parametrize("procs", [1, 2])
+def test_decode_overlap_example(procs):
+    """examples/decode_overlap.py on CPU (reference backend): one process with
+    4 fake devices, and two processes (jax_ep.launch, gloo; each holds only its
+    shards, as on GPUs): the two-micro-batch hooked step equals the sequential one."""
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_EP_")}
     env.pop("XLA_FLAGS", None)   # the example sets its own device count
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, os.path.join(ROOT, "examples", "decode_overlap.py")]
+    script = os.path.join(ROOT, "examples", "decode_overlap.py")
+    cmd = ([sys.executable, script] if procs == 1 else
+           [sys.executable, "-m", "jax_ep.launch", "-n", str(procs), "--platform", "cpu", script])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "overlapped == sequential up to bf16 rounding: True" in proc.stdout
