@@ -4,10 +4,16 @@
 #   bash scripts/gpu_check.sh            # JAX_EP_TEST_NPROCS=4 for 4 GPUs, etc.
 # Knobs: GPU_TESTS (pytest paths, default tests/gpu; "none" skips the tests),
 # SKIP_BENCH=1, SKIP_EXAMPLES=1, BENCH_ARGS (e.g. --no-sweep), GMM_BENCH=1
-# (grouped matmul bench, GMM_ARGS), MOE_STEP_ARGS (layer bench). Everything
-# together takes longer than one 10-minute device call on 2 GPUs: split it, e.g.
-#   SKIP_BENCH=1 SKIP_EXAMPLES=1 GMM_BENCH=1 bash scripts/gpu_check.sh   # tests + grouped matmul
-#   GPU_TESTS=none BENCH_ARGS="--no-sweep --no-ragged" bash scripts/gpu_check.sh   # ops + layer
+# (grouped matmul bench, GMM_ARGS), MOE_STEP_ARGS (layer bench), TRAIN_STEPS
+# (0 skips the training example), SKIP_LL_BENCH=1 / LL_BENCH_ARGS (bench/run.sh).
+# Everything together takes far longer than one 10-minute device call, and the
+# one-GPU suite alone needed two (session 10). On 2 GPUs, in order of need
+# (the one-GPU suites ran in session 10; each call below <= ~9 min, unmeasured):
+#   1  SKIP_BENCH=1 SKIP_EXAMPLES=1 GPU_TESTS="tests/gpu/test_native_dispatch.py tests/gpu/test_native_internode.py tests/gpu/test_native_low_latency.py"
+#   2  SKIP_BENCH=1 SKIP_EXAMPLES=1 GPU_TESTS="tests/gpu/test_runtime.py tests/gpu/test_native_mesh.py tests/gpu/test_native_hardening.py tests/gpu/test_native_timeout.py tests/gpu/test_peer_memory.py"
+#   3  GPU_TESTS=none SKIP_EXAMPLES=1 BENCH_ARGS="--no-sweep --no-ragged"     # ops + LL bench
+#   4  GPU_TESTS=none SKIP_BENCH=1 MOE_STEP_ARGS="--configs v3,mixtral --tokens 128,1024,4096,8192"
+# A pytest stopped by TEST_TIMEOUT now stops its job's ranks too (harness.py).
 # Open after session 10 (one H200 again; bench/results/2026-12-01-h200x1-s10.md:
 # the put path ran in the loopback put mode, the one-GPU suite passed, with
 #   JAX_EP_TEST_NPROCS=1 SKIP_BENCH=1 SKIP_EXAMPLES=1 TEST_TIMEOUT=545
@@ -84,7 +90,7 @@ fi
 test_rc=skipped
 if [ "${GPU_TESTS:-tests/gpu}" != none ]; then
   echo "== tests" >&2
-  timeout ${TEST_TIMEOUT:-540} "$PY" -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -v -rs -p no:cacheprovider \
+  timeout -k 30 ${TEST_TIMEOUT:-540} "$PY" -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -v -rs -p no:cacheprovider \
     > "$OUT/gpu_tests.log" 2>&1
   test_rc=$?
 fi
@@ -128,7 +134,7 @@ echo "build: rc=$build_rc (${t_build}s)  $(grep -m1 '^extension:' "$OUT/build.lo
 echo "tests: rc=$test_rc (${t_test}s)  $(tail -1 "$OUT/gpu_tests.log" 2>/dev/null)"
 [ "$test_rc" = 0 ] || [ "$test_rc" = skipped ] || grep -E "FAILED|ERROR|Error|error" "$OUT/gpu_tests.log" | tail -30
 echo "bench: rc=$bench_rc"
-if [ -f "$OUT/ep_bench.log" ]; then tail -30 "$OUT/ep_bench.log"; elif [ -f /tmp/jax_ep_bench.out ]; then tail -30 /tmp/jax_ep_bench.out; fi
+if [ -f "$OUT/ep_bench.log" ]; then tail -45 "$OUT/ep_bench.log"; elif [ -f /tmp/jax_ep_bench.out ]; then tail -30 /tmp/jax_ep_bench.out; fi
 [ -f "$OUT/loopback_bench.log" ] && tail -60 "$OUT/loopback_bench.log"
 echo "grouped matmul: rc=$gmm_rc"
 [ -f "$OUT/gmm_bench.log" ] && grep "^|" "$OUT/gmm_bench.log" | tail -30

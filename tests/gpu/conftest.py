@@ -4,6 +4,7 @@ They are marked ``gpu`` and skip with a one-line reason when there are fewer
 than ``$JAX_EP_TEST_NPROCS`` (default 2) GPUs or jax_ep._C is not built.
 """
 import os
+import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -15,3 +16,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 if "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ and "XLA_PYTHON_CLIENT_ALLOCATOR" not in os.environ:
     os.environ.update(XLA_PYTHON_CLIENT_PREALLOCATE="false", XLA_PYTHON_CLIENT_ALLOCATOR="platform",
                       _JAX_EP_PARENT_ALLOCATOR="1")
+
+# A SIGTERM (e.g. `timeout` around pytest in scripts/gpu_check.sh) raises
+# KeyboardInterrupt like Ctrl-C, so harness.run's cleanup stops the job's ranks
+# and pytest still prints its summary.
+if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+    signal.signal(signal.SIGTERM, signal.default_int_handler)

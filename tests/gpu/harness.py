@@ -113,34 +113,25 @@ def run(worker: str, n: Optional[int] = None, *, kwargs: Optional[dict] = None,
 
     deadline = time.monotonic() + timeout
     failed = None
-    while any(p.poll() is None for p in procs):
-        bad = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-        if bad:
-            failed = f"rank {bad[0]} exited with code {procs[bad[0]].returncode}"
-            break
-        if time.monotonic() > deadline:
-            failed = f"timed out after {timeout:.0f} s"
-            break
-        time.sleep(0.2)
-    if failed is None:
-        bad = [r for r, p in enumerate(procs) if p.returncode != 0]
-        if bad:
-            failed = f"rank {bad[0]} exited with code {procs[bad[0]].returncode}"
-    for p in procs:  # stop the rest (their whole process group)
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    for p in procs:
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+    try:
+        while any(p.poll() is None for p in procs):
+            bad = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if bad:
+                failed = f"rank {bad[0]} exited with code {procs[bad[0]].returncode}"
+                break
+            if time.monotonic() > deadline:
+                failed = f"timed out after {timeout:.0f} s"
+                break
+            time.sleep(0.2)
+        if failed is None:
+            bad = [r for r, p in enumerate(procs) if p.returncode != 0]
+            if bad:
+                failed = f"rank {bad[0]} exited with code {procs[bad[0]].returncode}"
+    finally:
+        # Also when pytest itself is stopped (Ctrl-C, or SIGTERM: conftest.py
+        # turns it into KeyboardInterrupt): the ranks run in sessions of their
+        # own and would outlive us holding GPU memory and NVSHMEM heaps.
+        _stop(procs)
 
     def output(rank):
         logs[rank].flush()
@@ -164,6 +155,25 @@ def run(worker: str, n: Optional[int] = None, *, kwargs: Optional[dict] = None,
         for r in range(n):
             print(f"----- rank {r} -----\n{output(r)}")
     return results
+
+
+def _stop(procs) -> None:
+    """SIGTERM every rank still running (its whole process group), SIGKILL after 10 s."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
 
 
 def _child(spec: dict) -> None:
