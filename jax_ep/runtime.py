@@ -193,13 +193,18 @@ def ll_shape_of(config) -> tuple:
     return (config.num_experts, config.max_tokens_per_rank, config.topk, config.hidden)
 
 
+def _config_list(config) -> list:
+    """``initialize``'s ``config``: None, one EpConfig or a list / tuple of them."""
+    if config is None:
+        return []
+    return list(config) if isinstance(config, (list, tuple)) else [config]
+
+
 def _check_internode_region(config) -> None:
     """A later ``initialize(config=...)`` on a live runtime: its internode
     configs must fit the region laid out at start (else their calls would fail
     with "pass this config to jax_ep.initialize" although the user did)."""
-    cfgs = [] if config is None else (list(config) if isinstance(config, (list, tuple))
-                                      else [config])
-    inter = [c for c in cfgs if getattr(c, "num_nodes", 1) > 1]
+    inter = [c for c in _config_list(config) if getattr(c, "num_nodes", 1) > 1]
     if not inter:
         return
     have = tuple(int(v) for v in (info() or {}).get("inter_shape", (0, 0, 0, 0)))
@@ -333,8 +338,7 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
     C = _extension()
     if C is None:
         return _not_up(unavailable_reason())
-    cfgs = [] if config is None else (list(config) if isinstance(config, (list, tuple))
-                                      else [config])
+    cfgs = _config_list(config)
     ranks = 1
     if cfgs:
         import jax
