@@ -51,7 +51,7 @@ def main():
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--matmuls", type=int, default=4, help="[T,H]@[H,H] products per compute block")
     ap.add_argument("--graphs", action="store_true", help="XLA command buffers on (custom calls too)")
-    ap.add_argument("--steps", default="10,30", help="n_lo,n_hi chained steps")
+    ap.add_argument("--steps", default="10,110", help="n_lo,n_hi chained steps")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-normal", action="store_true", help="skip the normal-mode row")
     ap.add_argument("--ll-transport", default="auto", choices=("auto", "p2p", "put"),

@@ -5,7 +5,9 @@
 # Knobs: GPU_TESTS (pytest paths, default tests/gpu; "none" skips the tests),
 # SKIP_BENCH=1, SKIP_EXAMPLES=1, BENCH_ARGS (e.g. --no-sweep), GMM_BENCH=1
 # (grouped matmul bench, GMM_ARGS), MOE_STEP_ARGS (layer bench), TRAIN_STEPS
-# (0 skips the training example), SKIP_LL_BENCH=1 / LL_BENCH_ARGS (bench/run.sh).
+# (0 skips the training example), SKIP_LL_BENCH=1 / LL_BENCH_ARGS (bench/run.sh),
+# BREAKDOWN (";"-separated argument lists of bench/kernel_breakdown.py, e.g.
+# "ll;layer --tokens 128": per-kernel CUPTI times, one GPU; $OUT/kernel_breakdown.log).
 # Everything together takes far longer than one 10-minute device call, and the
 # one-GPU suite alone needed two (session 10). On 2 GPUs, in order of need
 # (the one-GPU suites ran in session 10; each call below <= ~9 min, unmeasured):
@@ -103,6 +105,17 @@ if [ "$test_rc" != 0 ] && [ "$test_rc" != skipped ]; then
   done > "$OUT/worker_logs.log" 2>/dev/null
 fi
 
+bd_rc=skipped
+if [ -n "${BREAKDOWN:-}" ] && [ "$build_rc" = 0 ]; then
+  echo "== kernel breakdown" >&2
+  bd_rc=0
+  IFS=';' read -ra bds <<< "$BREAKDOWN"
+  for b in "${bds[@]}"; do
+    echo "== kernel_breakdown.py $b"
+    timeout ${BREAKDOWN_TIMEOUT:-240} "$PY" -m jax_ep.launch -n 1 bench/kernel_breakdown.py $b || bd_rc=$?
+  done > "$OUT/kernel_breakdown.log" 2>&1
+fi
+
 bench_rc=skipped
 if [ "${SKIP_BENCH:-0}" != 1 ] && [ "$few_gpus" = 0 ]; then
   echo "== bench" >&2
@@ -136,6 +149,8 @@ echo "tests: rc=$test_rc (${t_test}s)  $(tail -1 "$OUT/gpu_tests.log" 2>/dev/nul
 echo "bench: rc=$bench_rc"
 if [ -f "$OUT/ep_bench.log" ]; then tail -45 "$OUT/ep_bench.log"; elif [ -f /tmp/jax_ep_bench.out ]; then tail -30 /tmp/jax_ep_bench.out; fi
 [ -f "$OUT/loopback_bench.log" ] && tail -60 "$OUT/loopback_bench.log"
+echo "kernel breakdown: rc=$bd_rc"
+[ -f "$OUT/kernel_breakdown.log" ] && grep -E "^(\[rank 0\] )?(\||###|==)" "$OUT/kernel_breakdown.log" | tail -120
 echo "grouped matmul: rc=$gmm_rc"
 [ -f "$OUT/gmm_bench.log" ] && grep "^|" "$OUT/gmm_bench.log" | tail -30
 echo "examples: rc=$ex_rc"
