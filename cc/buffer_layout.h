@@ -126,20 +126,26 @@ inline size_t symmetric_buffer_bytes(int R, int T, long long row_bytes, long lon
 // From byte `base`, every offset the same on every rank:
 //   ctrl         LlOpCtrl[2]: dispatch, combine (local counters)
 //   disp_count   u64 [2 parity][L][R]: source s's tagged count for (l, s)
-//   comb_flag    u64 [2 parity][flag_ranks]: expert rank r's "all my rows to you" word
-//   per parity:  disp_rows [L][R][Tmax] rows of row_stride bytes (= the dispatch
-//                output's [L, R*Tmax] order), disp_scales (s_row_stride each),
-//                disp_info int32 [L][R][Tmax] (t*K + k of the pair at the
-//                source), comb_rows [Tmax][K] rows of comb_row_stride (the
-//                source's pair (t, k) at row t*K + k).
+//   comb_flag    u64 [2 parity][max_ranks]: expert rank r's "all my rows to you" word
+//   per parity:  disp_rows [max_ranks][Tmax] rows of row_stride bytes: source s's
+//                token t at row s*Tmax + t, ONE copy per (token, rank) whatever
+//                the number of its experts there (the receive kernel replicates
+//                it to each expert's output row), disp_scales (s_row_stride
+//                each, same rows), disp_info int32 [L][R][Tmax] (t*K + k of the
+//                pair at output row (l, s, slot): which token row to copy, and
+//                the combine's handle), comb_rows [Tmax][K] rows of
+//                comb_row_stride (the source's pair (t, k) at row t*K + k).
 //   staging      (the runtime's region only) this rank's own source rows for
 //                NVSHMEM puts (a put to a network PE reads symmetric memory,
 //                and its source must stay put until the kernel's quiet):
-//                disp_stage [Tmax][K] rows of row_stride (pair (t, k) at row
-//                t*K + k) + disp_stage_scales; comb_stage comb_stage_rows rows
-//                of comb_row_stride (the combine send's i-th valid row at row
-//                i). One of each, not per parity: a send kernel's puts are
-//                complete before it ends, and sends of one op never overlap.
+//                disp_stage [Tmax] rows of row_stride (token t at row t, cast
+//                once, put to each of its ranks) + disp_stage_scales;
+//                comb_stage comb_stage_rows rows of comb_row_stride (the
+//                combine send's i-th valid row at row i). One of each, not per
+//                parity: a send kernel's puts are complete before it ends, and
+//                sends of one op never overlap.
+// max_ranks: R for the loopback harness's exact region, kMaxRanks for the
+// runtime's (offsets independent of R).
 // Double-buffered by call parity: cc/kernels/low_latency.cu says why two suffice.
 // A call's rows may be shorter than the strides (the runtime's region is laid
 // out once for the widest rows, so a call's format never moves the areas a
@@ -177,7 +183,7 @@ inline long long ll_comb_stage_rows(int E, int Tmax, int K) {
 
 // The layout with explicit strides; row sizes are set by the callers below.
 // stage: with the put transport's staging areas.
-inline LlLayout ll_layout_strided(size_t base, int R, int L, int Tmax, int K, int flag_ranks,
+inline LlLayout ll_layout_strided(size_t base, int R, int L, int Tmax, int K, int max_ranks,
                                   long long row_stride, long long s_row_stride,
                                   long long comb_row_stride, bool stage) {
   LlLayout y;
@@ -187,31 +193,31 @@ inline LlLayout ll_layout_strided(size_t base, int R, int L, int Tmax, int K, in
   y.row_stride = row_stride;
   y.s_row_stride = s_row_stride;
   y.comb_row_stride = comb_row_stride;
-  const size_t rows = size_t(L) * size_t(R) * size_t(Tmax);
+  const size_t pairs = size_t(L) * size_t(R) * size_t(Tmax);   // output rows (info words)
+  const size_t rows = size_t(max_ranks) * size_t(Tmax);        // token rows received
   size_t o = align_up(base);
   y.ctrl = o;
   o = align_up(o + 2 * sizeof(LlOpCtrl));
   y.disp_count = o;
   o = align_up(o + 2 * size_t(L) * size_t(R) * sizeof(unsigned long long));
   y.comb_flag = o;
-  o = align_up(o + 2 * size_t(flag_ranks) * sizeof(unsigned long long));
+  o = align_up(o + 2 * size_t(max_ranks) * sizeof(unsigned long long));
   for (int p = 0; p < 2; ++p) {
     y.disp_rows[p] = o;
     o = align_up(o + rows * size_t(row_stride));
     y.disp_scales[p] = o;
     o = align_up(o + rows * size_t(s_row_stride));
     y.disp_info[p] = o;
-    o = align_up(o + rows * sizeof(int32_t));
+    o = align_up(o + pairs * sizeof(int32_t));
     y.comb_rows[p] = o;
     o = align_up(o + size_t(Tmax) * size_t(K) * size_t(comb_row_stride));
   }
   if (stage) {
-    const size_t pairs = size_t(Tmax) * size_t(K);
     y.comb_stage_rows = ll_comb_stage_rows(L * R, Tmax, K);
     y.disp_stage = o;
-    o = align_up(o + pairs * size_t(row_stride));
+    o = align_up(o + size_t(Tmax) * size_t(row_stride));
     y.disp_stage_scales = o;
-    o = align_up(o + pairs * size_t(s_row_stride));
+    o = align_up(o + size_t(Tmax) * size_t(s_row_stride));
     y.comb_stage = o;
     o = align_up(o + size_t(y.comb_stage_rows) * size_t(comb_row_stride));
   }
@@ -233,7 +239,8 @@ inline LlLayout ll_layout(size_t base, int R, int L, int Tmax, int K, long long 
 
 // Bytes of the low-latency region for R ranks, E experts, Tmax tokens, top-K,
 // dispatch rows of row_bytes (+ s_row_bytes of fp8 scales), combine rows of
-// comb_row_bytes: 2 x (E * Tmax dispatch rows + Tmax * K combine rows) + control
+// comb_row_bytes: 2 x (R * Tmax dispatch rows + E * Tmax info words + Tmax * K
+// combine rows) + control
 // (the loopback harness's region; stage: with the put staging).
 inline size_t ll_region_bytes(int R, int E, int Tmax, int K, long long row_bytes,
                               long long s_row_bytes, long long comb_row_bytes,
@@ -246,8 +253,8 @@ inline size_t ll_region_bytes(int R, int E, int Tmax, int K, long long row_bytes
 // for its shape s and the widest rows of each area: bf16 dispatch rows (fp8
 // rows are shorter), per-128 f32 scales, f32 combine rows; flag words for
 // kMaxRanks; the put transport's staging. Offsets depend on s only, never on
-// R or a call's formats: every area keeps its place from call to call.
-// rows = E * Tmax whatever R.
+// R or a call's formats: every area keeps its place from call to call
+// (kMaxRanks * Tmax dispatch rows, E * Tmax info words, whatever R).
 inline LlLayout ll_region_layout(size_t base, int R, const LlShape& s, long long row_bytes,
                                  long long s_row_bytes, long long comb_row_bytes) {
   const long long H = s.hidden;

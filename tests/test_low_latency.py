@@ -291,3 +291,23 @@ def test_ll_transport_config():
             return low_latency_combine(y, i, w, d.handle, cfg)
         outs.append(np.asarray(run_per_rank(step, mesh, "ep", x, idx, w)).view(np.uint16))
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
+
+
+@pytest.mark.parametrize("T,K,E,skew", [(128, 8, 256, False), (64, 8, 16, True), (37, 3, 6, False),
+                                        (1, 4, 8, False), (256, 8, 256, True)])
+def test_slots_pairwise_equals_cumsum(T, K, E, skew):
+    """The two formulations of the send's slots (pairwise compare for T*K <=
+    _PAIRWISE_SLOTS_MAX, exclusive cumsum otherwise) give the same integers,
+    with -1, invalid and repeated ids, and the counts per expert."""
+    from jax_ep import low_latency as ll
+    from jax_ep.routing import sanitize_topk
+
+    idx = _routing(np.random.default_rng(T * K + E), 1, T, K, E, skew)[0].astype(np.int32)
+    assert T * K <= ll._PAIRWISE_SLOTS_MAX
+    slot, count = jax.jit(ll._slots, static_argnums=1)(idx, E)
+    s_idx, _ = sanitize_topk(jnp.asarray(idx), E)
+    first = s_idx >= 0
+    slot2, count2 = ll._slots_cumsum(jnp.where(first, s_idx, E), first, E)
+    np.testing.assert_array_equal(np.asarray(slot), np.asarray(slot2))
+    np.testing.assert_array_equal(np.asarray(count), np.asarray(count2))
+    assert (np.asarray(slot) >= 0).sum() == int(np.asarray(count).sum()) > 0

@@ -2,17 +2,19 @@
 // is docs/low_latency.md). The reference is jax_ep/low_latency.py; these
 // kernels give its bits.
 //
-// Every (token, expert) pair travels on its own, one warp per pair (decode
-// sizes are small: T <= Tmax ~ 128, so the grid is never the limit). The
-// source knows where its pair lands (slot, computed in XLA before the
-// kernel), so no counts are exchanged first: each op is one pass of stores
-// plus one round of tagged signal words.
+// Dispatch sends each token once per destination rank (its row cast once, in
+// column slices over the warps), with one int32 info word per (token, expert)
+// pair; combine sends each pair's row on its own. The source knows where each
+// pair lands (slot, computed in XLA before the kernel), so no counts are
+// exchanged first: each op is one pass of stores plus one round of tagged
+// signal words.
 //
 // Receive areas (LlLayout, buffer_layout.h):
-//  - dispatch: [L][R][Tmax] rows on the expert's rank, the dispatch output's
-//    own order, so the receive kernel copies valid rows 1:1. Each row carries
-//    an int32 info word t*K + k (the pair at its source, DeepEP's src_info),
-//    an output of the dispatch that the combine takes back.
+//  - dispatch: [R][Tmax] token rows on the expert's rank (source s's token t
+//    at row s*Tmax + t) and an int32 info word t*K + k per output row (l, s,
+//    slot) (the pair at its source, DeepEP's src_info): the receive kernel
+//    copies token row (s, info / K) to output row (l, s, slot), and the info
+//    word is an output of the dispatch that the combine takes back.
 //  - combine: [Tmax][K] rows on the source, row t*K + k for pair (t, k). The
 //    alternative, an [E][Tmax] area indexed (expert, slot) as the reference
 //    indexes its dense all_to_all, needs no info word but is E*Tmax rows per
@@ -213,52 +215,121 @@ __device__ __forceinline__ int num_warps() { return gridDim.x * (blockDim.x / 32
 
 // ------------------------------------------------------------------ dispatch
 
+// Column slices per row so that n rows fill the grid's warps (decode has
+// fewer rows than warps: 1024 pairs, 128 tokens against 2112 warps on an
+// H200), in units of 4 fp8 groups (one warp step of the cast: 32 lanes x 16
+// elements) or of 128 vectors (one unrolled step of the row copy).
+__device__ __forceinline__ int warp_slices(int n, long long units) {
+  return static_cast<int>(max(1LL, min(static_cast<long long>(num_warps() / max(n, 1)), units)));
+}
+
+// Bytes [*b0, *b1) of slice sl of `slices` of a row of nvec vectors of v
+// bytes, cut at multiples of 128 vectors.
+__device__ __forceinline__ void vec_slice(long long nvec, int v, int sl, int slices, long long* b0,
+                                          long long* b1) {
+  const long long units = (nvec + 127) / 128;
+  *b0 = 128 * (units * sl / slices) * v;
+  *b1 = min(128 * (units * (sl + 1) / slices), nvec) * v;
+}
+
 // MODE: kDispatchCopy, kDispatchCastBf16, kDispatchCastF32; PUT: some rank by puts.
+// Work item (t, slice): the warp's lane k holds pair (t, k); the token's row
+// (slice) is cast once and stored once per destination RANK, at row me*Tmax +
+// t of that rank's area, however many of its experts live there (the receive
+// kernel copies it to each expert's output row: one copy per (token, rank) on
+// the link, DeepEP's normal-mode rule, instead of one per pair). The info
+// words (one per pair, slice 0's warp) say which token row each output row
+// takes.
 template <int MODE, bool PUT>
 __global__ void __launch_bounds__(32 * kLlMaxWarps)
 ll_dispatch_send_kernel(LlDispatchSendArgs a) {
   __shared__ float sm_scales[kLlMaxWarps][kSmScales];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int me = a.peers.rank, R = a.peers.num_ranks, E = a.lay.L * R;
+  const int me = a.peers.rank, R = a.peers.num_ranks, E = a.lay.L * R, K = a.lay.K;
   LlOpCtrl* ctrl = ll_ctrl(a.peers, a.lay, kLlDispatch);
   if (!ll_send_in_order(ctrl, a.host_err)) return;
   const unsigned int epoch = ld_volatile(&ctrl->send_epoch) + 1u;
   const int par = epoch & 1u;
+  constexpr bool kCast = MODE != kDispatchCopy;
   const int v = row_vec_bytes(a.lay.row_bytes);
-  for (int i = global_warp(); i < a.T * a.lay.K; i += num_warps()) {  // i = t*K + k
-    const int j = __ldg(a.slot + i), e = __ldg(a.topk_idx + i);
-    if (j < 0 || j >= a.lay.Tmax || e < 0 || e >= E) continue;  // -1, invalid, repeated id
-    const int t = i / a.lay.K, r = e / a.lay.L, l = e % a.lay.L;
-    const long long row = (static_cast<long long>(l) * R + me) * a.lay.Tmax + j;
-    const size_t off = a.lay.disp_rows[par] + row * a.lay.row_stride;
-    const size_t soff = a.lay.disp_scales[par] + row * a.lay.s_row_stride;
-    const size_t ioff = a.lay.disp_info[par] + row * 4;
-    const bool put = PUT && ll_by_put(a.put_mask, r);  // warp-uniform
-    // By put: written to pair i's staging row first.
-    char* dst = put ? ll_sym(a.peers, a.lay.disp_stage + i * a.lay.row_stride)
-                    : peer_ptr(a.peers, r, off);
-    char* dsts = nullptr;
-    const char* xr = static_cast<const char*>(a.x) + t * a.x_row_bytes;
-    if constexpr (MODE == kDispatchCopy) {
-      warp_copy_row_any(xr, reinterpret_cast<void* const*>(&dst), 1, 0, a.lay.row_bytes, v, lane);
-    } else {
-      using Tin = std::conditional_t<MODE == kDispatchCastBf16, __nv_bfloat16, float>;
-      dsts = put ? ll_sym(a.peers, a.lay.disp_stage_scales + i * a.lay.s_row_stride)
-                 : peer_ptr(a.peers, r, soff);
-      warp_cast_row<Tin, 16>(reinterpret_cast<const Tin*>(xr), &dst, &dsts, 1, 0, a.hidden / 128,
-                             lane, a.scale_mode, sm_scales[warp]);
+  const int G = a.hidden / 128;                        // cast: 128-channel groups
+  const long long nvec = a.lay.row_bytes / v;          // copy: vectors per row
+  const long long units = kCast ? (G + 3) / 4 : (nvec + 127) / 128;
+  const int slices = warp_slices(a.T, units);
+  const size_t row_off = a.lay.disp_rows[par] + (static_cast<size_t>(me) * a.lay.Tmax) * a.lay.row_stride;
+  const size_t srow_off =
+      a.lay.disp_scales[par] + (static_cast<size_t>(me) * a.lay.Tmax) * a.lay.s_row_stride;
+  for (int it = global_warp(); it < a.T * slices; it += num_warps()) {
+    const int t = it / slices, sl = it % slices;
+    int j = -1, e = -1;
+    if (lane < K) {
+      j = __ldg(a.slot + t * K + lane);
+      e = __ldg(a.topk_idx + t * K + lane);
     }
-    if constexpr (PUT) {
-      if (put) {
-        __syncwarp();
-        ll_put_warp(a.peers, r, off, dst, a.lay.row_bytes);
-        if constexpr (MODE != kDispatchCopy) ll_put_warp(a.peers, r, soff, dsts, a.lay.s_row_bytes);
-        if (lane == 0)  // the info word travels by value: nothing to stage
-          nvshmem_int32_p(reinterpret_cast<int32_t*>(put_target(a.peers, r, ioff)), i, a.peers.pe[r]);
+    const bool valid = lane < K && j >= 0 && j < a.lay.Tmax && e >= 0 && e < E;  // -1, repeats
+    const int r = valid ? e / a.lay.L : -1;
+    if (!__ballot_sync(0xffffffffu, valid)) continue;  // warp-uniform
+    // The first pair of each destination rank names it (invalid lanes never match).
+    const unsigned int same = __match_any_sync(0xffffffffu, valid ? r : -1 - lane);
+    const unsigned int firsts = __ballot_sync(0xffffffffu, valid && __ffs(same) - 1 == lane);
+    const size_t off = row_off + static_cast<size_t>(t) * a.lay.row_stride;
+    const size_t soff = srow_off + static_cast<size_t>(t) * a.lay.s_row_stride;
+    char* dst[kMaxRanks];
+    char* dsts[kMaxRanks];
+    int n = 0, si = 0;       // si: the staging row's index in dst (when puts)
+    unsigned int puts = 0;   // bit r: rank r gets the staged row by a put
+    for (unsigned int m = firsts; m; m &= m - 1) {
+      const int rr = __shfl_sync(0xffffffffu, r, __ffs(m) - 1);
+      if (PUT && ll_by_put(a.put_mask, rr)) {
+        if (!puts) {  // one staged copy (token t's staging row) serves every put rank
+          si = n;
+          dst[n] = ll_sym(a.peers, a.lay.disp_stage + static_cast<size_t>(t) * a.lay.row_stride);
+          dsts[n++] = ll_sym(a.peers, a.lay.disp_stage_scales +
+                                          static_cast<size_t>(t) * a.lay.s_row_stride);
+        }
+        puts |= 1u << rr;
         continue;
       }
+      dst[n] = peer_ptr(a.peers, rr, off);
+      dsts[n++] = peer_ptr(a.peers, rr, soff);
     }
-    if (lane == 0) *reinterpret_cast<int32_t*>(peer_ptr(a.peers, r, ioff)) = i;
+    const char* xr = static_cast<const char*>(a.x) + t * a.x_row_bytes;
+    const long long u0 = units * sl / slices, u1 = units * (sl + 1) / slices;
+    long long b0, b1;  // this slice's bytes of the row
+    int g0 = 0, g1 = 0;
+    if constexpr (kCast) {
+      using Tin = std::conditional_t<MODE == kDispatchCastBf16, __nv_bfloat16, float>;
+      g0 = static_cast<int>(4 * u0);
+      g1 = static_cast<int>(min(4 * u1, static_cast<long long>(G)));
+      b0 = 128LL * g0;
+      b1 = 128LL * g1;
+      warp_cast_row<Tin, 16>(reinterpret_cast<const Tin*>(xr), dst, dsts, n, g0, g1, lane,
+                             a.scale_mode, sm_scales[warp]);
+    } else {
+      vec_slice(nvec, v, sl, slices, &b0, &b1);
+      warp_copy_row_any(xr, reinterpret_cast<void* const*>(dst), n, b0, b1 - b0, v, lane);
+    }
+    if constexpr (PUT) {
+      if (puts) {
+        __syncwarp();
+        for (unsigned int m = puts; m; m &= m - 1) {
+          const int rr = __ffs(m) - 1;
+          ll_put_warp(a.peers, rr, off + b0, dst[si] + b0, b1 - b0);
+          if constexpr (kCast)
+            ll_put_warp(a.peers, rr, soff + 4LL * g0, dsts[si] + 4LL * g0, 4LL * (g1 - g0));
+        }
+      }
+    }
+    if (sl == 0 && valid) {  // each pair's info word: t*K + k at its output row
+      const int l = e % a.lay.L;
+      const size_t ioff =
+          a.lay.disp_info[par] + ((static_cast<size_t>(l) * R + me) * a.lay.Tmax + j) * 4;
+      const int32_t tk = t * K + lane;
+      if (PUT && ll_by_put(a.put_mask, r))  // travels by value: nothing to stage
+        nvshmem_int32_p(reinterpret_cast<int32_t*>(put_target(a.peers, r, ioff)), tk, a.peers.pe[r]);
+      else
+        *reinterpret_cast<int32_t*>(peer_ptr(a.peers, r, ioff)) = tk;
+    }
   }
   if (ll_send_finished<PUT>(&ctrl->send_done)) {
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
@@ -306,16 +377,27 @@ ll_dispatch_recv_kernel(LlDispatchRecvArgs a) {
   const long long rb = a.lay.row_bytes, srb = a.lay.s_row_bytes;
   const long long rs = a.lay.row_stride, srs = a.lay.s_row_stride;
   const int v = row_vec_bytes(rb), sv = srb ? row_vec_bytes(srb) : 1;
-  for (int i = global_warp(); i < sm_pre[LR]; i += num_warps()) {
+  const int TK = a.lay.Tmax * a.lay.K, n_rows = sm_pre[LR];
+  const long long nvec = rb / v;
+  const int slices = warp_slices(n_rows, (nvec + 127) / 128);
+  for (int it = global_warp(); it < n_rows * slices; it += num_warps()) {
+    const int i = it / slices, sl = it % slices;
     const int b = locate(sm_pre, LR, i);
     const long long row = static_cast<long long>(b) * a.lay.Tmax + (i - sm_pre[b]);  // same in out
+    // Output row (l, s, j) takes source s's token row t = info / K: one row
+    // per (token, rank) in the area, one copy per expert here.
+    const int tk = info[row];
+    if (sl == 0 && lane == 0) a.out_info[row] = tk;
+    if (tk < 0 || tk >= TK) continue;  // never for a peer's own send
+    const long long src = static_cast<long long>(b % R) * a.lay.Tmax + tk / a.lay.K;
     void* dst = static_cast<char*>(a.out) + row * rb;
-    warp_copy_row_any(rows + row * rs, &dst, 1, 0, rb, v, lane);
-    if (srb) {
+    long long b0, b1;
+    vec_slice(nvec, v, sl, slices, &b0, &b1);
+    warp_copy_row_any(rows + src * rs, &dst, 1, b0, b1 - b0, v, lane);
+    if (srb && sl == 0) {
       void* dsts = static_cast<char*>(a.out_scales) + row * srb;
-      warp_copy_row_any(srows + row * srs, &dsts, 1, 0, srb, sv, lane);
+      warp_copy_row_any(srows + src * srs, &dsts, 1, 0, srb, sv, lane);
     }
-    if (lane == 0) a.out_info[row] = info[row];
   }
   if (last_block(&ctrl->recv_done) && threadIdx.x == 0) set_epoch(&ctrl->recv_epoch, epoch);
 }
@@ -335,8 +417,12 @@ ll_combine_send_kernel(LlCombineSendArgs a) {
   for (int b = threadIdx.x; b < LR; b += blockDim.x)
     sm_pre[b] = min(max(__ldg(a.src_count + b), 0), a.lay.Tmax);
   block_exclusive_scan(sm_pre, LR);
-  const int v = row_vec_bytes(a.lay.comb_row_bytes);
-  for (int i = global_warp(); i < sm_pre[LR]; i += num_warps()) {
+  const long long cb = a.lay.comb_row_bytes;
+  const int v = row_vec_bytes(cb), n_rows = sm_pre[LR];
+  const long long nvec = cb / v;
+  const int slices = warp_slices(n_rows, (nvec + 127) / 128);
+  for (int it = global_warp(); it < n_rows * slices; it += num_warps()) {
+    const int i = it / slices, sl = it % slices;
     const int b = locate(sm_pre, LR, i), s = b % R;
     const long long row = static_cast<long long>(b) * a.lay.Tmax + (i - sm_pre[b]);
     const int tk = __ldg(a.info + row);
@@ -348,12 +434,14 @@ ll_combine_send_kernel(LlCombineSendArgs a) {
     if (put && i >= a.lay.comb_stage_rows) continue;
     char* dst = put ? ll_sym(a.peers, a.lay.comb_stage + i * a.lay.comb_row_stride)
                     : peer_ptr(a.peers, s, off);
-    warp_copy_row_any(static_cast<const char*>(a.y) + row * a.lay.comb_row_bytes,
-                      reinterpret_cast<void* const*>(&dst), 1, 0, a.lay.comb_row_bytes, v, lane);
+    long long b0, b1;
+    vec_slice(nvec, v, sl, slices, &b0, &b1);
+    warp_copy_row_any(static_cast<const char*>(a.y) + row * cb,
+                      reinterpret_cast<void* const*>(&dst), 1, b0, b1 - b0, v, lane);
     if constexpr (PUT) {
       if (put) {
         __syncwarp();
-        ll_put_warp(a.peers, s, off, dst, a.lay.comb_row_bytes);
+        ll_put_warp(a.peers, s, off + b0, dst + b0, b1 - b0);
       }
     }
   }
