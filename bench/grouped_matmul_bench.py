@@ -57,7 +57,15 @@ SWEEP["dx"] = SWEEP["fwd"]
 
 # --sweep-small: a few targeted configs (op -> [(tiles, config kwargs, dists)]);
 # one GPU run with --no-xla --sweep-small should take ~90 s.
-SWEEP_SMALL = {}   # session 9's ping-pong dw rows: measured slower, deleted (bench/results/README.md)
+# session 9's ping-pong dw rows: measured slower, deleted (bench/results/README.md).
+# Session 11: forward/dx configurations for small groups (--rows 8192: 64 rows per
+# group, the V3 layer at T 128 with expert_alignment 64), where the kernels stream
+# weights at 3.1-3.6 TB/s against XLA's ~4.0.
+_SMALL_FWD = [((64, 128, 64, 5, 2), {}, ("uniform",)),
+              ((64, 256, 64, 4, 2), {"fwd_warpgroups": 1}, ("uniform",)),
+              ((128, 128, 128, 2, 2), {}, ("uniform",)),
+              ((64, 128, 128, 3, 2), {}, ("uniform",))]
+SWEEP_SMALL = {"fwd": _SMALL_FWD, "dx": _SMALL_FWD}
 
 
 def group_sizes(kind, seed=0):
@@ -145,10 +153,14 @@ def main():
     ap.add_argument("--dist", default="uniform,skewed")
     ap.add_argument("--ops", default="fwd,dx,dw")
     ap.add_argument("--impl", default="pallas", help="implementation of the main rows")
+    ap.add_argument("--rows", type=int, default=None,
+                    help="M, the rows of all groups (default 32768; 8192: 64 per group)")
     ap.add_argument("--scale", type=int, default=1,
                     help="divide M, K, N by this (smoke tests on CPU)")
     args = ap.parse_args()
     global M
+    if args.rows:
+        M = args.rows
     if args.scale > 1:
         M //= args.scale
         for p_, (k_, n_) in list(PROJ.items()):
