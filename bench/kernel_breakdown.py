@@ -27,6 +27,15 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 
+def short(name):
+    """A readable kernel name: the jax_ep kernel's own name inside a mangled one
+    (``..._ZN6jax_ep..ll_dispatch_send_kernelILi2ELb0EE..``), else the first 90 chars."""
+    import re
+    m = re.search(r"\d+((?:ll|gmm|intranode|internode|layout|ring)[a-z0-9_]*_kernel)(I[^E]*E)?",
+                  name)
+    return m.group(1) + (m.group(2) or "") if m else name[:90]
+
+
 def table(title, iters_timings, top):
     import numpy as np
     per = collections.defaultdict(list)     # name -> per-iteration sums (µs)
@@ -50,7 +59,7 @@ def table(title, iters_timings, top):
     print("| kernel | launches | µs per step | share |")
     print("|---|---|---|---|")
     for us, k in rows[:top]:
-        print(f"| `{k[:90]}` | {counts[k]} | {us:.1f} | {us / max(total, 1e-9):.0%} |")
+        print(f"| `{short(k)}` | {counts[k]} | {us:.1f} | {us / max(total, 1e-9):.0%} |")
     if len(rows) > top:
         rest = sum(u for u, _ in rows[top:])
         print(f"| ({len(rows) - top} more) | | {rest:.1f} | {rest / max(total, 1e-9):.0%} |")

@@ -16,12 +16,12 @@
 #   3  GPU_TESTS=none SKIP_EXAMPLES=1 BENCH_ARGS="--no-sweep --no-ragged"     # ops + LL bench
 #   4  GPU_TESTS=none SKIP_BENCH=1 MOE_STEP_ARGS="--configs v3,mixtral --tokens 128,1024,4096,8192"
 # A pytest stopped by TEST_TIMEOUT now stops its job's ranks too (harness.py).
-# Open after session 10 (one H200 again; bench/results/2026-12-01-h200x1-s10.md:
-# the put path ran in the loopback put mode, the one-GPU suite passed, with
-#   JAX_EP_TEST_NPROCS=1 SKIP_BENCH=1 SKIP_EXAMPLES=1 TEST_TIMEOUT=545
-# it needs more than one 600 s call: split GPU_TESTS). One GPU, not yet run:
-# tests/gpu/test_loopback_internode.py::test_internode_fixed_t (the JAX
-# path's fixed-T region layout in loopback). Waiting for 2 GPUs: the whole suite (test_native_low_latency.py at
+# Open after session 11 (one H200 again; bench/results/2026-12-01-h200x1-s11.md:
+# test_loopback_internode.py incl. test_internode_fixed_t passed; the LL
+# one-copy-per-(token, rank) dispatch passed test_loopback_ll.py and
+# test_native_low_latency.py at R = 1). The one-GPU suite needs more than one
+# 600 s call at JAX_EP_TEST_NPROCS=1 SKIP_BENCH=1 SKIP_EXAMPLES=1: split
+# GPU_TESTS. Waiting for 2 GPUs: the whole suite (test_native_low_latency.py at
 # R = 2 under ll_transport "auto" and "put", test_native_internode.py: the
 # emulated 2-node path through JAX, never run yet, test_peer_memory.py),
 # bench/run.sh (ring kernels, and the low-latency bench with command buffers
