@@ -31,7 +31,7 @@ namespace jax_ep {
 
 namespace {
 
-constexpr int kLlWarps = 16;  // warps per block (one pair / row per warp)
+constexpr int kLlWarps = 16;  // warps per block (a row or a column slice of one per warp)
 
 bool SameDims(ffi::Span<const int64_t> a, ffi::Span<const int64_t> b) {
   if (a.size() != b.size()) return false;

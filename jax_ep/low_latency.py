@@ -2,8 +2,9 @@
 
 Per rank, inside ``jax.shard_map`` over ``config.axis_name`` (R ranks, E
 experts, L = E / R local experts, T <= Tmax = ``config.max_tokens_per_rank``
-tokens, H hidden, K top-k). Every (token, expert) pair travels on its own into
-one static layout, with no CPU-visible size:
+tokens, H hidden, K top-k). Every (token, expert) pair gets its own row of
+one static layout, with no CPU-visible size (the native kernels send a token
+once per destination rank and replicate it there):
 
 - ``x [L, R * Tmax, H]``: rows ``s * Tmax ... s * Tmax + n[l, s] - 1`` of
   expert ``l`` are the tokens of source rank ``s`` that picked it, in token

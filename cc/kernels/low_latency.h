@@ -26,7 +26,7 @@
 
 namespace jax_ep {
 
-// Grid of one low-latency kernel: blocks x warps (one warp per row).
+// Grid of one low-latency kernel: blocks x warps (a warp per row or row slice).
 struct LlGrid {
   int num_blocks = 0;  // blocks of the grid (no residency needed: only the
                        // receive kernels spin, on flags of other ranks' sends)
@@ -36,10 +36,11 @@ constexpr int kLlMaxWarps = 16;
 constexpr int kLlMaxTopk = 32;       // lane k holds pair k of a token
 constexpr int kLlMaxBlocksLR = 8192; // L * R bound (count words staged in shared memory)
 
-// Dispatch, send half: every pair (t, k) with slot[t, k] >= 0 stores row t of
-// x (cast to fp8 + scales, or as is) at [l, me*Tmax + slot] of the receive
-// area of rank e / L (l = e % L, e = topk_idx[t, k]), with (t*K + k) in the
-// row's info word; then, after every block's stores, the last block raises
+// Dispatch, send half: row t of x (cast to fp8 + scales, or as is) is stored
+// once per rank r that holds one of its pairs (t, k) with slot[t, k] >= 0, at
+// token row me*Tmax + t of r's receive area; each such pair writes t*K + k to
+// the info word of output row [l, me*Tmax + slot] on rank e / L (l = e % L,
+// e = topk_idx[t, k]). Then, after every block's stores, the last block raises
 // one tagged count word per expert on its rank.
 struct LlDispatchSendArgs {
   PeerTable peers;
@@ -58,8 +59,9 @@ struct LlDispatchSendArgs {
 };
 
 // Dispatch, receive half: waits for every (l, s) count word (device-side
-// timeout -> host_err), then copies the valid rows of the receive area into
-// the outputs; rows past n[l, s] are not written.
+// timeout -> host_err), then fills each valid output row (l, s, j) with token
+// row (s, info / K) of the receive area (one copy per expert of a row that
+// crossed the link once); rows past n[l, s] are not written.
 struct LlDispatchRecvArgs {
   PeerTable peers;
   LlLayout lay;
