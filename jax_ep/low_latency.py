@@ -289,8 +289,9 @@ def low_latency_dispatch_send(x: jax.Array, topk_idx: jax.Array, config: EpConfi
                               after=None) -> LowLatencyPending:
     """Send half of :func:`low_latency_dispatch` (same arguments).
 
-    Natively: one kernel stores every (token, expert) row into the expert
-    rank's receive area and raises the signal words, then exits (nothing
+    Natively: one kernel stores each token row once into every rank that
+    holds one of its experts (the receive half copies it to each expert's
+    row) and raises the signal words, then exits (nothing
     waits while the rows travel). Finish with :func:`low_latency_dispatch_recv`;
     independent work may run in between. Per op, sends and receives must
     alternate on every rank: with two micro-batches, pass the previous

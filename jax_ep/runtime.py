@@ -243,13 +243,14 @@ def internode_shape_of(configs, ranks: int) -> tuple:
 
 def low_latency_region_bytes(config) -> int:
     """Bytes of the low-latency region ``initialize(low_latency=config)`` adds to
-    each GPU's buffer: both call parities of ``E * Tmax`` dispatch rows (bf16
-    width, so fp8 and bf16 rows fit; + f32 scales and an int32 info word per
-    row) and ``Tmax * K`` combine rows (f32 width), whatever the EP size, plus
-    one staging copy of what this rank may send by NVSHMEM puts
-    (``EpConfig.ll_transport``): ``Tmax * K`` dispatch rows and
-    ``min(E, 8 K) * Tmax`` combine rows. About 1.26 GB at DeepSeek-V3 decode
-    (E 256, Tmax 128, K 8, H 7168), 0.25 GB of it staging."""
+    each GPU's buffer: both call parities of ``8 * Tmax`` dispatch token rows
+    (one per (source rank, token), up to 8 ranks; bf16 width, so fp8 and bf16
+    rows fit; + f32 scales), an int32 info word per ``E * Tmax`` output row and
+    ``Tmax * K`` combine rows (f32 width), whatever the EP size, plus one
+    staging copy of what this rank may send by NVSHMEM puts
+    (``EpConfig.ll_transport``): ``Tmax`` dispatch rows and ``min(E, 8 K) *
+    Tmax`` combine rows. About 0.33 GB (0.30 GiB) at DeepSeek-V3 decode (E 256,
+    Tmax 128, K 8, H 7168), 0.24 GB of it staging."""
     C = _extension()
     if C is None:
         raise RuntimeError("low_latency_region_bytes needs the native extension: "
