@@ -38,7 +38,8 @@ std::string loopback_ll(const std::vector<uint64_t>& ptrs, const std::vector<int
     return "loopback_ll: need E % R == 0, 1 <= K <= 32, 0 <= T <= max_tokens";
   if (std::string e = check_resident(R, int(ints[kNumBlocks])); !e.empty()) return e;
   const int L = E / R;
-  const bool put = ints[kPut] != 0;
+  const int put_mode = int(ints[kPut]);  // 0 P2P, 1 every rank by puts, 2 odd ranks by puts
+  const bool put = put_mode != 0;
   const LlLayout lay = ll_layout(0, R, L, Tmax, K, ints[kRowBytes], ints[kSRowBytes],
                                  ints[kYRowBytes], put);
   if (sym_bytes < lay.end)
@@ -54,8 +55,13 @@ std::string loopback_ll(const std::vector<uint64_t>& ptrs, const std::vector<int
     if (put)
       if (std::string e = loopback_put_peers(&tables[r], sym_bytes); !e.empty()) return e;
   }
-  // put: every rank (this one too) by puts, as EpConfig.ll_transport="put"
-  const unsigned int put_mask = put ? (1u << R) - 1u : 0u;
+  // mode 1: every rank (this one too) by puts, as EpConfig.ll_transport="put";
+  // mode 2: the odd ranks by puts, the even ones by P2P stores, as "auto" on
+  // a cluster where NVSHMEM maps some PEs and not others (mixed destination
+  // lists in one kernel). A receive kernel's mask only needs to be non-zero
+  // when some rank puts to it: the same mask serves.
+  const unsigned int all = (1u << R) - 1u;
+  const unsigned int put_mask = put_mode == 1 ? all : put_mode == 2 ? (0xAAAAAAAAu & all) : 0u;
   return run_ranks(R, iters, seconds, [&](int r, cudaStream_t st) -> cudaError_t {
     const PeerTable& peers = tables[r];
     if (ops & kLlOpDispatch) {

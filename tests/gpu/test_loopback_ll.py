@@ -90,6 +90,14 @@ def test_loopback_ll_put():
     _run("_put_worker")
 
 
+@pytest.mark.gpu
+def test_loopback_ll_mixed():
+    """Mixed transports in one kernel (odd ranks by puts, even ones by P2P
+    stores, as ll_transport "auto" across nodes): a token's destination list
+    holds P2P rows and the one staged row (written in session 11; not yet run)."""
+    _run("_mixed_worker")
+
+
 def test_ll_expected_side_cpu():
     """No GPU: the worker's inputs and expected values build on CPU, and the
     kernel's combine order (sel_0 + sel_1 + ..., no FMA) gives the reference's bits."""
@@ -279,8 +287,9 @@ def _np_kernel_combine(spec, y, idx, slot, wm):
 class LlLoopback(Loopback):
     """Device buffers and raw launches of the low-latency kernels."""
 
-    def __init__(self, put=False):
-        super().__init__(put=put)
+    def __init__(self, put=False, mixed=False):
+        super().__init__(put=put or mixed)
+        self.mixed = bool(mixed)   # odd ranks by puts, even ones by P2P (loopback_ll.cu)
         self._ll_sym = {}
 
     def ll_sym(self, spec):
@@ -335,7 +344,8 @@ class LlLoopback(Loopback):
                     s_row_bytes=s.s_row_bytes, y_row_bytes=s.y_row_bytes, mode=mode,
                     fp8_scale_mode=abi.fp8_scale_mode(scale_mode),
                     y_dtype=abi.row_dtype("bfloat16"),
-                    num_blocks=num_blocks or self.sms // R, warps=warps, put=int(self.put))
+                    num_blocks=num_blocks or self.sms // R, warps=warps,
+                    put=2 if self.mixed else int(self.put))
         ints = [vals[k] for k in self.C.LOOPBACK_LL_INTS]
         fn = getattr(self.C, f"loopback_ll_{op}")
         err, sec = fn(ptrs, ints, syms[0].numel(), R, iters)
@@ -400,10 +410,10 @@ def _case(lb, checks, rng, case, grid=None):
         _check_combine(checks, tag, err, gotc, expect, model)
 
 
-def _worker(cases, put=False):
-    lb, checks, rng = LlLoopback(put=put), Checks(), np.random.default_rng(7)
+def _worker(cases, put=False, mixed=False):
+    lb, checks, rng = LlLoopback(put=put, mixed=mixed), Checks(), np.random.default_rng(7)
     for case in cases:
-        with checks.guard(("put_" if put else "") + case[0]):
+        with checks.guard(("mixed_" if mixed else "put_" if put else "") + case[0]):
             _case(lb, checks, rng, case)
     return checks.results
 
@@ -428,6 +438,10 @@ PUT_CASES = [c for i, c in enumerate(FP8_CASES) if i in (0, 2, 4, 5)] + \
 def _put_worker(rank, n):
     checks = _worker(PUT_CASES, put=True)
     return checks + _round_trip_worker(rank, n, put=True)
+
+
+def _mixed_worker(rank, n):
+    return _worker([c for c in PUT_CASES if c[1] > 1], mixed=True)
 
 
 def _bf16_worker(rank, n):
