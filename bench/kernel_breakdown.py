@@ -7,13 +7,12 @@ medians over the iterations printed, beside the sum of all kernels (the gaps
 between dependent kernels are not in it: compare with the chained-step benches).
 
     python -m jax_ep.launch -n 1 bench/kernel_breakdown.py ll          # V3-decode LL round trip
-    python -m jax_ep.launch -n 1 bench/kernel_breakdown.py layer --tokens 128   # V3 layer fwd+bwd
 
 ``ll``: low_latency_dispatch (fp8) + low_latency_combine (bf16), T 128, E 256,
-top-8, H 7168 (every expert local at R = 1). ``layer``: examples/moe_layer.py's
-V3 block with ``--experts`` (default 128, EP 2's share) through
-``jax.value_and_grad``, jax_ep (native, grouped matmul) and XLA (reference,
-padded batched matmul, capacity factor 2).
+top-8, H 7168 (every expert local at R = 1), under ``ll_transport`` "auto" and
+"put". (A ``layer`` mode, the V3 layer's fwd+bwd under CUPTI, ran past its
+150 s limit without a table in session 11 and was removed; the layer's
+pieces are timed by ``bench/moe_layer_step.py --expert-breakdown``.)
 """
 from __future__ import annotations
 
@@ -24,7 +23,6 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 
 def short(name):
@@ -112,62 +110,14 @@ def run_ll(args):
     return 0
 
 
-def run_layer(args):
-    import jax
-    import jax.numpy as jnp
-    from jax.experimental.mosaic.gpu import profiler
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    import jax_ep
-    import moe_layer as ml
-
-    T = args.tokens or 128
-    cfg = ml.MoEConfig(d_model=7168, d_ff=2048, num_experts=args.experts, topk=8, n_groups=8,
-                       topk_groups=4, score_func="sigmoid", route_scale=2.5, n_shared=1,
-                       dtype=jnp.bfloat16)
-    n = jax.device_count()
-    mesh = ml.make_mesh((1, n), ("data", "ep"))
-    ep_cfg = ml.make_ep_config(cfg, T, "ep", "native", "grouped")
-    if not jax_ep.initialize(config=ep_cfg):
-        print("native runtime not up:", jax_ep.runtime.unavailable_reason())
-        return 1
-    key = jax.random.key(0)
-    p_shapes = jax.eval_shape(lambda: ml.init_moe_params(key, cfg))
-    p_shard = jax.tree.map(lambda s: NamedSharding(mesh, s), ml.param_specs(p_shapes),
-                           is_leaf=lambda s: isinstance(s, P))
-    params = jax.jit(lambda: ml.init_moe_params(key, cfg), out_shardings=p_shard)()
-    bias = jax.device_put(ml.init_routing_bias(cfg), NamedSharding(mesh, P()))
-    tok = NamedSharding(mesh, P(("data", "ep")))
-    N = T * n
-    x, ct = jax.jit(lambda: (jax.random.normal(jax.random.key(1), (N, 7168), jnp.bfloat16),
-                             jax.random.normal(jax.random.key(2), (N, 7168), jnp.bfloat16)),
-                    out_shardings=(tok, tok))()
-    cap_rows = n * T * 8 / args.experts
-    impls = {"jax_ep": ("native", "grouped", None),
-             "xla_padded": ("reference", "padded", min(n * T, int(-(-2 * cap_rows // 8) * 8)))}
-    for name, (backend, impl, cap) in impls.items():
-        def step(p, x, ct, backend=backend, impl=impl, cap=cap):
-            def loss(p, xx):
-                o, _ = ml.moe_block(p, bias, xx, cfg, mesh, backend=backend, expert_impl=impl,
-                                    expert_capacity=cap)
-                return jnp.sum(o.astype(jnp.float32) * ct.astype(jnp.float32))
-            return jax.value_and_grad(loss, argnums=(0, 1))(p, x)
-
-        _, t = profiler.measure(jax.jit(step), aggregate=False, iterations=args.iters)(
-            params, x, ct)
-        table(f"V3 layer fwd+bwd, {name}, EP {n}, {args.experts} experts, T {T}", t, args.top)
-    return 0
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=("ll", "layer"))
+    ap.add_argument("what", choices=("ll",))
     ap.add_argument("--tokens", type=int, default=None)
-    ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
-    return run_ll(args) if args.what == "ll" else run_layer(args)
+    return run_ll(args)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@
 # (grouped matmul bench, GMM_ARGS), MOE_STEP_ARGS (layer bench), TRAIN_STEPS
 # (0 skips the training example), SKIP_LL_BENCH=1 / LL_BENCH_ARGS (bench/run.sh),
 # BREAKDOWN (";"-separated argument lists of bench/kernel_breakdown.py, e.g.
-# "ll;layer --tokens 128": per-kernel CUPTI times, one GPU; $OUT/kernel_breakdown.log).
+# "ll": per-kernel CUPTI times, one GPU; $OUT/kernel_breakdown.log).
 # Everything together takes far longer than one 10-minute device call, and the
 # one-GPU suite alone needed two (session 10). On 2 GPUs, in order of need
 # (the one-GPU suites ran in session 10; each call below <= ~9 min, unmeasured):
