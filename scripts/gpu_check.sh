@@ -19,10 +19,10 @@
 # Open after session 11 (one H200 again; bench/results/2026-12-01-h200x1-s11.md:
 # test_loopback_internode.py incl. test_internode_fixed_t passed; the LL
 # one-copy-per-(token, rank) dispatch passed test_loopback_ll.py and
-# test_native_low_latency.py at R = 1). Not yet run, one GPU: the put kernels
-# with whole rows (changed after the GPU calls) and the mixed-transport case,
-#   GPU_TESTS="tests/gpu/test_loopback_ll.py::test_loopback_ll_put tests/gpu/test_loopback_ll.py::test_loopback_ll_mixed tests/gpu/test_native_low_latency.py"
-# then the LL loopback bench --put. The one-GPU suite needs more than one
+# test_native_low_latency.py at R = 1). Not yet run, one GPU: the
+# mixed-transport case,
+#   GPU_TESTS="tests/gpu/test_loopback_ll.py::test_loopback_ll_mixed"
+# The one-GPU suite needs more than one
 # 600 s call at JAX_EP_TEST_NPROCS=1 SKIP_BENCH=1 SKIP_EXAMPLES=1: split
 # GPU_TESTS. Waiting for 2 GPUs: the whole suite (test_native_low_latency.py at
 # R = 2 under ll_transport "auto" and "put", test_native_internode.py: the

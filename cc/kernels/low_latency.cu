@@ -218,13 +218,8 @@ __device__ __forceinline__ int num_warps() { return gridDim.x * (blockDim.x / 32
 // Column slices per row so that n rows fill the grid's warps (decode has
 // fewer rows than warps: 1024 pairs, 128 tokens against 2112 warps on an
 // H200), in units of 4 fp8 groups (one warp step of the cast: 32 lanes x 16
-// elements) or of 128 vectors (one unrolled step of the row copy). Send
-// kernels with puts keep whole rows: a slice is a put of its own, and over a
-// NIC the message count, not the bytes, would set the cost (V3-decode: 14
-// puts of 512 B per fp8 row instead of one of 7 KB).
-template <bool PUT = false>
+// elements) or of 128 vectors (one unrolled step of the row copy).
 __device__ __forceinline__ int warp_slices(int n, long long units) {
-  if constexpr (PUT) return 1;
   return static_cast<int>(max(1LL, min(static_cast<long long>(num_warps() / max(n, 1)), units)));
 }
 
@@ -260,7 +255,7 @@ ll_dispatch_send_kernel(LlDispatchSendArgs a) {
   const int G = a.hidden / 128;                        // cast: 128-channel groups
   const long long nvec = a.lay.row_bytes / v;          // copy: vectors per row
   const long long units = kCast ? (G + 3) / 4 : (nvec + 127) / 128;
-  const int slices = warp_slices<PUT>(a.T, units);
+  const int slices = warp_slices(a.T, units);
   const size_t row_off = a.lay.disp_rows[par] + (static_cast<size_t>(me) * a.lay.Tmax) * a.lay.row_stride;
   const size_t srow_off =
       a.lay.disp_scales[par] + (static_cast<size_t>(me) * a.lay.Tmax) * a.lay.s_row_stride;
@@ -330,14 +325,10 @@ ll_dispatch_send_kernel(LlDispatchSendArgs a) {
       const size_t ioff =
           a.lay.disp_info[par] + ((static_cast<size_t>(l) * R + me) * a.lay.Tmax + j) * 4;
       const int32_t tk = t * K + lane;
-      if constexpr (PUT) {
-        if (ll_by_put(a.put_mask, r)) {  // travels by value: nothing to stage
-          nvshmem_int32_p(reinterpret_cast<int32_t*>(put_target(a.peers, r, ioff)), tk,
-                          a.peers.pe[r]);
-          continue;
-        }
-      }
-      *reinterpret_cast<int32_t*>(peer_ptr(a.peers, r, ioff)) = tk;
+      if (PUT && ll_by_put(a.put_mask, r))  // travels by value: nothing to stage
+        nvshmem_int32_p(reinterpret_cast<int32_t*>(put_target(a.peers, r, ioff)), tk, a.peers.pe[r]);
+      else
+        *reinterpret_cast<int32_t*>(peer_ptr(a.peers, r, ioff)) = tk;
     }
   }
   if (ll_send_finished<PUT>(&ctrl->send_done)) {
@@ -429,7 +420,7 @@ ll_combine_send_kernel(LlCombineSendArgs a) {
   const long long cb = a.lay.comb_row_bytes;
   const int v = row_vec_bytes(cb), n_rows = sm_pre[LR];
   const long long nvec = cb / v;
-  const int slices = warp_slices<PUT>(n_rows, (nvec + 127) / 128);
+  const int slices = warp_slices(n_rows, (nvec + 127) / 128);
   for (int it = global_warp(); it < n_rows * slices; it += num_warps()) {
     const int i = it / slices, sl = it % slices;
     const int b = locate(sm_pre, LR, i), s = b % R;
