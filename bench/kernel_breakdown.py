@@ -38,7 +38,6 @@ def table(title, iters_timings, top):
     import numpy as np
     per = collections.defaultdict(list)     # name -> per-iteration sums (µs)
     counts = {}
-    order = []
     for it in iters_timings:
         sums = collections.Counter()
         n = collections.Counter()
@@ -46,8 +45,6 @@ def table(title, iters_timings, top):
             sums[name] += 1e3 * ms
             n[name] += 1
         for name in sums:
-            if name not in per:
-                order.append(name)
             per[name].append(sums[name])
             counts[name] = n[name]
     rows = sorted(((float(np.median(v)), k) for k, v in per.items()), reverse=True)
