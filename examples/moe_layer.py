@@ -210,14 +210,15 @@ def mask_tail_rows(x, group_sizes):
     return jnp.where(valid.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
 
 
-def routed_experts_grouped(x, gate_up, down, group_sizes):
+def routed_experts_grouped(x, gate_up, down, group_sizes, gmm_config=None):
     """SwiGLU over rows grouped by local expert with ``jax_ep.grouped_matmul``
     (``out[rows of group g] = x[rows of group g] @ w[g]``): ``x [C, H]`` (rows
     past ``sum(group_sizes)`` ignored), ``gate_up [L, H, 2F]``, ``down [L, F, H]``
     -> ``[C, H]`` (zero past ``sum(group_sizes)``). One grouped matmul of width
-    2F for gate and up together."""
-    h = silu_mul(grouped_matmul(x, gate_up, group_sizes))
-    return grouped_matmul(h.astype(down.dtype), down, group_sizes)
+    2F for gate and up together; ``gmm_config``: a ``GroupedMatmulConfig``
+    (None: its defaults)."""
+    h = silu_mul(grouped_matmul(x, gate_up, group_sizes, config=gmm_config))
+    return grouped_matmul(h.astype(down.dtype), down, group_sizes, config=gmm_config)
 
 
 def routed_experts_local(x, gate_up, down, group_sizes):
@@ -229,12 +230,14 @@ def routed_experts_local(x, gate_up, down, group_sizes):
 
 
 def routed_experts(x, gate_up, down, group_sizes, expert_impl: str = "grouped",
-                   expert_capacity: Optional[int] = None):
+                   expert_capacity: Optional[int] = None, gmm_config=None):
     """Routed SwiGLU experts on one rank's ``expert_major`` rows: ``x [C, H]``,
     ``gate_up [L, H, 2F]``, ``down [L, F, H]``, ``group_sizes [L]`` -> (y
-    ``[C, H]``, rows dropped by a padded capacity, int32)."""
+    ``[C, H]``, rows dropped by a padded capacity, int32). ``gmm_config``: the
+    ``GroupedMatmulConfig`` of ``"grouped"``."""
     if expert_impl == "grouped":
-        return routed_experts_grouped(x, gate_up, down, group_sizes), jnp.int32(0)
+        return (routed_experts_grouped(x, gate_up, down, group_sizes, gmm_config),
+                jnp.int32(0))
     if expert_impl == "ragged_dot":
         return routed_experts_local(x, gate_up, down, group_sizes), jnp.int32(0)
     if expert_impl == "padded":
@@ -283,7 +286,8 @@ def make_ep_config(cfg: MoEConfig, tokens_per_rank: int, ep_axis: str = "ep",
 
 def routed_ep(experts: dict, x: jax.Array, topk_idx: jax.Array, topk_w: jax.Array,
               mesh: Mesh, ep_cfg: jax_ep.EpConfig, token_axes: Sequence[str],
-              expert_impl: str = "grouped", expert_capacity: Optional[int] = None):
+              expert_impl: str = "grouped", expert_capacity: Optional[int] = None,
+              gmm_config=None):
     """The routed part: ``shard_map`` over ``token_axes`` with dispatch ->
     SwiGLU experts -> combine. Global ``x [N, H]`` -> (``[N, H]``, dropped
     pairs ``[num_devices]`` int32, one count per device)."""
@@ -301,7 +305,8 @@ def routed_ep(experts: dict, x: jax.Array, topk_idx: jax.Array, topk_w: jax.Arra
             # R*T: the most rows one expert can receive (dropless)
             R = jax.lax.axis_size(ep_cfg.axis_name)
             cap = min(d.x.shape[0], R * x.shape[0])
-        y, over = routed_experts(d.x, gate_up, down, d.group_sizes, expert_impl, cap)
+        y, over = routed_experts(d.x, gate_up, down, d.group_sizes, expert_impl, cap,
+                                 gmm_config)
         dropped = d.num_dropped + over
         out = jax_ep.combine(y.astype(x.dtype), d, ep_cfg)
         return out, dropped.reshape(1)
@@ -340,7 +345,8 @@ def make_mesh(shape: Sequence[int], names: Sequence[str], devices=None) -> Mesh:
 def moe_block(params: dict, bias: jax.Array, x: jax.Array, cfg: MoEConfig, mesh: Mesh,
               *, ep_axis: str = "ep", token_axes: Optional[Sequence[str]] = None,
               backend: str = "auto", ep_overrides: Optional[dict] = None,
-              expert_impl: str = "grouped", expert_capacity: Optional[int] = None):
+              expert_impl: str = "grouped", expert_capacity: Optional[int] = None,
+              gmm_config=None):
     """The MoE FFN block through jax_ep. Call under ``jax.jit``.
 
     Args:
@@ -360,6 +366,8 @@ def moe_block(params: dict, bias: jax.Array, x: jax.Array, cfg: MoEConfig, mesh:
         ``expert_capacity`` rows per local expert; default capacity R*T =
         dropless) or ``"ragged_dot"`` (``jax.lax.ragged_dot``).
       expert_capacity: rows per local expert of ``"padded"``.
+      gmm_config: ``jax_ep.gmm.GroupedMatmulConfig`` of ``"grouped"`` (None:
+        the defaults).
 
     Returns:
       ``(out [..., H], aux)`` with ``aux = {"load": [E] int32 tokens per expert,
@@ -376,7 +384,7 @@ def moe_block(params: dict, bias: jax.Array, x: jax.Array, cfg: MoEConfig, mesh:
     ep_cfg = make_ep_config(cfg, N // n_dev, ep_axis, backend, expert_impl,
                             **(ep_overrides or {}))
     routed, dropped = routed_ep(params["experts"], xf.astype(cfg.dtype), idx, w, mesh, ep_cfg,
-                                token_axes, expert_impl, expert_capacity)
+                                token_axes, expert_impl, expert_capacity, gmm_config)
     out = routed.astype(F32)
     if "shared" in params:
         s = params["shared"]

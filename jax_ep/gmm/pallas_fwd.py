@@ -175,3 +175,132 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
         **kernel_params(plgpu, interpret),
     )
     return kernel(rs, r0, r1, grp, x, w)
+
+
+def gmm_pallas_flat(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
+    """Forward / dx, 2 consumer warpgroups, ONE pipeline per SM across its tiles.
+
+    The same CTA tiles as :func:`gmm_pallas_ws` (``block_m x 2 block_n``, per-group
+    row tiles from ``row_tiles``), but the SM's tiles (dealt round-robin) and
+    their k-steps form a single warp-specialized pipeline of grid
+    ``(tiles of this SM, K / block_k)``: the producer loads the next tile's
+    first stages while the consumers finish, store and reset the previous
+    tile's accumulator, so no tile pays a pipeline fill or an epilogue with
+    nothing in flight. (The per-tile kernel refills the pipeline on every
+    tile; at small groups -- the layer at T 128, 8 rows per expert -- a tile
+    streams one 128 x 256 weight panel and that refill is a large share.)
+    Row offsets of tiles are 8-aligned element offsets (``pl.Element``), read
+    from the tile table in the index maps. Tail tiles (rows past the groups)
+    store zeros after the pipeline.
+    """
+    pl, plgpu = pallas_modules()
+    bm, bn, bk, steps, band = tiles
+    m, k = x.shape
+    n = w.shape[1] if transpose_rhs else w.shape[2]
+    rs, r0, r1, grp = row_tiles(offsets, m, bm)
+    used = r1 > r0
+    counts = jnp.stack([jnp.sum(used & (grp >= 0)), jnp.sum(used & (grp < 0))]).astype(jnp.int32)
+    grid_n, ksteps = n // (2 * bn), k // bk
+    nsm = num_sms(interpret)
+    top = 1 << int(math.log2(bm))
+    tr, _ = dw_transforms(plgpu, x.dtype, bk, bn)
+    w_block = (None, 2 * bn, bk) if transpose_rhs else (None, bk, 2 * bn)
+
+    def body(cnt_ref, rs_ref, r0_ref, r1_ref, g_ref, x_ref, w_ref, o_ref):
+        sm = lax.axis_index("sm")
+        n_grp = cnt_ref[0]
+
+        def tile(j):   # this SM's j-th tile -> (row tile, column tile)
+            return plgpu.planar_snake(sm + j * nsm, (n_grp, grid_n), 0, band)
+
+        def x_index(j, kk):
+            return pl.multiple_of(rs_ref[tile(j)[0]], 8), kk
+
+        def w_index(j, kk):
+            fi, ni = tile(j)
+            g = jnp.maximum(g_ref[fi], 0)
+            return (g, ni, kk) if transpose_rhs else (g, kk, ni)
+
+        def scoped(o_smem):
+            wg = lax.axis_index("wg")
+
+            def store(fi, ni, val):
+                lo, hi = r0_ref[fi], r1_ref[fi]
+                row0 = pl.multiple_of(rs_ref[fi], 8)
+                col = pl.multiple_of(ni * (2 * bn) + wg * bn, bn)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # our slot is free
+                o_smem[wg] = val.astype(o_smem.dtype)
+                plgpu.commit_smem()
+                store_rows(pl, plgpu, o_smem.at[wg], o_ref.at[:, pl.ds(col, bn)], lo, hi,
+                           row0, top)
+
+            def step(idx, x_smem, w_smem, carry):
+                j, kk = idx
+                acc_ref, base = carry if interpret else (carry, None)
+                cols = pl.ds(pl.multiple_of(wg * bn, bn), bn)
+                rhs = (transposed(plgpu, w_smem.at[cols, :]) if transpose_rhs
+                       else w_smem.at[:, cols])
+                plgpu.wgmma(acc_ref, x_smem, rhs)
+                plgpu.wgmma_wait(1)
+                last = kk == ksteps - 1
+                if interpret:
+                    # The interpreter cannot store to an accumulator: emulate
+                    # the reset with a running base (test only).
+                    val = acc_ref[...]
+
+                    @pl.when(last)
+                    def _():
+                        store(*tile(j), val - base)
+                    return acc_ref, jnp.where(last, val, base)
+
+                @pl.when(last)
+                def _():
+                    plgpu.wgmma_wait(0)
+                    store(*tile(j), acc_ref[...])
+                    acc_ref[...] = jnp.zeros((bm, bn), jnp.float32)
+                return acc_ref
+
+            def compute_context(run):
+                if interpret:
+                    pl.run_scoped(lambda a: run((a, a[...])), plgpu.ACC((bm, bn)))
+                else:
+                    pl.run_scoped(run, plgpu.ACC((bm, bn)))
+
+            n_items = n_grp * grid_n
+            mine = jnp.where(sm < n_items, lax.div(n_items - sm + (nsm - 1), jnp.int32(nsm)), 0)
+
+            @pl.when(mine > 0)
+            def _():
+                plgpu.emit_pipeline_warp_specialized(
+                    step, grid=(mine, ksteps), memory_registers=40,
+                    in_specs=[plgpu.BlockSpec((pl.Element(bm), bk), x_index, delay_release=1,
+                                              transforms=tr),
+                              plgpu.BlockSpec(w_block, w_index, delay_release=1, transforms=tr)],
+                    wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=steps,
+                    compute_context=compute_context)(x_ref, w_ref)
+
+            @pl.when(wg < 2)
+            def _():   # tail tiles (rows past the groups): zeros, no matmul
+                n_tail = cnt_ref[1] * grid_n
+                mine_t = jnp.where(sm < n_tail, lax.div(n_tail - sm + (nsm - 1), jnp.int32(nsm)), 0)
+
+                @pl.loop(0, mine_t)
+                def _(j):
+                    t = sm + j * nsm
+                    store(n_grp + lax.div(t, jnp.int32(grid_n)), lax.rem(t, jnp.int32(grid_n)),
+                          jnp.zeros((bm, bn), jnp.float32))
+
+                plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(scoped, plgpu.SMEM((2, bm, bn), out_dtype), collective_axes="wg")
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(nsm,),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        **kernel_params(plgpu, interpret),
+    )
+    return kernel(counts, rs, r0, r1, grp, x, w)
