@@ -61,10 +61,9 @@ SWEEP["dx"] = SWEEP["fwd"]
 # Session 11: forward/dx configurations for small groups (--rows 8192: 64 rows per
 # group, the V3 layer at T 128 with expert_alignment 64), where the kernels stream
 # weights at 3.1-3.6 TB/s against XLA's ~4.0 (history/2026-12-01-h200x1-s11-gmm-small-
-# groups.log). Session 12: the flat schedule (one pipeline per SM across its tiles,
-# the new default) beside the per-tile one it replaces, and two flat tilings.
-_SMALL_FWD = [((128, 128, 64, 5, 2), {"fwd_schedule": "per_tile"}, ("uniform", "skewed")),
-              ((64, 128, 128, 3, 2), {}, ("uniform",)),
+# groups.log). Session 12: the 2-consumer kernel runs one pipeline per SM across its
+# tiles (the per-tile pipeline it replaced: bench/results/README.md, deleted variants).
+_SMALL_FWD = [((64, 128, 128, 3, 2), {}, ("uniform",)),
               ((128, 128, 32, 6, 2), {}, ("uniform",))]
 SWEEP_SMALL = {"fwd": _SMALL_FWD, "dx": _SMALL_FWD}
 

@@ -146,9 +146,6 @@ def parse_args(argv=None):
                    help="EpConfig.capacity of jax_ep (default: the library default)")
     p.add_argument("--expert-alignment", type=int, default=None)
     p.add_argument("--num-sms", type=int, default=None)
-    p.add_argument("--gmm-schedule", choices=("flat", "per_tile"), default=None,
-                   help="GroupedMatmulConfig.fwd_schedule of the grouped experts (default: "
-                        "the library default)")
     p.add_argument("--buffer-bytes", type=int, default=None,
                    help="NVSHMEM buffer per process (default: sized from the config)")
     p.add_argument("--expert-capacity-factor", type=float, default=2.0,
@@ -294,7 +291,6 @@ def run_job(args, job, platform, nproc, timeout, workdir):
     spec.update({
         "dtype": args.dtype, "data": args.data, "capacity": args.capacity,
         "expert_alignment": args.expert_alignment, "num_sms": args.num_sms,
-        "gmm_schedule": args.gmm_schedule,
         "buffer_bytes": args.buffer_bytes, "expert_capacity_factor": args.expert_capacity_factor,
         "steps": _ints(args.steps), "comm_steps": _ints(args.comm_steps),
         "min_time": args.min_time, "min_reps": args.min_reps, "max_reps": args.max_reps,
@@ -775,9 +771,6 @@ def _worker_body(spec, out, save):
     overrides = {k: spec[k] for k in ("capacity", "expert_alignment", "num_sms")
                  if spec.get(k) is not None}
     ep_cfg = ml.make_ep_config(cfg, T, "ep", backend, impl, **overrides)
-    from jax_ep.gmm import GroupedMatmulConfig
-    gcfg = (GroupedMatmulConfig(fwd_schedule=spec["gmm_schedule"])
-            if spec.get("gmm_schedule") else GroupedMatmulConfig())
     dev = jax.local_devices()[0]
     out.update(machine=f"{n_dev}x {dev.device_kind}", devices=n_dev, jax=jax.__version__,
                platform=dev.platform, backend=backend, L=E // R,
@@ -893,19 +886,19 @@ def _worker_body(spec, out, save):
             return h, vjp(dh.astype(h.dtype))[0]
 
         def fwd(a, w, s):  # as grouped_matmul's forward
-            return gmm(a, w, s, out_dtype=a.dtype, config=gcfg)
+            return gmm(a, w, s, out_dtype=a.dtype)
 
         def dx(a, w, s):  # as grouped_matmul's bwd: dy @ w[g]^T
-            return gmm(a, w, s, transpose_rhs=True, out_dtype=a.dtype, config=gcfg)
+            return gmm(a, w, s, transpose_rhs=True, out_dtype=a.dtype)
 
         def dw(a, b, s):  # as grouped_matmul's bwd: x[g]^T @ dy[g]
-            return tgmm(a, b, s, out_dtype=dtype, config=gcfg)
+            return tgmm(a, b, s, out_dtype=dtype)
 
         def ex_fwd(a, s, gu, d):
-            return ml.routed_experts(a, gu, d, s, impl, cap, gcfg)[0]
+            return ml.routed_experts(a, gu, d, s, impl, cap)[0]
 
         def ex_fb(a, s, gu, d, ct):
-            y, vjp = jax.vjp(lambda a, gu, d: ml.routed_experts(a, gu, d, s, impl, cap, gcfg)[0],
+            y, vjp = jax.vjp(lambda a, gu, d: ml.routed_experts(a, gu, d, s, impl, cap)[0],
                              a, gu, d)
             return vjp(ct.astype(y.dtype))
 
@@ -1015,8 +1008,7 @@ def _worker_body(spec, out, save):
     def layer_chain(n, state, x, bias, ct):
         def loss(p, xx):
             o, aux = ml.moe_block(p, bias, xx, cfg, mesh, backend=backend,
-                                  ep_overrides=overrides, expert_impl=impl, expert_capacity=cap,
-                                  gmm_config=gcfg)
+                                  ep_overrides=overrides, expert_impl=impl, expert_capacity=cap)
             return jnp.sum(o.astype(F32) * ct.astype(F32)), aux["num_dropped"]
 
         vg = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
@@ -1098,7 +1090,7 @@ def _worker_body(spec, out, save):
         ep_spec = P("ep")
 
         def per_rank_experts(rows, gs, gate_up, down, ct):
-            y, _ = ml.routed_experts(rows, gate_up, down, gs, impl, cap, gcfg)
+            y, _ = ml.routed_experts(rows, gate_up, down, gs, impl, cap)
             return jnp.sum(y.astype(F32) * ct.astype(F32)).reshape(1)
 
         ex_loss = jax.shard_map(per_rank_experts, mesh=mesh,

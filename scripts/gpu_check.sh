@@ -16,12 +16,9 @@
 #   3  GPU_TESTS=none SKIP_EXAMPLES=1 BENCH_ARGS="--no-sweep --no-ragged"     # ops + LL bench
 #   4  GPU_TESTS=none SKIP_BENCH=1 MOE_STEP_ARGS="--configs v3,mixtral --tokens 128,1024,4096,8192"
 # A pytest stopped by TEST_TIMEOUT now stops its job's ranks too (harness.py).
-# Open after session 11 (one H200 again; bench/results/2026-12-01-h200x1-s11.md:
-# test_loopback_internode.py incl. test_internode_fixed_t passed; the LL
-# one-copy-per-(token, rank) dispatch passed test_loopback_ll.py and
-# test_native_low_latency.py at R = 1). Not yet run, one GPU: the
-# mixed-transport case,
-#   GPU_TESTS="tests/gpu/test_loopback_ll.py::test_loopback_ll_mixed"
+# Open after session 12 (one H200 again; bench/results/2026-12-02-h200x1-s12.md:
+# test_grouped_matmul_gpu.py 22 passed on the per-SM-pipeline forward/dx kernel;
+# test_loopback_ll_mixed passed, its first run). No one-GPU check is left unrun.
 # The one-GPU suite needs more than one
 # 600 s call at JAX_EP_TEST_NPROCS=1 SKIP_BENCH=1 SKIP_EXAMPLES=1: split
 # GPU_TESTS. Waiting for 2 GPUs: the whole suite (test_native_low_latency.py at

@@ -306,16 +306,13 @@ def test_pallas_kernels_interpret(case):
         assert np.all(dw[g] == 0)
 
 
-@pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwd_ws", "dx_ws", "fwd_flat", "dx_flat",
-                                "dw_1wg"])
+@pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwd_ws", "dx_ws", "dw_1wg"])
 def test_pallas_lowers_for_cuda(op):
     """Every kernel traces and lowers to a CUDA module (no GPU needed)."""
     sds = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
     m, k, n, g = 1024, 512, 256, 8
-    two = op.endswith("_ws") or op.endswith("_flat")
-    cfg = GroupedMatmulConfig(impl="pallas", fwd_warpgroups=2 if two else 1,
-                              fwd_schedule="flat" if op.endswith("_flat") else "per_tile",
+    cfg = GroupedMatmulConfig(impl="pallas", fwd_warpgroups=2 if op.endswith("_ws") else 1,
                               dw_warpgroups=1 if op == "dw_1wg" else 2)
     op = op.split("_")[0]
     gsd = sds((g,), jnp.int32)
@@ -346,18 +343,17 @@ def test_pallas_constraints_fall_back_to_xla():
 
 
 @pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
-@pytest.mark.parametrize("schedule", ["flat", "per_tile"])
 @pytest.mark.parametrize("sizes", [[70, 0, 33, 1, 60], [0, 3, 197, 50], [7, 0, 0, 193],
                                    [0, 0, 0, 0, 0]])
-def test_pallas_fwd_dx_two_warpgroups_interpret(sizes, schedule):
-    """The 2-consumer forward/dx kernels (fwd_warpgroups=2, the default; one
-    pipeline per SM across its tiles, or one per tile): empty groups, sizes
-    past M (clipped), a group ending at M, no rows at all, NaN/Inf tail --
-    matches numpy. k = 3 block_k: the flat pipeline crosses tiles mid-ring."""
+def test_pallas_fwd_dx_two_warpgroups_interpret(sizes):
+    """The 2-consumer forward/dx kernel (fwd_warpgroups=2, the default; one
+    pipeline per SM across its tiles): empty groups, sizes past M (clipped), a
+    group ending at M, no rows at all, NaN/Inf tail -- matches numpy. k = 3
+    block_k with 2 stages: tiles change mid-ring."""
     x, w, dy, gs = make(sizes, m=200, k=192, n=256, seed=7)
     xb, wb, dyb = (jnp.asarray(a, jnp.bfloat16) for a in (x, w, dy))
     cfg = GroupedMatmulConfig(impl="pallas", interpret=True, fwd=(64, 64, 64, 2, 1),
-                              dx=(64, 64, 64, 2, 1), fwd_warpgroups=2, fwd_schedule=schedule)
+                              dx=(64, 64, 64, 2, 1), fwd_warpgroups=2)
     assert gm_select.fwd_ws_tiles(cfg, "fwd", xb, wb, False) is not None
     y = np.asarray(gm_mod.gmm(xb, wb, gs, config=cfg), np.float32)
     dx = np.asarray(gm_mod.gmm(dyb, wb, gs, transpose_rhs=True, config=cfg), np.float32)

@@ -48,7 +48,9 @@ tiles), ``xla`` (the ragged_dot fallback), ``pallas_common``, ``pallas_fwd``,
 Pallas kernels
 --------------
 Forward and dx (``pallas_fwd``: ``gmm_pallas``, and by default ``gmm_pallas_ws``, a
-producer and two consumer warpgroups on a ``block_m x 2 block_n`` tile): every non-empty group is cut into row tiles
+producer and two consumer warpgroups on a ``block_m x 2 block_n`` tile, one
+warp-specialized pipeline per SM across all of its tiles, so the next tile's
+loads are in flight while the last tile's accumulator is stored): every non-empty group is cut into row tiles
 of ``block_m`` rows starting at its first row rounded down to 8 (TMA row
 offsets of the tiled shared-memory layout are 8-aligned; the up to 7 rows of
 the previous group are computed and not stored), and the tail ``[total, M)``
@@ -58,7 +60,7 @@ kernel loops over ``tiles x column tiles`` (persistent over SMs, ``band`` row
 tiles iterated together for L2 reuse of ``w`` tiles), computes the full
 ``block_m x block_n`` tile against ``w[g]`` and stores only the group's rows
 (TMA stores of power-of-two row counts). Tail tiles skip the matmul and store
-zeros, so the output is fully written by the kernel (no extra masking pass);
+zeros (in ``gmm_pallas_ws`` after the pipeline), so the output is fully written by the kernel (no extra masking pass);
 rows of other groups or of the tail can only reach accumulator rows that are
 never stored (a row's output depends on that row alone). Work:
 ``sum_g cdiv(size_g + lead_g, block_m)`` tiles -- under one extra tile per

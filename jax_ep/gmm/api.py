@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from .._ffi import to_vma, vma_of
 from .config import GroupedMatmulConfig
 from .pallas_dw import tgmm_pallas, tgmm_pallas_ws
-from .pallas_fwd import gmm_pallas, gmm_pallas_flat, gmm_pallas_ws
+from .pallas_fwd import gmm_pallas, gmm_pallas_ws
 from .select import choose, fwd_ws_tiles, pallas_compiles, two_consumer_tiles
 from .xla import gmm_xla, tgmm_xla
 
@@ -98,8 +98,7 @@ def gmm(x, w, group_sizes, *, transpose_rhs: bool = False,
     if choose(cfg, op, x, w, out_dtype) == "pallas":
         ws = fwd_ws_tiles(cfg, op, x, w, transpose_rhs)
         if ws is not None:
-            kern = gmm_pallas_flat if cfg.fwd_schedule == "flat" else gmm_pallas_ws
-            out = kern(x, w, offsets, transpose_rhs, ws, out_dtype, cfg.interpret)
+            out = gmm_pallas_ws(x, w, offsets, transpose_rhs, ws, out_dtype, cfg.interpret)
         else:
             out = gmm_pallas(x, w, offsets, transpose_rhs, cfg.tiles(op), out_dtype,
                               cfg.interpret)

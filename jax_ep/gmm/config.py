@@ -27,7 +27,6 @@ DEFAULT_TILES = {
 GROUP_ALIGNMENT = 64
 
 _IMPLS = ("auto", "pallas", "xla")
-_SCHEDULES = ("flat", "per_tile")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +53,6 @@ class GroupedMatmulConfig:
         producer warpgroup feeds two consumers that own ``block_m x 2
         block_n``; used where ``N % (2 block_n) == 0`` and the stages fit
         shared memory, else the 1-warpgroup kernel) or 1.
-      fwd_schedule: how the 2-consumer forward / dx kernel walks its tiles:
-        ``"flat"`` (one pipeline per SM across all of its tiles: loads of the
-        next tile run under the previous tile's epilogue) or ``"per_tile"``
-        (a pipeline per tile, filled and drained each time).
       interpret: run the Pallas kernels in Mosaic-GPU interpret mode (for
         testing the kernels on CPU; jax >= 0.11; very slow).
     """
@@ -69,7 +64,6 @@ class GroupedMatmulConfig:
     interpret: bool = False
     dw_warpgroups: int = 2
     fwd_warpgroups: int = 2
-    fwd_schedule: str = "flat"
 
     def __post_init__(self):
         if self.impl not in _IMPLS:
@@ -77,8 +71,6 @@ class GroupedMatmulConfig:
         for name in ("dw_warpgroups", "fwd_warpgroups"):
             if getattr(self, name) not in (1, 2):
                 raise ValueError(f"{name} must be 1 or 2, got {getattr(self, name)!r}")
-        if self.fwd_schedule not in _SCHEDULES:
-            raise ValueError(f"fwd_schedule must be one of {_SCHEDULES}, got {self.fwd_schedule!r}")
         for name in ("fwd", "dx", "dw"):
             t = getattr(self, name)
             if t is None:

@@ -1,5 +1,6 @@
 """Forward / dx Pallas kernels: ``out[rows of g] = x[rows of g] @ w[g]`` (or ``w[g]^T``),
-per-group row tiles; one warpgroup, or a producer and two consumer warpgroups."""
+per-group row tiles; one warpgroup, or a producer and two consumer warpgroups
+(one pipeline per SM across its tiles)."""
 from __future__ import annotations
 
 import math
@@ -79,119 +80,21 @@ def gmm_pallas(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
 
 
 def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
-    """Forward / dx with two consumer warpgroups and a producer warpgroup.
+    """Forward / dx with two consumer warpgroups and a producer warpgroup,
+    ONE pipeline per SM across all of its tiles.
 
-    Same row tiles as :func:`gmm_pallas` (per group, ``row_tiles``); a CTA
-    owns ``block_m x 2 block_n`` of the output (each consumer warpgroup one
-    ``block_m x block_n`` half, sharing the staged ``x`` tile), and its k-loop
-    is a warp-specialized pipeline: the producer warpgroup keeps
-    ``max_concurrent_steps`` loads in flight while the consumers run wgmma.
-    (Consumers splitting ``2 block_m x block_n`` instead, skipping a
-    row-less half, measured no faster: bench/results/README.md.)
-    """
-    pl, plgpu = pallas_modules()
-    bm, bn, bk, steps, band = tiles
-    m, k = x.shape
-    n = w.shape[1] if transpose_rhs else w.shape[2]
-    rs, r0, r1, grp = row_tiles(offsets, m, bm)
-    nf, grid_n = r0.shape[0], n // (2 * bn)
-    top = 1 << int(math.log2(bm))
-    tr, _ = dw_transforms(plgpu, x.dtype, bk, bn)
-    w_block = (2 * bn, bk) if transpose_rhs else (bk, 2 * bn)
-
-    def mma(_, x_smem, w_smem, acc_ref):
-        wg = lax.axis_index("wg")
-        cols = pl.ds(pl.multiple_of(wg * bn, bn), bn)
-        rhs = (transposed(plgpu, w_smem.at[cols, :]) if transpose_rhs
-               else w_smem.at[:, cols])
-        plgpu.wgmma(acc_ref, x_smem, rhs)
-        # No delay_release: with the allocations hoisted out of the tile loop,
-        # a stage still read by the last step's wgmma would be refilled by the
-        # next tile's prologue.
-        plgpu.wgmma_wait(0)
-        return acc_ref
-
-    def pipeline(compute_context):
-        return plgpu.emit_pipeline_warp_specialized(
-            mma, grid=(k // bk,), memory_registers=40,
-            in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=tr),
-                      plgpu.BlockSpec(w_block, (lambda kk: (0, kk)) if transpose_rhs
-                                      else (lambda kk: (kk, 0)), transforms=tr)],
-            wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=steps,
-            compute_context=compute_context)
-
-    def body(rs_ref, r0_ref, r1_ref, g_ref, x_ref, w_ref, o_ref):
-        def scoped(o_smem, allocs):
-            wg = lax.axis_index("wg")
-
-            @plgpu.nd_loop((nf * grid_n,), collective_axes="sm")
-            def _item(info):
-                fi, ni = plgpu.planar_snake(info.index[0], (nf, grid_n), 0, band)
-                lo, hi, g = r0_ref[fi], r1_ref[fi], g_ref[fi]
-                row0 = pl.multiple_of(rs_ref[fi], 8)
-                out = o_ref.at[:, pl.ds(ni * (2 * bn) + wg * bn, bn)]
-
-                def store(val):
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # our slot is free
-                    o_smem[wg] = val.astype(o_smem.dtype)
-                    plgpu.commit_smem()
-                    store_rows(pl, plgpu, o_smem.at[wg], out, lo, hi, row0, top)
-
-                def compute_context(run):
-                    def acc_scope(acc_ref):
-                        run(acc_ref)
-                        store(acc_ref[...])
-                    pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
-
-                cols = pl.ds(ni * (2 * bn), 2 * bn)
-                w_view = (w_ref.at[jnp.maximum(g, 0), cols, :] if transpose_rhs
-                          else w_ref.at[jnp.maximum(g, 0), :, cols])
-
-                @pl.when((hi > lo) & (g >= 0))
-                def _():
-                    pipeline(compute_context)(x_ref.at[pl.ds(row0, bm), :], w_view,
-                                              allocations=allocs)
-
-                @pl.when((hi > lo) & (g < 0) & (wg < 2))
-                def _():  # tail rows: zeros, no matmul
-                    store(jnp.zeros((bm, bn), jnp.float32))
-
-            @pl.when(wg < 2)
-            def _():
-                plgpu.wait_smem_to_gmem(0)
-
-        x_view = x_ref.at[pl.ds(0, bm), :]
-        w_view = w_ref.at[0, pl.ds(0, 2 * bn), :] if transpose_rhs else w_ref.at[0, :, pl.ds(0, 2 * bn)]
-        allocs = pipeline(lambda run: None).get_allocations(x_view, w_view)   # sizes only
-        pl.run_scoped(scoped, plgpu.SMEM((2, bm, bn), out_dtype), allocs, collective_axes="wg")
-
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-        grid=(num_sms(interpret),),
-        grid_names=("sm",),
-        num_threads=3,
-        thread_name="wg",
-        **kernel_params(plgpu, interpret),
-    )
-    return kernel(rs, r0, r1, grp, x, w)
-
-
-def gmm_pallas_flat(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
-    """Forward / dx, 2 consumer warpgroups, ONE pipeline per SM across its tiles.
-
-    The same CTA tiles as :func:`gmm_pallas_ws` (``block_m x 2 block_n``, per-group
-    row tiles from ``row_tiles``), but the SM's tiles (dealt round-robin) and
-    their k-steps form a single warp-specialized pipeline of grid
-    ``(tiles of this SM, K / block_k)``: the producer loads the next tile's
-    first stages while the consumers finish, store and reset the previous
-    tile's accumulator, so no tile pays a pipeline fill or an epilogue with
-    nothing in flight. (The per-tile kernel refills the pipeline on every
-    tile; at small groups -- the layer at T 128, 8 rows per expert -- a tile
-    streams one 128 x 256 weight panel and that refill is a large share.)
+    Per-group row tiles (``row_tiles``, as :func:`gmm_pallas`); a CTA owns
+    ``block_m x 2 block_n`` of the output (each consumer warpgroup one
+    ``block_m x block_n`` half, sharing the staged ``x`` tile). The SM's tiles
+    (dealt round-robin) and their k-steps form a single warp-specialized
+    pipeline of grid ``(tiles of this SM, K / block_k)``: the producer loads the
+    next tile's first stages while the consumers store and reset the previous
+    tile's accumulator, so no tile pays a pipeline fill with nothing in flight.
     Row offsets of tiles are 8-aligned element offsets (``pl.Element``), read
     from the tile table in the index maps. Tail tiles (rows past the groups)
-    store zeros after the pipeline.
+    store zeros after the pipeline. Against a pipeline per tile (deleted,
+    bench/results/README.md): the V3 layer at T 128 1-3% faster, at T 4096
+    equal; outputs bit-identical.
     """
     pl, plgpu = pallas_modules()
     bm, bn, bk, steps, band = tiles
@@ -241,7 +144,10 @@ def gmm_pallas_flat(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
                 rhs = (transposed(plgpu, w_smem.at[cols, :]) if transpose_rhs
                        else w_smem.at[:, cols])
                 plgpu.wgmma(acc_ref, x_smem, rhs)
-                plgpu.wgmma_wait(1)
+                # wait(0), no delay_release: a stage held one step longer for an
+                # in-flight wgmma is a stage fewer of loads in flight (measured:
+                # with delay_release=1 and 3 stages, 20-25% slower than per-tile).
+                plgpu.wgmma_wait(0)
                 last = kk == ksteps - 1
                 if interpret:
                     # The interpreter cannot store to an accumulator: emulate
@@ -255,7 +161,6 @@ def gmm_pallas_flat(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
 
                 @pl.when(last)
                 def _():
-                    plgpu.wgmma_wait(0)
                     store(*tile(j), acc_ref[...])
                     acc_ref[...] = jnp.zeros((bm, bn), jnp.float32)
                 return acc_ref
@@ -273,9 +178,8 @@ def gmm_pallas_flat(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
             def _():
                 plgpu.emit_pipeline_warp_specialized(
                     step, grid=(mine, ksteps), memory_registers=40,
-                    in_specs=[plgpu.BlockSpec((pl.Element(bm), bk), x_index, delay_release=1,
-                                              transforms=tr),
-                              plgpu.BlockSpec(w_block, w_index, delay_release=1, transforms=tr)],
+                    in_specs=[plgpu.BlockSpec((pl.Element(bm), bk), x_index, transforms=tr),
+                              plgpu.BlockSpec(w_block, w_index, transforms=tr)],
                     wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=steps,
                     compute_context=compute_context)(x_ref, w_ref)
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from .config import GroupedMatmulConfig, Tiles
 from .pallas_dw import tgmm_pallas, tgmm_pallas_ws
-from .pallas_fwd import gmm_pallas, gmm_pallas_flat, gmm_pallas_ws
+from .pallas_fwd import gmm_pallas, gmm_pallas_ws
 
 
 SMEM_BYTES = 227 * 1024   # Hopper: dynamic shared memory per block
@@ -41,9 +41,8 @@ def fwd_ws_tiles(cfg, op, x, w, transpose_rhs) -> Optional[Tiles]:
         return None
     n = w.shape[1] if transpose_rhs else w.shape[2]
     ws = two_consumer_tiles(cfg.tiles(op), "n", n, x.dtype)
-    kind = "flat" if cfg.fwd_schedule == "flat" else "ws"
     if ws is not None and not cfg.interpret and cfg.impl == "auto":
-        ws = ws if pallas_compiles(f"{op}_{kind}", ws, x.dtype.name) else None
+        ws = ws if pallas_compiles(f"{op}_ws", ws, x.dtype.name) else None
     return ws
 
 
@@ -108,14 +107,12 @@ def pallas_compiles(op: str, tiles: Tiles, dtype_name: str) -> bool:
                 kern = tgmm_pallas_ws if op == "dw_ws" else tgmm_pallas
                 f = lambda a, b, o: kern(a, b, o, tiles, dt, False)
                 args = (sds((m, k), dt), sds((m, n), dt), sds((g + 1,), jnp.int32))
-            else:   # fwd, dx, fwd_ws, dx_ws, fwd_flat, dx_flat
+            else:   # fwd, dx, fwd_ws, dx_ws
                 m, k, n = 2 * bm + 8, bk, 2 * bn
                 t = op.startswith("dx")
                 wshape = (g, n, k) if t else (g, k, n)
                 if op.endswith("_ws"):
                     f = lambda a, b, o: gmm_pallas_ws(a, b, o, t, tiles, dt, False)
-                elif op.endswith("_flat"):
-                    f = lambda a, b, o: gmm_pallas_flat(a, b, o, t, tiles, dt, False)
                 else:
                     f = lambda a, b, o: gmm_pallas(a, b, o, t, tiles, dt, False)
                 args = (sds((m, k), dt), sds(wshape, dt), sds((g + 1,), jnp.int32))
@@ -124,7 +121,7 @@ def pallas_compiles(op: str, tiles: Tiles, dtype_name: str) -> bool:
     except Exception as e:  # noqa: BLE001 -- any failure means "use XLA"
         warnings.warn(f"jax_ep.grouped_matmul: Pallas {op} kernel with tiles {tiles} "
                       f"does not compile here ({type(e).__name__}: {str(e)[:200]}); using "
-                      + ("the 1-warpgroup kernel" if ("_ws" in op or "_flat" in op) else "jax.lax.ragged_dot")
+                      + ("the 1-warpgroup kernel" if "_ws" in op else "jax.lax.ragged_dot")
                       + " instead")
         return False
 
