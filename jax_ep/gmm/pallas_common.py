@@ -117,6 +117,30 @@ def zero_rows_outside(plgpu, ref, width, s, bk, lead, size):
     ref[...] = jnp.where((r >= lead) & (r < lead + size), v, jnp.zeros_like(v))
 
 
+def flush_on_last_step(pl, plgpu, carry, last, store, interpret, shape, wait=False):
+    """End of a pipeline step whose f32 accumulator carries across tiles: on a
+    tile's ``last`` k-step hand it to ``store(val)`` and reset it to zero
+    (``wait``: first wait for the wgmma still in flight). Returns the next carry.
+    The interpreter cannot store to an accumulator, so there the carry is
+    ``(acc_ref, base)`` and the reset is emulated with a running base (test only)."""
+    if interpret:
+        acc_ref, base = carry
+        val = acc_ref[...]
+
+        @pl.when(last)
+        def _():
+            store(val - base)
+        return acc_ref, jnp.where(last, val, base)
+
+    @pl.when(last)
+    def _():
+        if wait:
+            plgpu.wgmma_wait(0)
+        store(carry[...])
+        carry[...] = jnp.zeros(shape, jnp.float32)
+    return carry
+
+
 def store_rows(pl, plgpu, src_smem, dst, lo, hi, row0, top):
     """TMA-store rows ``[lo, hi)`` (absolute; the tile starts at ``row0``) of a
     staged tile to ``dst`` (indexed by absolute row) as a sum of power-of-two

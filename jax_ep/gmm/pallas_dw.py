@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .pallas_common import (dw_transforms, kernel_params, num_sms, pallas_modules,
-                            step_has_outside_rows, transposed, zero_rows_outside)
+from .pallas_common import (dw_transforms, flush_on_last_step, kernel_params, num_sms,
+                            pallas_modules, step_has_outside_rows, transposed, zero_rows_outside)
 
 
 def tgmm_pallas(x, dy, offsets, tiles, out_dtype, interpret):
@@ -97,7 +97,7 @@ def _ws_step(pl, plgpu, sh, g, t0, lead, size, nsteps, store):
     def step(idx, x_smem, dy_smem, carry):
         j, s = idx
         wg = lax.axis_index("wg")
-        acc_ref, base = carry if interpret else (carry, None)
+        acc_ref = carry[0] if interpret else carry
 
         @pl.when(step_has_outside_rows(s, nsteps, lead, size, bk))
         def _():
@@ -111,23 +111,9 @@ def _ws_step(pl, plgpu, sh, g, t0, lead, size, nsteps, store):
         xs = x_smem.at[:, pl.ds(pl.multiple_of(wg * bm, bm), bm)]
         plgpu.wgmma(acc_ref, transposed(plgpu, xs), dy_smem)
         plgpu.wgmma_wait(1)
-        last = s == nsteps - 1
-        if interpret:
-            # The interpreter cannot store to an accumulator: emulate the
-            # reset with a running base (test only).
-            val = acc_ref[...]
-
-            @pl.when(last)
-            def _():
-                store(g, t0 + j * nsm, val - base)
-            return acc_ref, jnp.where(last, val, base)
-
-        @pl.when(last)
-        def _():
-            plgpu.wgmma_wait(0)
-            store(g, t0 + j * nsm, acc_ref[...])
-            acc_ref[...] = jnp.zeros((bm, bn), jnp.float32)
-        return acc_ref
+        return flush_on_last_step(pl, plgpu, carry, s == nsteps - 1,
+                                  lambda val: store(g, t0 + j * nsm, val), interpret, (bm, bn),
+                                  wait=True)
 
     return step
 

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .pallas_common import (dw_transforms, kernel_params, num_sms, pallas_modules, row_tiles,
-                            store_rows, transposed)
+from .pallas_common import (dw_transforms, flush_on_last_step, kernel_params, num_sms,
+                            pallas_modules, row_tiles, store_rows, transposed)
 
 
 def gmm_pallas(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
@@ -139,31 +139,17 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
 
             def step(idx, x_smem, w_smem, carry):
                 j, kk = idx
-                acc_ref, base = carry if interpret else (carry, None)
+                acc_ref = carry[0] if interpret else carry
                 cols = pl.ds(pl.multiple_of(wg * bn, bn), bn)
                 rhs = (transposed(plgpu, w_smem.at[cols, :]) if transpose_rhs
                        else w_smem.at[:, cols])
                 plgpu.wgmma(acc_ref, x_smem, rhs)
                 # wait(0), no delay_release: a stage held one step longer for an
                 # in-flight wgmma is a stage fewer of loads in flight (measured:
-                # with delay_release=1 and 3 stages, 20-25% slower than per-tile).
+                # with delay_release=1 and 3 stages, 13-27% slower than per-tile).
                 plgpu.wgmma_wait(0)
-                last = kk == ksteps - 1
-                if interpret:
-                    # The interpreter cannot store to an accumulator: emulate
-                    # the reset with a running base (test only).
-                    val = acc_ref[...]
-
-                    @pl.when(last)
-                    def _():
-                        store(*tile(j), val - base)
-                    return acc_ref, jnp.where(last, val, base)
-
-                @pl.when(last)
-                def _():
-                    store(*tile(j), acc_ref[...])
-                    acc_ref[...] = jnp.zeros((bm, bn), jnp.float32)
-                return acc_ref
+                return flush_on_last_step(pl, plgpu, carry, kk == ksteps - 1,
+                                          lambda val: store(*tile(j), val), interpret, (bm, bn))
 
             def compute_context(run):
                 if interpret:
