@@ -172,6 +172,10 @@ def _make_primitive():
         if ep_axis is not None:
             mesh = _lowering_mesh(ctx, ep_axis)
             groups = ep_groups_of(mesh.devices, mesh.axis_names, ep_axis, pe_of=pe_of_device)
+            from . import hosts, runtime
+
+            hosts.check_ep_groups(target_name, groups, runtime.pe_hosts(), attrs.get("nodes"),
+                                  ep_axis)
             attrs["ep_groups"] = groups.reshape(-1)
             attrs["num_ranks"] = np.int32(groups.shape[1])
         rule = jax.ffi.ffi_lowering(target_name, has_side_effect=has_side_effect)

@@ -22,6 +22,8 @@ import logging
 import os
 from typing import Optional
 
+from . import hosts as _hosts
+
 DEFAULT_BUFFER_BYTES = 1 << 30  # symmetric buffer per process
 _HEAP_GRANULE = 512 << 20       # NVSHMEM grows its heap in 512 MiB granules
 _HEAP_SLACK = 128 << 20         # NVSHMEM's own allocations from the heap
@@ -34,6 +36,7 @@ _state = {
     "generation": 0,         # initialize() calls, for unique KV-store keys
     "reason": "jax_ep.initialize() not called",
     "transport": None,       # "nvshmem" | "peer_memory" while initialized
+    "hosts": None,           # host name of every PE (NVSHMEM transport), see hosts.py
 }
 TRANSPORTS = ("auto", "nvshmem", "peer_memory")
 _ext = {"module": None, "error": None, "registered": False}
@@ -124,6 +127,12 @@ def info() -> Optional[dict]:
     return C.runtime_info() if C is not None else None
 
 
+def pe_hosts() -> Optional[list]:
+    """Host name of every NVSHMEM PE of the live runtime (index = PE), or None
+    (no runtime, or the peer-memory transport: one process, one host)."""
+    return _state["hosts"] if transport() == "nvshmem" else None
+
+
 def _kv_client():
     from jax._src import distributed
 
@@ -147,6 +156,7 @@ def _share_unique_id(C, rank: int, nranks: int) -> bytes:
 
 
 _USER_HEAP = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")  # as set before jax_ep came in
+_USER_NET = {k: os.environ.get(k) for k in ("NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_IB_ENABLE_IBGDA")}
 
 
 def _parse_size(v: Optional[str]) -> int:
@@ -164,7 +174,6 @@ def _parse_size(v: Optional[str]) -> int:
 def _set_nvshmem_env(buffer_bytes: int) -> None:
     # Read by NVSHMEM at init only. Respect what the user set, except that the
     # heap must hold the buffer.
-    os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")  # one host, no NIC needed
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")          # no NVLink multicast
     need = -(-(buffer_bytes + _HEAP_SLACK) // _HEAP_GRANULE) * _HEAP_GRANULE
     os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(max(need, _parse_size(_USER_HEAP)))
@@ -319,9 +328,11 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
       ``unavailable_reason()``) when this process cannot run it: no extension,
       no CUDA GPU, or more than one GPU per process.
 
-    Environment: sets ``NVSHMEM_REMOTE_TRANSPORT=none`` and
-    ``NVSHMEM_DISABLE_NVLS=1`` unless already set, and raises
-    ``NVSHMEM_SYMMETRIC_SIZE`` to fit the buffer.
+    Environment: sets ``NVSHMEM_REMOTE_TRANSPORT=none`` when every process
+    runs on one host (host names exchanged through JAX's key-value store;
+    across hosts NVSHMEM's own network transport, and an explicit ``none``
+    raises) and ``NVSHMEM_DISABLE_NVLS=1`` unless already set, and raises
+    ``NVSHMEM_SYMMETRIC_SIZE`` to fit the buffer. Multi-host: ``docs/multihost.md``.
     """
     if _state["initialized"]:
         want = ll_shape_of(low_latency)
@@ -401,7 +412,16 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
                 "XLA_PYTHON_CLIENT_PREALLOCATE=false before JAX starts, or pass a smaller "
                 "buffer_bytes")
     _state["generation"] += 1
+    hosts = _hosts.exchange(_kv_client() if nranks > 1 else None, rank, nranks,
+                            _state["generation"], _UID_TIMEOUT_MS)
     if not _state["nvshmem_up"]:
+        # One host: no network transport (no NIC needed). Several: NVSHMEM's
+        # default plus IBGDA, unless the user chose (hosts.network_env).
+        for k, v in _hosts.network_env(hosts, _USER_NET).items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         if C.nvshmem_status() >= 2:  # started by XLA: attach, never finalize it
             C.nvshmem_init(b"", rank, nranks, device)
             _state["owns_nvshmem"] = False
@@ -414,6 +434,7 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
     C.runtime_attach(device, buffer_bytes, ll_shape, inter_shape)
     _state["initialized"] = True
     _state["transport"] = "nvshmem"
+    _state["hosts"] = hosts
     _state["reason"] = ""
     return True
 
@@ -433,6 +454,7 @@ def _attach_peer_memory(C, gpus, buffer_bytes: int, ll_shape: tuple, inter_shape
                          inter_shape)
     _state["initialized"] = True
     _state["transport"] = "peer_memory"
+    _state["hosts"] = None
     _state["reason"] = ""
     return True
 

@@ -223,6 +223,14 @@ def _worker():
         np.testing.assert_allclose(np.asarray(s.data), want_gw[s.index], rtol=1e-5, atol=1e-4)
     for s in dropped.addressable_shards:
         assert int(np.asarray(s.data)[0]) == 0
+    # jax_ep.initialize's host exchange (jax_ep/hosts.py) through the real
+    # key-value store of a 2-process job (names made up: both run here)
+    from jax._src import distributed
+
+    from jax_ep import hosts
+    me = jax.process_index()
+    got = hosts.exchange(distributed.global_state.client, me, 2, 999, 30_000, me=f"node{me}")
+    assert got == ["node0", "node1"], got
     print(f"WORKER OK process {jax.process_index()}", flush=True)
 
 

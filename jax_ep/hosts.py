@@ -1,0 +1,123 @@
+"""Which host each NVSHMEM PE runs on, and what follows from it.
+
+- ``initialize`` learns every process's host name through JAX's key-value store
+  (:func:`exchange`) before NVSHMEM starts, and sets NVSHMEM's network
+  transports from it (:func:`network_env`): ``none`` on one host (no NIC
+  needed); across hosts NVSHMEM's default remote transport plus IBGDA
+  (GPU-initiated RDMA). A setting that leaves no network transport across
+  hosts is a clear error there.
+- When a native call is lowered, :func:`check_ep_groups` refuses an EP group
+  the kernels cannot reach: the intranode kernels need NVLink (CUDA P2P)
+  between every pair of ranks, so a group spanning hosts needs
+  ``EpConfig(num_nodes=...)`` (the hierarchical kernels), and each of their
+  node blocks must sit on one host. The low-latency kernels put to PEs they
+  cannot map, so any group works for them.
+
+Multi-host setup (launch, NVSHMEM's IBGDA environment): ``docs/multihost.md``.
+"""
+from __future__ import annotations
+
+import socket
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
+
+_INTERNODE_PREFIX = "jax_ep_internode_"
+_ANY_PEER_PREFIX = "jax_ep_ll_"     # puts to unmapped PEs: no host constraint
+
+
+def exchange(client, rank: int, nranks: int, generation: int, timeout_ms: int,
+             me: Optional[str] = None) -> list:
+    """Host name of every process (list index = process index = NVSHMEM PE).
+
+    Collective over the job's processes; ``client`` is JAX's distributed
+    key-value client (unused when ``nranks == 1``)."""
+    me = me if me is not None else socket.gethostname()
+    if nranks == 1:
+        return [me]
+    if client is None:
+        raise RuntimeError("jax_ep.initialize: several processes but no jax.distributed client; "
+                           "call jax.distributed.initialize() first")
+    prefix = f"jax_ep/host/{generation}/"
+    client.key_value_set(prefix + str(rank), me)
+    return [me if r == rank else str(client.blocking_key_value_get(prefix + str(r), timeout_ms))
+            for r in range(nranks)]
+
+
+def network_env(hosts: Sequence[str], user: Mapping[str, Optional[str]]) -> dict:
+    """NVSHMEM's network settings for a job on ``hosts``: ``{variable: value}``
+    to set before NVSHMEM starts (None: unset). ``user``: what the user set
+    before jax_ep came in (``NVSHMEM_REMOTE_TRANSPORT``,
+    ``NVSHMEM_IB_ENABLE_IBGDA``; None when unset), always kept.
+
+    One host: ``NVSHMEM_REMOTE_TRANSPORT=none`` (no NIC needed). Several:
+    NVSHMEM's default remote transport plus IBGDA (``NVSHMEM_IB_ENABLE_IBGDA=1``:
+    the kernels' puts are GPU-initiated; with ``none`` IBGDA alone reaches the
+    other hosts). ``none`` without IBGDA across hosts leaves no network
+    transport: a clear error, raised on every process alike."""
+    remote = user.get("NVSHMEM_REMOTE_TRANSPORT")
+    ibgda = user.get("NVSHMEM_IB_ENABLE_IBGDA")
+    distinct = sorted(set(hosts))
+    if len(distinct) <= 1:
+        return {"NVSHMEM_REMOTE_TRANSPORT": "none" if remote is None else remote,
+                "NVSHMEM_IB_ENABLE_IBGDA": ibgda}
+    ibgda = "1" if ibgda is None else ibgda
+    if (remote is not None and remote.strip().lower() == "none"
+            and ibgda.strip().lower() not in ("1", "true", "yes", "y", "t", "on")):
+        raise RuntimeError(
+            f"jax_ep.initialize: the job's {len(hosts)} processes run on {len(distinct)} hosts "
+            f"({_names(distinct)}) but NVSHMEM_REMOTE_TRANSPORT=none with IBGDA off "
+            f"(NVSHMEM_IB_ENABLE_IBGDA={ibgda}) gives NVSHMEM no network transport; unset "
+            "NVSHMEM_REMOTE_TRANSPORT or enable IBGDA (docs/multihost.md)")
+    return {"NVSHMEM_REMOTE_TRANSPORT": remote, "NVSHMEM_IB_ENABLE_IBGDA": ibgda}
+
+
+def check_ep_groups(target: str, groups: np.ndarray, hosts: Optional[Sequence[str]],
+                    nodes: Optional[int], axis_name: str) -> None:
+    """Raise a clear error when an EP group (``groups [G, R]`` of PEs) of
+    ``target`` spans hosts in a way its kernels cannot reach (see the module
+    docstring). ``hosts``: host of each PE (None or one host: nothing to check)."""
+    if not hosts or len(set(hosts)) <= 1 or target.startswith(_ANY_PEER_PREFIX):
+        return
+    for row in np.asarray(groups):
+        hs = [hosts[int(p)] for p in row]
+        if target.startswith(_INTERNODE_PREFIX):
+            n = int(nodes or 1)
+            per = len(hs) // max(n, 1)
+            for b in range(n):
+                block = hs[b * per:(b + 1) * per]
+                if len(set(block)) > 1:
+                    raise ValueError(
+                        f"jax_ep: EpConfig(num_nodes={n}) makes ranks {b * per}..{(b + 1) * per - 1} "
+                        f"of the EP group along {axis_name!r} one node, but they run on hosts "
+                        f"{_names(sorted(set(block)))}: a node's ranks must share a host (NVLink "
+                        f"leg). The group's ranks by host: {_layout(hs)}")
+        elif len(set(hs)) > 1:
+            per_host = _runs(hs)
+            hint = (f"EpConfig(num_nodes={len(per_host)})" if len(per_host) == len(set(hs))
+                    and len({c for _, c in per_host}) == 1 else
+                    "EpConfig(num_nodes=...) with the ranks of each host contiguous and equal "
+                    "in number along the axis")
+            raise ValueError(
+                f"jax_ep: the EP group along {axis_name!r} spans {len(set(hs))} hosts "
+                f"({_layout(hs)}), and the intranode kernels need NVLink between every pair of "
+                f"ranks; use the hierarchical kernels: {hint} (docs/multihost.md)")
+
+
+def _runs(hs):
+    """[(host, count)] of consecutive equal entries."""
+    out = []
+    for h in hs:
+        if out and out[-1][0] == h:
+            out[-1] = (h, out[-1][1] + 1)
+        else:
+            out.append((h, 1))
+    return out
+
+
+def _layout(hs) -> str:
+    return ", ".join(f"{h} x{c}" for h, c in _runs(hs))
+
+
+def _names(distinct) -> str:
+    return ", ".join(distinct[:4]) + (", ..." if len(distinct) > 4 else "")

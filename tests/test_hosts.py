@@ -1,0 +1,69 @@
+"""Multi-host awareness (jax_ep/hosts.py): the host exchange, NVSHMEM's
+remote-transport choice, and the lowering-time check of EP groups that span
+hosts. (The exchange through a real 2-process key-value store:
+tests/test_launch.py::test_two_cpu_processes_dispatch_combine.)"""
+import numpy as np
+import pytest
+
+from jax_ep import hosts
+
+
+class FakeKV:
+    def __init__(self, preset):
+        self.store = dict(preset)
+
+    def key_value_set(self, key, value):
+        assert key not in self.store
+        self.store[key] = value
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        return self.store[key]
+
+
+def test_exchange_reads_every_rank_in_order():
+    kv = FakeKV({"jax_ep/host/3/0": "a", "jax_ep/host/3/2": "b"})
+    assert hosts.exchange(kv, 1, 3, 3, 10, me="z") == ["a", "z", "b"]
+    assert kv.store["jax_ep/host/3/1"] == "z"
+    assert hosts.exchange(None, 0, 1, 3, 10, me="solo") == ["solo"]
+    with pytest.raises(RuntimeError, match="jax.distributed"):
+        hosts.exchange(None, 0, 2, 1, 10, me="x")
+
+
+def test_network_env():
+    R, G = "NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_IB_ENABLE_IBGDA"
+    unset = {R: None, G: None}
+    # one host: no NIC needed; the user's choices kept
+    assert hosts.network_env(["h", "h"], unset) == {R: "none", G: None}
+    assert hosts.network_env(["h"], {R: "ucx", G: "0"}) == {R: "ucx", G: "0"}
+    # across hosts: NVSHMEM's default remote transport plus IBGDA
+    assert hosts.network_env(["h0", "h1"], unset) == {R: None, G: "1"}
+    assert hosts.network_env(["h0", "h1"], {R: "ibrc", G: "0"}) == {R: "ibrc", G: "0"}
+    assert hosts.network_env(["h0", "h1"], {R: "none", G: None}) == {R: "none", G: "1"}
+    with pytest.raises(RuntimeError, match=r"3 processes run on 2 hosts.*REMOTE_TRANSPORT=none"):
+        hosts.network_env(["h0", "h1", "h1"], {R: " None ", G: "0"})
+
+
+HOSTS = ["a", "a", "b", "b", "c", "c", "d", "d"]    # PE -> host: 4 hosts x 2 GPUs
+
+
+def test_intranode_group_across_hosts_names_num_nodes():
+    groups = np.array([[0, 1, 2, 3]])
+    with pytest.raises(ValueError, match=r"spans 2 hosts \(a x2, b x2\).*num_nodes=2"):
+        hosts.check_ep_groups("jax_ep_dispatch", groups, HOSTS, None, "ep")
+    # interleaved hosts: no num_nodes fits as laid out
+    with pytest.raises(ValueError, match="contiguous"):
+        hosts.check_ep_groups("jax_ep_combine", np.array([[0, 2, 1, 3]]), HOSTS, None, "ep")
+    # groups inside one host, one host only, low latency: fine
+    hosts.check_ep_groups("jax_ep_dispatch", np.array([[0, 1], [2, 3]]), HOSTS, None, "ep")
+    hosts.check_ep_groups("jax_ep_dispatch", groups, ["h"] * 8, None, "ep")
+    hosts.check_ep_groups("jax_ep_dispatch", groups, None, None, "ep")
+    hosts.check_ep_groups("jax_ep_ll_dispatch_send", groups, HOSTS, None, "ep")
+
+
+def test_internode_node_blocks_must_share_a_host():
+    groups = np.arange(8).reshape(1, 8)
+    hosts.check_ep_groups("jax_ep_internode_dispatch", groups, HOSTS, np.int32(4), "ep")
+    # emulated nodes inside a host are fine (2 x 1 on host a)
+    hosts.check_ep_groups("jax_ep_internode_combine", np.array([[0, 1]]), HOSTS, 2, "ep")
+    with pytest.raises(ValueError, match=r"num_nodes=2\) makes ranks 0\.\.3 .* hosts a, b"):
+        hosts.check_ep_groups("jax_ep_internode_dispatch", groups, HOSTS, 2, "ep")
