@@ -156,7 +156,24 @@ def _share_unique_id(C, rank: int, nranks: int) -> bytes:
 
 
 _USER_HEAP = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")  # as set before jax_ep came in
-_USER_NET = {k: os.environ.get(k) for k in ("NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_IB_ENABLE_IBGDA")}
+_NET_VARS = ("NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_IB_ENABLE_IBGDA")
+
+
+def _apply_network_env(hosts: list) -> None:
+    """Set NVSHMEM's network variables for a job on ``hosts`` (hosts.network_env),
+    keeping the user's: a value still equal to what an earlier initialize set
+    counts as unset."""
+    mine = _state.setdefault("net_env_set", {})
+    user = {k: None if (k in mine and os.environ.get(k) == mine[k]) else os.environ.get(k)
+            for k in _NET_VARS}
+    for k, v in _hosts.network_env(hosts, user).items():
+        if user[k] is not None:
+            continue
+        mine.pop(k, None)
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = mine[k] = v
 
 
 def _parse_size(v: Optional[str]) -> int:
@@ -417,11 +434,7 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
     if not _state["nvshmem_up"]:
         # One host: no network transport (no NIC needed). Several: NVSHMEM's
         # default plus IBGDA, unless the user chose (hosts.network_env).
-        for k, v in _hosts.network_env(hosts, _USER_NET).items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _apply_network_env(hosts)
         if C.nvshmem_status() >= 2:  # started by XLA: attach, never finalize it
             C.nvshmem_init(b"", rank, nranks, device)
             _state["owns_nvshmem"] = False

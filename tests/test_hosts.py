@@ -67,3 +67,21 @@ def test_internode_node_blocks_must_share_a_host():
     hosts.check_ep_groups("jax_ep_internode_combine", np.array([[0, 1]]), HOSTS, 2, "ep")
     with pytest.raises(ValueError, match=r"num_nodes=2\) makes ranks 0\.\.3 .* hosts a, b"):
         hosts.check_ep_groups("jax_ep_internode_dispatch", groups, HOSTS, 2, "ep")
+
+
+def test_initialize_env_keeps_the_users_choice(monkeypatch):
+    """runtime._apply_network_env: sets what the user left unset, keeps what
+    they set, and a later job on other hosts replaces only its own values."""
+    from jax_ep import runtime
+
+    R, G = "NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_IB_ENABLE_IBGDA"
+    monkeypatch.delenv(R, raising=False)
+    monkeypatch.delenv(G, raising=False)
+    monkeypatch.setitem(runtime._state, "net_env_set", {})
+    runtime._apply_network_env(["h", "h"])
+    assert runtime.os.environ.get(R) == "none" and G not in runtime.os.environ
+    runtime._apply_network_env(["h0", "h1"])          # ours replaced: NVSHMEM's default + IBGDA
+    assert R not in runtime.os.environ and runtime.os.environ.get(G) == "1"
+    monkeypatch.setenv(R, "ucx")                      # the user's, set later: kept
+    runtime._apply_network_env(["h", "h"])
+    assert runtime.os.environ.get(R) == "ucx" and G not in runtime.os.environ
