@@ -352,6 +352,10 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
     ``NVSHMEM_SYMMETRIC_SIZE`` to fit the buffer. Multi-host: ``docs/multihost.md``.
     """
     if _state["initialized"]:
+        if transport not in ("auto", _state["transport"]):
+            raise ValueError(
+                f"jax_ep.initialize(transport={transport!r}): the runtime is already up with "
+                f"the {_state['transport']!r} transport; call jax_ep.finalize() first")
         want = ll_shape_of(low_latency)
         have = tuple(int(v) for v in (info() or {}).get("ll_shape", (0, 0, 0, 0)))
         if low_latency is not None and want != have:

@@ -146,3 +146,16 @@ def test_initialize_transport_argument():
 
     with pytest.raises(ValueError, match="transport must be one of"):
         runtime.initialize(transport="nccl")
+
+
+def test_initialize_on_a_live_runtime_refuses_another_transport(monkeypatch):
+    """A live runtime's transport is not silently kept when another is asked for."""
+    from jax_ep import runtime
+
+    monkeypatch.setitem(runtime._state, "initialized", True)
+    monkeypatch.setitem(runtime._state, "transport", "nvshmem")
+    with pytest.raises(ValueError, match="already up with the 'nvshmem' transport"):
+        runtime.initialize(transport="peer_memory")
+    monkeypatch.setitem(runtime._state, "transport", "peer_memory")
+    with pytest.raises(ValueError, match="finalize"):
+        runtime.initialize(transport="nvshmem")

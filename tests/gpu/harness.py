@@ -36,12 +36,17 @@ def nprocs() -> int:
 
 
 def gpu_count() -> int:
-    """CUDA GPUs on this host, counted without creating a CUDA context here."""
+    """CUDA GPUs this process may use (``CUDA_VISIBLE_DEVICES`` honoured),
+    counted without creating a CUDA context here."""
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return 0
-    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+    n = sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        n = min(n, len([v for v in visible.split(",") if v.strip() and v.strip() != "-1"]))
+    return n
 
 
 def skip_reason(n: Optional[int] = None) -> Optional[str]:

@@ -79,8 +79,10 @@ def _peer_memory_worker(rank: int, n: int):
     import jax_ep
 
     devs = np.array(jax.devices())
-    n = len(devs)
-    assert n >= 2, f"one process must see >= 2 GPUs, sees {n}"
+    assert len(devs) >= 2, f"one process must see >= 2 GPUs, sees {len(devs)}"
+    # the cases' E = 16 experts and the kernels' 8 ranks at most: 2, 4 or 8 GPUs
+    n = 1 << (min(len(devs), 8).bit_length() - 1)
+    devs = devs[:n]
     assert jax_ep.initialize(transport="peer_memory"), "peer-memory runtime did not start"
     from jax_ep import runtime
     results = {"transport": [runtime.transport() == "peer_memory", str(runtime.info())]}
