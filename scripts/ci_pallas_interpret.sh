@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The grouped matmul's Pallas Mosaic-GPU kernels in interpret mode, on a machine
+# without a GPU (CI runs this after the README's test command). Interpret mode
+# needs jax >= 0.11, so Python >= 3.12, which CI's default python3 (3.11, jax
+# 0.10.2) lacks: this runs tests/test_grouped_matmul.py under the first Python
+# >= 3.12 it finds, in a throwaway venv with the jax the GPU machine runs.
+# No such Python, or the venv cannot be installed: a notice, not a failure.
+# A failing test fails.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+JAX_VERSION="${JAX_EP_INTERPRET_JAX:-0.11.2}"
+VENV="${JAX_EP_INTERPRET_VENV:-/tmp/jax_ep_interpret_venv}"
+
+candidates=(python3.13 python3.12)
+root="$(pyenv root 2>/dev/null || true)"
+[ -n "$root" ] && candidates+=("$root"/versions/3.1[2-9]*/bin/python3)
+PY=""
+for c in "${candidates[@]}"; do
+  if "$c" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; then
+    PY="$c"
+    break
+  fi
+done
+if [ -z "$PY" ]; then
+  echo "ci_pallas_interpret: no Python >= 3.12 here; Pallas interpret-mode tests not run"
+  exit 0
+fi
+if ! { [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"; } ||
+   ! "$VENV/bin/python" -m pip install -q "jax==$JAX_VERSION" "jaxlib==$JAX_VERSION" pytest; then
+  echo "ci_pallas_interpret: could not set up jax $JAX_VERSION under $PY; tests not run"
+  exit 0
+fi
+echo "ci_pallas_interpret: $("$VENV/bin/python" -c 'import sys, jax; print(sys.version.split()[0], "jax", jax.__version__)')"
+# the source tree's jax_ep (pure Python here: no extension is built for this Python)
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_grouped_matmul.py
