@@ -1,7 +1,8 @@
 """Which host each NVSHMEM PE runs on, and what follows from it.
 
-- ``initialize`` learns every process's host name through JAX's key-value store
-  (:func:`exchange`) before NVSHMEM starts, and sets NVSHMEM's network
+- ``initialize`` learns every process's host (:func:`host_id`) and network
+  variables through JAX's key-value store (:func:`exchange`) before NVSHMEM
+  starts, and sets NVSHMEM's network
   transports from it (:func:`network_env`): ``none`` on one host (no NIC
   needed); across hosts NVSHMEM's default remote transport plus IBGDA
   (GPU-initiated RDMA). A setting that leaves no network transport across
@@ -17,6 +18,8 @@ Multi-host setup (launch, NVSHMEM's IBGDA environment): ``docs/multihost.md``.
 """
 from __future__ import annotations
 
+import json
+import os
 import socket
 from typing import Mapping, Optional, Sequence
 
@@ -26,22 +29,70 @@ _INTERNODE_PREFIX = "jax_ep_internode_"
 _ANY_PEER_PREFIX = "jax_ep_ll_"     # puts to unmapped PEs: no host constraint
 
 
+def host_id() -> str:
+    """This process's host: ``$JAX_EP_HOST_ID`` if set, else the host name and
+    the kernel's boot id (as NCCL's host hash: two machines that share a host
+    name differ; containers of one machine with their own host names differ
+    too, and can name one host with ``JAX_EP_HOST_ID``, as ``NCCL_HOSTID``)."""
+    forced = os.environ.get("JAX_EP_HOST_ID")
+    if forced:
+        return forced
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()[:8]
+    except OSError:
+        boot = ""
+    return socket.gethostname() + (f"/{boot}" if boot else "")
+
+
 def exchange(client, rank: int, nranks: int, generation: int, timeout_ms: int,
-             me: Optional[str] = None) -> list:
-    """Host name of every process (list index = process index = NVSHMEM PE).
+             value: str) -> list:
+    """Every process's ``value`` (list index = process index = NVSHMEM PE).
 
     Collective over the job's processes; ``client`` is JAX's distributed
-    key-value client (unused when ``nranks == 1``)."""
-    me = me if me is not None else socket.gethostname()
+    key-value client (unused when ``nranks == 1``). A process that never
+    arrives (it failed, or returned early from ``initialize``) ends in a clear
+    error after ``timeout_ms``, not a bare key-value timeout."""
     if nranks == 1:
-        return [me]
+        return [value]
     if client is None:
         raise RuntimeError("jax_ep.initialize: several processes but no jax.distributed client; "
                            "call jax.distributed.initialize() first")
     prefix = f"jax_ep/host/{generation}/"
-    client.key_value_set(prefix + str(rank), me)
-    return [me if r == rank else str(client.blocking_key_value_get(prefix + str(r), timeout_ms))
-            for r in range(nranks)]
+    client.key_value_set(prefix + str(rank), value)
+    out = []
+    for r in range(nranks):
+        if r == rank:
+            out.append(value)
+            continue
+        try:
+            out.append(str(client.blocking_key_value_get(prefix + str(r), timeout_ms)))
+        except Exception as e:  # noqa: BLE001 -- the client's timeout error type varies
+            raise RuntimeError(
+                f"jax_ep.initialize: process {r} did not reach jax_ep.initialize's host exchange "
+                f"within {timeout_ms / 1000:.0f} s (it failed or returned early from "
+                f"jax_ep.initialize: see its log; every process must call it)") from e
+    return out
+
+
+def job_network_env(values: Sequence[str]) -> tuple:
+    """``(hosts, network settings)`` from every process's exchanged ``value``
+    (:func:`local_value`); the users' network variables must agree between
+    processes, or every process raises alike."""
+    rows = [json.loads(v) for v in values]
+    hosts = [r["host"] for r in rows]
+    nets = [r["net"] for r in rows]
+    if any(n != nets[0] for n in nets):
+        diff = sorted({json.dumps(n, sort_keys=True) for n in nets})
+        raise RuntimeError("jax_ep.initialize: NVSHMEM's network variables differ between "
+                           f"processes ({'; '.join(diff[:3])}); set them alike on every process")
+    return hosts, network_env(hosts, nets[0])
+
+
+def local_value(user_net: Mapping[str, Optional[str]]) -> str:
+    """What this process contributes to :func:`exchange`: its host and the
+    network variables its user set."""
+    return json.dumps({"host": host_id(), "net": dict(user_net)}, sort_keys=True)
 
 
 def network_env(hosts: Sequence[str], user: Mapping[str, Optional[str]]) -> dict:

@@ -159,41 +159,25 @@ _USER_HEAP = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")  # as set before jax_ep ca
 _NET_VARS = ("NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_IB_ENABLE_IBGDA")
 
 
-def _apply_network_env(hosts: list) -> None:
-    """Set NVSHMEM's network variables for a job on ``hosts`` (hosts.network_env),
-    keeping the user's: a value still equal to what an earlier initialize set
-    counts as unset."""
+def _user_network_env() -> dict:
+    """NVSHMEM's network variables as the user set them: a value still equal to
+    what an earlier initialize set counts as unset."""
     mine = _state.setdefault("net_env_set", {})
-    user = {k: None if (k in mine and os.environ.get(k) == mine[k]) else os.environ.get(k)
+    return {k: None if (k in mine and os.environ.get(k) == mine[k]) else os.environ.get(k)
             for k in _NET_VARS}
-    for k, v in _hosts.network_env(hosts, user).items():
-        if user[k] is not None:
+
+
+def _apply_network_env(env: dict, user: dict) -> None:
+    """Set ``env`` (hosts.network_env; None: unset) where the user set nothing."""
+    mine = _state.setdefault("net_env_set", {})
+    for k, v in env.items():
+        if user.get(k) is not None:
             continue
         mine.pop(k, None)
         if v is None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = mine[k] = v
-
-
-def _parse_size(v: Optional[str]) -> int:
-    """NVSHMEM size syntax: bytes with an optional K/M/G/T suffix; 0 if unset/bad."""
-    if not v:
-        return 0
-    v = v.strip().upper().rstrip("B")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(v[-1:], 1)
-    try:
-        return int(float(v.rstrip("KMGT")) * mult)
-    except ValueError:
-        return 0
-
-
-def _set_nvshmem_env(buffer_bytes: int) -> None:
-    # Read by NVSHMEM at init only. Respect what the user set, except that the
-    # heap must hold the buffer.
-    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")          # no NVLink multicast
-    need = -(-(buffer_bytes + _HEAP_SLACK) // _HEAP_GRANULE) * _HEAP_GRANULE
-    os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(max(need, _parse_size(_USER_HEAP)))
 
 
 def _not_up(reason: str) -> bool:
@@ -345,10 +329,12 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
       ``unavailable_reason()``) when this process cannot run it: no extension,
       no CUDA GPU, or more than one GPU per process.
 
-    Environment: sets ``NVSHMEM_REMOTE_TRANSPORT=none`` when every process
-    runs on one host (host names exchanged through JAX's key-value store;
-    across hosts NVSHMEM's own network transport, and an explicit ``none``
-    raises) and ``NVSHMEM_DISABLE_NVLS=1`` unless already set, and raises
+    Environment: every process's host is exchanged through JAX's key-value
+    store (``jax_ep/hosts.py``); on one host it sets
+    ``NVSHMEM_REMOTE_TRANSPORT=none``, across hosts ``NVSHMEM_IB_ENABLE_IBGDA=1``
+    (NVSHMEM's default remote transport stays), each unless the user set it
+    (``none`` with IBGDA off across hosts raises, on every process); it sets
+    ``NVSHMEM_DISABLE_NVLS=1`` unless already set, and raises
     ``NVSHMEM_SYMMETRIC_SIZE`` to fit the buffer. Multi-host: ``docs/multihost.md``.
     """
     if _state["initialized"]:
@@ -368,6 +354,9 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
     if transport not in TRANSPORTS:
         raise ValueError(f"jax_ep.initialize: transport must be one of {TRANSPORTS}, got "
                          f"{transport!r}")
+    # Every attempt, first thing: a process that returns early or raises below
+    # stays in step with the others' key-value keys when it tries again.
+    _state["generation"] += 1
     C = _extension()
     if C is None:
         return _not_up(unavailable_reason())
@@ -432,13 +421,14 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
                 f"{os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION', 'unset: 0.75')}) or set "
                 "XLA_PYTHON_CLIENT_PREALLOCATE=false before JAX starts, or pass a smaller "
                 "buffer_bytes")
-    _state["generation"] += 1
-    hosts = _hosts.exchange(_kv_client() if nranks > 1 else None, rank, nranks,
-                            _state["generation"], _UID_TIMEOUT_MS)
+    user_net = _user_network_env()
+    hosts, net_env = _hosts.job_network_env(_hosts.exchange(
+        _kv_client() if nranks > 1 else None, rank, nranks, _state["generation"],
+        _UID_TIMEOUT_MS, _hosts.local_value(user_net)))
     if not _state["nvshmem_up"]:
         # One host: no network transport (no NIC needed). Several: NVSHMEM's
-        # default plus IBGDA, unless the user chose (hosts.network_env).
-        _apply_network_env(hosts)
+        # default plus IBGDA, unless the users chose (hosts.network_env).
+        _apply_network_env(net_env, user_net)
         if C.nvshmem_status() >= 2:  # started by XLA: attach, never finalize it
             C.nvshmem_init(b"", rank, nranks, device)
             _state["owns_nvshmem"] = False

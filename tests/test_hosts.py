@@ -22,11 +22,36 @@ class FakeKV:
 
 def test_exchange_reads_every_rank_in_order():
     kv = FakeKV({"jax_ep/host/3/0": "a", "jax_ep/host/3/2": "b"})
-    assert hosts.exchange(kv, 1, 3, 3, 10, me="z") == ["a", "z", "b"]
+    assert hosts.exchange(kv, 1, 3, 3, 10, "z") == ["a", "z", "b"]
     assert kv.store["jax_ep/host/3/1"] == "z"
-    assert hosts.exchange(None, 0, 1, 3, 10, me="solo") == ["solo"]
+    assert hosts.exchange(None, 0, 1, 3, 10, "solo") == ["solo"]
     with pytest.raises(RuntimeError, match="jax.distributed"):
-        hosts.exchange(None, 0, 2, 1, 10, me="x")
+        hosts.exchange(None, 0, 2, 1, 10, "x")
+
+
+def test_exchange_names_the_process_that_never_came():
+    class Late(FakeKV):
+        def blocking_key_value_get(self, key, timeout_ms):
+            raise TimeoutError("DEADLINE_EXCEEDED")
+    with pytest.raises(RuntimeError, match="process 0 did not reach .* within 2 s"):
+        hosts.exchange(Late({}), 1, 2, 0, 2000, "x")
+
+
+def test_host_id(monkeypatch):
+    monkeypatch.setenv("JAX_EP_HOST_ID", "rack1-n3")
+    assert hosts.host_id() == "rack1-n3"
+    monkeypatch.delenv("JAX_EP_HOST_ID")
+    hid = hosts.host_id()
+    assert hid.startswith(hosts.socket.gethostname()) and hid == hosts.host_id()
+
+
+def test_job_network_env_needs_agreeing_processes():
+    R, G = "NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_IB_ENABLE_IBGDA"
+    mk = lambda h, r=None, g=None: hosts.json.dumps({"host": h, "net": {R: r, G: g}})
+    assert hosts.job_network_env([mk("a"), mk("a")]) == (["a", "a"], {R: "none", G: None})
+    assert hosts.job_network_env([mk("a"), mk("b")]) == (["a", "b"], {R: None, G: "1"})
+    with pytest.raises(RuntimeError, match="differ between processes"):
+        hosts.job_network_env([mk("a", "none", "0"), mk("b")])
 
 
 def test_network_env():
@@ -70,18 +95,23 @@ def test_internode_node_blocks_must_share_a_host():
 
 
 def test_initialize_env_keeps_the_users_choice(monkeypatch):
-    """runtime._apply_network_env: sets what the user left unset, keeps what
-    they set, and a later job on other hosts replaces only its own values."""
+    """runtime's network env: sets what the user left unset, keeps what they
+    set, and a later initialize on other hosts replaces only its own values."""
     from jax_ep import runtime
 
     R, G = "NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_IB_ENABLE_IBGDA"
     monkeypatch.delenv(R, raising=False)
     monkeypatch.delenv(G, raising=False)
     monkeypatch.setitem(runtime._state, "net_env_set", {})
-    runtime._apply_network_env(["h", "h"])
+
+    def init_on(job_hosts):
+        user = runtime._user_network_env()
+        runtime._apply_network_env(hosts.network_env(job_hosts, user), user)
+
+    init_on(["h", "h"])
     assert runtime.os.environ.get(R) == "none" and G not in runtime.os.environ
-    runtime._apply_network_env(["h0", "h1"])          # ours replaced: NVSHMEM's default + IBGDA
+    init_on(["h0", "h1"])                             # ours replaced: NVSHMEM's default + IBGDA
     assert R not in runtime.os.environ and runtime.os.environ.get(G) == "1"
     monkeypatch.setenv(R, "ucx")                      # the user's, set later: kept
-    runtime._apply_network_env(["h", "h"])
+    init_on(["h", "h"])
     assert runtime.os.environ.get(R) == "ucx" and G not in runtime.os.environ

@@ -229,7 +229,7 @@ def _worker():
 
     from jax_ep import hosts
     me = jax.process_index()
-    got = hosts.exchange(distributed.global_state.client, me, 2, 999, 30_000, me=f"node{me}")
+    got = hosts.exchange(distributed.global_state.client, me, 2, 999, 30_000, f"node{me}")
     assert got == ["node0", "node1"], got
     print(f"WORKER OK process {jax.process_index()}", flush=True)
 

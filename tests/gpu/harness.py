@@ -44,8 +44,14 @@ def gpu_count() -> int:
         return 0
     n = sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        n = min(n, len([v for v in visible.split(",") if v.strip() and v.strip() != "-1"]))
+    if visible is not None:   # CUDA stops at the first invalid entry ("-1" hides the rest)
+        shown = 0
+        for v in visible.split(","):
+            v = v.strip()
+            if not v or v.startswith("-"):
+                break
+            shown += 1
+        n = min(n, shown)
     return n
 
 
