@@ -19,6 +19,9 @@
 # Open after session 12 (one H200 again; bench/results/2026-12-02-h200x1-s12.md:
 # test_grouped_matmul_gpu.py 22 passed on the per-SM-pipeline forward/dx kernel;
 # test_loopback_ll_mixed passed, its first run). No one-GPU check is left unrun.
+# Written after the GPU calls, CPU-tested only: initialize's host exchange
+# (jax_ep/hosts.py; every multi-process GPU test goes through it) and the
+# grouped matmul's shared flush_on_last_step (same traced code).
 # The one-GPU suite needs more than one
 # 600 s call at JAX_EP_TEST_NPROCS=1 SKIP_BENCH=1 SKIP_EXAMPLES=1: split
 # GPU_TESTS. Waiting for 2 GPUs: the whole suite (test_native_low_latency.py at
