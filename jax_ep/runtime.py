@@ -277,12 +277,16 @@ def check_device_error() -> None:
     check runs only when the graph is recorded, so a decode loop that runs
     captured steps should call this between steps (a host read of mapped
     memory, no synchronisation: call it after ``block_until_ready`` to cover
-    the step just finished). No-op when the runtime is not up.
+    the step just finished). No-op when the runtime is not up. With the
+    peer-memory transport (one process, several GPUs, one shared word) the
+    error is read and kept, as the FFI handlers keep it: every GPU's next call
+    must fail, or the others would launch, spin and fall an epoch apart.
     """
     C = _extension()
     if C is None or not _state["initialized"]:
         return
-    code = int(C.take_device_error())
+    code = int(C.device_error() if _state["transport"] == "peer_memory"
+               else C.take_device_error())
     if code == 0:
         return
     what = {1: "a kernel timed out waiting for a peer rank (ranks called different ops, or a "

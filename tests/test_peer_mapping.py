@@ -159,3 +159,29 @@ def test_initialize_on_a_live_runtime_refuses_another_transport(monkeypatch):
     monkeypatch.setitem(runtime._state, "transport", "peer_memory")
     with pytest.raises(ValueError, match="finalize"):
         runtime.initialize(transport="nvshmem")
+
+
+def test_check_device_error_keeps_the_peer_memory_word(monkeypatch):
+    """check_device_error reads the shared error word of the peer-memory
+    transport without clearing it (the FFI handlers keep it set: every GPU's
+    next call fails); one GPU per process takes (clears) it."""
+    from jax_ep import runtime
+
+    calls = []
+
+    class FakeC:
+        def device_error(self):
+            calls.append("peek")
+            return 1
+
+        def take_device_error(self):
+            calls.append("take")
+            return 1
+
+    monkeypatch.setattr(runtime, "_extension", lambda: FakeC())
+    monkeypatch.setitem(runtime._state, "initialized", True)
+    for transport, want in (("peer_memory", "peek"), ("nvshmem", "take")):
+        monkeypatch.setitem(runtime._state, "transport", transport)
+        with pytest.raises(RuntimeError, match="timed out"):
+            runtime.check_device_error()
+        assert calls[-1] == want
