@@ -481,7 +481,10 @@ def finalize() -> None:
     ``initialize()`` may be called again afterwards. With
     ``JAX_EP_KEEP_NVSHMEM=1`` NVSHMEM itself stays up (only the buffer is
     freed) and a later ``initialize()`` reuses it. An NVSHMEM started by XLA is
-    never finalised here.
+    never finalised here. Steps that XLA captured into command buffers (CUDA
+    graphs: the low-latency ops) hold the old buffer's addresses: after
+    ``finalize()`` and a new ``initialize()``, call ``jax.clear_caches()``
+    before running such a jitted function again.
     """
     if not _state["initialized"]:
         return
