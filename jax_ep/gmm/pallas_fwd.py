@@ -146,7 +146,7 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
                 plgpu.wgmma(acc_ref, x_smem, rhs)
                 # wait(0), no delay_release: a stage held one step longer for an
                 # in-flight wgmma is a stage fewer of loads in flight (measured:
-                # with delay_release=1 and 3 stages, 13-27% slower than per-tile).
+                # with delay_release=1 and 3 stages, 5-30% slower than per-tile).
                 plgpu.wgmma_wait(0)
                 return flush_on_last_step(pl, plgpu, carry, kk == ksteps - 1,
                                           lambda val: store(*tile(j), val), interpret, (bm, bn))
