@@ -156,6 +156,28 @@ def _share_unique_id(C, rank: int, nranks: int) -> bytes:
 
 
 _USER_HEAP = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")  # as set before jax_ep came in
+
+
+def _parse_size(v: Optional[str]) -> int:
+    """NVSHMEM size syntax: bytes with an optional K/M/G/T suffix; 0 if unset/bad."""
+    if not v:
+        return 0
+    v = v.strip().upper().rstrip("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(v[-1:], 1)
+    try:
+        return int(float(v.rstrip("KMGT")) * mult)
+    except ValueError:
+        return 0
+
+
+def _set_nvshmem_env(buffer_bytes: int) -> None:
+    # Read by NVSHMEM at init only. Respect what the user set, except that the
+    # heap must hold the buffer. (The network transports: _apply_network_env.)
+    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")          # no NVLink multicast
+    need = -(-(buffer_bytes + _HEAP_SLACK) // _HEAP_GRANULE) * _HEAP_GRANULE
+    os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(max(need, _parse_size(_USER_HEAP)))
+
+
 _NET_VARS = ("NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_IB_ENABLE_IBGDA")
 
 

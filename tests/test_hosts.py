@@ -115,3 +115,69 @@ def test_initialize_env_keeps_the_users_choice(monkeypatch):
     monkeypatch.setenv(R, "ucx")                      # the user's, set later: kept
     init_on(["h", "h"])
     assert runtime.os.environ.get(R) == "ucx" and G not in runtime.os.environ
+
+
+def test_initialize_nvshmem_path_with_a_stand_in_extension(monkeypatch):
+    """jax_ep.initialize's NVSHMEM path end to end on CPU, with a stand-in for
+    the extension and one stand-in GPU: heap sizing, the host exchange, the
+    network variables (one host: REMOTE_TRANSPORT=none), NVSHMEM init and
+    attach in that order; then finalize. (The GPU path is otherwise only run
+    on GPU machines.)"""
+    import types
+
+    import jax
+
+    from jax_ep import runtime
+
+    calls = []
+
+    class StandIn:
+        def ll_region_size(self, shape):
+            return 0
+
+        def internode_region_bytes(self, *shape):
+            return 0
+
+        def device_free_bytes(self, device):
+            return 1 << 40
+
+        def nvshmem_status(self):
+            return 0
+
+        def nvshmem_unique_id(self):
+            return b"uid"
+
+        def nvshmem_init(self, uid, rank, nranks, device):
+            calls.append(("init", uid, rank, nranks, device,
+                          runtime.os.environ.get("NVSHMEM_REMOTE_TRANSPORT"),
+                          runtime.os.environ.get("NVSHMEM_SYMMETRIC_SIZE")))
+            return True
+
+        def runtime_attach(self, device, buffer_bytes, ll_shape, inter_shape):
+            calls.append(("attach", device, buffer_bytes))
+
+        def runtime_detach(self):
+            calls.append(("detach",))
+
+        def nvshmem_finalize(self):
+            calls.append(("finalize",))
+
+    for k in ("NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_IB_ENABLE_IBGDA", "NVSHMEM_SYMMETRIC_SIZE",
+              "NVSHMEM_DISABLE_NVLS"):
+        monkeypatch.setenv(k, "")     # recorded, so what initialize sets is undone after
+        monkeypatch.delenv(k)
+    monkeypatch.setattr(runtime, "_extension", lambda: StandIn())
+    monkeypatch.setattr(runtime, "_register_targets", lambda: None)
+    monkeypatch.setattr(runtime, "_USER_HEAP", None)
+    gpu = types.SimpleNamespace(platform="gpu", local_hardware_id=3)
+    monkeypatch.setattr(jax, "local_devices", lambda: [gpu])
+    for k, v in (("initialized", False), ("nvshmem_up", False), ("owns_nvshmem", False),
+                 ("transport", None), ("hosts", None), ("net_env_set", {})):
+        monkeypatch.setitem(runtime._state, k, v)
+
+    assert runtime.initialize(buffer_bytes=1 << 20) is True
+    heap = str(runtime._HEAP_GRANULE)      # 1 MiB + slack, rounded up to one granule
+    assert calls == [("init", b"uid", 0, 1, 3, "none", heap), ("attach", 3, 1 << 20)]
+    assert runtime.transport() == "nvshmem" and runtime.pe_hosts() == [hosts.host_id()]
+    runtime.finalize()
+    assert calls[-2:] == [("detach",), ("finalize",)] and not runtime.is_initialized()
