@@ -117,6 +117,24 @@ def zero_rows_outside(plgpu, ref, width, s, bk, lead, size):
     ref[...] = jnp.where((r >= lead) & (r < lead + size), v, jnp.zeros_like(v))
 
 
+def round_robin_count(n, first, nsm: int):
+    """int32: how many of ``n`` items dealt round-robin over ``nsm`` SMs fall to
+    the SM whose first item is ``first`` (items ``first, first + nsm, ...``)."""
+    return jnp.where(first < n, lax.div(n - first + (nsm - 1), jnp.int32(nsm)),
+                     0).astype(jnp.int32)
+
+
+def carried_acc_context(pl, plgpu, shape, interpret):
+    """``compute_context`` of a warp-specialized pipeline whose f32
+    accumulator carries across tiles (the carry of :func:`flush_on_last_step`)."""
+    def context(run):
+        if interpret:
+            pl.run_scoped(lambda a: run((a, a[...])), plgpu.ACC(shape))
+        else:
+            pl.run_scoped(run, plgpu.ACC(shape))
+    return context
+
+
 def flush_on_last_step(pl, plgpu, carry, last, store, interpret, shape, wait=False):
     """End of a pipeline step whose f32 accumulator carries across tiles: on a
     tile's ``last`` k-step hand it to ``store(val)`` and reset it to zero

@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .pallas_common import (dw_transforms, flush_on_last_step, kernel_params, num_sms,
-                            pallas_modules, step_has_outside_rows, transposed, zero_rows_outside)
+from .pallas_common import (carried_acc_context, dw_transforms, flush_on_last_step,
+                            kernel_params, num_sms, pallas_modules, round_robin_count,
+                            step_has_outside_rows, transposed, zero_rows_outside)
 
 
 def tgmm_pallas(x, dy, offsets, tiles, out_dtype, interpret):
@@ -128,17 +129,10 @@ def _ws_group(pl, plgpu, sh, refs, g, tile_of, store, n_tiles, rot_step, steps, 
     size = off_ref[g + 1] - start
     rot = lax.rem(g * jnp.int32(rot_step), jnp.int32(nsm))
     t0 = lax.rem(lax.axis_index("sm") - rot + nsm, jnp.int32(nsm))
-    cnt = jnp.where(t0 < n_tiles, lax.div(n_tiles - t0 + (nsm - 1), jnp.int32(nsm)), 0)
-    cnt = cnt.astype(jnp.int32)
+    cnt = round_robin_count(n_tiles, t0, nsm)
     astart = pl.multiple_of(lax.div(start, jnp.int32(8)) * 8, 8)
     lead = start - astart
     nsteps = lax.div(size + lead + (bk - 1), jnp.int32(bk))
-
-    def compute_context(run):
-        if interpret:
-            pl.run_scoped(lambda a: run((a, a[...])), plgpu.ACC((bm, bn)))
-        else:
-            pl.run_scoped(run, plgpu.ACC((bm, bn)))
 
     # No allocations= here on purpose: the pipeline's own scoped allocation
     # synchronises the CTA on entry, which is what keeps this group's producer
@@ -161,7 +155,7 @@ def _ws_group(pl, plgpu, sh, refs, g, tile_of, store, n_tiles, rot_step, steps, 
             wg_axis="wg",
             num_compute_wgs=2,
             max_concurrent_steps=steps,
-            compute_context=compute_context,
+            compute_context=carried_acc_context(pl, plgpu, (bm, bn), interpret),
         )(x_ref.at[rows, :], dy_ref.at[rows, :])
 
     @pl.when((size <= 0) & (cnt > 0) & (lax.axis_index("wg") < 2))

@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .pallas_common import (dw_transforms, flush_on_last_step, kernel_params, num_sms,
-                            pallas_modules, row_tiles, store_rows, transposed)
+from .pallas_common import (carried_acc_context, dw_transforms, flush_on_last_step,
+                            kernel_params, num_sms, pallas_modules, round_robin_count, row_tiles,
+                            store_rows, transposed)
 
 
 def gmm_pallas(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
@@ -151,14 +152,7 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
                 return flush_on_last_step(pl, plgpu, carry, kk == ksteps - 1,
                                           lambda val: store(*tile(j), val), interpret, (bm, bn))
 
-            def compute_context(run):
-                if interpret:
-                    pl.run_scoped(lambda a: run((a, a[...])), plgpu.ACC((bm, bn)))
-                else:
-                    pl.run_scoped(run, plgpu.ACC((bm, bn)))
-
-            n_items = n_grp * grid_n
-            mine = jnp.where(sm < n_items, lax.div(n_items - sm + (nsm - 1), jnp.int32(nsm)), 0)
+            mine = round_robin_count(n_grp * grid_n, sm, nsm)
 
             @pl.when(mine > 0)
             def _():
@@ -167,14 +161,12 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
                     in_specs=[plgpu.BlockSpec((pl.Element(bm), bk), x_index, transforms=tr),
                               plgpu.BlockSpec(w_block, w_index, transforms=tr)],
                     wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=steps,
-                    compute_context=compute_context)(x_ref, w_ref)
+                    compute_context=carried_acc_context(pl, plgpu, (bm, bn), interpret),
+                )(x_ref, w_ref)
 
             @pl.when(wg < 2)
             def _():   # tail tiles (rows past the groups): zeros, no matmul
-                n_tail = cnt_ref[1] * grid_n
-                mine_t = jnp.where(sm < n_tail, lax.div(n_tail - sm + (nsm - 1), jnp.int32(nsm)), 0)
-
-                @pl.loop(0, mine_t)
+                @pl.loop(0, round_robin_count(cnt_ref[1] * grid_n, sm, nsm))
                 def _(j):
                     t = sm + j * nsm
                     store(n_grp + lax.div(t, jnp.int32(grid_n)), lax.rem(t, jnp.int32(grid_n)),
