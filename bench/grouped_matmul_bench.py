@@ -63,7 +63,14 @@ SWEEP["dx"] = SWEEP["fwd"]
 # weights at 3.1-3.6 TB/s against XLA's ~4.0 (history/2026-12-01-h200x1-s11-gmm-small-
 # groups.log). Session 12: the 2-consumer kernel runs one pipeline per SM across its
 # tiles (the per-tile pipeline it replaced: bench/results/README.md, deleted variants).
-_SMALL_FWD = [((64, 128, 128, 3, 2), {}, ("uniform",)),
+# Session 13: the V3 layer at T 128 spends 95% of its step in the six grouped
+# matmuls, whose forward/dx stream weights at 3.1-3.6 TB/s where XLA's batched
+# GEMMs of 16 rows reach 4.4: configurations with smaller x tiles and more
+# stages (loads in flight) for 64-row groups.
+_SMALL_FWD = [((64, 128, 64, 4, 2), {}, ("uniform",)),
+              ((64, 128, 32, 8, 2), {}, ("uniform",)),
+              ((64, 256, 32, 4, 2), {}, ("uniform",)),
+              ((64, 128, 128, 3, 2), {}, ("uniform",)),
               ((128, 128, 32, 6, 2), {}, ("uniform",))]
 SWEEP_SMALL = {"fwd": _SMALL_FWD, "dx": _SMALL_FWD}
 

@@ -57,6 +57,13 @@ extra table and ``breakdown`` in the JSON; ~10 more compiles per job)::
     python -m jax_ep.launch -n 2 bench/moe_layer_step.py --configs v3 --tokens 4096 \
         --impls jax_ep --expert-breakdown
 
+``--profile`` traces one call of each job's layer chain (``jax.profiler``) and
+adds a table of its kernels' device time per step, per (kernel, HLO op),
+largest first (``bench/device_trace.py``): where a step's time goes.
+``--gmm-tiles 'fwd=bm,bn,bk,stages,band;dx=...'`` runs the jax_ep jobs with
+those grouped-matmul tiles (a ``GroupedMatmulConfig``), to compare tiles in
+the layer rather than standalone.
+
 Run (one process per GPU through the launcher; rank 0 runs the jobs)::
 
     python -m jax_ep.launch -n 2 bench/moe_layer_step.py            # everything, <= 8 min
@@ -163,6 +170,12 @@ def parse_args(argv=None):
                    help="static trip counts everywhere (two compiles per measurement; a "
                         "dynamic while loop syncs with the host once per step)")
     p.add_argument("--no-split", action="store_true", help="time the whole layer only")
+    p.add_argument("--gmm-tiles", default=None,
+                   help="grouped-matmul tiles of the jax_ep jobs, e.g. 'fwd=64,128,64,4,2;"
+                        "dx=64,128,64,4,2' (GroupedMatmulConfig fields; default: its defaults)")
+    p.add_argument("--profile", action="store_true",
+                   help="also trace one call of the layer chain (jax.profiler) and print its "
+                        "kernels' device time per step, largest first (bench/device_trace.py)")
     p.add_argument("--expert-breakdown", action="store_true",
                    help="jax_ep (grouped experts) jobs: also time each grouped matmul alone "
                         "(gate_up/down x fwd/dx/dw), the SwiGLU elementwise fwd+bwd and the "
@@ -285,6 +298,19 @@ def _kill_group(proc, term_wait=8.0):
             continue
 
 
+def _parse_gmm_tiles(text):
+    """'fwd=64,128,64,4,2;dx=...' -> {op: [5 ints]} (None: the defaults)."""
+    if not text:
+        return None
+    out = {}
+    for part in text.split(";"):
+        op, _, vals = part.partition("=")
+        if op.strip() not in ("fwd", "dx", "dw") or len(vals.split(",")) != 5:
+            raise SystemExit(f"--gmm-tiles: bad entry {part!r} (op=bm,bn,bk,stages,band)")
+        out[op.strip()] = [int(v) for v in vals.split(",")]
+    return out
+
+
 def run_job(args, job, platform, nproc, timeout, workdir):
     """Runs one job in its own process(es); -> the job dict with its results."""
     spec = dict(job)
@@ -297,6 +323,8 @@ def run_job(args, job, platform, nproc, timeout, workdir):
         "static_loops": args.static_loops, "split": not args.no_split,
         "skip_comm": bool(job.get("comm_from")),
         "expert_breakdown": bool(getattr(args, "expert_breakdown", False)),
+        "profile": bool(getattr(args, "profile", False)),
+        "gmm_tiles": _parse_gmm_tiles(getattr(args, "gmm_tiles", None)),
     })
     tag = job["name"].replace("/", "_")
     spec_path = os.path.join(workdir, tag + ".spec.json")
@@ -452,6 +480,7 @@ def make_table(results, meta):
     L += ["", f"impls: {labels}. xla_ragged runs with `{RAGGED_XLA_FLAG}` on GPUs.",
           "Peak memory excludes jax_ep's NVSHMEM symmetric heap (outside JAX's allocator)."]
     L += _breakdown_md(results)
+    L += _profile_md(results)
     return "\n".join(L) + "\n", summary
 
 
@@ -465,6 +494,21 @@ def _stats_md(g):
 
 
 MATMUL_PARTS = ("gate_up", "down")  # the --expert-breakdown pieces that are grouped matmuls
+
+
+def _profile_md(results):
+    """The --profile section: each job's kernels per layer step."""
+    done = [r for r in results if r.get("profile")]
+    if not done:
+        return []
+    sys.path.insert(0, HERE)
+    import device_trace
+
+    L = ["", "## Kernels per layer step (`--profile`: one traced call of the chain)", ""]
+    for r in done:
+        L += device_trace.table_md(f"{r['config']} T={r['T']} {r['impl']}", r["profile"],
+                                   1e6 * r["layer_s"] if r.get("layer_s") else None)
+    return L
 
 
 def _breakdown_md(results):
@@ -782,6 +826,12 @@ def _worker_body(spec, out, save):
         if not jax_ep.initialize(**kw):
             from jax_ep import runtime
             raise RuntimeError(f"native backend unavailable: {runtime.unavailable_reason()}")
+    gcfg = None
+    if spec.get("gmm_tiles"):
+        from jax_ep.gmm import GroupedMatmulConfig
+
+        gcfg = GroupedMatmulConfig(**{k: tuple(v) for k, v in spec["gmm_tiles"].items()})
+        out["gmm_config"] = repr(gcfg)
     cap = None
     if impl == "padded":
         mean_rows = R * T * K / E
@@ -886,20 +936,20 @@ def _worker_body(spec, out, save):
             return h, vjp(dh.astype(h.dtype))[0]
 
         def fwd(a, w, s):  # as grouped_matmul's forward
-            return gmm(a, w, s, out_dtype=a.dtype)
+            return gmm(a, w, s, out_dtype=a.dtype, config=gcfg)
 
         def dx(a, w, s):  # as grouped_matmul's bwd: dy @ w[g]^T
-            return gmm(a, w, s, transpose_rhs=True, out_dtype=a.dtype)
+            return gmm(a, w, s, transpose_rhs=True, out_dtype=a.dtype, config=gcfg)
 
         def dw(a, b, s):  # as grouped_matmul's bwd: x[g]^T @ dy[g]
-            return tgmm(a, b, s, out_dtype=dtype)
+            return tgmm(a, b, s, out_dtype=dtype, config=gcfg)
 
         def ex_fwd(a, s, gu, d):
-            return ml.routed_experts(a, gu, d, s, impl, cap)[0]
+            return ml.routed_experts(a, gu, d, s, impl, cap, gcfg)[0]
 
         def ex_fb(a, s, gu, d, ct):
-            y, vjp = jax.vjp(lambda a, gu, d: ml.routed_experts(a, gu, d, s, impl, cap)[0],
-                             a, gu, d)
+            y, vjp = jax.vjp(
+                lambda a, gu, d: ml.routed_experts(a, gu, d, s, impl, cap, gcfg)[0], a, gu, d)
             return vjp(ct.astype(y.dtype))
 
         def prep(x, s, gu_w, d, dy):  # the real intermediates of one fwd+bwd
@@ -1008,7 +1058,8 @@ def _worker_body(spec, out, save):
     def layer_chain(n, state, x, bias, ct):
         def loss(p, xx):
             o, aux = ml.moe_block(p, bias, xx, cfg, mesh, backend=backend,
-                                  ep_overrides=overrides, expert_impl=impl, expert_capacity=cap)
+                                  ep_overrides=overrides, expert_impl=impl, expert_capacity=cap,
+                                  gmm_config=gcfg)
             return jnp.sum(o.astype(F32) * ct.astype(F32)), aux["num_dropped"]
 
         vg = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
@@ -1035,6 +1086,23 @@ def _worker_body(spec, out, save):
     stats = dev.memory_stats() or {}
     out["peak_bytes_layer"] = stats.get("peak_bytes_in_use")
     save()
+    if spec.get("profile"):
+        out["stage"] = "profile"
+        sys.path.insert(0, HERE)
+        import device_trace
+
+        n_p = spec["steps"][-1]
+        hold = [(params, grads)]
+
+        def traced_call():
+            st, extra = layer_fn(n_arg(n_p, static_all), hold[0], x, bias, ct)
+            jax.block_until_ready((st, extra))
+            hold[0] = st
+
+        traced_call()   # (a compiled executable: the trace holds one call's kernels)
+        out["profile"] = device_trace.kernel_table(traced_call, n_p)
+        params, grads = hold[0]
+        save()
 
     if spec["split"]:
         # ---- dispatch + combine alone (identity experts), the layer's routing
@@ -1090,7 +1158,7 @@ def _worker_body(spec, out, save):
         ep_spec = P("ep")
 
         def per_rank_experts(rows, gs, gate_up, down, ct):
-            y, _ = ml.routed_experts(rows, gate_up, down, gs, impl, cap)
+            y, _ = ml.routed_experts(rows, gate_up, down, gs, impl, cap, gcfg)
             return jnp.sum(y.astype(F32) * ct.astype(F32)).reshape(1)
 
         ex_loss = jax.shard_map(per_rank_experts, mesh=mesh,

@@ -70,7 +70,9 @@ def row_tiles(offsets, m, bm):
     first = cum - counts
     n_max = (m + (g_count + 1) * (bm + 7)) // bm + 1    # bound on sum(counts)
     t = jnp.arange(n_max, dtype=jnp.int32)
-    grp = jnp.searchsorted(cum, t, side="right").astype(jnp.int32)   # g_count = tail
+    # compare_all: one fused elementwise kernel ([n_max, G+1] compares). The
+    # default 'scan' method is a while loop of small kernels on every call.
+    grp = jnp.searchsorted(cum, t, side="right", method="compare_all").astype(jnp.int32)
     used = grp <= g_count
     gc = jnp.minimum(grp, g_count)
     base = jnp.concatenate([a8, t8[None]])[gc]
