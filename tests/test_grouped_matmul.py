@@ -368,7 +368,8 @@ def test_pallas_fwd_dx_two_warpgroups_interpret(sizes):
 
 
 @pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
-@pytest.mark.parametrize("sizes", [[70, 0, 33, 1, 60], [8, 8, 100, 50, 0], [32, 64, 0, 96]])
+@pytest.mark.parametrize("sizes", [[70, 0, 33, 1, 60], [8, 8, 100, 50, 0], [32, 64, 0, 96],
+                                   [5, 17, 0, 9, 40, 3, 0, 31, 60, 2, 33]])
 def test_pallas_dw_interpret(sizes):
     """dw, both kernels (1 and 2 consumer warpgroups): several tiles per SM,
     empty groups, NaN/Inf tail, groups that start off the 8-row boundary or end
