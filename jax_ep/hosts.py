@@ -45,6 +45,15 @@ def host_id() -> str:
     return socket.gethostname() + (f"/{boot}" if boot else "")
 
 
+def require_client(client):
+    """JAX's distributed key-value client, or a clear error where there is none
+    (several processes need ``jax.distributed.initialize()`` first)."""
+    if client is None:
+        raise RuntimeError("jax_ep.initialize: several processes but no jax.distributed client; "
+                           "call jax.distributed.initialize() first")
+    return client
+
+
 def exchange(client, rank: int, nranks: int, generation: int, timeout_ms: int,
              value: str) -> list:
     """Every process's ``value`` (list index = process index = NVSHMEM PE).
@@ -55,9 +64,7 @@ def exchange(client, rank: int, nranks: int, generation: int, timeout_ms: int,
     error after ``timeout_ms``, not a bare key-value timeout."""
     if nranks == 1:
         return [value]
-    if client is None:
-        raise RuntimeError("jax_ep.initialize: several processes but no jax.distributed client; "
-                           "call jax.distributed.initialize() first")
+    require_client(client)
     prefix = f"jax_ep/host/{generation}/"
     client.key_value_set(prefix + str(rank), value)
     out = []

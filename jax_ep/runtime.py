@@ -143,10 +143,7 @@ def _share_unique_id(C, rank: int, nranks: int) -> bytes:
     """Rank 0 creates the NVSHMEM unique id; everyone reads it from JAX's KV store."""
     if nranks == 1:
         return C.nvshmem_unique_id()
-    client = _kv_client()
-    if client is None:
-        raise RuntimeError("jax_ep.initialize: several processes but no jax.distributed client; "
-                           "call jax.distributed.initialize() first")
+    client = _hosts.require_client(_kv_client())
     key = f"jax_ep/nvshmem_uid/{_state['generation']}"
     if rank == 0:
         uid = C.nvshmem_unique_id()
