@@ -16,12 +16,14 @@
 #   3  GPU_TESTS=none SKIP_EXAMPLES=1 BENCH_ARGS="--no-sweep --no-ragged"     # ops + LL bench
 #   4  GPU_TESTS=none SKIP_BENCH=1 MOE_STEP_ARGS="--configs v3,mixtral --tokens 128,1024,4096,8192"
 # A pytest stopped by TEST_TIMEOUT now stops its job's ranks too (harness.py).
-# Open after session 12 (one H200 again; bench/results/2026-12-02-h200x1-s12.md:
-# test_grouped_matmul_gpu.py 22 passed on the per-SM-pipeline forward/dx kernel;
-# test_loopback_ll_mixed passed, its first run). No one-GPU check is left unrun.
-# Written after the GPU calls, CPU-tested only: initialize's host exchange
-# (jax_ep/hosts.py; every multi-process GPU test goes through it) and the
-# grouped matmul's shared flush_on_last_step (same traced code).
+# Open after session 13 (one H200; bench/results/2026-12-02-h200x1-s13.md):
+# row_tiles' compare_all ran in every layer job; hosts.require_client (one
+# error message for two call sites) is CPU-tested only (test_launch's
+# 2-process key-value store).
+# Next on one GPU (issue 11, T 128): `moe_layer_step.py --profile` shows the
+# six grouped matmuls are the whole gap to XLA; try dx tiles with block_k
+# 128/256 for small groups in the layer (--gmm-tiles), and ncu
+# (--clock-control none) DRAM throughput of the in-layer forward kernel.
 # The one-GPU suite needs more than one
 # 600 s call at JAX_EP_TEST_NPROCS=1 SKIP_BENCH=1 SKIP_EXAMPLES=1: split
 # GPU_TESTS. Waiting for 2 GPUs: the whole suite (test_native_low_latency.py at
