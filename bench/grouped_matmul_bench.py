@@ -64,9 +64,10 @@ SWEEP["dx"] = SWEEP["fwd"]
 # groups.log). Session 12: the 2-consumer kernel runs one pipeline per SM across its
 # tiles (the per-tile pipeline it replaced: bench/results/README.md, deleted variants).
 # Session 13: the V3 layer at T 128 spends 95% of its step in the six grouped
-# matmuls, whose forward/dx stream weights at 3.1-3.6 TB/s where XLA's batched
-# GEMMs of 16 rows reach 4.4: configurations with smaller x tiles and more
-# stages (loads in flight) for 64-row groups.
+# matmuls, whose forward/dx stream weights at 3.9-4.1 TB/s in the layer where
+# XLA's batched GEMMs of 16 rows reach 4.4-4.5: configurations with smaller x
+# tiles and more stages (loads in flight) for 64-row groups. Their standalone
+# gains did not carry into the layer (bench/results/2026-12-02-h200x1-s13.md).
 _SMALL_FWD = [((64, 128, 64, 4, 2), {}, ("uniform",)),
               ((64, 128, 32, 8, 2), {}, ("uniform",)),
               ((64, 256, 32, 4, 2), {}, ("uniform",)),
@@ -154,7 +155,7 @@ def main():
     ap.add_argument("--xla-reps", type=int, default=2)
     ap.add_argument("--sweep", action="store_true", help="also time a few tile configurations")
     ap.add_argument("--sweep-small", action="store_true",
-                    help="also time ~6 targeted configurations (SWEEP_SMALL)")
+                    help="also time a few targeted configurations (SWEEP_SMALL)")
     ap.add_argument("--sweep-reps", type=int, default=5)
     ap.add_argument("--proj", default="up,down")
     ap.add_argument("--dist", default="uniform,skewed")

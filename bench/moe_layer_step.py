@@ -86,6 +86,7 @@ import json
 import math
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -189,6 +190,7 @@ def parse_args(argv=None):
     p.add_argument("--keep-logs", action="store_true", help="print every job's log")
     p.add_argument("--job", default=None, help=argparse.SUPPRESS)  # worker: the job spec
     args = p.parse_args(argv)
+    _parse_gmm_tiles(args.gmm_tiles)   # a bad --gmm-tiles stops here, before any job
     if args.smoke:
         if args.configs == "v3,mixtral":
             args.configs = "tiny"
@@ -303,11 +305,15 @@ def _parse_gmm_tiles(text):
     if not text:
         return None
     out = {}
-    for part in text.split(";"):
+    for part in filter(None, (t.strip() for t in text.split(";"))):
         op, _, vals = part.partition("=")
-        if op.strip() not in ("fwd", "dx", "dw") or len(vals.split(",")) != 5:
+        try:
+            tiles = [int(v) for v in vals.split(",")]
+        except ValueError:
+            tiles = []
+        if op.strip() not in ("fwd", "dx", "dw") or len(tiles) != 5:
             raise SystemExit(f"--gmm-tiles: bad entry {part!r} (op=bm,bn,bk,stages,band)")
-        out[op.strip()] = [int(v) for v in vals.split(",")]
+        out[op.strip()] = tiles
     return out
 
 
@@ -447,6 +453,8 @@ def make_table(results, meta):
                 notes.append("reference backend")
             if r.get("nvshmem_bytes") and r.get("backend") == "native":
                 notes.append(f"+{r['nvshmem_bytes'] / 2**30:.2f} GiB NVSHMEM heap")
+            if r.get("gmm_tiles_used"):
+                notes.append("gmm tiles " + r["gmm_tiles_used"])
             if r.get("expert_capacity"):
                 notes.append(f"{r['expert_capacity']} rows/expert")
             if r.get("stage_error"):
@@ -616,10 +624,10 @@ def orchestrate(args):
     results = []
     meta = {"date": date, "machine": "?", "devices": "?", "dtype": args.dtype,
             "nproc_desc": nproc_desc, "platform": platform,
-            "command": "python bench/moe_layer_step.py " + " ".join(sys.argv[1:])}
+            "command": "python bench/moe_layer_step.py " + shlex.join(sys.argv[1:])}
     if _under_launcher():
         meta["command"] = (f"python -m jax_ep.launch -n {os.environ['JAX_EP_NUM_PROCESSES']} "
-                           f"bench/moe_layer_step.py " + " ".join(sys.argv[1:]))
+                           f"bench/moe_layer_step.py " + shlex.join(sys.argv[1:]))
     workdir = tempfile.mkdtemp(prefix="moe_layer_step.")
     old = {sg: signal.signal(sg, _on_signal) for sg in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -827,11 +835,11 @@ def _worker_body(spec, out, save):
             from jax_ep import runtime
             raise RuntimeError(f"native backend unavailable: {runtime.unavailable_reason()}")
     gcfg = None
-    if spec.get("gmm_tiles"):
+    if spec.get("gmm_tiles") and impl == "grouped":
         from jax_ep.gmm import GroupedMatmulConfig
 
         gcfg = GroupedMatmulConfig(**{k: tuple(v) for k, v in spec["gmm_tiles"].items()})
-        out["gmm_config"] = repr(gcfg)
+        out["gmm_tiles_used"] = "; ".join(f"{k}={tuple(v)}" for k, v in spec["gmm_tiles"].items())
     cap = None
     if impl == "padded":
         mean_rows = R * T * K / E
@@ -914,7 +922,8 @@ def _worker_body(spec, out, save):
         ep_spec = P("ep")
         C = rows.shape[0] // n_dev
         gate_up, down = ew
-        bm, bk = DEFAULT_TILES["fwd"][0], DEFAULT_TILES["dw"][2]
+        bm = ((gcfg.fwd if gcfg else None) or DEFAULT_TILES["fwd"])[0]
+        bk = ((gcfg.dw if gcfg else None) or DEFAULT_TILES["dw"])[2]
         g_host = np.asarray(multihost_utils.process_allgather(gs, tiled=True) if multi
                             else jax.device_get(gs)).reshape(n_dev, -1)
         bd = out["breakdown"] = {"block_m": bm, "dw_block_k": bk, "capacity_rows": C,
@@ -1099,9 +1108,13 @@ def _worker_body(spec, out, save):
             jax.block_until_ready((st, extra))
             hold[0] = st
 
-        traced_call()   # (a compiled executable: the trace holds one call's kernels)
-        out["profile"] = device_trace.kernel_table(traced_call, n_p)
-        params, grads = hold[0]
+        try:
+            traced_call()   # (a compiled executable: the trace holds one call's kernels)
+            out["profile"] = device_trace.kernel_table(traced_call, n_p)
+        except Exception as e:  # noqa: BLE001 -- a failed trace must not lose the job
+            out["profile"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        params, grads = hold.pop()   # (the list must not keep the donated state alive)
+        del traced_call
         save()
 
     if spec["split"]:
