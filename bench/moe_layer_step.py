@@ -172,8 +172,9 @@ def parse_args(argv=None):
                         "dynamic while loop syncs with the host once per step)")
     p.add_argument("--no-split", action="store_true", help="time the whole layer only")
     p.add_argument("--gmm-tiles", default=None,
-                   help="grouped-matmul tiles of the jax_ep jobs, e.g. 'fwd=64,128,64,4,2;"
-                        "dx=64,128,64,4,2' (GroupedMatmulConfig fields; default: its defaults)")
+                   help="grouped-matmul config of the jax_ep jobs, e.g. 'fwd=64,128,64,4,2;"
+                        "dx=64,128,64,4,2;dw_release=0' (GroupedMatmulConfig fields: tiles "
+                        "and its int knobs; default: its defaults)")
     p.add_argument("--profile", action="store_true",
                    help="also trace one call of the layer chain (jax.profiler) and print its "
                         "kernels' device time per step, largest first (bench/device_trace.py)")
@@ -300,6 +301,9 @@ def _kill_group(proc, term_wait=8.0):
             continue
 
 
+INT_GMM_FIELDS = ("dw_release", "dw_warpgroups", "fwd_warpgroups")   # GroupedMatmulConfig ints
+
+
 def _parse_gmm_tiles(text):
     """'fwd=64,128,64,4,2;dx=...' -> {op: [5 ints]} (None: the defaults)."""
     if not text:
@@ -307,13 +311,18 @@ def _parse_gmm_tiles(text):
     out = {}
     for part in filter(None, (t.strip() for t in text.split(";"))):
         op, _, vals = part.partition("=")
+        op = op.strip()
         try:
-            tiles = [int(v) for v in vals.split(",")]
+            nums = [int(v) for v in vals.split(",")]
         except ValueError:
-            tiles = []
-        if op.strip() not in ("fwd", "dx", "dw") or len(tiles) != 5:
-            raise SystemExit(f"--gmm-tiles: bad entry {part!r} (op=bm,bn,bk,stages,band)")
-        out[op.strip()] = tiles
+            nums = []
+        if op in INT_GMM_FIELDS and len(nums) == 1:
+            out[op] = nums[0]
+        elif op in ("fwd", "dx", "dw") and len(nums) == 5:
+            out[op] = nums
+        else:
+            raise SystemExit(f"--gmm-tiles: bad entry {part!r} (op=bm,bn,bk,stages,band "
+                             f"for fwd/dx/dw, or one of {', '.join(INT_GMM_FIELDS)}=int)")
     return out
 
 
@@ -838,8 +847,10 @@ def _worker_body(spec, out, save):
     if spec.get("gmm_tiles") and impl == "grouped":
         from jax_ep.gmm import GroupedMatmulConfig
 
-        gcfg = GroupedMatmulConfig(**{k: tuple(v) for k, v in spec["gmm_tiles"].items()})
-        out["gmm_tiles_used"] = "; ".join(f"{k}={tuple(v)}" for k, v in spec["gmm_tiles"].items())
+        fields = {k: (tuple(v) if isinstance(v, list) else v)
+                  for k, v in spec["gmm_tiles"].items()}
+        gcfg = GroupedMatmulConfig(**fields)
+        out["gmm_tiles_used"] = "; ".join(f"{k}={v}" for k, v in fields.items())
     cap = None
     if impl == "padded":
         mean_rows = R * T * K / E

@@ -26,7 +26,10 @@
 # (--clock-control none) DRAM throughput of the in-layer forward kernel.
 # First of all (T >= 4096, where dw is half the expert time at 0.44 of dense):
 # the 2-consumer dw kernel with wgmma_wait(0) and no delay_release (its 3
-# stages with delay_release=1 are what made the forward 5-30% slower in s12).
+# stages with delay_release=1 are what made the forward 5-30% slower in s12):
+# MOE_STEP_ARGS="--configs v3 --experts 128 --tokens 128,4096 --impls jax_ep
+# --no-split --gmm-tiles dw_release=0" against the same without it (one call),
+# and GPU_TESTS=tests/gpu/test_grouped_matmul_gpu.py (test_dw_tiles runs both).
 # The one-GPU suite needs more than one
 # 600 s call at JAX_EP_TEST_NPROCS=1 SKIP_BENCH=1 SKIP_EXAMPLES=1: split
 # GPU_TESTS. Waiting for 2 GPUs: the whole suite (test_native_low_latency.py at

@@ -93,7 +93,7 @@ def _on_hopper() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def pallas_compiles(op: str, tiles: Tiles, dtype_name: str) -> bool:
+def pallas_compiles(op: str, tiles: Tiles, dtype_name: str, release: int = 1) -> bool:
     """Compile a small instance of the kernel once; False (with a warning) on failure."""
     bm, bn, bk, _, _ = tiles
     dt = jnp.dtype(dtype_name)
@@ -104,8 +104,10 @@ def pallas_compiles(op: str, tiles: Tiles, dtype_name: str) -> bool:
             warnings.simplefilter("ignore")
             if op.startswith("dw"):
                 m, k, n = 2 * bk + 8, 2 * bm, bn
-                kern = tgmm_pallas_ws if op == "dw_ws" else tgmm_pallas
-                f = lambda a, b, o: kern(a, b, o, tiles, dt, False)
+                if op == "dw_ws":
+                    f = lambda a, b, o: tgmm_pallas_ws(a, b, o, tiles, dt, False, release)
+                else:
+                    f = lambda a, b, o: tgmm_pallas(a, b, o, tiles, dt, False)
                 args = (sds((m, k), dt), sds((m, n), dt), sds((g + 1,), jnp.int32))
             else:   # fwd, dx, fwd_ws, dx_ws
                 m, k, n = 2 * bm + 8, bk, 2 * bn
