@@ -332,6 +332,26 @@ def test_pallas_lowers_for_cuda(op):
     assert "mosaic_gpu" in text
 
 
+def test_small_group_dx_tiles():
+    """dx takes SMALL_GROUP_TILES where the config leaves its tiles unset and
+    rows / groups <= SMALL_GROUP_ROWS (the V3 layer at T 128: 9088 rows, 128
+    groups); the default at T 1024 (16256 rows), for the forward, for tiles
+    the user set, and where the small tiles do not fit the shape."""
+    from jax_ep.gmm.config import SMALL_GROUP_TILES
+    sds, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    w = sds((128, 7168, 4096), bf)          # dx: dy [M, 4096] @ w[g]^T
+    small, dflt = SMALL_GROUP_TILES["dx"], gm_mod.DEFAULT_TILES["dx"]
+    cfg = GroupedMatmulConfig()
+    assert gm_select.op_tiles(cfg, "dx", sds((9088, 4096), bf), w) == small
+    assert gm_select.op_tiles(cfg, "dx", sds((16256, 4096), bf), w) == dflt
+    assert gm_select.op_tiles(cfg, "fwd", sds((9088, 7168), bf), sds((128, 7168, 4096), bf)) \
+        == gm_mod.DEFAULT_TILES["fwd"]
+    mine = GroupedMatmulConfig(dx=(128, 128, 64, 4, 2))
+    assert gm_select.op_tiles(mine, "dx", sds((9088, 4096), bf), w) == (128, 128, 64, 4, 2)
+    odd = sds((128, 7168, 4160), bf)        # K = 4160: not a multiple of block_k 128
+    assert gm_select.op_tiles(cfg, "dx", sds((9088, 4160), bf), odd) == dflt
+
+
 def test_pallas_constraints_fall_back_to_xla():
     bf = jnp.bfloat16
     x = jax.ShapeDtypeStruct((260, 512), bf)          # M % 8 != 0
@@ -368,6 +388,24 @@ def test_pallas_fwd_dx_two_warpgroups_interpret(sizes):
     np.testing.assert_allclose(dx, rdx, rtol=2e-2, atol=0.3)
     tot = int(np.sum(s))
     assert np.all(y[tot:] == 0) and np.all(dx[tot:] == 0)
+
+
+@pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
+def test_pallas_small_group_dx_interpret():
+    """dx with the small-group tiles (dx unset, 64 rows per group on average):
+    block_k 128 with the 2-consumer kernel -- matches numpy, tail zero."""
+    sizes = [64, 0, 37, 100, 19]
+    x, w, dy, gs = make(sizes, m=256, k=256, n=256, seed=9)
+    wb, dyb = jnp.asarray(w, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
+    cfg = GroupedMatmulConfig(impl="pallas", interpret=True)
+    from jax_ep.gmm.config import SMALL_GROUP_TILES
+    assert gm_select.op_tiles(cfg, "dx", dyb, wb) == SMALL_GROUP_TILES["dx"]
+    assert gm_select.fwd_ws_tiles(cfg, "dx", dyb, wb, True) is not None
+    dx = np.asarray(gm_mod.gmm(dyb, wb, gs, transpose_rhs=True, config=cfg), np.float32)
+    xf, wf, dyf = (np.asarray(a, np.float32) for a in (x, wb, dyb))
+    rdx, _ = np_grads(clean(xf, sizes), wf, sizes, clean(dyf, sizes))
+    np.testing.assert_allclose(dx, rdx, rtol=2e-2, atol=0.3)
+    assert np.all(dx[int(np.sum(sizes)):] == 0)
 
 
 @pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")

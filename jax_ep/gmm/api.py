@@ -12,7 +12,7 @@ from .._ffi import to_vma, vma_of
 from .config import GroupedMatmulConfig
 from .pallas_dw import tgmm_pallas, tgmm_pallas_ws
 from .pallas_fwd import gmm_pallas, gmm_pallas_ws
-from .select import choose, fwd_ws_tiles, pallas_compiles, two_consumer_tiles
+from .select import choose, fwd_ws_tiles, op_tiles, pallas_compiles, two_consumer_tiles
 from .xla import gmm_xla, tgmm_xla
 
 
@@ -100,8 +100,8 @@ def gmm(x, w, group_sizes, *, transpose_rhs: bool = False,
         if ws is not None:
             out = gmm_pallas_ws(x, w, offsets, transpose_rhs, ws, out_dtype, cfg.interpret)
         else:
-            out = gmm_pallas(x, w, offsets, transpose_rhs, cfg.tiles(op), out_dtype,
-                              cfg.interpret)
+            out = gmm_pallas(x, w, offsets, transpose_rhs, op_tiles(cfg, op, x, w),
+                             out_dtype, cfg.interpret)
     else:
         out = gmm_xla(x, w, offsets, transpose_rhs, out_dtype)
     return to_vma(out, vma_of(x) | vma_of(w) | vma_of(group_sizes))

@@ -9,7 +9,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from .config import GroupedMatmulConfig, Tiles
+from .config import SMALL_GROUP_ROWS, SMALL_GROUP_TILES, GroupedMatmulConfig, Tiles
 from .pallas_dw import tgmm_pallas, tgmm_pallas_ws
 from .pallas_fwd import gmm_pallas, gmm_pallas_ws
 
@@ -35,12 +35,24 @@ def two_consumer_tiles(tiles: Tiles, split: str, dim: int, dtype) -> Optional[Ti
     return (bm, bn, bk, int(min(steps, fit)), band)
 
 
+def op_tiles(cfg: GroupedMatmulConfig, op, x, w) -> Tiles:
+    """The tiles ``op`` runs with: the config's, or where it leaves them unset
+    and the groups are small (``x``'s rows / groups <= SMALL_GROUP_ROWS, a
+    static bound on the mean) SMALL_GROUP_TILES where they apply."""
+    t = cfg.tiles(op)
+    small = SMALL_GROUP_TILES.get(op)
+    if (small is None or getattr(cfg, op) is not None
+            or x.shape[0] > SMALL_GROUP_ROWS * w.shape[0]):
+        return t
+    return small if constraint_error(op, small, x, w, x.dtype) is None else t
+
+
 def fwd_ws_tiles(cfg, op, x, w, transpose_rhs) -> Optional[Tiles]:
     """Tiles of the 2-consumer forward/dx kernel, or None: the 1-warpgroup one."""
     if cfg.fwd_warpgroups != 2:
         return None
     n = w.shape[1] if transpose_rhs else w.shape[2]
-    ws = two_consumer_tiles(cfg.tiles(op), "n", n, x.dtype)
+    ws = two_consumer_tiles(op_tiles(cfg, op, x, w), "n", n, x.dtype)
     if ws is not None and not cfg.interpret and cfg.impl == "auto":
         ws = ws if pallas_compiles(f"{op}_ws", ws, x.dtype.name) else None
     return ws
@@ -131,11 +143,12 @@ def pallas_compiles(op: str, tiles: Tiles, dtype_name: str, release: int = 1) ->
 def choose(cfg: GroupedMatmulConfig, op, x, w, out_dtype) -> str:
     if cfg.impl == "xla":
         return "xla"
-    err = constraint_error(op, cfg.tiles(op), x, w, out_dtype)
+    tiles = op_tiles(cfg, op, x, w) if op != "dw" else cfg.tiles(op)
+    err = constraint_error(op, tiles, x, w, out_dtype)
     if cfg.impl == "pallas":
         if err is not None:
             raise ValueError(f"grouped_matmul impl='pallas': {err}")
         return "pallas"
     if err is not None or cfg.interpret or not _on_hopper():
         return "pallas" if (err is None and cfg.interpret) else "xla"
-    return "pallas" if pallas_compiles(op, cfg.tiles(op), x.dtype.name) else "xla"
+    return "pallas" if pallas_compiles(op, tiles, x.dtype.name) else "xla"

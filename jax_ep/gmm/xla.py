@@ -1,7 +1,6 @@
 """The XLA fallback of the grouped matmul: ``jax.lax.ragged_dot`` (tail rows masked)."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
