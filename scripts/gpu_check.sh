@@ -19,7 +19,11 @@
 # Open after session 13 (one H200; bench/results/2026-12-02-h200x1-s13.md):
 # row_tiles' compare_all ran in every layer job; hosts.require_client (one
 # error message for two call sites) is CPU-tested only (test_launch's
-# 2-process key-value store).
+# 2-process key-value store). Written after the GPU calls (CPU / interpret-mode
+# tested): the small-group dx default (SMALL_GROUP_TILES; its tiles ran in the
+# layer through --gmm-tiles, not through the default path) and
+# GroupedMatmulConfig.dw_release: run GPU_TESTS=tests/gpu/test_grouped_matmul_gpu.py
+# and the T 128 layer first.
 # Next on one GPU (issue 11, T 128): `moe_layer_step.py --profile` shows the
 # six grouped matmuls are the whole gap to XLA; try dx tiles with block_k
 # 128/256 for small groups in the layer (--gmm-tiles), and ncu
