@@ -308,12 +308,14 @@ def test_pallas_kernels_interpret(case):
         assert np.all(dw[g] == 0)
 
 
-@pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwd_ws", "dx_ws", "dw_1wg", "dw_release0"])
+@pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwd_ws", "dx_ws", "dw_1wg", "dw_release0",
+                                "dx_small", "dx_small_ws"])
 def test_pallas_lowers_for_cuda(op):
-    """Every kernel traces and lowers to a CUDA module (no GPU needed)."""
+    """Every kernel traces and lowers to a CUDA module (no GPU needed);
+    ``dx_small``: 64 rows per group, the small-group dx tiles."""
     sds = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
-    m, k, n, g = 1024, 512, 256, 8
+    m, k, n, g = (512 if "small" in op else 1024), 512, 256, 8
     cfg = GroupedMatmulConfig(impl="pallas", fwd_warpgroups=2 if op.endswith("_ws") else 1,
                               dw_warpgroups=1 if op == "dw_1wg" else 2,
                               dw_release=0 if op == "dw_release0" else 1)
