@@ -191,7 +191,7 @@ def parse_args(argv=None):
     p.add_argument("--keep-logs", action="store_true", help="print every job's log")
     p.add_argument("--job", default=None, help=argparse.SUPPRESS)  # worker: the job spec
     args = p.parse_args(argv)
-    _parse_gmm_tiles(args.gmm_tiles)   # a bad --gmm-tiles stops here, before any job
+    args.gmm_fields = _parse_gmm_tiles(args.gmm_tiles)   # a bad one stops here, before any job
     if args.smoke:
         if args.configs == "v3,mixtral":
             args.configs = "tiny"
@@ -339,7 +339,7 @@ def run_job(args, job, platform, nproc, timeout, workdir):
         "skip_comm": bool(job.get("comm_from")),
         "expert_breakdown": bool(getattr(args, "expert_breakdown", False)),
         "profile": bool(getattr(args, "profile", False)),
-        "gmm_tiles": _parse_gmm_tiles(getattr(args, "gmm_tiles", None)),
+        "gmm_tiles": getattr(args, "gmm_fields", None),
     })
     tag = job["name"].replace("/", "_")
     spec_path = os.path.join(workdir, tag + ".spec.json")

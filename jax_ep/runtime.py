@@ -37,6 +37,7 @@ _state = {
     "reason": "jax_ep.initialize() not called",
     "transport": None,       # "nvshmem" | "peer_memory" while initialized
     "hosts": None,           # host name of every PE (NVSHMEM transport), see hosts.py
+    "net_env_set": {},       # network variables initialize set (and their values)
 }
 TRANSPORTS = ("auto", "nvshmem", "peer_memory")
 _ext = {"module": None, "error": None, "registered": False}
@@ -181,14 +182,14 @@ _NET_VARS = ("NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_IB_ENABLE_IBGDA")
 def _user_network_env() -> dict:
     """NVSHMEM's network variables as the user set them: a value still equal to
     what an earlier initialize set counts as unset."""
-    mine = _state.setdefault("net_env_set", {})
+    mine = _state["net_env_set"]
     return {k: None if (k in mine and os.environ.get(k) == mine[k]) else os.environ.get(k)
             for k in _NET_VARS}
 
 
 def _apply_network_env(env: dict, user: dict) -> None:
     """Set ``env`` (hosts.network_env; None: unset) where the user set nothing."""
-    mine = _state.setdefault("net_env_set", {})
+    mine = _state["net_env_set"]
     for k, v in env.items():
         if user.get(k) is not None:
             continue

@@ -38,7 +38,8 @@ def two_consumer_tiles(tiles: Tiles, split: str, dim: int, dtype) -> Optional[Ti
 def op_tiles(cfg: GroupedMatmulConfig, op, x, w) -> Tiles:
     """The tiles ``op`` runs with: the config's, or where it leaves them unset
     and the groups are small (``x``'s rows / groups <= SMALL_GROUP_ROWS, a
-    static bound on the mean) SMALL_GROUP_TILES where they apply."""
+    static bound on the mean) SMALL_GROUP_TILES where they apply. Ops without
+    small-group tiles (dw, whose second operand is ``dy``) get the config's."""
     t = cfg.tiles(op)
     small = SMALL_GROUP_TILES.get(op)
     if (small is None or getattr(cfg, op) is not None
@@ -143,7 +144,7 @@ def pallas_compiles(op: str, tiles: Tiles, dtype_name: str, release: int = 1) ->
 def choose(cfg: GroupedMatmulConfig, op, x, w, out_dtype) -> str:
     if cfg.impl == "xla":
         return "xla"
-    tiles = op_tiles(cfg, op, x, w) if op != "dw" else cfg.tiles(op)
+    tiles = op_tiles(cfg, op, x, w)
     err = constraint_error(op, tiles, x, w, out_dtype)
     if cfg.impl == "pallas":
         if err is not None:
