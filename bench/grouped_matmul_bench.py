@@ -66,8 +66,9 @@ SWEEP["dx"] = SWEEP["fwd"]
 # Session 13: the V3 layer at T 128 spends 95% of its step in the six grouped
 # matmuls, whose forward/dx stream weights at 3.9-4.1 TB/s in the layer where
 # XLA's batched GEMMs of 16 rows reach 4.4-4.5: configurations with smaller x
-# tiles and more stages (loads in flight) for 64-row groups. Their standalone
-# gains did not carry into the layer (bench/results/2026-12-02-h200x1-s13.md).
+# tiles and more stages (loads in flight) for 64-row groups. Most standalone
+# gains did not carry into the layer; dx (64,128,128) did and became
+# config.SMALL_GROUP_TILES (bench/results/2026-12-02-h200x1-s13.md).
 _SMALL_FWD = [((64, 128, 64, 4, 2), {}, ("uniform",)),
               ((64, 128, 32, 8, 2), {}, ("uniform",)),
               ((64, 256, 32, 4, 2), {}, ("uniform",)),
