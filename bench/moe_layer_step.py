@@ -173,7 +173,7 @@ def parse_args(argv=None):
     p.add_argument("--no-split", action="store_true", help="time the whole layer only")
     p.add_argument("--gmm-tiles", default=None,
                    help="grouped-matmul config of the jax_ep jobs, e.g. 'fwd=64,128,64,4,2;"
-                        "dx=64,128,64,4,2;dw_release=0' (GroupedMatmulConfig fields: tiles "
+                        "dw=128,128,32,6,4;dw_warpgroups=2' (GroupedMatmulConfig fields: tiles "
                         "and its int knobs; default: its defaults)")
     p.add_argument("--profile", action="store_true",
                    help="also trace one call of the layer chain (jax.profiler) and print its "
@@ -301,7 +301,7 @@ def _kill_group(proc, term_wait=8.0):
             continue
 
 
-INT_GMM_FIELDS = ("dw_release", "dw_warpgroups", "fwd_warpgroups")   # GroupedMatmulConfig ints
+INT_GMM_FIELDS = ("dw_warpgroups", "fwd_warpgroups")   # GroupedMatmulConfig ints
 
 
 def _parse_gmm_tiles(text):

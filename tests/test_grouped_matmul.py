@@ -208,8 +208,6 @@ def test_config_and_validation():
         GroupedMatmulConfig(impl="cuda")
     with pytest.raises(ValueError):
         GroupedMatmulConfig(dx=(1, 2, 3))
-    with pytest.raises(ValueError, match="dw_release"):
-        GroupedMatmulConfig(dw_release=2)
     x, w, _, gs = make(SIZES["uniform"])
     with pytest.raises(ValueError):
         grouped_matmul(x, w[:, :3], gs)
@@ -308,7 +306,7 @@ def test_pallas_kernels_interpret(case):
         assert np.all(dw[g] == 0)
 
 
-@pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwd_ws", "dx_ws", "dw_1wg", "dw_release0",
+@pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwd_ws", "dx_ws", "dw_1wg",
                                 "dx_small", "dx_small_ws"])
 def test_pallas_lowers_for_cuda(op):
     """Every kernel traces and lowers to a CUDA module (no GPU needed);
@@ -317,8 +315,7 @@ def test_pallas_lowers_for_cuda(op):
     bf = jnp.bfloat16
     m, k, n, g = (512 if "small" in op else 1024), 512, 256, 8
     cfg = GroupedMatmulConfig(impl="pallas", fwd_warpgroups=2 if op.endswith("_ws") else 1,
-                              dw_warpgroups=1 if op == "dw_1wg" else 2,
-                              dw_release=0 if op == "dw_release0" else 1)
+                              dw_warpgroups=1 if op == "dw_1wg" else 2)
     op = op.split("_")[0]
     gsd = sds((g,), jnp.int32)
     if op == "fwd":
@@ -414,8 +411,7 @@ def test_pallas_small_group_dx_interpret():
 @pytest.mark.parametrize("sizes", [[70, 0, 33, 1, 60], [8, 8, 100, 50, 0], [32, 64, 0, 96],
                                    [5, 17, 0, 9, 40, 3, 0, 31, 60, 2, 33]])
 def test_pallas_dw_interpret(sizes):
-    """dw, both kernels (1 and 2 consumer warpgroups; the latter with
-    dw_release 1 and 0): several tiles per SM,
+    """dw, both kernels (1 and 2 consumer warpgroups): several tiles per SM,
     empty groups, NaN/Inf tail, groups that start off the 8-row boundary or end
     inside a k-step (zeroing pass) and groups on step boundaries (none) --
     matches numpy."""
@@ -423,8 +419,8 @@ def test_pallas_dw_interpret(sizes):
     xb, dyb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
     tiles = (64, 64, 32, 3, 1)            # 4 x 3 (1 wg) or 2 x 3 (2 wg) tiles on 4 "SMs"
     outs = [np.asarray(gm_mod.tgmm(xb, dyb, gs, config=GroupedMatmulConfig(
-        impl="pallas", interpret=True, dw=tiles, dw_warpgroups=wgs, dw_release=rel)),
-        np.float32) for wgs, rel in ((1, 1), (2, 1), (2, 0))]
+        impl="pallas", interpret=True, dw=tiles, dw_warpgroups=wgs)),
+        np.float32) for wgs in (1, 2)]
     xf, dyf = np.asarray(xb, np.float32), np.asarray(dyb, np.float32)
     off = _offsets(sizes)
     ref = np.stack([xf[off[g]:off[g + 1]].T.astype(np.float64) @ dyf[off[g]:off[g + 1]]

@@ -63,12 +63,6 @@ class GroupedMatmulConfig:
         producer warpgroup feeds two consumers that own ``block_m x 2
         block_n``; used where ``N % (2 block_n) == 0`` and the stages fit
         shared memory, else the 1-warpgroup kernel) or 1.
-      dw_release: pipeline release of the 2-consumer dw kernel: 1 (default:
-        ``wgmma_wait(1)``, each stage held one step longer for the wgmma in
-        flight) or 0 (``wgmma_wait(0)``, stages released at once: more loads in
-        flight with the 3 stages that fit beside the output tiles; the
-        forward/dx kernel measured 5-30% faster that way in session 12; dw not
-        yet measured).
       interpret: run the Pallas kernels in Mosaic-GPU interpret mode (for
         testing the kernels on CPU; jax >= 0.11; very slow).
     """
@@ -80,7 +74,6 @@ class GroupedMatmulConfig:
     interpret: bool = False
     dw_warpgroups: int = 2
     fwd_warpgroups: int = 2
-    dw_release: int = 1
 
     def __post_init__(self):
         if self.impl not in _IMPLS:
@@ -88,8 +81,6 @@ class GroupedMatmulConfig:
         for name in ("dw_warpgroups", "fwd_warpgroups"):
             if getattr(self, name) not in (1, 2):
                 raise ValueError(f"{name} must be 1 or 2, got {getattr(self, name)!r}")
-        if self.dw_release not in (0, 1):
-            raise ValueError(f"dw_release must be 0 or 1, got {self.dw_release!r}")
         for name in ("fwd", "dx", "dw"):
             t = getattr(self, name)
             if t is None:

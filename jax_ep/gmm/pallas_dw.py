@@ -93,7 +93,7 @@ def _ws_step(pl, plgpu, sh, g, t0, lead, size, nsteps, store):
     kernel's static shape values): zero the rows outside the group on the first
     and last k-steps, one wgmma per consumer half, and on a tile's last k-step
     store the accumulator and reset it."""
-    bm, bn, bk, cm, nsm, interpret, release = sh
+    bm, bn, bk, cm, nsm, interpret = sh
 
     def step(idx, x_smem, dy_smem, carry):
         j, s = idx
@@ -111,7 +111,10 @@ def _ws_step(pl, plgpu, sh, g, t0, lead, size, nsteps, store):
 
         xs = x_smem.at[:, pl.ds(pl.multiple_of(wg * bm, bm), bm)]
         plgpu.wgmma(acc_ref, transposed(plgpu, xs), dy_smem)
-        plgpu.wgmma_wait(release)   # 1: this step's wgmma stays in flight, its stage held
+        # wait(0), stages released at once: every stage but this one is loading.
+        # (wait(1) + delay_release=1, a stage held a step longer for the wgmma
+        # in flight, measured 10-18% slower at T 4096: bench/results/README.md.)
+        plgpu.wgmma_wait(0)
         return flush_on_last_step(pl, plgpu, carry, s == nsteps - 1,
                                   lambda val: store(g, t0 + j * nsm, val), interpret, (bm, bn),
                                   wait=True)
@@ -122,7 +125,7 @@ def _ws_step(pl, plgpu, sh, g, t0, lead, size, nsteps, store):
 def _ws_group(pl, plgpu, sh, refs, g, tile_of, store, n_tiles, rot_step, steps, tr):
     """Group ``g`` of the 2-consumer dw kernel on this SM: one warp-specialized
     pipeline over (this SM's tiles of g) x (g's k-steps); zeros for an empty group."""
-    bm, bn, bk, cm, nsm, interpret, release = sh
+    bm, bn, bk, cm, nsm, interpret = sh
     off_ref, x_ref, dy_ref = refs
     m = x_ref.shape[0]
     start = off_ref[g]
@@ -136,9 +139,9 @@ def _ws_group(pl, plgpu, sh, refs, g, tile_of, store, n_tiles, rot_step, steps, 
 
     # No allocations= here on purpose: the pipeline's own scoped allocation
     # synchronises the CTA on entry, which is what keeps this group's producer
-    # from refilling the slot of the previous group's last step (never released
-    # with delay_release=1) while a consumer may still read it. Hoisting the
-    # allocations out of the group loop needs an explicit barrier here.
+    # from refilling a slot of the previous group while a consumer may still
+    # read it. Hoisting the allocations out of the group loop needs an
+    # explicit barrier here.
     @pl.when((size > 0) & (cnt > 0))
     def _():
         rows = pl.ds(astart, m)  # may run past M; steps past the group are never issued
@@ -148,9 +151,9 @@ def _ws_group(pl, plgpu, sh, refs, g, tile_of, store, n_tiles, rot_step, steps, 
             memory_registers=40,
             in_specs=[
                 plgpu.BlockSpec((bk, cm), lambda j, s: (s, tile_of(t0 + j * nsm)[0]),
-                                delay_release=release, transforms=tr),
+                                transforms=tr),
                 plgpu.BlockSpec((bk, bn), lambda j, s: (s, tile_of(t0 + j * nsm)[1]),
-                                delay_release=release, transforms=tr),
+                                transforms=tr),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
@@ -165,7 +168,7 @@ def _ws_group(pl, plgpu, sh, refs, g, tile_of, store, n_tiles, rot_step, steps, 
             store(g, t0 + j * nsm, jnp.zeros((bm, bn), jnp.float32))
 
 
-def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, release=1):
+def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret):
     """dw with two consumer warpgroups and a producer warpgroup (warp-specialized).
 
     A CTA owns a ``2 block_m x block_n`` tile of ``dw[g]`` (each consumer
@@ -175,10 +178,6 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, release=1):
     are in flight while the consumers run the previous tile's epilogue (a
     group has only ~4 k-steps of 64 rows at V3 shapes: the epilogue and the
     pipeline fill are what the one-warpgroup kernel waits on).
-
-    ``release`` (``GroupedMatmulConfig.dw_release``): 1 keeps each step's
-    wgmma in flight while the next is issued (its stage released a step
-    later); 0 waits for it, so every stage but the one in use is loading.
     """
     pl, plgpu = pallas_modules()
     bm, bn, bk, steps, band = tiles
@@ -188,7 +187,7 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, release=1):
     grid_m, grid_n = k // cm, n // bn
     n_tiles = grid_m * grid_n
     nsm = num_sms(interpret)
-    sh = (bm, bn, bk, cm, nsm, interpret, release)
+    sh = (bm, bn, bk, cm, nsm, interpret)
     tr, o_tr = dw_transforms(plgpu, x.dtype, bk, bn)
 
     def tile_of(t):

@@ -106,7 +106,7 @@ def _on_hopper() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def pallas_compiles(op: str, tiles: Tiles, dtype_name: str, release: int = 1) -> bool:
+def pallas_compiles(op: str, tiles: Tiles, dtype_name: str) -> bool:
     """Compile a small instance of the kernel once; False (with a warning) on failure."""
     bm, bn, bk, _, _ = tiles
     dt = jnp.dtype(dtype_name)
@@ -118,7 +118,7 @@ def pallas_compiles(op: str, tiles: Tiles, dtype_name: str, release: int = 1) ->
             if op.startswith("dw"):
                 m, k, n = 2 * bk + 8, 2 * bm, bn
                 if op == "dw_ws":
-                    f = lambda a, b, o: tgmm_pallas_ws(a, b, o, tiles, dt, False, release)
+                    f = lambda a, b, o: tgmm_pallas_ws(a, b, o, tiles, dt, False)
                 else:
                     f = lambda a, b, o: tgmm_pallas(a, b, o, tiles, dt, False)
                 args = (sds((m, k), dt), sds((m, n), dt), sds((g + 1,), jnp.int32))

@@ -136,9 +136,8 @@ def test_tile_configs(tiles, fwd_wgs):
 
 @pytest.mark.parametrize("kind,total", [("skew", 3900), ("unaligned", 3001), ("uniform", 4096)])
 def test_dw_tiles(kind, total):
-    """dw, both kernels (1 and 2 consumer warpgroups; the latter with dw_release
-    1 and 0), several tile configurations vs an f32 reference; empty groups
-    exactly zero, NaN tail unused."""
+    """dw, both kernels (1 and 2 consumer warpgroups), several tile
+    configurations vs an f32 reference; empty groups exactly zero, NaN tail unused."""
     m, k, n, g = 4096, 2048, 2048, 16
     sizes = sizes_for(kind, g, total, seed=2)
     if kind == "skew":
@@ -149,11 +148,8 @@ def test_dw_tiles(kind, total):
         for wgs in (1, 2):
             if wgs == 2 and gm_select.two_consumer_tiles(tiles, "m", k, x.dtype) is None:
                 continue  # no stage fits: the 2-warpgroup config runs the 1-warpgroup kernel
-            for rel in ((1, 0) if wgs == 2 else (1,)):   # dw_release: 2-consumer kernel only
-                cfg = GroupedMatmulConfig(impl="pallas", dw=tiles, dw_warpgroups=wgs,
-                                          dw_release=rel)
-                outs[tiles, wgs, rel] = jax.jit(functools.partial(gm_mod.tgmm, config=cfg))(
-                    x, dy, gs)
+            cfg = GroupedMatmulConfig(impl="pallas", dw=tiles, dw_warpgroups=wgs)
+            outs[tiles, wgs] = jax.jit(functools.partial(gm_mod.tgmm, config=cfg))(x, dy, gs)
     xc, dyc = clean(x, sizes).astype(jnp.float32), clean(dy, sizes).astype(jnp.float32)
     ref = gm_mod.tgmm(xc, dyc, gs, config=XLA)
     for key, out in outs.items():
