@@ -217,7 +217,7 @@ def test_config_and_validation():
     with pytest.raises(ValueError, match="16-bit"):
         grouped_matmul(x, w, gs, impl="pallas")
     assert gm_select.choose(GroupedMatmulConfig(), "fwd", jnp.asarray(x), jnp.asarray(w),
-                          jnp.dtype(jnp.float32)) == "xla"
+                          jnp.dtype(jnp.float32), w.shape[0]) == "xla"
 
 
 # ---------------------------------------------------------------- Pallas path
@@ -331,24 +331,33 @@ def test_pallas_lowers_for_cuda(op):
     assert "mosaic_gpu" in text
 
 
-def test_small_group_dx_tiles():
-    """dx takes SMALL_GROUP_TILES where the config leaves its tiles unset and
-    rows / groups <= SMALL_GROUP_ROWS (the V3 layer at T 128: 9088 rows, 128
-    groups); the default at T 1024 (16256 rows), for the forward, for tiles
-    the user set, and where the small tiles do not fit the shape."""
+def test_small_group_tiles():
+    """dx and dw take SMALL_GROUP_TILES where the config leaves their tiles
+    unset and rows / groups <= SMALL_GROUP_ROWS (the V3 layer at T 128: 9088
+    rows, 128 groups); the default at T 1024 (16256 rows), for the forward,
+    for tiles the user set, and where the small tiles do not fit the shape."""
     from jax_ep.gmm.config import SMALL_GROUP_TILES
     sds, bf = jax.ShapeDtypeStruct, jnp.bfloat16
     w = sds((128, 7168, 4096), bf)          # dx: dy [M, 4096] @ w[g]^T
     small, dflt = SMALL_GROUP_TILES["dx"], gm_mod.DEFAULT_TILES["dx"]
     cfg = GroupedMatmulConfig()
-    assert gm_select.op_tiles(cfg, "dx", sds((9088, 4096), bf), w) == small
-    assert gm_select.op_tiles(cfg, "dx", sds((16256, 4096), bf), w) == dflt
-    assert gm_select.op_tiles(cfg, "fwd", sds((9088, 7168), bf), sds((128, 7168, 4096), bf)) \
+    assert gm_select.op_tiles(cfg, "dx", sds((9088, 4096), bf), w, 128) == small
+    assert gm_select.op_tiles(cfg, "dx", sds((16256, 4096), bf), w, 128) == dflt
+    assert gm_select.op_tiles(cfg, "fwd", sds((9088, 7168), bf), sds((128, 7168, 4096), bf), 128) \
         == gm_mod.DEFAULT_TILES["fwd"]
     mine = GroupedMatmulConfig(dx=(128, 128, 64, 4, 2))
-    assert gm_select.op_tiles(mine, "dx", sds((9088, 4096), bf), w) == (128, 128, 64, 4, 2)
+    assert gm_select.op_tiles(mine, "dx", sds((9088, 4096), bf), w, 128) == (128, 128, 64, 4, 2)
     odd = sds((128, 7168, 4160), bf)        # K = 4160: not a multiple of block_k 128
-    assert gm_select.op_tiles(cfg, "dx", sds((9088, 4160), bf), odd) == dflt
+    assert gm_select.op_tiles(cfg, "dx", sds((9088, 4160), bf), odd, 128) == dflt
+    # dw: x [M, H] ^T @ dy [M, 2F], the group count from group_sizes
+    x, dy = sds((9088, 7168), bf), sds((9088, 4096), bf)
+    small_dw = SMALL_GROUP_TILES["dw"]
+    assert gm_select.op_tiles(cfg, "dw", x, dy, 128) == small_dw
+    assert gm_select.op_tiles(cfg, "dw", x, dy, 64) == gm_mod.DEFAULT_TILES["dw"]
+    assert gm_select.op_tiles(GroupedMatmulConfig(dw=(128, 128, 64, 3, 4)), "dw", x, dy, 128) \
+        == (128, 128, 64, 3, 4)
+    # the 2-consumer kernel runs them as they are (5 stages fit)
+    assert gm_select.two_consumer_tiles(small_dw, "m", 7168, bf) == small_dw
 
 
 def test_pallas_constraints_fall_back_to_xla():
@@ -361,7 +370,7 @@ def test_pallas_constraints_fall_back_to_xla():
     assert gm_select.constraint_error("fwd", (128, 128, 64, 4, 4), x, w, jnp.dtype(jnp.float32))
     assert gm_select.constraint_error("fwd", (128, 384, 64, 4, 4), x, w, jnp.dtype(bf))
     # not on a Hopper GPU here: auto uses XLA
-    assert gm_select.choose(GroupedMatmulConfig(), "fwd", x, w, jnp.dtype(bf)) == "xla"
+    assert gm_select.choose(GroupedMatmulConfig(), "fwd", x, w, jnp.dtype(bf), w.shape[0]) == "xla"
 
 
 @pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
@@ -398,7 +407,7 @@ def test_pallas_small_group_dx_interpret():
     wb, dyb = jnp.asarray(w, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
     cfg = GroupedMatmulConfig(impl="pallas", interpret=True)
     from jax_ep.gmm.config import SMALL_GROUP_TILES
-    assert gm_select.op_tiles(cfg, "dx", dyb, wb) == SMALL_GROUP_TILES["dx"]
+    assert gm_select.op_tiles(cfg, "dx", dyb, wb, wb.shape[0]) == SMALL_GROUP_TILES["dx"]
     assert gm_select.fwd_ws_tiles(cfg, "dx", dyb, wb, True) is not None
     dx = np.asarray(gm_mod.gmm(dyb, wb, gs, transpose_rhs=True, config=cfg), np.float32)
     xf, wf, dyf = (np.asarray(a, np.float32) for a in (x, wb, dyb))

@@ -68,11 +68,12 @@ group, none for empty groups and none past ``total`` (tiles cut at fixed
 ``block_m`` boundaries, an earlier version, cost one more tile per boundary
 inside a block: 1.5x the work at ~256 rows per group).
 
-Tiles: ``GroupedMatmulConfig``'s, else ``DEFAULT_TILES``; dx with small groups
-(``M / G <= SMALL_GROUP_ROWS``, 96, and the config's dx unset) takes
-``SMALL_GROUP_TILES`` (block_m 64, block_k 128: 256-byte rows of the transposed
-weight tile; 7% faster dx in the V3 layer at T 128, 36% slower at 256 rows
-per group).
+Tiles: ``GroupedMatmulConfig``'s, else ``DEFAULT_TILES``; dx and dw with small
+groups (``M / G <= SMALL_GROUP_ROWS``, 96, and the config's tiles for the op
+unset) take ``SMALL_GROUP_TILES`` (dx: block_m 64, block_k 128, 256-byte rows
+of the transposed weight tile, 7% faster dx in the V3 layer at T 128 and 36%
+slower at 256 rows per group; dw: block_m 64 with 5 stages, 6% faster
+gate_up dw there).
 
 dw (``pallas_dw``): by default ``tgmm_pallas_ws``, two consumer warpgroups fed by a producer
 warpgroup (a CTA owns a ``2 block_m x block_n`` tile of ``dw[g]``; one

@@ -95,12 +95,12 @@ def gmm(x, w, group_sizes, *, transpose_rhs: bool = False,
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     op = "dx" if transpose_rhs else "fwd"
     offsets = _offsets(group_sizes, x.shape[0])
-    if choose(cfg, op, x, w, out_dtype) == "pallas":
+    if choose(cfg, op, x, w, out_dtype, w.shape[0]) == "pallas":
         ws = fwd_ws_tiles(cfg, op, x, w, transpose_rhs)
         if ws is not None:
             out = gmm_pallas_ws(x, w, offsets, transpose_rhs, ws, out_dtype, cfg.interpret)
         else:
-            out = gmm_pallas(x, w, offsets, transpose_rhs, op_tiles(cfg, op, x, w),
+            out = gmm_pallas(x, w, offsets, transpose_rhs, op_tiles(cfg, op, x, w, w.shape[0]),
                              out_dtype, cfg.interpret)
     else:
         out = gmm_xla(x, w, offsets, transpose_rhs, out_dtype)
@@ -118,8 +118,8 @@ def tgmm(x, dy, group_sizes, *, config: Optional[GroupedMatmulConfig] = None,
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     num_groups = group_sizes.shape[0]
     offsets = _offsets(group_sizes, x.shape[0])
-    if choose(cfg, "dw", x, dy, out_dtype) == "pallas":
-        tiles = cfg.tiles("dw")
+    if choose(cfg, "dw", x, dy, out_dtype, num_groups) == "pallas":
+        tiles = op_tiles(cfg, "dw", x, dy, num_groups)
         ws = (two_consumer_tiles(tiles, "m", x.shape[1], x.dtype) if cfg.dw_warpgroups == 2
               else None)
         if ws is not None and not cfg.interpret and cfg.impl == "auto":

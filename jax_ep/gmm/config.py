@@ -19,15 +19,20 @@ DEFAULT_TILES = {
 }
 
 
-# dx for small groups (at most SMALL_GROUP_ROWS rows per group on average,
-# counting every row of x): block_m 64 and block_k 128 (256-byte rows of the
-# transposed weight tile for TMA; 2 stages fit). Session 13, one H200, V3 layer at
-# T 128 (64-row groups of ~8 routed rows): the two dx kernels 2703 against
-# 2890-2945 us per step with the default tiles, layer 9.14 against 9.27-9.43 ms;
-# standalone at 64 rows per group 1.862 / 0.954 against 2.055 / 1.035 ms (up /
-# down), bit-identical; at 256 rows per group 36% slower, hence the bound.
+# Tiles for small groups (at most SMALL_GROUP_ROWS rows per group on average,
+# counting every row of x), measured in the V3 layer at T 128 (EP 1, one H200;
+# 64-row groups of ~8 routed rows):
+#  - dx: block_m 64 and block_k 128 (256-byte rows of the transposed weight
+#    tile for TMA; 2 stages fit). Session 13: the two dx kernels 2703 against
+#    2890-2945 us per step with the default tiles, layer 9.14 against
+#    9.27-9.43 ms; standalone at 64 rows per group 1.862 / 0.954 against 2.055 /
+#    1.035 ms (up / down), bit-identical; at 256 rows per group 36% slower,
+#    hence the bound.
+#  - dw: block_m 64 (a 128 x 128 CTA tile of dw[g]) with 5 stages. Session 14:
+#    gate_up dw 2093 against 2218-2277 us per step (four runs of the default),
+#    down dw equal (1124 against 1110-1119), layer 9.159 against 9.217-9.259 ms.
 SMALL_GROUP_ROWS = 96
-SMALL_GROUP_TILES = {"dx": (64, 128, 128, 3, 2)}
+SMALL_GROUP_TILES = {"dx": (64, 128, 128, 3, 2), "dw": (64, 128, 64, 5, 4)}
 
 # The expert alignment (EpConfig.expert_alignment) that suits these kernels:
 # the default dw block_k. Groups that start and end on a k-step boundary need

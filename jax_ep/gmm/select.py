@@ -35,15 +35,14 @@ def two_consumer_tiles(tiles: Tiles, split: str, dim: int, dtype) -> Optional[Ti
     return (bm, bn, bk, int(min(steps, fit)), band)
 
 
-def op_tiles(cfg: GroupedMatmulConfig, op, x, w) -> Tiles:
+def op_tiles(cfg: GroupedMatmulConfig, op, x, w, groups: int) -> Tiles:
     """The tiles ``op`` runs with: the config's, or where it leaves them unset
-    and the groups are small (``x``'s rows / groups <= SMALL_GROUP_ROWS, a
-    static bound on the mean) SMALL_GROUP_TILES where they apply. Ops without
-    small-group tiles (dw, whose second operand is ``dy``) get the config's."""
+    and the groups are small (``x``'s rows / ``groups`` <= SMALL_GROUP_ROWS, a
+    static bound on the mean) SMALL_GROUP_TILES where they apply (and fit)."""
     t = cfg.tiles(op)
     small = SMALL_GROUP_TILES.get(op)
     if (small is None or getattr(cfg, op) is not None
-            or x.shape[0] > SMALL_GROUP_ROWS * w.shape[0]):
+            or x.shape[0] > SMALL_GROUP_ROWS * groups):
         return t
     return small if constraint_error(op, small, x, w, x.dtype) is None else t
 
@@ -53,7 +52,7 @@ def fwd_ws_tiles(cfg, op, x, w, transpose_rhs) -> Optional[Tiles]:
     if cfg.fwd_warpgroups != 2:
         return None
     n = w.shape[1] if transpose_rhs else w.shape[2]
-    ws = two_consumer_tiles(op_tiles(cfg, op, x, w), "n", n, x.dtype)
+    ws = two_consumer_tiles(op_tiles(cfg, op, x, w, w.shape[0]), "n", n, x.dtype)
     if ws is not None and not cfg.interpret and cfg.impl == "auto":
         ws = ws if pallas_compiles(f"{op}_ws", ws, x.dtype.name) else None
     return ws
@@ -141,10 +140,10 @@ def pallas_compiles(op: str, tiles: Tiles, dtype_name: str) -> bool:
         return False
 
 
-def choose(cfg: GroupedMatmulConfig, op, x, w, out_dtype) -> str:
+def choose(cfg: GroupedMatmulConfig, op, x, w, out_dtype, groups: int) -> str:
     if cfg.impl == "xla":
         return "xla"
-    tiles = op_tiles(cfg, op, x, w)
+    tiles = op_tiles(cfg, op, x, w, groups)
     err = constraint_error(op, tiles, x, w, out_dtype)
     if cfg.impl == "pallas":
         if err is not None:

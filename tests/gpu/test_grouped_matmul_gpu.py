@@ -80,7 +80,7 @@ def rel_err(a, b):
 def test_auto_picks_pallas_on_hopper():
     x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((8, 512, 256), jnp.bfloat16)
-    assert gm_select.choose(GroupedMatmulConfig(), "fwd", x, w, jnp.dtype(jnp.bfloat16)) == "pallas"
+    assert gm_select.choose(GroupedMatmulConfig(), "fwd", x, w, jnp.dtype(jnp.bfloat16), 8) == "pallas"
 
 
 @pytest.mark.parametrize("kind,total", [("uniform", 4096), ("skew", 4096), ("unaligned", 3001),
@@ -190,9 +190,10 @@ def test_v3_shape_up_projection():
 def test_v3_small_groups_down_projection():
     """The V3 layer at T 128 (EP 1, alignment 64): 128 groups of ~64 rows with
     8 empty and 8 double groups and one of 7 rows, 953 tail rows, down
-    projection F=2048 -> H=7168:
+    projection F=2048 -> H=7168, with the small-group dx and dw tiles:
     every tile of the SM-wide pipeline lands on its own rows (all groups checked
-    against a dense f32 product), the tail is zero."""
+    against a dense f32 product), the tail is zero; dw of every group against
+    a dense f32 product, empty groups exactly zero."""
     m, k, n, g = 9088, 2048, 7168, 128
     rng = np.random.default_rng(12)
     sizes = np.full(g, 64, np.int64)
@@ -202,6 +203,7 @@ def test_v3_small_groups_down_projection():
     x, w, dy, gs = data(m, k, n, sizes, seed=12)
     y = jax.jit(functools.partial(gm_mod.gmm, config=PALLAS))(x, w, gs)
     dx = jax.jit(functools.partial(gm_mod.gmm, transpose_rhs=True, config=PALLAS))(dy, w, gs)
+    dw = jax.jit(functools.partial(gm_mod.tgmm, config=PALLAS))(x, dy, gs)
     off = np.concatenate([[0], np.cumsum(sizes)])
     tot = int(off[-1])
     hp = jax.lax.Precision.HIGHEST
@@ -212,5 +214,8 @@ def test_v3_small_groups_down_projection():
         wg = w[gi].astype(jnp.float32)
         assert rel_err(y[r], jnp.dot(x[r].astype(jnp.float32), wg, precision=hp)) < 1e-2, gi
         assert rel_err(dx[r], jnp.dot(dy[r].astype(jnp.float32), wg.T, precision=hp)) < 1e-2, gi
+        assert rel_err(dw[gi], jnp.dot(x[r].astype(jnp.float32).T, dy[r].astype(jnp.float32),
+                                       precision=hp)) < 1e-2, gi
+    assert not bool(jnp.any(dw[jnp.asarray(np.flatnonzero(sizes == 0))] != 0))
     assert not np.any(np.asarray(y[tot:], np.float32))
     assert not np.any(np.asarray(dx[tot:], np.float32))
