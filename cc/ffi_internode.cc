@@ -6,7 +6,9 @@
 // The EP group is `nodes` consecutive blocks of R / nodes ranks. Both run in
 // the runtime's internode region (Runtime::inter_off; sized by
 // jax_ep.initialize(config=...) for configs with num_nodes > 1), laid out
-// with the region's fixed T so calls of any T <= it share it. There is no
+// with the region's fixed T (its window: at most EpConfig.internode_bytes) so
+// calls of any T share it; a call of more tokens runs as windows of it
+// (launch_inter_dispatch / _combine). There is no
 // fused combine backward here: jax_ep/native.py does it as this dispatch plus
 // XLA. All enqueue on XLA's stream and never synchronise the host.
 //
@@ -69,12 +71,12 @@ ffi::Error NetPutMask(const std::string& op, int32_t transport, const PeerTable&
 // The caller's view of the internode region: `peers` rebased to the region's
 // first byte on every mapped rank (the kernels address it from 0; unmapped
 // ranks stay null: reached by puts, which name this rank's own address), its size and
-// layout T; a clear error when there is none or it cannot hold this call
-// (per call parity, the op's data areas: dispatch rows of row_bytes + scale
-// rows of s_row_bytes, or combine rows of row_bytes).
+// layout T (the window); a clear error when there is none or it cannot hold
+// a window of this call (per call parity, the op's data areas: dispatch rows
+// of row_bytes + scale rows of s_row_bytes, or combine rows of row_bytes).
 ffi::Error InterRegion(const std::string& op, bool combine, long long row_bytes,
-                       long long s_row_bytes, PeerTable* peers, int nodes, int T,
-                       size_t* sym_bytes, int* layout_T) {
+                       long long s_row_bytes, PeerTable* peers, int nodes, size_t* sym_bytes,
+                       int* layout_T) {
   const Runtime* rt = runtime();
   const int R = peers->num_ranks;
   if (nodes < 2 || R % nodes != 0)
@@ -86,12 +88,8 @@ ffi::Error InterRegion(const std::string& op, bool combine, long long row_bytes,
                       "jax_ep: " + op + ": the runtime has no internode region: pass the "
                       "EpConfig with num_nodes > 1 to jax_ep.initialize(config=...)");
   const InterShape& s = rt->inter_shape;
-  if (T > s.T)
-    return InvalidArgument(op + ": " + std::to_string(T) + " tokens per rank, but the internode "
-                           "region was laid out for T <= " + std::to_string(s.T) +
-                           " (max_tokens_per_rank of the configs given to jax_ep.initialize)");
   const int G = R / nodes;
-  const InterLayout lay = inter_layout(rt->inter_bytes, nodes, G, T, s.T);
+  const InterLayout lay = inter_layout(rt->inter_bytes, nodes, G, s.T, s.T);
   const size_t want = combine ? inter_combine_areas(0, nodes, G, s.T, row_bytes).end
                               : inter_dispatch_areas(0, nodes, G, s.T, row_bytes, s_row_bytes).end;
   const size_t have = lay.op_bytes / 2;
@@ -101,7 +99,7 @@ ffi::Error InterRegion(const std::string& op, bool combine, long long row_bytes,
                            "internode region (" + std::to_string(rt->inter_bytes) +
                            " bytes, sized for " + std::to_string(s.nodes) + " nodes, " +
                            std::to_string(s.ranks) + " ranks, T " + std::to_string(s.T) +
-                           ", hidden " + std::to_string(s.hidden) + ") has " +
+                           " (window), hidden " + std::to_string(s.hidden) + ") has " +
                            std::to_string(have) + ": pass this config to jax_ep.initialize");
   for (int r = 0; r < R; ++r)
     if (peers->peers[r]) peers->peers[r] = static_cast<char*>(peers->peers[r]) + rt->inter_off;
@@ -147,7 +145,7 @@ ffi::Error InterDispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
       JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.out_scales, 0, out_scales->size_bytes(), stream));
     return ffi::Error::Success();
   }
-  JAX_EP_RETURN_IF_ERROR(InterRegion(o, false, a.row_bytes, a.s_row_bytes, &a.peers, nodes, T,
+  JAX_EP_RETURN_IF_ERROR(InterRegion(o, false, a.row_bytes, a.s_row_bytes, &a.peers, nodes,
                                      &ia.sym_bytes, &ia.layout_T));
   JAX_EP_RETURN_IF_ERROR(NetPutMask(o, net_transport, a.peers, nodes, &ia.put_mask));
   if (const char* e = inter_dispatch_check(ia); *e) return InvalidArgument(e);
@@ -178,7 +176,7 @@ ffi::Error InterCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   const int T = a.T;
   ia.nodes = nodes;
   if (T == 0) return ffi::Error::Success();
-  JAX_EP_RETURN_IF_ERROR(InterRegion(o, true, a.row_bytes, 0, &a.peers, nodes, T, &ia.sym_bytes,
+  JAX_EP_RETURN_IF_ERROR(InterRegion(o, true, a.row_bytes, 0, &a.peers, nodes, &ia.sym_bytes,
                                      &ia.layout_T));
   JAX_EP_RETURN_IF_ERROR(NetPutMask(o, net_transport, a.peers, nodes, &ia.put_mask));
   if (const char* e = inter_combine_check(ia); *e) return InvalidArgument(e);

@@ -149,6 +149,14 @@ class EpConfig:
         A field of its own, not ``ll_transport``: the two kernel families
         reach different peers (every rank vs. the network leg's), and a test
         can force puts on one without the other.
+      internode_bytes: bound on the internode region (``num_nodes > 1``) per
+        GPU; None: ``DEFAULT_INTERNODE_BYTES`` (1 GiB). The region is laid out
+        for a window of W tokens, the most that fit (at most
+        ``max_tokens_per_rank``); a call of more tokens runs as windows of W
+        tokens, one kernel each (docs/internode.md, "Windows"), so the memory
+        does not grow with T. At V3-train on 2 x 4 ranks (H 7168) 1 GiB holds
+        W = 780 tokens: T 4096 runs as 6 windows. With several configs the
+        smallest bound wins.
     """
 
     num_experts: int
@@ -170,6 +178,7 @@ class EpConfig:
     num_nodes: int = 1
     ll_transport: str = "auto"
     net_transport: str = "auto"
+    internode_bytes: Optional[int] = None
 
     def __post_init__(self):
         def pos_int(name, v):
@@ -197,6 +206,8 @@ class EpConfig:
             pos_int("num_sms", self.num_sms)
         if self.buffer_bytes is not None:
             pos_int("buffer_bytes", self.buffer_bytes)
+        if self.internode_bytes is not None:
+            pos_int("internode_bytes", self.internode_bytes)
         if not isinstance(self.axis_name, str):
             raise TypeError(f"EpConfig.axis_name must be a str, got {self.axis_name!r}")
         if not isinstance(self.tuning, KernelTuning):
@@ -272,18 +283,32 @@ class EpConfig:
     def native_internode_bytes(self, num_ranks: int) -> int:
         """Bytes of the internode region ``jax_ep.initialize(config=...)`` adds
         to each buffer for this config (0 when ``num_nodes == 1``): per call
-        parity, dispatch rows ``(N + R + 1) * T`` and combine rows ``(G + 2) *
-        N * T`` (G = R / N; each with its put staging), f32 wide (any row dtype
-        fits), plus flags; T = max_tokens_per_rank, no bounded rings yet
-        (docs/internode.md: about 5.6 GB per rank at V3-train, 2 x 4). Not covered by ``buffer_bytes``. Computed by the
-        extension (``cc/kernels/internode_layout.h``)."""
+        parity, dispatch rows ``(N + R + 1) * W`` and combine rows ``(G + 2) *
+        N * W`` (G = R / N; each with its put staging), f32 wide (any row dtype
+        fits), plus flags, for the window W of :meth:`internode_window`; at
+        most ``internode_bytes``. Not covered by ``buffer_bytes``. Computed by
+        the extension (``cc/kernels/internode_layout.h``)."""
         if self.num_nodes == 1:
             return 0
-        from .runtime import _extension, unavailable_reason
+        C = _internode_extension("native_internode_bytes")
+        return int(C.internode_region_bytes(self.num_nodes, num_ranks,
+                                            self.internode_window(num_ranks), self.hidden))
 
-        C = _extension()
-        if C is None:
-            raise RuntimeError("EpConfig.native_internode_bytes needs the native extension: "
-                               + unavailable_reason())
-        return int(C.internode_region_bytes(self.num_nodes, num_ranks, self.max_tokens_per_rank,
-                                            self.hidden))
+    def internode_window(self, num_ranks: int) -> int:
+        """W: the tokens per rank one internode kernel moves (``num_nodes >
+        1``): ``max_tokens_per_rank``, or fewer where that region would exceed
+        ``internode_bytes``; calls of more tokens run as windows of W."""
+        from .runtime import internode_window
+
+        C = _internode_extension("internode_window")
+        return internode_window(C.internode_region_bytes, self.num_nodes, num_ranks,
+                                self.max_tokens_per_rank, self.hidden, self.internode_bytes)
+
+
+def _internode_extension(what: str):
+    from .runtime import _extension, unavailable_reason
+
+    C = _extension()
+    if C is None:
+        raise RuntimeError(f"EpConfig.{what} needs the native extension: " + unavailable_reason())
+    return C

@@ -25,6 +25,7 @@ from typing import Optional
 from . import hosts as _hosts
 
 DEFAULT_BUFFER_BYTES = 1 << 30  # symmetric buffer per process
+DEFAULT_INTERNODE_BYTES = 1 << 30  # bound on the internode region (EpConfig.internode_bytes)
 _HEAP_GRANULE = 512 << 20       # NVSHMEM grows its heap in 512 MiB granules
 _HEAP_SLACK = 128 << 20         # NVSHMEM's own allocations from the heap
 _UID_TIMEOUT_MS = 120_000
@@ -238,25 +239,50 @@ def _check_internode_region(config) -> None:
     if not inter:
         return
     have = tuple(int(v) for v in (info() or {}).get("inter_shape", (0, 0, 0, 0)))
-    n, _, t, h = have
-    bad = [c for c in inter
-           if c.num_nodes != n or c.max_tokens_per_rank > t or c.hidden > h]
+    n, _, _, h = have
+    # any T fits (calls run as windows of the region's T); nodes and hidden must
+    bad = [c for c in inter if c.num_nodes != n or c.hidden > h]
     if bad:
         c = bad[0]
         raise ValueError(
             f"jax_ep.initialize(config=...): the runtime is already up with an internode region "
-            f"for (nodes, ranks, T, H) = {have} (zeros: none); this config needs num_nodes="
-            f"{c.num_nodes}, T <= {t} and hidden <= {h} to fit, and has T="
-            f"{c.max_tokens_per_rank}, hidden={c.hidden}. Call jax_ep.finalize() first")
+            f"for (nodes, ranks, T window, H) = {have} (zeros: none); this config needs "
+            f"num_nodes={n} and hidden <= {h} to fit, and has num_nodes={c.num_nodes}, "
+            f"hidden={c.hidden}. Call jax_ep.finalize() first")
 
 
-def internode_shape_of(configs, ranks: int) -> tuple:
-    """(nodes, ranks, T, H) of the internode region for the configs given to
+def internode_window(region_bytes, nodes: int, ranks: int, tokens: int, hidden: int,
+                     bound=None) -> int:
+    """The largest W <= ``tokens`` whose internode region
+    ``region_bytes(nodes, ranks, W, hidden)`` (the extension's
+    ``internode_region_bytes``) fits ``bound`` (None: DEFAULT_INTERNODE_BYTES);
+    a clear error when not even one token does."""
+    bound = DEFAULT_INTERNODE_BYTES if bound is None else int(bound)
+    if region_bytes(nodes, ranks, tokens, hidden) <= bound:
+        return tokens
+    if region_bytes(nodes, ranks, 1, hidden) > bound:
+        raise ValueError(
+            f"EpConfig.internode_bytes ({bound}) is below the internode region of one token "
+            f"per window ({region_bytes(nodes, ranks, 1, hidden)} bytes at {nodes} nodes, "
+            f"{ranks} ranks, hidden {hidden})")
+    lo, hi = 1, tokens          # region(lo) fits, region(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if region_bytes(nodes, ranks, mid, hidden) <= bound else (lo, mid)
+    return lo
+
+
+def internode_shape_of(configs, ranks: int, region_bytes=None) -> tuple:
+    """(nodes, ranks, W, H) of the internode region for the configs given to
     :func:`initialize`, or zeros when none has ``num_nodes > 1``. The region
-    is laid out for the largest ``max_tokens_per_rank`` and ``hidden`` of
-    them (calls may use any T up to it); ``ranks`` is the EP size initialize
-    assumes (every process, or every GPU with peer memory). Configs must agree
-    on ``num_nodes`` (one region, one node split to size it for)."""
+    is laid out for the largest ``hidden`` of them and a window of W tokens:
+    the largest ``max_tokens_per_rank``, or fewer where the region would
+    exceed the smallest ``internode_bytes`` (:func:`internode_window`, with
+    ``region_bytes`` the extension's ``internode_region_bytes``; None: no
+    bound applied). Calls of any T run on it, as windows of W tokens.
+    ``ranks`` is the EP size initialize assumes (every process, or every GPU
+    with peer memory). Configs must agree on ``num_nodes`` (one region, one
+    node split to size it for)."""
     inter = [c for c in configs if c.num_nodes > 1]
     if not inter:
         return (0, 0, 0, 0)
@@ -268,7 +294,11 @@ def internode_shape_of(configs, ranks: int) -> tuple:
     if ranks % N != 0:
         raise ValueError(f"jax_ep.initialize: EpConfig.num_nodes ({N}) must divide the "
                          f"{ranks} EP ranks of this job")
-    return (N, ranks, max(c.max_tokens_per_rank for c in inter), max(c.hidden for c in inter))
+    T, H = max(c.max_tokens_per_rank for c in inter), max(c.hidden for c in inter)
+    if region_bytes is not None:
+        bounds = [c.internode_bytes for c in inter if c.internode_bytes is not None]
+        T = internode_window(region_bytes, N, ranks, T, H, min(bounds) if bounds else None)
+    return (N, ranks, T, H)
 
 
 def low_latency_region_bytes(config) -> int:
@@ -399,7 +429,7 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
         raise ValueError(f"jax_ep.initialize: buffer_bytes must be positive, got {buffer_bytes}")
     ll_shape = ll_shape_of(low_latency)
     ll_bytes = int(C.ll_region_size(ll_shape))
-    inter_shape = internode_shape_of(cfgs, ranks)
+    inter_shape = internode_shape_of(cfgs, ranks, C.internode_region_bytes)
     inter_bytes = int(C.internode_region_bytes(*inter_shape))
     need_heap = buffer_bytes + ll_bytes + 256 + inter_bytes + 256   # regions start 256-aligned
 

@@ -119,6 +119,25 @@ def test_internode_shape_of():
         runtime.internode_shape_of([_cfg(num_nodes=4)], 6)
 
 
+def test_internode_window():
+    """The window: the largest T whose region fits the bound (the smallest
+    internode_bytes of the configs), every T when it fits, an error when not
+    even one token does; a region linear in T here (bytes = 100 + 10 T)."""
+    fake = lambda n, r, t, h: 100 + 10 * t
+    assert runtime.internode_window(fake, 2, 8, 64, 512, 10_000) == 64
+    assert runtime.internode_window(fake, 2, 8, 4096, 512, 10_000) == 990
+    assert runtime.internode_window(fake, 2, 8, 4096, 512, 110) == 1
+    assert runtime.internode_window(fake, 2, 8, 4096, 512, None) == 4096   # 1 GiB
+    with pytest.raises(ValueError, match="below the internode region of one token"):
+        runtime.internode_window(fake, 2, 8, 4096, 512, 109)
+    a = _cfg(num_nodes=2, max_tokens_per_rank=4096, internode_bytes=10_000)
+    b = _cfg(num_nodes=2, max_tokens_per_rank=64, hidden=512, internode_bytes=5_000)
+    assert runtime.internode_shape_of([a, b], 8, fake) == (2, 8, 490, 512)
+    assert runtime.internode_shape_of([a, b], 8) == (2, 8, 4096, 512)   # no bound applied
+    with pytest.raises(ValueError, match="internode_bytes"):
+        _cfg(num_nodes=2, internode_bytes=0)
+
+
 def test_second_initialize_checks_the_internode_region(monkeypatch):
     """A later initialize(config=...) on a live runtime: an internode config
     that does not fit the region laid out at start is an error, not ignored."""
@@ -127,8 +146,9 @@ def test_second_initialize_checks_the_internode_region(monkeypatch):
     runtime._check_internode_region(_cfg())                     # one node: no region needed
     runtime._check_internode_region([_cfg(num_nodes=2, max_tokens_per_rank=64, hidden=512),
                                      _cfg(num_nodes=2)])        # fits
-    for bad in (_cfg(num_nodes=2, max_tokens_per_rank=65), _cfg(num_nodes=2, hidden=1024),
-                _cfg(num_nodes=4)):
+    # more tokens than the region's window: windows of it, no error
+    runtime._check_internode_region(_cfg(num_nodes=2, max_tokens_per_rank=65))
+    for bad in (_cfg(num_nodes=2, hidden=1024), _cfg(num_nodes=4)):
         with pytest.raises(ValueError, match="already up with an internode region"):
             runtime._check_internode_region(bad)
     monkeypatch.setattr(runtime, "info", lambda: {"inter_shape": (0, 0, 0, 0)})
@@ -137,6 +157,7 @@ def test_second_initialize_checks_the_internode_region(monkeypatch):
 
 
 C = runtime._extension()
+V3_WINDOW = 780   # tokens of the 1 GiB default at V3-train, 2 x 4 ranks (H 7168)
 needs_ext = pytest.mark.skipif(C is None, reason="needs the jax_ep._C extension")
 
 
@@ -161,12 +182,19 @@ def test_region_holds_both_ops_at_f32_rows(N, Rk):
     assert C.internode_region_bytes(N, Rk, 2 * Tk, Hk) > got
     assert C.internode_region_bytes(N, Rk, Tk, 2 * Hk) > got
     cfg = _cfg(num_nodes=N, max_tokens_per_rank=Tk, hidden=Hk)
-    assert cfg.native_internode_bytes(Rk) == got
+    assert cfg.native_internode_bytes(Rk) == got     # under 1 GiB: no window cut
 
 
 @needs_ext
 def test_region_at_v3_train_2x4():
-    # f32-wide rows and the put staging (combine: (4 + 2) * 2 * T rows per
-    # parity), no bounded rings yet: documented in docs/internode.md
+    """f32-wide rows and the put staging (combine: (4 + 2) * 2 * T rows per
+    parity): 5.6 GB for one window of all 4096 tokens; the default bound (1 GiB)
+    cuts it to windows of V3_WINDOW tokens (docs/internode.md, EpConfig)."""
     got = C.internode_region_bytes(2, 8, 4096, 7168)
     assert 5.5e9 < got < 5.8e9
+    cfg = _cfg(num_nodes=2, max_tokens_per_rank=4096, hidden=7168)
+    W = cfg.internode_window(8)
+    assert W == V3_WINDOW
+    assert cfg.native_internode_bytes(8) <= 1 << 30 < C.internode_region_bytes(2, 8, W + 1, 7168)
+    big = _cfg(num_nodes=2, max_tokens_per_rank=4096, hidden=7168, internode_bytes=got)
+    assert big.internode_window(8) == 4096 and big.native_internode_bytes(8) == got

@@ -30,6 +30,12 @@ struct InterLaunch {
 // num_blocks blocks; chunk <= 0: the default (4, fewer when T is small).
 InterLaunch make_inter_launch(int T, int num_blocks, int chunk);
 
+// Token windows of a call of T tokens on a region laid out for layout_T (0:
+// for T): one kernel per window, each a call of its own (its own epoch and
+// parity: docs/internode.md, "Reuse across calls"), so the region is bounded
+// by layout_T whatever T.
+inline int inter_window(int T, int layout_T) { return layout_T > 0 && layout_T < T ? layout_T : T; }
+
 // The DispatchArgs / CombineArgs fields used: everything but ctrl_off,
 // stage_off, stage_scales_off (the internode region replaces them) and skip.
 // Modes: copy (with or without given scales) and the fp8 casts; the fused
@@ -38,9 +44,13 @@ struct InterDispatchArgs {
   DispatchArgs a;
   int nodes = 1;   // N; G = a.peers.num_ranks / N
   size_t sym_bytes = 0;  // the region: byte 0 of every rank's buffer (same size everywhere)
-  // > 0: the region is laid out for this T whatever the call's T (<= it):
-  // inter_layout's fixed_T (the runtime's region); 0: laid out for a.T.
+  // > 0: the region is laid out for this T whatever the call's T:
+  // inter_layout's fixed_T (the runtime's region); a call of more tokens runs
+  // as windows of layout_T tokens (launch_inter_dispatch). 0: laid out for a.T.
   int layout_T = 0;
+  // The window one kernel moves: tokens [t0, t0 + tw) of the call's a.T (the
+  // areas and flags are indexed by t - t0). Set by launch_inter_dispatch.
+  int t0 = 0, tw = 0;
   // Bit r: rank r's network leg goes by NVSHMEM puts (only ranks of this
   // rank's local index; cc/ffi_internode.cc NetPutMask). 0: P2P stores only,
   // the kernels without any NVSHMEM call (the loopback harness).
@@ -50,7 +60,8 @@ struct InterCombineArgs {
   CombineArgs a;
   int nodes = 1;
   size_t sym_bytes = 0;
-  int layout_T = 0;  // as InterDispatchArgs::layout_T
+  int layout_T = 0;  // as InterDispatchArgs::layout_T (windows of it)
+  int t0 = 0, tw = 0;  // as InterDispatchArgs::t0, tw
   unsigned int put_mask = 0;  // as InterDispatchArgs::put_mask
 };
 

@@ -20,6 +20,9 @@
 // PUT (template): some source is reached by NVSHMEM puts (put_mask,
 // internode.cuh): the forwarder stages its node partial and puts it; PUT =
 // false is the P2P kernel with no NVSHMEM call.
+// Windows (as internode_dispatch.cu): a kernel sums tokens [t0, t0 + tw) of
+// the call; t below indexes the window (areas, flags, chunks), t0 + t the
+// call's token (slot_row, send_mask, out).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -37,7 +40,7 @@ inter_combine_kernel(InterCombineArgs ia, InterLaunch lc) {
   const CombineArgs& a = ia.a;
   const int me = a.peers.rank, R = a.peers.num_ranks, N = ia.nodes, G = R / N;
   const int my_node = me / G, my_g = me % G;
-  const int NT = a.T, chunk = lc.chunk, NC = (NT + chunk - 1) / chunk;
+  const int NT = ia.tw, t0 = ia.t0, chunk = lc.chunk, NC = (NT + chunk - 1) / chunk;
   const InterLayout lay = inter_layout(ia.sym_bytes, N, G, NT, ia.layout_T);
   const int LT = lay.T;  // token stride of every flag and data area (>= NT)
   InterCtrl* ctrl = inter_ctrl(a.peers, lay, kInterCombine);
@@ -60,7 +63,7 @@ inter_combine_kernel(InterCombineArgs ia, InterLaunch lc) {
       const size_t base = (size_t(my_g) * N + ns) * LT;
       for (int t = j * chunk; t < min(NT, (j + 1) * chunk); ++t) {
         bool received;
-        const int n = slot_rows(a, s, t, rows, w, &received, lane);
+        const int n = slot_rows(a, s, t0 + t, rows, w, &received, lane);
         if (lane == 0) *reinterpret_cast<uint8_t*>(nvl_dst(a.peers, f, ar.cnvl_meta + base + t)) = received;
         if (!received) continue;
         char* dst = nvl_dst(a.peers, f, ar.cnvl_rows + (base + t) * RB);
@@ -125,7 +128,7 @@ inter_combine_kernel(InterCombineArgs ia, InterLaunch lc) {
                    a.timeout_ns);
       net_puts_visible<PUT>(a.peers, lay.c_net_ready + j * 8, lane);
       for (int t = j * chunk; t < min(NT, (j + 1) * chunk); ++t) {
-        const bool* mb = a.send_mask + static_cast<long long>(t) * R;
+        const bool* mb = a.send_mask + static_cast<long long>(t0 + t) * R;
         const char* src[kMaxRanks];
         int q = 0;
         for (int nd = 0; nd < N; ++nd) {
@@ -133,7 +136,7 @@ inter_combine_kernel(InterCombineArgs ia, InterLaunch lc) {
           for (int gg = 0; gg < G; ++gg) any |= mb[nd * G + gg];
           if (any) src[q++] = cnet_rows + (size_t(nd) * LT + t) * RB;
         }
-        char* out = static_cast<char*>(a.out) + static_cast<long long>(t) * RB;
+        char* out = static_cast<char*>(a.out) + static_cast<long long>(t0 + t) * RB;
         if (!q) warp_zero_row<V>(out, RB, lane);
         else warp_combine_token<T, V>(src, q, -1, nullptr, RB, nullptr, nullptr, 0, false, out, 0,
                                       RB, lane);
@@ -176,8 +179,6 @@ const char* inter_combine_check(const InterCombineArgs& ia) {
   if (a.K > kMaxK) return "internode combine: top-k above 32";
   if (a.dtype != kBf16 && a.dtype != kF16 && a.dtype != kF32)
     return "internode combine: dtype must be bf16, f16 or f32";
-  if (ia.layout_T > 0 && a.T > ia.layout_T)
-    return "internode combine: T above the T the internode region was laid out for";
   const int G = R / ia.nodes;
   const InterLayout lay = inter_layout(ia.sym_bytes, ia.nodes, G, a.T, ia.layout_T);
   if (inter_combine_areas(0, ia.nodes, G, lay.T, a.row_bytes).end > lay.op_bytes / 2)
@@ -188,11 +189,20 @@ const char* inter_combine_check(const InterCombineArgs& ia) {
 cudaError_t launch_inter_combine(const InterCombineArgs& a, const InterLaunch& lc,
                                  cudaStream_t stream) {
   if (*inter_combine_check(a) || lc.threads() > 512 || lc.chunk < 1) return cudaErrorInvalidValue;
-  switch (a.a.dtype) {
-    case kBf16: return launch_typed<__nv_bfloat16>(a, lc, stream);
-    case kF16: return launch_typed<__half>(a, lc, stream);
-    default: return launch_typed<float>(a, lc, stream);
+  const int W = inter_window(a.a.T, a.layout_T);
+  for (int t0 = 0; t0 < a.a.T; t0 += W) {
+    InterCombineArgs w = a;
+    w.t0 = t0;
+    w.tw = a.a.T - t0 < W ? a.a.T - t0 : W;
+    cudaError_t e;
+    switch (a.a.dtype) {
+      case kBf16: e = launch_typed<__nv_bfloat16>(w, lc, stream); break;
+      case kF16: e = launch_typed<__half>(w, lc, stream); break;
+      default: e = launch_typed<float>(w, lc, stream); break;
+    }
+    if (e != cudaSuccess) return e;
   }
+  return cudaSuccess;
 }
 
 }  // namespace jax_ep

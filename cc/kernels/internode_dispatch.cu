@@ -20,6 +20,10 @@
 // PUT (template): some forwarder is reached by NVSHMEM puts (put_mask,
 // internode.cuh): its rows, scales and mask words are staged here and put;
 // PUT = false is the P2P kernel with no NVSHMEM call.
+// Windows: a kernel moves tokens [t0, t0 + tw) of the call (the launcher runs
+// one kernel per window of the region's layout T); t below is the index in
+// the window (areas, flags, chunks), t0 + t the call's token (x, send_mask,
+// slot_row). Group padding rows are zeroed by the first window's kernel.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
@@ -68,7 +72,7 @@ inter_dispatch_kernel(InterDispatchArgs ia, InterLaunch lc) {
   __shared__ float sm_scales[16][kSmScales];
   const int me = a.peers.rank, R = a.peers.num_ranks, N = ia.nodes, G = R / N;
   const int my_node = me / G, my_g = me % G;
-  const int T = a.T, chunk = lc.chunk, NC = (T + chunk - 1) / chunk;
+  const int T = ia.tw, t0 = ia.t0, chunk = lc.chunk, NC = (T + chunk - 1) / chunk;
   const InterLayout lay = inter_layout(ia.sym_bytes, N, G, T, ia.layout_T);
   const int LT = lay.T;  // token stride of every flag and data area (>= T)
   InterCtrl* ctrl = inter_ctrl(a.peers, lay, kInterDispatch);
@@ -95,7 +99,7 @@ inter_dispatch_kernel(InterDispatchArgs ia, InterLaunch lc) {
         unsigned int m = 0;
         if (lane < N)
           for (int gg = 0; gg < G; ++gg)
-            if (a.send_mask[static_cast<long long>(t) * R + lane * G + gg]) m |= 1u << gg;
+            if (a.send_mask[static_cast<long long>(t0 + t) * R + lane * G + gg]) m |= 1u << gg;
         const unsigned int nodes = __ballot_sync(0xffffffffu, m != 0);
         const size_t slot = size_t(my_node) * LT + t;
         if (lane < N) {
@@ -120,8 +124,9 @@ inter_dispatch_kernel(InterDispatchArgs ia, InterLaunch lc) {
           ++n;
         }
         if (n)
-          move_row_slice<EPL>(a, t, static_cast<const char*>(a.x) + t * a.x_row_bytes, dst, dsts,
-                              n, 0, 1, v, sv, lane, sm);
+          move_row_slice<EPL>(a, t0 + t,
+                              static_cast<const char*>(a.x) + static_cast<long long>(t0 + t) * a.x_row_bytes,
+                              dst, dsts, n, 0, 1, v, sv, lane, sm);
         if constexpr (PUT) put_token_row(a.peers, put_t, G, my_g, ar, slot, t, RB, SB);
       }
       __syncwarp();
@@ -176,7 +181,7 @@ inter_dispatch_kernel(InterDispatchArgs ia, InterLaunch lc) {
     const char* nvl_scales = peer_ptr(a.peers, me, ar.nvl_scales);
     char* rows[kMaxDst];
     char* srows[kMaxDst];
-    ZeroCursor zc(gw, nrw);
+    ZeroCursor zc(t0 == 0 ? gw : a.C, nrw);  // padding rows: the first window's
     for (int it = gw;;) {
       if (it >= NC * R) {  // only zero rows left
         const int z = zc.pop(a, lane);
@@ -197,7 +202,7 @@ inter_dispatch_kernel(InterDispatchArgs ia, InterLaunch lc) {
         wait_local(a.peers, flag, tag, a.host_err, a.timeout_ns);
       }
       for (int t = j * chunk; t < min(T, (j + 1) * chunk); ++t) {
-        const int n = gather_rows(a, s, t, rows, srows, lane);
+        const int n = gather_rows(a, s, t0 + t, rows, srows, lane);
         if (n == 0) continue;
         const size_t slot = size_t(s) * LT + t;
         warp_copy_row_any(nvl_rows + slot * RB, reinterpret_cast<void* const*>(rows), n, 0, RB, v,
@@ -245,8 +250,6 @@ const char* inter_dispatch_check(const InterDispatchArgs& ia) {
     return "internode dispatch: the fused combine backward is not implemented";
   if ((a.mode == kDispatchCastBf16 || a.mode == kDispatchCastF32) && a.hidden % 128 != 0)
     return "internode dispatch: hidden % 128";
-  if (ia.layout_T > 0 && a.T > ia.layout_T)
-    return "internode dispatch: T above the T the internode region was laid out for";
   const int G = R / ia.nodes;
   const InterLayout lay = inter_layout(ia.sym_bytes, ia.nodes, G, a.T, ia.layout_T);
   const InterDispatchAreas ar = inter_dispatch_areas(0, ia.nodes, G, lay.T, a.row_bytes, a.s_row_bytes);
@@ -259,11 +262,18 @@ cudaError_t launch_inter_dispatch(const InterDispatchArgs& a, const InterLaunch&
                                   cudaStream_t stream) {
   if (*inter_dispatch_check(a) || lc.threads() > 512 || lc.chunk < 1)
     return cudaErrorInvalidValue;
-  if (a.a.mode != kDispatchCopy)
-    launch_epl<16>(a, lc, stream);
-  else
-    launch_epl<8>(a, lc, stream);
-  return cudaGetLastError();
+  const int W = inter_window(a.a.T, a.layout_T);
+  for (int t0 = 0; t0 < a.a.T; t0 += W) {
+    InterDispatchArgs w = a;
+    w.t0 = t0;
+    w.tw = a.a.T - t0 < W ? a.a.T - t0 : W;
+    if (a.a.mode != kDispatchCopy)
+      launch_epl<16>(w, lc, stream);
+    else
+      launch_epl<8>(w, lc, stream);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
 }
 
 }  // namespace jax_ep

@@ -64,6 +64,16 @@ def test_internode_fixed_t():
 
 
 @pytest.mark.gpu
+def test_internode_windows():
+    """Calls of more tokens than the region's layout T run as windows of it
+    (one kernel each, its own epoch and parity): T 300 on a region laid out for
+    96 (windows 96, 96, 96, 12), group padding rows zeroed once, dispatch (copy,
+    fp8 cast and given scales) bit-identical, combine as its model; then calls
+    inside one window on the same buffer."""
+    _run("_window_worker")
+
+
+@pytest.mark.gpu
 def test_internode_put():
     """The network leg by NVSHMEM puts (net_transport "put": staged rows and
     scales, the chunk's mask words, fence + signal_op, the receive-side test,
@@ -183,7 +193,7 @@ FP8_CASES = [  # name, N, T, H, K, E, layout, mode, x dtype, scale format, routi
 ]
 
 
-def _fp8_case(lb, checks, rng, case):
+def _fp8_case(lb, checks, rng, case, region=None):
     import jax
     import jax.numpy as jnp
 
@@ -203,7 +213,7 @@ def _fp8_case(lb, checks, rng, case):
         xin, sin = np.asarray(q), np.asarray(s)
     else:
         xin, sin = x, None
-    il, sym = inter(lb, N), inter_sym(lb, N, T, H)
+    il, sym = region(N) if region else (inter(lb, N), inter_sym(lb, N, T, H))
     for chunk in chunks:
         err, got, got_s, _ = il.dispatch(R, xin, sin, hd, mode, layout == "rank_major", H, chunk,
                                          iters=2, sym_bytes=sym,
@@ -352,13 +362,50 @@ def _fixed_t_worker(rank, n):
     return checks.results
 
 
+# ---- windows: calls of T above the region's layout T ----------------------------
+WINDOW_T, WINDOW_H = 96, 2048
+WINDOW_CALLS = [  # (kind, case): d / c as FIXED_T_CALLS, f: FP8_CASES' fields
+    ("d", ("window_em_T300_align64", 2, 300, 2048, 8, 64, "expert_major", 64, "bfloat16", None,
+           "skew", (0, 1))),
+    ("c", ("window_em_T300_w", 2, 300, 2048, 8, 64, "expert_major", "bfloat16", True, "skew",
+           (0, 3))),
+    ("f", ("window_fp8_cast_rm_T200", 2, 200, 2048, 8, 64, "rank_major", "cast", "bfloat16",
+           "f32", "group2", (0,))),
+    ("f", ("window_fp8_given_em_T193", 2, 193, 2048, 4, 32, "expert_major", "given", None, "f32",
+           "uniform", (0,))),
+    ("d", ("window_rm_T97_f32", 2, 97, 1024, 4, 32, "rank_major", 1, "float32", None, "group1",
+           (0,))),
+    ("c", ("window_rm_T250_f32", 2, 250, 1024, 4, 32, "rank_major", "float32", False, "uniform",
+           (0,))),
+    ("d", ("window_em_T50", 2, 50, 2048, 8, 64, "expert_major", 1, "bfloat16", None, "skew",
+           (0,))),
+]
+
+
+def _window_worker(rank, n):
+    lb, checks, rng = _start()
+    nbytes = lb.C.internode_region_bytes(2, R, WINDOW_T, WINDOW_H)
+
+    def region(N):
+        lb.sym_buffers(R, nbytes)
+        return inter(lb, N, WINDOW_T), nbytes
+    lb._sym.pop(R, None)
+    fns = {"d": _dispatch_case, "c": _combine_case, "f": _fp8_case}
+    for kind, case in WINDOW_CALLS:
+        with checks.guard(case[0]):
+            fns[kind](lb, checks, rng, case, region)
+    return checks.results
+
+
 # ---------------------------------------------------------------------------- bench
 def _bench(put=False):
     """Intranode loopback (R = 8) vs emulated internode (2 x 4, 4 x 2), V3
     shapes, T 4096 per rank, uniform routing; per-call wall time over 20
     queued calls (median of 3). One GPU: HBM stands in for both links and all
     8 ranks share it, so this compares the kernels' work, not link speed.
-    put: the internode network leg by NVSHMEM puts (loopback put mode)."""
+    put: the internode network leg by NVSHMEM puts (loopback put mode).
+    "2x4 W" runs 2 x 4 on the runtime's region of the default 1 GiB bound
+    (windows of W tokens, one kernel each: docs/internode.md, "Windows")."""
     import jax.numpy as jnp
 
     from jax_ep.config import EpConfig
@@ -372,7 +419,11 @@ def _bench(put=False):
     x = rng.standard_normal((R, T, H)).astype(np.float32).astype(jnp.bfloat16)
     print(f"loopback on 1 GPU ({lb.sms} SMs, {lb.sms // R} per rank), R={R} T={T} H={H} K={K} "
           f"E={E}")
-    print("| op | layout | intranode us | 2x4 us | 4x2 us | 2x4 / intra |\n|---|---|---|---|---|---|")
+    from jax_ep.runtime import internode_window
+
+    W = internode_window(lb.C.internode_region_bytes, 2, R, T, H)
+    print(f"| op | layout | intranode us | 2x4 us | 2x4 W{W} us | 4x2 us | 2x4 / intra | "
+          f"2x4 W{W} / intra |\n|---|---|---|---|---|---|---|---|")
 
     def med(f):
         f(2)
@@ -402,12 +453,16 @@ def _bench(put=False):
                 R, x, None, hd8, "cast", True, H, 0, iters=it, sym_bytes=s)[0::3]))
         for name, mk in ops:
             row = [med(mk(lb, None))]
-            for N in (2, 4):
-                row.append(med(mk(inter(lb, N), inter_sym(lb, N, T, H))))
-            ratio = (f"{row[1] / row[0]:.2f}" if all(isinstance(v, float) for v in row[:2])
-                     else "")
+            row.append(med(mk(inter(lb, 2), inter_sym(lb, 2, T, H))))
+            lb._sym.pop(R, None)
+            wbytes = lb.C.internode_region_bytes(2, R, W, H)
+            lb.sym_buffers(R, wbytes)
+            row.append(med(mk(inter(lb, 2, W), wbytes)))
+            row.append(med(mk(inter(lb, 4), inter_sym(lb, 4, T, H))))
+            ratio = [f"{row[i] / row[0]:.2f}" if isinstance(row[i], float) and
+                     isinstance(row[0], float) else "" for i in (1, 2)]
             cells = [f"{v:.1f}" if isinstance(v, float) else v for v in row]
-            print(f"| {name} | {layout} | {' | '.join(cells)} | {ratio} |", flush=True)
+            print(f"| {name} | {layout} | {' | '.join(cells)} | {' | '.join(ratio)} |", flush=True)
             lb._sym.pop(R, None)
     return 0
 
