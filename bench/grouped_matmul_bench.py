@@ -75,9 +75,10 @@ _SMALL_FWD = [((64, 128, 64, 4, 2), {}, ("uniform",)),
               ((64, 128, 128, 3, 2), {}, ("uniform",)),
               ((128, 128, 32, 6, 2), {}, ("uniform",))]
 SWEEP_SMALL = {"fwd": _SMALL_FWD, "dx": _SMALL_FWD,
-               # dw: half-depth stages, twice as many (session 14; session 13's
-               # dw_release=0 row became the kernel's only behaviour)
-               "dw": [((128, 128, 32, 6, 4), {}, ("uniform", "skewed"))]}
+               # dw: the small-group default (session 14, config.SMALL_GROUP_TILES)
+               # and a wider one; with block_k 32 the layer fell back to XLA for dw
+               "dw": [((64, 128, 64, 5, 4), {}, ("uniform", "skewed")),
+                      ((64, 256, 64, 3, 4), {}, ("uniform",))]}
 
 
 def group_sizes(kind, seed=0):
