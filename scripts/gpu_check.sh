@@ -16,24 +16,21 @@
 #   3  GPU_TESTS=none SKIP_EXAMPLES=1 BENCH_ARGS="--no-sweep --no-ragged"     # ops + LL bench
 #   4  GPU_TESTS=none SKIP_BENCH=1 MOE_STEP_ARGS="--configs v3,mixtral --tokens 128,1024,4096,8192"
 # A pytest stopped by TEST_TIMEOUT now stops its job's ranks too (harness.py).
-# Open after session 13 (one H200; bench/results/2026-12-02-h200x1-s13.md):
-# row_tiles' compare_all ran in every layer job; hosts.require_client (one
-# error message for two call sites) is CPU-tested only (test_launch's
-# 2-process key-value store). Written after the GPU calls (CPU / interpret-mode
-# tested): the small-group dx default (SMALL_GROUP_TILES; its tiles ran in the
-# layer through --gmm-tiles, not through the default path) and
-# GroupedMatmulConfig.dw_release: run GPU_TESTS=tests/gpu/test_grouped_matmul_gpu.py
-# and the T 128 layer first.
-# Next on one GPU (issue 11, T 128): `moe_layer_step.py --profile` shows the
-# six grouped matmuls are the whole gap to XLA; try dx tiles with block_k
-# 128/256 for small groups in the layer (--gmm-tiles), and ncu
-# (--clock-control none) DRAM throughput of the in-layer forward kernel.
-# First of all (T >= 4096, where dw is half the expert time at 0.44 of dense):
-# the 2-consumer dw kernel with wgmma_wait(0) and no delay_release (its 3
-# stages with delay_release=1 are what made the forward 5-30% slower in s12):
-# MOE_STEP_ARGS="--configs v3 --experts 128 --tokens 128,4096 --impls jax_ep
-# --no-split --gmm-tiles dw_release=0" against the same without it (one call),
-# and GPU_TESTS=tests/gpu/test_grouped_matmul_gpu.py (test_dw_tiles runs both).
+# Open after session 14 (one H200; bench/results/2026-12-02-h200x1-s14.md):
+# the dw stage release (wgmma_wait(0)) and the small-group dw tiles ran in the
+# layer and in tests/gpu/test_grouped_matmul_gpu.py (every test of it passed
+# across calls 1, 3 and 4, not in one run); the internode windows passed
+# test_loopback_internode.py's dispatch / fp8 / combine / fixed-T / windows
+# tests; NOT yet run: test_internode_put (it now also runs three windowed
+# calls through the put path) and the loopback bench's windowed rows for
+# combine and expert_major (the call timed out after the first row).
+# Next on one GPU: GPU_TESTS=tests/gpu/test_loopback_internode.py (all six,
+# ~150 s), the internode bench (LOOPBACK_TIMEOUT >= 300), and for issue 11
+# a dw pipeline that does not restart per group (its fill, estimated ~1 us per group
+# per SM: ~10% of down dw at T 128, where groups are one k-step deep).
+# Session 13's ideas still open: ncu (--clock-control none) DRAM throughput
+# of the in-layer forward kernel at T 128; 2-CTA TMA multicast of the weight
+# tiles.
 # The one-GPU suite needs more than one
 # 600 s call at JAX_EP_TEST_NPROCS=1 SKIP_BENCH=1 SKIP_EXAMPLES=1: split
 # GPU_TESTS. Waiting for 2 GPUs: the whole suite (test_native_low_latency.py at

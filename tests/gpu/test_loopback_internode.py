@@ -79,7 +79,8 @@ def test_internode_put():
     scales, the chunk's mask words, fence + signal_op, the receive-side test,
     the quiet at the end): this process the only PE, every rank's buffer in its
     heap (cc/testing/loopback_put.h). Dispatch, fp8 and combine cases at
-    2 x 4, 4 x 2 and 8 x 1, checked as the P2P ones."""
+    2 x 4, 4 x 2 and 8 x 1, checked as the P2P ones; then three of
+    test_internode_windows' calls (not yet run on a GPU)."""
     _run("_put_worker")
 
 
@@ -322,6 +323,18 @@ def _put_worker(rank, n):
         case = ("put_" + case[0],) + tuple(case[1:])
         with checks.guard(case[0]):
             fn(lb, checks, rng, case)
+    # windows (staged rows and mask words indexed by the window): on one region
+    nbytes = lb.C.internode_region_bytes(2, R, WINDOW_T, WINDOW_H)
+
+    def region(N):
+        lb.sym_buffers(R, nbytes)
+        return inter(lb, N, WINDOW_T), nbytes
+    lb._sym.pop(R, None)
+    fns = {"d": _dispatch_case, "c": _combine_case, "f": _fp8_case}
+    for kind, case in [WINDOW_CALLS[i] for i in (0, 1, 3)]:
+        case = ("put_" + case[0],) + tuple(case[1:])
+        with checks.guard(case[0]):
+            fns[kind](lb, checks, rng, case, region)
     return checks.results
 
 
