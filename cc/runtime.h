@@ -49,8 +49,8 @@ struct LlShape {
 };
 
 // Shape the internode region is sized for (jax_ep.initialize(config=...) with
-// an EpConfig of num_nodes > 1): nodes, EP ranks, T (the layout's fixed T:
-// calls need T <= it), hidden. nodes <= 1: no region.
+// an EpConfig of num_nodes > 1): nodes, EP ranks, T (the layout's fixed T,
+// the window: longer calls run as windows of it), hidden. nodes <= 1: no region.
 struct InterShape {
   int nodes = 0, ranks = 0, T = 0, hidden = 0;
 };

@@ -156,7 +156,8 @@ class EpConfig:
         tokens, one kernel each (docs/internode.md, "Windows"), so the memory
         does not grow with T. At V3-train on 2 x 4 ranks (H 7168) 1 GiB holds
         W = 780 tokens: T 4096 runs as 6 windows. With several configs the
-        smallest bound wins.
+        smallest bound any of them sets wins (1 GiB when none sets one); a
+        later ``initialize`` keeps the live region.
     """
 
     num_experts: int

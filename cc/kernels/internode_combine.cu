@@ -189,7 +189,7 @@ const char* inter_combine_check(const InterCombineArgs& ia) {
 cudaError_t launch_inter_combine(const InterCombineArgs& a, const InterLaunch& lc,
                                  cudaStream_t stream) {
   if (*inter_combine_check(a) || lc.threads() > 512 || lc.chunk < 1) return cudaErrorInvalidValue;
-  const int W = inter_window(a.a.T, a.layout_T);
+  const int W = inter_window(a.a.T, a.layout_T);  // (a failed launch: see the dispatch's)
   for (int t0 = 0; t0 < a.a.T; t0 += W) {
     InterCombineArgs w = a;
     w.t0 = t0;

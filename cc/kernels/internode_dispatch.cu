@@ -262,6 +262,9 @@ cudaError_t launch_inter_dispatch(const InterDispatchArgs& a, const InterLaunch&
                                   cudaStream_t stream) {
   if (*inter_dispatch_check(a) || lc.threads() > 512 || lc.chunk < 1)
     return cudaErrorInvalidValue;
+  // A launch failure stops the loop after earlier windows ran (and moved this
+  // rank's epoch); it would be the same failure on every rank (same shapes),
+  // and a peer left waiting ends in the device-side timeout, not a hang.
   const int W = inter_window(a.a.T, a.layout_T);
   for (int t0 = 0; t0 < a.a.T; t0 += W) {
     InterDispatchArgs w = a;

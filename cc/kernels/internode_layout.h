@@ -20,7 +20,8 @@
 // G-bit mask of the node's ranks that want the token), nvl_rows [R][T] (+
 // nvl_scales); combine: cnvl_rows [G][N][T] (+ cnvl_meta u8: the contributor
 // received the token), cnet_rows [N][T]. Sizes: the per-parity bytes below;
-// the region is laid out for T = the largest T of any call on it.
+// the region is laid out for T = the window (calls of more tokens run as
+// several kernels, one per window: launch_inter_dispatch / _combine).
 // Staging of the network leg by NVSHMEM puts (appended last, so the areas
 // above keep their offsets): a put reads its source from the symmetric heap,
 // so a row bound for a node reached by puts is written here first. Dispatch:
@@ -147,7 +148,8 @@ inline size_t inter_head_bytes(int N, int G, int T, int fixed_T = 0) {
 // The region in a buffer of sym_bytes: the data after the head, split evenly
 // between the two ops (op_bytes 0 when the head does not fit). fixed_T > 0:
 // the layout of the runtime's region (see InterFlagRows); y.T is then fixed_T,
-// the token stride of every flag and data area (calls have T <= fixed_T).
+// the token stride of every flag and data area (a kernel moves at most
+// fixed_T tokens: longer calls run as windows of it).
 __host__ __device__ inline InterLayout inter_layout(size_t sym_bytes, int N, int G, int T,
                                                     int fixed_T = 0) {
   InterLayout y;

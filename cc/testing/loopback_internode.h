@@ -19,7 +19,8 @@ namespace jax_ep {
 // (1: the network leg by NVSHMEM puts, every rank's "sym" buffer from
 // loopback_sym_alloc: cc/testing/loopback_put.h) and `layout_T` (> 0: the
 // runtime's fixed-T layout, internode_region_bytes(N, R, layout_T, H), on
-// which calls of any T <= layout_T share one buffer; 0: laid out per call).
+// which calls of any T share one buffer, as windows of layout_T tokens when
+// longer; 0: laid out per call).
 // Each rank's "sym" buffer holds the internode region from byte 0, zeroed
 // before the first call; with layout_T 0 it must be internode_buffer_bytes(N,
 // R / N, T, ...) large and is used with one (N, T) only (its flags are laid
