@@ -26,8 +26,14 @@
 # combine and expert_major (the call timed out after the first row).
 # Next on one GPU: GPU_TESTS=tests/gpu/test_loopback_internode.py (all six,
 # ~150 s), the internode bench (LOOPBACK_TIMEOUT >= 300), and for issue 11
-# a dw pipeline that does not restart per group (its fill, estimated ~1 us per group
-# per SM: ~10% of down dw at T 128, where groups are one k-step deep).
+# the dw pipeline that does not restart per group (GroupedMatmulConfig
+# dw_pipeline="per_sm", written in session 14, interpret-tested only; the
+# per-group fill is estimated at ~1 us per group per SM, ~10-20% of down dw at
+# T 128 where groups are one k-step deep): GPU_TESTS="tests/gpu/
+# test_grouped_matmul_gpu.py -k dw_tiles" (per_sm must equal per_group bit for
+# bit), then MOE_STEP_ARGS="--configs v3 --experts 128 --tokens 128,4096
+# --impls jax_ep --no-split --profile --gmm-tiles dw_pipeline=per_sm" against
+# the same without it, in one call; make the faster one the only one.
 # Session 13's ideas still open: ncu (--clock-control none) DRAM throughput
 # of the in-layer forward kernel at T 128; 2-CTA TMA multicast of the weight
 # tiles.

@@ -306,16 +306,17 @@ def test_pallas_kernels_interpret(case):
         assert np.all(dw[g] == 0)
 
 
-@pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwd_ws", "dx_ws", "dw_1wg",
-                                "dx_small", "dx_small_ws"])
+@pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwd_ws", "dx_ws", "dw_1wg", "dw_persm",
+                                "dx_small", "dx_small_ws", "dw_small", "dw_small_1wg"])
 def test_pallas_lowers_for_cuda(op):
     """Every kernel traces and lowers to a CUDA module (no GPU needed);
-    ``dx_small``: 64 rows per group, the small-group dx tiles."""
+    ``dx_small`` / ``dw_small``: 64 rows per group, the small-group tiles."""
     sds = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
     m, k, n, g = (512 if "small" in op else 1024), 512, 256, 8
     cfg = GroupedMatmulConfig(impl="pallas", fwd_warpgroups=2 if op.endswith("_ws") else 1,
-                              dw_warpgroups=1 if op == "dw_1wg" else 2)
+                              dw_warpgroups=1 if op.endswith("_1wg") else 2,
+                              dw_pipeline="per_sm" if op == "dw_persm" else "per_group")
     op = op.split("_")[0]
     gsd = sds((g,), jnp.int32)
     if op == "fwd":
@@ -420,7 +421,8 @@ def test_pallas_small_group_dx_interpret():
 @pytest.mark.parametrize("sizes", [[70, 0, 33, 1, 60], [8, 8, 100, 50, 0], [32, 64, 0, 96],
                                    [5, 17, 0, 9, 40, 3, 0, 31, 60, 2, 33]])
 def test_pallas_dw_interpret(sizes):
-    """dw, both kernels (1 and 2 consumer warpgroups): several tiles per SM,
+    """dw, both kernels (1 and 2 consumer warpgroups; the latter with a
+    pipeline per group and one per SM across groups): several tiles per SM,
     empty groups, NaN/Inf tail, groups that start off the 8-row boundary or end
     inside a k-step (zeroing pass) and groups on step boundaries (none) --
     matches numpy."""
@@ -428,8 +430,8 @@ def test_pallas_dw_interpret(sizes):
     xb, dyb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
     tiles = (64, 64, 32, 3, 1)            # 4 x 3 (1 wg) or 2 x 3 (2 wg) tiles on 4 "SMs"
     outs = [np.asarray(gm_mod.tgmm(xb, dyb, gs, config=GroupedMatmulConfig(
-        impl="pallas", interpret=True, dw=tiles, dw_warpgroups=wgs)),
-        np.float32) for wgs in (1, 2)]
+        impl="pallas", interpret=True, dw=tiles, dw_warpgroups=wgs, dw_pipeline=pipe)),
+        np.float32) for wgs, pipe in ((1, "per_group"), (2, "per_group"), (2, "per_sm"))]
     xf, dyf = np.asarray(xb, np.float32), np.asarray(dyb, np.float32)
     off = _offsets(sizes)
     ref = np.stack([xf[off[g]:off[g + 1]].T.astype(np.float64) @ dyf[off[g]:off[g + 1]]
@@ -439,3 +441,6 @@ def test_pallas_dw_interpret(sizes):
         np.testing.assert_allclose(out, ref, rtol=2e-2, atol=0.3)
     for out in outs:
         np.testing.assert_array_equal(out[np.asarray(sizes) == 0], 0)
+    # (per_sm vs per_group bit for bit is a GPU test: the interpreter emulates the
+    # accumulator reset with a running base, whose f32 rounding differs when the
+    # pipeline spans groups)

@@ -229,3 +229,151 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret):
         **kernel_params(plgpu, interpret),
     )
     return kernel(offsets.astype(jnp.int32), x, dy)
+
+
+def _unit_starts(offsets, n_tiles, nsm, rot_step, bk):
+    """[nsm, G + 1] int32: the prefix sums over groups of each SM's units of
+    :func:`tgmm_pallas_ws_sm` (a unit is one (tile, k-step); SM ``i`` owns
+    ``round_robin_count(n_tiles, t0, nsm)`` tiles of group ``g``, ``t0`` the
+    rotated first tile, as in ``_ws_group``, times the group's k-steps)."""
+    off = offsets.astype(jnp.int32)
+    start, size = off[:-1], off[1:] - off[:-1]
+    lead = start - (start // 8) * 8
+    nsteps = jnp.where(size > 0, (size + lead + (bk - 1)) // bk, 0)
+    g = jnp.arange(start.shape[0], dtype=jnp.int32)
+    rot = (g * rot_step) % nsm
+    t0 = (jnp.arange(nsm, dtype=jnp.int32)[:, None] - rot[None, :] + nsm) % nsm
+    cnt = jnp.where(t0 < n_tiles, (n_tiles - t0 + (nsm - 1)) // nsm, 0)
+    units = cnt * nsteps[None, :]
+    return jnp.concatenate([jnp.zeros((nsm, 1), jnp.int32),
+                            jnp.cumsum(units, axis=1, dtype=jnp.int32)], axis=1)
+
+
+def tgmm_pallas_ws_sm(x, dy, offsets, tiles, out_dtype, interpret):
+    """dw as :func:`tgmm_pallas_ws` (a producer and two consumer warpgroups, the
+    same tiles dealt to the same SMs, the same arithmetic) but with ONE
+    pipeline per SM across all groups: the SM's units (tile, k-step) run group
+    by group (all SMs sweep the same group at a time, so x and dy rows come
+    from L2, unlike the deleted tile-major variant), with no pipeline drain and
+    refill at group boundaries. A unit's group is found by a binary search
+    over the SM's row of unit prefix sums (``_unit_starts``, computed before
+    the kernel). ``GroupedMatmulConfig.dw_pipeline="per_sm"``; not yet run on
+    a GPU (session 14: written for an A/B against the per-group pipeline,
+    whose fill is a measurable share of dw where groups are one k-step deep).
+    """
+    pl, plgpu = pallas_modules()
+    bm, bn, bk, steps, band = tiles
+    k, n = x.shape[1], dy.shape[1]
+    g_count = offsets.shape[0] - 1
+    cm = 2 * bm
+    grid_m, grid_n = k // cm, n // bn
+    n_tiles = grid_m * grid_n
+    nsm = num_sms(interpret)
+    rot_step = n_tiles % nsm
+    tr, o_tr = dw_transforms(plgpu, x.dtype, bk, bn)
+    ustart = _unit_starts(offsets, n_tiles, nsm, rot_step, bk)
+    search = [1 << p for p in reversed(range(max(1, (g_count - 1).bit_length())))]
+
+    def tile_of(t):
+        return plgpu.planar_snake(t, (grid_m, grid_n), 0, band)
+
+    def body(off_ref, us_ref, x_ref, dy_ref, o_ref):
+        sm = lax.axis_index("sm")
+        total = us_ref[sm, g_count]
+
+        def group_info(g):
+            start = off_ref[g]
+            size = off_ref[g + 1] - start
+            astart = lax.div(start, jnp.int32(8)) * 8
+            lead = start - astart
+            nsteps = lax.div(size + lead + (bk - 1), jnp.int32(bk))
+            t0 = lax.rem(sm - lax.rem(g * jnp.int32(rot_step), jnp.int32(nsm)) + nsm,
+                         jnp.int32(nsm))
+            return astart, lead, size, nsteps, t0
+
+        def unit(u):
+            """(g, t, s) of this SM's unit u: group, tile, k-step."""
+            g = jnp.int32(0)
+            for p in search:   # the largest g with us[sm, g] <= u (skips empty groups)
+                c = g + p
+                ok = (c < g_count) & (us_ref[sm, jnp.minimum(c, g_count - 1)] <= u)
+                g = jnp.where(ok, c, g)
+            astart, lead, size, nsteps, t0 = group_info(g)
+            local = u - us_ref[sm, g]
+            j = lax.div(local, nsteps)
+            s = local - j * nsteps
+            return g, t0 + j * nsm, s, astart, lead, size, nsteps
+
+        def x_index(u):
+            _, t, s, astart, *_ = unit(u)
+            return pl.multiple_of(astart + s * bk, 8), tile_of(t)[0]
+
+        def dy_index(u):
+            _, t, s, astart, *_ = unit(u)
+            return pl.multiple_of(astart + s * bk, 8), tile_of(t)[1]
+
+        def scoped(o_smem):
+            wg = lax.axis_index("wg")
+
+            def store(g, t, val):
+                mi, ni = tile_of(t)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # this warpgroup's slot free
+                o_smem[wg] = val.astype(o_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(
+                    o_smem.at[wg], o_ref.at[g, pl.ds(mi * cm + wg * bm, bm), pl.ds(ni * bn, bn)])
+
+            def step(idx, x_smem, dy_smem, carry):
+                g, t, s, _, lead, size, nsteps = unit(idx[0])
+                acc_ref = carry[0] if interpret else carry
+
+                @pl.when(step_has_outside_rows(s, nsteps, lead, size, bk))
+                def _():
+                    zero_rows_outside(plgpu, x_smem, cm, s, bk, lead, size)
+                    zero_rows_outside(plgpu, dy_smem, bn, s, bk, lead, size)
+                    plgpu.commit_smem()
+
+                xs = x_smem.at[:, pl.ds(pl.multiple_of(wg * bm, bm), bm)]
+                plgpu.wgmma(acc_ref, transposed(plgpu, xs), dy_smem)
+                plgpu.wgmma_wait(0)
+                return flush_on_last_step(pl, plgpu, carry, s == nsteps - 1,
+                                          lambda val: store(g, t, val), interpret, (bm, bn),
+                                          wait=True)
+
+            @pl.when(total > 0)
+            def _():
+                plgpu.emit_pipeline_warp_specialized(
+                    step, grid=(total,), memory_registers=40,
+                    in_specs=[plgpu.BlockSpec((pl.Element(bk), cm), x_index, transforms=tr),
+                              plgpu.BlockSpec((pl.Element(bk), bn), dy_index, transforms=tr)],
+                    wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=steps,
+                    compute_context=carried_acc_context(pl, plgpu, (bm, bn), interpret),
+                )(x_ref, dy_ref)
+
+            @pl.when(wg < 2)
+            def _():   # empty groups: this SM's tiles of them are zeros, no matmul
+                @pl.loop(0, g_count)
+                def _(g):
+                    _, _, size, _, t0 = group_info(g)
+
+                    @pl.when(size <= 0)
+                    def _():
+                        @pl.loop(0, round_robin_count(n_tiles, t0, nsm))
+                        def _(j):
+                            store(g, t0 + j * nsm, jnp.zeros((bm, bn), jnp.float32))
+
+                plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(scoped, plgpu.SMEM((2, bm, bn), out_dtype, transforms=o_tr),
+                      collective_axes="wg")
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((g_count, k, n), out_dtype),
+        grid=(nsm,),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        **kernel_params(plgpu, interpret),
+    )
+    return kernel(offsets.astype(jnp.int32), ustart, x, dy)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import SMALL_GROUP_ROWS, SMALL_GROUP_TILES, GroupedMatmulConfig, Tiles
-from .pallas_dw import tgmm_pallas, tgmm_pallas_ws
+from .pallas_dw import tgmm_pallas, tgmm_pallas_ws, tgmm_pallas_ws_sm
 from .pallas_fwd import gmm_pallas, gmm_pallas_ws
 
 
@@ -118,6 +118,8 @@ def pallas_compiles(op: str, tiles: Tiles, dtype_name: str) -> bool:
                 m, k, n = 2 * bk + 8, 2 * bm, bn
                 if op == "dw_ws":
                     f = lambda a, b, o: tgmm_pallas_ws(a, b, o, tiles, dt, False)
+                elif op == "dw_ws_sm":
+                    f = lambda a, b, o: tgmm_pallas_ws_sm(a, b, o, tiles, dt, False)
                 else:
                     f = lambda a, b, o: tgmm_pallas(a, b, o, tiles, dt, False)
                 args = (sds((m, k), dt), sds((m, n), dt), sds((g + 1,), jnp.int32))
