@@ -257,7 +257,7 @@ def tgmm_pallas_ws_sm(x, dy, offsets, tiles, out_dtype, interpret):
     from L2, unlike the deleted tile-major variant), with no pipeline drain and
     refill at group boundaries. A unit's group is found by a binary search
     over the SM's row of unit prefix sums (``_unit_starts``, computed before
-    the kernel). ``GroupedMatmulConfig.dw_pipeline="per_sm"``; not yet run on
+    the kernel) in the producer's index maps; the consumers carry it. ``GroupedMatmulConfig.dw_pipeline="per_sm"``; not yet run on
     a GPU (session 14: written for an A/B against the per-group pipeline,
     whose fill is a measurable share of dw where groups are one k-step deep).
     """
@@ -291,13 +291,19 @@ def tgmm_pallas_ws_sm(x, dy, offsets, tiles, out_dtype, interpret):
                          jnp.int32(nsm))
             return astart, lead, size, nsteps, t0
 
-        def unit(u):
-            """(g, t, s) of this SM's unit u: group, tile, k-step."""
+        def group_of(u):
+            """The group of this SM's unit u: the largest g with us[sm, g] <= u
+            (empty groups have us[sm, g] == us[sm, g + 1] and are passed over)."""
             g = jnp.int32(0)
-            for p in search:   # the largest g with us[sm, g] <= u (skips empty groups)
+            for p in search:
                 c = g + p
                 ok = (c < g_count) & (us_ref[sm, jnp.minimum(c, g_count - 1)] <= u)
                 g = jnp.where(ok, c, g)
+            return g
+
+        def unit(u, g=None):
+            """(g, t, s, ...) of this SM's unit u: group, tile, k-step (g: known)."""
+            g = group_of(u) if g is None else g
             astart, lead, size, nsteps, t0 = group_info(g)
             local = u - us_ref[sm, g]
             j = lax.div(local, nsteps)
@@ -324,8 +330,14 @@ def tgmm_pallas_ws_sm(x, dy, offsets, tiles, out_dtype, interpret):
                     o_smem.at[wg], o_ref.at[g, pl.ds(mi * cm + wg * bm, bm), pl.ds(ni * bn, bn)])
 
             def step(idx, x_smem, dy_smem, carry):
-                g, t, s, _, lead, size, nsteps = unit(idx[0])
-                acc_ref = carry[0] if interpret else carry
+                # The consumers walk the units in order: carry the group and
+                # move it forward (usually not at all, or by one), instead of
+                # the producer's binary search on every step.
+                acc_carry, g0 = carry
+                u = idx[0]
+                g = lax.while_loop(lambda c: us_ref[sm, c + 1] <= u, lambda c: c + 1, g0)
+                g, t, s, _, lead, size, nsteps = unit(u, g)
+                acc_ref = acc_carry[0] if interpret else acc_carry
 
                 @pl.when(step_has_outside_rows(s, nsteps, lead, size, bk))
                 def _():
@@ -336,9 +348,11 @@ def tgmm_pallas_ws_sm(x, dy, offsets, tiles, out_dtype, interpret):
                 xs = x_smem.at[:, pl.ds(pl.multiple_of(wg * bm, bm), bm)]
                 plgpu.wgmma(acc_ref, transposed(plgpu, xs), dy_smem)
                 plgpu.wgmma_wait(0)
-                return flush_on_last_step(pl, plgpu, carry, s == nsteps - 1,
+                return flush_on_last_step(pl, plgpu, acc_carry, s == nsteps - 1,
                                           lambda val: store(g, t, val), interpret, (bm, bn),
-                                          wait=True)
+                                          wait=True), g
+
+            acc_context = carried_acc_context(pl, plgpu, (bm, bn), interpret)
 
             @pl.when(total > 0)
             def _():
@@ -347,7 +361,7 @@ def tgmm_pallas_ws_sm(x, dy, offsets, tiles, out_dtype, interpret):
                     in_specs=[plgpu.BlockSpec((pl.Element(bk), cm), x_index, transforms=tr),
                               plgpu.BlockSpec((pl.Element(bk), bn), dy_index, transforms=tr)],
                     wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=steps,
-                    compute_context=carried_acc_context(pl, plgpu, (bm, bn), interpret),
+                    compute_context=lambda run: acc_context(lambda c: run((c, jnp.int32(0)))),
                 )(x_ref, dy_ref)
 
             @pl.when(wg < 2)
