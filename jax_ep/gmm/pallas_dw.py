@@ -88,38 +88,88 @@ def tgmm_pallas(x, dy, offsets, tiles, out_dtype, interpret):
     return kernel(offsets.astype(jnp.int32), x, dy)
 
 
-def _ws_step(pl, plgpu, sh, g, t0, lead, size, nsteps, store):
-    """Pipeline body of the 2-consumer dw kernel for group ``g`` (``sh``: the
-    kernel's static shape values): zero the rows outside the group on the first
-    and last k-steps, one wgmma per consumer half, and on a tile's last k-step
-    store the accumulator and reset it."""
+def _ws_mma(pl, plgpu, sh, x_smem, dy_smem, carry, s, nsteps, lead, size, store_tile):
+    """One k-step of a 2-consumer dw kernel (``sh``: the kernel's static shape
+    values; ``s`` of the group's ``nsteps``): zero the rows outside the group
+    on its first and last k-steps, one wgmma per consumer half, and on a
+    tile's last k-step ``store_tile(acc)`` and reset the accumulator. Returns
+    the next accumulator carry."""
     bm, bn, bk, cm, nsm, interpret = sh
+    wg = lax.axis_index("wg")
+    acc_ref = carry[0] if interpret else carry
+
+    @pl.when(step_has_outside_rows(s, nsteps, lead, size, bk))
+    def _():
+        # Both consumers select the same rows to zero (identical writes):
+        # neither reads a half-masked tile. (Zeroing only the consumer's
+        # own half of x would halve that pass; not yet compiled on a GPU.)
+        zero_rows_outside(plgpu, x_smem, cm, s, bk, lead, size)
+        zero_rows_outside(plgpu, dy_smem, bn, s, bk, lead, size)
+        plgpu.commit_smem()
+
+    xs = x_smem.at[:, pl.ds(pl.multiple_of(wg * bm, bm), bm)]
+    plgpu.wgmma(acc_ref, transposed(plgpu, xs), dy_smem)
+    # wait(0), stages released at once: every stage but this one is loading.
+    # (wait(1) + delay_release=1, a stage held a step longer for the wgmma
+    # in flight, measured 10-18% slower at T 4096: bench/results/README.md.)
+    plgpu.wgmma_wait(0)
+    return flush_on_last_step(pl, plgpu, carry, s == nsteps - 1, store_tile, interpret,
+                              (bm, bn), wait=True)
+
+
+def _ws_step(pl, plgpu, sh, g, t0, lead, size, nsteps, store):
+    """Pipeline body of the 2-consumer dw kernel for group ``g``: tile ``j`` of
+    this SM's, k-step ``s`` (:func:`_ws_mma`)."""
+    nsm = sh[4]
 
     def step(idx, x_smem, dy_smem, carry):
         j, s = idx
-        wg = lax.axis_index("wg")
-        acc_ref = carry[0] if interpret else carry
-
-        @pl.when(step_has_outside_rows(s, nsteps, lead, size, bk))
-        def _():
-            # Both consumers select the same rows to zero (identical writes):
-            # neither reads a half-masked tile. (Zeroing only the consumer's
-            # own half of x would halve that pass; not yet compiled on a GPU.)
-            zero_rows_outside(plgpu, x_smem, cm, s, bk, lead, size)
-            zero_rows_outside(plgpu, dy_smem, bn, s, bk, lead, size)
-            plgpu.commit_smem()
-
-        xs = x_smem.at[:, pl.ds(pl.multiple_of(wg * bm, bm), bm)]
-        plgpu.wgmma(acc_ref, transposed(plgpu, xs), dy_smem)
-        # wait(0), stages released at once: every stage but this one is loading.
-        # (wait(1) + delay_release=1, a stage held a step longer for the wgmma
-        # in flight, measured 10-18% slower at T 4096: bench/results/README.md.)
-        plgpu.wgmma_wait(0)
-        return flush_on_last_step(pl, plgpu, carry, s == nsteps - 1,
-                                  lambda val: store(g, t0 + j * nsm, val), interpret, (bm, bn),
-                                  wait=True)
+        return _ws_mma(pl, plgpu, sh, x_smem, dy_smem, carry, s, nsteps, lead, size,
+                       lambda val: store(g, t0 + j * nsm, val))
 
     return step
+
+
+def _ws_kernel(pl, plgpu, sh, tile_of, g_count, k, n, out_dtype, o_tr, inner):
+    """The 2-consumer dw kernel around ``inner(store, *refs)``: one CTA per SM,
+    a producer and two consumer warpgroups, each consumer's output half
+    staged in shared memory; ``store(g, t, val)`` stores this consumer's
+    half of tile ``t`` of ``dw[g]``. Every consumer's stores are waited for
+    at the end."""
+    bm, bn, bk, cm, nsm, interpret = sh
+
+    def body(*refs):
+        o_ref = refs[-1]
+
+        def scoped(o_smem):
+            wg = lax.axis_index("wg")
+
+            def store(g, t, val):
+                mi, ni = tile_of(t)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # this warpgroup's slot free
+                o_smem[wg] = val.astype(o_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(
+                    o_smem.at[wg], o_ref.at[g, pl.ds(mi * cm + wg * bm, bm), pl.ds(ni * bn, bn)])
+
+            inner(store, *refs[:-1])
+
+            @pl.when(wg < 2)
+            def _():
+                plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(scoped, plgpu.SMEM((2, bm, bn), out_dtype, transforms=o_tr),
+                      collective_axes="wg")
+
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((g_count, k, n), out_dtype),
+        grid=(nsm,),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        **kernel_params(plgpu, interpret),
+    )
 
 
 def _ws_group(pl, plgpu, sh, refs, g, tile_of, store, n_tiles, rot_step, steps, tr):
@@ -193,41 +243,15 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret):
     def tile_of(t):
         return plgpu.planar_snake(t, (grid_m, grid_n), 0, band)
 
-    def body(off_ref, x_ref, dy_ref, o_ref):
-        def scoped(o_smem):
-            wg = lax.axis_index("wg")
+    def inner(store, off_ref, x_ref, dy_ref):
+        def group(g, carry):
+            _ws_group(pl, plgpu, sh, (off_ref, x_ref, dy_ref), g, tile_of, store, n_tiles,
+                      n_tiles % nsm, steps, tr)
+            return carry
 
-            def store(g, t, val):
-                mi, ni = tile_of(t)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # this warpgroup's slot free
-                o_smem[wg] = val.astype(o_smem.dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(
-                    o_smem.at[wg], o_ref.at[g, pl.ds(mi * cm + wg * bm, bm), pl.ds(ni * bn, bn)])
+        lax.fori_loop(0, g_count, group, jnp.int32(0))
 
-            def group(g, carry):
-                _ws_group(pl, plgpu, sh, (off_ref, x_ref, dy_ref), g, tile_of, store, n_tiles,
-                          n_tiles % nsm, steps, tr)
-                return carry
-
-            lax.fori_loop(0, g_count, group, jnp.int32(0))
-
-            @pl.when(wg < 2)
-            def _():
-                plgpu.wait_smem_to_gmem(0)
-
-        pl.run_scoped(scoped, plgpu.SMEM((2, bm, bn), out_dtype, transforms=o_tr),
-                      collective_axes="wg")
-
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((g_count, k, n), out_dtype),
-        grid=(nsm,),
-        grid_names=("sm",),
-        num_threads=3,
-        thread_name="wg",
-        **kernel_params(plgpu, interpret),
-    )
+    kernel = _ws_kernel(pl, plgpu, sh, tile_of, g_count, k, n, out_dtype, o_tr, inner)
     return kernel(offsets.astype(jnp.int32), x, dy)
 
 
@@ -257,9 +281,10 @@ def tgmm_pallas_ws_sm(x, dy, offsets, tiles, out_dtype, interpret):
     from L2, unlike the deleted tile-major variant), with no pipeline drain and
     refill at group boundaries. A unit's group is found by a binary search
     over the SM's row of unit prefix sums (``_unit_starts``, computed before
-    the kernel) in the producer's index maps; the consumers carry it. ``GroupedMatmulConfig.dw_pipeline="per_sm"``; not yet run on
-    a GPU (session 14: written for an A/B against the per-group pipeline,
-    whose fill is a measurable share of dw where groups are one k-step deep).
+    the kernel) in the producer's index maps; the consumers carry it.
+    ``GroupedMatmulConfig.dw_pipeline="per_sm"``; not yet run on a GPU
+    (session 14: written for an A/B against the per-group pipeline, whose
+    fill is an estimated 10-20% of dw where groups are one k-step deep).
     """
     pl, plgpu = pallas_modules()
     bm, bn, bk, steps, band = tiles
@@ -269,6 +294,7 @@ def tgmm_pallas_ws_sm(x, dy, offsets, tiles, out_dtype, interpret):
     grid_m, grid_n = k // cm, n // bn
     n_tiles = grid_m * grid_n
     nsm = num_sms(interpret)
+    sh = (bm, bn, bk, cm, nsm, interpret)
     rot_step = n_tiles % nsm
     tr, o_tr = dw_transforms(plgpu, x.dtype, bk, bn)
     ustart = _unit_starts(offsets, n_tiles, nsm, rot_step, bk)
@@ -277,8 +303,9 @@ def tgmm_pallas_ws_sm(x, dy, offsets, tiles, out_dtype, interpret):
     def tile_of(t):
         return plgpu.planar_snake(t, (grid_m, grid_n), 0, band)
 
-    def body(off_ref, us_ref, x_ref, dy_ref, o_ref):
+    def inner(store, off_ref, us_ref, x_ref, dy_ref):
         sm = lax.axis_index("sm")
+        wg = lax.axis_index("wg")
         total = us_ref[sm, g_count]
 
         def group_info(g):
@@ -301,93 +328,54 @@ def tgmm_pallas_ws_sm(x, dy, offsets, tiles, out_dtype, interpret):
                 g = jnp.where(ok, c, g)
             return g
 
-        def unit(u, g=None):
-            """(g, t, s, ...) of this SM's unit u: group, tile, k-step (g: known)."""
-            g = group_of(u) if g is None else g
+        def unit(u, g):
+            """(t, s, astart, lead, size, nsteps) of this SM's unit u of group g."""
             astart, lead, size, nsteps, t0 = group_info(g)
             local = u - us_ref[sm, g]
             j = lax.div(local, nsteps)
             s = local - j * nsteps
-            return g, t0 + j * nsm, s, astart, lead, size, nsteps
+            return t0 + j * nsm, s, astart, lead, size, nsteps
 
-        def x_index(u):
-            _, t, s, astart, *_ = unit(u)
-            return pl.multiple_of(astart + s * bk, 8), tile_of(t)[0]
+        def index(side):
+            def index_map(u):
+                t, s, astart, *_ = unit(u, group_of(u))
+                return pl.multiple_of(astart + s * bk, 8), tile_of(t)[side]
+            return index_map
 
-        def dy_index(u):
-            _, t, s, astart, *_ = unit(u)
-            return pl.multiple_of(astart + s * bk, 8), tile_of(t)[1]
+        def step(idx, x_smem, dy_smem, carry):
+            # The consumers walk the units in order: carry the group and move it
+            # forward (usually not at all, or by one), instead of the producer's
+            # binary search on every step.
+            acc_carry, g0 = carry
+            u = idx[0]
+            g = lax.while_loop(lambda c: us_ref[sm, c + 1] <= u, lambda c: c + 1, g0)
+            t, s, _, lead, size, nsteps = unit(u, g)
+            return _ws_mma(pl, plgpu, sh, x_smem, dy_smem, acc_carry, s, nsteps, lead, size,
+                           lambda val: store(g, t, val)), g
 
-        def scoped(o_smem):
-            wg = lax.axis_index("wg")
+        acc_context = carried_acc_context(pl, plgpu, (bm, bn), interpret)
 
-            def store(g, t, val):
-                mi, ni = tile_of(t)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # this warpgroup's slot free
-                o_smem[wg] = val.astype(o_smem.dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(
-                    o_smem.at[wg], o_ref.at[g, pl.ds(mi * cm + wg * bm, bm), pl.ds(ni * bn, bn)])
+        @pl.when(total > 0)
+        def _():
+            plgpu.emit_pipeline_warp_specialized(
+                step, grid=(total,), memory_registers=40,
+                in_specs=[plgpu.BlockSpec((pl.Element(bk), cm), index(0), transforms=tr),
+                          plgpu.BlockSpec((pl.Element(bk), bn), index(1), transforms=tr)],
+                wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=steps,
+                compute_context=lambda run: acc_context(lambda c: run((c, jnp.int32(0)))),
+            )(x_ref, dy_ref)
 
-            def step(idx, x_smem, dy_smem, carry):
-                # The consumers walk the units in order: carry the group and
-                # move it forward (usually not at all, or by one), instead of
-                # the producer's binary search on every step.
-                acc_carry, g0 = carry
-                u = idx[0]
-                g = lax.while_loop(lambda c: us_ref[sm, c + 1] <= u, lambda c: c + 1, g0)
-                g, t, s, _, lead, size, nsteps = unit(u, g)
-                acc_ref = acc_carry[0] if interpret else acc_carry
+        @pl.when(wg < 2)
+        def _():   # empty groups: this SM's tiles of them are zeros, no matmul
+            @pl.loop(0, g_count)
+            def _(g):
+                _, _, size, _, t0 = group_info(g)
 
-                @pl.when(step_has_outside_rows(s, nsteps, lead, size, bk))
+                @pl.when(size <= 0)
                 def _():
-                    zero_rows_outside(plgpu, x_smem, cm, s, bk, lead, size)
-                    zero_rows_outside(plgpu, dy_smem, bn, s, bk, lead, size)
-                    plgpu.commit_smem()
+                    @pl.loop(0, round_robin_count(n_tiles, t0, nsm))
+                    def _(j):
+                        store(g, t0 + j * nsm, jnp.zeros((bm, bn), jnp.float32))
 
-                xs = x_smem.at[:, pl.ds(pl.multiple_of(wg * bm, bm), bm)]
-                plgpu.wgmma(acc_ref, transposed(plgpu, xs), dy_smem)
-                plgpu.wgmma_wait(0)
-                return flush_on_last_step(pl, plgpu, acc_carry, s == nsteps - 1,
-                                          lambda val: store(g, t, val), interpret, (bm, bn),
-                                          wait=True), g
-
-            acc_context = carried_acc_context(pl, plgpu, (bm, bn), interpret)
-
-            @pl.when(total > 0)
-            def _():
-                plgpu.emit_pipeline_warp_specialized(
-                    step, grid=(total,), memory_registers=40,
-                    in_specs=[plgpu.BlockSpec((pl.Element(bk), cm), x_index, transforms=tr),
-                              plgpu.BlockSpec((pl.Element(bk), bn), dy_index, transforms=tr)],
-                    wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=steps,
-                    compute_context=lambda run: acc_context(lambda c: run((c, jnp.int32(0)))),
-                )(x_ref, dy_ref)
-
-            @pl.when(wg < 2)
-            def _():   # empty groups: this SM's tiles of them are zeros, no matmul
-                @pl.loop(0, g_count)
-                def _(g):
-                    _, _, size, _, t0 = group_info(g)
-
-                    @pl.when(size <= 0)
-                    def _():
-                        @pl.loop(0, round_robin_count(n_tiles, t0, nsm))
-                        def _(j):
-                            store(g, t0 + j * nsm, jnp.zeros((bm, bn), jnp.float32))
-
-                plgpu.wait_smem_to_gmem(0)
-
-        pl.run_scoped(scoped, plgpu.SMEM((2, bm, bn), out_dtype, transforms=o_tr),
-                      collective_axes="wg")
-
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((g_count, k, n), out_dtype),
-        grid=(nsm,),
-        grid_names=("sm",),
-        num_threads=3,
-        thread_name="wg",
-        **kernel_params(plgpu, interpret),
-    )
+    kernel = _ws_kernel(pl, plgpu, sh, tile_of, g_count, k, n, out_dtype, o_tr, inner)
     return kernel(offsets.astype(jnp.int32), ustart, x, dy)
