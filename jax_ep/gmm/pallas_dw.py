@@ -130,6 +130,25 @@ def _ws_step(pl, plgpu, sh, g, t0, lead, size, nsteps, store):
     return step
 
 
+def _ws_geometry(x, dy, offsets, tiles, interpret):
+    """The static values of a 2-consumer dw kernel: (pl, plgpu, sh = (bm, bn,
+    bk, cm, nsm, interpret), stages, groups, K, N, CTA tiles per group, input
+    and output smem transforms, tile_of: CTA tile index -> (row, column) tile,
+    swept in bands)."""
+    pl, plgpu = pallas_modules()
+    bm, bn, bk, steps, band = tiles
+    k, n = x.shape[1], dy.shape[1]
+    cm = 2 * bm
+    grid_m, grid_n = k // cm, n // bn
+    sh = (bm, bn, bk, cm, num_sms(interpret), interpret)
+    tr, o_tr = dw_transforms(plgpu, x.dtype, bk, bn)
+
+    def tile_of(t):
+        return plgpu.planar_snake(t, (grid_m, grid_n), 0, band)
+    return (pl, plgpu, sh, steps, offsets.shape[0] - 1, k, n, grid_m * grid_n, tr, o_tr,
+            tile_of)
+
+
 def _ws_kernel(pl, plgpu, sh, tile_of, g_count, k, n, out_dtype, o_tr, inner):
     """The 2-consumer dw kernel around ``inner(store, *refs)``: one CTA per SM,
     a producer and two consumer warpgroups, each consumer's output half
@@ -229,24 +248,13 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret):
     group has only ~4 k-steps of 64 rows at V3 shapes: the epilogue and the
     pipeline fill are what the one-warpgroup kernel waits on).
     """
-    pl, plgpu = pallas_modules()
-    bm, bn, bk, steps, band = tiles
-    k, n = x.shape[1], dy.shape[1]
-    g_count = offsets.shape[0] - 1
-    cm = 2 * bm
-    grid_m, grid_n = k // cm, n // bn
-    n_tiles = grid_m * grid_n
-    nsm = num_sms(interpret)
-    sh = (bm, bn, bk, cm, nsm, interpret)
-    tr, o_tr = dw_transforms(plgpu, x.dtype, bk, bn)
-
-    def tile_of(t):
-        return plgpu.planar_snake(t, (grid_m, grid_n), 0, band)
+    pl, plgpu, sh, steps, g_count, k, n, n_tiles, tr, o_tr, tile_of = _ws_geometry(
+        x, dy, offsets, tiles, interpret)
 
     def inner(store, off_ref, x_ref, dy_ref):
         def group(g, carry):
             _ws_group(pl, plgpu, sh, (off_ref, x_ref, dy_ref), g, tile_of, store, n_tiles,
-                      n_tiles % nsm, steps, tr)
+                      n_tiles % sh[4], steps, tr)
             return carry
 
         lax.fori_loop(0, g_count, group, jnp.int32(0))
@@ -286,22 +294,12 @@ def tgmm_pallas_ws_sm(x, dy, offsets, tiles, out_dtype, interpret):
     (session 14: written for an A/B against the per-group pipeline, whose
     fill is an estimated 10-20% of dw where groups are one k-step deep).
     """
-    pl, plgpu = pallas_modules()
-    bm, bn, bk, steps, band = tiles
-    k, n = x.shape[1], dy.shape[1]
-    g_count = offsets.shape[0] - 1
-    cm = 2 * bm
-    grid_m, grid_n = k // cm, n // bn
-    n_tiles = grid_m * grid_n
-    nsm = num_sms(interpret)
-    sh = (bm, bn, bk, cm, nsm, interpret)
+    pl, plgpu, sh, steps, g_count, k, n, n_tiles, tr, o_tr, tile_of = _ws_geometry(
+        x, dy, offsets, tiles, interpret)
+    bm, bn, bk, cm, nsm, _ = sh
     rot_step = n_tiles % nsm
-    tr, o_tr = dw_transforms(plgpu, x.dtype, bk, bn)
     ustart = _unit_starts(offsets, n_tiles, nsm, rot_step, bk)
     search = [1 << p for p in reversed(range(max(1, (g_count - 1).bit_length())))]
-
-    def tile_of(t):
-        return plgpu.planar_snake(t, (grid_m, grid_n), 0, band)
 
     def inner(store, off_ref, us_ref, x_ref, dy_ref):
         sm = lax.axis_index("sm")

@@ -324,17 +324,7 @@ def _put_worker(rank, n):
         with checks.guard(case[0]):
             fn(lb, checks, rng, case)
     # windows (staged rows and mask words indexed by the window): on one region
-    nbytes = lb.C.internode_region_bytes(2, R, WINDOW_T, WINDOW_H)
-
-    def region(N):
-        lb.sym_buffers(R, nbytes)
-        return inter(lb, N, WINDOW_T), nbytes
-    lb._sym.pop(R, None)
-    fns = {"d": _dispatch_case, "c": _combine_case, "f": _fp8_case}
-    for kind, case in [WINDOW_CALLS[i] for i in (0, 1, 3)]:
-        case = ("put_" + case[0],) + tuple(case[1:])
-        with checks.guard(case[0]):
-            fns[kind](lb, checks, rng, case, region)
+    _window_calls(lb, checks, rng, [WINDOW_CALLS[i] for i in (0, 1, 3)], "put_")
     return checks.results
 
 
@@ -395,8 +385,9 @@ WINDOW_CALLS = [  # (kind, case): d / c as FIXED_T_CALLS, f: FP8_CASES' fields
 ]
 
 
-def _window_worker(rank, n):
-    lb, checks, rng = _start()
+def _window_calls(lb, checks, rng, calls, prefix=""):
+    """``calls`` (WINDOW_CALLS entries) in order on one region laid out for
+    WINDOW_T tokens (fresh, zeroed buffers, then kept: epochs carried)."""
     nbytes = lb.C.internode_region_bytes(2, R, WINDOW_T, WINDOW_H)
 
     def region(N):
@@ -404,9 +395,15 @@ def _window_worker(rank, n):
         return inter(lb, N, WINDOW_T), nbytes
     lb._sym.pop(R, None)
     fns = {"d": _dispatch_case, "c": _combine_case, "f": _fp8_case}
-    for kind, case in WINDOW_CALLS:
+    for kind, case in calls:
+        case = (prefix + case[0],) + tuple(case[1:])
         with checks.guard(case[0]):
             fns[kind](lb, checks, rng, case, region)
+
+
+def _window_worker(rank, n):
+    lb, checks, rng = _start()
+    _window_calls(lb, checks, rng, WINDOW_CALLS)
     return checks.results
 
 
