@@ -122,16 +122,20 @@ class EpConfig:
       num_nodes: the EP group is ``num_nodes`` consecutive blocks of
         ``R / num_nodes`` ranks ("nodes": rank r is in node ``r // (R /
         num_nodes)``); R must be a multiple of it (checked at trace time).
-        1 (the default): the intranode kernels. > 1: the native backend uses
+        1 (the default): the intranode kernels, unless the EP group has more
+        ranks than a host of the job has GPUs: then one node per host,
+        chosen at trace time from the hosts ``jax_ep.initialize`` learnt
+        (``jax_ep.hosts.auto_nodes``; each host's ranks contiguous along the
+        axis, else a clear error at lowering). > 1: the native backend uses
         the hierarchical (internode) kernels, docs/internode.md: each token
         crosses the "network" once per destination node and is forwarded
         inside the node; combine sums each node's partials before the network
         leg (so bf16 results differ from the flat sum by one rounding per node
-        partial). Nothing is inferred from the hardware: on one host this
-        *emulates* nodes (the network leg goes through the same P2P stores).
-        Pass the config to ``jax_ep.initialize(config=...)`` so the buffer
-        gets the internode region. The reference backend ignores it (same
-        semantics). Not yet run on GPUs through JAX.
+        partial). On one host ``num_nodes > 1`` *emulates* nodes (the network
+        leg goes through the same P2P stores). Pass the config to
+        ``jax_ep.initialize(config=...)`` so the buffer gets the internode
+        region (it follows the hosts for ``num_nodes=1`` too). The reference
+        backend ignores it (same semantics). Not yet run on GPUs through JAX.
       ll_transport: how the native low-latency (decode) kernels reach each
         rank of the EP group: ``"auto"`` (P2P stores to the ranks whose memory
         NVSHMEM maps, over NVLink; NVSHMEM puts to the others, e.g. a PE

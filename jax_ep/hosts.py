@@ -7,6 +7,10 @@
   needed); across hosts NVSHMEM's default remote transport plus IBGDA
   (GPU-initiated RDMA). A setting that leaves no network transport across
   hosts is a clear error there.
+- When a native call is traced with ``EpConfig.num_nodes == 1``, an EP group
+  with more ranks than a host has PEs takes the hierarchical kernels with one
+  node per host (:func:`auto_nodes`; ``jax_ep.initialize(config=...)`` lays
+  out their region the same way).
 - When a native call is lowered, :func:`check_ep_groups` refuses an EP group
   the kernels cannot reach: the intranode kernels need NVLink (CUDA P2P)
   between every pair of ranks, so a group spanning hosts needs
@@ -160,6 +164,24 @@ def check_ep_groups(target: str, groups: np.ndarray, hosts: Optional[Sequence[st
                 f"jax_ep: the EP group along {axis_name!r} spans {len(set(hs))} hosts "
                 f"({_layout(hs)}), and the intranode kernels need NVLink between every pair of "
                 f"ranks; use the hierarchical kernels: {hint} (docs/multihost.md)")
+
+
+def auto_nodes(hosts: Optional[Sequence[str]], num_ranks: int) -> int:
+    """Nodes for the hierarchical kernels when ``EpConfig.num_nodes`` is 1:
+    one per host when an EP group of ``num_ranks`` ranks cannot fit on one
+    host (more ranks than a host has PEs), else 1. ``hosts``: host of each
+    PE (None or one host: 1). Needs the job's PEs laid out as hosts of equally
+    many consecutive PEs (what the launcher and SLURM give), else 1 and the
+    lowering's check names what does not fit."""
+    if not hosts or len(set(hosts)) <= 1:
+        return 1
+    runs = _runs(list(hosts))
+    per = runs[0][1]
+    if len(runs) != len(set(hosts)) or any(c != per for _, c in runs):
+        return 1
+    if num_ranks > per and num_ranks % per == 0:
+        return num_ranks // per
+    return 1
 
 
 def _runs(hs):

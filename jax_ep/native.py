@@ -66,8 +66,21 @@ def _check_staging(op: str, R: int, T: int, row_bytes: int, s_row_bytes: int, cf
         raise ValueError(f"jax_ep native {op}: {msg}")
 
 
+def nodes_of(cfg: EpConfig, R: int) -> int:
+    """The node count the native kernels run an EP group of R ranks with:
+    ``cfg.num_nodes`` when > 1 (explicit, or emulated nodes on one host), else
+    one node per host when the group cannot fit on one host of the live
+    runtime's job (:func:`jax_ep.hosts.auto_nodes`), else 1 (the intranode
+    kernels). Decided at trace time, the same on every rank."""
+    if cfg.num_nodes > 1:
+        return cfg.num_nodes
+    from . import hosts, runtime
+
+    return hosts.auto_nodes(runtime.pe_hosts(), R)
+
+
 def _check_internode(op: str, R: int, cfg: EpConfig) -> None:
-    """Trace time, num_nodes > 1: the live runtime has an internode region
+    """Trace time, more than one node (:func:`nodes_of`): the live runtime has an internode region
     (any T runs on it, as windows of its T; the handlers check the bytes too,
     naming them)."""
     from . import runtime
@@ -77,8 +90,11 @@ def _check_internode(op: str, R: int, cfg: EpConfig) -> None:
     if not info:
         return
     if not info.get("inter_bytes"):
-        raise ValueError(f"jax_ep native {op}: EpConfig.num_nodes={cfg.num_nodes} needs the "
-                         "internode region: pass this config to jax_ep.initialize(config=...)")
+        why = (f"EpConfig.num_nodes={cfg.num_nodes}" if cfg.num_nodes > 1 else
+               f"the EP group of {R} ranks spans hosts ({nodes_of(cfg, R)} nodes, chosen "
+               "automatically)")
+        raise ValueError(f"jax_ep native {op}: {why} needs the internode region: pass this "
+                         "config to jax_ep.initialize(config=...)")
 
 
 def _net_transport(cfg: EpConfig) -> np.int32:
@@ -139,13 +155,14 @@ def dispatch_raw(x, x_scales, handle: Handle, cfg: EpConfig, *, cast_fp8: bool =
         else:
             scales, S = _empty_f32(T), 0
     sms = np.int32(num_sms) if num_sms is not None else _num_sms(cfg)
-    if cfg.num_nodes > 1:  # hierarchical kernels (cc/ffi_internode.cc); no debug_skip there
+    nodes = nodes_of(cfg, handle.num_ranks)
+    if nodes > 1:  # hierarchical kernels (cc/ffi_internode.cc); no debug_skip there
         _check_internode("dispatch", handle.num_ranks, cfg)
         out, out_scales = _ffi.call(
             "jax_ep_internode_dispatch",
             [((C, W), out_dtype), ((C, S), jnp.float32)],
             x, scales, handle.row_src, handle.slot_row, handle.send_mask,
-            ep_axis=cfg.axis_name, has_side_effect=True, nodes=np.int32(cfg.num_nodes),
+            ep_axis=cfg.axis_name, has_side_effect=True, nodes=np.int32(nodes),
             net_transport=_net_transport(cfg), mode=np.int32(mode), rank_major=np.int32(handle.layout == "rank_major"), num_sms=sms,
             fp8_scale_mode=np.int32(_fp8_scale_mode(cfg)), **_row_attrs(handle, cfg),
             chunk=_tuning_attrs(cfg, "dispatch", 0)["chunk"])
@@ -191,13 +208,14 @@ def combine_raw(y, row_weights, handle: Handle, cfg: EpConfig, *, num_sms: Optio
     weighted = row_weights is not None and not rank_major
     w = row_weights.astype(jnp.float32) if weighted else jnp.zeros((0,), jnp.float32)
     sms = np.int32(num_sms) if num_sms is not None else _num_sms(cfg)
-    if cfg.num_nodes > 1:  # hierarchical kernels (cc/ffi_internode.cc)
+    nodes = nodes_of(cfg, handle.num_ranks)
+    if nodes > 1:  # hierarchical kernels (cc/ffi_internode.cc)
         _check_internode("combine", handle.num_ranks, cfg)
         (out,) = _ffi.call(
             "jax_ep_internode_combine",
             [((T, y.shape[1]), y.dtype)],
             y, w, handle.slot_row, handle.recv_local_idx, handle.send_mask,
-            ep_axis=cfg.axis_name, has_side_effect=True, nodes=np.int32(cfg.num_nodes),
+            ep_axis=cfg.axis_name, has_side_effect=True, nodes=np.int32(nodes),
             net_transport=_net_transport(cfg), rank_major=np.int32(rank_major), weighted=np.int32(weighted), num_sms=sms,
             chunk=_tuning_attrs(cfg, "combine", 0)["chunk"])
         return out
@@ -262,7 +280,7 @@ class NativeBackend:
     def combine_backward(self, g, y, w, handle: Handle, cfg: EpConfig):
         if w is None or handle.layout != "expert_major":  # rank_major: a dispatch of g
             return dispatch_raw(g, None, handle, cfg)[0].astype(y.dtype), None
-        if cfg.num_nodes > 1:
+        if nodes_of(cfg, handle.num_ranks) > 1:
             # No fused internode kernel: the internode dispatch of g (bit-identical
             # to the flat one), then the reference's dy / dw in XLA ([C, W] f32
             # temporaries, as the reference backend).

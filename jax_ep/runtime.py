@@ -272,9 +272,12 @@ def internode_window(region_bytes, nodes: int, ranks: int, tokens: int, hidden: 
     return lo
 
 
-def internode_shape_of(configs, ranks: int, region_bytes=None) -> tuple:
+def internode_shape_of(configs, ranks: int, region_bytes=None, hosts=None) -> tuple:
     """(nodes, ranks, W, H) of the internode region for the configs given to
-    :func:`initialize`, or zeros when none has ``num_nodes > 1``. The region
+    :func:`initialize`, or zeros when none has more than one node: its
+    ``num_nodes``, or for ``num_nodes == 1`` one node per host when the job's
+    ``ranks`` cannot fit on one host (``hosts``: host of each PE, as
+    :func:`jax_ep.hosts.auto_nodes`, which the native calls follow). The region
     is laid out for the largest ``hidden`` of them and a window of W tokens:
     the largest ``max_tokens_per_rank``, or fewer where the region would
     exceed the smallest ``internode_bytes`` (:func:`internode_window`, with
@@ -283,10 +286,12 @@ def internode_shape_of(configs, ranks: int, region_bytes=None) -> tuple:
     ``ranks`` is the EP size initialize assumes (every process, or every GPU
     with peer memory). Configs must agree on ``num_nodes`` (one region, one
     node split to size it for)."""
-    inter = [c for c in configs if c.num_nodes > 1]
+    auto = _hosts.auto_nodes(hosts, ranks)
+    inter = [(c, c.num_nodes if c.num_nodes > 1 else auto) for c in configs]
+    inter = [(c, n) for c, n in inter if n > 1]
     if not inter:
         return (0, 0, 0, 0)
-    nodes = {c.num_nodes for c in inter}
+    nodes = {n for _, n in inter}
     if len(nodes) > 1:
         raise ValueError(f"jax_ep.initialize: configs with different num_nodes {sorted(nodes)}; "
                          "the internode region is sized for one")
@@ -294,6 +299,7 @@ def internode_shape_of(configs, ranks: int, region_bytes=None) -> tuple:
     if ranks % N != 0:
         raise ValueError(f"jax_ep.initialize: EpConfig.num_nodes ({N}) must divide the "
                          f"{ranks} EP ranks of this job")
+    inter = [c for c, _ in inter]
     T, H = max(c.max_tokens_per_rank for c in inter), max(c.hidden for c in inter)
     if region_bytes is not None:
         bounds = [c.internode_bytes for c in inter if c.internode_bytes is not None]
@@ -429,9 +435,6 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
         raise ValueError(f"jax_ep.initialize: buffer_bytes must be positive, got {buffer_bytes}")
     ll_shape = ll_shape_of(low_latency)
     ll_bytes = int(C.ll_region_size(ll_shape))
-    inter_shape = internode_shape_of(cfgs, ranks, C.internode_region_bytes)
-    inter_bytes = int(C.internode_region_bytes(*inter_shape))
-    need_heap = buffer_bytes + ll_bytes + 256 + inter_bytes + 256   # regions start 256-aligned
 
     import jax
 
@@ -439,8 +442,9 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
     gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
     if not gpus:
         return _not_up("no CUDA GPU visible to JAX in this process")
-    if transport == "peer_memory":
-        return _attach_peer_memory(C, gpus, buffer_bytes, ll_shape, inter_shape)
+    if transport == "peer_memory":   # one process: one host
+        return _attach_peer_memory(C, gpus, buffer_bytes, ll_shape,
+                                   internode_shape_of(cfgs, ranks, C.internode_region_bytes))
     if len(gpus) != 1:
         return _not_up(
             f"this process drives {len(gpus)} GPUs; the NVSHMEM transport needs one GPU per "
@@ -449,6 +453,15 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
             "jax_ep.initialize(transport='peer_memory')")
     device = int(gpus[0].local_hardware_id)
     rank, nranks = jax.process_index(), jax.process_count()
+    # Every process's host first: the internode region's node split follows it
+    # (an EP group larger than a host: one node per host, hosts.auto_nodes).
+    user_net = _user_network_env()
+    hosts, net_env = _hosts.job_network_env(_hosts.exchange(
+        _kv_client() if nranks > 1 else None, rank, nranks, _state["generation"],
+        _UID_TIMEOUT_MS, _hosts.local_value(user_net)))
+    inter_shape = internode_shape_of(cfgs, ranks, C.internode_region_bytes, hosts)
+    inter_bytes = int(C.internode_region_bytes(*inter_shape))
+    need_heap = buffer_bytes + ll_bytes + 256 + inter_bytes + 256   # regions start 256-aligned
     _register_targets()
     _set_nvshmem_env(need_heap)
     if _state["nvshmem_up"] and _state.get("heap_bytes") and need_heap > _state["heap_bytes"]:
@@ -475,10 +488,6 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
                 f"{os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION', 'unset: 0.75')}) or set "
                 "XLA_PYTHON_CLIENT_PREALLOCATE=false before JAX starts, or pass a smaller "
                 "buffer_bytes")
-    user_net = _user_network_env()
-    hosts, net_env = _hosts.job_network_env(_hosts.exchange(
-        _kv_client() if nranks > 1 else None, rank, nranks, _state["generation"],
-        _UID_TIMEOUT_MS, _hosts.local_value(user_net)))
     if not _state["nvshmem_up"]:
         # One host: no network transport (no NIC needed). Several: NVSHMEM's
         # default plus IBGDA, unless the users chose (hosts.network_env).

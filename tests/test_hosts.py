@@ -85,6 +85,20 @@ def test_intranode_group_across_hosts_names_num_nodes():
     hosts.check_ep_groups("jax_ep_ll_dispatch_send", groups, HOSTS, None, "ep")
 
 
+def test_auto_nodes():
+    """One node per host when the EP group has more ranks than a host has PEs
+    (the hosts laid out as equal consecutive runs), else 1."""
+    assert hosts.auto_nodes(HOSTS, 8) == 4
+    assert hosts.auto_nodes(HOSTS, 4) == 2
+    assert hosts.auto_nodes(HOSTS, 2) == 1          # fits a host: intranode
+    assert hosts.auto_nodes(HOSTS, 6) == 3
+    assert hosts.auto_nodes(HOSTS, 3) == 1          # not whole hosts: left to the check
+    assert hosts.auto_nodes(["h"] * 8, 8) == 1
+    assert hosts.auto_nodes(None, 8) == 1
+    assert hosts.auto_nodes(["a", "b", "a", "b"], 4) == 1          # interleaved
+    assert hosts.auto_nodes(["a", "a", "a", "b"], 4) == 1          # unequal
+
+
 def test_internode_node_blocks_must_share_a_host():
     groups = np.arange(8).reshape(1, 8)
     hosts.check_ep_groups("jax_ep_internode_dispatch", groups, HOSTS, np.int32(4), "ep")

@@ -119,6 +119,18 @@ def test_internode_shape_of():
         runtime.internode_shape_of([_cfg(num_nodes=4)], 6)
 
 
+def test_internode_shape_follows_the_hosts():
+    """num_nodes 1 on a job that spans hosts with more EP ranks than a host
+    has PEs: the region gets one node per host (what the native calls pick,
+    hosts.auto_nodes); an explicit num_nodes must agree with it."""
+    hosts = ["a", "a", "b", "b", "c", "c", "d", "d"]
+    assert runtime.internode_shape_of([_cfg()], 8, hosts=hosts) == (4, 8, T, H)
+    assert runtime.internode_shape_of([_cfg()], 8, hosts=["h"] * 8) == (0, 0, 0, 0)
+    assert runtime.internode_shape_of([_cfg(num_nodes=4)], 8, hosts=hosts) == (4, 8, T, H)
+    with pytest.raises(ValueError, match="different num_nodes"):
+        runtime.internode_shape_of([_cfg(), _cfg(num_nodes=2)], 8, hosts=hosts)
+
+
 def test_internode_window():
     """The window: the largest T whose region fits the bound (the smallest
     internode_bytes of the configs), every T when it fits, an error when not

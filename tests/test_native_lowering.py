@@ -111,6 +111,42 @@ def test_native_calls_match_cc_bindings(native_everywhere, layout, variant):
             f"{sorted(attrs)}; cc binds {b_ops}, {b_res}, {sorted(b_attrs)}")
 
 
+@pytest.mark.parametrize("hosts", [["a", "a", "b", "b", "c", "c", "d", "d"], ["h"] * 8])
+def test_ep_group_across_hosts_takes_the_internode_kernels(native_everywhere, monkeypatch,
+                                                           hosts):
+    """EpConfig.num_nodes 1 (the default) and an EP group of 4 ranks on hosts of
+    2 PEs: the internode targets with nodes = 2, chosen at trace time (the
+    lowering's host check passes: each node is one host); on one host the
+    intranode targets."""
+    from jax_ep import runtime
+
+    monkeypatch.setattr(runtime, "pe_hosts", lambda: hosts)
+    mesh = make_mesh((2, 4), ("data", "ep"))
+    T, H, K, E = 4, 128, 2, 8
+    cfg = jax_ep.EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H,
+                          backend="native")
+
+    def layer(x, idx, w):
+        d = jax_ep.dispatch(x, idx, w, cfg)
+        return jax_ep.combine((d.x.astype(jnp.float32) * 2.0).astype(x.dtype), d, cfg)
+
+    tok = P(("data", "ep"))
+    f = jax.shard_map(layer, mesh=mesh, in_specs=(tok,) * 3, out_specs=tok)
+    x = np.random.rand(32, H).astype(np.float32)
+    idx = np.random.randint(0, E, (32, K)).astype(np.int32)
+    w = np.random.rand(32, K).astype(np.float32)
+    text = jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, idx, w)), argnums=(0, 1))).lower(
+        x, w).as_text()
+    names = {c[0] for c in _calls(text)}
+    if len(set(hosts)) > 1:
+        assert {"jax_ep_internode_dispatch", "jax_ep_internode_combine"} <= names, names
+        assert not names & {"jax_ep_dispatch", "jax_ep_combine", "jax_ep_combine_bwd"}, names
+        assert re.search(r"nodes = 2 : i32", text)
+    else:
+        assert {"jax_ep_dispatch", "jax_ep_combine", "jax_ep_combine_bwd"} <= names, names
+        assert not any(n.startswith("jax_ep_internode") for n in names), names
+
+
 @pytest.mark.parametrize("net", ["auto", "p2p"])
 @pytest.mark.parametrize("layout", ["expert_major", "rank_major"])
 @pytest.mark.parametrize("variant", ["bf16", "fp8"])
