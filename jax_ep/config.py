@@ -161,7 +161,11 @@ class EpConfig:
         does not grow with T. At V3-train on 2 x 4 ranks (H 7168) 1 GiB holds
         W = 780 tokens: T 4096 runs as 6 windows. With several configs the
         smallest bound any of them sets wins (1 GiB when none sets one); a
-        later ``initialize`` keeps the live region.
+        later ``initialize`` keeps the live region. ``initialize`` sizes it,
+        like the normal buffer, for an EP group of every process: a job that
+        spans hosts gets a region even when its EP groups stay inside a host
+        (data parallel across hosts); a small bound (e.g. ``1 << 24``) keeps
+        that unused region small.
     """
 
     num_experts: int
@@ -292,7 +296,9 @@ class EpConfig:
         N * W`` (G = R / N; each with its put staging), f32 wide (any row dtype
         fits), plus flags, for the window W of :meth:`internode_window`; at
         most ``internode_bytes``. Not covered by ``buffer_bytes``. Computed by
-        the extension (``cc/kernels/internode_layout.h``)."""
+        the extension (``cc/kernels/internode_layout.h``). (With ``num_nodes
+        == 1`` on a job that spans hosts, ``initialize`` lays the region out
+        for one node per host: ``runtime.internode_shape_of``.)"""
         if self.num_nodes == 1:
             return 0
         C = _internode_extension("native_internode_bytes")

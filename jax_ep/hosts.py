@@ -100,10 +100,16 @@ def job_network_env(values: Sequence[str]) -> tuple:
     return hosts, network_env(hosts, nets[0])
 
 
-def local_value(user_net: Mapping[str, Optional[str]]) -> str:
-    """What this process contributes to :func:`exchange`: its host and the
-    network variables its user set."""
-    return json.dumps({"host": host_id(), "net": dict(user_net)}, sort_keys=True)
+def local_value(user_net: Mapping[str, Optional[str]], free_bytes: int = 0) -> str:
+    """What this process contributes to :func:`exchange`: its host, the
+    network variables its user set and its GPU's free bytes."""
+    return json.dumps({"host": host_id(), "net": dict(user_net), "free": int(free_bytes)},
+                      sort_keys=True)
+
+
+def free_bytes_of(values: Sequence[str]) -> list:
+    """Every process's free GPU bytes from the exchanged ``values``."""
+    return [int(json.loads(v).get("free", 0)) for v in values]
 
 
 def network_env(hosts: Sequence[str], user: Mapping[str, Optional[str]]) -> dict:

@@ -93,8 +93,10 @@ def _check_internode(op: str, R: int, cfg: EpConfig) -> None:
         why = (f"EpConfig.num_nodes={cfg.num_nodes}" if cfg.num_nodes > 1 else
                f"the EP group of {R} ranks spans hosts ({nodes_of(cfg, R)} nodes, chosen "
                "automatically)")
-        raise ValueError(f"jax_ep native {op}: {why} needs the internode region: pass this "
-                         "config to jax_ep.initialize(config=...)")
+        raise ValueError(f"jax_ep native {op}: {why} needs the internode region, which the "
+                         "live runtime does not have: pass this config to the first "
+                         "jax_ep.initialize(config=...) (or jax_ep.finalize() and initialize "
+                         "again)")
 
 
 def _net_transport(cfg: EpConfig) -> np.int32:

@@ -233,22 +233,26 @@ def _config_list(config) -> list:
 
 def _check_internode_region(config) -> None:
     """A later ``initialize(config=...)`` on a live runtime: its internode
-    configs must fit the region laid out at start (else their calls would fail
-    with "pass this config to jax_ep.initialize" although the user did)."""
-    inter = [c for c in _config_list(config) if getattr(c, "num_nodes", 1) > 1]
+    configs (``num_nodes > 1``, or one node per host where the job spans hosts:
+    :func:`internode_shape_of`) must fit the region laid out at start (else
+    their calls would fail with "pass this config to jax_ep.initialize"
+    although the user did)."""
+    have = tuple(int(v) for v in (info() or {}).get("inter_shape", (0, 0, 0, 0)))
+    hosts = pe_hosts()
+    wanted, inter = _internode_configs(_config_list(config), len(hosts or []), hosts)
     if not inter:
         return
-    have = tuple(int(v) for v in (info() or {}).get("inter_shape", (0, 0, 0, 0)))
     n, _, _, h = have
     # any T fits (calls run as windows of the region's T); nodes and hidden must
-    bad = [c for c in inter if c.num_nodes != n or c.hidden > h]
+    bad = [c for c in inter if wanted != n or c.hidden > h]
     if bad:
         c = bad[0]
         raise ValueError(
             f"jax_ep.initialize(config=...): the runtime is already up with an internode region "
             f"for (nodes, ranks, T window, H) = {have} (zeros: none); this config needs "
-            f"num_nodes={n} and hidden <= {h} to fit, and has num_nodes={c.num_nodes}, "
-            f"hidden={c.hidden}. Call jax_ep.finalize() first")
+            f"{wanted} nodes (num_nodes={c.num_nodes}"
+            + (", one node per host" if c.num_nodes == 1 else "")
+            + f") and hidden {c.hidden}. Call jax_ep.finalize() first")
 
 
 def internode_window(region_bytes, nodes: int, ranks: int, tokens: int, hidden: int,
@@ -272,12 +276,29 @@ def internode_window(region_bytes, nodes: int, ranks: int, tokens: int, hidden: 
     return lo
 
 
+def _internode_configs(configs, ranks: int, hosts) -> tuple:
+    """``(N, the configs that need the internode region)``: those with
+    ``num_nodes > 1`` (which must agree on N), or where none has, every config
+    with one node per host when ``ranks`` cannot fit on one host
+    (:func:`jax_ep.hosts.auto_nodes`); ``(0, [])`` when none needs it."""
+    explicit = [c for c in configs if c.num_nodes > 1]
+    if explicit:
+        nodes = {c.num_nodes for c in explicit}
+        if len(nodes) > 1:
+            raise ValueError(f"jax_ep.initialize: configs with different num_nodes "
+                             f"{sorted(nodes)}; the internode region is sized for one")
+        return nodes.pop(), explicit
+    auto = _hosts.auto_nodes(hosts, ranks)
+    return (auto, list(configs)) if auto > 1 and configs else (0, [])
+
+
 def internode_shape_of(configs, ranks: int, region_bytes=None, hosts=None) -> tuple:
     """(nodes, ranks, W, H) of the internode region for the configs given to
     :func:`initialize`, or zeros when none has more than one node: its
-    ``num_nodes``, or for ``num_nodes == 1`` one node per host when the job's
-    ``ranks`` cannot fit on one host (``hosts``: host of each PE, as
-    :func:`jax_ep.hosts.auto_nodes`, which the native calls follow). The region
+    ``num_nodes``, or where no config gives one (> 1), one node per host when
+    the job's ``ranks`` cannot fit on one host (``hosts``: host of each PE, as
+    :func:`jax_ep.hosts.auto_nodes`, which the native calls follow; like the
+    normal buffer it assumes the EP group is every process). The region
     is laid out for the largest ``hidden`` of them and a window of W tokens:
     the largest ``max_tokens_per_rank``, or fewer where the region would
     exceed the smallest ``internode_bytes`` (:func:`internode_window`, with
@@ -286,20 +307,12 @@ def internode_shape_of(configs, ranks: int, region_bytes=None, hosts=None) -> tu
     ``ranks`` is the EP size initialize assumes (every process, or every GPU
     with peer memory). Configs must agree on ``num_nodes`` (one region, one
     node split to size it for)."""
-    auto = _hosts.auto_nodes(hosts, ranks)
-    inter = [(c, c.num_nodes if c.num_nodes > 1 else auto) for c in configs]
-    inter = [(c, n) for c, n in inter if n > 1]
+    N, inter = _internode_configs(configs, ranks, hosts)
     if not inter:
         return (0, 0, 0, 0)
-    nodes = {n for _, n in inter}
-    if len(nodes) > 1:
-        raise ValueError(f"jax_ep.initialize: configs with different num_nodes {sorted(nodes)}; "
-                         "the internode region is sized for one")
-    N = nodes.pop()
     if ranks % N != 0:
         raise ValueError(f"jax_ep.initialize: EpConfig.num_nodes ({N}) must divide the "
                          f"{ranks} EP ranks of this job")
-    inter = [c for c, _ in inter]
     T, H = max(c.max_tokens_per_rank for c in inter), max(c.hidden for c in inter)
     if region_bytes is not None:
         bounds = [c.internode_bytes for c in inter if c.internode_bytes is not None]
@@ -453,12 +466,15 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
             "jax_ep.initialize(transport='peer_memory')")
     device = int(gpus[0].local_hardware_id)
     rank, nranks = jax.process_index(), jax.process_count()
-    # Every process's host first: the internode region's node split follows it
-    # (an EP group larger than a host: one node per host, hosts.auto_nodes).
+    # Every process's host (and free GPU memory) first: the internode region's
+    # node split follows the hosts (an EP group larger than a host: one node per
+    # host, hosts.auto_nodes), and every process checks every process's memory.
     user_net = _user_network_env()
-    hosts, net_env = _hosts.job_network_env(_hosts.exchange(
+    values = _hosts.exchange(
         _kv_client() if nranks > 1 else None, rank, nranks, _state["generation"],
-        _UID_TIMEOUT_MS, _hosts.local_value(user_net)))
+        _UID_TIMEOUT_MS, _hosts.local_value(
+            user_net, 0 if _state["nvshmem_up"] else C.device_free_bytes(device)))
+    hosts, net_env = _hosts.job_network_env(values)
     inter_shape = internode_shape_of(cfgs, ranks, C.internode_region_bytes, hosts)
     inter_bytes = int(C.internode_region_bytes(*inter_shape))
     need_heap = buffer_bytes + ll_bytes + 256 + inter_bytes + 256   # regions start 256-aligned
@@ -475,15 +491,17 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
             "initialize")
 
     if not _state["nvshmem_up"]:
-        # Same answer on every rank (same JAX settings), so no rank is left
-        # waiting in a collective when this raises.
+        # Every process's free memory came with the hosts: the same answer on
+        # every rank, so no rank is left waiting in NVSHMEM's start when this raises.
         heap = int(os.environ["NVSHMEM_SYMMETRIC_SIZE"])
-        free = C.device_free_bytes(device)
+        frees = _hosts.free_bytes_of(values)
+        worst = min(range(nranks), key=lambda r: frees[r])
+        free = frees[worst]
         if heap > free:
             raise RuntimeError(
                 f"jax_ep.initialize: the NVSHMEM symmetric heap ({heap >> 20} MiB for "
                 f"buffer_bytes={buffer_bytes} + regions of {ll_bytes + inter_bytes} bytes) does not "
-                f"fit in the {free >> 20} MiB of GPU memory "
+                f"fit in the {free >> 20} MiB of GPU memory process {worst} has "
                 "JAX left free; lower XLA_PYTHON_CLIENT_MEM_FRACTION (now "
                 f"{os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION', 'unset: 0.75')}) or set "
                 "XLA_PYTHON_CLIENT_PREALLOCATE=false before JAX starts, or pass a smaller "

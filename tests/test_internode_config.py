@@ -127,8 +127,8 @@ def test_internode_shape_follows_the_hosts():
     assert runtime.internode_shape_of([_cfg()], 8, hosts=hosts) == (4, 8, T, H)
     assert runtime.internode_shape_of([_cfg()], 8, hosts=["h"] * 8) == (0, 0, 0, 0)
     assert runtime.internode_shape_of([_cfg(num_nodes=4)], 8, hosts=hosts) == (4, 8, T, H)
-    with pytest.raises(ValueError, match="different num_nodes"):
-        runtime.internode_shape_of([_cfg(), _cfg(num_nodes=2)], 8, hosts=hosts)
+    # an explicit num_nodes decides over one node per host
+    assert runtime.internode_shape_of([_cfg(), _cfg(num_nodes=2)], 8, hosts=hosts) == (2, 8, T, H)
 
 
 def test_internode_window():
@@ -166,6 +166,13 @@ def test_second_initialize_checks_the_internode_region(monkeypatch):
     monkeypatch.setattr(runtime, "info", lambda: {"inter_shape": (0, 0, 0, 0)})
     with pytest.raises(ValueError, match="Call jax_ep.finalize"):
         runtime._check_internode_region(_cfg(num_nodes=2))
+    # num_nodes 1 on a job that spans hosts (8 PEs, 2 per host): one node per
+    # host needs a region the live runtime does not have
+    monkeypatch.setattr(runtime, "pe_hosts", lambda: ["a", "a", "b", "b", "c", "c", "d", "d"])
+    with pytest.raises(ValueError, match=r"needs 4 nodes \(num_nodes=1, one node per host"):
+        runtime._check_internode_region(_cfg())
+    monkeypatch.setattr(runtime, "pe_hosts", lambda: ["h"] * 8)
+    runtime._check_internode_region(_cfg())
 
 
 C = runtime._extension()

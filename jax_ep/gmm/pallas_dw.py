@@ -292,7 +292,10 @@ def tgmm_pallas_ws_sm(x, dy, offsets, tiles, out_dtype, interpret):
     the kernel) in the producer's index maps; the consumers carry it.
     ``GroupedMatmulConfig.dw_pipeline="per_sm"``; not yet run on a GPU
     (session 14: written for an A/B against the per-group pipeline, whose
-    fill is an estimated 10-20% of dw where groups are one k-step deep).
+    fill is an estimated 10-20% of dw where groups are one k-step deep). The
+    risk to watch: the producer's two index maps each search (~2 log2 G
+    dependent loads per step); if it measures slower, carry the group there
+    too (a per-SM unit table) before giving up on it.
     """
     pl, plgpu, sh, steps, g_count, k, n, n_tiles, tr, o_tr, tile_of = _ws_geometry(
         x, dy, offsets, tiles, interpret)
