@@ -444,3 +444,34 @@ def test_pallas_dw_interpret(sizes):
     # (per_sm vs per_group bit for bit is a GPU test: the interpreter emulates the
     # accumulator reset with a running base, whose f32 rounding differs when the
     # pipeline spans groups)
+
+
+@pytest.mark.parametrize("sizes", [[70, 0, 33, 1, 60], [0, 0, 5], [64] * 7 + [0] * 3 + [128],
+                                   [9]])
+@pytest.mark.parametrize("n_tiles,nsm", [(6, 4), (3, 4), (13, 5)])
+def test_per_sm_dw_unit_tables(sizes, n_tiles, nsm):
+    """The per-SM dw kernel's unit tables (pallas_dw._unit_starts /
+    _unit_groups) against enumerating the per-group kernel's order: for each
+    SM, group by group, its round-robin tiles (rotated per group) times the
+    group's k-steps; the table's bound holds."""
+    from jax_ep.gmm import pallas_dw
+
+    bk, m = 32, int(np.sum(sizes)) + 5
+    off = _offsets(sizes)
+    rot_step = n_tiles % nsm
+    us = np.asarray(pallas_dw._unit_starts(jnp.asarray(off), n_tiles, nsm, rot_step, bk))
+    g_count = len(sizes)
+    u_max = -(-n_tiles // nsm) * (-(-(m + 7 * g_count) // bk) + g_count)
+    ug = np.asarray(pallas_dw._unit_groups(jnp.asarray(us), u_max))
+    for sm in range(nsm):
+        want = []
+        for g in range(g_count):
+            start, size = off[g], off[g + 1] - off[g]
+            lead = start % 8
+            nsteps = -(-(size + lead) // bk) if size > 0 else 0
+            t0 = (sm - (g * rot_step) % nsm + nsm) % nsm
+            cnt = len(range(t0, n_tiles, nsm))
+            assert us[sm, g + 1] - us[sm, g] == cnt * nsteps
+            want += [g] * (cnt * nsteps)
+        assert us[sm, g_count] == len(want) <= u_max
+        np.testing.assert_array_equal(ug[sm, :len(want)], want)

@@ -281,30 +281,44 @@ def _unit_starts(offsets, n_tiles, nsm, rot_step, bk):
                             jnp.cumsum(units, axis=1, dtype=jnp.int32)], axis=1)
 
 
+def _unit_groups(ustart, u_max):
+    """[nsm, u_max] int32: the group of each SM's unit (entries past the SM's
+    units are unspecified): each non-empty group's number scattered to its
+    first unit, then a running max along the units (groups start in order)."""
+    nsm, g_count = ustart.shape[0], ustart.shape[1] - 1
+    g = jnp.broadcast_to(jnp.arange(g_count, dtype=jnp.int32), (nsm, g_count))
+    first = ustart[:, :-1]
+    has = ustart[:, 1:] > first
+    col = jnp.where(has & (first < u_max), first, u_max)      # column u_max: a bin for the rest
+    rows = jnp.broadcast_to(jnp.arange(nsm, dtype=jnp.int32)[:, None], (nsm, g_count))
+    tab = jnp.zeros((nsm, u_max + 1), jnp.int32).at[rows, col].max(jnp.where(has, g, 0))
+    return lax.cummax(tab[:, :u_max], axis=1)
+
+
 def tgmm_pallas_ws_sm(x, dy, offsets, tiles, out_dtype, interpret):
     """dw as :func:`tgmm_pallas_ws` (a producer and two consumer warpgroups, the
     same tiles dealt to the same SMs, the same arithmetic) but with ONE
     pipeline per SM across all groups: the SM's units (tile, k-step) run group
     by group (all SMs sweep the same group at a time, so x and dy rows come
     from L2, unlike the deleted tile-major variant), with no pipeline drain and
-    refill at group boundaries. A unit's group is found by a binary search
-    over the SM's row of unit prefix sums (``_unit_starts``, computed before
-    the kernel) in the producer's index maps; the consumers carry it.
+    refill at group boundaries. A unit's group comes from a per-SM table
+    (``_unit_groups``, built before the kernel from the SM's unit prefix sums
+    ``_unit_starts``): one load in the index maps and in the consumers.
     ``GroupedMatmulConfig.dw_pipeline="per_sm"``; not yet run on a GPU
     (session 14: written for an A/B against the per-group pipeline, whose
-    fill is an estimated 10-20% of dw where groups are one k-step deep). The
-    risk to watch: the producer's two index maps each search (~2 log2 G
-    dependent loads per step); if it measures slower, carry the group there
-    too (a per-SM unit table) before giving up on it.
+    fill is an estimated 10-20% of dw where groups are one k-step deep).
     """
     pl, plgpu, sh, steps, g_count, k, n, n_tiles, tr, o_tr, tile_of = _ws_geometry(
         x, dy, offsets, tiles, interpret)
     bm, bn, bk, cm, nsm, _ = sh
     rot_step = n_tiles % nsm
     ustart = _unit_starts(offsets, n_tiles, nsm, rot_step, bk)
-    search = [1 << p for p in reversed(range(max(1, (g_count - 1).bit_length())))]
+    # units of one SM: its tiles of a group (at most ceil(n_tiles / nsm)) times
+    # the group's k-steps, summed: sum_g nsteps_g <= (M + 7 G) / bk + G
+    u_max = -(-n_tiles // nsm) * (-(-(x.shape[0] + 7 * g_count) // bk) + g_count)
+    ugroup = _unit_groups(ustart, u_max)
 
-    def inner(store, off_ref, us_ref, x_ref, dy_ref):
+    def inner(store, off_ref, us_ref, ug_ref, x_ref, dy_ref):
         sm = lax.axis_index("sm")
         wg = lax.axis_index("wg")
         total = us_ref[sm, g_count]
@@ -319,16 +333,6 @@ def tgmm_pallas_ws_sm(x, dy, offsets, tiles, out_dtype, interpret):
                          jnp.int32(nsm))
             return astart, lead, size, nsteps, t0
 
-        def group_of(u):
-            """The group of this SM's unit u: the largest g with us[sm, g] <= u
-            (empty groups have us[sm, g] == us[sm, g + 1] and are passed over)."""
-            g = jnp.int32(0)
-            for p in search:
-                c = g + p
-                ok = (c < g_count) & (us_ref[sm, jnp.minimum(c, g_count - 1)] <= u)
-                g = jnp.where(ok, c, g)
-            return g
-
         def unit(u, g):
             """(t, s, astart, lead, size, nsteps) of this SM's unit u of group g."""
             astart, lead, size, nsteps, t0 = group_info(g)
@@ -339,22 +343,16 @@ def tgmm_pallas_ws_sm(x, dy, offsets, tiles, out_dtype, interpret):
 
         def index(side):
             def index_map(u):
-                t, s, astart, *_ = unit(u, group_of(u))
+                t, s, astart, *_ = unit(u, ug_ref[sm, u])
                 return pl.multiple_of(astart + s * bk, 8), tile_of(t)[side]
             return index_map
 
         def step(idx, x_smem, dy_smem, carry):
-            # The consumers walk the units in order: carry the group and move it
-            # forward (usually not at all, or by one), instead of the producer's
-            # binary search on every step.
-            acc_carry, g0 = carry
             u = idx[0]
-            g = lax.while_loop(lambda c: us_ref[sm, c + 1] <= u, lambda c: c + 1, g0)
+            g = ug_ref[sm, u]
             t, s, _, lead, size, nsteps = unit(u, g)
-            return _ws_mma(pl, plgpu, sh, x_smem, dy_smem, acc_carry, s, nsteps, lead, size,
-                           lambda val: store(g, t, val)), g
-
-        acc_context = carried_acc_context(pl, plgpu, (bm, bn), interpret)
+            return _ws_mma(pl, plgpu, sh, x_smem, dy_smem, carry, s, nsteps, lead, size,
+                           lambda val: store(g, t, val))
 
         @pl.when(total > 0)
         def _():
@@ -363,7 +361,7 @@ def tgmm_pallas_ws_sm(x, dy, offsets, tiles, out_dtype, interpret):
                 in_specs=[plgpu.BlockSpec((pl.Element(bk), cm), index(0), transforms=tr),
                           plgpu.BlockSpec((pl.Element(bk), bn), index(1), transforms=tr)],
                 wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=steps,
-                compute_context=lambda run: acc_context(lambda c: run((c, jnp.int32(0)))),
+                compute_context=carried_acc_context(pl, plgpu, (bm, bn), interpret),
             )(x_ref, dy_ref)
 
         @pl.when(wg < 2)
@@ -379,4 +377,4 @@ def tgmm_pallas_ws_sm(x, dy, offsets, tiles, out_dtype, interpret):
                         store(g, t0 + j * nsm, jnp.zeros((bm, bn), jnp.float32))
 
     kernel = _ws_kernel(pl, plgpu, sh, tile_of, g_count, k, n, out_dtype, o_tr, inner)
-    return kernel(offsets.astype(jnp.int32), ustart, x, dy)
+    return kernel(offsets.astype(jnp.int32), ustart, ugroup, x, dy)
