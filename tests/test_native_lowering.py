@@ -111,20 +111,13 @@ def test_native_calls_match_cc_bindings(native_everywhere, layout, variant):
             f"{sorted(attrs)}; cc binds {b_ops}, {b_res}, {sorted(b_attrs)}")
 
 
-@pytest.mark.parametrize("hosts", [["a", "a", "b", "b", "c", "c", "d", "d"], ["h"] * 8])
-def test_ep_group_across_hosts_takes_the_internode_kernels(native_everywhere, monkeypatch,
-                                                           hosts):
-    """EpConfig.num_nodes 1 (the default) and an EP group of 4 ranks on hosts of
-    2 PEs: the internode targets with nodes = 2, chosen at trace time (the
-    lowering's host check passes: each node is one host); on one host the
-    intranode targets."""
-    from jax_ep import runtime
-
-    monkeypatch.setattr(runtime, "pe_hosts", lambda: hosts)
+def _lower_round_trip(cfg_kw, grad):
+    """StableHLO text of dispatch -> combine on a (data 2, ep 4) mesh of CPU
+    devices (T 4, H 128, K 2, E 8; EpConfig fields ``cfg_kw``), with
+    ``jax.grad`` through it when ``grad``."""
     mesh = make_mesh((2, 4), ("data", "ep"))
     T, H, K, E = 4, 128, 2, 8
-    cfg = jax_ep.EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H,
-                          backend="native")
+    cfg = jax_ep.EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, **cfg_kw)
 
     def layer(x, idx, w):
         d = jax_ep.dispatch(x, idx, w, cfg)
@@ -135,8 +128,23 @@ def test_ep_group_across_hosts_takes_the_internode_kernels(native_everywhere, mo
     x = np.random.rand(32, H).astype(np.float32)
     idx = np.random.randint(0, E, (32, K)).astype(np.int32)
     w = np.random.rand(32, K).astype(np.float32)
-    text = jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, idx, w)), argnums=(0, 1))).lower(
+    if not grad:
+        return jax.jit(f).lower(x, idx, w).as_text()
+    return jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, idx, w)), argnums=(0, 1))).lower(
         x, w).as_text()
+
+
+@pytest.mark.parametrize("hosts", [["a", "a", "b", "b", "c", "c", "d", "d"], ["h"] * 8])
+def test_ep_group_across_hosts_takes_the_internode_kernels(native_everywhere, monkeypatch,
+                                                           hosts):
+    """EpConfig.num_nodes 1 (the default) and an EP group of 4 ranks on hosts of
+    2 PEs: the internode targets with nodes = 2, chosen at trace time (the
+    lowering's host check passes: each node is one host); on one host the
+    intranode targets."""
+    from jax_ep import runtime
+
+    monkeypatch.setattr(runtime, "pe_hosts", lambda: hosts)
+    text = _lower_round_trip(dict(backend="native"), grad=True)
     names = {c[0] for c in _calls(text)}
     if len(set(hosts)) > 1:
         assert {"jax_ep_internode_dispatch", "jax_ep_internode_combine"} <= names, names
@@ -155,26 +163,9 @@ def test_internode_calls_match_cc_bindings(native_everywhere, layout, variant, n
     ranks on an EP axis of 4), with their bindings, each carrying
     EpConfig.net_transport as its abi code; the expert_major backward is the
     internode dispatch (no fused combine_bwd)."""
-    mesh = make_mesh((2, 4), ("data", "ep"))
-    T, H, K, E = 4, 128, 2, 8
-    cfg = jax_ep.EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
-                          backend="native", num_nodes=2, num_sms=7,
-                          fp8_dispatch=variant == "fp8", net_transport=net)
-
-    def layer(x, idx, w):
-        d = jax_ep.dispatch(x, idx, w, cfg)
-        return jax_ep.combine((d.x.astype(jnp.float32) * 2.0).astype(x.dtype), d, cfg)
-
-    tok = P(("data", "ep"))
-    f = jax.shard_map(layer, mesh=mesh, in_specs=(tok,) * 3, out_specs=tok)
-    x = np.random.rand(32, H).astype(np.float32)
-    idx = np.random.randint(0, E, (32, K)).astype(np.int32)
-    w = np.random.rand(32, K).astype(np.float32)
-    if variant == "fp8":
-        text = jax.jit(f).lower(x, idx, w).as_text()
-    else:
-        text = jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, idx, w)), argnums=(0, 1))).lower(
-            x, w).as_text()
+    text = _lower_round_trip(dict(layout=layout, backend="native", num_nodes=2, num_sms=7,
+                                  fp8_dispatch=variant == "fp8", net_transport=net),
+                             grad=variant != "fp8")
     binds = _bindings()
     calls = _calls(text)
     names = {c[0] for c in calls}
