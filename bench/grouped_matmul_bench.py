@@ -42,6 +42,7 @@ from jax import lax  # noqa: E402
 
 from jax_ep import gmm as gm_mod  # noqa: E402
 from jax_ep.gmm import GroupedMatmulConfig  # noqa: E402
+from jax_ep.gmm.select import op_tiles  # noqa: E402
 
 G, M = 128, 32768
 PROJ = {"up": (7168, 4096), "down": (2048, 7168)}
@@ -223,6 +224,8 @@ def main():
             for op in args.ops.split(","):
                 g_args, d_args = operands(op, x, w, dy, gs)
                 gfn, dfn = ops(pallas)[op]
+                # the tiles the main row runs with (small groups: SMALL_GROUP_TILES)
+                main_tiles = str(op_tiles(pallas, op, g_args[0], g_args[1], G))
                 if (proj, op) not in dense_cache:    # same shapes for every dist
                     dense_cache[proj, op] = per_call_ms(dfn, d_args, args.n1, args.n2, args.reps)
                 dense_ms = dense_cache[proj, op]
@@ -230,10 +233,10 @@ def main():
                 try:
                     ms = per_call_ms(gfn, g_args, args.n1, args.n2, args.reps)
                     tf = flops / ms / 1e9
-                    rows.append((proj, dist, op, args.impl, str(pallas.tiles(op)), f"{ms:.3f}",
+                    rows.append((proj, dist, op, args.impl, main_tiles, f"{ms:.3f}",
                                  f"{tf:.0f}", f"{dense_tf:.0f}", f"{tf / dense_tf:.2f}"))
                 except Exception as e:  # noqa: BLE001
-                    rows.append((proj, dist, op, args.impl, str(pallas.tiles(op)),
+                    rows.append((proj, dist, op, args.impl, main_tiles,
                                  f"FAILED {type(e).__name__}: {str(e)[:80]}", "", f"{dense_tf:.0f}", ""))
                 print("# |", " | ".join(rows[-1]), "|", flush=True)
                 sweep = []

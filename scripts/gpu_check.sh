@@ -34,6 +34,9 @@
 # bit), then MOE_STEP_ARGS="--configs v3 --experts 128 --tokens 128,4096
 # --impls jax_ep --no-split --profile --gmm-tiles dw_pipeline=per_sm" against
 # the same without it, in one call; make the faster one the only one.
+# Standalone: GMM_BENCH=1 GMM_ARGS="--no-xla --sweep-small --ops dw --rows 8192
+# --real-rows 8" (and without --rows / --real-rows: 256 rows per group) has
+# per_sm rows beside the per-group kernel.
 # Session 13's ideas still open: ncu (--clock-control none) DRAM throughput
 # of the in-layer forward kernel at T 128; 2-CTA TMA multicast of the weight
 # tiles.
