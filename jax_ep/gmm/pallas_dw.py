@@ -191,12 +191,13 @@ def _ws_kernel(pl, plgpu, sh, tile_of, g_count, k, n, out_dtype, o_tr, inner):
     )
 
 
-def _ws_group(pl, plgpu, sh, refs, g, tile_of, store, n_tiles, rot_step, steps, tr):
-    """Group ``g`` of the 2-consumer dw kernel on this SM: one warp-specialized
-    pipeline over (this SM's tiles of g) x (g's k-steps); zeros for an empty group."""
-    bm, bn, bk, cm, nsm, interpret = sh
-    off_ref, x_ref, dy_ref = refs
-    m = x_ref.shape[0]
+def _ws_group_span(pl, sh, off_ref, g, n_tiles, rot_step):
+    """Group ``g`` on this SM, as both 2-consumer dw kernels deal it: ``(size,
+    t0, cnt, astart, lead, nsteps)``: its rows, the SM's first tile of it
+    (tiles dealt round-robin, rotated per group) and tile count, the 8-aligned
+    first row, the rows before the group in the first k-step, and its k-steps.
+    (``_unit_starts`` computes the same per (SM, group) in XLA.)"""
+    bk, nsm = sh[2], sh[4]
     start = off_ref[g]
     size = off_ref[g + 1] - start
     rot = lax.rem(g * jnp.int32(rot_step), jnp.int32(nsm))
@@ -205,6 +206,16 @@ def _ws_group(pl, plgpu, sh, refs, g, tile_of, store, n_tiles, rot_step, steps, 
     astart = pl.multiple_of(lax.div(start, jnp.int32(8)) * 8, 8)
     lead = start - astart
     nsteps = lax.div(size + lead + (bk - 1), jnp.int32(bk))
+    return size, t0, cnt, astart, lead, nsteps
+
+
+def _ws_group(pl, plgpu, sh, refs, g, tile_of, store, n_tiles, rot_step, steps, tr):
+    """Group ``g`` of the 2-consumer dw kernel on this SM: one warp-specialized
+    pipeline over (this SM's tiles of g) x (g's k-steps); zeros for an empty group."""
+    bm, bn, bk, cm, nsm, interpret = sh
+    off_ref, x_ref, dy_ref = refs
+    m = x_ref.shape[0]
+    size, t0, cnt, astart, lead, nsteps = _ws_group_span(pl, sh, off_ref, g, n_tiles, rot_step)
 
     # No allocations= here on purpose: the pipeline's own scoped allocation
     # synchronises the CTA on entry, which is what keeps this group's producer
@@ -323,19 +334,10 @@ def tgmm_pallas_ws_sm(x, dy, offsets, tiles, out_dtype, interpret):
         wg = lax.axis_index("wg")
         total = us_ref[sm, g_count]
 
-        def group_info(g):
-            start = off_ref[g]
-            size = off_ref[g + 1] - start
-            astart = lax.div(start, jnp.int32(8)) * 8
-            lead = start - astart
-            nsteps = lax.div(size + lead + (bk - 1), jnp.int32(bk))
-            t0 = lax.rem(sm - lax.rem(g * jnp.int32(rot_step), jnp.int32(nsm)) + nsm,
-                         jnp.int32(nsm))
-            return astart, lead, size, nsteps, t0
-
         def unit(u, g):
             """(t, s, astart, lead, size, nsteps) of this SM's unit u of group g."""
-            astart, lead, size, nsteps, t0 = group_info(g)
+            size, t0, _, astart, lead, nsteps = _ws_group_span(pl, sh, off_ref, g, n_tiles,
+                                                               rot_step)
             local = u - us_ref[sm, g]
             j = lax.div(local, nsteps)
             s = local - j * nsteps
@@ -368,11 +370,11 @@ def tgmm_pallas_ws_sm(x, dy, offsets, tiles, out_dtype, interpret):
         def _():   # empty groups: this SM's tiles of them are zeros, no matmul
             @pl.loop(0, g_count)
             def _(g):
-                _, _, size, _, t0 = group_info(g)
+                size, t0, cnt, *_ = _ws_group_span(pl, sh, off_ref, g, n_tiles, rot_step)
 
                 @pl.when(size <= 0)
                 def _():
-                    @pl.loop(0, round_robin_count(n_tiles, t0, nsm))
+                    @pl.loop(0, cnt)
                     def _(j):
                         store(g, t0 + j * nsm, jnp.zeros((bm, bn), jnp.float32))
 

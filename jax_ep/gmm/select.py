@@ -116,12 +116,8 @@ def pallas_compiles(op: str, tiles: Tiles, dtype_name: str) -> bool:
             warnings.simplefilter("ignore")
             if op.startswith("dw"):
                 m, k, n = 2 * bk + 8, 2 * bm, bn
-                if op == "dw_ws":
-                    f = lambda a, b, o: tgmm_pallas_ws(a, b, o, tiles, dt, False)
-                elif op == "dw_ws_sm":
-                    f = lambda a, b, o: tgmm_pallas_ws_sm(a, b, o, tiles, dt, False)
-                else:
-                    f = lambda a, b, o: tgmm_pallas(a, b, o, tiles, dt, False)
+                kern = {"dw_ws": tgmm_pallas_ws, "dw_ws_sm": tgmm_pallas_ws_sm}.get(op, tgmm_pallas)
+                f = lambda a, b, o: kern(a, b, o, tiles, dt, False)
                 args = (sds((m, k), dt), sds((m, n), dt), sds((g + 1,), jnp.int32))
             else:   # fwd, dx, fwd_ws, dx_ws
                 m, k, n = 2 * bm + 8, bk, 2 * bn
