@@ -79,8 +79,8 @@ def nodes_of(cfg: EpConfig, R: int) -> int:
     return hosts.auto_nodes(runtime.pe_hosts(), R)
 
 
-def _check_internode(op: str, R: int, cfg: EpConfig) -> None:
-    """Trace time, more than one node (:func:`nodes_of`): the live runtime has an internode region
+def _check_internode(op: str, R: int, cfg: EpConfig, nodes: int) -> None:
+    """Trace time, ``nodes`` > 1 (:func:`nodes_of`): the live runtime has an internode region
     (any T runs on it, as windows of its T; the handlers check the bytes too,
     naming them)."""
     from . import runtime
@@ -91,7 +91,7 @@ def _check_internode(op: str, R: int, cfg: EpConfig) -> None:
         return
     if not info.get("inter_bytes"):
         why = (f"EpConfig.num_nodes={cfg.num_nodes}" if cfg.num_nodes > 1 else
-               f"the EP group of {R} ranks spans hosts ({nodes_of(cfg, R)} nodes, chosen "
+               f"the EP group of {R} ranks spans hosts ({nodes} nodes, chosen "
                "automatically)")
         raise ValueError(f"jax_ep native {op}: {why} needs the internode region, which the "
                          "live runtime does not have: pass this config to the first "
@@ -159,7 +159,7 @@ def dispatch_raw(x, x_scales, handle: Handle, cfg: EpConfig, *, cast_fp8: bool =
     sms = np.int32(num_sms) if num_sms is not None else _num_sms(cfg)
     nodes = nodes_of(cfg, handle.num_ranks)
     if nodes > 1:  # hierarchical kernels (cc/ffi_internode.cc); no debug_skip there
-        _check_internode("dispatch", handle.num_ranks, cfg)
+        _check_internode("dispatch", handle.num_ranks, cfg, nodes)
         out, out_scales = _ffi.call(
             "jax_ep_internode_dispatch",
             [((C, W), out_dtype), ((C, S), jnp.float32)],
@@ -212,7 +212,7 @@ def combine_raw(y, row_weights, handle: Handle, cfg: EpConfig, *, num_sms: Optio
     sms = np.int32(num_sms) if num_sms is not None else _num_sms(cfg)
     nodes = nodes_of(cfg, handle.num_ranks)
     if nodes > 1:  # hierarchical kernels (cc/ffi_internode.cc)
-        _check_internode("combine", handle.num_ranks, cfg)
+        _check_internode("combine", handle.num_ranks, cfg, nodes)
         (out,) = _ffi.call(
             "jax_ep_internode_combine",
             [((T, y.shape[1]), y.dtype)],

@@ -294,19 +294,16 @@ def _internode_configs(configs, ranks: int, hosts) -> tuple:
 
 def internode_shape_of(configs, ranks: int, region_bytes=None, hosts=None) -> tuple:
     """(nodes, ranks, W, H) of the internode region for the configs given to
-    :func:`initialize`, or zeros when none has more than one node: its
-    ``num_nodes``, or where no config gives one (> 1), one node per host when
-    the job's ``ranks`` cannot fit on one host (``hosts``: host of each PE, as
-    :func:`jax_ep.hosts.auto_nodes`, which the native calls follow; like the
-    normal buffer it assumes the EP group is every process). The region
-    is laid out for the largest ``hidden`` of them and a window of W tokens:
-    the largest ``max_tokens_per_rank``, or fewer where the region would
-    exceed the smallest ``internode_bytes`` (:func:`internode_window`, with
-    ``region_bytes`` the extension's ``internode_region_bytes``; None: no
-    bound applied). Calls of any T run on it, as windows of W tokens.
-    ``ranks`` is the EP size initialize assumes (every process, or every GPU
-    with peer memory). Configs must agree on ``num_nodes`` (one region, one
-    node split to size it for)."""
+    :func:`initialize`, or zeros when none needs one. ``ranks``: the EP size
+    initialize assumes (every process, or every GPU with peer memory; as for
+    the normal buffer). Nodes: the configs' ``num_nodes`` (> 1, which must
+    agree), or where none gives one, one node per host when ``ranks`` cannot
+    fit on one host (``hosts``: host of each PE; :func:`_internode_configs`,
+    as the native calls choose). H: the largest ``hidden``. W: the largest
+    ``max_tokens_per_rank``, or fewer where the region would exceed the
+    smallest ``internode_bytes`` (:func:`internode_window` with
+    ``region_bytes``, the extension's ``internode_region_bytes``; None: no
+    bound applied); calls of any T run on it, as windows of W tokens."""
     N, inter = _internode_configs(configs, ranks, hosts)
     if not inter:
         return (0, 0, 0, 0)
