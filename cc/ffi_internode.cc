@@ -149,9 +149,7 @@ ffi::Error InterDispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
                                      &ia.sym_bytes, &ia.layout_T));
   JAX_EP_RETURN_IF_ERROR(NetPutMask(o, net_transport, a.peers, nodes, &ia.put_mask));
   if (const char* e = inter_dispatch_check(ia); *e) return InvalidArgument(e);
-  // chunk size (when not given) for the tokens one kernel moves: a window
-  const InterLaunch lc = make_inter_launch(inter_window(T, ia.layout_T),
-                                           InterBlocks(num_sms, device), chunk);
+  const InterLaunch lc = make_inter_launch(T, ia.layout_T, InterBlocks(num_sms, device), chunk);
   if (debug_poison()) {  // tests: a row the kernel forgets to write shows as NaN
     JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.out, 0xFF, out->size_bytes(), stream));
     JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.out_scales, 0xFF, out_scales->size_bytes(), stream));
@@ -182,9 +180,7 @@ ffi::Error InterCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                                      &ia.layout_T));
   JAX_EP_RETURN_IF_ERROR(NetPutMask(o, net_transport, a.peers, nodes, &ia.put_mask));
   if (const char* e = inter_combine_check(ia); *e) return InvalidArgument(e);
-  // chunk size (when not given) for the tokens one kernel moves: a window
-  const InterLaunch lc = make_inter_launch(inter_window(T, ia.layout_T),
-                                           InterBlocks(num_sms, device), chunk);
+  const InterLaunch lc = make_inter_launch(T, ia.layout_T, InterBlocks(num_sms, device), chunk);
   if (debug_poison()) JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.out, 0xFF, out->size_bytes(), stream));
   JAX_EP_CUDA_RETURN(launch_inter_combine(ia, lc, stream));
   return ffi::Error::Success();

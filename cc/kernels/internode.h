@@ -27,14 +27,33 @@ struct InterLaunch {
   __host__ __device__ int threads() const { return 32 * (send_warps + fwd_warps + recv_warps); }
 };
 
-// num_blocks blocks; chunk <= 0: the default (4, fewer when T is small).
-InterLaunch make_inter_launch(int T, int num_blocks, int chunk);
-
 // Token windows of a call of T tokens on a region laid out for layout_T (0:
 // for T): one kernel per window, each a call of its own (its own epoch and
 // parity: docs/internode.md, "Reuse across calls"), so the region is bounded
 // by layout_T whatever T.
 inline int inter_window(int T, int layout_T) { return layout_T > 0 && layout_T < T ? layout_T : T; }
+
+// Launch `launch(window args)` once per window of the call in `a` (the
+// windows' t0 / tw set), in order on one stream; stops at the first error.
+// A failure after earlier windows ran (and moved this rank's epoch) would be
+// the same on every rank (same shapes); a peer left waiting ends in the
+// device-side timeout, not a hang.
+template <typename Args, typename Launch>
+cudaError_t for_each_inter_window(const Args& a, Launch&& launch) {
+  const int T = a.a.T, W = inter_window(T, a.layout_T);
+  for (int t0 = 0; t0 < T; t0 += W) {
+    Args w = a;
+    w.t0 = t0;
+    w.tw = T - t0 < W ? T - t0 : W;
+    if (cudaError_t e = launch(w); e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
+// num_blocks blocks; chunk <= 0: the default for the tokens one kernel moves
+// (a window of the call's T on a region laid out for layout_T): 4, fewer
+// when that is small.
+InterLaunch make_inter_launch(int T, int layout_T, int num_blocks, int chunk);
 
 // The DispatchArgs / CombineArgs fields used: everything but ctrl_off,
 // stage_off, stage_scales_off (the internode region replaces them) and skip.

@@ -189,20 +189,13 @@ const char* inter_combine_check(const InterCombineArgs& ia) {
 cudaError_t launch_inter_combine(const InterCombineArgs& a, const InterLaunch& lc,
                                  cudaStream_t stream) {
   if (*inter_combine_check(a) || lc.threads() > 512 || lc.chunk < 1) return cudaErrorInvalidValue;
-  const int W = inter_window(a.a.T, a.layout_T);  // (a failed launch: see the dispatch's)
-  for (int t0 = 0; t0 < a.a.T; t0 += W) {
-    InterCombineArgs w = a;
-    w.t0 = t0;
-    w.tw = a.a.T - t0 < W ? a.a.T - t0 : W;
-    cudaError_t e;
-    switch (a.a.dtype) {
-      case kBf16: e = launch_typed<__nv_bfloat16>(w, lc, stream); break;
-      case kF16: e = launch_typed<__half>(w, lc, stream); break;
-      default: e = launch_typed<float>(w, lc, stream); break;
+  return for_each_inter_window(a, [&](const InterCombineArgs& w) {
+    switch (w.a.dtype) {
+      case kBf16: return launch_typed<__nv_bfloat16>(w, lc, stream);
+      case kF16: return launch_typed<__half>(w, lc, stream);
+      default: return launch_typed<float>(w, lc, stream);
     }
-    if (e != cudaSuccess) return e;
-  }
-  return cudaSuccess;
+  });
 }
 
 }  // namespace jax_ep

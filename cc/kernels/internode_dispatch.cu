@@ -227,12 +227,12 @@ void launch_epl(const InterDispatchArgs& a, const InterLaunch& lc, cudaStream_t 
 
 }  // namespace
 
-InterLaunch make_inter_launch(int T, int num_blocks, int chunk) {
+InterLaunch make_inter_launch(int T, int layout_T, int num_blocks, int chunk) {
   InterLaunch lc;
   lc.num_blocks = num_blocks < 1 ? 1 : num_blocks;
   if (chunk <= 0) {  // one chunk per sender warp at least, at most 4 tokens
     const int warps = lc.num_blocks * lc.send_warps;
-    chunk = (T + warps - 1) / warps;
+    chunk = (inter_window(T, layout_T) + warps - 1) / warps;
     chunk = chunk < 1 ? 1 : chunk > 4 ? 4 : chunk;
   }
   lc.chunk = chunk;
@@ -262,21 +262,13 @@ cudaError_t launch_inter_dispatch(const InterDispatchArgs& a, const InterLaunch&
                                   cudaStream_t stream) {
   if (*inter_dispatch_check(a) || lc.threads() > 512 || lc.chunk < 1)
     return cudaErrorInvalidValue;
-  // A launch failure stops the loop after earlier windows ran (and moved this
-  // rank's epoch); it would be the same failure on every rank (same shapes),
-  // and a peer left waiting ends in the device-side timeout, not a hang.
-  const int W = inter_window(a.a.T, a.layout_T);
-  for (int t0 = 0; t0 < a.a.T; t0 += W) {
-    InterDispatchArgs w = a;
-    w.t0 = t0;
-    w.tw = a.a.T - t0 < W ? a.a.T - t0 : W;
-    if (a.a.mode != kDispatchCopy)
+  return for_each_inter_window(a, [&](const InterDispatchArgs& w) {
+    if (w.a.mode != kDispatchCopy)
       launch_epl<16>(w, lc, stream);
     else
       launch_epl<8>(w, lc, stream);
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  }
-  return cudaSuccess;
+    return cudaGetLastError();
+  });
 }
 
 }  // namespace jax_ep

@@ -62,8 +62,8 @@ std::string loopback_inter_dispatch(const std::vector<uint64_t>& ptrs,
     if (std::string e = apply_put(tail, sym_bytes, R, r, &args[r]); !e.empty()) return e;
   }
   if (const char* e = inter_dispatch_check(args[0]); *e) return e;
-  const InterLaunch lc = make_inter_launch(inter_window(int(ints[0]), tail.layout_T), int(ints[9]),
-                                           int(ints[10]));
+  const InterLaunch lc =
+      make_inter_launch(int(ints[0]), tail.layout_T, int(ints[9]), int(ints[10]));
   return run_ranks(R, iters, seconds, [&](int r, cudaStream_t st) {
     return launch_inter_dispatch(args[r], lc, st);
   });
@@ -87,8 +87,7 @@ std::string loopback_inter_combine(const std::vector<uint64_t>& ptrs,
     if (std::string e = apply_put(tail, sym_bytes, R, r, &args[r]); !e.empty()) return e;
   }
   if (const char* e = inter_combine_check(args[0]); *e) return e;
-  const InterLaunch lc = make_inter_launch(inter_window(int(ints[0]), tail.layout_T), int(ints[7]),
-                                           int(ints[8]));
+  const InterLaunch lc = make_inter_launch(int(ints[0]), tail.layout_T, int(ints[7]), int(ints[8]));
   return run_ranks(R, iters, seconds, [&](int r, cudaStream_t st) {
     return launch_inter_combine(args[r], lc, st);
   });
