@@ -22,8 +22,11 @@
 # across calls 1, 3 and 4, not in one run); the internode windows passed
 # test_loopback_internode.py's dispatch / fp8 / combine / fixed-T / windows
 # tests; NOT yet run: test_internode_put (it now also runs three windowed
-# calls through the put path) and the loopback bench's windowed rows for
-# combine and expert_major (the call timed out after the first row).
+# calls through the put path), the loopback bench's windowed rows for
+# combine and expert_major (the call timed out after the first row), and the
+# host-side launcher changes made after the GPU calls (the window's default
+# chunk, eb6d6f4; one window loop and make_inter_launch(T, layout_T, ...),
+# 873a2ac): the whole test_loopback_internode.py covers them.
 # Next on one GPU: GPU_TESTS=tests/gpu/test_loopback_internode.py (all six,
 # ~150 s), the internode bench (LOOPBACK_TIMEOUT >= 300), and for issue 11
 # the dw pipeline that does not restart per group (GroupedMatmulConfig
