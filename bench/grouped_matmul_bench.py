@@ -78,11 +78,9 @@ _SMALL_FWD = [((64, 128, 64, 4, 2), {}, ("uniform",)),
 SWEEP_SMALL = {"fwd": _SMALL_FWD, "dx": _SMALL_FWD,
                # dw: the small-group default (session 14, config.SMALL_GROUP_TILES)
                # and a wider one; with block_k 32 the layer fell back to XLA for dw.
-               # One pipeline per SM across groups (dw_pipeline="per_sm", written in
-               # session 14, not yet run) against the same tiles per group.
+               # (Session 15: one pipeline per SM across groups, measured slower,
+               # deleted: bench/results/README.md.)
                "dw": [((64, 128, 64, 5, 4), {}, ("uniform", "skewed")),
-                      ((64, 128, 64, 5, 4), {"dw_pipeline": "per_sm"}, ("uniform", "skewed")),
-                      ((128, 128, 64, 4, 4), {"dw_pipeline": "per_sm"}, ("uniform", "skewed")),
                       ((64, 256, 64, 3, 4), {}, ("uniform",))]}
 
 

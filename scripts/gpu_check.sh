@@ -16,30 +16,15 @@
 #   3  GPU_TESTS=none SKIP_EXAMPLES=1 BENCH_ARGS="--no-sweep --no-ragged"     # ops + LL bench
 #   4  GPU_TESTS=none SKIP_BENCH=1 MOE_STEP_ARGS="--configs v3,mixtral --tokens 128,1024,4096,8192"
 # A pytest stopped by TEST_TIMEOUT now stops its job's ranks too (harness.py).
-# Open after session 14 (one H200; bench/results/2026-12-02-h200x1-s14.md):
-# the dw stage release (wgmma_wait(0)) and the small-group dw tiles ran in the
-# layer and in tests/gpu/test_grouped_matmul_gpu.py (every test of it passed
-# across calls 1, 3 and 4, not in one run); the internode windows passed
-# test_loopback_internode.py's dispatch / fp8 / combine / fixed-T / windows
-# tests; NOT yet run: test_internode_put (it now also runs three windowed
-# calls through the put path), the loopback bench's windowed rows for
-# combine and expert_major (the call timed out after the first row), and the
-# host-side launcher changes made after the GPU calls (the window's default
-# chunk, eb6d6f4; one window loop and make_inter_launch(T, layout_T, ...),
-# 873a2ac): the whole test_loopback_internode.py covers them.
-# Next on one GPU: GPU_TESTS=tests/gpu/test_loopback_internode.py (all six,
-# ~150 s), the internode bench (LOOPBACK_TIMEOUT >= 300), and for issue 11
-# the dw pipeline that does not restart per group (GroupedMatmulConfig
-# dw_pipeline="per_sm", written in session 14, interpret-tested only; the
-# per-group fill is estimated at ~1 us per group per SM, ~10-20% of down dw at
-# T 128 where groups are one k-step deep): GPU_TESTS="tests/gpu/
-# test_grouped_matmul_gpu.py -k dw_tiles" (per_sm must equal per_group bit for
-# bit), then MOE_STEP_ARGS="--configs v3 --experts 128 --tokens 128,4096
-# --impls jax_ep --no-split --profile --gmm-tiles dw_pipeline=per_sm" against
-# the same without it, in one call; make the faster one the only one.
-# Standalone: GMM_BENCH=1 GMM_ARGS="--no-xla --sweep-small --ops dw --rows 8192
-# --real-rows 8" (and without --rows / --real-rows: 256 rows per group) has
-# per_sm rows beside the per-group kernel.
+# Session 15 (one H200; bench/results/2026-12-02-h200x1-s15.md): the dw
+# pipeline per SM across groups lost the A/B (deleted); test_loopback_internode.py
+# passed whole (6 tests, incl. the put path's windows and the window default
+# chunk); the loopback bench ran every row but expert_major combine (stopped by
+# its 290 s timeout: give LOOPBACK_TIMEOUT >= 400 for all five).
+# Nsight Compute (scripts/ncu_gmm.sh, profile_gmm.py ops may end in :rows):
+# the metrics pass over fwd_up:8192 / bmm_up:2048 (our forward vs XLA's batched
+# GEMM at the T 128 layer's rows) timed out at 130 s while replaying 7.5 GB of
+# weights; next time one op per ncu run with --replay-mode application.
 # Session 13's ideas still open: ncu (--clock-control none) DRAM throughput
 # of the in-layer forward kernel at T 128; 2-CTA TMA multicast of the weight
 # tiles.

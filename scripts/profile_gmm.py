@@ -3,7 +3,10 @@
     ncu --clock-control none --section SpeedOfLight ... python scripts/profile_gmm.py [ops]
 
 ops (comma list, default "dw_up,fwd_up,dense_dw_up"): dw_up / dw_down (x[g]^T @ dy[g]),
-fwd_up / fwd_down, dx_up, dense_dw_up (x^T @ dy over all rows, cuBLAS). Each op
+fwd_up / fwd_down, dx_up, dense_dw_up (x^T @ dy over all rows, cuBLAS), bmm_up /
+bmm_down (XLA's batched matmul of the padded layer, x [G, M/G, K] @ w [G, K, N]);
+an op may end in ``:rows`` (e.g. ``fwd_up:8192``, 64 rows per group: the V3
+layer at T 128), default 32768. Each op
 runs once to compile and once more, then the device is synchronised: the
 profiler sees every kernel twice (filter with --launch-skip / -k). Uniform
 group sizes (128 groups of 256 rows), random bf16 data made on the host
@@ -29,23 +32,29 @@ PROJ = {"up": (7168, 4096), "down": (2048, 7168)}
 
 
 def main(ops):
-    gs = jnp.full((G,), M // G, jnp.int32)
     rng = np.random.default_rng(0)
 
     def normal(shape):
         return jax.device_put(rng.standard_normal(shape, np.float32).astype(ml_dtypes.bfloat16))
 
     for op in ops:
+        op, _, rows = op.partition(":")
+        m = int(rows) if rows else M
+        gs = jnp.full((G,), m // G, jnp.int32)
         kind, proj = op.rsplit("_", 1)
         k, n = PROJ[proj]
         if kind in ("dw", "dense_dw"):
-            a, b = normal((M, k)), normal((M, n))
-            fn = (jax.jit(lambda a, b: tgmm(a, b, gs, out_dtype=jnp.bfloat16)) if kind == "dw"
+            a, b = normal((m, k)), normal((m, n))
+            fn = (jax.jit(lambda a, b, gs=gs: tgmm(a, b, gs, out_dtype=jnp.bfloat16))
+                  if kind == "dw"
                   else jax.jit(lambda a, b: jnp.dot(a.T, b, preferred_element_type=jnp.float32
                                                     ).astype(jnp.bfloat16)))
         elif kind in ("fwd", "dx"):
-            a, b = normal((M, k if kind == "fwd" else n)), normal((G, k, n))
-            fn = jax.jit(lambda a, b, t=(kind == "dx"): gmm(a, b, gs, transpose_rhs=t))
+            a, b = normal((m, k if kind == "fwd" else n)), normal((G, k, n))
+            fn = jax.jit(lambda a, b, t=(kind == "dx"), gs=gs: gmm(a, b, gs, transpose_rhs=t))
+        elif kind == "bmm":
+            a, b = normal((G, m // G, k)), normal((G, k, n))
+            fn = jax.jit(lambda a, b: jnp.einsum("gmk,gkn->gmn", a, b))
         else:
             raise SystemExit(f"unknown op {op}")
         for _ in range(2):

@@ -306,7 +306,7 @@ def test_pallas_kernels_interpret(case):
         assert np.all(dw[g] == 0)
 
 
-@pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwd_ws", "dx_ws", "dw_1wg", "dw_persm",
+@pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwd_ws", "dx_ws", "dw_1wg",
                                 "dx_small", "dx_small_ws", "dw_small", "dw_small_1wg"])
 def test_pallas_lowers_for_cuda(op):
     """Every kernel traces and lowers to a CUDA module (no GPU needed);
@@ -315,8 +315,7 @@ def test_pallas_lowers_for_cuda(op):
     bf = jnp.bfloat16
     m, k, n, g = (512 if "small" in op else 1024), 512, 256, 8
     cfg = GroupedMatmulConfig(impl="pallas", fwd_warpgroups=2 if op.endswith("_ws") else 1,
-                              dw_warpgroups=1 if op.endswith("_1wg") else 2,
-                              dw_pipeline="per_sm" if op == "dw_persm" else "per_group")
+                              dw_warpgroups=1 if op.endswith("_1wg") else 2)
     op = op.split("_")[0]
     gsd = sds((g,), jnp.int32)
     if op == "fwd":
@@ -421,8 +420,7 @@ def test_pallas_small_group_dx_interpret():
 @pytest.mark.parametrize("sizes", [[70, 0, 33, 1, 60], [8, 8, 100, 50, 0], [32, 64, 0, 96],
                                    [5, 17, 0, 9, 40, 3, 0, 31, 60, 2, 33]])
 def test_pallas_dw_interpret(sizes):
-    """dw, both kernels (1 and 2 consumer warpgroups; the latter with a
-    pipeline per group and one per SM across groups): several tiles per SM,
+    """dw, both kernels (1 and 2 consumer warpgroups): several tiles per SM,
     empty groups, NaN/Inf tail, groups that start off the 8-row boundary or end
     inside a k-step (zeroing pass) and groups on step boundaries (none) --
     matches numpy."""
@@ -430,8 +428,8 @@ def test_pallas_dw_interpret(sizes):
     xb, dyb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
     tiles = (64, 64, 32, 3, 1)            # 4 x 3 (1 wg) or 2 x 3 (2 wg) tiles on 4 "SMs"
     outs = [np.asarray(gm_mod.tgmm(xb, dyb, gs, config=GroupedMatmulConfig(
-        impl="pallas", interpret=True, dw=tiles, dw_warpgroups=wgs, dw_pipeline=pipe)),
-        np.float32) for wgs, pipe in ((1, "per_group"), (2, "per_group"), (2, "per_sm"))]
+        impl="pallas", interpret=True, dw=tiles, dw_warpgroups=wgs)), np.float32)
+        for wgs in (1, 2)]
     xf, dyf = np.asarray(xb, np.float32), np.asarray(dyb, np.float32)
     off = _offsets(sizes)
     ref = np.stack([xf[off[g]:off[g + 1]].T.astype(np.float64) @ dyf[off[g]:off[g + 1]]
@@ -441,37 +439,3 @@ def test_pallas_dw_interpret(sizes):
         np.testing.assert_allclose(out, ref, rtol=2e-2, atol=0.3)
     for out in outs:
         np.testing.assert_array_equal(out[np.asarray(sizes) == 0], 0)
-    # (per_sm vs per_group bit for bit is a GPU test: the interpreter emulates the
-    # accumulator reset with a running base, whose f32 rounding differs when the
-    # pipeline spans groups)
-
-
-@pytest.mark.parametrize("sizes", [[70, 0, 33, 1, 60], [0, 0, 5], [64] * 7 + [0] * 3 + [128],
-                                   [9]])
-@pytest.mark.parametrize("n_tiles,nsm", [(6, 4), (3, 4), (13, 5)])
-def test_per_sm_dw_unit_tables(sizes, n_tiles, nsm):
-    """The per-SM dw kernel's unit tables (pallas_dw._unit_starts /
-    _unit_groups) against enumerating the per-group kernel's order: for each
-    SM, group by group, its round-robin tiles (rotated per group) times the
-    group's k-steps; the table's bound holds."""
-    from jax_ep.gmm import pallas_dw
-
-    bk, m = 32, int(np.sum(sizes)) + 5
-    off = _offsets(sizes)
-    rot_step = n_tiles % nsm
-    us = np.asarray(pallas_dw._unit_starts(jnp.asarray(off), n_tiles, nsm, rot_step, bk))
-    g_count = len(sizes)
-    u_max = -(-n_tiles // nsm) * (-(-(m + 7 * g_count) // bk) + g_count)
-    ug = np.asarray(pallas_dw._unit_groups(jnp.asarray(us), u_max))
-    for sm in range(nsm):
-        want = []
-        for g in range(g_count):
-            start, size = off[g], off[g + 1] - off[g]
-            lead = start % 8
-            nsteps = -(-(size + lead) // bk) if size > 0 else 0
-            t0 = (sm - (g * rot_step) % nsm + nsm) % nsm
-            cnt = len(range(t0, n_tiles, nsm))
-            assert us[sm, g + 1] - us[sm, g] == cnt * nsteps
-            want += [g] * (cnt * nsteps)
-        assert us[sm, g_count] == len(want) <= u_max
-        np.testing.assert_array_equal(ug[sm, :len(want)], want)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from .._ffi import to_vma, vma_of
 from .config import GroupedMatmulConfig
-from .pallas_dw import tgmm_pallas, tgmm_pallas_ws, tgmm_pallas_ws_sm
+from .pallas_dw import tgmm_pallas, tgmm_pallas_ws
 from .pallas_fwd import gmm_pallas, gmm_pallas_ws
 from .select import choose, fwd_ws_tiles, op_tiles, pallas_compiles, two_consumer_tiles
 from .xla import gmm_xla, tgmm_xla
@@ -122,13 +122,10 @@ def tgmm(x, dy, group_sizes, *, config: Optional[GroupedMatmulConfig] = None,
         tiles = op_tiles(cfg, "dw", x, dy, num_groups)
         ws = (two_consumer_tiles(tiles, "m", x.shape[1], x.dtype) if cfg.dw_warpgroups == 2
               else None)
-        per_sm = cfg.dw_pipeline == "per_sm"
         if ws is not None and not cfg.interpret and cfg.impl == "auto":
-            ok = pallas_compiles("dw_ws_sm" if per_sm else "dw_ws", ws, x.dtype.name)
-            ws = ws if ok else None
+            ws = ws if pallas_compiles("dw_ws", ws, x.dtype.name) else None
         if ws is not None:
-            kern = tgmm_pallas_ws_sm if per_sm else tgmm_pallas_ws
-            out = kern(x, dy, offsets, ws, out_dtype, cfg.interpret)
+            out = tgmm_pallas_ws(x, dy, offsets, ws, out_dtype, cfg.interpret)
         else:
             out = tgmm_pallas(x, dy, offsets, tiles, out_dtype, cfg.interpret)
     else:

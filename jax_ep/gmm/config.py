@@ -42,7 +42,6 @@ SMALL_GROUP_TILES = {"dx": (64, 128, 128, 3, 2), "dw": (64, 128, 64, 5, 4)}
 GROUP_ALIGNMENT = 64
 
 _IMPLS = ("auto", "pallas", "xla")
-_DW_PIPELINES = ("per_group", "per_sm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,10 +68,6 @@ class GroupedMatmulConfig:
         producer warpgroup feeds two consumers that own ``block_m x 2
         block_n``; used where ``N % (2 block_n) == 0`` and the stages fit
         shared memory, else the 1-warpgroup kernel) or 1.
-      dw_pipeline: the 2-consumer dw kernel's pipelines: ``"per_group"`` (the
-        default: one pipeline per (SM, group), filled and drained per group) or
-        ``"per_sm"`` (one pipeline per SM across all groups, group by group;
-        written in session 14 for an A/B, not yet run on a GPU).
       interpret: run the Pallas kernels in Mosaic-GPU interpret mode (for
         testing the kernels on CPU; jax >= 0.11; very slow).
     """
@@ -84,14 +79,10 @@ class GroupedMatmulConfig:
     interpret: bool = False
     dw_warpgroups: int = 2
     fwd_warpgroups: int = 2
-    dw_pipeline: str = "per_group"
 
     def __post_init__(self):
         if self.impl not in _IMPLS:
             raise ValueError(f"impl must be one of {_IMPLS}, got {self.impl!r}")
-        if self.dw_pipeline not in _DW_PIPELINES:
-            raise ValueError(f"dw_pipeline must be one of {_DW_PIPELINES}, "
-                             f"got {self.dw_pipeline!r}")
         for name in ("dw_warpgroups", "fwd_warpgroups"):
             if getattr(self, name) not in (1, 2):
                 raise ValueError(f"{name} must be 1 or 2, got {getattr(self, name)!r}")

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import SMALL_GROUP_ROWS, SMALL_GROUP_TILES, GroupedMatmulConfig, Tiles
-from .pallas_dw import tgmm_pallas, tgmm_pallas_ws, tgmm_pallas_ws_sm
+from .pallas_dw import tgmm_pallas, tgmm_pallas_ws
 from .pallas_fwd import gmm_pallas, gmm_pallas_ws
 
 
@@ -116,7 +116,7 @@ def pallas_compiles(op: str, tiles: Tiles, dtype_name: str) -> bool:
             warnings.simplefilter("ignore")
             if op.startswith("dw"):
                 m, k, n = 2 * bk + 8, 2 * bm, bn
-                kern = {"dw_ws": tgmm_pallas_ws, "dw_ws_sm": tgmm_pallas_ws_sm}.get(op, tgmm_pallas)
+                kern = tgmm_pallas_ws if op == "dw_ws" else tgmm_pallas
                 f = lambda a, b, o: kern(a, b, o, tiles, dt, False)
                 args = (sds((m, k), dt), sds((m, n), dt), sds((g + 1,), jnp.int32))
             else:   # fwd, dx, fwd_ws, dx_ws
