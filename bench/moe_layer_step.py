@@ -173,8 +173,8 @@ def parse_args(argv=None):
     p.add_argument("--no-split", action="store_true", help="time the whole layer only")
     p.add_argument("--gmm-tiles", default=None,
                    help="grouped-matmul config of the jax_ep jobs, e.g. 'fwd=64,128,64,4,2;"
-                        "dx=64,256,64,5,2;fwd_split=m' (GroupedMatmulConfig fields: tiles "
-                        "and its int / str knobs; default: its defaults)")
+                        "dw=64,128,64,5,4;fwd_warpgroups=1' (GroupedMatmulConfig fields: tiles "
+                        "and its int knobs; default: its defaults)")
     p.add_argument("--profile", action="store_true",
                    help="also trace one call of the layer chain (jax.profiler) and print its "
                         "kernels' device time per step, largest first (bench/device_trace.py)")
@@ -302,11 +302,10 @@ def _kill_group(proc, term_wait=8.0):
 
 
 INT_GMM_FIELDS = ("dw_warpgroups", "fwd_warpgroups")   # GroupedMatmulConfig ints
-STR_GMM_FIELDS = ("fwd_split",)                          # and strs
 
 
 def _parse_gmm_tiles(text):
-    """'fwd=64,256,64,5,2;dx=...;fwd_split=m' -> {field: [5 ints] | int | str}
+    """'fwd=64,128,64,4,2;dx=...;fwd_warpgroups=1' -> {field: [5 ints] | int}
     (None: the defaults; GroupedMatmulConfig checks the values)."""
     if not text:
         return None
@@ -318,16 +317,13 @@ def _parse_gmm_tiles(text):
             nums = [int(v) for v in vals.split(",")]
         except ValueError:
             nums = []
-        if op in STR_GMM_FIELDS:
-            out[op] = vals.strip()
-        elif op in INT_GMM_FIELDS and len(nums) == 1:
+        if op in INT_GMM_FIELDS and len(nums) == 1:
             out[op] = nums[0]
         elif op in ("fwd", "dx", "dw") and len(nums) == 5:
             out[op] = nums
         else:
             raise SystemExit(f"--gmm-tiles: bad entry {part!r} (op=bm,bn,bk,stages,band "
-                             f"for fwd/dx/dw, one of {', '.join(INT_GMM_FIELDS)}=int, or "
-                             f"{', '.join(STR_GMM_FIELDS)}=str)")
+                             f"for fwd/dx/dw, or one of {', '.join(INT_GMM_FIELDS)}=int)")
     return out
 
 

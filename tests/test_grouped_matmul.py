@@ -306,22 +306,16 @@ def test_pallas_kernels_interpret(case):
         assert np.all(dw[g] == 0)
 
 
-@pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwd_ws", "dx_ws", "fwd_wsm", "dx_wsm",
-                                "dw_1wg", "dx_small", "dx_small_ws", "dw_small", "dw_small_1wg"])
+@pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwd_ws", "dx_ws", "dw_1wg",
+                                "dx_small", "dx_small_ws", "dw_small", "dw_small_1wg"])
 def test_pallas_lowers_for_cuda(op):
     """Every kernel traces and lowers to a CUDA module (no GPU needed);
-    ``dx_small`` / ``dw_small``: 64 rows per group, the small-group tiles;
-    ``_wsm``: the 2-consumer forward/dx split along m (fwd_split="m")."""
+    ``dx_small`` / ``dw_small``: 64 rows per group, the small-group tiles."""
     sds = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
     m, k, n, g = (512 if "small" in op else 1024), 512, 256, 8
-    split_m = op.endswith("_wsm")
-    cfg = GroupedMatmulConfig(impl="pallas",
-                              fwd_warpgroups=2 if op.endswith(("_ws", "_wsm")) else 1,
-                              dw_warpgroups=1 if op.endswith("_1wg") else 2,
-                              fwd_split="m" if split_m else "n",
-                              **({"fwd": (64, 256, 64, 3, 2), "dx": (64, 256, 64, 3, 2)}
-                                 if split_m else {}))
+    cfg = GroupedMatmulConfig(impl="pallas", fwd_warpgroups=2 if op.endswith("_ws") else 1,
+                              dw_warpgroups=1 if op.endswith("_1wg") else 2)
     op = op.split("_")[0]
     gsd = sds((g,), jnp.int32)
     if op == "fwd":
@@ -380,20 +374,17 @@ def test_pallas_constraints_fall_back_to_xla():
 
 
 @pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
-@pytest.mark.parametrize("split", ["n", "m"])
 @pytest.mark.parametrize("sizes", [[70, 0, 33, 1, 60], [0, 3, 197, 50], [7, 0, 0, 193],
                                    [0, 0, 0, 0, 0]])
-def test_pallas_fwd_dx_two_warpgroups_interpret(sizes, split):
+def test_pallas_fwd_dx_two_warpgroups_interpret(sizes):
     """The 2-consumer forward/dx kernel (fwd_warpgroups=2, the default; one
-    pipeline per SM across its tiles), its CTA tile split along n (the
-    default) or m (a consumer with no rows of the tile's group skips its
-    wgmmas: groups of 1, 33 and 60 rows here): empty groups, sizes past M
-    (clipped), a group ending at M, no rows at all, NaN/Inf tail -- matches
-    numpy. k = 3 block_k with 2 stages: tiles change mid-ring."""
+    pipeline per SM across its tiles): empty groups, sizes past M (clipped), a
+    group ending at M, no rows at all, NaN/Inf tail -- matches numpy. k = 3
+    block_k with 2 stages: tiles change mid-ring."""
     x, w, dy, gs = make(sizes, m=200, k=192, n=256, seed=7)
     xb, wb, dyb = (jnp.asarray(a, jnp.bfloat16) for a in (x, w, dy))
     cfg = GroupedMatmulConfig(impl="pallas", interpret=True, fwd=(64, 64, 64, 2, 1),
-                              dx=(64, 64, 64, 2, 1), fwd_warpgroups=2, fwd_split=split)
+                              dx=(64, 64, 64, 2, 1), fwd_warpgroups=2)
     assert gm_select.fwd_ws_tiles(cfg, "fwd", xb, wb, False) is not None
     y = np.asarray(gm_mod.gmm(xb, wb, gs, config=cfg), np.float32)
     dx = np.asarray(gm_mod.gmm(dyb, wb, gs, transpose_rhs=True, config=cfg), np.float32)

@@ -42,7 +42,6 @@ SMALL_GROUP_TILES = {"dx": (64, 128, 128, 3, 2), "dw": (64, 128, 64, 5, 4)}
 GROUP_ALIGNMENT = 64
 
 _IMPLS = ("auto", "pallas", "xla")
-_FWD_SPLITS = ("n", "m")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,11 +68,6 @@ class GroupedMatmulConfig:
         producer warpgroup feeds two consumers that own ``block_m x 2
         block_n``; used where ``N % (2 block_n) == 0`` and the stages fit
         shared memory, else the 1-warpgroup kernel) or 1.
-      fwd_split: how the 2-consumer forward / dx kernel splits its CTA tile:
-        ``"n"`` (``block_m x 2 block_n``, the consumers share the ``x`` tile)
-        or ``"m"`` (``2 block_m x block_n``, they share the weight tile; a
-        consumer with no rows of the tile's group issues no wgmma, so a
-        group's last tile costs its rows rounded up to ``block_m``).
       interpret: run the Pallas kernels in Mosaic-GPU interpret mode (for
         testing the kernels on CPU; jax >= 0.11; very slow).
     """
@@ -85,13 +79,10 @@ class GroupedMatmulConfig:
     interpret: bool = False
     dw_warpgroups: int = 2
     fwd_warpgroups: int = 2
-    fwd_split: str = "n"
 
     def __post_init__(self):
         if self.impl not in _IMPLS:
             raise ValueError(f"impl must be one of {_IMPLS}, got {self.impl!r}")
-        if self.fwd_split not in _FWD_SPLITS:
-            raise ValueError(f"fwd_split must be one of {_FWD_SPLITS}, got {self.fwd_split!r}")
         for name in ("dw_warpgroups", "fwd_warpgroups"):
             if getattr(self, name) not in (1, 2):
                 raise ValueError(f"{name} must be 1 or 2, got {getattr(self, name)!r}")

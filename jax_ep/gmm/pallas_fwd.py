@@ -80,19 +80,15 @@ def gmm_pallas(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
     return kernel(rs, r0, r1, grp, x, w)
 
 
-def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret, split="n"):
+def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
     """Forward / dx with two consumer warpgroups and a producer warpgroup,
     ONE pipeline per SM across all of its tiles.
 
-    Per-group row tiles (``row_tiles``, as :func:`gmm_pallas`); each consumer
-    warpgroup owns a ``block_m x block_n`` accumulator of the CTA tile.
-    ``split="n"``: the CTA owns ``block_m x 2 block_n`` of the output (the
-    consumers share the staged ``x`` tile). ``split="m"``: ``2 block_m x
-    block_n`` (they share the ``w`` tile), and a consumer whose ``block_m``
-    rows hold no row of the tile's group issues no wgmma: a group's short last
-    tile costs the tensor work of its rows rounded up to ``block_m``, not to
-    ``2 block_m``. The SM's tiles (dealt round-robin) and their k-steps form
-    a single warp-specialized pipeline of grid ``(tiles of this SM, K / block_k)``: the producer loads the
+    Per-group row tiles (``row_tiles``, as :func:`gmm_pallas`); a CTA owns
+    ``block_m x 2 block_n`` of the output (each consumer warpgroup one
+    ``block_m x block_n`` half, sharing the staged ``x`` tile). The SM's tiles
+    (dealt round-robin) and their k-steps form a single warp-specialized
+    pipeline of grid ``(tiles of this SM, K / block_k)``: the producer loads the
     next tile's first stages while the consumers store and reset the previous
     tile's accumulator, so no tile pays a pipeline fill with nothing in flight.
     Row offsets of tiles are 8-aligned element offsets (``pl.Element``), read
@@ -105,15 +101,14 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret, spl
     bm, bn, bk, steps, band = tiles
     m, k = x.shape
     n = w.shape[1] if transpose_rhs else w.shape[2]
-    cm, cn = (2 * bm, bn) if split == "m" else (bm, 2 * bn)    # the CTA tile
-    rs, r0, r1, grp = row_tiles(offsets, m, cm)
+    rs, r0, r1, grp = row_tiles(offsets, m, bm)
     used = r1 > r0
     counts = jnp.stack([jnp.sum(used & (grp >= 0)), jnp.sum(used & (grp < 0))]).astype(jnp.int32)
-    grid_n, ksteps = n // cn, k // bk
+    grid_n, ksteps = n // (2 * bn), k // bk
     nsm = num_sms(interpret)
     top = 1 << int(math.log2(bm))
     tr, _ = dw_transforms(plgpu, x.dtype, bk, bn)
-    w_block = (None, cn, bk) if transpose_rhs else (None, bk, cn)
+    w_block = (None, 2 * bn, bk) if transpose_rhs else (None, bk, 2 * bn)
 
     def body(cnt_ref, rs_ref, r0_ref, r1_ref, g_ref, x_ref, w_ref, o_ref):
         sm = lax.axis_index("sm")
@@ -133,51 +128,27 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret, spl
         def scoped(o_smem):
             wg = lax.axis_index("wg")
 
-            def own_rows(fi):
-                """This consumer's rows [lo, hi) of row tile fi (absolute; maybe
-                empty), their tile's first row, and its output column."""
-                lo, hi, row0 = r0_ref[fi], r1_ref[fi], pl.multiple_of(rs_ref[fi], 8)
-                if split == "m":
-                    row0 = pl.multiple_of(row0 + wg * bm, 8)
-                    lo = jnp.clip(lo, row0, row0 + bm)
-                    hi = jnp.clip(hi, lo, row0 + bm)
-                return lo, hi, row0
-
             def store(fi, ni, val):
-                lo, hi, row0 = own_rows(fi)
-                col = pl.multiple_of(ni * cn + (0 if split == "m" else wg * bn), bn)
+                lo, hi = r0_ref[fi], r1_ref[fi]
+                row0 = pl.multiple_of(rs_ref[fi], 8)
+                col = pl.multiple_of(ni * (2 * bn) + wg * bn, bn)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # our slot is free
                 o_smem[wg] = val.astype(o_smem.dtype)
                 plgpu.commit_smem()
                 store_rows(pl, plgpu, o_smem.at[wg], o_ref.at[:, pl.ds(col, bn)], lo, hi,
                            row0, top)
 
-            def mma(x_smem, w_smem, acc_ref):
-                if split == "m":
-                    xs = x_smem.at[pl.ds(pl.multiple_of(wg * bm, bm), bm), :]
-                    rhs = transposed(plgpu, w_smem) if transpose_rhs else w_smem
-                else:
-                    cols = pl.ds(pl.multiple_of(wg * bn, bn), bn)
-                    xs = x_smem
-                    rhs = (transposed(plgpu, w_smem.at[cols, :]) if transpose_rhs
-                           else w_smem.at[:, cols])
-                plgpu.wgmma(acc_ref, xs, rhs)
+            def step(idx, x_smem, w_smem, carry):
+                j, kk = idx
+                acc_ref = carry[0] if interpret else carry
+                cols = pl.ds(pl.multiple_of(wg * bn, bn), bn)
+                rhs = (transposed(plgpu, w_smem.at[cols, :]) if transpose_rhs
+                       else w_smem.at[:, cols])
+                plgpu.wgmma(acc_ref, x_smem, rhs)
                 # wait(0), no delay_release: a stage held one step longer for an
                 # in-flight wgmma is a stage fewer of loads in flight (measured:
                 # with delay_release=1 and 3 stages, 5-30% slower than per-tile).
                 plgpu.wgmma_wait(0)
-
-            def step(idx, x_smem, w_smem, carry):
-                j, kk = idx
-                acc_ref = carry[0] if interpret else carry
-                if split == "m":
-                    lo, hi, _ = own_rows(tile(j)[0])
-
-                    @pl.when(hi > lo)      # no rows of ours: no tensor work
-                    def _():
-                        mma(x_smem, w_smem, acc_ref)
-                else:
-                    mma(x_smem, w_smem, acc_ref)
                 return flush_on_last_step(pl, plgpu, carry, kk == ksteps - 1,
                                           lambda val: store(*tile(j), val), interpret, (bm, bn))
 
@@ -187,7 +158,7 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret, spl
             def _():
                 plgpu.emit_pipeline_warp_specialized(
                     step, grid=(mine, ksteps), memory_registers=40,
-                    in_specs=[plgpu.BlockSpec((pl.Element(cm), bk), x_index, transforms=tr),
+                    in_specs=[plgpu.BlockSpec((pl.Element(bm), bk), x_index, transforms=tr),
                               plgpu.BlockSpec(w_block, w_index, transforms=tr)],
                     wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=steps,
                     compute_context=carried_acc_context(pl, plgpu, (bm, bn), interpret),

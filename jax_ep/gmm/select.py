@@ -17,16 +17,15 @@ from .pallas_fwd import gmm_pallas, gmm_pallas_ws
 SMEM_BYTES = 227 * 1024   # Hopper: dynamic shared memory per block
 
 
-def two_consumer_tiles(tiles: Tiles, split: str, dim: Optional[int], dtype) -> Optional[Tiles]:
+def two_consumer_tiles(tiles: Tiles, split: str, dim: int, dtype) -> Optional[Tiles]:
     """The tiles of a 2-consumer kernel, stages cut to fit shared memory, or
     None where it does not apply. ``split``: which tile side the two consumer
-    warpgroups split, ``"m"`` (CTA tile ``2 block_m x block_n``; dw needs
+    warpgroups split, ``"m"`` (dw: CTA tile ``2 block_m x block_n``, needs
     ``dim = K`` divisible by ``2 block_m``) or ``"n"`` (forward/dx: CTA tile
-    ``block_m x 2 block_n``, needs ``dim = N`` divisible by ``2 block_n``);
-    ``dim=None``: no condition (the forward's rows, split along m)."""
+    ``block_m x 2 block_n``, needs ``dim = N`` divisible by ``2 block_n``)."""
     bm, bn, bk, steps, band = tiles
     wide = 2 * bm if split == "m" else 2 * bn
-    if (dim is not None and dim % wide) or bm * bn > 128 * 128:
+    if dim % wide or bm * bn > 128 * 128:
         return None   # a consumer's f32 accumulator: at most 128 x 128 (registers)
     item = jnp.dtype(dtype).itemsize
     stage = bk * (bm + bn + wide // 2) * item     # one staged x tile and one w / dy tile
@@ -52,14 +51,10 @@ def fwd_ws_tiles(cfg, op, x, w, transpose_rhs) -> Optional[Tiles]:
     """Tiles of the 2-consumer forward/dx kernel, or None: the 1-warpgroup one."""
     if cfg.fwd_warpgroups != 2:
         return None
-    tiles = op_tiles(cfg, op, x, w, w.shape[0])
-    if cfg.fwd_split == "m":    # split along the rows: x's rows hold one CTA tile
-        ws = two_consumer_tiles(tiles, "m", None, x.dtype) if x.shape[0] >= 2 * tiles[0] else None
-    else:
-        n = w.shape[1] if transpose_rhs else w.shape[2]
-        ws = two_consumer_tiles(tiles, "n", n, x.dtype)
+    n = w.shape[1] if transpose_rhs else w.shape[2]
+    ws = two_consumer_tiles(op_tiles(cfg, op, x, w, w.shape[0]), "n", n, x.dtype)
     if ws is not None and not cfg.interpret and cfg.impl == "auto":
-        ws = ws if pallas_compiles(f"{op}_ws{cfg.fwd_split}", ws, x.dtype.name) else None
+        ws = ws if pallas_compiles(f"{op}_ws", ws, x.dtype.name) else None
     return ws
 
 
@@ -124,12 +119,12 @@ def pallas_compiles(op: str, tiles: Tiles, dtype_name: str) -> bool:
                 kern = tgmm_pallas_ws if op == "dw_ws" else tgmm_pallas
                 f = lambda a, b, o: kern(a, b, o, tiles, dt, False)
                 args = (sds((m, k), dt), sds((m, n), dt), sds((g + 1,), jnp.int32))
-            else:   # fwd, dx, fwd_ws{n,m}, dx_ws{n,m}
-                m, k, n = 4 * bm + 8, bk, 2 * bn
+            else:   # fwd, dx, fwd_ws, dx_ws
+                m, k, n = 2 * bm + 8, bk, 2 * bn
                 t = op.startswith("dx")
                 wshape = (g, n, k) if t else (g, k, n)
-                if "_ws" in op:
-                    f = lambda a, b, o: gmm_pallas_ws(a, b, o, t, tiles, dt, False, op[-1])
+                if op.endswith("_ws"):
+                    f = lambda a, b, o: gmm_pallas_ws(a, b, o, t, tiles, dt, False)
                 else:
                     f = lambda a, b, o: gmm_pallas(a, b, o, t, tiles, dt, False)
                 args = (sds((m, k), dt), sds(wshape, dt), sds((g + 1,), jnp.int32))

@@ -134,35 +134,6 @@ def test_tile_configs(tiles, fwd_wgs):
     assert rel_err(dw, gm_mod.tgmm(xc, dyc, gs, config=XLA)) < 1e-2
 
 
-@pytest.mark.parametrize("aligned", [True, False])
-def test_fwd_split_m(aligned):
-    """The 2-consumer forward/dx kernel split along m (fwd_split="m", CTA 128
-    rows x 256, a consumer whose 64 rows hold none of the tile's group skips
-    its wgmmas) vs an f32 reference: groups of 64-row multiples as the layer's
-    dispatch lays them out (so a group's last 128-row tile often has one busy
-    consumer) or unaligned, empty groups, NaN tail; prints whether it equals
-    the default (split along n) bit for bit."""
-    m, k, n, g = 4096, 1024, 1024, 16
-    sizes = sizes_for("skew", g, 3500, seed=4)
-    if aligned:
-        sizes = (-(-sizes // 64) * 64).astype(np.int32)
-    x, w, dy, gs = data(m, k, n, sizes, seed=4)
-    cfg = GroupedMatmulConfig(impl="pallas", fwd=(64, 256, 64, 3, 2), dx=(64, 256, 64, 3, 2),
-                              fwd_split="m")
-    assert gm_select.fwd_ws_tiles(cfg, "fwd", x, w, False) is not None
-    y = jax.jit(functools.partial(gm_mod.gmm, config=cfg))(x, w, gs)
-    dx = jax.jit(functools.partial(gm_mod.gmm, transpose_rhs=True, config=cfg))(dy, w, gs)
-    xc, dyc, wf = clean(x, sizes).astype(jnp.float32), clean(dy, sizes).astype(jnp.float32), w.astype(jnp.float32)
-    assert rel_err(y, gm_mod.gmm(xc, wf, gs, config=XLA)) < 1e-2
-    assert rel_err(dx, gm_mod.gmm(dyc, wf, gs, transpose_rhs=True, config=XLA)) < 1e-2
-    tot = int(np.sum(sizes))
-    assert not bool(jnp.any(y[tot:] != 0)) and not bool(jnp.any(dx[tot:] != 0))
-    y_n = jax.jit(functools.partial(gm_mod.gmm, config=PALLAS))(x, w, gs)
-    dx_n = jax.jit(functools.partial(gm_mod.gmm, transpose_rhs=True, config=PALLAS))(dy, w, gs)
-    print(f"split m == split n bit for bit: fwd {bool(jnp.all(y == y_n))}, "
-          f"dx {bool(jnp.all(dx == dx_n))}")
-
-
 @pytest.mark.parametrize("kind,total", [("skew", 3900), ("unaligned", 3001), ("uniform", 4096)])
 def test_dw_tiles(kind, total):
     """dw, both kernels (1 and 2 consumer warpgroups), several tile
