@@ -17,14 +17,20 @@
 #   4  GPU_TESTS=none SKIP_BENCH=1 MOE_STEP_ARGS="--configs v3,mixtral --tokens 128,1024,4096,8192"
 # A pytest stopped by TEST_TIMEOUT now stops its job's ranks too (harness.py).
 # Session 15 (one H200; bench/results/2026-12-02-h200x1-s15.md): the dw
-# pipeline per SM across groups lost the A/B (deleted); test_loopback_internode.py
-# passed whole (6 tests, incl. the put path's windows and the window default
-# chunk); the loopback bench ran every row but expert_major combine (stopped by
-# its 290 s timeout: give LOOPBACK_TIMEOUT >= 400 for all five).
-# Nsight Compute (scripts/ncu_gmm.sh, profile_gmm.py ops may end in :rows):
-# the metrics pass over fwd_up:8192 / bmm_up:2048 (our forward vs XLA's batched
-# GEMM at the T 128 layer's rows) timed out at 130 s while replaying 7.5 GB of
-# weights; next time one op per ncu run with --replay-mode application.
+# pipeline per SM across groups and the forward/dx CTA tile split along m
+# (skip a consumer's wgmmas where its 64 rows hold none of the group) lost
+# their layer A/Bs and were deleted (split m: 5-18% slower per kernel,
+# bit-identical; suspected cause: the skip predicate's tile-table loads from
+# global memory on every k-step; a per-tile predicate in shared memory is the
+# untested next form). test_loopback_internode.py passed whole (6 tests, incl.
+# the put path's windows and the window's default chunk); the loopback bench
+# ran every row but expert_major combine (stopped by the call's 290 s
+# timeout: LOOPBACK_TIMEOUT >= 400 for all five).
+# Nsight Compute (scripts/ncu_gmm.sh; profile_gmm.py ops may end in :rows and
+# include bmm_*, XLA's batched GEMM): the metrics pass over fwd_up:8192 /
+# bmm_up:2048 (our forward vs XLA's at the T 128 layer's rows) timed out at
+# 130 s while replaying 7.5 GB of weights; next time one op per ncu run with
+# --replay-mode application.
 # Session 13's ideas still open: ncu (--clock-control none) DRAM throughput
 # of the in-layer forward kernel at T 128; 2-CTA TMA multicast of the weight
 # tiles.
