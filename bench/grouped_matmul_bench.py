@@ -14,7 +14,10 @@ hoisted or skipped and every output is fully materialised); per-call time =
 (t(n2) - t(n1)) / (n2 - n1), median over --reps repetitions after warm-up.
 TF/s counts useful FLOPs 2 * sum(group_sizes) * K * N. "dense" is the same-M
 dense matmul of the same shape (x @ w[0], dy @ w[0]^T, x^T @ dy) in the same
-run; ratio = grouped TF/s / dense TF/s. The XLA (jax.lax.ragged_dot) rows
+run; ratio = grouped TF/s / dense TF/s. For uniform sizes an "xla batched"
+row times XLA's batched matmul over [G, M/G] rows per group, the padded
+layer's expert matmuls, which stream the same weights (at --rows 8192 the
+kernels the V3 layer runs at T 128). The XLA (jax.lax.ragged_dot) rows
 are ~100x slower: they use --xla-reps repetitions of 1 vs 2 calls
 (--no-xla skips them).
 
@@ -157,6 +160,19 @@ def ops(cfg):
     }
 
 
+def batched(op):
+    """XLA's batched matmul over [G, M/G] rows per group (uniform sizes only):
+    the padded layer's expert matmuls (``moe_layer_step --impls xla_padded``),
+    streaming the same weights as the grouped row."""
+    def rows(a):
+        return a.reshape(G, -1, a.shape[1])
+    return {
+        "fwd": lambda x, w: jnp.einsum("gmk,gkn->gmn", rows(x), w).reshape(-1, w.shape[2]),
+        "dx": lambda dy, w: jnp.einsum("gmn,gkn->gmk", rows(dy), w).reshape(-1, w.shape[1]),
+        "dw": lambda x, dy: jnp.einsum("gmk,gmn->gkn", rows(x), rows(dy)),
+    }[op]
+
+
 def operands(op, x, w, dy, gs):
     if op == "fwd":
         return (x, w, gs), (x, w[0])
@@ -262,6 +278,12 @@ def main():
                         rows.append((proj, dist, op, label, str(tiles), r[0], r[1],
                                      f"{dense_tf:.0f}", r[2]))
                         print("# |", " | ".join(rows[-1]), "|", flush=True)
+                if dist == "uniform" and M % G == 0:
+                    ms = per_call_ms(batched(op), g_args[:2], args.n1, args.n2, args.reps)
+                    tf = flops / ms / 1e9
+                    rows.append((proj, dist, op, "xla batched (padded layer)", "-", f"{ms:.3f}",
+                                 f"{tf:.0f}", f"{dense_tf:.0f}", f"{tf / dense_tf:.2f}"))
+                    print("# |", " | ".join(rows[-1]), "|", flush=True)
                 if not args.no_xla:
                     xfn = ops(xla)[op][0]
                     try:
