@@ -31,6 +31,10 @@
 # bmm_up:2048 (our forward vs XLA's at the T 128 layer's rows) timed out at
 # 130 s while replaying 7.5 GB of weights; next time one op per ncu run with
 # --replay-mode application.
+# Next on one GPU: GMM_BENCH=1 GMM_ARGS="--no-xla --dist uniform --rows 8192
+# --real-rows 8" (the T 128 layer's kernels beside XLA's batched matmul of the
+# same weights, the new 'xla batched' rows: the weight-stream gap standalone),
+# and the expert_major combine row of the internode loopback bench.
 # Session 13's ideas still open: ncu (--clock-control none) DRAM throughput
 # of the in-layer forward kernel at T 128; 2-CTA TMA multicast of the weight
 # tiles.
