@@ -399,6 +399,35 @@ def test_pallas_fwd_dx_two_warpgroups_interpret(sizes):
 
 
 @pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
+def test_pallas_epilogue_chunks_interpret():
+    """The 2-consumer kernels staging their 128-row output tiles in two 64-row
+    chunks (epilogue_chunks=2) equal whole-tile staging bit for bit (forward,
+    dx, dw; groups whose stored rows start and end inside either chunk), and
+    the chunks leave room for a 4th stage at the default tiles."""
+    sizes = [70, 0, 150, 1, 100, 33]
+    x, w, dy, gs = make(sizes, m=400, k=256, n=256, seed=11)
+    xb, wb, dyb = (jnp.asarray(a, jnp.bfloat16) for a in (x, w, dy))
+    outs = []
+    for chunks in (1, 2):
+        cfg = GroupedMatmulConfig(impl="pallas", interpret=True, fwd=(128, 64, 64, 2, 1),
+                                  dx=(128, 64, 64, 2, 1), dw=(128, 64, 64, 2, 1),
+                                  epilogue_chunks=chunks)
+        assert gm_select.fwd_ws_tiles(cfg, "fwd", xb, wb, False) is not None
+        outs.append([np.asarray(a, np.float32) for a in (
+            gm_mod.gmm(xb, wb, gs, config=cfg),
+            gm_mod.gmm(dyb, wb, gs, transpose_rhs=True, config=cfg),
+            gm_mod.tgmm(xb, dyb, gs, config=cfg))])
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)
+    xf, wf, dyf = (np.asarray(a, np.float32) for a in (xb, wb, dyb))
+    np.testing.assert_allclose(outs[1][0], np_gmm(clean(xf, sizes), wf, sizes), rtol=2e-2, atol=0.3)
+    bf = jnp.bfloat16
+    assert gm_select.two_consumer_tiles((128, 128, 64, 5, 2), "n", 4096, bf, 1)[3] == 3
+    assert gm_select.two_consumer_tiles((128, 128, 64, 5, 2), "n", 4096, bf, 2)[3] == 4
+    assert gm_select.two_consumer_tiles((128, 128, 64, 4, 4), "m", 7168, bf, 2)[3] == 4
+
+
+@pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
 def test_pallas_small_group_dx_interpret():
     """dx with the small-group tiles (dx unset, 64 rows per group on average):
     block_k 128 with the 2-consumer kernel -- matches numpy, tail zero."""

@@ -68,6 +68,11 @@ class GroupedMatmulConfig:
         producer warpgroup feeds two consumers that own ``block_m x 2
         block_n``; used where ``N % (2 block_n) == 0`` and the stages fit
         shared memory, else the 1-warpgroup kernel) or 1.
+      epilogue_chunks: row chunks in which each consumer of a 2-consumer
+        kernel (forward, dx, dw) stages its ``block_m x block_n`` output tile
+        in shared memory on the way to HBM: 1 (the whole tile) or 2 (halves,
+        one after the other: half the staging, which can leave room for one
+        more pipeline stage). Applies where ``block_m % 128 == 0``, else 1.
       interpret: run the Pallas kernels in Mosaic-GPU interpret mode (for
         testing the kernels on CPU; jax >= 0.11; very slow).
     """
@@ -79,11 +84,12 @@ class GroupedMatmulConfig:
     interpret: bool = False
     dw_warpgroups: int = 2
     fwd_warpgroups: int = 2
+    epilogue_chunks: int = 2
 
     def __post_init__(self):
         if self.impl not in _IMPLS:
             raise ValueError(f"impl must be one of {_IMPLS}, got {self.impl!r}")
-        for name in ("dw_warpgroups", "fwd_warpgroups"):
+        for name in ("dw_warpgroups", "fwd_warpgroups", "epilogue_chunks"):
             if getattr(self, name) not in (1, 2):
                 raise ValueError(f"{name} must be 1 or 2, got {getattr(self, name)!r}")
         for name in ("fwd", "dx", "dw"):

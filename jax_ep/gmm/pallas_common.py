@@ -25,11 +25,20 @@ def transposed(plgpu, ref):
 
 
 def kernel_params(plgpu, interpret):
-    kw = dict(compiler_params=plgpu.CompilerParams(
-        lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    params = dict(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+    if "reduction_scratch_bytes" in getattr(plgpu.CompilerParams, "__dataclass_fields__", {}):
+        params["reduction_scratch_bytes"] = 0   # no cross-warp reductions: 2 KiB more for stages
+    kw = dict(compiler_params=plgpu.CompilerParams(**params))
     if interpret:
         kw["interpret"] = plgpu.InterpretGPUParams()
     return kw
+
+
+def epilogue_rows(bm: int, chunks: int) -> int:
+    """Rows of one staged output chunk of a 2-consumer kernel's ``bm``-row
+    consumer tile (``GroupedMatmulConfig.epilogue_chunks``; a chunk must be a
+    whole number of 64-row wgmma tiles)."""
+    return bm // chunks if bm % (64 * chunks) == 0 else bm
 
 
 def num_sms(interpret) -> int:

@@ -8,9 +8,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .pallas_common import (carried_acc_context, dw_transforms, flush_on_last_step,
-                            kernel_params, num_sms, pallas_modules, round_robin_count,
-                            step_has_outside_rows, transposed, zero_rows_outside)
+from .pallas_common import (carried_acc_context, dw_transforms, epilogue_rows,
+                            flush_on_last_step, kernel_params, num_sms, pallas_modules,
+                            round_robin_count, step_has_outside_rows, transposed,
+                            zero_rows_outside)
 
 
 def tgmm_pallas(x, dy, offsets, tiles, out_dtype, interpret):
@@ -168,7 +169,7 @@ def _ws_group(pl, plgpu, sh, refs, g, tile_of, store, n_tiles, rot_step, steps, 
             store(g, t0 + j * nsm, jnp.zeros((bm, bn), jnp.float32))
 
 
-def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret):
+def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, chunks=1):
     """dw with two consumer warpgroups and a producer warpgroup (warp-specialized).
 
     A CTA owns a ``2 block_m x block_n`` tile of ``dw[g]`` (each consumer
@@ -177,7 +178,9 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret):
     whose loads are issued by the producer warpgroup, so the next tile's loads
     are in flight while the consumers run the previous tile's epilogue (a
     group has only ~4 k-steps of 64 rows at V3 shapes: the epilogue and the
-    pipeline fill are what the one-warpgroup kernel waits on).
+    pipeline fill are what the one-warpgroup kernel waits on). ``chunks``: the
+    consumer's output tile goes through shared memory in this many row chunks
+    (``select.epilogue_rows``).
     """
     pl, plgpu = pallas_modules()
     bm, bn, bk, steps, band = tiles
@@ -189,6 +192,7 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret):
     nsm = num_sms(interpret)
     sh = (bm, bn, bk, cm, nsm, interpret)
     tr, o_tr = dw_transforms(plgpu, x.dtype, bk, bn)
+    rows = epilogue_rows(bm, chunks)
 
     def tile_of(t):
         return plgpu.planar_snake(t, (grid_m, grid_n), 0, band)
@@ -199,11 +203,13 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret):
 
             def store(g, t, val):
                 mi, ni = tile_of(t)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # this warpgroup's slot free
-                o_smem[wg] = val.astype(o_smem.dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(
-                    o_smem.at[wg], o_ref.at[g, pl.ds(mi * cm + wg * bm, bm), pl.ds(ni * bn, bn)])
+                for c in range(bm // rows):   # the tile's row chunks, one after the other
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # our slot is free
+                    o_smem[wg] = val[c * rows:(c + 1) * rows].astype(o_smem.dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(
+                        o_smem.at[wg],
+                        o_ref.at[g, pl.ds(mi * cm + wg * bm + c * rows, rows), pl.ds(ni * bn, bn)])
 
             def group(g, carry):
                 _ws_group(pl, plgpu, sh, (off_ref, x_ref, dy_ref), g, tile_of, store, n_tiles,
@@ -216,7 +222,7 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret):
             def _():
                 plgpu.wait_smem_to_gmem(0)
 
-        pl.run_scoped(scoped, plgpu.SMEM((2, bm, bn), out_dtype, transforms=o_tr),
+        pl.run_scoped(scoped, plgpu.SMEM((2, rows, bn), out_dtype, transforms=o_tr),
                       collective_axes="wg")
 
     kernel = plgpu.kernel(

@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .pallas_common import (carried_acc_context, dw_transforms, flush_on_last_step,
-                            kernel_params, num_sms, pallas_modules, round_robin_count, row_tiles,
-                            store_rows, transposed)
+from .pallas_common import (carried_acc_context, dw_transforms, epilogue_rows,
+                            flush_on_last_step, kernel_params, num_sms, pallas_modules,
+                            round_robin_count, row_tiles, store_rows, transposed)
 
 
 def gmm_pallas(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
@@ -80,7 +80,7 @@ def gmm_pallas(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
     return kernel(rs, r0, r1, grp, x, w)
 
 
-def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
+def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret, chunks=1):
     """Forward / dx with two consumer warpgroups and a producer warpgroup,
     ONE pipeline per SM across all of its tiles.
 
@@ -95,7 +95,8 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
     from the tile table in the index maps. Tail tiles (rows past the groups)
     store zeros after the pipeline. Against a pipeline per tile (deleted,
     bench/results/README.md): the V3 layer at T 128 1-3% faster, at T 4096
-    equal; outputs bit-identical.
+    equal; outputs bit-identical. ``chunks``: the consumer's output tile goes
+    through shared memory in this many row chunks (``select.epilogue_rows``).
     """
     pl, plgpu = pallas_modules()
     bm, bn, bk, steps, band = tiles
@@ -106,7 +107,8 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
     counts = jnp.stack([jnp.sum(used & (grp >= 0)), jnp.sum(used & (grp < 0))]).astype(jnp.int32)
     grid_n, ksteps = n // (2 * bn), k // bk
     nsm = num_sms(interpret)
-    top = 1 << int(math.log2(bm))
+    rows = epilogue_rows(bm, chunks)
+    top = 1 << int(math.log2(rows))
     tr, _ = dw_transforms(plgpu, x.dtype, bk, bn)
     w_block = (None, 2 * bn, bk) if transpose_rhs else (None, bk, 2 * bn)
 
@@ -132,11 +134,13 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
                 lo, hi = r0_ref[fi], r1_ref[fi]
                 row0 = pl.multiple_of(rs_ref[fi], 8)
                 col = pl.multiple_of(ni * (2 * bn) + wg * bn, bn)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # our slot is free
-                o_smem[wg] = val.astype(o_smem.dtype)
-                plgpu.commit_smem()
-                store_rows(pl, plgpu, o_smem.at[wg], o_ref.at[:, pl.ds(col, bn)], lo, hi,
-                           row0, top)
+                for c in range(bm // rows):   # the tile's row chunks, one after the other
+                    c0 = row0 + c * rows
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # our slot is free
+                    o_smem[wg] = val[c * rows:(c + 1) * rows].astype(o_smem.dtype)
+                    plgpu.commit_smem()
+                    store_rows(pl, plgpu, o_smem.at[wg], o_ref.at[:, pl.ds(col, bn)],
+                               jnp.clip(lo, c0, c0 + rows), jnp.clip(hi, c0, c0 + rows), c0, top)
 
             def step(idx, x_smem, w_smem, carry):
                 j, kk = idx
@@ -174,7 +178,7 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
 
                 plgpu.wait_smem_to_gmem(0)
 
-        pl.run_scoped(scoped, plgpu.SMEM((2, bm, bn), out_dtype), collective_axes="wg")
+        pl.run_scoped(scoped, plgpu.SMEM((2, rows, bn), out_dtype), collective_axes="wg")
 
     kernel = plgpu.kernel(
         body,
