@@ -408,17 +408,18 @@ def test_pallas_epilogue_chunks_interpret():
     x, w, dy, gs = make(sizes, m=400, k=256, n=256, seed=11)
     xb, wb, dyb = (jnp.asarray(a, jnp.bfloat16) for a in (x, w, dy))
     outs = []
-    for chunks in (1, 2):
-        cfg = GroupedMatmulConfig(impl="pallas", interpret=True, fwd=(128, 64, 64, 2, 1),
-                                  dx=(128, 64, 64, 2, 1), dw=(128, 64, 64, 2, 1),
-                                  epilogue_chunks=chunks)
+    for chunks, overlap in ((1, 0), (2, 0), (2, 1)):
+        cfg = GroupedMatmulConfig(impl="pallas", interpret=True, fwd=(128, 64, 64, 3, 1),
+                                  dx=(128, 64, 64, 3, 1), dw=(128, 64, 64, 3, 1),
+                                  epilogue_chunks=chunks, mma_overlap=overlap)
         assert gm_select.fwd_ws_tiles(cfg, "fwd", xb, wb, False) is not None
         outs.append([np.asarray(a, np.float32) for a in (
             gm_mod.gmm(xb, wb, gs, config=cfg),
             gm_mod.gmm(dyb, wb, gs, transpose_rhs=True, config=cfg),
             gm_mod.tgmm(xb, dyb, gs, config=cfg))])
-    for a, b in zip(*outs):
-        np.testing.assert_array_equal(a, b)
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            np.testing.assert_array_equal(a, b)
     xf, wf, dyf = (np.asarray(a, np.float32) for a in (xb, wb, dyb))
     np.testing.assert_allclose(outs[1][0], np_gmm(clean(xf, sizes), wf, sizes), rtol=2e-2, atol=0.3)
     bf = jnp.bfloat16

@@ -99,7 +99,7 @@ def gmm(x, w, group_sizes, *, transpose_rhs: bool = False,
         ws = fwd_ws_tiles(cfg, op, x, w, transpose_rhs)
         if ws is not None:
             out = gmm_pallas_ws(x, w, offsets, transpose_rhs, ws, out_dtype, cfg.interpret,
-                                cfg.epilogue_chunks)
+                                cfg.epilogue_chunks, cfg.mma_overlap)
         else:
             out = gmm_pallas(x, w, offsets, transpose_rhs, op_tiles(cfg, op, x, w, w.shape[0]),
                              out_dtype, cfg.interpret)
@@ -127,7 +127,8 @@ def tgmm(x, dy, group_sizes, *, config: Optional[GroupedMatmulConfig] = None,
         if ws is not None and not cfg.interpret and cfg.impl == "auto":
             ws = ws if pallas_compiles("dw_ws", ws, x.dtype.name, chunks) else None
         if ws is not None:
-            out = tgmm_pallas_ws(x, dy, offsets, ws, out_dtype, cfg.interpret, chunks)
+            out = tgmm_pallas_ws(x, dy, offsets, ws, out_dtype, cfg.interpret, chunks,
+                                 cfg.mma_overlap)
         else:
             out = tgmm_pallas(x, dy, offsets, tiles, out_dtype, cfg.interpret)
     else:

@@ -80,7 +80,8 @@ def gmm_pallas(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
     return kernel(rs, r0, r1, grp, x, w)
 
 
-def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret, chunks=1):
+def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret, chunks=1,
+                  overlap=0):
     """Forward / dx with two consumer warpgroups and a producer warpgroup,
     ONE pipeline per SM across all of its tiles.
 
@@ -152,9 +153,10 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret, chu
                 # wait(0), no delay_release: a stage held one step longer for an
                 # in-flight wgmma is a stage fewer of loads in flight (measured:
                 # with delay_release=1 and 3 stages, 5-30% slower than per-tile).
-                plgpu.wgmma_wait(0)
+                plgpu.wgmma_wait(overlap)
                 return flush_on_last_step(pl, plgpu, carry, kk == ksteps - 1,
-                                          lambda val: store(*tile(j), val), interpret, (bm, bn))
+                                          lambda val: store(*tile(j), val), interpret, (bm, bn),
+                                          wait=overlap > 0)
 
             mine = round_robin_count(n_grp * grid_n, sm, nsm)
 
@@ -162,8 +164,10 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret, chu
             def _():
                 plgpu.emit_pipeline_warp_specialized(
                     step, grid=(mine, ksteps), memory_registers=40,
-                    in_specs=[plgpu.BlockSpec((pl.Element(bm), bk), x_index, transforms=tr),
-                              plgpu.BlockSpec(w_block, w_index, transforms=tr)],
+                    in_specs=[plgpu.BlockSpec((pl.Element(bm), bk), x_index, transforms=tr,
+                                              delay_release=overlap),
+                              plgpu.BlockSpec(w_block, w_index, transforms=tr,
+                                              delay_release=overlap)],
                     wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=steps,
                     compute_context=carried_acc_context(pl, plgpu, (bm, bn), interpret),
                 )(x_ref, w_ref)
