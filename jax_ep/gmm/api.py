@@ -98,8 +98,7 @@ def gmm(x, w, group_sizes, *, transpose_rhs: bool = False,
     if choose(cfg, op, x, w, out_dtype, w.shape[0]) == "pallas":
         ws = fwd_ws_tiles(cfg, op, x, w, transpose_rhs)
         if ws is not None:
-            out = gmm_pallas_ws(x, w, offsets, transpose_rhs, ws, out_dtype, cfg.interpret,
-                                cfg.epilogue_chunks, cfg.mma_overlap)
+            out = gmm_pallas_ws(x, w, offsets, transpose_rhs, ws, out_dtype, cfg.interpret)
         else:
             out = gmm_pallas(x, w, offsets, transpose_rhs, op_tiles(cfg, op, x, w, w.shape[0]),
                              out_dtype, cfg.interpret)
@@ -121,14 +120,12 @@ def tgmm(x, dy, group_sizes, *, config: Optional[GroupedMatmulConfig] = None,
     offsets = _offsets(group_sizes, x.shape[0])
     if choose(cfg, "dw", x, dy, out_dtype, num_groups) == "pallas":
         tiles = op_tiles(cfg, "dw", x, dy, num_groups)
-        chunks = cfg.epilogue_chunks
-        ws = (two_consumer_tiles(tiles, "m", x.shape[1], x.dtype, chunks)
-              if cfg.dw_warpgroups == 2 else None)
+        ws = (two_consumer_tiles(tiles, "m", x.shape[1], x.dtype) if cfg.dw_warpgroups == 2
+              else None)
         if ws is not None and not cfg.interpret and cfg.impl == "auto":
-            ws = ws if pallas_compiles("dw_ws", ws, x.dtype.name, chunks) else None
+            ws = ws if pallas_compiles("dw_ws", ws, x.dtype.name) else None
         if ws is not None:
-            out = tgmm_pallas_ws(x, dy, offsets, ws, out_dtype, cfg.interpret, chunks,
-                                 cfg.mma_overlap)
+            out = tgmm_pallas_ws(x, dy, offsets, ws, out_dtype, cfg.interpret)
         else:
             out = tgmm_pallas(x, dy, offsets, tiles, out_dtype, cfg.interpret)
     else:

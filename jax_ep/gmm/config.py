@@ -68,15 +68,6 @@ class GroupedMatmulConfig:
         producer warpgroup feeds two consumers that own ``block_m x 2
         block_n``; used where ``N % (2 block_n) == 0`` and the stages fit
         shared memory, else the 1-warpgroup kernel) or 1.
-      epilogue_chunks: row chunks in which each consumer of a 2-consumer
-        kernel (forward, dx, dw) stages its ``block_m x block_n`` output tile
-        in shared memory on the way to HBM: 1 (the whole tile) or 2 (halves,
-        one after the other: half the staging, which can leave room for one
-        more pipeline stage). Applies where ``block_m % 128 == 0``, else 1.
-      mma_overlap: wgmma groups a consumer of a 2-consumer kernel leaves in
-        flight at the end of a k-step: 0 (wait, release the stage at once) or
-        1 (the step's wgmma runs under the next step's issue; its stage is
-        released one step later).
       interpret: run the Pallas kernels in Mosaic-GPU interpret mode (for
         testing the kernels on CPU; jax >= 0.11; very slow).
     """
@@ -88,17 +79,13 @@ class GroupedMatmulConfig:
     interpret: bool = False
     dw_warpgroups: int = 2
     fwd_warpgroups: int = 2
-    epilogue_chunks: int = 2
-    mma_overlap: int = 0
 
     def __post_init__(self):
         if self.impl not in _IMPLS:
             raise ValueError(f"impl must be one of {_IMPLS}, got {self.impl!r}")
-        for name in ("dw_warpgroups", "fwd_warpgroups", "epilogue_chunks"):
+        for name in ("dw_warpgroups", "fwd_warpgroups"):
             if getattr(self, name) not in (1, 2):
                 raise ValueError(f"{name} must be 1 or 2, got {getattr(self, name)!r}")
-        if self.mma_overlap not in (0, 1):
-            raise ValueError(f"mma_overlap must be 0 or 1, got {self.mma_overlap!r}")
         for name in ("fwd", "dx", "dw"):
             t = getattr(self, name)
             if t is None:

@@ -34,11 +34,11 @@ def kernel_params(plgpu, interpret):
     return kw
 
 
-def epilogue_rows(bm: int, chunks: int) -> int:
-    """Rows of one staged output chunk of a 2-consumer kernel's ``bm``-row
-    consumer tile (``GroupedMatmulConfig.epilogue_chunks``; a chunk must be a
-    whole number of 64-row wgmma tiles)."""
-    return bm // chunks if bm % (64 * chunks) == 0 else bm
+# The 2-consumer kernels stage a consumer's output tile in shared memory in
+# chunks of this many rows (one wgmma row tile), one after the other: at the
+# default 128-row tiles that frees 32 KB for a 4th pipeline stage (3 with the
+# whole tile staged; bench/results/README.md, deleted variants).
+EPILOGUE_ROWS = 64
 
 
 def num_sms(interpret) -> int:

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .pallas_common import (carried_acc_context, dw_transforms, epilogue_rows,
+from .pallas_common import (EPILOGUE_ROWS, carried_acc_context, dw_transforms,
                             flush_on_last_step, kernel_params, num_sms, pallas_modules,
                             round_robin_count, step_has_outside_rows, transposed,
                             zero_rows_outside)
@@ -94,7 +94,7 @@ def _ws_step(pl, plgpu, sh, g, t0, lead, size, nsteps, store):
     kernel's static shape values): zero the rows outside the group on the first
     and last k-steps, one wgmma per consumer half, and on a tile's last k-step
     store the accumulator and reset it."""
-    bm, bn, bk, cm, nsm, interpret, overlap = sh
+    bm, bn, bk, cm, nsm, interpret = sh
 
     def step(idx, x_smem, dy_smem, carry):
         j, s = idx
@@ -115,7 +115,7 @@ def _ws_step(pl, plgpu, sh, g, t0, lead, size, nsteps, store):
         # wait(0), stages released at once: every stage but this one is loading.
         # (wait(1) + delay_release=1, a stage held a step longer for the wgmma
         # in flight, measured 10-18% slower at T 4096: bench/results/README.md.)
-        plgpu.wgmma_wait(overlap)
+        plgpu.wgmma_wait(0)
         return flush_on_last_step(pl, plgpu, carry, s == nsteps - 1,
                                   lambda val: store(g, t0 + j * nsm, val), interpret, (bm, bn),
                                   wait=True)
@@ -126,7 +126,7 @@ def _ws_step(pl, plgpu, sh, g, t0, lead, size, nsteps, store):
 def _ws_group(pl, plgpu, sh, refs, g, tile_of, store, n_tiles, rot_step, steps, tr):
     """Group ``g`` of the 2-consumer dw kernel on this SM: one warp-specialized
     pipeline over (this SM's tiles of g) x (g's k-steps); zeros for an empty group."""
-    bm, bn, bk, cm, nsm, interpret, overlap = sh
+    bm, bn, bk, cm, nsm, interpret = sh
     off_ref, x_ref, dy_ref = refs
     m = x_ref.shape[0]
     start = off_ref[g]
@@ -152,9 +152,9 @@ def _ws_group(pl, plgpu, sh, refs, g, tile_of, store, n_tiles, rot_step, steps, 
             memory_registers=40,
             in_specs=[
                 plgpu.BlockSpec((bk, cm), lambda j, s: (s, tile_of(t0 + j * nsm)[0]),
-                                transforms=tr, delay_release=overlap),
+                                transforms=tr),
                 plgpu.BlockSpec((bk, bn), lambda j, s: (s, tile_of(t0 + j * nsm)[1]),
-                                transforms=tr, delay_release=overlap),
+                                transforms=tr),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
@@ -169,7 +169,7 @@ def _ws_group(pl, plgpu, sh, refs, g, tile_of, store, n_tiles, rot_step, steps, 
             store(g, t0 + j * nsm, jnp.zeros((bm, bn), jnp.float32))
 
 
-def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, chunks=1, overlap=0):
+def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret):
     """dw with two consumer warpgroups and a producer warpgroup (warp-specialized).
 
     A CTA owns a ``2 block_m x block_n`` tile of ``dw[g]`` (each consumer
@@ -178,9 +178,8 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, chunks=1, overla
     whose loads are issued by the producer warpgroup, so the next tile's loads
     are in flight while the consumers run the previous tile's epilogue (a
     group has only ~4 k-steps of 64 rows at V3 shapes: the epilogue and the
-    pipeline fill are what the one-warpgroup kernel waits on). ``chunks``: the
-    consumer's output tile goes through shared memory in this many row chunks
-    (``select.epilogue_rows``).
+    pipeline fill are what the one-warpgroup kernel waits on). The output tile
+    goes to HBM in ``EPILOGUE_ROWS`` row chunks.
     """
     pl, plgpu = pallas_modules()
     bm, bn, bk, steps, band = tiles
@@ -190,9 +189,9 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, chunks=1, overla
     grid_m, grid_n = k // cm, n // bn
     n_tiles = grid_m * grid_n
     nsm = num_sms(interpret)
-    sh = (bm, bn, bk, cm, nsm, interpret, overlap)
+    sh = (bm, bn, bk, cm, nsm, interpret)
     tr, o_tr = dw_transforms(plgpu, x.dtype, bk, bn)
-    rows = epilogue_rows(bm, chunks)
+    rows = EPILOGUE_ROWS
 
     def tile_of(t):
         return plgpu.planar_snake(t, (grid_m, grid_n), 0, band)

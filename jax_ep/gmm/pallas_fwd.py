@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .pallas_common import (carried_acc_context, dw_transforms, epilogue_rows,
+from .pallas_common import (EPILOGUE_ROWS, carried_acc_context, dw_transforms,
                             flush_on_last_step, kernel_params, num_sms, pallas_modules,
                             round_robin_count, row_tiles, store_rows, transposed)
 
@@ -80,8 +80,7 @@ def gmm_pallas(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
     return kernel(rs, r0, r1, grp, x, w)
 
 
-def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret, chunks=1,
-                  overlap=0):
+def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
     """Forward / dx with two consumer warpgroups and a producer warpgroup,
     ONE pipeline per SM across all of its tiles.
 
@@ -96,8 +95,8 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret, chu
     from the tile table in the index maps. Tail tiles (rows past the groups)
     store zeros after the pipeline. Against a pipeline per tile (deleted,
     bench/results/README.md): the V3 layer at T 128 1-3% faster, at T 4096
-    equal; outputs bit-identical. ``chunks``: the consumer's output tile goes
-    through shared memory in this many row chunks (``select.epilogue_rows``).
+    equal; outputs bit-identical. The output tile goes to HBM in
+    ``EPILOGUE_ROWS`` row chunks.
     """
     pl, plgpu = pallas_modules()
     bm, bn, bk, steps, band = tiles
@@ -108,7 +107,7 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret, chu
     counts = jnp.stack([jnp.sum(used & (grp >= 0)), jnp.sum(used & (grp < 0))]).astype(jnp.int32)
     grid_n, ksteps = n // (2 * bn), k // bk
     nsm = num_sms(interpret)
-    rows = epilogue_rows(bm, chunks)
+    rows = EPILOGUE_ROWS
     top = 1 << int(math.log2(rows))
     tr, _ = dw_transforms(plgpu, x.dtype, bk, bn)
     w_block = (None, 2 * bn, bk) if transpose_rhs else (None, bk, 2 * bn)
@@ -153,10 +152,9 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret, chu
                 # wait(0), no delay_release: a stage held one step longer for an
                 # in-flight wgmma is a stage fewer of loads in flight (measured:
                 # with delay_release=1 and 3 stages, 5-30% slower than per-tile).
-                plgpu.wgmma_wait(overlap)
+                plgpu.wgmma_wait(0)
                 return flush_on_last_step(pl, plgpu, carry, kk == ksteps - 1,
-                                          lambda val: store(*tile(j), val), interpret, (bm, bn),
-                                          wait=overlap > 0)
+                                          lambda val: store(*tile(j), val), interpret, (bm, bn))
 
             mine = round_robin_count(n_grp * grid_n, sm, nsm)
 
@@ -164,10 +162,8 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret, chu
             def _():
                 plgpu.emit_pipeline_warp_specialized(
                     step, grid=(mine, ksteps), memory_registers=40,
-                    in_specs=[plgpu.BlockSpec((pl.Element(bm), bk), x_index, transforms=tr,
-                                              delay_release=overlap),
-                              plgpu.BlockSpec(w_block, w_index, transforms=tr,
-                                              delay_release=overlap)],
+                    in_specs=[plgpu.BlockSpec((pl.Element(bm), bk), x_index, transforms=tr),
+                              plgpu.BlockSpec(w_block, w_index, transforms=tr)],
                     wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=steps,
                     compute_context=carried_acc_context(pl, plgpu, (bm, bn), interpret),
                 )(x_ref, w_ref)

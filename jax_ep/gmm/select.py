@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import SMALL_GROUP_ROWS, SMALL_GROUP_TILES, GroupedMatmulConfig, Tiles
-from .pallas_common import epilogue_rows
+from .pallas_common import EPILOGUE_ROWS
 from .pallas_dw import tgmm_pallas, tgmm_pallas_ws
 from .pallas_fwd import gmm_pallas, gmm_pallas_ws
 
@@ -21,21 +21,19 @@ SMEM_BYTES = 227 * 1024   # Hopper: dynamic shared memory per block
 SMEM_RESERVE = 1024
 
 
-def two_consumer_tiles(tiles: Tiles, split: str, dim: int, dtype,
-                       chunks: int = 1) -> Optional[Tiles]:
+def two_consumer_tiles(tiles: Tiles, split: str, dim: int, dtype) -> Optional[Tiles]:
     """The tiles of a 2-consumer kernel, stages cut to fit shared memory, or
     None where it does not apply. ``split``: which tile side the two consumer
     warpgroups split, ``"m"`` (dw: CTA tile ``2 block_m x block_n``, needs
     ``dim = K`` divisible by ``2 block_m``) or ``"n"`` (forward/dx: CTA tile
-    ``block_m x 2 block_n``, needs ``dim = N`` divisible by ``2 block_n``).
-    ``chunks``: the output staging's row chunks (:func:`epilogue_rows`)."""
+    ``block_m x 2 block_n``, needs ``dim = N`` divisible by ``2 block_n``)."""
     bm, bn, bk, steps, band = tiles
     wide = 2 * bm if split == "m" else 2 * bn
     if dim % wide or bm * bn > 128 * 128:
         return None   # a consumer's f32 accumulator: at most 128 x 128 (registers)
     item = jnp.dtype(dtype).itemsize
     stage = bk * (bm + bn + wide // 2) * item     # one staged x tile and one w / dy tile
-    out = 2 * epilogue_rows(bm, chunks) * bn * item
+    out = 2 * EPILOGUE_ROWS * bn * item           # each consumer's output staging
     fit = (SMEM_BYTES - out - SMEM_RESERVE) // stage
     if fit < 2:
         return None
@@ -59,10 +57,9 @@ def fwd_ws_tiles(cfg, op, x, w, transpose_rhs) -> Optional[Tiles]:
     if cfg.fwd_warpgroups != 2:
         return None
     n = w.shape[1] if transpose_rhs else w.shape[2]
-    ws = two_consumer_tiles(op_tiles(cfg, op, x, w, w.shape[0]), "n", n, x.dtype,
-                            cfg.epilogue_chunks)
+    ws = two_consumer_tiles(op_tiles(cfg, op, x, w, w.shape[0]), "n", n, x.dtype)
     if ws is not None and not cfg.interpret and cfg.impl == "auto":
-        ws = ws if pallas_compiles(f"{op}_ws", ws, x.dtype.name, cfg.epilogue_chunks) else None
+        ws = ws if pallas_compiles(f"{op}_ws", ws, x.dtype.name) else None
     return ws
 
 
@@ -113,9 +110,8 @@ def _on_hopper() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def pallas_compiles(op: str, tiles: Tiles, dtype_name: str, chunks: int = 1) -> bool:
-    """Compile a small instance of the kernel once; False (with a warning) on
-    failure (``chunks``: the 2-consumer kernels' epilogue chunks)."""
+def pallas_compiles(op: str, tiles: Tiles, dtype_name: str) -> bool:
+    """Compile a small instance of the kernel once; False (with a warning) on failure."""
     bm, bn, bk, _, _ = tiles
     dt = jnp.dtype(dtype_name)
     g = 3
@@ -125,17 +121,15 @@ def pallas_compiles(op: str, tiles: Tiles, dtype_name: str, chunks: int = 1) -> 
             warnings.simplefilter("ignore")
             if op.startswith("dw"):
                 m, k, n = 2 * bk + 8, 2 * bm, bn
-                if op == "dw_ws":
-                    f = lambda a, b, o: tgmm_pallas_ws(a, b, o, tiles, dt, False, chunks)
-                else:
-                    f = lambda a, b, o: tgmm_pallas(a, b, o, tiles, dt, False)
+                kern = tgmm_pallas_ws if op == "dw_ws" else tgmm_pallas
+                f = lambda a, b, o: kern(a, b, o, tiles, dt, False)
                 args = (sds((m, k), dt), sds((m, n), dt), sds((g + 1,), jnp.int32))
             else:   # fwd, dx, fwd_ws, dx_ws
                 m, k, n = 2 * bm + 8, bk, 2 * bn
                 t = op.startswith("dx")
                 wshape = (g, n, k) if t else (g, k, n)
                 if op.endswith("_ws"):
-                    f = lambda a, b, o: gmm_pallas_ws(a, b, o, t, tiles, dt, False, chunks)
+                    f = lambda a, b, o: gmm_pallas_ws(a, b, o, t, tiles, dt, False)
                 else:
                     f = lambda a, b, o: gmm_pallas(a, b, o, t, tiles, dt, False)
                 args = (sds((m, k), dt), sds(wshape, dt), sds((g + 1,), jnp.int32))

@@ -159,27 +159,6 @@ def test_dw_tiles(kind, total):
             assert not bool(jnp.any(out[gi] != 0)), (key, gi)
 
 
-@pytest.mark.parametrize("kind,total", [("skew", 3900), ("unaligned", 3001)])
-def test_epilogue_chunks(kind, total):
-    """The 2-consumer kernels staging their output in two 64-row chunks (a 4th
-    stage at the default tiles), with and without a wgmma left in flight per
-    k-step (mma_overlap), equal whole-tile staging (3 stages) bit for bit:
-    forward, dx, dw; the default tiles, uneven groups, NaN tail."""
-    m, k, n, g = 4096, 2048, 2048, 16
-    sizes = sizes_for(kind, g, total, seed=3)
-    x, w, dy, gs = data(m, k, n, sizes, seed=3)
-    outs = []
-    for chunks, overlap in ((1, 0), (2, 0), (2, 1)):
-        cfg = GroupedMatmulConfig(impl="pallas", epilogue_chunks=chunks, mma_overlap=overlap)
-        outs.append([jax.jit(functools.partial(gm_mod.gmm, config=cfg))(x, w, gs),
-                     jax.jit(functools.partial(gm_mod.gmm, transpose_rhs=True, config=cfg))(dy, w, gs),
-                     jax.jit(functools.partial(gm_mod.tgmm, config=cfg))(x, dy, gs)])
-    for other in outs[1:]:
-        for name, a, b in zip(("y", "dx", "dw"), outs[0], other):
-            assert bool(jnp.all(jnp.isfinite(b))), name
-            assert bool(jnp.all(a == b)), name
-
-
 def test_v3_shape_up_projection():
     """DeepSeek-V3 per-rank shape: 128 experts, 32768 rows, H=7168 -> 2F=4096."""
     m, k, n, g = 32768, 7168, 4096, 128
