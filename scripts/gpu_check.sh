@@ -16,25 +16,23 @@
 #   3  GPU_TESTS=none SKIP_EXAMPLES=1 BENCH_ARGS="--no-sweep --no-ragged"     # ops + LL bench
 #   4  GPU_TESTS=none SKIP_BENCH=1 MOE_STEP_ARGS="--configs v3,mixtral --tokens 128,1024,4096,8192"
 # A pytest stopped by TEST_TIMEOUT now stops its job's ranks too (harness.py).
-# Session 15 (one H200; bench/results/2026-12-02-h200x1-s15.md): the dw
-# pipeline per SM across groups and the forward/dx CTA tile split along m
-# (skip a consumer's wgmmas where its 64 rows hold none of the group) lost
-# their layer A/Bs and were deleted (split m: 5-18% slower per kernel,
-# bit-identical; suspected cause: the skip predicate's tile-table loads from
-# global memory on every k-step; a per-tile predicate in shared memory is the
-# untested next form). test_loopback_internode.py passed whole (6 tests, incl.
-# the put path's windows and the window's default chunk); the loopback bench
-# ran every row but expert_major combine (stopped by the call's 290 s
-# timeout: LOOPBACK_TIMEOUT >= 400 for all five).
-# Nsight Compute (scripts/ncu_gmm.sh; profile_gmm.py ops may end in :rows and
-# include bmm_*, XLA's batched GEMM): the metrics pass over fwd_up:8192 /
-# bmm_up:2048 (our forward vs XLA's at the T 128 layer's rows) timed out at
-# 130 s while replaying 7.5 GB of weights; next time one op per ncu run with
-# --replay-mode application.
+# Session 16 (one H200; bench/results/2026-12-02-h200x1-s16.md): output
+# staged in 64-row chunks (a 4th stage) kept (layer 1-2% faster at T >= 4096,
+# and it shows dw does not wait on load latency); a wgmma in flight per k-step
+# deleted (8-16% slower). One-GPU tests: test_grouped_matmul_gpu.py and
+# test_native_dispatch.py whole passed (30); test_native_low_latency.py was
+# cut by the call's limit (run it first next time). moe_layer_step writes its
+# .png to --out: give it $OUT so the plot comes back.
 # Next on one GPU: GMM_BENCH=1 GMM_ARGS="--no-xla --dist uniform --rows 8192
 # --real-rows 8" (the T 128 layer's kernels beside XLA's batched matmul of the
-# same weights, the new 'xla batched' rows: the weight-stream gap standalone),
-# and the expert_major combine row of the internode loopback bench.
+# same weights: the weight-stream gap standalone); the expert_major combine
+# row of the internode loopback bench; Nsight Compute of our forward against
+# XLA's Triton GEMM at 16-64 rows per group with 16 groups (weights < 1 GB, so
+# replays fit), one op per run, --replay-mode application.
+# dw idea not yet tried: a 2-CTA cluster whose CTAs take adjacent dy column
+# tiles and share the x tile by TMA multicast (XLA's cuBLAS dw kernels run
+# 2 x 1 clusters); the per-group pipelines then need a cluster-wide sync
+# between groups (the pipeline's scoped allocation only syncs one CTA).
 # Session 13's ideas still open: ncu (--clock-control none) DRAM throughput
 # of the in-layer forward kernel at T 128; 2-CTA TMA multicast of the weight
 # tiles.

@@ -89,6 +89,12 @@ group ends inside it) those rows are *selected* to zero in both operands (a
 select, not a multiply, so NaN/Inf in neighbouring or tail rows cannot leak).
 Empty groups store zeros.
 
+The 2-consumer kernels (``gmm_pallas_ws``, ``tgmm_pallas_ws``) store a
+consumer's accumulator through shared memory in 64-row chunks
+(``EPILOGUE_ROWS``): half the staging of a 128-row tile, which fits a 4th
+pipeline stage at the default tiles (``select.two_consumer_tiles`` cuts the
+configured stages to what fits).
+
 Constraints of the Pallas path (checked; otherwise ``"auto"`` falls back to XLA
 and ``"pallas"`` raises): x and w of the same 16-bit dtype (bf16/f16) and the
 output in that dtype; ``block_m``/``block_n``/``block_k`` multiples of 64/64/16
