@@ -125,7 +125,7 @@ def tgmm(x, dy, group_sizes, *, config: Optional[GroupedMatmulConfig] = None,
         if ws is not None and not cfg.interpret and cfg.impl == "auto":
             ws = ws if pallas_compiles("dw_ws", ws, x.dtype.name) else None
         if ws is not None:
-            out = tgmm_pallas_ws(x, dy, offsets, ws, out_dtype, cfg.interpret)
+            out = tgmm_pallas_ws(x, dy, offsets, ws, out_dtype, cfg.interpret, cfg.dw_partitions)
         else:
             out = tgmm_pallas(x, dy, offsets, tiles, out_dtype, cfg.interpret)
     else:
