@@ -23,7 +23,13 @@
 # test_native_dispatch.py whole passed (30); test_native_low_latency.py was
 # cut by the call's limit (run it first next time). moe_layer_step writes its
 # .png to --out: give it $OUT so the plot comes back.
-# Next on one GPU: GMM_BENCH=1 GMM_ARGS="--no-xla --dist uniform --rows 8192
+# First on the next GPU: the dw SM partitions (GroupedMatmulConfig.dw_partitions,
+# written in session 16, never run): pytest -m gpu tests/gpu/test_grouped_matmul_gpu.py
+# -k dw_partitions, then the V3 layer (--no-split --profile --experts 128) at
+# T 128, 4096, 8192 with --gmm-tiles "dw_partitions=2" and "=4" against the
+# default, same call (s16 results: a fit puts ~3.8 us per (SM, group) of
+# fixed cost in dw). Keep the winner as the only form.
+# Then on one GPU: GMM_BENCH=1 GMM_ARGS="--no-xla --dist uniform --rows 8192
 # --real-rows 8" (the T 128 layer's kernels beside XLA's batched matmul of the
 # same weights: the weight-stream gap standalone); the expert_major combine
 # row of the internode loopback bench; Nsight Compute of our forward against
