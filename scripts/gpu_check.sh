@@ -4,7 +4,9 @@
 #   bash scripts/gpu_check.sh            # JAX_EP_TEST_NPROCS=4 for 4 GPUs, etc.
 # Knobs: GPU_TESTS (pytest paths, default tests/gpu; "none" skips the tests),
 # SKIP_BENCH=1, SKIP_EXAMPLES=1, BENCH_ARGS (e.g. --no-sweep), GMM_BENCH=1
-# (grouped matmul bench, GMM_ARGS), MOE_STEP_ARGS (layer bench), TRAIN_STEPS
+# (grouped matmul bench, GMM_ARGS), MOE_STEP_ARGS (layer bench), LAYER_AB
+# (e.g. "default;dw_partitions=4": the V3 layer per --gmm-tiles variant, one
+# GPU, LAYER_AB_TOKENS), TRAIN_STEPS
 # (0 skips the training example), SKIP_LL_BENCH=1 / LL_BENCH_ARGS (bench/run.sh),
 # BREAKDOWN (";"-separated argument lists of bench/kernel_breakdown.py, e.g.
 # "ll": per-kernel CUPTI times, one GPU; $OUT/kernel_breakdown.log).
@@ -24,11 +26,11 @@
 # cut by the call's limit (run it first next time). moe_layer_step writes its
 # .png to --out: give it $OUT so the plot comes back.
 # First on the next GPU: the dw SM partitions (GroupedMatmulConfig.dw_partitions,
-# written in session 16, never run): pytest -m gpu tests/gpu/test_grouped_matmul_gpu.py
-# -k dw_partitions, then the V3 layer (--no-split --profile --experts 128) at
-# T 128, 4096, 8192 with --gmm-tiles "dw_partitions=2" and "=4" against the
-# default, same call (s16 results: a fit puts ~3.8 us per (SM, group) of
-# fixed cost in dw). Keep the winner as the only form.
+# written in session 16, never run; s16 results: a fit puts ~3.8 us per
+# (SM, group) of fixed cost in dw), one call:
+#   SKIP_BENCH=1 SKIP_EXAMPLES=1 LAYER_AB="default;dw_partitions=2;dw_partitions=4" \
+#   GPU_TESTS="tests/gpu/test_grouped_matmul_gpu.py -k dw_partitions" bash scripts/gpu_check.sh
+# Keep the winner as the only form.
 # Then on one GPU: GMM_BENCH=1 GMM_ARGS="--no-xla --dist uniform --rows 8192
 # --real-rows 8" (the T 128 layer's kernels beside XLA's batched matmul of the
 # same weights: the weight-stream gap standalone); the expert_major combine
@@ -112,6 +114,26 @@ if [ "${GMM_BENCH:-0}" = 1 ]; then
   gmm_rc=$?
 fi
 
+# Layer A/B on any number of GPUs (LAYER_AB: ";"-separated --gmm-tiles values,
+# "default" for none): V3 at EP 1 with 128 experts, each T of LAYER_AB_TOKENS,
+# every variant in turn (same machine, interleaved), --profile: per-kernel
+# times per step. $OUT/layer_ab.log.
+ab_rc=skipped
+if [ -n "${LAYER_AB:-}" ] && [ "$build_rc" = 0 ]; then
+  echo "== layer A/B" >&2
+  ab_rc=0
+  IFS=';' read -ra abs <<< "$LAYER_AB"
+  for T in ${LAYER_AB_TOKENS:-4096 128 8192}; do
+    for v in "${abs[@]}"; do
+      extra=(); [ "$v" != default ] && extra=(--gmm-tiles "$v")
+      echo "== T $T $v"
+      timeout ${LAYER_AB_TIMEOUT:-90} "$PY" -m jax_ep.launch -n 1 bench/moe_layer_step.py \
+        --configs v3 --experts 128 --impls jax_ep --skip-ragged --no-split --profile \
+        --tokens "$T" "${extra[@]}" --out /tmp/jax_ep_layer_ab || ab_rc=$?
+    done
+  done > "$OUT/layer_ab.log" 2>&1
+fi
+
 test_rc=skipped
 if [ "${GPU_TESTS:-tests/gpu}" != none ]; then
   echo "== tests" >&2
@@ -174,6 +196,8 @@ if [ -f "$OUT/ep_bench.log" ]; then tail -45 "$OUT/ep_bench.log"; elif [ -f /tmp
 [ -f "$OUT/loopback_bench.log" ] && tail -60 "$OUT/loopback_bench.log"
 echo "kernel breakdown: rc=$bd_rc"
 [ -f "$OUT/kernel_breakdown.log" ] && grep -E "^(\[rank 0\] )?(\||###|==)" "$OUT/kernel_breakdown.log" | tail -120
+echo "layer A/B: rc=$ab_rc"
+[ -f "$OUT/layer_ab.log" ] && grep -E "^== |ms/step|mosaic_gpu_kernel" "$OUT/layer_ab.log" | cut -c1-160
 echo "grouped matmul: rc=$gmm_rc"
 [ -f "$OUT/gmm_bench.log" ] && grep "^|" "$OUT/gmm_bench.log" | tail -30
 echo "examples: rc=$ex_rc"
