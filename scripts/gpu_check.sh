@@ -21,7 +21,7 @@
 # Session 16 (one H200; bench/results/2026-12-02-h200x1-s16.md): output
 # staged in 64-row chunks (a 4th stage) kept (layer 1-2% faster at T >= 4096,
 # and it shows dw does not wait on load latency); a wgmma in flight per k-step
-# deleted (8-16% slower). One-GPU tests: test_grouped_matmul_gpu.py and
+# deleted (6-20% slower per kernel). One-GPU tests: test_grouped_matmul_gpu.py and
 # test_native_dispatch.py whole passed (30); test_native_low_latency.py was
 # cut by the call's limit (run it first next time). moe_layer_step writes its
 # .png to --out: give it $OUT so the plot comes back.
