@@ -208,8 +208,10 @@ def test_config_and_validation():
         GroupedMatmulConfig(impl="cuda")
     with pytest.raises(ValueError):
         GroupedMatmulConfig(dx=(1, 2, 3))
-    with pytest.raises(ValueError, match="dw_partitions"):
-        GroupedMatmulConfig(dw_partitions=0)
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="dw_partitions"):
+            GroupedMatmulConfig(dw_partitions=bad)
+    assert GroupedMatmulConfig(dw_partitions=np.int64(2)).dw_partitions == 2
     x, w, _, gs = make(SIZES["uniform"])
     with pytest.raises(ValueError):
         grouped_matmul(x, w[:, :3], gs)
@@ -406,14 +408,16 @@ def test_pallas_fwd_dx_two_warpgroups_interpret(sizes):
 def test_pallas_128_row_two_consumer_interpret():
     """The 2-consumer kernels at 128-row consumer tiles, whose output goes
     to HBM in two 64-row chunks (EPILOGUE_ROWS), groups whose stored rows start
-    and end inside either chunk -- forward, dx and dw match numpy; the chunks
-    leave room for a 4th stage at the default tiles."""
+    and end inside either chunk -- forward, dx and dw (SMs in 2 partitions)
+    match numpy; the chunks leave room for a 4th stage at the default tiles."""
     sizes = [70, 0, 150, 1, 100, 33]
     x, w, dy, gs = make(sizes, m=400, k=256, n=256, seed=11)
     xb, wb, dyb = (jnp.asarray(a, jnp.bfloat16) for a in (x, w, dy))
     tiles = (128, 64, 64, 3, 1)
-    cfg = GroupedMatmulConfig(impl="pallas", interpret=True, fwd=tiles, dx=tiles, dw=tiles)
+    cfg = GroupedMatmulConfig(impl="pallas", interpret=True, fwd=tiles, dx=tiles, dw=tiles,
+                              dw_partitions=2)
     assert gm_select.fwd_ws_tiles(cfg, "fwd", xb, wb, False) is not None
+    assert gm_select.fwd_ws_tiles(cfg, "dx", dyb, wb, True) is not None
     y, dx, dw = (np.asarray(a, np.float32) for a in (
         gm_mod.gmm(xb, wb, gs, config=cfg),
         gm_mod.gmm(dyb, wb, gs, transpose_rhs=True, config=cfg),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Optional, Tuple
 
 # (block_m, block_n, block_k, max_concurrent_steps, band)
@@ -100,8 +101,10 @@ class GroupedMatmulConfig:
                 raise ValueError(f"{name} tiles must be (block_m, block_n, block_k, "
                                  f"max_concurrent_steps, band), got {t}")
             object.__setattr__(self, name, t)
-        if not isinstance(self.dw_partitions, int) or self.dw_partitions < 1:
-            raise ValueError(f"dw_partitions must be a positive int, got {self.dw_partitions!r}")
+        parts = self.dw_partitions
+        if isinstance(parts, bool) or not isinstance(parts, numbers.Integral) or parts < 1:
+            raise ValueError(f"dw_partitions must be a positive int, got {parts!r}")
+        object.__setattr__(self, "dw_partitions", int(parts))
 
     def tiles(self, op: str) -> Tiles:
         t = getattr(self, op)

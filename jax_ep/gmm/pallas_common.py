@@ -25,10 +25,8 @@ def transposed(plgpu, ref):
 
 
 def kernel_params(plgpu, interpret):
-    params = dict(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
-    if "reduction_scratch_bytes" in getattr(plgpu.CompilerParams, "__dataclass_fields__", {}):
-        params["reduction_scratch_bytes"] = 0   # no cross-warp reductions: 2 KiB more for stages
-    kw = dict(compiler_params=plgpu.CompilerParams(**params))
+    kw = dict(compiler_params=plgpu.CompilerParams(
+        lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
     if interpret:
         kw["interpret"] = plgpu.InterpretGPUParams()
     return kw

@@ -16,8 +16,9 @@ from .pallas_fwd import gmm_pallas, gmm_pallas_ws
 
 
 SMEM_BYTES = 227 * 1024   # Hopper: dynamic shared memory per block
-# Beside the staged tiles: the pipeline's barriers and buffer alignment (the
-# kernels ask for no cross-warp reduction scratch: pallas_common.kernel_params).
+# Beside the staged tiles: the pipeline's barriers and buffer alignment (Mosaic
+# counts 64 bytes at the default tiles; the kernels have no reductions, so no
+# reduction scratch).
 SMEM_RESERVE = 1024
 
 
@@ -110,8 +111,9 @@ def _on_hopper() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def pallas_compiles(op: str, tiles: Tiles, dtype_name: str) -> bool:
-    """Compile a small instance of the kernel once; False (with a warning) on failure."""
+def pallas_compiles(op: str, tiles: Tiles, dtype_name: str, parts: int = 1) -> bool:
+    """Compile a small instance of the kernel once; False (with a warning) on
+    failure (``parts``: the 2-consumer dw kernel's SM partitions)."""
     bm, bn, bk, _, _ = tiles
     dt = jnp.dtype(dtype_name)
     g = 3
@@ -121,8 +123,10 @@ def pallas_compiles(op: str, tiles: Tiles, dtype_name: str) -> bool:
             warnings.simplefilter("ignore")
             if op.startswith("dw"):
                 m, k, n = 2 * bk + 8, 2 * bm, bn
-                kern = tgmm_pallas_ws if op == "dw_ws" else tgmm_pallas
-                f = lambda a, b, o: kern(a, b, o, tiles, dt, False)
+                if op == "dw_ws":
+                    f = lambda a, b, o: tgmm_pallas_ws(a, b, o, tiles, dt, False, parts)
+                else:
+                    f = lambda a, b, o: tgmm_pallas(a, b, o, tiles, dt, False)
                 args = (sds((m, k), dt), sds((m, n), dt), sds((g + 1,), jnp.int32))
             else:   # fwd, dx, fwd_ws, dx_ws
                 m, k, n = 2 * bm + 8, bk, 2 * bn
