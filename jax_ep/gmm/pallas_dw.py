@@ -219,18 +219,18 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, parts=1):
                         o_smem.at[wg],
                         o_ref.at[g, pl.ds(mi * cm + wg * bm + c * rows, rows), pl.ds(ni * bn, bn)])
 
-            run = functools.partial(_ws_group, pl, plgpu, sh, (off_ref, x_ref, dy_ref))
-            later = (tile_of, store, n_tiles, n_tiles % psz, steps, tr)
+            def run(g, sm):   # group g on SM sm of its partition
+                _ws_group(pl, plgpu, sh, (off_ref, x_ref, dy_ref), g, sm, tile_of, store,
+                          n_tiles, n_tiles % psz, steps, tr)
 
             def group(i, carry):
                 sm = lax.axis_index("sm")
-                if parts == 1:
-                    run(i, sm, *later)
+                if parts == 1:   # every SM on every group, no partition arithmetic
+                    run(i, sm)
                 else:
                     part = lax.div(sm, jnp.int32(psz))
                     g = i * parts + part
-                    pl.when((g < g_count) & (part < parts))(
-                        lambda: run(g, sm - part * psz, *later))
+                    pl.when((g < g_count) & (part < parts))(lambda: run(g, sm - part * psz))
                 return carry
 
             lax.fori_loop(0, -(-g_count // parts), group, jnp.int32(0))
