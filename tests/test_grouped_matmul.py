@@ -208,10 +208,6 @@ def test_config_and_validation():
         GroupedMatmulConfig(impl="cuda")
     with pytest.raises(ValueError):
         GroupedMatmulConfig(dx=(1, 2, 3))
-    for bad in (0, True, 2.0):
-        with pytest.raises(ValueError, match="dw_partitions"):
-            GroupedMatmulConfig(dw_partitions=bad)
-    assert GroupedMatmulConfig(dw_partitions=np.int64(2)).dw_partitions == 2
     x, w, _, gs = make(SIZES["uniform"])
     with pytest.raises(ValueError):
         grouped_matmul(x, w[:, :3], gs)
@@ -310,18 +306,16 @@ def test_pallas_kernels_interpret(case):
         assert np.all(dw[g] == 0)
 
 
-@pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwd_ws", "dx_ws", "dw_1wg", "dw_parts",
-                                "dx_small", "dx_small_ws", "dw_small", "dw_small_1wg"])
+@pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwd_ws", "dx_ws", "dw_1wg", "dx_small",
+                                "dx_small_ws", "dw_small", "dw_small_1wg"])
 def test_pallas_lowers_for_cuda(op):
     """Every kernel traces and lowers to a CUDA module (no GPU needed);
-    ``dx_small`` / ``dw_small``: 64 rows per group, the small-group tiles;
-    ``dw_parts``: the 2-consumer dw kernel with its SMs in 4 partitions."""
+    ``dx_small`` / ``dw_small``: 64 rows per group, the small-group tiles."""
     sds = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
     m, k, n, g = (512 if "small" in op else 1024), 512, 256, 8
     cfg = GroupedMatmulConfig(impl="pallas", fwd_warpgroups=2 if op.endswith("_ws") else 1,
-                              dw_warpgroups=1 if op.endswith("_1wg") else 2,
-                              dw_partitions=4 if op.endswith("_parts") else 1)
+                              dw_warpgroups=1 if op.endswith("_1wg") else 2)
     op = op.split("_")[0]
     gsd = sds((g,), jnp.int32)
     if op == "fwd":
@@ -408,14 +402,13 @@ def test_pallas_fwd_dx_two_warpgroups_interpret(sizes):
 def test_pallas_128_row_two_consumer_interpret():
     """The 2-consumer kernels at 128-row consumer tiles, whose output goes
     to HBM in two 64-row chunks (EPILOGUE_ROWS), groups whose stored rows start
-    and end inside either chunk -- forward, dx and dw (SMs in 2 partitions)
-    match numpy; the chunks leave room for a 4th stage at the default tiles."""
+    and end inside either chunk -- forward, dx and dw match
+    numpy; the chunks leave room for a 4th stage at the default tiles."""
     sizes = [70, 0, 150, 1, 100, 33]
     x, w, dy, gs = make(sizes, m=400, k=256, n=256, seed=11)
     xb, wb, dyb = (jnp.asarray(a, jnp.bfloat16) for a in (x, w, dy))
     tiles = (128, 64, 64, 3, 1)
-    cfg = GroupedMatmulConfig(impl="pallas", interpret=True, fwd=tiles, dx=tiles, dw=tiles,
-                              dw_partitions=2)
+    cfg = GroupedMatmulConfig(impl="pallas", interpret=True, fwd=tiles, dx=tiles, dw=tiles)
     assert gm_select.fwd_ws_tiles(cfg, "fwd", xb, wb, False) is not None
     assert gm_select.fwd_ws_tiles(cfg, "dx", dyb, wb, True) is not None
     y, dx, dw = (np.asarray(a, np.float32) for a in (
@@ -475,14 +468,4 @@ def test_pallas_dw_interpret(sizes):
         assert np.all(np.isfinite(out))
         np.testing.assert_allclose(out, ref, rtol=2e-2, atol=0.3)
     for out in outs:
-        np.testing.assert_array_equal(out[np.asarray(sizes) == 0], 0)
-    # SM partitions taking the groups round-robin (4 interpret "SMs": 2 x 2,
-    # 3 x 1 with one idle SM, 4 x 1). Not compared bit for bit here: the
-    # interpreter emulates the accumulator reset with a running base, whose
-    # rounding depends on which tiles an SM ran before (on the GPU each tile
-    # starts from zero).
-    for parts in (2, 3, 4):
-        out = np.asarray(gm_mod.tgmm(xb, dyb, gs, config=GroupedMatmulConfig(
-            impl="pallas", interpret=True, dw=tiles, dw_partitions=parts)), np.float32)
-        np.testing.assert_allclose(out, ref, rtol=2e-2, atol=0.3)
         np.testing.assert_array_equal(out[np.asarray(sizes) == 0], 0)

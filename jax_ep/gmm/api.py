@@ -123,9 +123,9 @@ def tgmm(x, dy, group_sizes, *, config: Optional[GroupedMatmulConfig] = None,
         ws = (two_consumer_tiles(tiles, "m", x.shape[1], x.dtype) if cfg.dw_warpgroups == 2
               else None)
         if ws is not None and not cfg.interpret and cfg.impl == "auto":
-            ws = ws if pallas_compiles("dw_ws", ws, x.dtype.name, cfg.dw_partitions) else None
+            ws = ws if pallas_compiles("dw_ws", ws, x.dtype.name) else None
         if ws is not None:
-            out = tgmm_pallas_ws(x, dy, offsets, ws, out_dtype, cfg.interpret, cfg.dw_partitions)
+            out = tgmm_pallas_ws(x, dy, offsets, ws, out_dtype, cfg.interpret)
         else:
             out = tgmm_pallas(x, dy, offsets, tiles, out_dtype, cfg.interpret)
     else:

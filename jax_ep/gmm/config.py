@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import Optional, Tuple
 
 # (block_m, block_n, block_k, max_concurrent_steps, band)
@@ -69,10 +68,6 @@ class GroupedMatmulConfig:
         producer warpgroup feeds two consumers that own ``block_m x 2
         block_n``; used where ``N % (2 block_n) == 0`` and the stages fit
         shared memory, else the 1-warpgroup kernel) or 1.
-      dw_partitions: the 2-consumer dw kernel splits the SMs into this many
-        partitions that take the groups round-robin (1: every SM works on
-        every group, the measured default; more: fewer per-group pipeline
-        restarts per SM, ``dw_partitions`` groups in flight at once).
       interpret: run the Pallas kernels in Mosaic-GPU interpret mode (for
         testing the kernels on CPU; jax >= 0.11; very slow).
     """
@@ -84,7 +79,6 @@ class GroupedMatmulConfig:
     interpret: bool = False
     dw_warpgroups: int = 2
     fwd_warpgroups: int = 2
-    dw_partitions: int = 1
 
     def __post_init__(self):
         if self.impl not in _IMPLS:
@@ -101,10 +95,6 @@ class GroupedMatmulConfig:
                 raise ValueError(f"{name} tiles must be (block_m, block_n, block_k, "
                                  f"max_concurrent_steps, band), got {t}")
             object.__setattr__(self, name, t)
-        parts = self.dw_partitions
-        if isinstance(parts, bool) or not isinstance(parts, numbers.Integral) or parts < 1:
-            raise ValueError(f"dw_partitions must be a positive int, got {parts!r}")
-        object.__setattr__(self, "dw_partitions", int(parts))
 
     def tiles(self, op: str) -> Tiles:
         t = getattr(self, op)

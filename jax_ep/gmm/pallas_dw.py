@@ -123,17 +123,16 @@ def _ws_step(pl, plgpu, sh, g, t0, lead, size, nsteps, store):
     return step
 
 
-def _ws_group(pl, plgpu, sh, refs, g, sm, tile_of, store, n_tiles, rot_step, steps, tr):
-    """Group ``g`` of the 2-consumer dw kernel on SM ``sm`` of the ``nsm`` SMs
-    that share it: one warp-specialized pipeline over (this SM's tiles of g) x
-    (g's k-steps); zeros for an empty group."""
+def _ws_group(pl, plgpu, sh, refs, g, tile_of, store, n_tiles, rot_step, steps, tr):
+    """Group ``g`` of the 2-consumer dw kernel on this SM: one warp-specialized
+    pipeline over (this SM's tiles of g) x (g's k-steps); zeros for an empty group."""
     bm, bn, bk, cm, nsm, interpret = sh
     off_ref, x_ref, dy_ref = refs
     m = x_ref.shape[0]
     start = off_ref[g]
     size = off_ref[g + 1] - start
     rot = lax.rem(g * jnp.int32(rot_step), jnp.int32(nsm))
-    t0 = lax.rem(sm - rot + nsm, jnp.int32(nsm))
+    t0 = lax.rem(lax.axis_index("sm") - rot + nsm, jnp.int32(nsm))
     cnt = round_robin_count(n_tiles, t0, nsm)
     astart = pl.multiple_of(lax.div(start, jnp.int32(8)) * 8, 8)
     lead = start - astart
@@ -170,7 +169,7 @@ def _ws_group(pl, plgpu, sh, refs, g, sm, tile_of, store, n_tiles, rot_step, ste
             store(g, t0 + j * nsm, jnp.zeros((bm, bn), jnp.float32))
 
 
-def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, parts=1):
+def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret):
     """dw with two consumer warpgroups and a producer warpgroup (warp-specialized).
 
     A CTA owns a ``2 block_m x block_n`` tile of ``dw[g]`` (each consumer
@@ -180,13 +179,9 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, parts=1):
     are in flight while the consumers run the previous tile's epilogue (a
     group has only ~4 k-steps of 64 rows at V3 shapes: the epilogue and the
     pipeline fill are what the one-warpgroup kernel waits on). The output tile
-    goes to HBM in ``EPILOGUE_ROWS`` row chunks.
-
-    ``parts``: the SMs form this many equal partitions that take the groups
-    round-robin (group g on partition g % parts; SMs past ``parts * (SMs //
-    parts)`` idle), so an SM runs a pipeline for 1/parts of the groups, each
-    over parts x as many of the group's tiles: fewer pipeline drains, refills
-    and group set-ups per SM, with ``parts`` groups' rows live in L2 at once.
+    goes to HBM in ``EPILOGUE_ROWS`` row chunks. SMs split into partitions
+    that take the groups round-robin (fewer pipeline restarts per SM) measured
+    no faster and were deleted (bench/results/README.md).
     """
     pl, plgpu = pallas_modules()
     bm, bn, bk, steps, band = tiles
@@ -196,9 +191,7 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, parts=1):
     grid_m, grid_n = k // cm, n // bn
     n_tiles = grid_m * grid_n
     nsm = num_sms(interpret)
-    parts = min(parts, nsm)
-    psz = nsm // parts                           # SMs per partition
-    sh = (bm, bn, bk, cm, psz, interpret)
+    sh = (bm, bn, bk, cm, nsm, interpret)
     tr, o_tr = dw_transforms(plgpu, x.dtype, bk, bn)
     rows = EPILOGUE_ROWS
 
@@ -219,21 +212,12 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, parts=1):
                         o_smem.at[wg],
                         o_ref.at[g, pl.ds(mi * cm + wg * bm + c * rows, rows), pl.ds(ni * bn, bn)])
 
-            def run(g, sm):   # group g on SM sm of its partition
-                _ws_group(pl, plgpu, sh, (off_ref, x_ref, dy_ref), g, sm, tile_of, store,
-                          n_tiles, n_tiles % psz, steps, tr)
-
-            def group(i, carry):
-                sm = lax.axis_index("sm")
-                if parts == 1:   # every SM on every group, no partition arithmetic
-                    run(i, sm)
-                else:
-                    part = lax.div(sm, jnp.int32(psz))
-                    g = i * parts + part
-                    pl.when((g < g_count) & (part < parts))(lambda: run(g, sm - part * psz))
+            def group(g, carry):
+                _ws_group(pl, plgpu, sh, (off_ref, x_ref, dy_ref), g, tile_of, store,
+                          n_tiles, n_tiles % nsm, steps, tr)
                 return carry
 
-            lax.fori_loop(0, -(-g_count // parts), group, jnp.int32(0))
+            lax.fori_loop(0, g_count, group, jnp.int32(0))
 
             @pl.when(wg < 2)
             def _():

@@ -111,9 +111,8 @@ def _on_hopper() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def pallas_compiles(op: str, tiles: Tiles, dtype_name: str, parts: int = 1) -> bool:
-    """Compile a small instance of the kernel once; False (with a warning) on
-    failure (``parts``: the 2-consumer dw kernel's SM partitions)."""
+def pallas_compiles(op: str, tiles: Tiles, dtype_name: str) -> bool:
+    """Compile a small instance of the kernel once; False (with a warning) on failure."""
     bm, bn, bk, _, _ = tiles
     dt = jnp.dtype(dtype_name)
     g = 3
@@ -123,10 +122,8 @@ def pallas_compiles(op: str, tiles: Tiles, dtype_name: str, parts: int = 1) -> b
             warnings.simplefilter("ignore")
             if op.startswith("dw"):
                 m, k, n = 2 * bk + 8, 2 * bm, bn
-                if op == "dw_ws":
-                    f = lambda a, b, o: tgmm_pallas_ws(a, b, o, tiles, dt, False, parts)
-                else:
-                    f = lambda a, b, o: tgmm_pallas(a, b, o, tiles, dt, False)
+                kern = tgmm_pallas_ws if op == "dw_ws" else tgmm_pallas
+                f = lambda a, b, o: kern(a, b, o, tiles, dt, False)
                 args = (sds((m, k), dt), sds((m, n), dt), sds((g + 1,), jnp.int32))
             else:   # fwd, dx, fwd_ws, dx_ws
                 m, k, n = 2 * bm + 8, bk, 2 * bn

@@ -159,24 +159,6 @@ def test_dw_tiles(kind, total):
             assert not bool(jnp.any(out[gi] != 0)), (key, gi)
 
 
-@pytest.mark.parametrize("kind,total", [("skew", 3900), ("unaligned", 3001)])
-def test_dw_partitions(kind, total):
-    """dw with the SMs in partitions that take the groups round-robin
-    (dw_partitions 2, 4, 5: 132 SMs leave 2 idle) equals every SM on every
-    group bit for bit (a tile's k-steps run in the same order either way);
-    empty groups zero."""
-    m, k, n, g = 4096, 2048, 2048, 16
-    sizes = sizes_for(kind, g, total, seed=4)
-    sizes[5] = 0
-    x, _, dy, gs = data(m, k, n, sizes, seed=4)
-    outs = [jax.jit(functools.partial(gm_mod.tgmm, config=GroupedMatmulConfig(
-        impl="pallas", dw_partitions=p)))(x, dy, gs) for p in (1, 2, 4, 5)]
-    assert bool(jnp.all(jnp.isfinite(outs[0])))
-    assert not bool(jnp.any(outs[0][5] != 0))
-    for p, out in zip((2, 4, 5), outs[1:]):
-        assert bool(jnp.all(out == outs[0])), p
-
-
 def test_v3_shape_up_projection():
     """DeepSeek-V3 per-rank shape: 128 experts, 32768 rows, H=7168 -> 2F=4096."""
     m, k, n, g = 32768, 7168, 4096, 128
