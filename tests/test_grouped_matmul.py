@@ -306,11 +306,11 @@ def test_pallas_kernels_interpret(case):
         assert np.all(dw[g] == 0)
 
 
-@pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwd_ws", "dx_ws", "dw_1wg", "dx_small",
-                                "dx_small_ws", "dw_small", "dw_small_1wg"])
+@pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwd_ws", "dx_ws", "dw_1wg", "fwd_small_ws",
+                                "dx_small", "dx_small_ws", "dw_small", "dw_small_1wg"])
 def test_pallas_lowers_for_cuda(op):
     """Every kernel traces and lowers to a CUDA module (no GPU needed);
-    ``dx_small`` / ``dw_small``: 64 rows per group, the small-group tiles."""
+    ``*_small*``: 64 rows per group, the small-group tiles."""
     sds = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
     m, k, n, g = (512 if "small" in op else 1024), 512, 256, 8
@@ -332,10 +332,10 @@ def test_pallas_lowers_for_cuda(op):
 
 
 def test_small_group_tiles():
-    """dx and dw take SMALL_GROUP_TILES where the config leaves their tiles
-    unset and rows / groups <= SMALL_GROUP_ROWS (the V3 layer at T 128: 9088
-    rows, 128 groups); the default at T 1024 (16256 rows), for the forward,
-    for tiles the user set, and where the small tiles do not fit the shape."""
+    """fwd, dx and dw take SMALL_GROUP_TILES where the config leaves their
+    tiles unset and rows / groups <= SMALL_GROUP_ROWS (the V3 layer at T 128:
+    9088 rows, 128 groups); the default at T 1024 (16256 rows), for tiles the
+    user set, and where the small tiles do not fit the shape."""
     from jax_ep.gmm.config import SMALL_GROUP_TILES
     sds, bf = jax.ShapeDtypeStruct, jnp.bfloat16
     w = sds((128, 7168, 4096), bf)          # dx: dy [M, 4096] @ w[g]^T
@@ -343,8 +343,13 @@ def test_small_group_tiles():
     cfg = GroupedMatmulConfig()
     assert gm_select.op_tiles(cfg, "dx", sds((9088, 4096), bf), w, 128) == small
     assert gm_select.op_tiles(cfg, "dx", sds((16256, 4096), bf), w, 128) == dflt
-    assert gm_select.op_tiles(cfg, "fwd", sds((9088, 7168), bf), sds((128, 7168, 4096), bf), 128) \
+    w_up = sds((128, 7168, 4096), bf)       # fwd: x [M, 7168] @ w[g]
+    small_fwd = SMALL_GROUP_TILES["fwd"]
+    assert gm_select.op_tiles(cfg, "fwd", sds((9088, 7168), bf), w_up, 128) == small_fwd
+    assert gm_select.op_tiles(cfg, "fwd", sds((16256, 7168), bf), w_up, 128) \
         == gm_mod.DEFAULT_TILES["fwd"]
+    # the 2-consumer kernel runs the small forward tiles as they are (4 stages fit)
+    assert gm_select.two_consumer_tiles(small_fwd, "n", 4096, bf) == small_fwd
     mine = GroupedMatmulConfig(dx=(128, 128, 64, 4, 2))
     assert gm_select.op_tiles(mine, "dx", sds((9088, 4096), bf), w, 128) == (128, 128, 64, 4, 2)
     odd = sds((128, 7168, 4160), bf)        # K = 4160: not a multiple of block_k 128
@@ -429,9 +434,10 @@ def test_pallas_128_row_two_consumer_interpret():
 
 
 @pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
-def test_pallas_small_group_dx_interpret():
-    """dx with the small-group tiles (dx unset, 64 rows per group on average):
-    block_k 128 with the 2-consumer kernel -- matches numpy, tail zero."""
+def test_pallas_small_group_interpret():
+    """Forward and dx with the small-group tiles (unset, 64 rows per group on
+    average): block_m 64 (dx: block_k 128) with the 2-consumer kernel --
+    match numpy, tail zero."""
     sizes = [64, 0, 37, 100, 19]
     x, w, dy, gs = make(sizes, m=256, k=256, n=256, seed=9)
     wb, dyb = jnp.asarray(w, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
@@ -439,11 +445,16 @@ def test_pallas_small_group_dx_interpret():
     from jax_ep.gmm.config import SMALL_GROUP_TILES
     assert gm_select.op_tiles(cfg, "dx", dyb, wb, wb.shape[0]) == SMALL_GROUP_TILES["dx"]
     assert gm_select.fwd_ws_tiles(cfg, "dx", dyb, wb, True) is not None
+    xb = jnp.asarray(x, jnp.bfloat16)
+    assert gm_select.fwd_ws_tiles(cfg, "fwd", xb, wb, False) == SMALL_GROUP_TILES["fwd"]
     dx = np.asarray(gm_mod.gmm(dyb, wb, gs, transpose_rhs=True, config=cfg), np.float32)
-    xf, wf, dyf = (np.asarray(a, np.float32) for a in (x, wb, dyb))
+    y = np.asarray(gm_mod.gmm(xb, wb, gs, config=cfg), np.float32)
+    xf, wf, dyf = (np.asarray(a, np.float32) for a in (xb, wb, dyb))
     rdx, _ = np_grads(clean(xf, sizes), wf, sizes, clean(dyf, sizes))
     np.testing.assert_allclose(dx, rdx, rtol=2e-2, atol=0.3)
-    assert np.all(dx[int(np.sum(sizes)):] == 0)
+    np.testing.assert_allclose(y, np_gmm(clean(xf, sizes), wf, sizes), rtol=2e-2, atol=0.3)
+    tot = int(np.sum(sizes))
+    assert np.all(dx[tot:] == 0) and np.all(y[tot:] == 0)
 
 
 @pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")

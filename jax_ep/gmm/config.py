@@ -31,8 +31,14 @@ DEFAULT_TILES = {
 #  - dw: block_m 64 (a 128 x 128 CTA tile of dw[g]) with 5 stages. Session 14:
 #    gate_up dw 2093 against 2218-2277 us per step (four runs of the default),
 #    down dw equal (1124 against 1110-1119), layer 9.159 against 9.217-9.259 ms.
+#  - fwd: block_m 64 (4 stages fit the 2-consumer kernel). Session 17, same
+#    calls, 3 runs against 3 of the default: gate_up fwd 1805-1810 against
+#    1834-1840 us per step, down fwd 930-932 against 945-947, layer 9.151-
+#    9.197 against 9.209-9.244 ms (block_k 128 with 2 stages: equal to 64).
+#    Session 9's 64-row forward tiles, with a pipeline per tile, were no faster.
 SMALL_GROUP_ROWS = 96
-SMALL_GROUP_TILES = {"dx": (64, 128, 128, 3, 2), "dw": (64, 128, 64, 5, 4)}
+SMALL_GROUP_TILES = {"fwd": (64, 128, 64, 4, 2), "dx": (64, 128, 128, 3, 2),
+                     "dw": (64, 128, 64, 5, 4)}
 
 # The expert alignment (EpConfig.expert_alignment) that suits these kernels:
 # the default dw block_k. Groups that start and end on a k-step boundary need

@@ -190,7 +190,7 @@ def test_v3_shape_up_projection():
 def test_v3_small_groups_down_projection():
     """The V3 layer at T 128 (EP 1, alignment 64): 128 groups of ~64 rows with
     8 empty and 8 double groups and one of 7 rows, 953 tail rows, down
-    projection F=2048 -> H=7168, with the small-group dx and dw tiles:
+    projection F=2048 -> H=7168, with the small-group fwd, dx and dw tiles:
     every tile of the SM-wide pipeline lands on its own rows (all groups checked
     against a dense f32 product), the tail is zero; dw of every group against
     a dense f32 product, empty groups exactly zero."""
