@@ -18,23 +18,21 @@
 #   3  GPU_TESTS=none SKIP_EXAMPLES=1 BENCH_ARGS="--no-sweep --no-ragged"     # ops + LL bench
 #   4  GPU_TESTS=none SKIP_BENCH=1 MOE_STEP_ARGS="--configs v3,mixtral --tokens 128,1024,4096,8192"
 # A pytest stopped by TEST_TIMEOUT now stops its job's ranks too (harness.py).
-# Session 16 (one H200; bench/results/2026-12-02-h200x1-s16.md): output
-# staged in 64-row chunks (a 4th stage) kept (layer 1-2% faster at T >= 4096,
-# and it shows dw does not wait on load latency); a wgmma in flight per k-step
-# deleted (6-20% slower per kernel). One-GPU tests: test_grouped_matmul_gpu.py and
-# test_native_dispatch.py whole passed (30); test_native_low_latency.py was
-# cut by the call's limit (run it first next time). moe_layer_step writes its
-# .png to --out: give it $OUT so the plot comes back.
-# First on the next GPU: the dw SM partitions (GroupedMatmulConfig.dw_partitions,
-# written in session 16, never run; s16 results: a fit puts ~3.8 us per
-# (SM, group) of fixed cost in dw), one call:
-#   SKIP_BENCH=1 SKIP_EXAMPLES=1 LAYER_AB="default;dw_partitions=2;dw_partitions=4" \
-#   GPU_TESTS="tests/gpu/test_grouped_matmul_gpu.py -k dw_partitions" bash scripts/gpu_check.sh
-# Keep the winner as the only form.
-# Then on one GPU: GMM_BENCH=1 GMM_ARGS="--no-xla --dist uniform --rows 8192
-# --real-rows 8" (the T 128 layer's kernels beside XLA's batched matmul of the
-# same weights: the weight-stream gap standalone); the expert_major combine
-# row of the internode loopback bench; Nsight Compute of our forward against
+# Session 17 (one H200; bench/results/2026-12-02-h200x1-s17.md): dw's SM
+# partitions deleted (at best 0.9% of the layer at T 4096, 2.4% slower at
+# T 128); the forward takes 64-row tiles at small groups (T 128: both forward
+# kernels 1.5-1.8% faster); test_native_low_latency.py passed at R = 1 (7);
+# loopback op benches ran whole. moe_layer_step writes its .png to --out:
+# give it $OUT so the plot comes back.
+# First on the next GPU, one call (~450 s on a fresh machine):
+#   GPU_TESTS="tests/gpu/test_grouped_matmul_gpu.py -k small_groups" (the new
+#   forward tiles against a dense f32 product, never run) with
+#   LAYER_AB_TOKENS=128 LAYER_AB="default;dw=64,256,64,5,4;fwd=64,256,64,5,2;default"
+#   (wider small-group tiles: 512-byte rows per dw store, 3 stages fit; the
+#   forward's 2 stages; both lower on the CPU). At T 128 standalone (s17 call
+#   2) gate_up fwd is 8% and down dw 11% behind XLA's batched matmul.
+# Then on one GPU: the layer beside XLA at every T and Mixtral (examples
+# block or LAYER_AB with --impls; session 16's pairs are the last); Nsight Compute of our forward against
 # XLA's Triton GEMM at 16-64 rows per group with 16 groups (weights < 1 GB, so
 # replays fit), one op per run, --replay-mode application.
 # dw idea not yet tried: a 2-CTA cluster whose CTAs take adjacent dy column
