@@ -39,12 +39,16 @@ for (i, name), m in k.items():
 if k:
     open(sys.argv[2], "w").write(max(k.items(), key=lambda kv: us(kv[1]))[0][1])
 PY
-# Stall reasons and memory breakdown of the longest kernel of the first run.
+# Stall reasons and memory breakdown of the longest kernel of the first run;
+# SourceCounters: the SASS lines where warps stall most (session 15's dw run
+# put 37% of the stalls on a long scoreboard, which the sections alone could
+# not place: producer, consumers' barrier waits or the epilogue).
 name=$(cat "$OUT/ncu_longest.txt" 2>/dev/null)
 echo "longest kernel: $name" | tee -a "$OUT/ncu_summary.txt"
 OPS1="${OPS%%,*}"
 timeout ${NCU_TIMEOUT:-240} ncu --clock-control none -k "$name" --launch-skip 1 --launch-count 1 \
   --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+  --section SourceCounters --import-source no \
   python3 scripts/profile_gmm.py "$OPS1" > "$OUT/ncu_sections.txt" 2>&1
 echo "ncu sections rc=$?"
-grep -E "Duration|Throughput|Hit Rate|Stall|stall|Warp Cycles|Issued|Achieved|Busy|Bandwidth|Registers|Shared Memory" "$OUT/ncu_sections.txt" | head -60
+grep -E "Duration|Throughput|Hit Rate|Stall|stall|Warp Cycles|Issued|Achieved|Busy|Bandwidth|Registers|Shared Memory|Location|0x" "$OUT/ncu_sections.txt" | head -90
