@@ -35,6 +35,9 @@
 # block or LAYER_AB with --impls; session 16's pairs are the last); Nsight Compute of our forward against
 # XLA's Triton GEMM at 16-64 rows per group with 16 groups (weights < 1 GB, so
 # replays fit), one op per run, --replay-mode application.
+# Where dw's fixed ~1.5 us per tile goes (the partitions ruled out the
+# per-group restart): OPS=dw_up bash scripts/ncu_gmm.sh (SourceCounters: the
+# SASS lines of the stalls), run outside gpu_check.sh, ~5 min.
 # dw idea not yet tried: a 2-CTA cluster whose CTAs take adjacent dy column
 # tiles and share the x tile by TMA multicast (XLA's cuBLAS dw kernels run
 # 2 x 1 clusters); the per-group pipelines then need a cluster-wide sync
