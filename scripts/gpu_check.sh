@@ -40,8 +40,16 @@
 # SASS lines of the stalls), run outside gpu_check.sh, ~5 min.
 # dw idea not yet tried: a 2-CTA cluster whose CTAs take adjacent dy column
 # tiles and share the x tile by TMA multicast (XLA's cuBLAS dw kernels run
-# 2 x 1 clusters); the per-group pipelines then need a cluster-wide sync
-# between groups (the pipeline's scoped allocation only syncs one CTA).
+# 2 x 1 clusters; x's L2 reads per k-step 48 -> 32 KB per CTA). jax 0.11.2
+# has what it needs: emit_pipeline_warp_specialized takes an input BlockSpec
+# with collective_axes=("cluster",) and then makes its consumed barriers
+# ClusterBarriers; jax's ops/gpu/hopper_matmul_mgpu.py shows the launch
+# (grid=(SMs // 2,) "cluster_grid", cluster=(2,) "cluster"). Ours restarts the
+# pipeline (fresh barriers) per group, so the two CTAs need a cluster-wide
+# sync at each group boundary before the first multicast (else one CTA's
+# multicast lands in a slot its partner still reads), and the tiles go out in
+# pairs (same x tile, same count per CTA). Worth it only if the ncu run above
+# shows dw waiting on L2 (session 15: L2 at 62% of peak).
 # Session 13's ideas still open: ncu (--clock-control none) DRAM throughput
 # of the in-layer forward kernel at T 128; 2-CTA TMA multicast of the weight
 # tiles.
