@@ -24,13 +24,18 @@
 # kernels 1.5-1.8% faster); test_native_low_latency.py passed at R = 1 (7);
 # loopback op benches ran whole. moe_layer_step writes its .png to --out:
 # give it $OUT so the plot comes back.
-# First on the next GPU, one call (~450 s on a fresh machine):
-#   GPU_TESTS="tests/gpu/test_grouped_matmul_gpu.py -k small_groups" (the new
-#   forward tiles against a dense f32 product, never run) with
-#   LAYER_AB_TOKENS=128 LAYER_AB="default;dw=64,256,64,5,4;fwd=64,256,64,5,2;default"
-#   (wider small-group tiles: 512-byte rows per dw store, 3 stages fit; the
-#   forward's 2 stages; both lower on the CPU). At T 128 standalone (s17 call
-#   2) gate_up fwd is 8% and down dw 11% behind XLA's batched matmul.
+# First on the next GPU, one call (~500 s on a fresh machine):
+#   GPU_TESTS="tests/gpu/test_grouped_matmul_gpu.py -k 'small_groups or out_slots'"
+#   (the new forward tiles against a dense f32 product, and dw_out_slots=2
+#   bit-equal to 1; neither run yet) with LAYER_AB_TOKENS=128
+#   LAYER_AB="default;dw_out_slots=2;dw=64,256,64,5,4;fwd=64,256,64,5,2;default"
+#   (dw_out_slots: two output stores in flight per consumer for the
+#   write-bound small-group dw, written in s17, jaxpr of the default
+#   unchanged; wider small-group tiles: 512-byte rows per dw store, 3 stages
+#   fit; the forward's 2 stages; all lower on the CPU). At T 128 standalone
+#   (s17 call 2) gate_up fwd is 8% and down dw 11% behind XLA's batched
+#   matmul; in the layer dw writes 3.67 (gate_up) / 3.33 (down) TB/s against
+#   cuBLAS's 3.76 / 3.63. Keep the winners as the only form; delete the knob.
 # Then on one GPU: the layer beside XLA at every T and Mixtral (examples
 # block or LAYER_AB with --impls; session 16's pairs are the last); Nsight Compute of our forward against
 # XLA's Triton GEMM at 16-64 rows per group with 16 groups (weights < 1 GB, so

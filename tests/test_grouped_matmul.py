@@ -1,5 +1,6 @@
 """CPU tests of jax_ep.grouped_matmul (XLA path everywhere; the Pallas kernels
 in Mosaic-GPU interpret mode where this jax has it, and lowered for CUDA)."""
+import dataclasses
 import functools
 
 import jax
@@ -208,6 +209,9 @@ def test_config_and_validation():
         GroupedMatmulConfig(impl="cuda")
     with pytest.raises(ValueError):
         GroupedMatmulConfig(dx=(1, 2, 3))
+    for bad in (0, 3, True):
+        with pytest.raises(ValueError, match="dw_out_slots"):
+            GroupedMatmulConfig(dw_out_slots=bad)
     x, w, _, gs = make(SIZES["uniform"])
     with pytest.raises(ValueError):
         grouped_matmul(x, w[:, :3], gs)
@@ -307,15 +311,17 @@ def test_pallas_kernels_interpret(case):
 
 
 @pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwd_ws", "dx_ws", "dw_1wg", "fwd_small_ws",
-                                "dx_small", "dx_small_ws", "dw_small", "dw_small_1wg"])
+                                "dx_small", "dx_small_ws", "dw_small_slots", "dw_small", "dw_small_1wg"])
 def test_pallas_lowers_for_cuda(op):
     """Every kernel traces and lowers to a CUDA module (no GPU needed);
-    ``*_small*``: 64 rows per group, the small-group tiles."""
+    ``*_small*``: 64 rows per group, the small-group tiles; ``_slots``: dw
+    with 2 output slots (they fit beside the small tiles' 5 stages)."""
     sds = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
     m, k, n, g = (512 if "small" in op else 1024), 512, 256, 8
     cfg = GroupedMatmulConfig(impl="pallas", fwd_warpgroups=2 if op.endswith("_ws") else 1,
-                              dw_warpgroups=1 if op.endswith("_1wg") else 2)
+                              dw_warpgroups=1 if op.endswith("_1wg") else 2,
+                              dw_out_slots=2 if op.endswith("_slots") else 1)
     op = op.split("_")[0]
     gsd = sds((g,), jnp.int32)
     if op == "fwd":
@@ -361,8 +367,13 @@ def test_small_group_tiles():
     assert gm_select.op_tiles(cfg, "dw", x, dy, 64) == gm_mod.DEFAULT_TILES["dw"]
     assert gm_select.op_tiles(GroupedMatmulConfig(dw=(128, 128, 64, 3, 4)), "dw", x, dy, 128) \
         == (128, 128, 64, 3, 4)
-    # the 2-consumer kernel runs them as they are (5 stages fit)
+    # the 2-consumer kernel runs them as they are (5 stages fit), and with
+    # dw_out_slots=2 both output slots beside them; the default tiles' 4
+    # stages leave room for one (stages are never cut for slots)
     assert gm_select.two_consumer_tiles(small_dw, "m", 7168, bf) == small_dw
+    assert gm_select.dw_out_slots(small_dw, bf, 2) == 2
+    dflt_ws = gm_select.two_consumer_tiles(gm_mod.DEFAULT_TILES["dw"], "m", 7168, bf)
+    assert gm_select.dw_out_slots(dflt_ws, bf, 2) == 1
 
 
 def test_pallas_constraints_fall_back_to_xla():
@@ -407,8 +418,9 @@ def test_pallas_fwd_dx_two_warpgroups_interpret(sizes):
 def test_pallas_128_row_two_consumer_interpret():
     """The 2-consumer kernels at 128-row consumer tiles, whose output goes
     to HBM in two 64-row chunks (EPILOGUE_ROWS), groups whose stored rows start
-    and end inside either chunk -- forward, dx and dw match
-    numpy; the chunks leave room for a 4th stage at the default tiles."""
+    and end inside either chunk -- forward, dx and dw (also with 2 output
+    slots) match numpy; the chunks leave room for a 4th stage at the default
+    tiles."""
     sizes = [70, 0, 150, 1, 100, 33]
     x, w, dy, gs = make(sizes, m=400, k=256, n=256, seed=11)
     xb, wb, dyb = (jnp.asarray(a, jnp.bfloat16) for a in (x, w, dy))
@@ -420,9 +432,13 @@ def test_pallas_128_row_two_consumer_interpret():
         gm_mod.gmm(xb, wb, gs, config=cfg),
         gm_mod.gmm(dyb, wb, gs, transpose_rhs=True, config=cfg),
         gm_mod.tgmm(xb, dyb, gs, config=cfg)))
+    cfg2 = dataclasses.replace(cfg, dw_out_slots=2)
+    assert gm_select.dw_out_slots(tiles, jnp.bfloat16, 2) == 2
+    dw2 = np.asarray(gm_mod.tgmm(xb, dyb, gs, config=cfg2), np.float32)
     xf, wf, dyf = (np.asarray(a, np.float32) for a in (xb, wb, dyb))
     rdx, rdw = np_grads(clean(xf, sizes), wf, sizes, clean(dyf, sizes))
     tol = dict(rtol=2e-2, atol=0.3)
+    np.testing.assert_allclose(dw2, rdw, **tol)
     np.testing.assert_allclose(y, np_gmm(clean(xf, sizes), wf, sizes), **tol)
     np.testing.assert_allclose(dx, rdx, **tol)
     np.testing.assert_allclose(dw, rdw, **tol)
@@ -462,15 +478,16 @@ def test_pallas_small_group_interpret():
                                    [5, 17, 0, 9, 40, 3, 0, 31, 60, 2, 33]])
 def test_pallas_dw_interpret(sizes):
     """dw, both kernels (1 and 2 consumer warpgroups; the 2-consumer one also
-    with its SMs in partitions): several tiles per SM, empty groups, NaN/Inf
+    with 2 output slots, taken in turn across groups): several tiles per SM, empty groups, NaN/Inf
     tail, groups that start off the 8-row boundary or end inside a k-step
     (zeroing pass) and groups on step boundaries (none) -- matches numpy."""
     x, _, dy, gs = make(sizes, m=200, k=256, n=192, seed=5)
     xb, dyb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
     tiles = (64, 64, 32, 3, 1)            # 4 x 3 (1 wg) or 2 x 3 (2 wg) tiles on 4 "SMs"
     outs = [np.asarray(gm_mod.tgmm(xb, dyb, gs, config=GroupedMatmulConfig(
-        impl="pallas", interpret=True, dw=tiles, dw_warpgroups=wgs)), np.float32)
-        for wgs in (1, 2)]
+        impl="pallas", interpret=True, dw=tiles, dw_warpgroups=wgs, dw_out_slots=slots)),
+        np.float32) for wgs, slots in ((1, 1), (2, 1), (2, 2))]
+    assert gm_select.dw_out_slots(tiles, jnp.bfloat16, 2) == 2
     xf, dyf = np.asarray(xb, np.float32), np.asarray(dyb, np.float32)
     off = _offsets(sizes)
     ref = np.stack([xf[off[g]:off[g + 1]].T.astype(np.float64) @ dyf[off[g]:off[g + 1]]

@@ -74,6 +74,11 @@ class GroupedMatmulConfig:
         producer warpgroup feeds two consumers that own ``block_m x 2
         block_n``; used where ``N % (2 block_n) == 0`` and the stages fit
         shared memory, else the 1-warpgroup kernel) or 1.
+      dw_out_slots: shared-memory slots per consumer warpgroup for the 2-consumer
+        dw kernel's output chunks: 1 (the measured default: a chunk waits for
+        the store before it to leave shared memory) or 2 (two stores in flight
+        per consumer; used only where it fits beside the pipeline stages, else
+        1). For an A/B of the write-bound dw of small groups (V3 at T 128).
       interpret: run the Pallas kernels in Mosaic-GPU interpret mode (for
         testing the kernels on CPU; jax >= 0.11; very slow).
     """
@@ -85,12 +90,13 @@ class GroupedMatmulConfig:
     interpret: bool = False
     dw_warpgroups: int = 2
     fwd_warpgroups: int = 2
+    dw_out_slots: int = 1
 
     def __post_init__(self):
         if self.impl not in _IMPLS:
             raise ValueError(f"impl must be one of {_IMPLS}, got {self.impl!r}")
-        for name in ("dw_warpgroups", "fwd_warpgroups"):
-            if getattr(self, name) not in (1, 2):
+        for name in ("dw_warpgroups", "fwd_warpgroups", "dw_out_slots"):
+            if isinstance(getattr(self, name), bool) or getattr(self, name) not in (1, 2):
                 raise ValueError(f"{name} must be 1 or 2, got {getattr(self, name)!r}")
         for name in ("fwd", "dx", "dw"):
             t = getattr(self, name)

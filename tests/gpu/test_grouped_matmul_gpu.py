@@ -159,6 +159,25 @@ def test_dw_tiles(kind, total):
             assert not bool(jnp.any(out[gi] != 0)), (key, gi)
 
 
+@pytest.mark.parametrize("kind,total", [("skew", 3900), ("unaligned", 3001)])
+def test_dw_out_slots(kind, total):
+    """dw of small groups (64 rows per group on average: the small-group tiles)
+    with 2 output slots per consumer, taken in turn across groups, equals 1
+    slot bit for bit (the same products, stored from another slot); empty
+    groups zero."""
+    m, k, n, g = 4096, 2048, 2048, 64
+    sizes = sizes_for(kind, g, total, seed=6)
+    sizes[5] = 0
+    x, _, dy, gs = data(m, k, n, sizes, seed=6)
+    ws = gm_select.two_consumer_tiles(gm_select.op_tiles(PALLAS, "dw", x, dy, g), "m", k, x.dtype)
+    assert gm_select.dw_out_slots(ws, x.dtype, 2) == 2
+    one, two = (jax.jit(functools.partial(gm_mod.tgmm, config=GroupedMatmulConfig(
+        impl="pallas", dw_out_slots=s)))(x, dy, gs) for s in (1, 2))
+    assert bool(jnp.all(jnp.isfinite(one)))
+    assert not bool(jnp.any(one[5] != 0))
+    assert bool(jnp.all(one == two))
+
+
 def test_v3_shape_up_projection():
     """DeepSeek-V3 per-rank shape: 128 experts, 32768 rows, H=7168 -> 2F=4096."""
     m, k, n, g = 32768, 7168, 4096, 128
