@@ -25,7 +25,7 @@
 # loopback op benches ran whole. moe_layer_step writes its .png to --out:
 # give it $OUT so the plot comes back.
 # First on the next GPU, one call (~500 s on a fresh machine):
-#   GPU_TESTS="tests/gpu/test_grouped_matmul_gpu.py -k 'small_groups or out_slots'"
+#   GPU_TESTS="tests/gpu/test_grouped_matmul_gpu.py::test_dw_out_slots tests/gpu/test_grouped_matmul_gpu.py::test_v3_small_groups_down_projection"
 #   (the new forward tiles against a dense f32 product, and dw_out_slots=2
 #   bit-equal to 1; neither run yet) with LAYER_AB_TOKENS=128
 #   LAYER_AB="default;dw_out_slots=2;dw=64,256,64,5,4;fwd=64,256,64,5,2;default"
@@ -36,6 +36,8 @@
 #   (s17 call 2) gate_up fwd is 8% and down dw 11% behind XLA's batched
 #   matmul; in the layer dw writes 3.67 (gate_up) / 3.33 (down) TB/s against
 #   cuBLAS's 3.76 / 3.63. Keep the winners as the only form; delete the knob.
+#   (dw_out_slots=2 applies only where both slots fit beside the stages: the
+#   small-group tiles, so T 128; at the default tiles it runs 1 slot.)
 # Then on one GPU: the layer beside XLA at every T and Mixtral (examples
 # block or LAYER_AB with --impls; session 16's pairs are the last); Nsight Compute of our forward against
 # XLA's Triton GEMM at 16-64 rows per group with 16 groups (weights < 1 GB, so

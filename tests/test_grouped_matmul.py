@@ -415,6 +415,39 @@ def test_pallas_fwd_dx_two_warpgroups_interpret(sizes):
 
 
 @pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
+@pytest.mark.parametrize("slots", [1, 2])
+def test_pallas_dw_out_slots_no_races(monkeypatch, slots):
+    """The 2-consumer dw kernel under the interpreter's race detector: no
+    consumer writes an output slot whose TMA store has not read it yet, with
+    1 or 2 slots taken in turn across tiles and groups (1-2 tiles per SM per
+    group, empty groups). The plain interpret tests cannot see this: there
+    TMA stores finish at once. Sizes are whole k-steps: the zeroing pass's
+    identical writes by both consumers are reported as races by design."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
+    from jax_ep.gmm import pallas_dw
+
+    def params(plgpu, interpret):
+        kw = dict(compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+        if interpret:
+            kw["interpret"] = plgpu.InterpretGPUParams(detect_races=True)
+        return kw
+    monkeypatch.setattr(pallas_dw, "kernel_params", params)
+    sizes = [32, 64, 0, 96, 32, 0, 64, 0, 32]
+    x, _, dy, gs = make(sizes, m=424, k=256, n=192, seed=8)
+    xb, dyb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
+    tiles = (64, 64, 32, 3, 1)
+    out = np.asarray(gm_mod.tgmm(xb, dyb, gs, config=GroupedMatmulConfig(
+        impl="pallas", interpret=True, dw=tiles, dw_out_slots=slots)), np.float32)
+    assert not ipc.get_races().races_found
+    xf, dyf = np.asarray(xb, np.float32), np.asarray(dyb, np.float32)
+    off = _offsets(sizes)
+    ref = np.stack([xf[off[g]:off[g + 1]].T.astype(np.float64) @ dyf[off[g]:off[g + 1]]
+                    for g in range(len(sizes))])
+    np.testing.assert_allclose(out, ref, rtol=2e-2, atol=0.3)
+
+
+@pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
 def test_pallas_128_row_two_consumer_interpret():
     """The 2-consumer kernels at 128-row consumer tiles, whose output goes
     to HBM in two 64-row chunks (EPILOGUE_ROWS), groups whose stored rows start

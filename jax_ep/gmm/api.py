@@ -125,6 +125,8 @@ def tgmm(x, dy, group_sizes, *, config: Optional[GroupedMatmulConfig] = None,
               else None)
         slots = dw_out_slots(ws, x.dtype, cfg.dw_out_slots) if ws is not None else 1
         if ws is not None and not cfg.interpret and cfg.impl == "auto":
+            if slots > 1 and not pallas_compiles("dw_ws", ws, x.dtype.name, slots):
+                slots = 1   # the 2-consumer kernel with one slot, before the 1-warpgroup one
             ws = ws if pallas_compiles("dw_ws", ws, x.dtype.name, slots) else None
         if ws is not None:
             out = tgmm_pallas_ws(x, dy, offsets, ws, out_dtype, cfg.interpret, slots)

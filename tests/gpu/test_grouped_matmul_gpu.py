@@ -176,6 +176,8 @@ def test_dw_out_slots(kind, total):
     assert bool(jnp.all(jnp.isfinite(one)))
     assert not bool(jnp.any(one[5] != 0))
     assert bool(jnp.all(one == two))
+    xc, dyc = clean(x, sizes).astype(jnp.float32), clean(dy, sizes).astype(jnp.float32)
+    assert rel_err(one, gm_mod.tgmm(xc, dyc, gs, config=XLA)) < 1e-2
 
 
 def test_v3_shape_up_projection():
