@@ -38,6 +38,8 @@
 #   cuBLAS's 3.76 / 3.63. Keep the winners as the only form; delete the knob.
 #   (dw_out_slots=2 applies only where both slots fit beside the stages: the
 #   small-group tiles, so T 128; at the default tiles it runs 1 slot.)
+# Then: the 64-row forward tiles at T 1024 (127 rows per group, above
+# SMALL_GROUP_ROWS): LAYER_AB_TOKENS=1024 LAYER_AB="default;fwd=64,128,64,4,2;default".
 # Then on one GPU: the layer beside XLA at every T and Mixtral (examples
 # block or LAYER_AB with --impls; session 16's pairs are the last); Nsight Compute of our forward against
 # XLA's Triton GEMM at 16-64 rows per group with 16 groups (weights < 1 GB, so
