@@ -42,15 +42,20 @@ def np_gmm(x, w, sizes):
     return out
 
 
+def np_dw(x, dy, sizes):
+    """float64 ``[G, K, N]``: ``x[rows of g]^T @ dy[rows of g]``."""
+    off = _offsets(sizes)
+    return np.stack([x[off[g]:off[g + 1]].astype(np.float64).T @ dy[off[g]:off[g + 1]]
+                     for g in range(len(sizes))])
+
+
 def np_grads(x, w, sizes, dy):
     off = _offsets(sizes)
     dx = np.zeros(x.shape, np.float64)
-    dw = np.zeros(w.shape, np.float64)
     for g in range(len(sizes)):
         r = slice(off[g], off[g + 1])
         dx[r] = dy[r].astype(np.float64) @ w[g].T
-        dw[g] = x[r].astype(np.float64).T @ dy[r]
-    return dx, dw
+    return dx, np_dw(x, dy, sizes)
 
 
 def make(sizes, m=M, k=K, n=N, seed=0, poison=True):
@@ -426,12 +431,10 @@ def test_pallas_dw_out_slots_no_races(monkeypatch, slots):
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
     from jax_ep.gmm import pallas_dw
 
-    def params(plgpu, interpret):
-        kw = dict(compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-        if interpret:
-            kw["interpret"] = plgpu.InterpretGPUParams(detect_races=True)
-        return kw
+    plain = pallas_dw.kernel_params
+
+    def params(plgpu, interpret):   # the kernel's own, with the race detector on
+        return dict(plain(plgpu, interpret), interpret=plgpu.InterpretGPUParams(detect_races=True))
     monkeypatch.setattr(pallas_dw, "kernel_params", params)
     sizes = [32, 64, 0, 96, 32, 0, 64, 0, 32]
     x, _, dy, gs = make(sizes, m=424, k=256, n=192, seed=8)
@@ -440,10 +443,7 @@ def test_pallas_dw_out_slots_no_races(monkeypatch, slots):
     out = np.asarray(gm_mod.tgmm(xb, dyb, gs, config=GroupedMatmulConfig(
         impl="pallas", interpret=True, dw=tiles, dw_out_slots=slots)), np.float32)
     assert not ipc.get_races().races_found
-    xf, dyf = np.asarray(xb, np.float32), np.asarray(dyb, np.float32)
-    off = _offsets(sizes)
-    ref = np.stack([xf[off[g]:off[g + 1]].T.astype(np.float64) @ dyf[off[g]:off[g + 1]]
-                    for g in range(len(sizes))])
+    ref = np_dw(np.asarray(xb, np.float32), np.asarray(dyb, np.float32), sizes)
     np.testing.assert_allclose(out, ref, rtol=2e-2, atol=0.3)
 
 
@@ -521,10 +521,7 @@ def test_pallas_dw_interpret(sizes):
         impl="pallas", interpret=True, dw=tiles, dw_warpgroups=wgs, dw_out_slots=slots)),
         np.float32) for wgs, slots in ((1, 1), (2, 1), (2, 2))]
     assert gm_select.dw_out_slots(tiles, jnp.bfloat16, 2) == 2
-    xf, dyf = np.asarray(xb, np.float32), np.asarray(dyb, np.float32)
-    off = _offsets(sizes)
-    ref = np.stack([xf[off[g]:off[g + 1]].T.astype(np.float64) @ dyf[off[g]:off[g + 1]]
-                    for g in range(len(sizes))])
+    ref = np_dw(np.asarray(xb, np.float32), np.asarray(dyb, np.float32), sizes)
     for out in outs:
         assert np.all(np.isfinite(out))
         np.testing.assert_allclose(out, ref, rtol=2e-2, atol=0.3)

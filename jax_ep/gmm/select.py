@@ -22,6 +22,13 @@ SMEM_BYTES = 227 * 1024   # Hopper: dynamic shared memory per block
 SMEM_RESERVE = 1024
 
 
+def _two_consumer_bytes(bm, bn, bk, wide, item):
+    """Shared memory of a 2-consumer kernel whose CTA tile is ``wide`` along
+    the split side: (one pipeline stage: an x tile and a w / dy tile, one
+    output slot of both consumers)."""
+    return bk * (bm + bn + wide // 2) * item, 2 * EPILOGUE_ROWS * bn * item
+
+
 def two_consumer_tiles(tiles: Tiles, split: str, dim: int, dtype) -> Optional[Tiles]:
     """The tiles of a 2-consumer kernel, stages cut to fit shared memory, or
     None where it does not apply. ``split``: which tile side the two consumer
@@ -32,9 +39,7 @@ def two_consumer_tiles(tiles: Tiles, split: str, dim: int, dtype) -> Optional[Ti
     wide = 2 * bm if split == "m" else 2 * bn
     if dim % wide or bm * bn > 128 * 128:
         return None   # a consumer's f32 accumulator: at most 128 x 128 (registers)
-    item = jnp.dtype(dtype).itemsize
-    stage = bk * (bm + bn + wide // 2) * item     # one staged x tile and one w / dy tile
-    out = 2 * EPILOGUE_ROWS * bn * item           # each consumer's output staging
+    stage, out = _two_consumer_bytes(bm, bn, bk, wide, jnp.dtype(dtype).itemsize)
     fit = (SMEM_BYTES - out - SMEM_RESERVE) // stage
     if fit < 2:
         return None
@@ -47,9 +52,8 @@ def dw_out_slots(tiles: Tiles, dtype, requested: int) -> int:
     shared memory beside the tiles' stages, else 1 (stages are never cut for
     them)."""
     bm, bn, bk, steps, _ = tiles
-    item = jnp.dtype(dtype).itemsize
-    need = steps * bk * (2 * bm + bn) * item + 2 * requested * EPILOGUE_ROWS * bn * item
-    return requested if need + SMEM_RESERVE <= SMEM_BYTES else 1
+    stage, out = _two_consumer_bytes(bm, bn, bk, 2 * bm, jnp.dtype(dtype).itemsize)
+    return requested if steps * stage + requested * out + SMEM_RESERVE <= SMEM_BYTES else 1
 
 
 def op_tiles(cfg: GroupedMatmulConfig, op, x, w, groups: int) -> Tiles:
