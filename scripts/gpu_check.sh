@@ -24,22 +24,15 @@
 # kernels 1.5-1.8% faster); test_native_low_latency.py passed at R = 1 (7);
 # loopback op benches ran whole. moe_layer_step writes its .png to --out:
 # give it $OUT so the plot comes back.
-# First on the next GPU, one call (~500 s on a fresh machine):
-#   GPU_TESTS="tests/gpu/test_grouped_matmul_gpu.py::test_dw_out_slots tests/gpu/test_grouped_matmul_gpu.py::test_v3_small_groups_down_projection"
-#   (the new forward tiles against a dense f32 product, and dw_out_slots=2
-#   bit-equal to 1; neither run yet) with LAYER_AB_TOKENS=128
-#   LAYER_AB="default;dw_out_slots=2;dw=64,256,64,5,4;fwd=64,256,64,5,2;default"
-#   (dw_out_slots: two output stores in flight per consumer for the
-#   write-bound small-group dw, written in s17, jaxpr of the default
-#   unchanged; wider small-group tiles: 512-byte rows per dw store, 3 stages
-#   fit; the forward's 2 stages; all lower on the CPU). At T 128 standalone
-#   (s17 call 2) gate_up fwd is 8% and down dw 11% behind XLA's batched
-#   matmul; in the layer dw writes 3.67 (gate_up) / 3.33 (down) TB/s against
-#   cuBLAS's 3.76 / 3.63. Keep the winners as the only form; delete the knob.
-#   (dw_out_slots=2 applies only where both slots fit beside the stages: the
-#   small-group tiles, so T 128; at the default tiles it runs 1 slot.)
-# Then: the 64-row forward tiles at T 1024 (127 rows per group, above
-# SMALL_GROUP_ROWS): LAYER_AB_TOKENS=1024 LAYER_AB="default;fwd=64,128,64,4,2;default".
+# Session 18 (one H200; bench/results/2026-12-02-h200x1-s18.md):
+# dw_out_slots deleted (gate_up dw 6-8% slower at T 128); the small-group
+# forward on (64, 256, 64, 2, 2) tiles (T 128 fwd kernels 1.7-2.5% faster;
+# T 1024 keeps 128-row tiles); test_grouped_matmul_gpu.py whole: 23 passed
+# (~260 s: give it TEST_TIMEOUT=320). At T 4096 shapes XLA's batched dw
+# (cuBLAS) is 0.82-0.83 of dense against our 0.70-0.74: dw is the lever.
+# Next on one GPU: Nsight Compute of our gate_up dw against cuBLAS's batched
+# dw at 256 rows per group (GMM_BENCH=1 GMM_ARGS="--no-xla --dist uniform
+# --ops dw" gives both in one run; ncu one op per run).
 # Then on one GPU: the layer beside XLA at every T and Mixtral (examples
 # block or LAYER_AB with --impls; session 16's pairs are the last); Nsight Compute of our forward against
 # XLA's Triton GEMM at 16-64 rows per group with 16 groups (weights < 1 GB, so

@@ -1,6 +1,5 @@
 """CPU tests of jax_ep.grouped_matmul (XLA path everywhere; the Pallas kernels
 in Mosaic-GPU interpret mode where this jax has it, and lowered for CUDA)."""
-import dataclasses
 import functools
 
 import jax
@@ -214,9 +213,6 @@ def test_config_and_validation():
         GroupedMatmulConfig(impl="cuda")
     with pytest.raises(ValueError):
         GroupedMatmulConfig(dx=(1, 2, 3))
-    for bad in (0, 3, True):
-        with pytest.raises(ValueError, match="dw_out_slots"):
-            GroupedMatmulConfig(dw_out_slots=bad)
     x, w, _, gs = make(SIZES["uniform"])
     with pytest.raises(ValueError):
         grouped_matmul(x, w[:, :3], gs)
@@ -316,17 +312,15 @@ def test_pallas_kernels_interpret(case):
 
 
 @pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwd_ws", "dx_ws", "dw_1wg", "fwd_small_ws",
-                                "dx_small", "dx_small_ws", "dw_small_slots", "dw_small", "dw_small_1wg"])
+                                "dx_small", "dx_small_ws", "dw_small", "dw_small_1wg"])
 def test_pallas_lowers_for_cuda(op):
     """Every kernel traces and lowers to a CUDA module (no GPU needed);
-    ``*_small*``: 64 rows per group, the small-group tiles; ``_slots``: dw
-    with 2 output slots (they fit beside the small tiles' 5 stages)."""
+    ``*_small*``: 64 rows per group, the small-group tiles."""
     sds = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
     m, k, n, g = (512 if "small" in op else 1024), 512, 256, 8
     cfg = GroupedMatmulConfig(impl="pallas", fwd_warpgroups=2 if op.endswith("_ws") else 1,
-                              dw_warpgroups=1 if op.endswith("_1wg") else 2,
-                              dw_out_slots=2 if op.endswith("_slots") else 1)
+                              dw_warpgroups=1 if op.endswith("_1wg") else 2)
     op = op.split("_")[0]
     gsd = sds((g,), jnp.int32)
     if op == "fwd":
@@ -359,7 +353,7 @@ def test_small_group_tiles():
     assert gm_select.op_tiles(cfg, "fwd", sds((9088, 7168), bf), w_up, 128) == small_fwd
     assert gm_select.op_tiles(cfg, "fwd", sds((16256, 7168), bf), w_up, 128) \
         == gm_mod.DEFAULT_TILES["fwd"]
-    # the 2-consumer kernel runs the small forward tiles as they are (4 stages fit)
+    # the 2-consumer kernel runs the small forward tiles as they are (2 stages fit)
     assert gm_select.two_consumer_tiles(small_fwd, "n", 4096, bf) == small_fwd
     mine = GroupedMatmulConfig(dx=(128, 128, 64, 4, 2))
     assert gm_select.op_tiles(mine, "dx", sds((9088, 4096), bf), w, 128) == (128, 128, 64, 4, 2)
@@ -372,13 +366,8 @@ def test_small_group_tiles():
     assert gm_select.op_tiles(cfg, "dw", x, dy, 64) == gm_mod.DEFAULT_TILES["dw"]
     assert gm_select.op_tiles(GroupedMatmulConfig(dw=(128, 128, 64, 3, 4)), "dw", x, dy, 128) \
         == (128, 128, 64, 3, 4)
-    # the 2-consumer kernel runs them as they are (5 stages fit), and with
-    # dw_out_slots=2 both output slots beside them; the default tiles' 4
-    # stages leave room for one (stages are never cut for slots)
+    # the 2-consumer kernel runs them as they are (5 stages fit)
     assert gm_select.two_consumer_tiles(small_dw, "m", 7168, bf) == small_dw
-    assert gm_select.dw_out_slots(small_dw, bf, 2) == 2
-    dflt_ws = gm_select.two_consumer_tiles(gm_mod.DEFAULT_TILES["dw"], "m", 7168, bf)
-    assert gm_select.dw_out_slots(dflt_ws, bf, 2) == 1
 
 
 def test_pallas_constraints_fall_back_to_xla():
@@ -420,12 +409,11 @@ def test_pallas_fwd_dx_two_warpgroups_interpret(sizes):
 
 
 @pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
-@pytest.mark.parametrize("slots", [1, 2])
-def test_pallas_dw_out_slots_no_races(monkeypatch, slots):
+def test_pallas_dw_output_slot_no_races(monkeypatch):
     """The 2-consumer dw kernel under the interpreter's race detector: no
-    consumer writes an output slot whose TMA store has not read it yet, with
-    1 or 2 slots taken in turn across tiles and groups (1-2 tiles per SM per
-    group, empty groups). The plain interpret tests cannot see this: there
+    consumer writes its output slot before the TMA store of the chunk before
+    has read it, across tiles and groups (1-2 tiles per SM per group, empty
+    groups). The plain interpret tests cannot see this: there
     TMA stores finish at once. Sizes are whole k-steps: the zeroing pass's
     identical writes by both consumers are reported as races by design."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
@@ -441,7 +429,7 @@ def test_pallas_dw_out_slots_no_races(monkeypatch, slots):
     xb, dyb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
     tiles = (64, 64, 32, 3, 1)
     out = np.asarray(gm_mod.tgmm(xb, dyb, gs, config=GroupedMatmulConfig(
-        impl="pallas", interpret=True, dw=tiles, dw_out_slots=slots)), np.float32)
+        impl="pallas", interpret=True, dw=tiles)), np.float32)
     assert not ipc.get_races().races_found
     ref = np_dw(np.asarray(xb, np.float32), np.asarray(dyb, np.float32), sizes)
     np.testing.assert_allclose(out, ref, rtol=2e-2, atol=0.3)
@@ -451,8 +439,7 @@ def test_pallas_dw_out_slots_no_races(monkeypatch, slots):
 def test_pallas_128_row_two_consumer_interpret():
     """The 2-consumer kernels at 128-row consumer tiles, whose output goes
     to HBM in two 64-row chunks (EPILOGUE_ROWS), groups whose stored rows start
-    and end inside either chunk -- forward, dx and dw (also with 2 output
-    slots) match numpy; the chunks leave room for a 4th stage at the default
+    and end inside either chunk -- forward, dx and dw match numpy; the chunks leave room for a 4th stage at the default
     tiles."""
     sizes = [70, 0, 150, 1, 100, 33]
     x, w, dy, gs = make(sizes, m=400, k=256, n=256, seed=11)
@@ -465,13 +452,9 @@ def test_pallas_128_row_two_consumer_interpret():
         gm_mod.gmm(xb, wb, gs, config=cfg),
         gm_mod.gmm(dyb, wb, gs, transpose_rhs=True, config=cfg),
         gm_mod.tgmm(xb, dyb, gs, config=cfg)))
-    cfg2 = dataclasses.replace(cfg, dw_out_slots=2)
-    assert gm_select.dw_out_slots(tiles, jnp.bfloat16, 2) == 2
-    dw2 = np.asarray(gm_mod.tgmm(xb, dyb, gs, config=cfg2), np.float32)
     xf, wf, dyf = (np.asarray(a, np.float32) for a in (xb, wb, dyb))
     rdx, rdw = np_grads(clean(xf, sizes), wf, sizes, clean(dyf, sizes))
     tol = dict(rtol=2e-2, atol=0.3)
-    np.testing.assert_allclose(dw2, rdw, **tol)
     np.testing.assert_allclose(y, np_gmm(clean(xf, sizes), wf, sizes), **tol)
     np.testing.assert_allclose(dx, rdx, **tol)
     np.testing.assert_allclose(dw, rdw, **tol)
@@ -510,17 +493,15 @@ def test_pallas_small_group_interpret():
 @pytest.mark.parametrize("sizes", [[70, 0, 33, 1, 60], [8, 8, 100, 50, 0], [32, 64, 0, 96],
                                    [5, 17, 0, 9, 40, 3, 0, 31, 60, 2, 33]])
 def test_pallas_dw_interpret(sizes):
-    """dw, both kernels (1 and 2 consumer warpgroups; the 2-consumer one also
-    with 2 output slots, taken in turn across groups): several tiles per SM, empty groups, NaN/Inf
-    tail, groups that start off the 8-row boundary or end inside a k-step
+    """dw, both kernels (1 and 2 consumer warpgroups): several tiles per SM,
+    empty groups, NaN/Inf tail, groups that start off the 8-row boundary or end inside a k-step
     (zeroing pass) and groups on step boundaries (none) -- matches numpy."""
     x, _, dy, gs = make(sizes, m=200, k=256, n=192, seed=5)
     xb, dyb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
     tiles = (64, 64, 32, 3, 1)            # 4 x 3 (1 wg) or 2 x 3 (2 wg) tiles on 4 "SMs"
     outs = [np.asarray(gm_mod.tgmm(xb, dyb, gs, config=GroupedMatmulConfig(
-        impl="pallas", interpret=True, dw=tiles, dw_warpgroups=wgs, dw_out_slots=slots)),
-        np.float32) for wgs, slots in ((1, 1), (2, 1), (2, 2))]
-    assert gm_select.dw_out_slots(tiles, jnp.bfloat16, 2) == 2
+        impl="pallas", interpret=True, dw=tiles, dw_warpgroups=wgs)), np.float32)
+        for wgs in (1, 2)]
     ref = np_dw(np.asarray(xb, np.float32), np.asarray(dyb, np.float32), sizes)
     for out in outs:
         assert np.all(np.isfinite(out))

@@ -12,7 +12,7 @@ from .._ffi import to_vma, vma_of
 from .config import GroupedMatmulConfig
 from .pallas_dw import tgmm_pallas, tgmm_pallas_ws
 from .pallas_fwd import gmm_pallas, gmm_pallas_ws
-from .select import (choose, dw_out_slots, fwd_ws_tiles, op_tiles, pallas_compiles,
+from .select import (choose, fwd_ws_tiles, op_tiles, pallas_compiles,
                      two_consumer_tiles)
 from .xla import gmm_xla, tgmm_xla
 
@@ -123,13 +123,10 @@ def tgmm(x, dy, group_sizes, *, config: Optional[GroupedMatmulConfig] = None,
         tiles = op_tiles(cfg, "dw", x, dy, num_groups)
         ws = (two_consumer_tiles(tiles, "m", x.shape[1], x.dtype) if cfg.dw_warpgroups == 2
               else None)
-        slots = dw_out_slots(ws, x.dtype, cfg.dw_out_slots) if ws is not None else 1
         if ws is not None and not cfg.interpret and cfg.impl == "auto":
-            if slots > 1 and not pallas_compiles("dw_ws", ws, x.dtype.name, slots):
-                slots = 1   # the 2-consumer kernel with one slot, before the 1-warpgroup one
-            ws = ws if pallas_compiles("dw_ws", ws, x.dtype.name, slots) else None
+            ws = ws if pallas_compiles("dw_ws", ws, x.dtype.name) else None
         if ws is not None:
-            out = tgmm_pallas_ws(x, dy, offsets, ws, out_dtype, cfg.interpret, slots)
+            out = tgmm_pallas_ws(x, dy, offsets, ws, out_dtype, cfg.interpret)
         else:
             out = tgmm_pallas(x, dy, offsets, tiles, out_dtype, cfg.interpret)
     else:

@@ -31,13 +31,17 @@ DEFAULT_TILES = {
 #  - dw: block_m 64 (a 128 x 128 CTA tile of dw[g]) with 5 stages. Session 14:
 #    gate_up dw 2093 against 2218-2277 us per step (four runs of the default),
 #    down dw equal (1124 against 1110-1119), layer 9.159 against 9.217-9.259 ms.
-#  - fwd: block_m 64 (4 stages fit the 2-consumer kernel). Session 17, same
-#    calls, 3 runs against 3 of the default: gate_up fwd 1805-1810 against
-#    1834-1840 us per step, down fwd 930-932 against 945-947, layer 9.151-
-#    9.197 against 9.209-9.244 ms (block_k 128 with 2 stages: equal to 64).
-#    Session 9's 64-row forward tiles, with a pipeline per tile, were no faster.
+#  - fwd: block_m 64, block_n 256 (512-byte weight-tile rows; 2 stages fit
+#    the 2-consumer kernel; asked for as 5 stages, cut to 2 by the fit).
+#    Session 18, two calls, 3 runs against 4 of
+#    (64, 128, 64, 4, 2): gate_up fwd 1761-1762 against 1803-1814 us per step,
+#    down fwd 918-922 against 932-940, layer 9.070-9.096 against 9.124-9.188
+#    ms. At T 1024 (127 rows per group, above the bound) they lose: layer
+#    10.82-10.86 against 10.63 ms. Session 17's (64, 128, 64, 4, 2) had beaten
+#    the 128-row default by 1.5-1.8% per kernel; session 9's 64-row tiles,
+#    with a pipeline per tile, were no faster.
 SMALL_GROUP_ROWS = 96
-SMALL_GROUP_TILES = {"fwd": (64, 128, 64, 4, 2), "dx": (64, 128, 128, 3, 2),
+SMALL_GROUP_TILES = {"fwd": (64, 256, 64, 2, 2), "dx": (64, 128, 128, 3, 2),
                      "dw": (64, 128, 64, 5, 4)}
 
 # The expert alignment (EpConfig.expert_alignment) that suits these kernels:
@@ -74,11 +78,6 @@ class GroupedMatmulConfig:
         producer warpgroup feeds two consumers that own ``block_m x 2
         block_n``; used where ``N % (2 block_n) == 0`` and the stages fit
         shared memory, else the 1-warpgroup kernel) or 1.
-      dw_out_slots: shared-memory slots per consumer warpgroup for the 2-consumer
-        dw kernel's output chunks: 1 (the measured default: a chunk waits for
-        the store before it to leave shared memory) or 2 (two stores in flight
-        per consumer; used only where it fits beside the pipeline stages, else
-        1). For an A/B of the write-bound dw of small groups (V3 at T 128).
       interpret: run the Pallas kernels in Mosaic-GPU interpret mode (for
         testing the kernels on CPU; jax >= 0.11; very slow).
     """
@@ -90,12 +89,11 @@ class GroupedMatmulConfig:
     interpret: bool = False
     dw_warpgroups: int = 2
     fwd_warpgroups: int = 2
-    dw_out_slots: int = 1
 
     def __post_init__(self):
         if self.impl not in _IMPLS:
             raise ValueError(f"impl must be one of {_IMPLS}, got {self.impl!r}")
-        for name in ("dw_warpgroups", "fwd_warpgroups", "dw_out_slots"):
+        for name in ("dw_warpgroups", "fwd_warpgroups"):
             if isinstance(getattr(self, name), bool) or getattr(self, name) not in (1, 2):
                 raise ValueError(f"{name} must be 1 or 2, got {getattr(self, name)!r}")
         for name in ("fwd", "dx", "dw"):

@@ -117,7 +117,7 @@ def _ws_step(pl, plgpu, sh, g, t0, lead, size, nsteps, store):
         # in flight, measured 10-18% slower at T 4096: bench/results/README.md.)
         plgpu.wgmma_wait(0)
         return flush_on_last_step(pl, plgpu, carry, s == nsteps - 1,
-                                  lambda val: store(g, t0 + j * nsm, j, val), interpret, (bm, bn),
+                                  lambda val: store(g, t0 + j * nsm, val), interpret, (bm, bn),
                                   wait=True)
 
     return step
@@ -125,9 +125,7 @@ def _ws_step(pl, plgpu, sh, g, t0, lead, size, nsteps, store):
 
 def _ws_group(pl, plgpu, sh, refs, g, tile_of, store, n_tiles, rot_step, steps, tr):
     """Group ``g`` of the 2-consumer dw kernel on this SM: one warp-specialized
-    pipeline over (this SM's tiles of g) x (g's k-steps); zeros for an empty
-    group. ``store(g, t, j, val)``: tile ``t``, the SM's ``j``-th of g. Returns
-    how many tiles of g this SM stores."""
+    pipeline over (this SM's tiles of g) x (g's k-steps); zeros for an empty group."""
     bm, bn, bk, cm, nsm, interpret = sh
     off_ref, x_ref, dy_ref = refs
     m = x_ref.shape[0]
@@ -168,12 +166,10 @@ def _ws_group(pl, plgpu, sh, refs, g, tile_of, store, n_tiles, rot_step, steps, 
     def _():
         @pl.loop(0, cnt)
         def _(j):
-            store(g, t0 + j * nsm, j, jnp.zeros((bm, bn), jnp.float32))
-
-    return cnt
+            store(g, t0 + j * nsm, jnp.zeros((bm, bn), jnp.float32))
 
 
-def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, out_slots=1):
+def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret):
     """dw with two consumer warpgroups and a producer warpgroup (warp-specialized).
 
     A CTA owns a ``2 block_m x block_n`` tile of ``dw[g]`` (each consumer
@@ -185,12 +181,9 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, out_slots=1):
     pipeline fill are what the one-warpgroup kernel waits on). The output tile
     goes to HBM in ``EPILOGUE_ROWS`` row chunks. SMs split into partitions
     that take the groups round-robin (fewer pipeline restarts per SM) measured
-    no faster and were deleted (bench/results/README.md).
-
-    ``out_slots``: shared-memory slots per consumer for the output chunks. With
-    1 a chunk waits until the TMA store of the one before has read the slot;
-    with 2 the chunks alternate, so a consumer has two stores in flight (for
-    the write-bound dw of small groups; see ``GroupedMatmulConfig.dw_out_slots``).
+    no faster and were deleted, and so were two output slots per consumer
+    (two stores in flight; bench/results/README.md): a chunk waits until the
+    TMA store of the one before has read the consumer's one slot.
     """
     pl, plgpu = pallas_modules()
     bm, bn, bk, steps, band = tiles
@@ -203,7 +196,6 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, out_slots=1):
     sh = (bm, bn, bk, cm, nsm, interpret)
     tr, o_tr = dw_transforms(plgpu, x.dtype, bk, bn)
     rows = EPILOGUE_ROWS
-    nch = bm // rows
 
     def tile_of(t):
         return plgpu.planar_snake(t, (grid_m, grid_n), 0, band)
@@ -212,26 +204,20 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, out_slots=1):
         def scoped(o_smem):
             wg = lax.axis_index("wg")
 
-            def store(g, t, q, val):   # q: this SM's tile ordinal (out_slots > 1)
+            def store(g, t, val):
                 mi, ni = tile_of(t)
-                for c in range(nch):   # the tile's row chunks, one after the other
-                    if out_slots == 1:
-                        ix = wg
-                    else:   # the slots in turn; the one we write is not the pending store's
-                        ix = (wg, lax.rem(q * nch + c, jnp.int32(out_slots)))
-                    plgpu.wait_smem_to_gmem(out_slots - 1, wait_read_only=True)
-                    o_smem[ix] = val[c * rows:(c + 1) * rows].astype(o_smem.dtype)
+                for c in range(bm // rows):   # the tile's row chunks, one after the other
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # our slot is free
+                    o_smem[wg] = val[c * rows:(c + 1) * rows].astype(o_smem.dtype)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(
-                        o_smem.at[ix],
+                        o_smem.at[wg],
                         o_ref.at[g, pl.ds(mi * cm + wg * bm + c * rows, rows), pl.ds(ni * bn, bn)])
 
-            def group(g, base):   # base: tiles this SM stored in earlier groups
-                def store_g(g_, t, j, val):
-                    store(g_, t, None if out_slots == 1 else base + j, val)
-                cnt = _ws_group(pl, plgpu, sh, (off_ref, x_ref, dy_ref), g, tile_of, store_g,
-                                n_tiles, n_tiles % nsm, steps, tr)
-                return base if out_slots == 1 else base + cnt
+            def group(g, carry):
+                _ws_group(pl, plgpu, sh, (off_ref, x_ref, dy_ref), g, tile_of, store,
+                          n_tiles, n_tiles % nsm, steps, tr)
+                return carry
 
             lax.fori_loop(0, g_count, group, jnp.int32(0))
 
@@ -239,8 +225,7 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, out_slots=1):
             def _():
                 plgpu.wait_smem_to_gmem(0)
 
-        shape = (2, rows, bn) if out_slots == 1 else (2, out_slots, rows, bn)
-        pl.run_scoped(scoped, plgpu.SMEM(shape, out_dtype, transforms=o_tr),
+        pl.run_scoped(scoped, plgpu.SMEM((2, rows, bn), out_dtype, transforms=o_tr),
                       collective_axes="wg")
 
     kernel = plgpu.kernel(

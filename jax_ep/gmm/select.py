@@ -46,16 +46,6 @@ def two_consumer_tiles(tiles: Tiles, split: str, dim: int, dtype) -> Optional[Ti
     return (bm, bn, bk, int(min(steps, fit)), band)
 
 
-def dw_out_slots(tiles: Tiles, dtype, requested: int) -> int:
-    """Output slots per consumer of the 2-consumer dw kernel (``tiles`` as
-    :func:`two_consumer_tiles` returns them): ``requested`` where they fit in
-    shared memory beside the tiles' stages, else 1 (stages are never cut for
-    them)."""
-    bm, bn, bk, steps, _ = tiles
-    stage, out = _two_consumer_bytes(bm, bn, bk, 2 * bm, jnp.dtype(dtype).itemsize)
-    return requested if steps * stage + requested * out + SMEM_RESERVE <= SMEM_BYTES else 1
-
-
 def op_tiles(cfg: GroupedMatmulConfig, op, x, w, groups: int) -> Tiles:
     """The tiles ``op`` runs with: the config's, or where it leaves them unset
     and the groups are small (``x``'s rows / ``groups`` <= SMALL_GROUP_ROWS, a
@@ -126,9 +116,9 @@ def _on_hopper() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def pallas_compiles(op: str, tiles: Tiles, dtype_name: str, out_slots: int = 1) -> bool:
+def pallas_compiles(op: str, tiles: Tiles, dtype_name: str) -> bool:
     """Compile a small instance of the kernel once; False (with a warning) on
-    failure (``out_slots``: the 2-consumer dw kernel's output slots)."""
+    failure."""
     bm, bn, bk, _, _ = tiles
     dt = jnp.dtype(dtype_name)
     g = 3
@@ -139,7 +129,7 @@ def pallas_compiles(op: str, tiles: Tiles, dtype_name: str, out_slots: int = 1) 
             if op.startswith("dw"):
                 m, k, n = 2 * bk + 8, 2 * bm, bn
                 if op == "dw_ws":
-                    f = lambda a, b, o: tgmm_pallas_ws(a, b, o, tiles, dt, False, out_slots)
+                    f = lambda a, b, o: tgmm_pallas_ws(a, b, o, tiles, dt, False)
                 else:
                     f = lambda a, b, o: tgmm_pallas(a, b, o, tiles, dt, False)
                 args = (sds((m, k), dt), sds((m, n), dt), sds((g + 1,), jnp.int32))

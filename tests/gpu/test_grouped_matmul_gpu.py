@@ -114,7 +114,8 @@ def test_pallas_vs_xla_small(kind, total, k, n):
 
 @pytest.mark.parametrize("tiles,fwd_wgs", [((128, 128, 64, 4, 4), 1), ((64, 256, 64, 4, 2), 1),
                                            ((128, 128, 64, 2, 1), 1), ((128, 128, 64, 5, 2), 2),
-                                           ((64, 128, 64, 4, 2), 2), ((64, 128, 128, 3, 2), 2),
+                                           ((64, 128, 64, 4, 2), 2), ((64, 256, 64, 2, 2), 2),
+                                           ((64, 128, 128, 3, 2), 2),
                                            ((128, 128, 64, 3, 1), 2)])
 def test_tile_configs(tiles, fwd_wgs):
     """Tile configurations of every kernel (fwd_wgs 2: the 2-consumer forward/dx,
@@ -160,22 +161,18 @@ def test_dw_tiles(kind, total):
 
 
 @pytest.mark.parametrize("kind,total", [("skew", 3900), ("unaligned", 3001)])
-def test_dw_out_slots(kind, total):
-    """dw of small groups (64 rows per group on average: the small-group tiles)
-    with 2 output slots per consumer, taken in turn across groups, equals 1
-    slot bit for bit (the same products, stored from another slot); empty
-    groups zero."""
+def test_dw_small_groups(kind, total):
+    """dw of small groups (64 rows per group on average: the small-group tiles
+    on the 2-consumer kernel) against XLA in f32; empty groups zero."""
     m, k, n, g = 4096, 2048, 2048, 64
     sizes = sizes_for(kind, g, total, seed=6)
     sizes[5] = 0
     x, _, dy, gs = data(m, k, n, sizes, seed=6)
-    ws = gm_select.two_consumer_tiles(gm_select.op_tiles(PALLAS, "dw", x, dy, g), "m", k, x.dtype)
-    assert gm_select.dw_out_slots(ws, x.dtype, 2) == 2
-    one, two = (jax.jit(functools.partial(gm_mod.tgmm, config=GroupedMatmulConfig(
-        impl="pallas", dw_out_slots=s)))(x, dy, gs) for s in (1, 2))
+    assert gm_select.two_consumer_tiles(gm_select.op_tiles(PALLAS, "dw", x, dy, g), "m", k,
+                                        x.dtype) is not None
+    one = jax.jit(functools.partial(gm_mod.tgmm, config=PALLAS))(x, dy, gs)
     assert bool(jnp.all(jnp.isfinite(one)))
     assert not bool(jnp.any(one[5] != 0))
-    assert bool(jnp.all(one == two))
     xc, dyc = clean(x, sizes).astype(jnp.float32), clean(dy, sizes).astype(jnp.float32)
     assert rel_err(one, gm_mod.tgmm(xc, dyc, gs, config=XLA)) < 1e-2
 
