@@ -471,7 +471,7 @@ def test_pallas_small_group_interpret():
     average): block_m 64 (dx: block_k 128) with the 2-consumer kernel --
     match numpy, tail zero."""
     sizes = [64, 0, 37, 100, 19]
-    x, w, dy, gs = make(sizes, m=256, k=256, n=256, seed=9)
+    x, w, dy, gs = make(sizes, m=256, k=256, n=512, seed=9)   # n: 2 x block_n 256
     wb, dyb = jnp.asarray(w, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
     cfg = GroupedMatmulConfig(impl="pallas", interpret=True)
     from jax_ep.gmm.config import SMALL_GROUP_TILES
