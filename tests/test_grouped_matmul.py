@@ -439,8 +439,8 @@ def test_pallas_dw_output_slot_no_races(monkeypatch):
 def test_pallas_128_row_two_consumer_interpret():
     """The 2-consumer kernels at 128-row consumer tiles, whose output goes
     to HBM in two 64-row chunks (EPILOGUE_ROWS), groups whose stored rows start
-    and end inside either chunk -- forward, dx and dw match numpy; the chunks leave room for a 4th stage at the default
-    tiles."""
+    and end inside either chunk -- forward, dx and dw match numpy; the chunks
+    leave room for a 4th stage at the default tiles."""
     sizes = [70, 0, 150, 1, 100, 33]
     x, w, dy, gs = make(sizes, m=400, k=256, n=256, seed=11)
     xb, wb, dyb = (jnp.asarray(a, jnp.bfloat16) for a in (x, w, dy))
@@ -494,8 +494,9 @@ def test_pallas_small_group_interpret():
                                    [5, 17, 0, 9, 40, 3, 0, 31, 60, 2, 33]])
 def test_pallas_dw_interpret(sizes):
     """dw, both kernels (1 and 2 consumer warpgroups): several tiles per SM,
-    empty groups, NaN/Inf tail, groups that start off the 8-row boundary or end inside a k-step
-    (zeroing pass) and groups on step boundaries (none) -- matches numpy."""
+    empty groups, NaN/Inf tail, groups that start off the 8-row boundary or
+    end inside a k-step (zeroing pass) and groups on step boundaries (none) --
+    matches numpy."""
     x, _, dy, gs = make(sizes, m=200, k=256, n=192, seed=5)
     xb, dyb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
     tiles = (64, 64, 32, 3, 1)            # 4 x 3 (1 wg) or 2 x 3 (2 wg) tiles on 4 "SMs"
