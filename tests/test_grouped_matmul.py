@@ -213,6 +213,9 @@ def test_config_and_validation():
         GroupedMatmulConfig(impl="cuda")
     with pytest.raises(ValueError):
         GroupedMatmulConfig(dx=(1, 2, 3))
+    for bad in (3, 0, True):
+        with pytest.raises(ValueError, match="dw_cluster"):
+            GroupedMatmulConfig(dw_cluster=bad)
     x, w, _, gs = make(SIZES["uniform"])
     with pytest.raises(ValueError):
         grouped_matmul(x, w[:, :3], gs)
@@ -312,7 +315,8 @@ def test_pallas_kernels_interpret(case):
 
 
 @pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwd_ws", "dx_ws", "dw_1wg", "fwd_small_ws",
-                                "dx_small", "dx_small_ws", "dw_small", "dw_small_1wg"])
+                                "dx_small", "dx_small_ws", "dw_small", "dw_small_1wg", "dw_c2",
+                                "dw_small_c2"])
 def test_pallas_lowers_for_cuda(op):
     """Every kernel traces and lowers to a CUDA module (no GPU needed);
     ``*_small*``: 64 rows per group, the small-group tiles."""
@@ -320,7 +324,8 @@ def test_pallas_lowers_for_cuda(op):
     bf = jnp.bfloat16
     m, k, n, g = (512 if "small" in op else 1024), 512, 256, 8
     cfg = GroupedMatmulConfig(impl="pallas", fwd_warpgroups=2 if op.endswith("_ws") else 1,
-                              dw_warpgroups=1 if op.endswith("_1wg") else 2)
+                              dw_warpgroups=1 if op.endswith("_1wg") else 2,
+                              dw_cluster=2 if op.endswith("_c2") else 1)
     op = op.split("_")[0]
     gsd = sds((g,), jnp.int32)
     if op == "fwd":
@@ -509,3 +514,27 @@ def test_pallas_dw_interpret(sizes):
         np.testing.assert_allclose(out, ref, rtol=2e-2, atol=0.3)
     for out in outs:
         np.testing.assert_array_equal(out[np.asarray(sizes) == 0], 0)
+
+
+@pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
+@pytest.mark.parametrize("sizes", [[70, 0, 33, 1, 60], [5, 17, 0, 9, 40, 3, 0, 31, 60, 2, 33],
+                                   [64, 0, 32, 96]])
+def test_pallas_dw_cluster_interpret(sizes):
+    """dw on 2-CTA clusters (the x tile multicast to both CTAs, buffers and
+    barriers reused by every group's pipeline): several k-steps per group
+    beyond the stages, empty groups, groups off the 8-row boundary (zeroing in
+    each CTA's copy of x), NaN/Inf tail, 1-2 cluster tiles per cluster --
+    matches numpy. (Interpret mode carries each accumulator across tiles with a
+    running base, so it is not bit-comparable with the 1-CTA kernel, whose SMs
+    take other tiles; the GPU test compares them bit for bit.)"""
+    x, _, dy, gs = make(sizes, m=200, k=256, n=256, seed=5)
+    xb, dyb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
+    tiles = (64, 64, 32, 3, 1)    # cluster tile 128 x 128: 2 x 2 on 2 clusters of 2 "SMs"
+    cfg = GroupedMatmulConfig(impl="pallas", interpret=True, dw=tiles, dw_cluster=2)
+    assert gm_select.dw_cluster(cfg, tiles, 256, xb.dtype) == 2
+    assert gm_select.dw_cluster(cfg, tiles, 192, xb.dtype) == 1   # N % (2 block_n) != 0
+    out = np.asarray(gm_mod.tgmm(xb, dyb, gs, config=cfg), np.float32)
+    ref = np_dw(np.asarray(xb, np.float32), np.asarray(dyb, np.float32), sizes)
+    assert np.all(np.isfinite(out))
+    np.testing.assert_allclose(out, ref, rtol=2e-2, atol=0.3)
+    np.testing.assert_array_equal(out[np.asarray(sizes) == 0], 0)

@@ -78,6 +78,10 @@ class GroupedMatmulConfig:
         producer warpgroup feeds two consumers that own ``block_m x 2
         block_n``; used where ``N % (2 block_n) == 0`` and the stages fit
         shared memory, else the 1-warpgroup kernel) or 1.
+      dw_cluster: CTAs per cluster of the 2-consumer dw kernel: 1, or 2
+        (CTA pairs own adjacent ``block_n`` column tiles and share the x tile
+        by TMA multicast, halving x's L2 reads; used where ``N % (2 block_n)
+        == 0``, else 1).
       interpret: run the Pallas kernels in Mosaic-GPU interpret mode (for
         testing the kernels on CPU; jax >= 0.11; very slow).
     """
@@ -89,11 +93,12 @@ class GroupedMatmulConfig:
     interpret: bool = False
     dw_warpgroups: int = 2
     fwd_warpgroups: int = 2
+    dw_cluster: int = 1
 
     def __post_init__(self):
         if self.impl not in _IMPLS:
             raise ValueError(f"impl must be one of {_IMPLS}, got {self.impl!r}")
-        for name in ("dw_warpgroups", "fwd_warpgroups"):
+        for name in ("dw_warpgroups", "fwd_warpgroups", "dw_cluster"):
             if isinstance(getattr(self, name), bool) or getattr(self, name) not in (1, 2):
                 raise ValueError(f"{name} must be 1 or 2, got {getattr(self, name)!r}")
         for name in ("fwd", "dx", "dw"):

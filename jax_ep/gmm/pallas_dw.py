@@ -123,9 +123,10 @@ def _ws_step(pl, plgpu, sh, g, t0, lead, size, nsteps, store):
     return step
 
 
-def _ws_group(pl, plgpu, sh, refs, g, tile_of, store, n_tiles, rot_step, steps, tr):
-    """Group ``g`` of the 2-consumer dw kernel on this SM: one warp-specialized
-    pipeline over (this SM's tiles of g) x (g's k-steps); zeros for an empty group."""
+def _ws_group(pl, plgpu, sh, refs, g, tile_of, store, n_tiles, rot_step, pipe):
+    """Group ``g`` of the 2-consumer dw kernel on this SM (or cluster): one
+    warp-specialized pipeline over (this unit's tiles of g) x (g's k-steps);
+    zeros for an empty group. ``pipe(step, grid, t0, refs)`` runs the pipeline."""
     bm, bn, bk, cm, nsm, interpret = sh
     off_ref, x_ref, dy_ref = refs
     m = x_ref.shape[0]
@@ -138,29 +139,13 @@ def _ws_group(pl, plgpu, sh, refs, g, tile_of, store, n_tiles, rot_step, steps, 
     lead = start - astart
     nsteps = lax.div(size + lead + (bk - 1), jnp.int32(bk))
 
-    # No allocations= here on purpose: the pipeline's own scoped allocation
-    # synchronises the CTA on entry, which is what keeps this group's producer
-    # from refilling a slot of the previous group while a consumer may still
-    # read it. Hoisting the allocations out of the group loop needs an
-    # explicit barrier here.
+    # Both CTAs of a cluster see the same group, t0 and cnt: they run the same
+    # pipeline steps (the multicast x tile needs both).
     @pl.when((size > 0) & (cnt > 0))
     def _():
         rows = pl.ds(astart, m)  # may run past M; steps past the group are never issued
-        plgpu.emit_pipeline_warp_specialized(
-            _ws_step(pl, plgpu, sh, g, t0, lead, size, nsteps, store),
-            grid=(cnt, nsteps),
-            memory_registers=40,
-            in_specs=[
-                plgpu.BlockSpec((bk, cm), lambda j, s: (s, tile_of(t0 + j * nsm)[0]),
-                                transforms=tr),
-                plgpu.BlockSpec((bk, bn), lambda j, s: (s, tile_of(t0 + j * nsm)[1]),
-                                transforms=tr),
-            ],
-            wg_axis="wg",
-            num_compute_wgs=2,
-            max_concurrent_steps=steps,
-            compute_context=carried_acc_context(pl, plgpu, (bm, bn), interpret),
-        )(x_ref.at[rows, :], dy_ref.at[rows, :])
+        pipe(_ws_step(pl, plgpu, sh, g, t0, lead, size, nsteps, store), (cnt, nsteps), t0,
+             (x_ref.at[rows, :], dy_ref.at[rows, :]))
 
     @pl.when((size <= 0) & (cnt > 0) & (lax.axis_index("wg") < 2))
     def _():
@@ -169,7 +154,7 @@ def _ws_group(pl, plgpu, sh, refs, g, tile_of, store, n_tiles, rot_step, steps, 
             store(g, t0 + j * nsm, jnp.zeros((bm, bn), jnp.float32))
 
 
-def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret):
+def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, cluster=1):
     """dw with two consumer warpgroups and a producer warpgroup (warp-specialized).
 
     A CTA owns a ``2 block_m x block_n`` tile of ``dw[g]`` (each consumer
@@ -184,24 +169,57 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret):
     no faster and were deleted, and so were two output slots per consumer
     (two stores in flight; bench/results/README.md): a chunk waits until the
     TMA store of the one before has read the consumer's one slot.
+
+    ``cluster=2``: CTAs run in pairs (a 2-CTA cluster) that own adjacent
+    ``block_n`` column tiles of one ``2 block_m x 2 block_n`` cluster tile, so
+    they stage the same x tile: each CTA loads half of it and multicasts it to
+    both (x's L2 reads per k-step: 32 -> 16 KB per CTA at the default tiles;
+    cuBLAS's batched dw runs 2 x 1 clusters). Needs ``N % (2 block_n) == 0``.
+    The pipeline's buffers and barriers are allocated once for the kernel and
+    reused by every group's pipeline: a CTA's producer starts group g+1 only
+    after both CTAs' consumers released every stage of group g (its consumed
+    barriers are cluster barriers), so a multicast never lands in a stage its
+    partner still reads, and no per-group allocation re-initialises a barrier
+    the partner may already have signalled.
     """
     pl, plgpu = pallas_modules()
     bm, bn, bk, steps, band = tiles
     k, n = x.shape[1], dy.shape[1]
     g_count = offsets.shape[0] - 1
     cm = 2 * bm
-    grid_m, grid_n = k // cm, n // bn
+    grid_m, grid_n = k // cm, n // (cluster * bn)
     n_tiles = grid_m * grid_n
-    nsm = num_sms(interpret)
+    nsm = num_sms(interpret) // cluster     # SMs, or clusters
     sh = (bm, bn, bk, cm, nsm, interpret)
     tr, o_tr = dw_transforms(plgpu, x.dtype, bk, bn)
     rows = EPILOGUE_ROWS
+    x_axes = ("cluster",) if cluster > 1 else None
 
     def tile_of(t):
         return plgpu.planar_snake(t, (grid_m, grid_n), 0, band)
 
+    def col_tile(ni):   # this CTA's block_n column tile of cluster column tile ni
+        return ni * cluster + lax.axis_index("cluster") if cluster > 1 else ni
+
+    def make_pipeline(step, grid, t0):
+        return plgpu.emit_pipeline_warp_specialized(
+            step,
+            grid=grid,
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((bk, cm), lambda j, s: (s, tile_of(t0 + j * nsm)[0]),
+                                transforms=tr, collective_axes=x_axes),
+                plgpu.BlockSpec((bk, bn), lambda j, s: (s, col_tile(tile_of(t0 + j * nsm)[1])),
+                                transforms=tr),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=steps,
+            compute_context=carried_acc_context(pl, plgpu, (bm, bn), interpret),
+        )
+
     def body(off_ref, x_ref, dy_ref, o_ref):
-        def scoped(o_smem):
+        def scoped(o_smem, allocs=None):
             wg = lax.axis_index("wg")
 
             def store(g, t, val):
@@ -212,11 +230,18 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret):
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(
                         o_smem.at[wg],
-                        o_ref.at[g, pl.ds(mi * cm + wg * bm + c * rows, rows), pl.ds(ni * bn, bn)])
+                        o_ref.at[g, pl.ds(mi * cm + wg * bm + c * rows, rows),
+                                 pl.ds(col_tile(ni) * bn, bn)])
+
+            def pipe(step, grid, t0, gmem):
+                # cluster == 1: no allocations= on purpose (the measured form):
+                # the pipeline's own scoped allocation synchronises the CTA on
+                # entry.
+                make_pipeline(step, grid, t0)(*gmem, allocations=allocs)
 
             def group(g, carry):
                 _ws_group(pl, plgpu, sh, (off_ref, x_ref, dy_ref), g, tile_of, store,
-                          n_tiles, n_tiles % nsm, steps, tr)
+                          n_tiles, n_tiles % nsm, pipe)
                 return carry
 
             lax.fori_loop(0, g_count, group, jnp.int32(0))
@@ -225,9 +250,17 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret):
             def _():
                 plgpu.wait_smem_to_gmem(0)
 
-        pl.run_scoped(scoped, plgpu.SMEM((2, rows, bn), out_dtype, transforms=o_tr),
-                      collective_axes="wg")
+        out_smem = plgpu.SMEM((2, rows, bn), out_dtype, transforms=o_tr)
+        if cluster > 1:
+            # Buffers and barriers for every group's pipeline (see the docstring);
+            # the grid only needs enough steps that no stage is cut.
+            alloc = make_pipeline(None, (steps, steps), jnp.int32(0)).get_allocations(
+                x_ref, dy_ref)
+            pl.run_scoped(lambda o, a: scoped(o, a), out_smem, alloc, collective_axes="wg")
+        else:
+            pl.run_scoped(scoped, out_smem, collective_axes="wg")
 
+    cluster_kw = dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((g_count, k, n), out_dtype),
@@ -235,6 +268,7 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret):
         grid_names=("sm",),
         num_threads=3,
         thread_name="wg",
+        **cluster_kw,
         **kernel_params(plgpu, interpret),
     )
     return kernel(offsets.astype(jnp.int32), x, dy)

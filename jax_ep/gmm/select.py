@@ -116,9 +116,9 @@ def _on_hopper() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def pallas_compiles(op: str, tiles: Tiles, dtype_name: str) -> bool:
+def pallas_compiles(op: str, tiles: Tiles, dtype_name: str, cluster: int = 1) -> bool:
     """Compile a small instance of the kernel once; False (with a warning) on
-    failure."""
+    failure. ``cluster``: the dw kernel's CTAs per cluster."""
     bm, bn, bk, _, _ = tiles
     dt = jnp.dtype(dtype_name)
     g = 3
@@ -127,9 +127,9 @@ def pallas_compiles(op: str, tiles: Tiles, dtype_name: str) -> bool:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if op.startswith("dw"):
-                m, k, n = 2 * bk + 8, 2 * bm, bn
+                m, k, n = 2 * bk + 8, 2 * bm, cluster * bn
                 if op == "dw_ws":
-                    f = lambda a, b, o: tgmm_pallas_ws(a, b, o, tiles, dt, False)
+                    f = lambda a, b, o: tgmm_pallas_ws(a, b, o, tiles, dt, False, cluster)
                 else:
                     f = lambda a, b, o: tgmm_pallas(a, b, o, tiles, dt, False)
                 args = (sds((m, k), dt), sds((m, n), dt), sds((g + 1,), jnp.int32))
@@ -146,10 +146,23 @@ def pallas_compiles(op: str, tiles: Tiles, dtype_name: str) -> bool:
         return True
     except Exception as e:  # noqa: BLE001 -- any failure means "use XLA"
         warnings.warn(f"jax_ep.grouped_matmul: Pallas {op} kernel with tiles {tiles} "
-                      f"does not compile here ({type(e).__name__}: {str(e)[:200]}); using "
-                      + ("the 1-warpgroup kernel" if "_ws" in op else "jax.lax.ragged_dot")
+                      f"(cluster {cluster}) does not compile here ({type(e).__name__}: {str(e)[:200]}); using "
+                      + ("a 1-CTA cluster" if cluster > 1 else "the 1-warpgroup kernel"
+                         if "_ws" in op else "jax.lax.ragged_dot")
                       + " instead")
         return False
+
+
+def dw_cluster(cfg: GroupedMatmulConfig, ws: Tiles, n: int, dtype) -> int:
+    """CTAs per cluster of the 2-consumer dw kernel with tiles ``ws`` and
+    ``N = n``: the config's where ``N % (cluster block_n) == 0`` (and, in auto
+    mode on a GPU, the kernel compiles), else 1."""
+    c = cfg.dw_cluster
+    if c == 1 or n % (c * ws[1]):
+        return 1
+    if not cfg.interpret and cfg.impl == "auto" and not pallas_compiles("dw_ws", ws, dtype.name, c):
+        return 1
+    return c
 
 
 def choose(cfg: GroupedMatmulConfig, op, x, w, out_dtype, groups: int) -> str:
