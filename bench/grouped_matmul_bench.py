@@ -83,11 +83,12 @@ SWEEP_SMALL = {"fwd": _SMALL_FWD, "dx": _SMALL_FWD,
                # and a wider one; with block_k 32 the layer fell back to XLA for dw.
                # (Session 15: one pipeline per SM across groups, measured slower,
                # deleted: bench/results/README.md.)
-               # Session 19: the 2-CTA cluster dw (x tile multicast) at the default
-               # and the small-group tiles.
+               # Session 19: the 2-CTA cluster dw (x tile multicast) and the ring
+               # pipeline across groups, at the default tiles.
                "dw": [((128, 128, 64, 4, 4), {"dw_cluster": 2}, ("uniform", "skewed")),
-                      ((64, 128, 64, 5, 4), {}, ("uniform", "skewed")),
-                      ((64, 128, 64, 5, 4), {"dw_cluster": 2}, ("uniform", "skewed"))]}
+                      ((128, 128, 64, 4, 4), {"dw_pipeline": "ring"}, ("uniform", "skewed")),
+                      ((128, 128, 64, 4, 4), {"dw_pipeline": "ring", "dw_cluster": 2},
+                       ("uniform", "skewed"))]}
 
 
 def group_sizes(kind, seed=0):

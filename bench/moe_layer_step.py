@@ -302,6 +302,7 @@ def _kill_group(proc, term_wait=8.0):
 
 
 INT_GMM_FIELDS = ("dw_warpgroups", "fwd_warpgroups", "dw_cluster")   # GroupedMatmulConfig ints
+STR_GMM_FIELDS = ("dw_pipeline",)                                      # and strings
 
 
 def _parse_gmm_tiles(text):
@@ -317,13 +318,16 @@ def _parse_gmm_tiles(text):
             nums = [int(v) for v in vals.split(",")]
         except ValueError:
             nums = []
-        if op in INT_GMM_FIELDS and len(nums) == 1:
+        if op in STR_GMM_FIELDS and vals.strip():
+            out[op] = vals.strip()
+        elif op in INT_GMM_FIELDS and len(nums) == 1:
             out[op] = nums[0]
         elif op in ("fwd", "dx", "dw") and len(nums) == 5:
             out[op] = nums
         else:
             raise SystemExit(f"--gmm-tiles: bad entry {part!r} (op=bm,bn,bk,stages,band "
-                             f"for fwd/dx/dw, or one of {', '.join(INT_GMM_FIELDS)}=int)")
+                             f"for fwd/dx/dw, one of {', '.join(INT_GMM_FIELDS)}=int, or "
+                             f"{', '.join(STR_GMM_FIELDS)}=name)")
     return out
 
 

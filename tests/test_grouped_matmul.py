@@ -216,6 +216,8 @@ def test_config_and_validation():
     for bad in (3, 0, True):
         with pytest.raises(ValueError, match="dw_cluster"):
             GroupedMatmulConfig(dw_cluster=bad)
+    with pytest.raises(ValueError, match="dw_pipeline"):
+        GroupedMatmulConfig(dw_pipeline="per_sm")
     x, w, _, gs = make(SIZES["uniform"])
     with pytest.raises(ValueError):
         grouped_matmul(x, w[:, :3], gs)
@@ -316,7 +318,7 @@ def test_pallas_kernels_interpret(case):
 
 @pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwd_ws", "dx_ws", "dw_1wg", "fwd_small_ws",
                                 "dx_small", "dx_small_ws", "dw_small", "dw_small_1wg", "dw_c2",
-                                "dw_small_c2"])
+                                "dw_small_c2", "dw_ring", "dw_small_ring", "dw_ring_c2"])
 def test_pallas_lowers_for_cuda(op):
     """Every kernel traces and lowers to a CUDA module (no GPU needed);
     ``*_small*``: 64 rows per group, the small-group tiles."""
@@ -325,7 +327,8 @@ def test_pallas_lowers_for_cuda(op):
     m, k, n, g = (512 if "small" in op else 1024), 512, 256, 8
     cfg = GroupedMatmulConfig(impl="pallas", fwd_warpgroups=2 if op.endswith("_ws") else 1,
                               dw_warpgroups=1 if op.endswith("_1wg") else 2,
-                              dw_cluster=2 if op.endswith("_c2") else 1)
+                              dw_cluster=2 if op.endswith("_c2") else 1,
+                              dw_pipeline="ring" if "_ring" in op else "per_group")
     op = op.split("_")[0]
     gsd = sds((g,), jnp.int32)
     if op == "fwd":
@@ -519,18 +522,20 @@ def test_pallas_dw_interpret(sizes):
 @pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
 @pytest.mark.parametrize("sizes", [[70, 0, 33, 1, 60], [5, 17, 0, 9, 40, 3, 0, 31, 60, 2, 33],
                                    [64, 0, 32, 96]])
-def test_pallas_dw_cluster_interpret(sizes):
+@pytest.mark.parametrize("pipeline", ["per_group", "ring"])
+def test_pallas_dw_cluster_interpret(sizes, pipeline):
     """dw on 2-CTA clusters (the x tile multicast to both CTAs, buffers and
     barriers reused by every group's pipeline): several k-steps per group
     beyond the stages, empty groups, groups off the 8-row boundary (zeroing in
-    each CTA's copy of x), NaN/Inf tail, 1-2 cluster tiles per cluster --
-    matches numpy. (Interpret mode carries each accumulator across tiles with a
+    each CTA's copy of x), NaN/Inf tail, 1-2 cluster tiles per cluster, with
+    either pipeline (per group, or the ring across groups) -- matches numpy. (Interpret mode carries each accumulator across tiles with a
     running base, so it is not bit-comparable with the 1-CTA kernel, whose SMs
     take other tiles; the GPU test compares them bit for bit.)"""
     x, _, dy, gs = make(sizes, m=200, k=256, n=256, seed=5)
     xb, dyb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
     tiles = (64, 64, 32, 3, 1)    # cluster tile 128 x 128: 2 x 2 on 2 clusters of 2 "SMs"
-    cfg = GroupedMatmulConfig(impl="pallas", interpret=True, dw=tiles, dw_cluster=2)
+    cfg = GroupedMatmulConfig(impl="pallas", interpret=True, dw=tiles, dw_cluster=2,
+                              dw_pipeline=pipeline)
     assert gm_select.dw_cluster(cfg, tiles, 256, xb.dtype) == 2
     assert gm_select.dw_cluster(cfg, tiles, 192, xb.dtype) == 1   # N % (2 block_n) != 0
     out = np.asarray(gm_mod.tgmm(xb, dyb, gs, config=cfg), np.float32)
@@ -538,3 +543,46 @@ def test_pallas_dw_cluster_interpret(sizes):
     assert np.all(np.isfinite(out))
     np.testing.assert_allclose(out, ref, rtol=2e-2, atol=0.3)
     np.testing.assert_array_equal(out[np.asarray(sizes) == 0], 0)
+
+
+@pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
+@pytest.mark.parametrize("sizes", [[70, 0, 33, 1, 60], [5, 17, 0, 9, 40, 3, 0, 31, 60, 2, 33]])
+def test_pallas_dw_ring_interpret(sizes):
+    """dw with one ring of stages per SM across groups (``dw_pipeline="ring"``):
+    the ring wraps inside and across groups (3 stages, 1-3 k-steps per tile,
+    up to 3 tiles per SM per group), empty groups store zeros, zeroing steps --
+    matches numpy."""
+    x, _, dy, gs = make(sizes, m=200, k=256, n=192, seed=5)
+    xb, dyb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
+    out = np.asarray(gm_mod.tgmm(xb, dyb, gs, config=GroupedMatmulConfig(
+        impl="pallas", interpret=True, dw=(64, 64, 32, 3, 1), dw_pipeline="ring")), np.float32)
+    ref = np_dw(np.asarray(xb, np.float32), np.asarray(dyb, np.float32), sizes)
+    assert np.all(np.isfinite(out))
+    np.testing.assert_allclose(out, ref, rtol=2e-2, atol=0.3)
+    np.testing.assert_array_equal(out[np.asarray(sizes) == 0], 0)
+
+
+@pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
+@pytest.mark.parametrize("cluster", [1, 2])
+def test_pallas_dw_ring_no_races(monkeypatch, cluster):
+    """The ring dw kernel under the interpreter's race detector: no stage is
+    refilled (by this CTA's or, with clusters, the partner's multicast) before
+    every consumer released it, across tiles and groups. Whole k-steps only
+    (the zeroing pass's identical writes by both consumers are races by design)."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
+    from jax_ep.gmm import pallas_dw
+
+    plain = pallas_dw.kernel_params
+
+    def params(plgpu, interpret):
+        return dict(plain(plgpu, interpret), interpret=plgpu.InterpretGPUParams(detect_races=True))
+    monkeypatch.setattr(pallas_dw, "kernel_params", params)
+    sizes = [32, 64, 0, 96, 32, 0, 64, 0, 32]
+    x, _, dy, gs = make(sizes, m=424, k=256, n=256, seed=8)
+    xb, dyb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
+    out = np.asarray(gm_mod.tgmm(xb, dyb, gs, config=GroupedMatmulConfig(
+        impl="pallas", interpret=True, dw=(64, 64, 32, 3, 1), dw_pipeline="ring",
+        dw_cluster=cluster)), np.float32)
+    assert not ipc.get_races().races_found
+    ref = np_dw(np.asarray(xb, np.float32), np.asarray(dyb, np.float32), sizes)
+    np.testing.assert_allclose(out, ref, rtol=2e-2, atol=0.3)

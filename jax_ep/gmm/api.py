@@ -10,10 +10,10 @@ import jax.numpy as jnp
 
 from .._ffi import to_vma, vma_of
 from .config import GroupedMatmulConfig
-from .pallas_dw import tgmm_pallas, tgmm_pallas_ws
+from .pallas_dw import tgmm_pallas, tgmm_pallas_ring, tgmm_pallas_ws
 from .pallas_fwd import gmm_pallas, gmm_pallas_ws
-from .select import (choose, dw_cluster, fwd_ws_tiles, op_tiles, pallas_compiles,
-                     two_consumer_tiles)
+from .select import (choose, dw_cluster, dw_kernel_op, fwd_ws_tiles, op_tiles,
+                     pallas_compiles, two_consumer_tiles)
 from .xla import gmm_xla, tgmm_xla
 
 
@@ -124,10 +124,11 @@ def tgmm(x, dy, group_sizes, *, config: Optional[GroupedMatmulConfig] = None,
         ws = (two_consumer_tiles(tiles, "m", x.shape[1], x.dtype) if cfg.dw_warpgroups == 2
               else None)
         if ws is not None and not cfg.interpret and cfg.impl == "auto":
-            ws = ws if pallas_compiles("dw_ws", ws, x.dtype.name) else None
+            ws = ws if pallas_compiles(dw_kernel_op(cfg), ws, x.dtype.name) else None
         if ws is not None:
-            out = tgmm_pallas_ws(x, dy, offsets, ws, out_dtype, cfg.interpret,
-                                 dw_cluster(cfg, ws, dy.shape[1], x.dtype))
+            kern = tgmm_pallas_ring if cfg.dw_pipeline == "ring" else tgmm_pallas_ws
+            out = kern(x, dy, offsets, ws, out_dtype, cfg.interpret,
+                       dw_cluster(cfg, ws, dy.shape[1], x.dtype))
         else:
             out = tgmm_pallas(x, dy, offsets, tiles, out_dtype, cfg.interpret)
     else:

@@ -52,6 +52,7 @@ SMALL_GROUP_TILES = {"fwd": (64, 256, 64, 2, 2), "dx": (64, 128, 128, 3, 2),
 GROUP_ALIGNMENT = 64
 
 _IMPLS = ("auto", "pallas", "xla")
+_DW_PIPELINES = ("per_group", "ring")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +83,11 @@ class GroupedMatmulConfig:
         (CTA pairs own adjacent ``block_n`` column tiles and share the x tile
         by TMA multicast, halving x's L2 reads; used where ``N % (2 block_n)
         == 0``, else 1).
+      dw_pipeline: how the 2-consumer dw kernel pipelines its loads:
+        ``"per_group"`` (one warp-specialized pipeline per (SM, group), filled
+        and drained at every group) or ``"ring"`` (one ring of stages per SM
+        across all groups: the next group's loads are in flight while the
+        last group's tiles finish).
       interpret: run the Pallas kernels in Mosaic-GPU interpret mode (for
         testing the kernels on CPU; jax >= 0.11; very slow).
     """
@@ -94,8 +100,11 @@ class GroupedMatmulConfig:
     dw_warpgroups: int = 2
     fwd_warpgroups: int = 2
     dw_cluster: int = 1
+    dw_pipeline: str = "per_group"
 
     def __post_init__(self):
+        if self.dw_pipeline not in _DW_PIPELINES:
+            raise ValueError(f"dw_pipeline must be one of {_DW_PIPELINES}, got {self.dw_pipeline!r}")
         if self.impl not in _IMPLS:
             raise ValueError(f"impl must be one of {_IMPLS}, got {self.impl!r}")
         for name in ("dw_warpgroups", "fwd_warpgroups", "dw_cluster"):

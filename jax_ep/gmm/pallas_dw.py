@@ -272,3 +272,163 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, cluster=1):
         **kernel_params(plgpu, interpret),
     )
     return kernel(offsets.astype(jnp.int32), x, dy)
+
+
+def tgmm_pallas_ring(x, dy, offsets, tiles, out_dtype, interpret, cluster=1):
+    """The 2-consumer dw kernel with ONE ring of stages per SM (or cluster)
+    across all groups, written out by hand: the producer warpgroup walks
+    (group, this unit's tiles of the group, the group's k-steps) and refills
+    stage ``i % stages`` for the ``i``-th step as soon as the consumers have
+    released it, so the next group's first loads are in flight while the last
+    group's tiles finish (``tgmm_pallas_ws`` drains its pipeline at every group
+    boundary: a pipeline's fill per (SM, group), ~1-2 us, 128 times per call at
+    V3 shapes, the more that a group has few tiles per SM). Same tiles, tile
+    order and k-step order as ``tgmm_pallas_ws`` (bit-identical results), same
+    ``cluster`` option (x tile multicast to CTA pairs). The loop nest needs no
+    table and no division per step (session 14's table-driven per-SM pipeline
+    lost to those)."""
+    pl, plgpu = pallas_modules()
+    bm, bn, bk, steps, band = tiles
+    m, k = x.shape
+    n = dy.shape[1]
+    g_count = offsets.shape[0] - 1
+    cm = 2 * bm
+    grid_m, grid_n = k // cm, n // (cluster * bn)
+    n_tiles = grid_m * grid_n
+    nsm = num_sms(interpret) // cluster     # SMs, or clusters
+    tr, o_tr = dw_transforms(plgpu, x.dtype, bk, bn)
+    rows = EPILOGUE_ROWS
+    x_axes = ("cluster",) if cluster > 1 else None
+    rot_step = n_tiles % nsm
+
+    def tile_of(t):
+        return plgpu.planar_snake(t, (grid_m, grid_n), 0, band)
+
+    def col_tile(ni):
+        return ni * cluster + lax.axis_index("cluster") if cluster > 1 else ni
+
+    def group_geometry(off_ref, g):
+        start = off_ref[g]
+        size = off_ref[g + 1] - start
+        rot = lax.rem(g * jnp.int32(rot_step), jnp.int32(nsm))
+        t0 = lax.rem(lax.axis_index("sm") - rot + nsm, jnp.int32(nsm))
+        cnt = round_robin_count(n_tiles, t0, nsm)
+        astart = pl.multiple_of(lax.div(start, jnp.int32(8)) * 8, 8)
+        lead = start - astart
+        nsteps = jnp.where(size > 0, lax.div(size + lead + (bk - 1), jnp.int32(bk)), 0)
+        return size, t0, cnt, astart, lead, nsteps
+
+    def body(off_ref, x_ref, dy_ref, o_ref, o_smem, xs, dys, full, empty):
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg == 2)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def group(g, i):
+                _, t0, cnt, astart, _, nsteps = group_geometry(off_ref, g)
+
+                def tile(j, i):
+                    mi, ni = tile_of(t0 + j * nsm)
+
+                    def step(s, i):
+                        slot = lax.rem(i, jnp.int32(steps))
+
+                        @pl.when(i >= steps)
+                        def _():
+                            plgpu.barrier_wait(empty.at[slot])   # both consumers (of both CTAs) done
+                        r = pl.ds(pl.multiple_of(astart + s * bk, 8), bk)
+                        plgpu.copy_gmem_to_smem(x_ref.at[r, pl.ds(mi * cm, cm)], xs.at[slot],
+                                                full.at[slot], collective_axes=x_axes)
+                        plgpu.copy_gmem_to_smem(dy_ref.at[r, pl.ds(col_tile(ni) * bn, bn)],
+                                                dys.at[slot], full.at[slot])
+                        return i + 1
+                    return lax.fori_loop(0, nsteps, step, i)
+                return lax.fori_loop(0, jnp.where(nsteps > 0, cnt, 0), tile, i)
+
+            total = lax.fori_loop(0, g_count, group, jnp.int32(0))
+
+            # Every stage's last release (the partner CTA's consumers arrive on
+            # our barriers: none may be left in flight when this CTA exits).
+            @pl.loop(jnp.maximum(total - steps, 0), total)
+            def _(i):
+                plgpu.barrier_wait(empty.at[lax.rem(i, jnp.int32(steps))])
+
+        @pl.when(wg < 2)
+        def _consumers():
+            plgpu.set_max_registers(232, action="increase")
+
+            def store(g, t, val):
+                mi, ni = tile_of(t)
+                for c in range(bm // rows):   # the tile's row chunks, one after the other
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # our slot is free
+                    o_smem[wg] = val[c * rows:(c + 1) * rows].astype(o_smem.dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(
+                        o_smem.at[wg],
+                        o_ref.at[g, pl.ds(mi * cm + wg * bm + c * rows, rows),
+                                 pl.ds(col_tile(ni) * bn, bn)])
+
+            def run(acc0):
+                def group(g, carry):
+                    size, t0, cnt, _, lead, nsteps = group_geometry(off_ref, g)
+
+                    @pl.when((size <= 0) & (cnt > 0))
+                    def _():
+                        @pl.loop(0, cnt)
+                        def _(j):
+                            store(g, t0 + j * nsm, jnp.zeros((bm, bn), jnp.float32))
+
+                    def tile(j, carry):
+                        def step(s, carry):
+                            i, acc = carry
+                            slot = lax.rem(i, jnp.int32(steps))
+                            plgpu.barrier_wait(full.at[slot])
+                            x_smem, dy_smem = xs.at[slot], dys.at[slot]
+
+                            @pl.when(step_has_outside_rows(s, nsteps, lead, size, bk))
+                            def _():
+                                zero_rows_outside(plgpu, x_smem, cm, s, bk, lead, size)
+                                zero_rows_outside(plgpu, dy_smem, bn, s, bk, lead, size)
+                                plgpu.commit_smem()
+
+                            acc_ref = acc[0] if interpret else acc
+                            xh = x_smem.at[:, pl.ds(pl.multiple_of(wg * bm, bm), bm)]
+                            plgpu.wgmma(acc_ref, transposed(plgpu, xh), dy_smem)
+                            plgpu.wgmma_wait(0)
+                            plgpu.barrier_arrive(empty.at[slot])
+                            acc = flush_on_last_step(
+                                pl, plgpu, acc, s == nsteps - 1,
+                                lambda val: store(g, t0 + j * nsm, val), interpret, (bm, bn))
+                            return i + 1, acc
+                        return lax.fori_loop(0, nsteps, step, carry)
+                    return lax.fori_loop(0, jnp.where(nsteps > 0, cnt, 0), tile, carry)
+
+                lax.fori_loop(0, g_count, group, (jnp.int32(0), acc0))
+
+            if interpret:
+                pl.run_scoped(lambda a: run((a, a[...])), plgpu.ACC((bm, bn)))
+            else:
+                pl.run_scoped(run, plgpu.ACC((bm, bn)))
+            plgpu.wait_smem_to_gmem(0)
+
+    barrier = (functools.partial(plgpu.ClusterBarrier, collective_axes=x_axes) if cluster > 1
+               else plgpu.Barrier)
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((g_count, k, n), out_dtype),
+        grid=(nsm,),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        scratch_types=(
+            plgpu.SMEM((2, rows, bn), out_dtype, transforms=o_tr),
+            plgpu.SMEM((steps, bk, cm), x.dtype, transforms=tr),
+            plgpu.SMEM((steps, bk, bn), dy.dtype, transforms=tr),
+            plgpu.Barrier(num_arrivals=2, num_barriers=steps),     # stage loaded
+            barrier(num_arrivals=2, num_barriers=steps),           # stage released
+        ),
+        **(dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}),
+        **kernel_params(plgpu, interpret),
+    )
+    return kernel(offsets.astype(jnp.int32), x, dy)

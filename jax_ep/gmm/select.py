@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from .config import SMALL_GROUP_ROWS, SMALL_GROUP_TILES, GroupedMatmulConfig, Tiles
 from .pallas_common import EPILOGUE_ROWS
-from .pallas_dw import tgmm_pallas, tgmm_pallas_ws
+from .pallas_dw import tgmm_pallas, tgmm_pallas_ring, tgmm_pallas_ws
 from .pallas_fwd import gmm_pallas, gmm_pallas_ws
 
 
@@ -128,8 +128,9 @@ def pallas_compiles(op: str, tiles: Tiles, dtype_name: str, cluster: int = 1) ->
             warnings.simplefilter("ignore")
             if op.startswith("dw"):
                 m, k, n = 2 * bk + 8, 2 * bm, cluster * bn
-                if op == "dw_ws":
-                    f = lambda a, b, o: tgmm_pallas_ws(a, b, o, tiles, dt, False, cluster)
+                if op in ("dw_ws", "dw_ring"):
+                    kern = tgmm_pallas_ws if op == "dw_ws" else tgmm_pallas_ring
+                    f = lambda a, b, o: kern(a, b, o, tiles, dt, False, cluster)
                 else:
                     f = lambda a, b, o: tgmm_pallas(a, b, o, tiles, dt, False)
                 args = (sds((m, k), dt), sds((m, n), dt), sds((g + 1,), jnp.int32))
@@ -153,6 +154,11 @@ def pallas_compiles(op: str, tiles: Tiles, dtype_name: str, cluster: int = 1) ->
         return False
 
 
+def dw_kernel_op(cfg: GroupedMatmulConfig) -> str:
+    """The compile-check key of the 2-consumer dw kernel the config asks for."""
+    return "dw_ring" if cfg.dw_pipeline == "ring" else "dw_ws"
+
+
 def dw_cluster(cfg: GroupedMatmulConfig, ws: Tiles, n: int, dtype) -> int:
     """CTAs per cluster of the 2-consumer dw kernel with tiles ``ws`` and
     ``N = n``: the config's where ``N % (cluster block_n) == 0`` (and, in auto
@@ -160,7 +166,8 @@ def dw_cluster(cfg: GroupedMatmulConfig, ws: Tiles, n: int, dtype) -> int:
     c = cfg.dw_cluster
     if c == 1 or n % (c * ws[1]):
         return 1
-    if not cfg.interpret and cfg.impl == "auto" and not pallas_compiles("dw_ws", ws, dtype.name, c):
+    if (not cfg.interpret and cfg.impl == "auto"
+            and not pallas_compiles(dw_kernel_op(cfg), ws, dtype.name, c)):
         return 1
     return c
 

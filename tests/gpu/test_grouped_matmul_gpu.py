@@ -163,22 +163,30 @@ def test_dw_tiles(kind, total):
 @pytest.mark.parametrize("kind,total,g", [("skew", 3900, 16), ("unaligned", 3001, 16),
                                          ("skew", 3900, 64)])
 def test_dw_cluster(kind, total, g):
-    """dw on 2-CTA clusters (x tile multicast): bit-identical to the 1-CTA
-    kernel (same tiles, same k-step order), against XLA in f32, empty groups
-    zero, NaN/Inf tail unused; g 64: the small-group tiles. The auto path
-    takes the cluster kernel (it compiles here)."""
+    """dw on 2-CTA clusters (x tile multicast) and with the ring pipeline
+    across groups, each way: bit-identical to the default kernel (same tiles,
+    same k-step order), against XLA in f32, empty groups zero, NaN/Inf tail
+    unused; g 64: the small-group tiles. The auto path takes the asked-for
+    kernels (they compile here)."""
     m, k, n = 4096, 2048, 2048
     sizes = sizes_for(kind, g, total, seed=3)
     sizes[1] = 0
     x, _, dy, gs = data(m, k, n, sizes, seed=3)
-    one, two = (jax.jit(functools.partial(gm_mod.tgmm, config=GroupedMatmulConfig(dw_cluster=c)))(
-        x, dy, gs) for c in (1, 2))
+    variants = [dict(), dict(dw_cluster=2), dict(dw_pipeline="ring"),
+                dict(dw_pipeline="ring", dw_cluster=2)]
+    outs = [jax.jit(functools.partial(gm_mod.tgmm, config=GroupedMatmulConfig(**v)))(x, dy, gs)
+            for v in variants]
     ws = gm_select.two_consumer_tiles(gm_select.op_tiles(PALLAS, "dw", x, dy, g), "m", k, x.dtype)
-    assert gm_select.dw_cluster(GroupedMatmulConfig(dw_cluster=2), ws, n, x.dtype) == 2
-    assert bool(jnp.array_equal(one, two))
-    assert not bool(jnp.any(two[1] != 0))
+    for v in variants[1:]:
+        cfg = GroupedMatmulConfig(**v)
+        assert gm_select.pallas_compiles(gm_select.dw_kernel_op(cfg), ws, x.dtype.name)
+        assert gm_select.dw_cluster(cfg, ws, n, x.dtype) == cfg.dw_cluster
     xc, dyc = clean(x, sizes).astype(jnp.float32), clean(dy, sizes).astype(jnp.float32)
-    assert rel_err(two, gm_mod.tgmm(xc, dyc, gs, config=XLA)) < 1e-2
+    ref = gm_mod.tgmm(xc, dyc, gs, config=XLA)
+    for v, out in zip(variants, outs):
+        assert bool(jnp.array_equal(outs[0], out)), v
+        assert not bool(jnp.any(out[1] != 0)), v
+        assert rel_err(out, ref) < 1e-2, v
 
 
 @pytest.mark.parametrize("kind,total", [("skew", 3900), ("unaligned", 3001)])
