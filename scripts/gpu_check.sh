@@ -3,7 +3,7 @@
 # and, when present, the benchmarks. Logs go to $OUT (default /tmp/jax_ep_gpu_check).
 #   bash scripts/gpu_check.sh            # JAX_EP_TEST_NPROCS=4 for 4 GPUs, etc.
 # Knobs: GPU_TESTS (pytest paths, default tests/gpu; "none" skips the tests),
-# SKIP_BENCH=1, SKIP_EXAMPLES=1, BENCH_ARGS (e.g. --no-sweep), GMM_BENCH=1
+# SKIP_BENCH=1, SKIP_EXAMPLES=1, TESTS_FIRST=1, BENCH_ARGS (e.g. --no-sweep), GMM_BENCH=1
 # (grouped matmul bench, GMM_ARGS), MOE_STEP_ARGS (layer bench), LAYER_AB
 # (e.g. "default;dw_partitions=4": the V3 layer per --gmm-tiles variant, one
 # GPU, LAYER_AB_TOKENS), TRAIN_STEPS
@@ -117,6 +117,31 @@ if [ "${SKIP_EXAMPLES:-0}" != 1 ] && [ "$build_rc" = 0 ] && [ "$few_gpus" = 0 ];
   ex_rc=0
 fi
 
+test_rc=skipped
+run_tests() {
+  if [ "${GPU_TESTS:-tests/gpu}" != none ]; then
+    echo "== tests" >&2
+    timeout -k 30 ${TEST_TIMEOUT:-540} "$PY" -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -v -rs -p no:cacheprovider \
+      > "$OUT/gpu_tests.log" 2>&1
+    test_rc=$?
+  fi
+  t_test=$(( $(date +%s) - t0 - t_build ))
+  # Tests failed or timed out: the last lines of every worker log
+  # (tests/gpu/harness.py: /tmp/jax_ep_job_*/rank*.log) show where each stopped.
+  if [ "$test_rc" != 0 ] && [ "$test_rc" != skipped ]; then
+    for f in /tmp/jax_ep_job_*/rank*.log; do
+      [ -f "$f" ] && { echo "== $f"; tail -n 15 "$f"; }
+    done > "$OUT/worker_logs.log" 2>/dev/null
+  fi
+}
+# TESTS_FIRST=1: the tests before the grouped-matmul bench and the layer A/B,
+# which are skipped when a test fails (a new kernel that hangs or is wrong
+# costs one test timeout, not every bench's).
+if [ "${TESTS_FIRST:-0}" = 1 ]; then
+  run_tests
+  if [ "$test_rc" != 0 ] && [ "$test_rc" != skipped ]; then GMM_BENCH=0; LAYER_AB=; fi
+fi
+
 # Grouped matmul on one GPU (GMM_BENCH=1): $OUT/grouped_matmul.md.
 gmm_rc=skipped
 if [ "${GMM_BENCH:-0}" = 1 ]; then
@@ -133,7 +158,9 @@ ab_rc=skipped
 if [ -n "${LAYER_AB:-}" ] && [ "$build_rc" = 0 ]; then
   echo "== layer A/B" >&2
   ab_rc=0
-  IFS=';' read -ra abs <<< "$LAYER_AB"
+  # variants split at '|' when there is one (a variant may then hold several
+  # ';'-separated --gmm-tiles fields), else at ';'
+  case "$LAYER_AB" in *"|"*) IFS='|' read -ra abs <<< "$LAYER_AB" ;; *) IFS=';' read -ra abs <<< "$LAYER_AB" ;; esac
   for T in ${LAYER_AB_TOKENS:-4096 128 8192}; do
     for v in "${abs[@]}"; do
       extra=(); [ "$v" != default ] && extra=(--gmm-tiles "$v")
@@ -145,21 +172,7 @@ if [ -n "${LAYER_AB:-}" ] && [ "$build_rc" = 0 ]; then
   done > "$OUT/layer_ab.log" 2>&1
 fi
 
-test_rc=skipped
-if [ "${GPU_TESTS:-tests/gpu}" != none ]; then
-  echo "== tests" >&2
-  timeout -k 30 ${TEST_TIMEOUT:-540} "$PY" -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -v -rs -p no:cacheprovider \
-    > "$OUT/gpu_tests.log" 2>&1
-  test_rc=$?
-fi
-t_test=$(( $(date +%s) - t0 - t_build ))
-# Tests failed or timed out: the last lines of every worker log
-# (tests/gpu/harness.py: /tmp/jax_ep_job_*/rank*.log) show where each stopped.
-if [ "$test_rc" != 0 ] && [ "$test_rc" != skipped ]; then
-  for f in /tmp/jax_ep_job_*/rank*.log; do
-    [ -f "$f" ] && { echo "== $f"; tail -n 15 "$f"; }
-  done > "$OUT/worker_logs.log" 2>/dev/null
-fi
+[ "${TESTS_FIRST:-0}" = 1 ] || run_tests
 
 bd_rc=skipped
 if [ -n "${BREAKDOWN:-}" ] && [ "$build_rc" = 0 ]; then
