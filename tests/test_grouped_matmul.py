@@ -218,6 +218,13 @@ def test_config_and_validation():
             GroupedMatmulConfig(dw_cluster=bad)
     with pytest.raises(ValueError, match="dw_pipeline"):
         GroupedMatmulConfig(dw_pipeline="per_sm")
+    # dw defaults: the ring on 2-CTA clusters, the per-group pipeline for small groups
+    d = GroupedMatmulConfig()
+    assert d.dw_cluster == 2
+    big, small = jnp.zeros((128 * 200, 8)), jnp.zeros((128 * 90, 8))
+    assert gm_select.dw_pipeline(d, big, 128) == "ring"
+    assert gm_select.dw_pipeline(d, small, 128) == "per_group"
+    assert gm_select.dw_pipeline(GroupedMatmulConfig(dw_pipeline="ring"), small, 128) == "ring"
     x, w, _, gs = make(SIZES["uniform"])
     with pytest.raises(ValueError):
         grouped_matmul(x, w[:, :3], gs)
@@ -437,7 +444,7 @@ def test_pallas_dw_output_slot_no_races(monkeypatch):
     xb, dyb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
     tiles = (64, 64, 32, 3, 1)
     out = np.asarray(gm_mod.tgmm(xb, dyb, gs, config=GroupedMatmulConfig(
-        impl="pallas", interpret=True, dw=tiles)), np.float32)
+        impl="pallas", interpret=True, dw=tiles, dw_cluster=1, dw_pipeline="per_group")), np.float32)
     assert not ipc.get_races().races_found
     ref = np_dw(np.asarray(xb, np.float32), np.asarray(dyb, np.float32), sizes)
     np.testing.assert_allclose(out, ref, rtol=2e-2, atol=0.3)
@@ -536,8 +543,8 @@ def test_pallas_dw_cluster_interpret(sizes, pipeline):
     tiles = (64, 64, 32, 3, 1)    # cluster tile 128 x 128: 2 x 2 on 2 clusters of 2 "SMs"
     cfg = GroupedMatmulConfig(impl="pallas", interpret=True, dw=tiles, dw_cluster=2,
                               dw_pipeline=pipeline)
-    assert gm_select.dw_cluster(cfg, tiles, 256, xb.dtype) == 2
-    assert gm_select.dw_cluster(cfg, tiles, 192, xb.dtype) == 1   # N % (2 block_n) != 0
+    assert gm_select.dw_cluster(cfg, tiles, 256, xb.dtype, pipeline) == 2
+    assert gm_select.dw_cluster(cfg, tiles, 192, xb.dtype, pipeline) == 1   # N % (2 block_n)
     out = np.asarray(gm_mod.tgmm(xb, dyb, gs, config=cfg), np.float32)
     ref = np_dw(np.asarray(xb, np.float32), np.asarray(dyb, np.float32), sizes)
     assert np.all(np.isfinite(out))

@@ -12,7 +12,7 @@ from .._ffi import to_vma, vma_of
 from .config import GroupedMatmulConfig
 from .pallas_dw import tgmm_pallas, tgmm_pallas_ring, tgmm_pallas_ws
 from .pallas_fwd import gmm_pallas, gmm_pallas_ws
-from .select import (choose, dw_cluster, dw_kernel_op, fwd_ws_tiles, op_tiles,
+from .select import (choose, dw_cluster, dw_kernel_op, dw_pipeline, fwd_ws_tiles, op_tiles,
                      pallas_compiles, two_consumer_tiles)
 from .xla import gmm_xla, tgmm_xla
 
@@ -123,12 +123,16 @@ def tgmm(x, dy, group_sizes, *, config: Optional[GroupedMatmulConfig] = None,
         tiles = op_tiles(cfg, "dw", x, dy, num_groups)
         ws = (two_consumer_tiles(tiles, "m", x.shape[1], x.dtype) if cfg.dw_warpgroups == 2
               else None)
+        pipeline = dw_pipeline(cfg, x, num_groups)
         if ws is not None and not cfg.interpret and cfg.impl == "auto":
-            ws = ws if pallas_compiles(dw_kernel_op(cfg), ws, x.dtype.name) else None
+            # a ring that does not compile falls back to the per-group pipeline
+            if pipeline == "ring" and not pallas_compiles("dw_ring", ws, x.dtype.name):
+                pipeline = "per_group"
+            ws = ws if pallas_compiles(dw_kernel_op(pipeline), ws, x.dtype.name) else None
         if ws is not None:
-            kern = tgmm_pallas_ring if cfg.dw_pipeline == "ring" else tgmm_pallas_ws
+            kern = tgmm_pallas_ring if pipeline == "ring" else tgmm_pallas_ws
             out = kern(x, dy, offsets, ws, out_dtype, cfg.interpret,
-                       dw_cluster(cfg, ws, dy.shape[1], x.dtype))
+                       dw_cluster(cfg, ws, dy.shape[1], x.dtype, pipeline))
         else:
             out = tgmm_pallas(x, dy, offsets, tiles, out_dtype, cfg.interpret)
     else:

@@ -44,6 +44,17 @@ SMALL_GROUP_ROWS = 96
 SMALL_GROUP_TILES = {"fwd": (64, 256, 64, 2, 2), "dx": (64, 128, 128, 3, 2),
                      "dw": (64, 128, 64, 5, 4)}
 
+# dw's defaults (GroupedMatmulConfig.dw_pipeline None, dw_cluster 2), session 19
+# (one H200; bench/results/2026-12-03-h200x1-s19.md). Standalone at T 4096 shapes
+# (128 groups of 256 rows, uniform), same call: up dw 3.493 ms per-group
+# pipeline, 3.487 on clusters, 3.380 ring, 3.235 ring on clusters (0.73 -> 0.79
+# of dense; cuBLAS's batched dw 3.131); down dw 1.910 / 1.856 / 1.712 / 1.633
+# (0.67 -> 0.79; cuBLAS 1.625). V3 layer at EP 1, T 4096: 20.919 ms default,
+# 20.660 ring on clusters. At T 128 (small groups, one k-step per tile) the
+# ring loses (layer 9.251 / 9.274 against 9.116) and clusters alone win (9.020
+# / 9.029 against 9.093 / 9.116 in two calls).
+DW_PIPELINE = {"default": "ring", "small": "per_group"}
+
 # The expert alignment (EpConfig.expert_alignment) that suits these kernels:
 # the default dw block_k. Groups that start and end on a k-step boundary need
 # no zeroing pass in dw (pallas_common.step_has_outside_rows). Measured in the
@@ -79,15 +90,17 @@ class GroupedMatmulConfig:
         producer warpgroup feeds two consumers that own ``block_m x 2
         block_n``; used where ``N % (2 block_n) == 0`` and the stages fit
         shared memory, else the 1-warpgroup kernel) or 1.
-      dw_cluster: CTAs per cluster of the 2-consumer dw kernel: 1, or 2
-        (CTA pairs own adjacent ``block_n`` column tiles and share the x tile
+      dw_cluster: CTAs per cluster of the 2-consumer dw kernel: 2 (default;
+        CTA pairs own adjacent ``block_n`` column tiles and share the x tile
         by TMA multicast, halving x's L2 reads; used where ``N % (2 block_n)
-        == 0``, else 1).
+        == 0``, else 1) or 1.
       dw_pipeline: how the 2-consumer dw kernel pipelines its loads:
-        ``"per_group"`` (one warp-specialized pipeline per (SM, group), filled
-        and drained at every group) or ``"ring"`` (one ring of stages per SM
-        across all groups: the next group's loads are in flight while the
-        last group's tiles finish).
+        ``"ring"`` (one ring of stages per SM across all groups: the next
+        group's loads are in flight while the last group's tiles finish),
+        ``"per_group"`` (one warp-specialized pipeline per (SM, group),
+        filled and drained at every group), or ``None`` (default): ``"ring"``,
+        and ``"per_group"`` where groups are small (the bound of
+        :data:`SMALL_GROUP_TILES`), as measured (:data:`DW_PIPELINE`).
       interpret: run the Pallas kernels in Mosaic-GPU interpret mode (for
         testing the kernels on CPU; jax >= 0.11; very slow).
     """
@@ -99,11 +112,11 @@ class GroupedMatmulConfig:
     interpret: bool = False
     dw_warpgroups: int = 2
     fwd_warpgroups: int = 2
-    dw_cluster: int = 1
-    dw_pipeline: str = "per_group"
+    dw_cluster: int = 2
+    dw_pipeline: Optional[str] = None
 
     def __post_init__(self):
-        if self.dw_pipeline not in _DW_PIPELINES:
+        if self.dw_pipeline is not None and self.dw_pipeline not in _DW_PIPELINES:
             raise ValueError(f"dw_pipeline must be one of {_DW_PIPELINES}, got {self.dw_pipeline!r}")
         if self.impl not in _IMPLS:
             raise ValueError(f"impl must be one of {_IMPLS}, got {self.impl!r}")

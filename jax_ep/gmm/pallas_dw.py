@@ -193,7 +193,8 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, cluster=1):
     sh = (bm, bn, bk, cm, nsm, interpret)
     tr, o_tr = dw_transforms(plgpu, x.dtype, bk, bn)
     rows = EPILOGUE_ROWS
-    x_axes = ("cluster",) if cluster > 1 else None
+    # only with clusters (jax 0.10's BlockSpec takes no collective_axes=None)
+    x_axes = dict(collective_axes=("cluster",)) if cluster > 1 else {}
 
     def tile_of(t):
         return plgpu.planar_snake(t, (grid_m, grid_n), 0, band)
@@ -208,7 +209,7 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, cluster=1):
             memory_registers=40,
             in_specs=[
                 plgpu.BlockSpec((bk, cm), lambda j, s: (s, tile_of(t0 + j * nsm)[0]),
-                                transforms=tr, collective_axes=x_axes),
+                                transforms=tr, **x_axes),
                 plgpu.BlockSpec((bk, bn), lambda j, s: (s, col_tile(tile_of(t0 + j * nsm)[1])),
                                 transforms=tr),
             ],
@@ -298,7 +299,7 @@ def tgmm_pallas_ring(x, dy, offsets, tiles, out_dtype, interpret, cluster=1):
     nsm = num_sms(interpret) // cluster     # SMs, or clusters
     tr, o_tr = dw_transforms(plgpu, x.dtype, bk, bn)
     rows = EPILOGUE_ROWS
-    x_axes = ("cluster",) if cluster > 1 else None
+    x_axes = dict(collective_axes=("cluster",)) if cluster > 1 else {}
     rot_step = n_tiles % nsm
 
     def tile_of(t):
@@ -339,7 +340,7 @@ def tgmm_pallas_ring(x, dy, offsets, tiles, out_dtype, interpret, cluster=1):
                             plgpu.barrier_wait(empty.at[slot])   # both consumers (of both CTAs) done
                         r = pl.ds(pl.multiple_of(astart + s * bk, 8), bk)
                         plgpu.copy_gmem_to_smem(x_ref.at[r, pl.ds(mi * cm, cm)], xs.at[slot],
-                                                full.at[slot], collective_axes=x_axes)
+                                                full.at[slot], **x_axes)
                         plgpu.copy_gmem_to_smem(dy_ref.at[r, pl.ds(col_tile(ni) * bn, bn)],
                                                 dys.at[slot], full.at[slot])
                         return i + 1
@@ -412,7 +413,7 @@ def tgmm_pallas_ring(x, dy, offsets, tiles, out_dtype, interpret, cluster=1):
                 pl.run_scoped(run, plgpu.ACC((bm, bn)))
             plgpu.wait_smem_to_gmem(0)
 
-    barrier = (functools.partial(plgpu.ClusterBarrier, collective_axes=x_axes) if cluster > 1
+    barrier = (functools.partial(plgpu.ClusterBarrier, **x_axes) if cluster > 1
                else plgpu.Barrier)
     kernel = plgpu.kernel(
         body,

@@ -9,7 +9,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from .config import SMALL_GROUP_ROWS, SMALL_GROUP_TILES, GroupedMatmulConfig, Tiles
+from .config import (DW_PIPELINE, SMALL_GROUP_ROWS, SMALL_GROUP_TILES, GroupedMatmulConfig,
+                     Tiles)
 from .pallas_common import EPILOGUE_ROWS
 from .pallas_dw import tgmm_pallas, tgmm_pallas_ring, tgmm_pallas_ws
 from .pallas_fwd import gmm_pallas, gmm_pallas_ws
@@ -154,20 +155,28 @@ def pallas_compiles(op: str, tiles: Tiles, dtype_name: str, cluster: int = 1) ->
         return False
 
 
-def dw_kernel_op(cfg: GroupedMatmulConfig) -> str:
-    """The compile-check key of the 2-consumer dw kernel the config asks for."""
-    return "dw_ring" if cfg.dw_pipeline == "ring" else "dw_ws"
+def dw_pipeline(cfg: GroupedMatmulConfig, x, groups: int) -> str:
+    """The 2-consumer dw kernel's pipeline: the config's, else ``DW_PIPELINE``
+    by group size (``x``'s rows / ``groups`` <= SMALL_GROUP_ROWS: small)."""
+    if cfg.dw_pipeline is not None:
+        return cfg.dw_pipeline
+    return DW_PIPELINE["small" if x.shape[0] <= SMALL_GROUP_ROWS * groups else "default"]
 
 
-def dw_cluster(cfg: GroupedMatmulConfig, ws: Tiles, n: int, dtype) -> int:
-    """CTAs per cluster of the 2-consumer dw kernel with tiles ``ws`` and
-    ``N = n``: the config's where ``N % (cluster block_n) == 0`` (and, in auto
-    mode on a GPU, the kernel compiles), else 1."""
+def dw_kernel_op(pipeline: str) -> str:
+    """The compile-check key of the 2-consumer dw kernel with this pipeline."""
+    return "dw_ring" if pipeline == "ring" else "dw_ws"
+
+
+def dw_cluster(cfg: GroupedMatmulConfig, ws: Tiles, n: int, dtype, pipeline: str) -> int:
+    """CTAs per cluster of the 2-consumer dw kernel with tiles ``ws``, ``N =
+    n`` and this pipeline: the config's where ``N % (cluster block_n) == 0``
+    (and, in auto mode on a GPU, the kernel compiles), else 1."""
     c = cfg.dw_cluster
     if c == 1 or n % (c * ws[1]):
         return 1
     if (not cfg.interpret and cfg.impl == "auto"
-            and not pallas_compiles(dw_kernel_op(cfg), ws, dtype.name, c)):
+            and not pallas_compiles(dw_kernel_op(pipeline), ws, dtype.name, c)):
         return 1
     return c
 

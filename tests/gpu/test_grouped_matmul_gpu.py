@@ -163,24 +163,27 @@ def test_dw_tiles(kind, total):
 @pytest.mark.parametrize("kind,total,g", [("skew", 3900, 16), ("unaligned", 3001, 16),
                                          ("skew", 3900, 64)])
 def test_dw_cluster(kind, total, g):
-    """dw on 2-CTA clusters (x tile multicast) and with the ring pipeline
-    across groups, each way: bit-identical to the default kernel (same tiles,
-    same k-step order), against XLA in f32, empty groups zero, NaN/Inf tail
-    unused; g 64: the small-group tiles. The auto path takes the asked-for
-    kernels (they compile here)."""
+    """dw on 1- and 2-CTA clusters (x tile multicast), each with the
+    per-group pipeline and the ring across groups, and the defaults (g 16:
+    ring on clusters; g 64, small groups: per-group on clusters):
+    bit-identical to each other (same tiles, same k-step order), against XLA
+    in f32, empty groups zero, NaN/Inf tail unused. The auto path takes the
+    asked-for kernels (they compile here)."""
     m, k, n = 4096, 2048, 2048
     sizes = sizes_for(kind, g, total, seed=3)
     sizes[1] = 0
     x, _, dy, gs = data(m, k, n, sizes, seed=3)
-    variants = [dict(), dict(dw_cluster=2), dict(dw_pipeline="ring"),
-                dict(dw_pipeline="ring", dw_cluster=2)]
+    variants = [dict(dw_cluster=1, dw_pipeline="per_group"), dict(dw_cluster=2, dw_pipeline="per_group"),
+                dict(dw_cluster=1, dw_pipeline="ring"), dict(dw_pipeline="ring", dw_cluster=2),
+                dict()]
     outs = [jax.jit(functools.partial(gm_mod.tgmm, config=GroupedMatmulConfig(**v)))(x, dy, gs)
             for v in variants]
     ws = gm_select.two_consumer_tiles(gm_select.op_tiles(PALLAS, "dw", x, dy, g), "m", k, x.dtype)
-    for v in variants[1:]:
+    for v in variants:
         cfg = GroupedMatmulConfig(**v)
-        assert gm_select.pallas_compiles(gm_select.dw_kernel_op(cfg), ws, x.dtype.name)
-        assert gm_select.dw_cluster(cfg, ws, n, x.dtype) == cfg.dw_cluster
+        pipe = gm_select.dw_pipeline(cfg, x, g)
+        assert gm_select.pallas_compiles(gm_select.dw_kernel_op(pipe), ws, x.dtype.name)
+        assert gm_select.dw_cluster(cfg, ws, n, x.dtype, pipe) == cfg.dw_cluster
     xc, dyc = clean(x, sizes).astype(jnp.float32), clean(dy, sizes).astype(jnp.float32)
     ref = gm_mod.tgmm(xc, dyc, gs, config=XLA)
     for v, out in zip(variants, outs):
