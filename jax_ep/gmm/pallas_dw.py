@@ -123,21 +123,31 @@ def _ws_step(pl, plgpu, sh, g, t0, lead, size, nsteps, store):
     return step
 
 
-def _ws_group(pl, plgpu, sh, refs, g, tile_of, store, n_tiles, rot_step, pipe):
+def _group_geometry(pl, off_ref, g, n_tiles, nsm, bk):
+    """Group ``g`` on this SM (or cluster): ``size``, ``t0`` (its first tile
+    here; tiles dealt round-robin, rotated per group), ``cnt`` (its tiles
+    here), ``astart`` (its first row rounded down to 8: tiled TMA layouts),
+    ``lead`` (rows of the previous group from ``astart`` on) and ``nsteps`` (k-steps of ``bk`` rows from ``astart``;
+    meaningless when ``size <= 0``)."""
+    start = off_ref[g]
+    size = off_ref[g + 1] - start
+    rot = lax.rem(g * jnp.int32(n_tiles % nsm), jnp.int32(nsm))
+    t0 = lax.rem(lax.axis_index("sm") - rot + nsm, jnp.int32(nsm))
+    cnt = round_robin_count(n_tiles, t0, nsm)
+    astart = pl.multiple_of(lax.div(start, jnp.int32(8)) * 8, 8)
+    lead = start - astart
+    nsteps = lax.div(size + lead + (bk - 1), jnp.int32(bk))
+    return size, t0, cnt, astart, lead, nsteps
+
+
+def _ws_group(pl, plgpu, sh, refs, g, tile_of, store, n_tiles, pipe):
     """Group ``g`` of the 2-consumer dw kernel on this SM (or cluster): one
     warp-specialized pipeline over (this unit's tiles of g) x (g's k-steps);
     zeros for an empty group. ``pipe(step, grid, t0, refs)`` runs the pipeline."""
     bm, bn, bk, cm, nsm, interpret = sh
     off_ref, x_ref, dy_ref = refs
     m = x_ref.shape[0]
-    start = off_ref[g]
-    size = off_ref[g + 1] - start
-    rot = lax.rem(g * jnp.int32(rot_step), jnp.int32(nsm))
-    t0 = lax.rem(lax.axis_index("sm") - rot + nsm, jnp.int32(nsm))
-    cnt = round_robin_count(n_tiles, t0, nsm)
-    astart = pl.multiple_of(lax.div(start, jnp.int32(8)) * 8, 8)
-    lead = start - astart
-    nsteps = lax.div(size + lead + (bk - 1), jnp.int32(bk))
+    size, t0, cnt, astart, lead, nsteps = _group_geometry(pl, off_ref, g, n_tiles, nsm, bk)
 
     # Both CTAs of a cluster see the same group, t0 and cnt: they run the same
     # pipeline steps (the multicast x tile needs both).
@@ -152,6 +162,58 @@ def _ws_group(pl, plgpu, sh, refs, g, tile_of, store, n_tiles, rot_step, pipe):
         @pl.loop(0, cnt)
         def _(j):
             store(g, t0 + j * nsm, jnp.zeros((bm, bn), jnp.float32))
+
+
+def _cluster_tiles(plgpu, grid_m, grid_n, band, cluster):
+    """``tile_of(t) -> (mi, ni)``: the ``t``-th (cluster) tile of a group's
+    ``grid_m x grid_n`` tiles; ``col_tile(ni)``: this CTA's ``block_n`` column
+    tile of cluster column tile ``ni`` (adjacent tiles for the CTAs of a pair)."""
+    def tile_of(t):
+        return plgpu.planar_snake(t, (grid_m, grid_n), 0, band)
+
+    def col_tile(ni):
+        return ni * cluster + lax.axis_index("cluster") if cluster > 1 else ni
+    return tile_of, col_tile
+
+
+def _chunked_store(pl, plgpu, o_smem, o_ref, tile_of, col_tile, wg, bm, bn):
+    """``store(g, t, val)``: consumer ``wg``'s ``bm x bn`` f32 tile of
+    ``dw[g]`` (its half of tile ``t``) to HBM through its one shared-memory
+    slot, in ``EPILOGUE_ROWS`` row chunks, one after the other."""
+    rows = EPILOGUE_ROWS
+    cm = 2 * bm
+
+    def store(g, t, val):
+        mi, ni = tile_of(t)
+        for c in range(bm // rows):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # our slot is free
+            o_smem[wg] = val[c * rows:(c + 1) * rows].astype(o_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                o_smem.at[wg],
+                o_ref.at[g, pl.ds(mi * cm + wg * bm + c * rows, rows),
+                         pl.ds(col_tile(ni) * bn, bn)])
+    return store
+
+
+def _ws_launch(plgpu, body, out_shape, out_dtype, nsm, cluster, interpret, **kw):
+    """The 2-consumer dw kernels' launch: ``nsm`` CTAs (or clusters of
+    ``cluster``), a producer and two consumer warpgroups each."""
+    if cluster > 1:
+        kw.update(cluster=(cluster,), cluster_names=("cluster",))
+    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+                        grid=(nsm,), grid_names=("sm",), num_threads=3, thread_name="wg",
+                        **kw, **kernel_params(plgpu, interpret))
+
+
+def _ws_shape(x, dy, tiles, cluster, interpret):
+    """``(cm, grid_m, grid_n, n_tiles, nsm)``: the CTA tile's rows (2 block_m),
+    the (cluster) tile grid of one ``dw[g]``, its tile count, and the SMs (or
+    clusters) the tiles are dealt to."""
+    bm, bn = tiles[0], tiles[1]
+    cm = 2 * bm
+    grid_m, grid_n = x.shape[1] // cm, dy.shape[1] // (cluster * bn)
+    return cm, grid_m, grid_n, grid_m * grid_n, num_sms(interpret) // cluster
 
 
 def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, cluster=1):
@@ -186,21 +248,14 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, cluster=1):
     bm, bn, bk, steps, band = tiles
     k, n = x.shape[1], dy.shape[1]
     g_count = offsets.shape[0] - 1
-    cm = 2 * bm
-    grid_m, grid_n = k // cm, n // (cluster * bn)
-    n_tiles = grid_m * grid_n
-    nsm = num_sms(interpret) // cluster     # SMs, or clusters
+    cm, grid_m, grid_n, n_tiles, nsm = _ws_shape(x, dy, tiles, cluster, interpret)
     sh = (bm, bn, bk, cm, nsm, interpret)
     tr, o_tr = dw_transforms(plgpu, x.dtype, bk, bn)
     rows = EPILOGUE_ROWS
     # only with clusters (jax 0.10's BlockSpec takes no collective_axes=None)
     x_axes = dict(collective_axes=("cluster",)) if cluster > 1 else {}
 
-    def tile_of(t):
-        return plgpu.planar_snake(t, (grid_m, grid_n), 0, band)
-
-    def col_tile(ni):   # this CTA's block_n column tile of cluster column tile ni
-        return ni * cluster + lax.axis_index("cluster") if cluster > 1 else ni
+    tile_of, col_tile = _cluster_tiles(plgpu, grid_m, grid_n, band, cluster)
 
     def make_pipeline(step, grid, t0):
         return plgpu.emit_pipeline_warp_specialized(
@@ -222,17 +277,7 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, cluster=1):
     def body(off_ref, x_ref, dy_ref, o_ref):
         def scoped(o_smem, allocs=None):
             wg = lax.axis_index("wg")
-
-            def store(g, t, val):
-                mi, ni = tile_of(t)
-                for c in range(bm // rows):   # the tile's row chunks, one after the other
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # our slot is free
-                    o_smem[wg] = val[c * rows:(c + 1) * rows].astype(o_smem.dtype)
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(
-                        o_smem.at[wg],
-                        o_ref.at[g, pl.ds(mi * cm + wg * bm + c * rows, rows),
-                                 pl.ds(col_tile(ni) * bn, bn)])
+            store = _chunked_store(pl, plgpu, o_smem, o_ref, tile_of, col_tile, wg, bm, bn)
 
             def pipe(step, grid, t0, gmem):
                 # cluster == 1: no allocations= on purpose (the measured form):
@@ -242,7 +287,7 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, cluster=1):
 
             def group(g, carry):
                 _ws_group(pl, plgpu, sh, (off_ref, x_ref, dy_ref), g, tile_of, store,
-                          n_tiles, n_tiles % nsm, pipe)
+                          n_tiles, pipe)
                 return carry
 
             lax.fori_loop(0, g_count, group, jnp.int32(0))
@@ -261,17 +306,7 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, cluster=1):
         else:
             pl.run_scoped(scoped, out_smem, collective_axes="wg")
 
-    cluster_kw = dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((g_count, k, n), out_dtype),
-        grid=(nsm,),
-        grid_names=("sm",),
-        num_threads=3,
-        thread_name="wg",
-        **cluster_kw,
-        **kernel_params(plgpu, interpret),
-    )
+    kernel = _ws_launch(plgpu, body, (g_count, k, n), out_dtype, nsm, cluster, interpret)
     return kernel(offsets.astype(jnp.int32), x, dy)
 
 
@@ -293,31 +328,16 @@ def tgmm_pallas_ring(x, dy, offsets, tiles, out_dtype, interpret, cluster=1):
     m, k = x.shape
     n = dy.shape[1]
     g_count = offsets.shape[0] - 1
-    cm = 2 * bm
-    grid_m, grid_n = k // cm, n // (cluster * bn)
-    n_tiles = grid_m * grid_n
-    nsm = num_sms(interpret) // cluster     # SMs, or clusters
+    cm, grid_m, grid_n, n_tiles, nsm = _ws_shape(x, dy, tiles, cluster, interpret)
     tr, o_tr = dw_transforms(plgpu, x.dtype, bk, bn)
     rows = EPILOGUE_ROWS
     x_axes = dict(collective_axes=("cluster",)) if cluster > 1 else {}
-    rot_step = n_tiles % nsm
 
-    def tile_of(t):
-        return plgpu.planar_snake(t, (grid_m, grid_n), 0, band)
+    tile_of, col_tile = _cluster_tiles(plgpu, grid_m, grid_n, band, cluster)
 
-    def col_tile(ni):
-        return ni * cluster + lax.axis_index("cluster") if cluster > 1 else ni
-
-    def group_geometry(off_ref, g):
-        start = off_ref[g]
-        size = off_ref[g + 1] - start
-        rot = lax.rem(g * jnp.int32(rot_step), jnp.int32(nsm))
-        t0 = lax.rem(lax.axis_index("sm") - rot + nsm, jnp.int32(nsm))
-        cnt = round_robin_count(n_tiles, t0, nsm)
-        astart = pl.multiple_of(lax.div(start, jnp.int32(8)) * 8, 8)
-        lead = start - astart
-        nsteps = jnp.where(size > 0, lax.div(size + lead + (bk - 1), jnp.int32(bk)), 0)
-        return size, t0, cnt, astart, lead, nsteps
+    def group_geometry(off_ref, g):   # no k-steps for an empty group
+        size, t0, cnt, astart, lead, nsteps = _group_geometry(pl, off_ref, g, n_tiles, nsm, bk)
+        return size, t0, cnt, astart, lead, jnp.where(size > 0, nsteps, 0)
 
     def body(off_ref, x_ref, dy_ref, o_ref, o_smem, xs, dys, full, empty):
         wg = lax.axis_index("wg")
@@ -358,17 +378,7 @@ def tgmm_pallas_ring(x, dy, offsets, tiles, out_dtype, interpret, cluster=1):
         @pl.when(wg < 2)
         def _consumers():
             plgpu.set_max_registers(232, action="increase")
-
-            def store(g, t, val):
-                mi, ni = tile_of(t)
-                for c in range(bm // rows):   # the tile's row chunks, one after the other
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # our slot is free
-                    o_smem[wg] = val[c * rows:(c + 1) * rows].astype(o_smem.dtype)
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(
-                        o_smem.at[wg],
-                        o_ref.at[g, pl.ds(mi * cm + wg * bm + c * rows, rows),
-                                 pl.ds(col_tile(ni) * bn, bn)])
+            store = _chunked_store(pl, plgpu, o_smem, o_ref, tile_of, col_tile, wg, bm, bn)
 
             def run(acc0):
                 def group(g, carry):
@@ -415,21 +425,13 @@ def tgmm_pallas_ring(x, dy, offsets, tiles, out_dtype, interpret, cluster=1):
 
     barrier = (functools.partial(plgpu.ClusterBarrier, **x_axes) if cluster > 1
                else plgpu.Barrier)
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((g_count, k, n), out_dtype),
-        grid=(nsm,),
-        grid_names=("sm",),
-        num_threads=3,
-        thread_name="wg",
+    kernel = _ws_launch(
+        plgpu, body, (g_count, k, n), out_dtype, nsm, cluster, interpret,
         scratch_types=(
             plgpu.SMEM((2, rows, bn), out_dtype, transforms=o_tr),
             plgpu.SMEM((steps, bk, cm), x.dtype, transforms=tr),
             plgpu.SMEM((steps, bk, bn), dy.dtype, transforms=tr),
             plgpu.Barrier(num_arrivals=2, num_barriers=steps),     # stage loaded
             barrier(num_arrivals=2, num_barriers=steps),           # stage released
-        ),
-        **(dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}),
-        **kernel_params(plgpu, interpret),
-    )
+        ))
     return kernel(offsets.astype(jnp.int32), x, dy)
