@@ -30,28 +30,21 @@
 # T 1024 keeps 128-row tiles); test_grouped_matmul_gpu.py whole: 23 passed
 # (~260 s: give it TEST_TIMEOUT=320). At T 4096 shapes XLA's batched dw
 # (cuBLAS) is 0.82-0.83 of dense against our 0.70-0.74: dw is the lever.
-# Next on one GPU: Nsight Compute of our gate_up dw against cuBLAS's batched
-# dw at 256 rows per group (GMM_BENCH=1 GMM_ARGS="--no-xla --dist uniform
-# --ops dw" gives both in one run; ncu one op per run).
-# Then on one GPU: the layer beside XLA at every T and Mixtral (examples
-# block or LAYER_AB with --impls; session 16's pairs are the last); Nsight Compute of our forward against
-# XLA's Triton GEMM at 16-64 rows per group with 16 groups (weights < 1 GB, so
-# replays fit), one op per run, --replay-mode application.
-# Where dw's fixed ~1.5 us per tile goes (the partitions ruled out the
-# per-group restart): OPS=dw_up bash scripts/ncu_gmm.sh (SourceCounters: the
-# SASS lines of the stalls), run outside gpu_check.sh, ~5 min.
-# dw idea not yet tried: a 2-CTA cluster whose CTAs take adjacent dy column
-# tiles and share the x tile by TMA multicast (XLA's cuBLAS dw kernels run
-# 2 x 1 clusters; x's L2 reads per k-step 48 -> 32 KB per CTA). jax 0.11.2
-# has what it needs: emit_pipeline_warp_specialized takes an input BlockSpec
-# with collective_axes=("cluster",) and then makes its consumed barriers
-# ClusterBarriers; jax's ops/gpu/hopper_matmul_mgpu.py shows the launch
-# (grid=(SMs // 2,) "cluster_grid", cluster=(2,) "cluster"). Ours restarts the
-# pipeline (fresh barriers) per group, so the two CTAs need a cluster-wide
-# sync at each group boundary before the first multicast (else one CTA's
-# multicast lands in a slot its partner still reads), and the tiles go out in
-# pairs (same x tile, same count per CTA). Worth it only if the ncu run above
-# shows dw waiting on L2 (session 15: L2 at 62% of peak).
+# Session 19 (one H200; bench/results/2026-12-03-h200x1-s19.md): dw on 2-CTA
+# clusters (x multicast) and the ring pipeline across groups are the defaults
+# (dw 0.79 of dense at T 4096 shapes; layer T 4096 1.71x XLA, T 128 0.96x).
+# The call-4 test run cut test_v3_small_groups_down_projection and
+# test_dw_small_groups at 140 s: run them first next time, e.g.
+#   TESTS_FIRST=1 SKIP_BENCH=1 GPU_TESTS="tests/gpu/test_grouped_matmul_gpu.py" TEST_TIMEOUT=320
+# Then the layer at T 8192 and Mixtral beside XLA (not re-run since s16):
+#   JAX_EP_TEST_NPROCS=1 TRAIN_STEPS=0 MOE_STEP_ARGS="--configs v3 --experts 128
+#   --skip-ragged --no-split --deadline 400 --tokens 8192 --impls jax_ep,xla_padded"
+# and the same with "--configs mixtral --tokens 4096" (no --experts: it sets
+# every config's expert count). moe_layer_step's --deadline is its own time
+# budget: s19's 150 s cut T 4096's XLA row.
+# Still open on one GPU: up dw is 3% behind cuBLAS; T 128 is 0.4 ms behind
+# XLA (the weight streams); Nsight Compute of our forward against XLA's GEMM
+# at 16-64 rows per group with 16 groups (weights < 1 GB, so replays fit).
 # Session 13's ideas still open: ncu (--clock-control none) DRAM throughput
 # of the in-layer forward kernel at T 128; 2-CTA TMA multicast of the weight
 # tiles.

@@ -77,11 +77,18 @@ beat the 128-row default by 1.5-1.8%; dx: block_m 64, block_k 128,
 slower at 256 rows per group; dw: block_m 64 with 5 stages, 6% faster
 gate_up dw there).
 
-dw (``pallas_dw``): by default ``tgmm_pallas_ws``, two consumer warpgroups fed by a producer
-warpgroup (a CTA owns a ``2 block_m x block_n`` tile of ``dw[g]``; one
-warp-specialized pipeline per (SM, group) across the SM's tiles, so loads of
-the next tile overlap the epilogue of the last); where ``K % (2 block_m) != 0``
-(or ``dw_warpgroups=1``) ``tgmm_pallas``, one warpgroup with ``block_m x
+dw (``pallas_dw``): two consumer warpgroups fed by a producer warpgroup (a
+CTA owns a ``2 block_m x block_n`` tile of ``dw[g]``, loads of the next tile
+overlap the epilogue of the last), on 2-CTA clusters (``dw_cluster=2``, the
+default where ``N % (2 block_n) == 0``: a CTA pair owns adjacent column tiles
+and shares the x tile by TMA multicast). By default ``tgmm_pallas_ring``: one
+ring of pipeline stages per SM (cluster) across all groups, a hand-written
+loop nest (group, this SM's tiles of it, k-steps), so the next group's loads
+are in flight while the last group's tiles finish (0.79 of dense at V3 T 4096
+shapes, session 19); where groups are small (the small-group tile bound)
+``tgmm_pallas_ws``, one warp-specialized pipeline per (SM, group) across the
+SM's tiles (the ring lost 5% there: one k-step per tile). Where ``K % (2
+block_m) != 0`` (or ``dw_warpgroups=1``) ``tgmm_pallas``, one warpgroup with ``block_m x
 block_n`` tiles and one shared-memory pipeline per work item ``(g, tile)``
 (persistent over SMs). Either pipeline walks the rows of group ``g`` in steps
 of ``block_k`` starting at ``off[g]`` rounded down to a multiple of 8 (the tiled shared-memory
