@@ -570,12 +570,17 @@ def test_pallas_dw_ring_interpret(sizes):
 
 
 @pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
-@pytest.mark.parametrize("cluster", [1, 2])
-def test_pallas_dw_ring_no_races(monkeypatch, cluster):
-    """The ring dw kernel under the interpreter's race detector: no stage is
-    refilled (by this CTA's or, with clusters, the partner's multicast) before
-    every consumer released it, across tiles and groups. Whole k-steps only
-    (the zeroing pass's identical writes by both consumers are races by design)."""
+@pytest.mark.parametrize("cluster,pipeline", [(1, "ring"), (2, "ring"), (2, "per_group")])
+def test_pallas_dw_ring_no_races(monkeypatch, cluster, pipeline):
+    """The ring dw kernel, and the per-group one on clusters (its buffers and
+    barriers reused by every group's pipeline, no CTA barrier between groups),
+    under the interpreter's race detector: no stage is refilled before every
+    consumer (of both CTAs, with clusters) released it, across tiles and
+    groups; a group of 5 k-steps (beyond the 3 stages), sizes summing to M.
+    The interpreter drops the multicast (each CTA copies the whole x tile), so
+    the multicast's own ordering is covered by the GPU bit-equality test only.
+    Whole k-steps only (the zeroing pass's identical writes by both consumers
+    are races by design)."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
     from jax_ep.gmm import pallas_dw
 
@@ -584,11 +589,11 @@ def test_pallas_dw_ring_no_races(monkeypatch, cluster):
     def params(plgpu, interpret):
         return dict(plain(plgpu, interpret), interpret=plgpu.InterpretGPUParams(detect_races=True))
     monkeypatch.setattr(pallas_dw, "kernel_params", params)
-    sizes = [32, 64, 0, 96, 32, 0, 64, 0, 32]
-    x, _, dy, gs = make(sizes, m=424, k=256, n=256, seed=8)
+    sizes = [32, 64, 0, 96, 32, 0, 64, 0, 32, 160, 32]
+    x, _, dy, gs = make(sizes, m=sum(sizes), k=256, n=256, seed=8)
     xb, dyb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
     out = np.asarray(gm_mod.tgmm(xb, dyb, gs, config=GroupedMatmulConfig(
-        impl="pallas", interpret=True, dw=(64, 64, 32, 3, 1), dw_pipeline="ring",
+        impl="pallas", interpret=True, dw=(64, 64, 32, 3, 1), dw_pipeline=pipeline,
         dw_cluster=cluster)), np.float32)
     assert not ipc.get_races().races_found
     ref = np_dw(np.asarray(xb, np.float32), np.asarray(dyb, np.float32), sizes)

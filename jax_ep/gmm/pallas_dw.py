@@ -212,6 +212,8 @@ def _ws_shape(x, dy, tiles, cluster, interpret):
     clusters) the tiles are dealt to."""
     bm, bn = tiles[0], tiles[1]
     cm = 2 * bm
+    # else columns or rows of dw would go unwritten (select.py never asks for it)
+    assert x.shape[1] % cm == 0 and dy.shape[1] % (cluster * bn) == 0, (x.shape, dy.shape, tiles)
     grid_m, grid_n = x.shape[1] // cm, dy.shape[1] // (cluster * bn)
     return cm, grid_m, grid_n, grid_m * grid_n, num_sms(interpret) // cluster
 
@@ -238,11 +240,12 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, cluster=1):
     both (x's L2 reads per k-step: 32 -> 16 KB per CTA at the default tiles;
     cuBLAS's batched dw runs 2 x 1 clusters). Needs ``N % (2 block_n) == 0``.
     The pipeline's buffers and barriers are allocated once for the kernel and
-    reused by every group's pipeline: a CTA's producer starts group g+1 only
-    after both CTAs' consumers released every stage of group g (its consumed
-    barriers are cluster barriers), so a multicast never lands in a stage its
-    partner still reads, and no per-group allocation re-initialises a barrier
-    the partner may already have signalled.
+    reused by every group's pipeline, without the CTA barrier that a
+    per-group allocation puts at each group's start (it would not hold the
+    partner CTA anyway): a CTA's producer starts group g+1 only after its
+    quiesce has seen both CTAs' consumers release every stage of group g (its
+    consumed barriers are cluster barriers), so a multicast never lands in a
+    stage the partner still reads.
     """
     pl, plgpu = pallas_modules()
     bm, bn, bk, steps, band = tiles

@@ -149,8 +149,9 @@ def pallas_compiles(op: str, tiles: Tiles, dtype_name: str, cluster: int = 1) ->
     except Exception as e:  # noqa: BLE001 -- any failure means "use XLA"
         warnings.warn(f"jax_ep.grouped_matmul: Pallas {op} kernel with tiles {tiles} "
                       f"(cluster {cluster}) does not compile here ({type(e).__name__}: {str(e)[:200]}); using "
-                      + ("a 1-CTA cluster" if cluster > 1 else "the 1-warpgroup kernel"
-                         if "_ws" in op else "jax.lax.ragged_dot")
+                      + ("a 1-CTA cluster" if cluster > 1
+                         else "the per-group pipeline" if op == "dw_ring"
+                         else "the 1-warpgroup kernel" if "_ws" in op else "jax.lax.ragged_dot")
                       + " instead")
         return False
 

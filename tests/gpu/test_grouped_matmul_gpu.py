@@ -161,7 +161,8 @@ def test_dw_tiles(kind, total):
 
 
 @pytest.mark.parametrize("kind,total,g", [("skew", 3900, 16), ("unaligned", 3001, 16),
-                                         ("skew", 3900, 64)])
+                                         ("skew", 3900, 64), ("full", 4096, 16),
+                                         ("tiny", 400, 128)])
 def test_dw_cluster(kind, total, g):
     """dw on 1- and 2-CTA clusters (x tile multicast), each with the
     per-group pipeline and the ring across groups, and the defaults (g 16:
@@ -170,7 +171,13 @@ def test_dw_cluster(kind, total, g):
     in f32, empty groups zero, NaN/Inf tail unused. The auto path takes the
     asked-for kernels (they compile here)."""
     m, k, n = 4096, 2048, 2048
-    sizes = sizes_for(kind, g, total, seed=3)
+    if kind == "full":      # sum == M, the last group ends off a block_k step: TMA rows past M
+        sizes = sizes_for("unaligned", g, total - 40, seed=3)
+        sizes[-1] += total - int(sizes.sum())
+    elif kind == "tiny":    # many tiny groups: fewer k-steps per SM than stages
+        sizes = sizes_for("unaligned", g, total, seed=3)
+    else:
+        sizes = sizes_for(kind, g, total, seed=3)
     sizes[1] = 0
     x, _, dy, gs = data(m, k, n, sizes, seed=3)
     variants = [dict(dw_cluster=1, dw_pipeline="per_group"), dict(dw_cluster=2, dw_pipeline="per_group"),
