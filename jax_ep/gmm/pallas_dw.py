@@ -305,7 +305,7 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, cluster=1):
             # the grid only needs enough steps that no stage is cut.
             alloc = make_pipeline(None, (steps, steps), jnp.int32(0)).get_allocations(
                 x_ref, dy_ref)
-            pl.run_scoped(lambda o, a: scoped(o, a), out_smem, alloc, collective_axes="wg")
+            pl.run_scoped(scoped, out_smem, alloc, collective_axes="wg")
         else:
             pl.run_scoped(scoped, out_smem, collective_axes="wg")
 
@@ -420,10 +420,7 @@ def tgmm_pallas_ring(x, dy, offsets, tiles, out_dtype, interpret, cluster=1):
 
                 lax.fori_loop(0, g_count, group, (jnp.int32(0), acc0))
 
-            if interpret:
-                pl.run_scoped(lambda a: run((a, a[...])), plgpu.ACC((bm, bn)))
-            else:
-                pl.run_scoped(run, plgpu.ACC((bm, bn)))
+            carried_acc_context(pl, plgpu, (bm, bn), interpret)(run)
             plgpu.wait_smem_to_gmem(0)
 
     barrier = (functools.partial(plgpu.ClusterBarrier, **x_axes) if cluster > 1
