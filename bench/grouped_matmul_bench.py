@@ -84,11 +84,11 @@ SWEEP_SMALL = {"fwd": _SMALL_FWD, "dx": _SMALL_FWD,
                # (Session 15: one pipeline per SM across groups, measured slower,
                # deleted: bench/results/README.md.)
                # Session 19: the 2-CTA cluster dw (x tile multicast) and the ring
-               # pipeline across groups, at the default tiles.
-               "dw": [((128, 128, 64, 4, 4), {"dw_cluster": 2}, ("uniform", "skewed")),
-                      ((128, 128, 64, 4, 4), {"dw_pipeline": "ring"}, ("uniform", "skewed")),
-                      ((128, 128, 64, 4, 4), {"dw_pipeline": "ring", "dw_cluster": 2},
-                       ("uniform", "skewed"))]}
+               # pipeline across groups became the defaults (the main rows); the
+               # per-group pipeline on 1-CTA clusters was the default before.
+               # Session 20: the ring's SM halves visit the groups by decreasing /
+               # increasing size (compute beside writes).
+               "dw": [((128, 128, 64, 4, 4), {"dw_order": "size"}, ("uniform", "skewed"))]}
 
 
 def group_sizes(kind, seed=0):

@@ -325,7 +325,8 @@ def test_pallas_kernels_interpret(case):
 
 @pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwd_ws", "dx_ws", "dw_1wg", "fwd_small_ws",
                                 "dx_small", "dx_small_ws", "dw_small", "dw_small_1wg", "dw_c2",
-                                "dw_small_c2", "dw_ring", "dw_small_ring", "dw_ring_c2"])
+                                "dw_small_c2", "dw_ring", "dw_small_ring", "dw_ring_c2",
+                                "dw_ring_size_c2"])
 def test_pallas_lowers_for_cuda(op):
     """Every kernel traces and lowers to a CUDA module (no GPU needed);
     ``*_small*``: 64 rows per group, the small-group tiles."""
@@ -335,7 +336,8 @@ def test_pallas_lowers_for_cuda(op):
     cfg = GroupedMatmulConfig(impl="pallas", fwd_warpgroups=2 if op.endswith("_ws") else 1,
                               dw_warpgroups=1 if op.endswith("_1wg") else 2,
                               dw_cluster=2 if op.endswith("_c2") else 1,
-                              dw_pipeline="ring" if "_ring" in op else "per_group")
+                              dw_pipeline="ring" if "_ring" in op else "per_group",
+                              dw_order="size" if "_size" in op else "index")
     op = op.split("_")[0]
     gsd = sds((g,), jnp.int32)
     if op == "fwd":
@@ -554,15 +556,18 @@ def test_pallas_dw_cluster_interpret(sizes, pipeline):
 
 @pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
 @pytest.mark.parametrize("sizes", [[70, 0, 33, 1, 60], [5, 17, 0, 9, 40, 3, 0, 31, 60, 2, 33]])
-def test_pallas_dw_ring_interpret(sizes):
+@pytest.mark.parametrize("order", ["index", "size"])
+def test_pallas_dw_ring_interpret(sizes, order):
     """dw with one ring of stages per SM across groups (``dw_pipeline="ring"``):
     the ring wraps inside and across groups (3 stages, 1-3 k-steps per tile,
-    up to 3 tiles per SM per group), empty groups store zeros, zeroing steps --
-    matches numpy."""
+    up to 3 tiles per SM per group), empty groups store zeros, zeroing steps;
+    groups visited in index order, or by size (half of the SMs one way, half
+    the other) -- matches numpy."""
     x, _, dy, gs = make(sizes, m=200, k=256, n=192, seed=5)
     xb, dyb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
     out = np.asarray(gm_mod.tgmm(xb, dyb, gs, config=GroupedMatmulConfig(
-        impl="pallas", interpret=True, dw=(64, 64, 32, 3, 1), dw_pipeline="ring")), np.float32)
+        impl="pallas", interpret=True, dw=(64, 64, 32, 3, 1), dw_pipeline="ring",
+        dw_order=order)), np.float32)
     ref = np_dw(np.asarray(xb, np.float32), np.asarray(dyb, np.float32), sizes)
     assert np.all(np.isfinite(out))
     np.testing.assert_allclose(out, ref, rtol=2e-2, atol=0.3)
@@ -570,8 +575,10 @@ def test_pallas_dw_ring_interpret(sizes):
 
 
 @pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
-@pytest.mark.parametrize("cluster,pipeline", [(1, "ring"), (2, "ring"), (2, "per_group")])
-def test_pallas_dw_ring_no_races(monkeypatch, cluster, pipeline):
+@pytest.mark.parametrize("cluster,pipeline,order", [(1, "ring", "index"), (2, "ring", "index"),
+                                                    (2, "ring", "size"),
+                                                    (2, "per_group", "index")])
+def test_pallas_dw_ring_no_races(monkeypatch, cluster, pipeline, order):
     """The ring dw kernel, and the per-group one on clusters (its buffers and
     barriers reused by every group's pipeline, no CTA barrier between groups),
     under the interpreter's race detector: no stage is refilled before every
@@ -594,7 +601,7 @@ def test_pallas_dw_ring_no_races(monkeypatch, cluster, pipeline):
     xb, dyb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
     out = np.asarray(gm_mod.tgmm(xb, dyb, gs, config=GroupedMatmulConfig(
         impl="pallas", interpret=True, dw=(64, 64, 32, 3, 1), dw_pipeline=pipeline,
-        dw_cluster=cluster)), np.float32)
+        dw_cluster=cluster, dw_order=order)), np.float32)
     assert not ipc.get_races().races_found
     ref = np_dw(np.asarray(xb, np.float32), np.asarray(dyb, np.float32), sizes)
     np.testing.assert_allclose(out, ref, rtol=2e-2, atol=0.3)
