@@ -86,9 +86,9 @@ SWEEP_SMALL = {"fwd": _SMALL_FWD, "dx": _SMALL_FWD,
                # Session 19: the 2-CTA cluster dw (x tile multicast) and the ring
                # pipeline across groups became the defaults (the main rows); the
                # per-group pipeline on 1-CTA clusters was the default before.
-               # Session 20: the ring's SM halves visit the groups by decreasing /
-               # increasing size (compute beside writes).
-               "dw": [((128, 128, 64, 4, 4), {"dw_order": "size"}, ("uniform", "skewed"))]}
+               # Session 20: the ring's SM halves visiting the groups by decreasing /
+               # increasing size measured no faster, deleted (bench/results/README.md).
+               "dw": []}
 
 
 def group_sizes(kind, seed=0):
@@ -196,6 +196,8 @@ def main():
     ap.add_argument("--sweep-small", action="store_true",
                     help="also time a few targeted configurations (SWEEP_SMALL)")
     ap.add_argument("--sweep-reps", type=int, default=5)
+    ap.add_argument("--sweep-ops", default=None,
+                    help="the ops whose --sweep-small rows run (default: --ops)")
     ap.add_argument("--proj", default="up,down")
     ap.add_argument("--dist", default="uniform,skewed")
     ap.add_argument("--ops", default="fwd,dx,dw")
@@ -260,7 +262,7 @@ def main():
                 sweep = []
                 if args.sweep and dist == "uniform":
                     sweep += [(t, {}) for t in SWEEP[op]]
-                if args.sweep_small:
+                if args.sweep_small and op in (args.sweep_ops or args.ops).split(","):
                     sweep += [(t, kw) for t, kw, dists in SWEEP_SMALL.get(op, ()) if dist in dists]
                 if sweep:
                     # every sweep row's output against the main row's (rel. Frobenius)

@@ -302,7 +302,7 @@ def _kill_group(proc, term_wait=8.0):
 
 
 INT_GMM_FIELDS = ("dw_warpgroups", "fwd_warpgroups", "dw_cluster")   # GroupedMatmulConfig ints
-STR_GMM_FIELDS = ("dw_pipeline", "dw_order")                                      # and strings
+STR_GMM_FIELDS = ("dw_pipeline",)                                      # and strings
 
 
 def _parse_gmm_tiles(text):

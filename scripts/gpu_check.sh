@@ -42,6 +42,10 @@
 # and the same with "--configs mixtral --tokens 4096" (no --experts: it sets
 # every config's expert count). moe_layer_step's --deadline is its own time
 # budget: s19's 150 s cut T 4096's XLA row.
+# Session 20 (one H200; bench/results/2026-12-03-h200x1-s20.md): those tests
+# passed (18); V3 T 8192 1.92x and Mixtral 1.72x XLA; wider T 128 dx/dw
+# tiles, dw visiting groups by size, and forward/dx wgmmas per 64-row chunk
+# measured slower and were deleted.
 # Still open on one GPU: up dw is 3% behind cuBLAS; T 128 is 0.4 ms behind
 # XLA (the weight streams); Nsight Compute of our forward against XLA's GEMM
 # at 16-64 rows per group with 16 groups (weights < 1 GB, so replays fit).

@@ -325,8 +325,7 @@ def test_pallas_kernels_interpret(case):
 
 @pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwd_ws", "dx_ws", "dw_1wg", "fwd_small_ws",
                                 "dx_small", "dx_small_ws", "dw_small", "dw_small_1wg", "dw_c2",
-                                "dw_small_c2", "dw_ring", "dw_small_ring", "dw_ring_c2",
-                                "dw_ring_size_c2"])
+                                "dw_small_c2", "dw_ring", "dw_small_ring", "dw_ring_c2"])
 def test_pallas_lowers_for_cuda(op):
     """Every kernel traces and lowers to a CUDA module (no GPU needed);
     ``*_small*``: 64 rows per group, the small-group tiles."""
@@ -336,8 +335,7 @@ def test_pallas_lowers_for_cuda(op):
     cfg = GroupedMatmulConfig(impl="pallas", fwd_warpgroups=2 if op.endswith("_ws") else 1,
                               dw_warpgroups=1 if op.endswith("_1wg") else 2,
                               dw_cluster=2 if op.endswith("_c2") else 1,
-                              dw_pipeline="ring" if "_ring" in op else "per_group",
-                              dw_order="size" if "_size" in op else "index")
+                              dw_pipeline="ring" if "_ring" in op else "per_group")
     op = op.split("_")[0]
     gsd = sds((g,), jnp.int32)
     if op == "fwd":
@@ -453,12 +451,14 @@ def test_pallas_dw_output_slot_no_races(monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
-def test_pallas_128_row_two_consumer_interpret():
+@pytest.mark.parametrize("sizes", [[70, 0, 150, 1, 100, 33], [70, 0, 150, 1, 129, 40]])
+def test_pallas_128_row_two_consumer_interpret(sizes):
     """The 2-consumer kernels at 128-row consumer tiles, whose output goes
     to HBM in two 64-row chunks (EPILOGUE_ROWS), groups whose stored rows start
     and end inside either chunk -- forward, dx and dw match numpy; the chunks
-    leave room for a 4th stage at the default tiles."""
-    sizes = [70, 0, 150, 1, 100, 33]
+    leave room for a 4th stage at the default tiles. Second case: tiles
+    whose stored rows lie in the upper chunk only (the last tiles, moved back
+    to end at M)."""
     x, w, dy, gs = make(sizes, m=400, k=256, n=256, seed=11)
     xb, wb, dyb = (jnp.asarray(a, jnp.bfloat16) for a in (x, w, dy))
     tiles = (128, 64, 64, 3, 1)
@@ -556,18 +556,15 @@ def test_pallas_dw_cluster_interpret(sizes, pipeline):
 
 @pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
 @pytest.mark.parametrize("sizes", [[70, 0, 33, 1, 60], [5, 17, 0, 9, 40, 3, 0, 31, 60, 2, 33]])
-@pytest.mark.parametrize("order", ["index", "size"])
-def test_pallas_dw_ring_interpret(sizes, order):
+def test_pallas_dw_ring_interpret(sizes):
     """dw with one ring of stages per SM across groups (``dw_pipeline="ring"``):
     the ring wraps inside and across groups (3 stages, 1-3 k-steps per tile,
-    up to 3 tiles per SM per group), empty groups store zeros, zeroing steps;
-    groups visited in index order, or by size (half of the SMs one way, half
-    the other) -- matches numpy."""
+    up to 3 tiles per SM per group), empty groups store zeros, zeroing steps --
+    matches numpy."""
     x, _, dy, gs = make(sizes, m=200, k=256, n=192, seed=5)
     xb, dyb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
     out = np.asarray(gm_mod.tgmm(xb, dyb, gs, config=GroupedMatmulConfig(
-        impl="pallas", interpret=True, dw=(64, 64, 32, 3, 1), dw_pipeline="ring",
-        dw_order=order)), np.float32)
+        impl="pallas", interpret=True, dw=(64, 64, 32, 3, 1), dw_pipeline="ring")), np.float32)
     ref = np_dw(np.asarray(xb, np.float32), np.asarray(dyb, np.float32), sizes)
     assert np.all(np.isfinite(out))
     np.testing.assert_allclose(out, ref, rtol=2e-2, atol=0.3)
@@ -575,10 +572,8 @@ def test_pallas_dw_ring_interpret(sizes, order):
 
 
 @pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
-@pytest.mark.parametrize("cluster,pipeline,order", [(1, "ring", "index"), (2, "ring", "index"),
-                                                    (2, "ring", "size"),
-                                                    (2, "per_group", "index")])
-def test_pallas_dw_ring_no_races(monkeypatch, cluster, pipeline, order):
+@pytest.mark.parametrize("cluster,pipeline", [(1, "ring"), (2, "ring"), (2, "per_group")])
+def test_pallas_dw_ring_no_races(monkeypatch, cluster, pipeline):
     """The ring dw kernel, and the per-group one on clusters (its buffers and
     barriers reused by every group's pipeline, no CTA barrier between groups),
     under the interpreter's race detector: no stage is refilled before every
@@ -601,7 +596,7 @@ def test_pallas_dw_ring_no_races(monkeypatch, cluster, pipeline, order):
     xb, dyb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
     out = np.asarray(gm_mod.tgmm(xb, dyb, gs, config=GroupedMatmulConfig(
         impl="pallas", interpret=True, dw=(64, 64, 32, 3, 1), dw_pipeline=pipeline,
-        dw_cluster=cluster, dw_order=order)), np.float32)
+        dw_cluster=cluster)), np.float32)
     assert not ipc.get_races().races_found
     ref = np_dw(np.asarray(xb, np.float32), np.asarray(dyb, np.float32), sizes)
     np.testing.assert_allclose(out, ref, rtol=2e-2, atol=0.3)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from .._ffi import to_vma, vma_of
-from .config import DW_ORDER, GroupedMatmulConfig
+from .config import GroupedMatmulConfig
 from .pallas_dw import tgmm_pallas, tgmm_pallas_ring, tgmm_pallas_ws
 from .pallas_fwd import gmm_pallas, gmm_pallas_ws
 from .select import (choose, dw_cluster, dw_kernel_op, dw_pipeline, fwd_ws_tiles, op_tiles,
@@ -130,15 +130,9 @@ def tgmm(x, dy, group_sizes, *, config: Optional[GroupedMatmulConfig] = None,
                 pipeline = "per_group"
             ws = ws if pallas_compiles(dw_kernel_op(pipeline), ws, x.dtype.name) else None
         if ws is not None:
-            cluster = dw_cluster(cfg, ws, dy.shape[1], x.dtype, pipeline)
-            if pipeline == "ring":
-                order = None
-                if (cfg.dw_order or DW_ORDER) == "size":   # groups by decreasing size
-                    order = jnp.argsort(offsets[:-1] - offsets[1:], stable=True)
-                out = tgmm_pallas_ring(x, dy, offsets, ws, out_dtype, cfg.interpret, cluster,
-                                       order)
-            else:
-                out = tgmm_pallas_ws(x, dy, offsets, ws, out_dtype, cfg.interpret, cluster)
+            kern = tgmm_pallas_ring if pipeline == "ring" else tgmm_pallas_ws
+            out = kern(x, dy, offsets, ws, out_dtype, cfg.interpret,
+                       dw_cluster(cfg, ws, dy.shape[1], x.dtype, pipeline))
         else:
             out = tgmm_pallas(x, dy, offsets, tiles, out_dtype, cfg.interpret)
     else:

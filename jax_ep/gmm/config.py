@@ -40,6 +40,8 @@ DEFAULT_TILES = {
 #    10.82-10.86 against 10.63 ms. Session 17's (64, 128, 64, 4, 2) had beaten
 #    the 128-row default by 1.5-1.8% per kernel; session 9's 64-row tiles,
 #    with a pipeline per tile, were no faster.
+#  Session 20: wider ones (dx (64, 64, 256, 2, 2) and (64, 64, 128, 4, 2), dw
+#    (64, 256, 64, 3, 4)) no faster in the layer at T 128 (bench/results/README.md).
 SMALL_GROUP_ROWS = 96
 SMALL_GROUP_TILES = {"fwd": (64, 256, 64, 2, 2), "dx": (64, 128, 128, 3, 2),
                      "dw": (64, 128, 64, 5, 4)}
@@ -55,9 +57,6 @@ SMALL_GROUP_TILES = {"fwd": (64, 256, 64, 2, 2), "dx": (64, 128, 128, 3, 2),
 # / 9.029 against 9.093 / 9.116 in two calls).
 DW_PIPELINE = {"default": "ring", "small": "per_group"}
 
-# The ring's group order (GroupedMatmulConfig.dw_order None): see the field.
-DW_ORDER = "index"
-
 # The expert alignment (EpConfig.expert_alignment) that suits these kernels:
 # the default dw block_k. Groups that start and end on a k-step boundary need
 # no zeroing pass in dw (pallas_common.step_has_outside_rows). Measured in the
@@ -67,7 +66,6 @@ GROUP_ALIGNMENT = 64
 
 _IMPLS = ("auto", "pallas", "xla")
 _DW_PIPELINES = ("per_group", "ring")
-_DW_ORDERS = ("index", "size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,11 +103,6 @@ class GroupedMatmulConfig:
         filled and drained at every group), or ``None`` (default): ``"ring"``,
         and ``"per_group"`` where groups are small (the bound of
         :data:`SMALL_GROUP_TILES`), as measured (:data:`DW_PIPELINE`).
-      dw_order: the order in which the ring pipeline's SMs visit the groups:
-        ``"index"`` (every SM in group order) or ``"size"`` (half of the SMs
-        by decreasing group size, the other half by increasing size, so
-        compute-bound large groups overlap the HBM writes of small and empty
-        ones; bit-identical results). ``None`` (default): ``DW_ORDER``.
       interpret: run the Pallas kernels in Mosaic-GPU interpret mode (for
         testing the kernels on CPU; jax >= 0.11; very slow).
     """
@@ -123,13 +116,10 @@ class GroupedMatmulConfig:
     fwd_warpgroups: int = 2
     dw_cluster: int = 2
     dw_pipeline: Optional[str] = None
-    dw_order: Optional[str] = None
 
     def __post_init__(self):
         if self.dw_pipeline is not None and self.dw_pipeline not in _DW_PIPELINES:
             raise ValueError(f"dw_pipeline must be one of {_DW_PIPELINES}, got {self.dw_pipeline!r}")
-        if self.dw_order is not None and self.dw_order not in _DW_ORDERS:
-            raise ValueError(f"dw_order must be one of {_DW_ORDERS}, got {self.dw_order!r}")
         if self.impl not in _IMPLS:
             raise ValueError(f"impl must be one of {_IMPLS}, got {self.impl!r}")
         for name in ("dw_warpgroups", "fwd_warpgroups", "dw_cluster"):

@@ -313,7 +313,7 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, cluster=1):
     return kernel(offsets.astype(jnp.int32), x, dy)
 
 
-def tgmm_pallas_ring(x, dy, offsets, tiles, out_dtype, interpret, cluster=1, order=None):
+def tgmm_pallas_ring(x, dy, offsets, tiles, out_dtype, interpret, cluster=1):
     """The 2-consumer dw kernel with ONE ring of stages per SM (or cluster)
     across all groups, written out by hand: the producer warpgroup walks
     (group, this unit's tiles of the group, the group's k-steps) and refills
@@ -325,17 +325,7 @@ def tgmm_pallas_ring(x, dy, offsets, tiles, out_dtype, interpret, cluster=1, ord
     order and k-step order as ``tgmm_pallas_ws`` (bit-identical results), same
     ``cluster`` option (x tile multicast to CTA pairs). The loop nest needs no
     table and no division per step (session 14's table-driven per-SM pipeline
-    lost to those).
-
-    ``order`` (int32 ``[G]``, optional): the groups by decreasing size. The
-    first half of the SMs (clusters) then visit the groups in that order and
-    the second half in the reverse one, so while one half runs the large
-    groups' k-steps (tensor cores) the other writes the small and empty
-    groups' tiles of ``dw`` (HBM writes: every group writes all of ``dw[g]``
-    however few its rows). In index order, every SM is in the same group at
-    about the same time, and with skewed sizes the call alternates between
-    compute-bound and write-bound stretches. Which unit visits a group when
-    changes no tile's k-step order: results are bit-identical."""
+    lost to those)."""
     pl, plgpu = pallas_modules()
     bm, bn, bk, steps, band = tiles
     m, k = x.shape
@@ -352,21 +342,14 @@ def tgmm_pallas_ring(x, dy, offsets, tiles, out_dtype, interpret, cluster=1, ord
         size, t0, cnt, astart, lead, nsteps = _group_geometry(pl, off_ref, g, n_tiles, nsm, bk)
         return size, t0, cnt, astart, lead, jnp.where(size > 0, nsteps, 0)
 
-    def body(off_ref, ord_ref, x_ref, dy_ref, o_ref, o_smem, xs, dys, full, empty):
+    def body(off_ref, x_ref, dy_ref, o_ref, o_smem, xs, dys, full, empty):
         wg = lax.axis_index("wg")
-
-        def visit(i):   # the i-th group this SM (cluster) visits
-            if order is None:
-                return i
-            rev = lax.axis_index("sm") >= nsm // 2
-            return ord_ref[jnp.where(rev, g_count - 1 - i, i)]
 
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
 
-            def group(v, i):
-                g = visit(v)
+            def group(g, i):
                 _, t0, cnt, astart, _, nsteps = group_geometry(off_ref, g)
 
                 def tile(j, i):
@@ -401,8 +384,7 @@ def tgmm_pallas_ring(x, dy, offsets, tiles, out_dtype, interpret, cluster=1, ord
             store = _chunked_store(pl, plgpu, o_smem, o_ref, tile_of, col_tile, wg, bm, bn)
 
             def run(acc0):
-                def group(v, carry):
-                    g = visit(v)
+                def group(g, carry):
                     size, t0, cnt, _, lead, nsteps = group_geometry(off_ref, g)
 
                     @pl.when((size <= 0) & (cnt > 0))
@@ -452,6 +434,4 @@ def tgmm_pallas_ring(x, dy, offsets, tiles, out_dtype, interpret, cluster=1, ord
             plgpu.Barrier(num_arrivals=2, num_barriers=steps),     # stage loaded
             barrier(num_arrivals=2, num_barriers=steps),           # stage released
         ))
-    ords = (jnp.zeros((1,), jnp.int32) if order is None   # unread
-            else order.astype(jnp.int32))
-    return kernel(offsets.astype(jnp.int32), ords, x, dy)
+    return kernel(offsets.astype(jnp.int32), x, dy)

@@ -166,8 +166,7 @@ def test_dw_tiles(kind, total):
                                          ("tiny", 400, 128)])
 def test_dw_cluster(kind, total, g):
     """dw on 1- and 2-CTA clusters (x tile multicast), each with the
-    per-group pipeline and the ring across groups (on clusters also with
-    the groups visited by size), and the defaults (g 16:
+    per-group pipeline and the ring across groups, and the defaults (g 16:
     ring on clusters; g 64, small groups: per-group on clusters):
     bit-identical to each other (same tiles, same k-step order), against XLA
     in f32, empty groups zero, NaN/Inf tail unused. The auto path takes the
@@ -184,7 +183,7 @@ def test_dw_cluster(kind, total, g):
     x, _, dy, gs = data(m, k, n, sizes, seed=3)
     variants = [dict(dw_cluster=1, dw_pipeline="per_group"), dict(dw_cluster=2, dw_pipeline="per_group"),
                 dict(dw_cluster=1, dw_pipeline="ring"), dict(dw_pipeline="ring", dw_cluster=2),
-                dict(dw_pipeline="ring", dw_order="size"), dict()]
+                dict()]
     outs = [jax.jit(functools.partial(gm_mod.tgmm, config=GroupedMatmulConfig(**v)))(x, dy, gs)
             for v in variants]
     ws = gm_select.two_consumer_tiles(gm_select.op_tiles(PALLAS, "dw", x, dy, g), "m", k, x.dtype)
