@@ -73,22 +73,15 @@ SWEEP["dx"] = SWEEP["fwd"]
 # tiles and more stages (loads in flight) for 64-row groups. Most standalone
 # gains did not carry into the layer; dx (64,128,128) did and became
 # config.SMALL_GROUP_TILES (bench/results/2026-12-02-h200x1-s13.md).
-_SMALL_FWD = [((64, 128, 64, 4, 2), {}, ("uniform",)),
-              ((64, 128, 32, 8, 2), {}, ("uniform",)),
-              ((64, 256, 32, 4, 2), {}, ("uniform",)),
-              ((64, 128, 128, 3, 2), {}, ("uniform",)),
-              ((128, 128, 32, 6, 2), {}, ("uniform",))]
-SWEEP_SMALL = {"fwd": _SMALL_FWD, "dx": _SMALL_FWD,
-               # dw: the small-group default (session 14, config.SMALL_GROUP_TILES)
-               # and a wider one; with block_k 32 the layer fell back to XLA for dw.
-               # (Session 15: one pipeline per SM across groups, measured slower,
-               # deleted: bench/results/README.md.)
-               # Session 19: the 2-CTA cluster dw (x tile multicast) and the ring
-               # pipeline across groups became the defaults (the main rows); the
-               # per-group pipeline on 1-CTA clusters was the default before.
-               # Session 20: the ring's SM halves visiting the groups by decreasing /
-               # increasing size measured no faster, deleted (bench/results/README.md).
-               "dw": []}
+# (Those forward/dx rows, (64,128,64,4,2) (64,128,32,8,2) (64,256,32,4,2)
+# (64,128,128,3,2) (128,128,32,6,2) at uniform sizes, ran through session 19.)
+# Session 20: the forward/dx with fwd_half_tiles (half-empty 128-row tiles in a
+# second pipeline of 64-row tiles); uniform sizes (256 rows per group) have no
+# half tiles, skewed ones do. dw: session 19's cluster and ring rows are the
+# defaults (the main rows); session 20's group order by size measured no
+# faster, deleted (bench/results/README.md).
+_HALF = [((128, 128, 64, 5, 2), {"fwd_half_tiles": True}, ("uniform", "skewed"))]
+SWEEP_SMALL = {"fwd": _HALF, "dx": _HALF, "dw": []}
 
 
 def group_sizes(kind, seed=0):

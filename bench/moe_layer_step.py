@@ -301,7 +301,7 @@ def _kill_group(proc, term_wait=8.0):
             continue
 
 
-INT_GMM_FIELDS = ("dw_warpgroups", "fwd_warpgroups", "dw_cluster")   # GroupedMatmulConfig ints
+INT_GMM_FIELDS = ("dw_warpgroups", "fwd_warpgroups", "dw_cluster", "fwd_half_tiles")   # GroupedMatmulConfig ints
 STR_GMM_FIELDS = ("dw_pipeline",)                                      # and strings
 
 

@@ -99,7 +99,8 @@ def gmm(x, w, group_sizes, *, transpose_rhs: bool = False,
     if choose(cfg, op, x, w, out_dtype, w.shape[0]) == "pallas":
         ws = fwd_ws_tiles(cfg, op, x, w, transpose_rhs)
         if ws is not None:
-            out = gmm_pallas_ws(x, w, offsets, transpose_rhs, ws, out_dtype, cfg.interpret)
+            out = gmm_pallas_ws(x, w, offsets, transpose_rhs, ws, out_dtype, cfg.interpret,
+                                cfg.fwd_half_tiles)
         else:
             out = gmm_pallas(x, w, offsets, transpose_rhs, op_tiles(cfg, op, x, w, w.shape[0]),
                              out_dtype, cfg.interpret)

@@ -66,7 +66,8 @@ def fwd_ws_tiles(cfg, op, x, w, transpose_rhs) -> Optional[Tiles]:
     n = w.shape[1] if transpose_rhs else w.shape[2]
     ws = two_consumer_tiles(op_tiles(cfg, op, x, w, w.shape[0]), "n", n, x.dtype)
     if ws is not None and not cfg.interpret and cfg.impl == "auto":
-        ws = ws if pallas_compiles(f"{op}_ws", ws, x.dtype.name) else None
+        key = f"{op}_ws" + ("_half" if cfg.fwd_half_tiles else "")
+        ws = ws if pallas_compiles(key, ws, x.dtype.name) else None
     return ws
 
 
@@ -135,12 +136,13 @@ def pallas_compiles(op: str, tiles: Tiles, dtype_name: str, cluster: int = 1) ->
                 else:
                     f = lambda a, b, o: tgmm_pallas(a, b, o, tiles, dt, False)
                 args = (sds((m, k), dt), sds((m, n), dt), sds((g + 1,), jnp.int32))
-            else:   # fwd, dx, fwd_ws, dx_ws
+            else:   # fwd, dx, fwd_ws, dx_ws, fwd_ws_half, dx_ws_half
                 m, k, n = 2 * bm + 8, bk, 2 * bn
                 t = op.startswith("dx")
                 wshape = (g, n, k) if t else (g, k, n)
-                if op.endswith("_ws"):
-                    f = lambda a, b, o: gmm_pallas_ws(a, b, o, t, tiles, dt, False)
+                if "_ws" in op:
+                    half = op.endswith("_half")
+                    f = lambda a, b, o: gmm_pallas_ws(a, b, o, t, tiles, dt, False, half)
                 else:
                     f = lambda a, b, o: gmm_pallas(a, b, o, t, tiles, dt, False)
                 args = (sds((m, k), dt), sds(wshape, dt), sds((g + 1,), jnp.int32))
