@@ -301,19 +301,22 @@ def test_row_tiles_cover_every_row_once(bm):
         assert int(used.sum()) == n_groups + -(-(m - off[-1] // 8 * 8) // bm)
 
 
-def test_half_tile_table_covers_every_row_once():
+@pytest.mark.parametrize("bm", [128, 256])
+def test_half_tile_table_covers_every_row_once(bm):
     """fwd_half_tiles' table: full tiles, then half tiles (all stored rows in
     one 64-row half, the load moved to that half), then the tail, with counts;
     every row of [0, m) still stored by exactly one tile of its own group,
     loads 8-aligned and inside [0, m)."""
     from jax_ep.gmm.pallas_fwd import _half_tile_table
-    bm, hb = 128, 64
+    hb = bm // 2
     rng = np.random.default_rng(5)
-    for trial in range(40):
+    for trial in range(60):
         G = int(rng.integers(1, 20))
-        m = 8 * int(rng.integers(bm // 8, 120))
+        m = bm if trial == 0 else 8 * int(rng.integers(bm // 8, 120))
         sizes = 64 * rng.integers(0, 6, size=G) if trial % 2 else rng.integers(0, 3 * bm, size=G)
         sizes[rng.random(G) < 0.3] = 0
+        if trial == 1:
+            sizes[:] = 0
         if trial % 3 == 0:     # fill exactly m: the last tiles move back to end at m
             sizes = np.floor(sizes / max(sizes.sum(), 1) * m).astype(int)
             sizes[-1] += m - sizes.sum()
@@ -339,23 +342,25 @@ def test_half_tile_table_covers_every_row_once():
 
 
 @pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
-@pytest.mark.parametrize("sizes", [[70, 0, 150, 1, 129, 40], [64, 192, 0, 64, 64, 8]])
-def test_pallas_fwd_half_tiles_interpret(sizes):
+@pytest.mark.parametrize("sizes,band", [([70, 0, 150, 1, 129, 40], 1), ([64, 192, 0, 64, 64, 8], 2),
+                                        ([8, 40, 0, 64, 24], 1), ([70, 0, 150, 1, 139, 40], 2)])
+def test_pallas_fwd_half_tiles_interpret(sizes, band):
     """fwd_half_tiles: the forward / dx kernel with a second pipeline of 64-row
-    tiles for the 128-row tiles whose stored rows lie in one half (upper
-    halves of groups' last tiles, lower halves of tiles moved back to end at
-    M; second case: 64-row aligned groups, as in the layer), empty groups,
-    NaN/Inf tail -- matches numpy, tail zero."""
+    tiles for the 128-row tiles whose stored rows lie in one half (lower
+    halves of groups' last tiles, upper halves of tiles moved back to end at
+    M), dealt on from where the full tiles' deal stopped; cases: 64-row
+    aligned groups as in the layer, no full tile at all, sizes summing to M
+    (no tail), band 1 and 2; empty groups, NaN/Inf tail -- matches numpy, tail zero."""
     x, w, dy, gs = make(sizes, m=400, k=256, n=256, seed=13)
     xb, wb, dyb = (jnp.asarray(a, jnp.bfloat16) for a in (x, w, dy))
-    tiles = (128, 64, 64, 3, 1)
+    tiles = (128, 64, 64, 3, band)
     cfg = GroupedMatmulConfig(impl="pallas", interpret=True, fwd=tiles, dx=tiles,
                               fwd_half_tiles=True)
     assert gm_select.fwd_ws_tiles(cfg, "fwd", xb, wb, False) is not None
     from jax_ep.gmm.pallas_fwd import _half_tile_table
     off = jnp.asarray(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
     counts = np.asarray(_half_tile_table(*row_tiles(off, 400, 128), 128)[0])
-    assert counts[0] > 0 and counts[1] > 0      # both pipelines run
+    assert counts[1] > 0 and (counts[0] > 0 or sum(sizes) < 150)   # the half pipeline runs
     y = np.asarray(gm_mod.gmm(xb, wb, gs, config=cfg), np.float32)
     dx = np.asarray(gm_mod.gmm(dyb, wb, gs, transpose_rhs=True, config=cfg), np.float32)
     xf, wf, dyf = (np.asarray(a, np.float32) for a in (xb, wb, dyb))
@@ -414,6 +419,8 @@ def test_pallas_lowers_for_cuda(op):
     else:
         f = functools.partial(gm_mod.tgmm, config=cfg)
         args = (sds((m, k), bf), sds((m, n), bf), gsd)
+    if cfg.fwd_half_tiles:   # the half-tile pipeline needs block_m % 128 == 0
+        assert gm_select.fwd_ws_tiles(cfg, op, *args[:2], op == "dx")[0] % 128 == 0
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 

@@ -107,7 +107,9 @@ class GroupedMatmulConfig:
         stored rows lie in one half of ``block_m`` (a group's last tile, half
         empty for about every second group where groups are 64-row aligned)
         as ``block_m / 2``-row tiles in a second pipeline, saving their empty
-        half's tensor work (default False: not yet measured on a GPU).
+        half's tensor work; only where ``block_m`` is a multiple of 128 (so
+        not with the small-group tiles). Default False: not yet measured on
+        a GPU.
       interpret: run the Pallas kernels in Mosaic-GPU interpret mode (for
         testing the kernels on CPU; jax >= 0.11; very slow).
     """

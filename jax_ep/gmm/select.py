@@ -66,9 +66,17 @@ def fwd_ws_tiles(cfg, op, x, w, transpose_rhs) -> Optional[Tiles]:
     n = w.shape[1] if transpose_rhs else w.shape[2]
     ws = two_consumer_tiles(op_tiles(cfg, op, x, w, w.shape[0]), "n", n, x.dtype)
     if ws is not None and not cfg.interpret and cfg.impl == "auto":
-        key = f"{op}_ws" + ("_half" if cfg.fwd_half_tiles else "")
-        ws = ws if pallas_compiles(key, ws, x.dtype.name) else None
+        ws = ws if pallas_compiles(f"{op}_ws", ws, x.dtype.name) else None
     return ws
+
+
+def fwd_half_tiles(cfg, op, ws: Tiles, dtype) -> bool:
+    """Whether the 2-consumer forward/dx kernel on tiles ``ws`` runs the
+    half-tile pipeline: the config asks for it and (in auto mode on a GPU) it
+    compiles; else the kernel runs without it."""
+    if not cfg.fwd_half_tiles:
+        return False
+    return cfg.interpret or cfg.impl != "auto" or pallas_compiles(f"{op}_ws_half", ws, dtype.name)
 
 
 def _pallas_dtype_ok(x, w):
@@ -153,6 +161,7 @@ def pallas_compiles(op: str, tiles: Tiles, dtype_name: str, cluster: int = 1) ->
                       f"(cluster {cluster}) does not compile here ({type(e).__name__}: {str(e)[:200]}); using "
                       + ("a 1-CTA cluster" if cluster > 1
                          else "the per-group pipeline" if op == "dw_ring"
+                         else "no half-tile pipeline" if op.endswith("_half")
                          else "the 1-warpgroup kernel" if "_ws" in op else "jax.lax.ragged_dot")
                       + " instead")
         return False
