@@ -269,6 +269,28 @@ def test_dw_zeroing_runs_exactly_on_steps_with_foreign_rows(bk):
     assert bad.size == 0, [cases[i] for i in bad[:5]]
 
 
+def random_offsets(rng, bm, m=None, aligned=False, fill=False):
+    """Random group offsets for the tile-table tests: 1-19 groups (30% empty;
+    ``aligned``: sizes multiples of 64), ``m`` rows (random multiple of 8 if
+    None); ``fill``: sizes summing to exactly ``m`` (last tiles move back)."""
+    G = int(rng.integers(1, 20))
+    m = m or 8 * int(rng.integers(bm // 8, 120))
+    sizes = 64 * rng.integers(0, 6, size=G) if aligned else rng.integers(0, 3 * bm, size=G)
+    sizes[rng.random(G) < 0.3] = 0
+    if fill:
+        sizes = np.floor(sizes / max(sizes.sum(), 1) * m).astype(int)
+        sizes[-1] += m - sizes.sum()
+    return np.concatenate([[0], np.minimum(np.cumsum(sizes), m)]).astype(np.int32), m
+
+
+def row_owners(off, m):
+    """[m] int: the group of each row, -1 past the groups."""
+    want = np.full(m, -1)
+    for gi in range(len(off) - 1):
+        want[off[gi]:off[gi + 1]] = gi
+    return want
+
+
 @pytest.mark.parametrize("bm", [64, 128])
 def test_row_tiles_cover_every_row_once(bm):
     """The forward/dx tile table: every row of [0, m) stored by exactly one tile
@@ -276,14 +298,8 @@ def test_row_tiles_cover_every_row_once(bm):
     < one extra tile per group, unused entries last."""
     rng = np.random.default_rng(bm)
     for trial in range(40):
-        G = int(rng.integers(1, 20))
-        m = 8 * int(rng.integers(bm // 8, 120))
-        sizes = rng.integers(0, 3 * bm, size=G)
-        sizes[rng.random(G) < 0.3] = 0
-        if trial % 3 == 0:     # fill exactly m
-            sizes = np.floor(sizes / max(sizes.sum(), 1) * m).astype(int)
-            sizes[-1] += m - sizes.sum()
-        off = np.concatenate([[0], np.minimum(np.cumsum(sizes), m)]).astype(np.int32)
+        off, m = random_offsets(rng, bm, fill=trial % 3 == 0)
+        G = len(off) - 1
         row, lo, hi, g = (np.asarray(a) for a in row_tiles(jnp.asarray(off), m, bm))
         owner = np.full(m, -2)
         used = hi > lo
@@ -292,10 +308,7 @@ def test_row_tiles_cover_every_row_once(bm):
             assert r0 % 8 == 0 and 0 <= r0 and r0 + bm <= m and r0 <= a < b <= r0 + bm
             assert np.all(owner[a:b] == -2)
             owner[a:b] = gg
-        want = np.full(m, -1)
-        for gi in range(G):
-            want[off[gi]:off[gi + 1]] = gi
-        np.testing.assert_array_equal(owner, want)
+        np.testing.assert_array_equal(owner, row_owners(off, m))
         n_groups = sum(-(-(off[i + 1] - off[i] // 8 * 8) // bm) for i in range(G)
                        if off[i + 1] > off[i])
         assert int(used.sum()) == n_groups + -(-(m - off[-1] // 8 * 8) // bm)
@@ -310,17 +323,11 @@ def test_half_tile_table_covers_every_row_once(bm):
     from jax_ep.gmm.pallas_fwd import _half_tile_table
     hb = bm // 2
     rng = np.random.default_rng(5)
-    for trial in range(60):
-        G = int(rng.integers(1, 20))
-        m = bm if trial == 0 else 8 * int(rng.integers(bm // 8, 120))
-        sizes = 64 * rng.integers(0, 6, size=G) if trial % 2 else rng.integers(0, 3 * bm, size=G)
-        sizes[rng.random(G) < 0.3] = 0
-        if trial == 1:
-            sizes[:] = 0
-        if trial % 3 == 0:     # fill exactly m: the last tiles move back to end at m
-            sizes = np.floor(sizes / max(sizes.sum(), 1) * m).astype(int)
-            sizes[-1] += m - sizes.sum()
-        off = np.concatenate([[0], np.minimum(np.cumsum(sizes), m)]).astype(np.int32)
+    for trial in range(40):
+        off, m = random_offsets(rng, bm, m=bm if trial == 0 else None, aligned=trial % 2 == 1,
+                                fill=trial % 3 == 0)
+        if trial == 1:   # every group empty
+            off[:] = 0
         counts, row, lo, hi, g = (np.asarray(a) for a in
                                   _half_tile_table(*row_tiles(jnp.asarray(off), m, bm), bm))
         nf, nh, nt = (int(c) for c in counts)
@@ -335,10 +342,7 @@ def test_half_tile_table_covers_every_row_once(bm):
                     assert a - r0 < hb < b - r0
                 assert np.all(owner[a:b] == -2)
                 owner[a:b] = gg
-        want = np.full(m, -1)
-        for gi in range(G):
-            want[off[gi]:off[gi + 1]] = gi
-        np.testing.assert_array_equal(owner, want)
+        np.testing.assert_array_equal(owner, row_owners(off, m))
 
 
 @pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
