@@ -301,8 +301,9 @@ def _kill_group(proc, term_wait=8.0):
             continue
 
 
-INT_GMM_FIELDS = ("dw_warpgroups", "fwd_warpgroups", "dw_cluster", "fwd_half_tiles")   # GroupedMatmulConfig ints
-STR_GMM_FIELDS = ("dw_pipeline",)                                      # and strings
+# GroupedMatmulConfig's int (and bool) knobs, and its string ones
+INT_GMM_FIELDS = ("dw_warpgroups", "fwd_warpgroups", "dw_cluster", "fwd_half_tiles")
+STR_GMM_FIELDS = ("dw_pipeline",)
 
 
 def _parse_gmm_tiles(text):

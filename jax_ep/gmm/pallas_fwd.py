@@ -127,8 +127,8 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret, hal
     m, k = x.shape
     n = w.shape[1] if transpose_rhs else w.shape[2]
     rs, r0, r1, grp = row_tiles(offsets, m, bm)
-    half_tiles = half_tiles and bm % (2 * EPILOGUE_ROWS) == 0
-    if half_tiles:
+    if half_tiles:   # select.fwd_half_tiles: halves of whole output chunks
+        assert bm % (2 * EPILOGUE_ROWS) == 0, tiles
         counts, rs, r0, r1, grp = _half_tile_table(rs, r0, r1, grp, bm)
     else:
         used = r1 > r0

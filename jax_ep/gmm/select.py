@@ -72,9 +72,10 @@ def fwd_ws_tiles(cfg, op, x, w, transpose_rhs) -> Optional[Tiles]:
 
 def fwd_half_tiles(cfg, op, ws: Tiles, dtype) -> bool:
     """Whether the 2-consumer forward/dx kernel on tiles ``ws`` runs the
-    half-tile pipeline: the config asks for it and (in auto mode on a GPU) it
-    compiles; else the kernel runs without it."""
-    if not cfg.fwd_half_tiles:
+    half-tile pipeline: the config asks for it, ``block_m`` splits into two
+    halves of whole output chunks, and (in auto mode on a GPU) it compiles;
+    else the kernel runs without it."""
+    if not cfg.fwd_half_tiles or ws[0] % (2 * EPILOGUE_ROWS):
         return False
     return cfg.interpret or cfg.impl != "auto" or pallas_compiles(f"{op}_ws_half", ws, dtype.name)
 
