@@ -75,13 +75,12 @@ SWEEP["dx"] = SWEEP["fwd"]
 # config.SMALL_GROUP_TILES (bench/results/2026-12-02-h200x1-s13.md).
 # (Those forward/dx rows, (64,128,64,4,2) (64,128,32,8,2) (64,256,32,4,2)
 # (64,128,128,3,2) (128,128,32,6,2) at uniform sizes, ran through session 19.)
-# Session 20: the forward/dx with fwd_half_tiles (half-empty 128-row tiles in a
-# second pipeline of 64-row tiles); uniform sizes (256 rows per group) have no
-# half tiles, skewed ones do. dw: session 19's cluster and ring rows are the
+# Session 20-21: the forward/dx with fwd_half_tiles (half-empty 128-row tiles in
+# a second pipeline of 64-row tiles) measured no faster, deleted
+# (bench/results/README.md). dw: session 19's cluster and ring rows are the
 # defaults (the main rows); session 20's group order by size measured no
-# faster, deleted (bench/results/README.md).
-_HALF = [((128, 128, 64, 5, 2), {"fwd_half_tiles": True}, ("uniform", "skewed"))]
-SWEEP_SMALL = {"fwd": _HALF, "dx": _HALF, "dw": []}
+# faster, deleted. The lists hold the next targeted configurations.
+SWEEP_SMALL = {"fwd": [], "dx": [], "dw": []}
 
 
 def group_sizes(kind, seed=0):

@@ -301,9 +301,8 @@ def _kill_group(proc, term_wait=8.0):
             continue
 
 
-# GroupedMatmulConfig's int (and bool) knobs, and its string ones
-INT_GMM_FIELDS = ("dw_warpgroups", "fwd_warpgroups", "dw_cluster", "fwd_half_tiles")
-STR_GMM_FIELDS = ("dw_pipeline",)
+INT_GMM_FIELDS = ("dw_warpgroups", "fwd_warpgroups", "dw_cluster")   # GroupedMatmulConfig ints
+STR_GMM_FIELDS = ("dw_pipeline",)                                      # and strings
 
 
 def _parse_gmm_tiles(text):

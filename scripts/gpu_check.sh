@@ -45,15 +45,11 @@
 # Session 20 (one H200; bench/results/2026-12-03-h200x1-s20.md): those tests
 # passed (18); V3 T 8192 1.92x and Mixtral 1.72x XLA; wider T 128 dx/dw
 # tiles, dw visiting groups by size, and forward/dx wgmmas per 64-row chunk
-# measured slower and were deleted. Not yet on a GPU: GroupedMatmulConfig.
-# fwd_half_tiles (opt-in) and three tests on session 19's dw defaults. Next:
-#   TESTS_FIRST=1 SKIP_BENCH=1 SKIP_EXAMPLES=1 JAX_EP_TEST_NPROCS=1 TEST_TIMEOUT=300
-#   GPU_TESTS="<file>::test_fwd_half_tiles <file>::test_auto_picks_pallas_on_hopper
-#   <file>::test_dw_tiles <file>::test_pallas_vs_xla_small" (file: tests/gpu/
-#   test_grouped_matmul_gpu.py) LAYER_AB_TOKENS="4096 1024 8192"
-#   LAYER_AB="default|fwd_half_tiles=1" GMM_BENCH=1
-#   GMM_ARGS="--no-xla --ops fwd,dx --sweep-small --reps 10"
-# then make fwd_half_tiles the default or delete it, by the layer numbers.
+# measured slower and were deleted.
+# Session 21 (one H200; bench/results/2026-12-03-h200x1-s21.md): fwd_half_tiles
+# (half-empty forward/dx tiles in a 64-row pipeline) measured no faster in the
+# layer in either order (T 8192 fwd+dx +1.9%) and was deleted; 17 grouped-
+# matmul GPU tests passed, the dw-default ones included.
 # Still open on one GPU: up dw is 3% behind cuBLAS; T 128 is 0.4 ms behind
 # XLA (the weight streams); Nsight Compute of our forward against XLA's GEMM
 # at 16-64 rows per group with 16 groups (weights < 1 GB, so replays fit).

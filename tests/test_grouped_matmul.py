@@ -269,28 +269,6 @@ def test_dw_zeroing_runs_exactly_on_steps_with_foreign_rows(bk):
     assert bad.size == 0, [cases[i] for i in bad[:5]]
 
 
-def random_offsets(rng, bm, m=None, aligned=False, fill=False):
-    """Random group offsets for the tile-table tests: 1-19 groups (30% empty;
-    ``aligned``: sizes multiples of 64), ``m`` rows (random multiple of 8 if
-    None); ``fill``: sizes summing to exactly ``m`` (last tiles move back)."""
-    G = int(rng.integers(1, 20))
-    m = m or 8 * int(rng.integers(bm // 8, 120))
-    sizes = 64 * rng.integers(0, 6, size=G) if aligned else rng.integers(0, 3 * bm, size=G)
-    sizes[rng.random(G) < 0.3] = 0
-    if fill:
-        sizes = np.floor(sizes / max(sizes.sum(), 1) * m).astype(int)
-        sizes[-1] += m - sizes.sum()
-    return np.concatenate([[0], np.minimum(np.cumsum(sizes), m)]).astype(np.int32), m
-
-
-def row_owners(off, m):
-    """[m] int: the group of each row, -1 past the groups."""
-    want = np.full(m, -1)
-    for gi in range(len(off) - 1):
-        want[off[gi]:off[gi + 1]] = gi
-    return want
-
-
 @pytest.mark.parametrize("bm", [64, 128])
 def test_row_tiles_cover_every_row_once(bm):
     """The forward/dx tile table: every row of [0, m) stored by exactly one tile
@@ -298,8 +276,14 @@ def test_row_tiles_cover_every_row_once(bm):
     < one extra tile per group, unused entries last."""
     rng = np.random.default_rng(bm)
     for trial in range(40):
-        off, m = random_offsets(rng, bm, fill=trial % 3 == 0)
-        G = len(off) - 1
+        G = int(rng.integers(1, 20))
+        m = 8 * int(rng.integers(bm // 8, 120))
+        sizes = rng.integers(0, 3 * bm, size=G)
+        sizes[rng.random(G) < 0.3] = 0
+        if trial % 3 == 0:     # fill exactly m
+            sizes = np.floor(sizes / max(sizes.sum(), 1) * m).astype(int)
+            sizes[-1] += m - sizes.sum()
+        off = np.concatenate([[0], np.minimum(np.cumsum(sizes), m)]).astype(np.int32)
         row, lo, hi, g = (np.asarray(a) for a in row_tiles(jnp.asarray(off), m, bm))
         owner = np.full(m, -2)
         used = hi > lo
@@ -308,71 +292,13 @@ def test_row_tiles_cover_every_row_once(bm):
             assert r0 % 8 == 0 and 0 <= r0 and r0 + bm <= m and r0 <= a < b <= r0 + bm
             assert np.all(owner[a:b] == -2)
             owner[a:b] = gg
-        np.testing.assert_array_equal(owner, row_owners(off, m))
+        want = np.full(m, -1)
+        for gi in range(G):
+            want[off[gi]:off[gi + 1]] = gi
+        np.testing.assert_array_equal(owner, want)
         n_groups = sum(-(-(off[i + 1] - off[i] // 8 * 8) // bm) for i in range(G)
                        if off[i + 1] > off[i])
         assert int(used.sum()) == n_groups + -(-(m - off[-1] // 8 * 8) // bm)
-
-
-@pytest.mark.parametrize("bm", [128, 256])
-def test_half_tile_table_covers_every_row_once(bm):
-    """fwd_half_tiles' table: full tiles, then half tiles (all stored rows in
-    one 64-row half, the load moved to that half), then the tail, with counts;
-    every row of [0, m) still stored by exactly one tile of its own group,
-    loads 8-aligned and inside [0, m)."""
-    from jax_ep.gmm.pallas_fwd import _half_tile_table
-    hb = bm // 2
-    rng = np.random.default_rng(5)
-    for trial in range(40):
-        off, m = random_offsets(rng, bm, m=bm if trial == 0 else None, aligned=trial % 2 == 1,
-                                fill=trial % 3 == 0)
-        if trial == 1:   # every group empty
-            off[:] = 0
-        counts, row, lo, hi, g = (np.asarray(a) for a in
-                                  _half_tile_table(*row_tiles(jnp.asarray(off), m, bm), bm))
-        nf, nh, nt = (int(c) for c in counts)
-        kinds = [(0, nf, bm, True), (nf, nf + nh, hb, True), (nf + nh, nf + nh + nt, bm, False)]
-        assert not np.any(hi[nf + nh + nt:] > lo[nf + nh + nt:])      # unused entries last
-        owner = np.full(m, -2)
-        for a0, a1, rows, real in kinds:
-            for r0, a, b, gg in zip(row[a0:a1], lo[a0:a1], hi[a0:a1], g[a0:a1]):
-                assert a < b and (gg >= 0) == real
-                assert r0 % 8 == 0 and 0 <= r0 and r0 + rows <= m and r0 <= a < b <= r0 + rows
-                if real and rows == bm:   # a full tile stores rows in both halves
-                    assert a - r0 < hb < b - r0
-                assert np.all(owner[a:b] == -2)
-                owner[a:b] = gg
-        np.testing.assert_array_equal(owner, row_owners(off, m))
-
-
-@pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
-@pytest.mark.parametrize("sizes,band", [([70, 0, 150, 1, 129, 40], 1), ([64, 192, 0, 64, 64, 8], 2),
-                                        ([8, 40, 0, 64, 24], 1), ([70, 0, 150, 1, 139, 40], 2)])
-def test_pallas_fwd_half_tiles_interpret(sizes, band):
-    """fwd_half_tiles: the forward / dx kernel with a second pipeline of 64-row
-    tiles for the 128-row tiles whose stored rows lie in one half (lower
-    halves of groups' last tiles, upper halves of tiles moved back to end at
-    M), dealt on from where the full tiles' deal stopped; cases: 64-row
-    aligned groups as in the layer, no full tile at all, sizes summing to M
-    (no tail), band 1 and 2; empty groups, NaN/Inf tail -- matches numpy, tail zero."""
-    x, w, dy, gs = make(sizes, m=400, k=256, n=256, seed=13)
-    xb, wb, dyb = (jnp.asarray(a, jnp.bfloat16) for a in (x, w, dy))
-    tiles = (128, 64, 64, 3, band)
-    cfg = GroupedMatmulConfig(impl="pallas", interpret=True, fwd=tiles, dx=tiles,
-                              fwd_half_tiles=True)
-    assert gm_select.fwd_ws_tiles(cfg, "fwd", xb, wb, False) is not None
-    from jax_ep.gmm.pallas_fwd import _half_tile_table
-    off = jnp.asarray(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
-    counts = np.asarray(_half_tile_table(*row_tiles(off, 400, 128), 128)[0])
-    assert counts[1] > 0 and (counts[0] > 0 or sum(sizes) < 150)   # the half pipeline runs
-    y = np.asarray(gm_mod.gmm(xb, wb, gs, config=cfg), np.float32)
-    dx = np.asarray(gm_mod.gmm(dyb, wb, gs, transpose_rhs=True, config=cfg), np.float32)
-    xf, wf, dyf = (np.asarray(a, np.float32) for a in (xb, wb, dyb))
-    rdx, _ = np_grads(clean(xf, sizes), wf, sizes, clean(dyf, sizes))
-    np.testing.assert_allclose(y, np_gmm(clean(xf, sizes), wf, sizes), rtol=2e-2, atol=0.3)
-    np.testing.assert_allclose(dx, rdx, rtol=2e-2, atol=0.3)
-    tot = int(np.sum(sizes))
-    assert np.all(y[tot:] == 0) and np.all(dx[tot:] == 0)
 
 
 @pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
@@ -397,8 +323,7 @@ def test_pallas_kernels_interpret(case):
         assert np.all(dw[g] == 0)
 
 
-@pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwd_ws", "dx_ws", "fwd_half_ws", "dx_half_ws",
-                                "dw_1wg", "fwd_small_ws",
+@pytest.mark.parametrize("op", ["fwd", "dx", "dw", "fwd_ws", "dx_ws", "dw_1wg", "fwd_small_ws",
                                 "dx_small", "dx_small_ws", "dw_small", "dw_small_1wg", "dw_c2",
                                 "dw_small_c2", "dw_ring", "dw_small_ring", "dw_ring_c2"])
 def test_pallas_lowers_for_cuda(op):
@@ -410,8 +335,7 @@ def test_pallas_lowers_for_cuda(op):
     cfg = GroupedMatmulConfig(impl="pallas", fwd_warpgroups=2 if op.endswith("_ws") else 1,
                               dw_warpgroups=1 if op.endswith("_1wg") else 2,
                               dw_cluster=2 if op.endswith("_c2") else 1,
-                              dw_pipeline="ring" if "_ring" in op else "per_group",
-                              fwd_half_tiles="_half" in op)
+                              dw_pipeline="ring" if "_ring" in op else "per_group")
     op = op.split("_")[0]
     gsd = sds((g,), jnp.int32)
     if op == "fwd":
@@ -423,8 +347,6 @@ def test_pallas_lowers_for_cuda(op):
     else:
         f = functools.partial(gm_mod.tgmm, config=cfg)
         args = (sds((m, k), bf), sds((m, n), bf), gsd)
-    if cfg.fwd_half_tiles:   # the half-tile pipeline needs block_m % 128 == 0
-        assert gm_select.fwd_ws_tiles(cfg, op, *args[:2], op == "dx")[0] % 128 == 0
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 

@@ -66,10 +66,7 @@ never stored (a row's output depends on that row alone). Work:
 ``sum_g cdiv(size_g + lead_g, block_m)`` tiles -- under one extra tile per
 group, none for empty groups and none past ``total`` (tiles cut at fixed
 ``block_m`` boundaries, an earlier version, cost one more tile per boundary
-inside a block: 1.5x the work at ~256 rows per group). With
-``GroupedMatmulConfig.fwd_half_tiles`` (opt-in, not yet measured on a GPU),
-tiles whose stored rows lie in one half run afterwards as ``block_m / 2``-row
-tiles in a second pipeline.
+inside a block: 1.5x the work at ~256 rows per group).
 
 Tiles: ``GroupedMatmulConfig``'s, else ``DEFAULT_TILES``; with small groups
 (``M / G <= SMALL_GROUP_ROWS``, 96, and the config's tiles for the op unset)

@@ -12,8 +12,8 @@ from .._ffi import to_vma, vma_of
 from .config import GroupedMatmulConfig
 from .pallas_dw import tgmm_pallas, tgmm_pallas_ring, tgmm_pallas_ws
 from .pallas_fwd import gmm_pallas, gmm_pallas_ws
-from .select import (choose, dw_cluster, dw_kernel_op, dw_pipeline, fwd_half_tiles, fwd_ws_tiles,
-                     op_tiles, pallas_compiles, two_consumer_tiles)
+from .select import (choose, dw_cluster, dw_kernel_op, dw_pipeline, fwd_ws_tiles, op_tiles,
+                     pallas_compiles, two_consumer_tiles)
 from .xla import gmm_xla, tgmm_xla
 
 
@@ -99,8 +99,7 @@ def gmm(x, w, group_sizes, *, transpose_rhs: bool = False,
     if choose(cfg, op, x, w, out_dtype, w.shape[0]) == "pallas":
         ws = fwd_ws_tiles(cfg, op, x, w, transpose_rhs)
         if ws is not None:
-            out = gmm_pallas_ws(x, w, offsets, transpose_rhs, ws, out_dtype, cfg.interpret,
-                                fwd_half_tiles(cfg, op, ws, x.dtype))
+            out = gmm_pallas_ws(x, w, offsets, transpose_rhs, ws, out_dtype, cfg.interpret)
         else:
             out = gmm_pallas(x, w, offsets, transpose_rhs, op_tiles(cfg, op, x, w, w.shape[0]),
                              out_dtype, cfg.interpret)

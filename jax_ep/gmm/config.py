@@ -103,13 +103,6 @@ class GroupedMatmulConfig:
         filled and drained at every group), or ``None`` (default): ``"ring"``,
         and ``"per_group"`` where groups are small (the bound of
         :data:`SMALL_GROUP_TILES`), as measured (:data:`DW_PIPELINE`).
-      fwd_half_tiles: the 2-consumer forward / dx kernel runs the tiles whose
-        stored rows lie in one half of ``block_m`` (a group's last tile, half
-        empty for about every second group where groups are 64-row aligned)
-        as ``block_m / 2``-row tiles in a second pipeline, saving their empty
-        half's tensor work; only where ``block_m`` is a multiple of 128 (so
-        not with the small-group tiles). Default False: not yet measured on
-        a GPU.
       interpret: run the Pallas kernels in Mosaic-GPU interpret mode (for
         testing the kernels on CPU; jax >= 0.11; very slow).
     """
@@ -123,14 +116,10 @@ class GroupedMatmulConfig:
     fwd_warpgroups: int = 2
     dw_cluster: int = 2
     dw_pipeline: Optional[str] = None
-    fwd_half_tiles: bool = False
 
     def __post_init__(self):
         if self.dw_pipeline is not None and self.dw_pipeline not in _DW_PIPELINES:
             raise ValueError(f"dw_pipeline must be one of {_DW_PIPELINES}, got {self.dw_pipeline!r}")
-        if self.fwd_half_tiles not in (0, 1):   # False / True (an int from a command line)
-            raise ValueError(f"fwd_half_tiles must be a bool, got {self.fwd_half_tiles!r}")
-        object.__setattr__(self, "fwd_half_tiles", bool(self.fwd_half_tiles))
         if self.impl not in _IMPLS:
             raise ValueError(f"impl must be one of {_IMPLS}, got {self.impl!r}")
         for name in ("dw_warpgroups", "fwd_warpgroups", "dw_cluster"):

@@ -80,23 +80,7 @@ def gmm_pallas(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
     return kernel(rs, r0, r1, grp, x, w)
 
 
-def _half_tile_table(rs, r0, r1, grp, bm):
-    """The row-tile table reordered for :func:`gmm_pallas_ws`'s two phases:
-    full tiles first, then tiles whose stored rows lie in one ``bm / 2`` half
-    (``rs`` moved to that half), then the tail; counts ``[full, half, tail]``."""
-    hb = bm // 2
-    used = r1 > r0
-    real = used & (grp >= 0)
-    upper = real & (r0 - rs >= hb)
-    half = upper | (real & (r1 - rs <= hb))
-    rs = jnp.where(upper, rs + hb, rs)
-    key = jnp.where(real, jnp.where(half, 1, 0), jnp.where(used, 2, 3)).astype(jnp.int32)
-    perm = jnp.argsort(key, stable=True)
-    counts = jnp.stack([jnp.sum(key == 0), jnp.sum(key == 1), jnp.sum(key == 2)]).astype(jnp.int32)
-    return counts, rs[perm], r0[perm], r1[perm], grp[perm]
-
-
-def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret, half_tiles=False):
+def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
     """Forward / dx with two consumer warpgroups and a producer warpgroup,
     ONE pipeline per SM across all of its tiles.
 
@@ -113,27 +97,14 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret, hal
     bench/results/README.md): the V3 layer at T 128 1-3% faster, at T 4096
     equal; outputs bit-identical. The output tile goes to HBM in
     ``EPILOGUE_ROWS`` row chunks.
-
-    ``half_tiles`` (``block_m`` a multiple of 128): tiles whose stored rows
-    all lie in one half (a group's last tile, often half empty where groups
-    are 64-row aligned and tiles 128 rows) run in a second pipeline of
-    ``block_m / 2``-row tiles after the full ones, dealt on from where the
-    first left off, so they issue half the tensor work. One pipeline change
-    per SM; no predicate per k-step (the per-chunk wgmma skip measured 10-35%
-    slower, bench/results/README.md).
     """
     pl, plgpu = pallas_modules()
     bm, bn, bk, steps, band = tiles
     m, k = x.shape
     n = w.shape[1] if transpose_rhs else w.shape[2]
     rs, r0, r1, grp = row_tiles(offsets, m, bm)
-    if half_tiles:   # select.fwd_half_tiles: halves of whole output chunks
-        assert bm % (2 * EPILOGUE_ROWS) == 0, tiles
-        counts, rs, r0, r1, grp = _half_tile_table(rs, r0, r1, grp, bm)
-    else:
-        used = r1 > r0
-        counts = jnp.stack([jnp.sum(used & (grp >= 0)), jnp.int32(0),
-                            jnp.sum(used & (grp < 0))]).astype(jnp.int32)
+    used = r1 > r0
+    counts = jnp.stack([jnp.sum(used & (grp >= 0)), jnp.sum(used & (grp < 0))]).astype(jnp.int32)
     grid_n, ksteps = n // (2 * bn), k // bk
     nsm = num_sms(interpret)
     rows = EPILOGUE_ROWS
@@ -143,7 +114,18 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret, hal
 
     def body(cnt_ref, rs_ref, r0_ref, r1_ref, g_ref, x_ref, w_ref, o_ref):
         sm = lax.axis_index("sm")
-        n_full, n_half = cnt_ref[0], cnt_ref[1]
+        n_grp = cnt_ref[0]
+
+        def tile(j):   # this SM's j-th tile -> (row tile, column tile)
+            return plgpu.planar_snake(sm + j * nsm, (n_grp, grid_n), 0, band)
+
+        def x_index(j, kk):
+            return pl.multiple_of(rs_ref[tile(j)[0]], 8), kk
+
+        def w_index(j, kk):
+            fi, ni = tile(j)
+            g = jnp.maximum(g_ref[fi], 0)
+            return (g, ni, kk) if transpose_rhs else (g, kk, ni)
 
         def scoped(o_smem):
             wg = lax.axis_index("wg")
@@ -152,7 +134,7 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret, hal
                 lo, hi = r0_ref[fi], r1_ref[fi]
                 row0 = pl.multiple_of(rs_ref[fi], 8)
                 col = pl.multiple_of(ni * (2 * bn) + wg * bn, bn)
-                for c in range(val.shape[0] // rows):   # the tile's row chunks, one after the other
+                for c in range(bm // rows):   # the tile's row chunks, one after the other
                     c0 = row0 + c * rows
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # our slot is free
                     o_smem[wg] = val[c * rows:(c + 1) * rows].astype(o_smem.dtype)
@@ -160,60 +142,39 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret, hal
                     store_rows(pl, plgpu, o_smem.at[wg], o_ref.at[:, pl.ds(col, bn)],
                                jnp.clip(lo, c0, c0 + rows), jnp.clip(hi, c0, c0 + rows), c0, top)
 
-            def phase(brows, base, count, first):
-                """One pipeline over ``count`` tiles of ``brows`` rows from table
-                entry ``base``; this SM's items are ``first, first + nsm, ...``."""
-                def tile(j):   # this SM's j-th tile -> (row tile, column tile)
-                    fi, ni = plgpu.planar_snake(first + j * nsm, (count, grid_n), 0, band)
-                    return (fi if base is None else base + fi), ni
+            def step(idx, x_smem, w_smem, carry):
+                j, kk = idx
+                acc_ref = carry[0] if interpret else carry
+                cols = pl.ds(pl.multiple_of(wg * bn, bn), bn)
+                rhs = (transposed(plgpu, w_smem.at[cols, :]) if transpose_rhs
+                       else w_smem.at[:, cols])
+                plgpu.wgmma(acc_ref, x_smem, rhs)
+                # wait(0), no delay_release: a stage held one step longer for an
+                # in-flight wgmma is a stage fewer of loads in flight (measured:
+                # with delay_release=1 and 3 stages, 5-30% slower than per-tile).
+                plgpu.wgmma_wait(0)
+                return flush_on_last_step(pl, plgpu, carry, kk == ksteps - 1,
+                                          lambda val: store(*tile(j), val), interpret, (bm, bn))
 
-                def x_index(j, kk):
-                    return pl.multiple_of(rs_ref[tile(j)[0]], 8), kk
+            mine = round_robin_count(n_grp * grid_n, sm, nsm)
 
-                def w_index(j, kk):
-                    fi, ni = tile(j)
-                    g = jnp.maximum(g_ref[fi], 0)
-                    return (g, ni, kk) if transpose_rhs else (g, kk, ni)
-
-                def step(idx, x_smem, w_smem, carry):
-                    j, kk = idx
-                    acc_ref = carry[0] if interpret else carry
-                    cols = pl.ds(pl.multiple_of(wg * bn, bn), bn)
-                    rhs = (transposed(plgpu, w_smem.at[cols, :]) if transpose_rhs
-                           else w_smem.at[:, cols])
-                    plgpu.wgmma(acc_ref, x_smem, rhs)
-                    # wait(0), no delay_release: a stage held one step longer for an
-                    # in-flight wgmma is a stage fewer of loads in flight (measured:
-                    # with delay_release=1 and 3 stages, 5-30% slower than per-tile).
-                    plgpu.wgmma_wait(0)
-                    return flush_on_last_step(pl, plgpu, carry, kk == ksteps - 1,
-                                              lambda val: store(*tile(j), val), interpret,
-                                              (brows, bn))
-
-                mine = round_robin_count(count * grid_n, first, nsm)
-
-                @pl.when(mine > 0)
-                def _():
-                    plgpu.emit_pipeline_warp_specialized(
-                        step, grid=(mine, ksteps), memory_registers=40,
-                        in_specs=[plgpu.BlockSpec((pl.Element(brows), bk), x_index, transforms=tr),
-                                  plgpu.BlockSpec(w_block, w_index, transforms=tr)],
-                        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=steps,
-                        compute_context=carried_acc_context(pl, plgpu, (brows, bn), interpret),
-                    )(x_ref, w_ref)
-
-            phase(bm, None, n_full, sm)
-            if half_tiles:   # dealt on from where the full tiles' deal stopped
-                done = lax.rem(n_full * grid_n, jnp.int32(nsm))
-                phase(bm // 2, n_full, n_half, lax.rem(sm - done + nsm, jnp.int32(nsm)))
+            @pl.when(mine > 0)
+            def _():
+                plgpu.emit_pipeline_warp_specialized(
+                    step, grid=(mine, ksteps), memory_registers=40,
+                    in_specs=[plgpu.BlockSpec((pl.Element(bm), bk), x_index, transforms=tr),
+                              plgpu.BlockSpec(w_block, w_index, transforms=tr)],
+                    wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=steps,
+                    compute_context=carried_acc_context(pl, plgpu, (bm, bn), interpret),
+                )(x_ref, w_ref)
 
             @pl.when(wg < 2)
             def _():   # tail tiles (rows past the groups): zeros, no matmul
-                @pl.loop(0, round_robin_count(cnt_ref[2] * grid_n, sm, nsm))
+                @pl.loop(0, round_robin_count(cnt_ref[1] * grid_n, sm, nsm))
                 def _(j):
                     t = sm + j * nsm
-                    store(n_full + n_half + lax.div(t, jnp.int32(grid_n)),
-                          lax.rem(t, jnp.int32(grid_n)), jnp.zeros((bm, bn), jnp.float32))
+                    store(n_grp + lax.div(t, jnp.int32(grid_n)), lax.rem(t, jnp.int32(grid_n)),
+                          jnp.zeros((bm, bn), jnp.float32))
 
                 plgpu.wait_smem_to_gmem(0)
 

@@ -70,16 +70,6 @@ def fwd_ws_tiles(cfg, op, x, w, transpose_rhs) -> Optional[Tiles]:
     return ws
 
 
-def fwd_half_tiles(cfg, op, ws: Tiles, dtype) -> bool:
-    """Whether the 2-consumer forward/dx kernel on tiles ``ws`` runs the
-    half-tile pipeline: the config asks for it, ``block_m`` splits into two
-    halves of whole output chunks, and (in auto mode on a GPU) it compiles;
-    else the kernel runs without it."""
-    if not cfg.fwd_half_tiles or ws[0] % (2 * EPILOGUE_ROWS):
-        return False
-    return cfg.interpret or cfg.impl != "auto" or pallas_compiles(f"{op}_ws_half", ws, dtype.name)
-
-
 def _pallas_dtype_ok(x, w):
     return x.dtype == w.dtype and x.dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -145,13 +135,12 @@ def pallas_compiles(op: str, tiles: Tiles, dtype_name: str, cluster: int = 1) ->
                 else:
                     f = lambda a, b, o: tgmm_pallas(a, b, o, tiles, dt, False)
                 args = (sds((m, k), dt), sds((m, n), dt), sds((g + 1,), jnp.int32))
-            else:   # fwd, dx, fwd_ws, dx_ws, fwd_ws_half, dx_ws_half
+            else:   # fwd, dx, fwd_ws, dx_ws
                 m, k, n = 2 * bm + 8, bk, 2 * bn
                 t = op.startswith("dx")
                 wshape = (g, n, k) if t else (g, k, n)
-                if "_ws" in op:
-                    half = op.endswith("_half")
-                    f = lambda a, b, o: gmm_pallas_ws(a, b, o, t, tiles, dt, False, half)
+                if op.endswith("_ws"):
+                    f = lambda a, b, o: gmm_pallas_ws(a, b, o, t, tiles, dt, False)
                 else:
                     f = lambda a, b, o: gmm_pallas(a, b, o, t, tiles, dt, False)
                 args = (sds((m, k), dt), sds(wshape, dt), sds((g + 1,), jnp.int32))
@@ -162,7 +151,6 @@ def pallas_compiles(op: str, tiles: Tiles, dtype_name: str, cluster: int = 1) ->
                       f"(cluster {cluster}) does not compile here ({type(e).__name__}: {str(e)[:200]}); using "
                       + ("a 1-CTA cluster" if cluster > 1
                          else "the per-group pipeline" if op == "dw_ring"
-                         else "no half-tile pipeline" if op.endswith("_half")
                          else "the 1-warpgroup kernel" if "_ws" in op else "jax.lax.ragged_dot")
                       + " instead")
         return False

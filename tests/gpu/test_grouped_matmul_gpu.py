@@ -200,48 +200,6 @@ def test_dw_cluster(kind, total, g):
         assert rel_err(out, ref) < 1e-2, v
 
 
-@pytest.mark.parametrize("kind,total,g", [("skew", 3900, 16), ("unaligned", 3001, 16),
-                                         ("aligned", 3904, 16), ("full", 4096, 16),
-                                         ("small", 3840, 128)])
-def test_fwd_half_tiles(kind, total, g):
-    """fwd_half_tiles (half-empty 128-row tiles in a second pipeline of 64-row
-    tiles): forward and dx bit-identical to the default kernel (same k-step
-    order per row), against XLA in f32, tail zero; "aligned": 64-row aligned
-    group sizes, as in the layer; "full": sum == M (tiles moved back to end
-    at M: upper halves); "small": 128 groups of ~30 rows on 128-row tiles
-    (few full tiles, the half tiles' deal across SMs)."""
-    m, k, n = 4096, 1024, 1024
-    if kind == "aligned":
-        sizes = 64 * ((sizes_for("unaligned", g, total, seed=4) + 63) // 64)
-        sizes[np.argmax(sizes)] -= int(sizes.sum()) - total
-    elif kind == "full":
-        sizes = sizes_for("unaligned", g, total - 40, seed=4)
-        sizes[-1] += total - int(sizes.sum())
-    else:
-        sizes = sizes_for("unaligned" if kind == "small" else kind, g, total, seed=4)
-    x, w, dy, gs = data(m, k, n, sizes, seed=4)
-    tiles = (128, 128, 64, 5, 2)
-    half = GroupedMatmulConfig(fwd_half_tiles=True, fwd=tiles, dx=tiles)
-    assert gm_select.fwd_ws_tiles(half, "fwd", x, w, False)[0] == 128
-    from jax_ep.gmm.pallas_common import row_tiles
-    from jax_ep.gmm.pallas_fwd import _half_tile_table
-    off = jnp.asarray(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
-    assert int(_half_tile_table(*row_tiles(off, m, 128), 128)[0][1]) > 0   # half tiles exist
-    outs = {}
-    plain = GroupedMatmulConfig(impl="pallas", fwd=tiles, dx=tiles)
-    for name, cfg in (("default", plain), ("half", half)):
-        outs[name] = (jax.jit(functools.partial(gm_mod.gmm, config=cfg))(x, w, gs),
-                      jax.jit(functools.partial(gm_mod.gmm, transpose_rhs=True, config=cfg))(dy, w, gs))
-    for a, b in zip(outs["default"], outs["half"]):
-        assert bool(jnp.array_equal(a, b))
-    xc, dyc, wf = clean(x, sizes).astype(jnp.float32), clean(dy, sizes).astype(jnp.float32), w.astype(jnp.float32)
-    y, dx = outs["half"]
-    assert rel_err(y, gm_mod.gmm(xc, wf, gs, config=XLA)) < 1e-2
-    assert rel_err(dx, gm_mod.gmm(dyc, wf, gs, transpose_rhs=True, config=XLA)) < 1e-2
-    tot = int(np.sum(sizes))
-    assert not np.any(np.asarray(y[tot:], np.float32)) and not np.any(np.asarray(dx[tot:], np.float32))
-
-
 @pytest.mark.parametrize("kind,total", [("skew", 3900), ("unaligned", 3001)])
 def test_dw_small_groups(kind, total):
     """dw of small groups (64 rows per group on average: the small-group tiles
