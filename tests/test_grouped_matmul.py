@@ -423,6 +423,20 @@ def test_pallas_fwd_dx_two_warpgroups_interpret(sizes):
     assert np.all(y[tot:] == 0) and np.all(dx[tot:] == 0)
 
 
+def dw_race_detector(monkeypatch):
+    """The dw kernels' own kernel params with the interpreter's race detector
+    on; returns the interpreter module whose ``get_races()`` reports."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
+    from jax_ep.gmm import pallas_dw
+
+    plain = pallas_dw.kernel_params
+
+    def params(plgpu, interpret):
+        return dict(plain(plgpu, interpret), interpret=plgpu.InterpretGPUParams(detect_races=True))
+    monkeypatch.setattr(pallas_dw, "kernel_params", params)
+    return ipc
+
+
 @pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
 def test_pallas_dw_output_slot_no_races(monkeypatch):
     """The 2-consumer dw kernel under the interpreter's race detector: no
@@ -431,14 +445,7 @@ def test_pallas_dw_output_slot_no_races(monkeypatch):
     groups). The plain interpret tests cannot see this: there
     TMA stores finish at once. Sizes are whole k-steps: the zeroing pass's
     identical writes by both consumers are reported as races by design."""
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
-    from jax_ep.gmm import pallas_dw
-
-    plain = pallas_dw.kernel_params
-
-    def params(plgpu, interpret):   # the kernel's own, with the race detector on
-        return dict(plain(plgpu, interpret), interpret=plgpu.InterpretGPUParams(detect_races=True))
-    monkeypatch.setattr(pallas_dw, "kernel_params", params)
+    ipc = dw_race_detector(monkeypatch)
     sizes = [32, 64, 0, 96, 32, 0, 64, 0, 32]
     x, _, dy, gs = make(sizes, m=424, k=256, n=192, seed=8)
     xb, dyb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
@@ -583,14 +590,7 @@ def test_pallas_dw_ring_no_races(monkeypatch, cluster, pipeline):
     the multicast's own ordering is covered by the GPU bit-equality test only.
     Whole k-steps only (the zeroing pass's identical writes by both consumers
     are races by design)."""
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
-    from jax_ep.gmm import pallas_dw
-
-    plain = pallas_dw.kernel_params
-
-    def params(plgpu, interpret):
-        return dict(plain(plgpu, interpret), interpret=plgpu.InterpretGPUParams(detect_races=True))
-    monkeypatch.setattr(pallas_dw, "kernel_params", params)
+    ipc = dw_race_detector(monkeypatch)
     sizes = [32, 64, 0, 96, 32, 0, 64, 0, 32, 160, 32]
     x, _, dy, gs = make(sizes, m=sum(sizes), k=256, n=256, seed=8)
     xb, dyb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)

@@ -167,13 +167,16 @@ def _ws_group(pl, plgpu, sh, refs, g, tile_of, store, n_tiles, pipe):
 def _cluster_tiles(plgpu, grid_m, grid_n, band, cluster):
     """``tile_of(t) -> (mi, ni)``: the ``t``-th (cluster) tile of a group's
     ``grid_m x grid_n`` tiles; ``col_tile(ni)``: this CTA's ``block_n`` column
-    tile of cluster column tile ``ni`` (adjacent tiles for the CTAs of a pair)."""
+    tile of cluster column tile ``ni`` (adjacent tiles for the CTAs of a pair);
+    ``x_axes``: the keyword arguments that multicast an x tile to the pair
+    (none without clusters: jax 0.10's BlockSpec takes no collective_axes=None)."""
     def tile_of(t):
         return plgpu.planar_snake(t, (grid_m, grid_n), 0, band)
 
     def col_tile(ni):
         return ni * cluster + lax.axis_index("cluster") if cluster > 1 else ni
-    return tile_of, col_tile
+    x_axes = dict(collective_axes=("cluster",)) if cluster > 1 else {}
+    return tile_of, col_tile, x_axes
 
 
 def _chunked_store(pl, plgpu, o_smem, o_ref, tile_of, col_tile, wg, bm, bn):
@@ -255,10 +258,7 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, cluster=1):
     sh = (bm, bn, bk, cm, nsm, interpret)
     tr, o_tr = dw_transforms(plgpu, x.dtype, bk, bn)
     rows = EPILOGUE_ROWS
-    # only with clusters (jax 0.10's BlockSpec takes no collective_axes=None)
-    x_axes = dict(collective_axes=("cluster",)) if cluster > 1 else {}
-
-    tile_of, col_tile = _cluster_tiles(plgpu, grid_m, grid_n, band, cluster)
+    tile_of, col_tile, x_axes = _cluster_tiles(plgpu, grid_m, grid_n, band, cluster)
 
     def make_pipeline(step, grid, t0):
         return plgpu.emit_pipeline_warp_specialized(
@@ -328,15 +328,12 @@ def tgmm_pallas_ring(x, dy, offsets, tiles, out_dtype, interpret, cluster=1):
     lost to those)."""
     pl, plgpu = pallas_modules()
     bm, bn, bk, steps, band = tiles
-    m, k = x.shape
-    n = dy.shape[1]
+    k, n = x.shape[1], dy.shape[1]
     g_count = offsets.shape[0] - 1
     cm, grid_m, grid_n, n_tiles, nsm = _ws_shape(x, dy, tiles, cluster, interpret)
     tr, o_tr = dw_transforms(plgpu, x.dtype, bk, bn)
     rows = EPILOGUE_ROWS
-    x_axes = dict(collective_axes=("cluster",)) if cluster > 1 else {}
-
-    tile_of, col_tile = _cluster_tiles(plgpu, grid_m, grid_n, band, cluster)
+    tile_of, col_tile, x_axes = _cluster_tiles(plgpu, grid_m, grid_n, band, cluster)
 
     def group_geometry(off_ref, g):   # no k-steps for an empty group
         size, t0, cnt, astart, lead, nsteps = _group_geometry(pl, off_ref, g, n_tiles, nsm, bk)

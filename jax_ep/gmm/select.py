@@ -47,14 +47,20 @@ def two_consumer_tiles(tiles: Tiles, split: str, dim: int, dtype) -> Optional[Ti
     return (bm, bn, bk, int(min(steps, fit)), band)
 
 
+def small_groups(x, groups: int) -> bool:
+    """Whether the groups are small: ``x``'s rows / ``groups`` <=
+    SMALL_GROUP_ROWS (a static bound on the mean; it picks the small-group
+    tiles and dw pipeline)."""
+    return x.shape[0] <= SMALL_GROUP_ROWS * groups
+
+
 def op_tiles(cfg: GroupedMatmulConfig, op, x, w, groups: int) -> Tiles:
     """The tiles ``op`` runs with: the config's, or where it leaves them unset
     and the groups are small (``x``'s rows / ``groups`` <= SMALL_GROUP_ROWS, a
     static bound on the mean) SMALL_GROUP_TILES where they apply (and fit)."""
     t = cfg.tiles(op)
     small = SMALL_GROUP_TILES.get(op)
-    if (small is None or getattr(cfg, op) is not None
-            or x.shape[0] > SMALL_GROUP_ROWS * groups):
+    if small is None or getattr(cfg, op) is not None or not small_groups(x, groups):
         return t
     return small if constraint_error(op, small, x, w, x.dtype) is None else t
 
@@ -161,7 +167,7 @@ def dw_pipeline(cfg: GroupedMatmulConfig, x, groups: int) -> str:
     by group size (``x``'s rows / ``groups`` <= SMALL_GROUP_ROWS: small)."""
     if cfg.dw_pipeline is not None:
         return cfg.dw_pipeline
-    return DW_PIPELINE["small" if x.shape[0] <= SMALL_GROUP_ROWS * groups else "default"]
+    return DW_PIPELINE["small" if small_groups(x, groups) else "default"]
 
 
 def dw_kernel_op(pipeline: str) -> str:
