@@ -2,6 +2,11 @@
 // a receive half (cc/kernels/low_latency.cu), two custom calls linked by a
 // token (the send's output, the receive's input), so XLA can run independent
 // work between them while no SM waits on the transfer (the "hook").
+// A send also takes any number of `after` operands (the previous receive's
+// outputs) that no kernel reads: a real buffer read, so a command buffer that
+// XLA turns into a graph ordered by buffer uses still runs the send after that
+// receive (an optimization barrier leaves no buffer use, and the two-parity
+// rule, kernels/low_latency.cu, needs the order).
 //
 // The region: the runtime's low-latency region (jax_ep.initialize(low_latency=
 // config)), laid out once for its shape (buffer_layout.h, ll_region_layout);
@@ -121,11 +126,12 @@ ffi::Error LlBegin(cudaStream_t stream, int32_t device, ffi::Span<const int32_t>
 
 ffi::Error LlDispatchSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                               ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::S32> slot,
-                              ffi::Buffer<ffi::S32> expert_count,
+                              ffi::Buffer<ffi::S32> expert_count, ffi::RemainingArgs after,
                               ffi::Span<const int32_t> ep_groups, int32_t num_ranks, int32_t mode,
                               int32_t fp8_scale_mode, int32_t ll_transport, int32_t num_sms,
                               ffi::Result<ffi::Buffer<ffi::U32>> token) {
   (void)token;  // carries no data: it orders the receive after this send
+  (void)after;  // read by no kernel: XLA orders this send after their producers
   PeerTable peers;
   LlGrid g;
   LlDispatchSendArgs a;
@@ -220,10 +226,12 @@ ffi::Error LlDispatchRecvImpl(cudaStream_t stream, int32_t device, ffi::Buffer<f
 
 ffi::Error LlCombineSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
                              ffi::Buffer<ffi::S32> info, ffi::Buffer<ffi::S32> src_count,
-                             ffi::Span<const int32_t> ep_groups, int32_t num_ranks, int32_t topk,
+                             ffi::RemainingArgs after, ffi::Span<const int32_t> ep_groups,
+                             int32_t num_ranks, int32_t topk,
                              int32_t ll_transport, int32_t num_sms,
                              ffi::Result<ffi::Buffer<ffi::U32>> token) {
   (void)token;
+  (void)after;
   PeerTable peers;
   LlGrid g;
   LlCombineSendArgs a;
@@ -302,6 +310,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchSend, jax_ep::LlDispatchSendImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()      // topk_idx [T, K]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()      // slot [T, K]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()      // expert_count [E]
+                                  .RemainingArgs()                             // `after` leaves
                                   .Attr<xla::ffi::Span<const int32_t>>("ep_groups")
                                   .Attr<int32_t>("num_ranks")
                                   .Attr<int32_t>("mode")            // DispatchMode
@@ -333,6 +342,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineSend, jax_ep::LlCombineSendImpl,
                                   .Arg<xla::ffi::AnyBuffer>()                // y [L, R*Tmax, H]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // info [L, R*Tmax]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // src_count [L, R]
+                                  .RemainingArgs()                           // `after` leaves
                                   .Attr<xla::ffi::Span<const int32_t>>("ep_groups")
                                   .Attr<int32_t>("num_ranks")
                                   .Attr<int32_t>("topk")

@@ -274,14 +274,21 @@ def _ref_dispatch(x, idx, slot, per_expert, cfg: EpConfig, R: int, fp8: bool,
 
 
 def _after(x, after):
-    """``x``, available to XLA only once ``after`` is computed: an ordering
-    edge without data (an optimization barrier, which XLA keeps as a control
-    dependency in its thunk order; under
-    ``--xla_gpu_command_buffer_scheduling_mode=CONCURRENT`` a captured graph
-    orders by buffers only, and this edge is not guaranteed to survive)."""
+    """``x``, available to XLA only once ``after`` is computed (reference
+    backend: an optimization barrier, an edge without data; the reference has
+    no state between calls, so the edge only keeps both backends' programs
+    alike)."""
     if after is None:
         return x
     return jax.lax.optimization_barrier((x, after))[0]
+
+
+def _after_operands(after) -> tuple:
+    """``after``'s leaves as extra operands of a native send: a buffer read
+    XLA must honour even where a command buffer orders its graph by buffer
+    uses alone, which drops an optimization barrier's edge (a send before
+    the previous receive of its op raises kErrLlOrder)."""
+    return tuple(jax.lax.stop_gradient(a) for a in jax.tree_util.tree_leaves(after))
 
 
 def low_latency_dispatch_send(x: jax.Array, topk_idx: jax.Array, config: EpConfig, *,
@@ -300,14 +307,15 @@ def low_latency_dispatch_send(x: jax.Array, topk_idx: jax.Array, config: EpConfi
     """
     R = validate.axis_size(config)
     _check(x, topk_idx, config, R, fp8, scale_format)
-    x = _after(x, after)
     x, = _forward_only("low_latency_dispatch", x)
     idx = topk_idx.astype(jnp.int32)
     slot, per_expert = _slots(idx, config.num_experts)
     if _native(config):
         from . import low_latency_native as nat
 
-        return nat.dispatch_send(x, idx, slot, per_expert, config, R, fp8, scale_format)
+        return nat.dispatch_send(x, idx, slot, per_expert, config, R, fp8, scale_format,
+                                 after=_after_operands(after))
+    x = _after(x, after)
     d = _ref_dispatch(x, idx, slot, per_expert, config, R, fp8, scale_format)
     return LowLatencyPending(token=None, arrays=(), result=d, meta=("dispatch",))
 
@@ -393,7 +401,6 @@ def low_latency_combine_send(y: jax.Array, topk_idx: jax.Array, topk_weights: ja
                          f"(the dispatch's [T, K]), got {topk_idx.shape} / {topk_weights.shape}")
     if handle.num_ranks != R:
         raise ValueError(f"low_latency_combine: handle is for R={handle.num_ranks}, axis has {R}")
-    y = _after(y, after)
     y, topk_weights = _forward_only("low_latency_combine", y, topk_weights)
     idx = topk_idx.astype(jnp.int32)
     w = merge_duplicate_weights(idx, topk_weights.astype(F32), E)
@@ -404,7 +411,8 @@ def low_latency_combine_send(y: jax.Array, topk_idx: jax.Array, topk_weights: ja
                              "must use one backend")
         from . import low_latency_native as nat
 
-        return nat.combine_send(y, w, handle, config, R)
+        return nat.combine_send(y, w, handle, config, R, after=_after_operands(after))
+    y = _after(y, after)
     out = _ref_combine(y, idx, w, handle.slot, config, R, Tm)
     return LowLatencyPending(token=None, arrays=(), result=out, meta=("combine",))
 

@@ -54,7 +54,9 @@ def _scale_mode(cfg: EpConfig, scale_format: str) -> np.int32:
 
 
 def dispatch_send(x, idx, slot, per_expert, cfg: EpConfig, R: int, fp8: bool,
-                  scale_format: str) -> LowLatencyPending:
+                  scale_format: str, after: tuple = ()) -> LowLatencyPending:
+    """``after``: arrays the send takes as operands and never reads (its
+    order after the previous receive; low_latency._after_operands)."""
     if fp8:
         mode = abi.dispatch_mode("cast_bf16" if x.dtype == jnp.bfloat16 else "cast_f32")
     elif x.dtype == jnp.bfloat16:
@@ -63,7 +65,7 @@ def dispatch_send(x, idx, slot, per_expert, cfg: EpConfig, R: int, fp8: bool,
         raise ValueError("jax_ep low_latency_dispatch (native): f32 rows are sent only as fp8 "
                          "(fp8=True) or after a cast to bf16; the region holds bf16-wide rows")
     transport = _transport(cfg)
-    token, = _ffi.call("jax_ep_ll_dispatch_send", [_TOKEN], x, idx, slot, per_expert,
+    token, = _ffi.call("jax_ep_ll_dispatch_send", [_TOKEN], x, idx, slot, per_expert, *after,
                        ep_axis=cfg.axis_name, has_side_effect=True, mode=np.int32(mode),
                        fp8_scale_mode=_scale_mode(cfg, scale_format), ll_transport=transport,
                        num_sms=_num_sms(cfg))
@@ -89,14 +91,15 @@ def dispatch_recv(p: LowLatencyPending) -> LowLatencyDispatched:
                                 src_count=src_count, handle=handle)
 
 
-def combine_send(y, w, handle: LowLatencyHandle, cfg: EpConfig, R: int) -> LowLatencyPending:
+def combine_send(y, w, handle: LowLatencyHandle, cfg: EpConfig, R: int,
+                 after: tuple = ()) -> LowLatencyPending:
     if y.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
         raise TypeError(f"jax_ep low_latency_combine (native): y must be bf16, f16 or f32, got "
                         f"{y.dtype}")
     K = handle.slot.shape[1]
     transport = _transport(cfg)
     token, = _ffi.call("jax_ep_ll_combine_send", [_TOKEN], y, handle.info, handle.src_count,
-                       ep_axis=cfg.axis_name, has_side_effect=True, topk=np.int32(K),
+                       *after, ep_axis=cfg.axis_name, has_side_effect=True, topk=np.int32(K),
                        ll_transport=transport, num_sms=_num_sms(cfg))
     T, H = handle.slot.shape[0], y.shape[2]
     meta = ("combine", T, H, jnp.dtype(y.dtype).name, cfg.num_experts, cfg.axis_name,
