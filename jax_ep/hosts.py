@@ -33,20 +33,25 @@ _INTERNODE_PREFIX = "jax_ep_internode_"
 _ANY_PEER_PREFIX = "jax_ep_ll_"     # puts to unmapped PEs: no host constraint
 
 
-def host_id() -> str:
-    """This process's host: ``$JAX_EP_HOST_ID`` if set, else the host name and
-    the kernel's boot id (as NCCL's host hash: two machines that share a host
-    name differ; containers of one machine with their own host names differ
-    too, and can name one host with ``JAX_EP_HOST_ID``, as ``NCCL_HOSTID``)."""
-    forced = os.environ.get("JAX_EP_HOST_ID")
-    if forced:
-        return forced
+def machine_id() -> str:
+    """The machine this process runs on: the host name and the kernel's boot
+    id (as NCCL's host hash: two machines that share a host name differ)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()[:8]
     except OSError:
         boot = ""
     return socket.gethostname() + (f"/{boot}" if boot else "")
+
+
+def host_id() -> str:
+    """This process's host: ``$JAX_EP_HOST_ID`` if set, else :func:`machine_id`.
+    Containers of one machine with their own host names can name one host
+    with ``JAX_EP_HOST_ID`` (as ``NCCL_HOSTID``); launchers on one machine
+    with distinct ids (``jax-ep-launch --host-id``) rehearse a multi-host job:
+    the EP group splits one node per host, while NVSHMEM's transports follow
+    the machines (:func:`job_network_env`)."""
+    return os.environ.get("JAX_EP_HOST_ID") or machine_id()
 
 
 def require_client(client):
@@ -92,24 +97,29 @@ def job_network_env(values: Sequence[str]) -> tuple:
     processes, or every process raises alike."""
     rows = [json.loads(v) for v in values]
     hosts = [r["host"] for r in rows]
+    machines = [r.get("machine", r["host"]) for r in rows]
     nets = [r["net"] for r in rows]
     if any(n != nets[0] for n in nets):
         diff = sorted({json.dumps(n, sort_keys=True) for n in nets})
         raise RuntimeError("jax_ep.initialize: NVSHMEM's network variables differ between "
                            f"processes ({'; '.join(diff[:3])}); set them alike on every process")
-    return hosts, network_env(hosts, nets[0])
+    return hosts, network_env(machines, nets[0])
 
 
-def local_value(user_net: Mapping[str, Optional[str]], free_bytes: int = 0) -> str:
-    """What this process contributes to :func:`exchange`: its host, the
-    network variables its user set and its GPU's free bytes."""
-    return json.dumps({"host": host_id(), "net": dict(user_net), "free": int(free_bytes)},
-                      sort_keys=True)
+def local_value(user_net: Mapping[str, Optional[str]], free_bytes: int = 0,
+                device: int = 0) -> str:
+    """What this process contributes to :func:`exchange`: its host and
+    machine, the network variables its user set, its GPU and that GPU's free bytes."""
+    return json.dumps({"host": host_id(), "machine": machine_id(), "net": dict(user_net),
+                       "free": int(free_bytes), "device": int(device)}, sort_keys=True)
 
 
-def free_bytes_of(values: Sequence[str]) -> list:
-    """Every process's free GPU bytes from the exchanged ``values``."""
-    return [int(json.loads(v).get("free", 0)) for v in values]
+def gpu_sharing(values: Sequence[str]) -> list:
+    """``[(free bytes, processes on that GPU)]`` per process from the exchanged
+    ``values``: processes of one machine on one device share its free memory."""
+    rows = [json.loads(v) for v in values]
+    keys = [(r.get("machine", r["host"]), r.get("device", 0)) for r in rows]
+    return [(int(r.get("free", 0)), keys.count(k)) for r, k in zip(rows, keys)]
 
 
 def network_env(hosts: Sequence[str], user: Mapping[str, Optional[str]]) -> dict:

@@ -28,6 +28,9 @@ Environment each child gets::
     JAX_EP_LOCAL_DEVICE_IDS the device(s) this process drives ("1"); all GPUs
                             stay visible (no CUDA_VISIBLE_DEVICES), JAX is told
                             to use only this one via ``local_device_ids``
+    JAX_EP_PROCS_PER_GPU, NCCL_HOSTID, XLA_PYTHON_CLIENT_MEM_FRACTION
+                            only when processes share a GPU (see above)
+    JAX_EP_HOST_ID          with --host-id
     JAX_EP_PLATFORM         "gpu" or "cpu"
     NCCL_NVLS_ENABLE=0, NVSHMEM_DISABLE_NVLS=1   (never NVLink multicast)
     PYTHONUNBUFFERED=1
@@ -48,7 +51,22 @@ node's ``--node-rank``::
     node1$ python -m jax_ep.launch -n 8 --nnodes 2 --node-rank 1 --coordinator node0:29500 train.py
 
 (``--coordinator`` defaults to ``$JAX_EP_COORDINATOR``, else
-``$MASTER_ADDR:$MASTER_PORT``.) Or skip the launcher under SLURM
+``$MASTER_ADDR:$MASTER_PORT``.) ``--host-id NAME`` gives a node's processes
+that host identity (``JAX_EP_HOST_ID``, and NCCL's from it): two launchers on
+one machine with ``--host-id node0`` / ``node1`` rehearse a two-host job
+(jax_ep splits the EP group one node per host; NVSHMEM still maps every PE,
+they share one machine).
+
+Fewer GPUs than processes (``--gpus G``, default every visible GPU; one GPU
+for development and tests): the N processes share the G GPUs round robin
+(``jax_ep.shared_gpu``): each gets its GPU (``local_rank % G``), a host
+identity of its own for NCCL (``NCCL_HOSTID``: NCCL then uses its socket
+transport) and ``XLA_PYTHON_CLIENT_MEM_FRACTION`` = 0.8 / processes per GPU
+(unless set), and the launcher prints one line saying so: every path runs and
+is checked, timings mean nothing. It refuses a G above the visible GPUs and
+more processes per GPU than its memory holds::
+
+    python -m jax_ep.launch -n 8 examples/train_moe.py --backend native   # 1 GPU: 8 share it Or skip the launcher under SLURM
 (``srun --ntasks-per-node=<gpus> python train.py``): :func:`init_distributed`
 then reads, in this order of precedence:
 
@@ -78,6 +96,8 @@ import sys
 import threading
 import time
 from typing import List, Optional, Sequence
+
+from . import shared_gpu
 
 __all__ = ["main", "init_distributed", "DistributedInfo", "free_port", "child_env"]
 
@@ -117,15 +137,41 @@ def _detect_gpus() -> int:
     return len([p for p in glob.glob("/dev/nvidia*") if re.fullmatch(r"/dev/nvidia\d+", p)])
 
 
+def _visible_gpus() -> int:
+    """GPUs this host shows its processes: ``$CUDA_VISIBLE_DEVICES`` up to its
+    first invalid entry (as CUDA reads it), else every GPU."""
+    n = _detect_gpus()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return n
+    shown = 0
+    for v in visible.split(","):
+        v = v.strip()
+        if not v or v.startswith("-"):
+            break
+        shown += 1
+    return min(n, shown)
+
+
 def _cpu_xla_flags(flags: str, devices: int) -> str:
     flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", flags or "")
     return (" ".join(flags.split()) + f" --xla_force_host_platform_device_count={devices}").strip()
 
 
+def _loopback(coordinator: str) -> bool:
+    host = coordinator.rsplit(":", 1)[0].strip("[]")
+    return host in ("127.0.0.1", "localhost", "::1")
+
+
 def child_env(base: dict, *, local_rank: int, nproc: int, node_rank: int, nnodes: int,
-              coordinator: str, platform: str, cpu_devices: int = 1) -> dict:
-    """The environment of local process ``local_rank`` (see the module docstring)."""
+              coordinator: str, platform: str, cpu_devices: int = 1,
+              gpu_plan: Optional[shared_gpu.GpuPlan] = None,
+              host_id: Optional[str] = None) -> dict:
+    """The environment of local process ``local_rank`` (see the module docstring).
+    ``gpu_plan``: how the node's processes use its GPUs (None: one each)."""
     env = dict(base)
+    if host_id:
+        env["JAX_EP_HOST_ID"] = host_id
     env.update({
         "JAX_EP_COORDINATOR": coordinator,
         "JAX_EP_NUM_PROCESSES": str(nproc * nnodes),
@@ -141,7 +187,11 @@ def child_env(base: dict, *, local_rank: int, nproc: int, node_rank: int, nnodes
         env["JAX_PLATFORMS"] = "cpu"
         env["XLA_FLAGS"] = _cpu_xla_flags(env.get("XLA_FLAGS", ""), cpu_devices)
     else:
-        env["JAX_EP_LOCAL_DEVICE_IDS"] = str(local_rank)
+        from .hosts import host_id as this_host
+
+        env = shared_gpu.apply(env, gpu_plan or shared_gpu.GpuPlan(nproc, nproc), local_rank,
+                               node_rank * nproc + local_rank, host_id or this_host(),
+                               loopback=_loopback(coordinator))
     return env
 
 
@@ -210,6 +260,12 @@ def _parse(argv: Optional[Sequence[str]]):
     p.add_argument("--platform", choices=("auto", "gpu", "cpu"), default="auto",
                    help="gpu: one GPU per process via local_device_ids; cpu: JAX_PLATFORMS=cpu, "
                         "gloo collectives (default auto: gpu when /dev/nvidia* exist)")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="GPUs to use on this node (default: every visible one); fewer than -n: "
+                        "the processes share them round robin (correctness only, not speed)")
+    p.add_argument("--host-id", default=None,
+                   help="this node's host identity (JAX_EP_HOST_ID, NCCL's from it): "
+                        "launchers on one machine with distinct ids rehearse a multi-host job")
     p.add_argument("--cpu-devices", type=int, default=1,
                    help="CPU devices per process with --platform cpu (default 1)")
     p.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default 1)")
@@ -259,8 +315,20 @@ def _resolve(parser, ns):
         nproc = _detect_gpus() if platform == "gpu" else 2
     if nproc < 1:
         parser.error("-n must be >= 1")
-    if platform == "gpu" and 0 < _detect_gpus() < nproc:
-        _log(f"warning: {nproc} processes but only {_detect_gpus()} GPUs on this host")
+    gpu_plan = None
+    if platform == "gpu":
+        visible = _visible_gpus()
+        if visible == 0:
+            parser.error("--platform gpu but no NVIDIA GPU is visible on this host")
+        try:
+            gpu_plan = shared_gpu.plan(
+                nproc, ns.gpus if ns.gpus is not None else visible, visible,
+                gpu_bytes=shared_gpu.gpu_memory_bytes() if nproc > visible or ns.gpus else None,
+                user_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"))
+        except shared_gpu.SharedGpuError as e:
+            parser.error(str(e))
+    elif ns.gpus is not None:
+        parser.error("--gpus needs --platform gpu")
     if ns.nnodes < 1 or not 0 <= ns.node_rank < ns.nnodes:
         parser.error("need nnodes >= 1 and 0 <= node-rank < nnodes")
 
@@ -276,13 +344,13 @@ def _resolve(parser, ns):
         cmd = [sys.executable, "-u", "-m", ns.module] + list(ns.args)
     else:
         cmd = [sys.executable, "-u", ns.script] + list(ns.args)
-    return platform, nproc, coordinator, cmd
+    return platform, nproc, coordinator, cmd, gpu_plan
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``python -m jax_ep.launch`` and ``jax-ep-launch``; returns the exit code."""
     parser, ns = _parse(argv)
-    platform, nproc, coordinator, cmd = _resolve(parser, ns)
+    platform, nproc, coordinator, cmd, gpu_plan = _resolve(parser, ns)
 
     out_lock = threading.Lock()
     children: List[_Child] = []
@@ -300,11 +368,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         _log(f"{nproc} process(es) on {platform}, coordinator {coordinator}: "
              f"{' '.join(shlex.quote(c) for c in cmd)}")
+        if gpu_plan is not None and gpu_plan.shared:
+            _log(gpu_plan.notice())
         base = dict(os.environ)
         for i in range(nproc):
             env = child_env(base, local_rank=i, nproc=nproc, node_rank=ns.node_rank,
                             nnodes=ns.nnodes, coordinator=coordinator, platform=platform,
-                            cpu_devices=ns.cpu_devices)
+                            cpu_devices=ns.cpu_devices, gpu_plan=gpu_plan,
+                            host_id=ns.host_id)
             children.append(_Child(ns.node_rank * nproc + i, cmd, env, out_lock))
 
         while True:
@@ -368,6 +439,7 @@ class DistributedInfo:
     local_device_ids: Optional[tuple] = None
     distributed: bool = False   # jax.distributed.initialize was called
     native: bool = False        # the jax_ep native runtime is up
+    procs_per_gpu: int = 1      # > 1: processes share this GPU (timings mean nothing)
 
 
 _INFO: Optional[DistributedInfo] = None
@@ -384,7 +456,8 @@ def init_distributed(native: bool = False, platform: Optional[str] = None,
 
     Reads the launcher's ``JAX_EP_*`` variables, else SLURM's (see the module
     docstring); calls ``jax.distributed.initialize`` with
-    ``local_device_ids=[local_rank]`` on GPUs (on CPU it first selects the gloo
+    ``local_device_ids`` from ``$JAX_EP_LOCAL_DEVICE_IDS`` on GPUs (the
+    launcher's round robin when processes share GPUs; on CPU it first selects the gloo
     collectives), and then ``jax_ep.initialize()`` when ``native``. A plain
     single process is left alone (``jax_ep.initialize()`` is still called when
     ``native``). Call it before anything creates JAX devices. Idempotent.
@@ -449,7 +522,8 @@ def init_distributed(native: bool = False, platform: Optional[str] = None,
     _INFO = DistributedInfo(process_id=pid, num_processes=num, local_rank=local,
                             coordinator=coord, platform=platform,
                             local_device_ids=tuple(ids) if ids else None,
-                            distributed=distributed, native=native)
+                            distributed=distributed, native=native,
+                            procs_per_gpu=shared_gpu.processes_per_gpu(os.environ))
     return _INFO
 
 

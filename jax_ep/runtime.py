@@ -23,6 +23,7 @@ import os
 from typing import Optional
 
 from . import hosts as _hosts
+from . import shared_gpu as _shared_gpu
 
 DEFAULT_BUFFER_BYTES = 1 << 30  # symmetric buffer per process
 DEFAULT_INTERNODE_BYTES = 1 << 30  # bound on the internode region (EpConfig.internode_bytes)
@@ -424,6 +425,13 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
     if transport not in TRANSPORTS:
         raise ValueError(f"jax_ep.initialize: transport must be one of {TRANSPORTS}, got "
                          f"{transport!r}")
+    sharing = _shared_gpu.processes_per_gpu(os.environ)
+    if transport == "peer_memory" and sharing > 1:
+        raise ValueError(
+            f"jax_ep.initialize(transport='peer_memory'): this process shares its GPU with "
+            f"{sharing - 1} other(s) (jax-ep-launch with fewer GPUs than processes), and the "
+            "peer-memory transport drives several GPUs from one process; use the NVSHMEM "
+            "transport (transport='auto'), which runs several processes on one GPU")
     # Every attempt, first thing: a process that returns early or raises below
     # stays in step with the others' key-value keys when it tries again.
     _state["generation"] += 1
@@ -470,7 +478,7 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
     values = _hosts.exchange(
         _kv_client() if nranks > 1 else None, rank, nranks, _state["generation"],
         _UID_TIMEOUT_MS, _hosts.local_value(
-            user_net, 0 if _state["nvshmem_up"] else C.device_free_bytes(device)))
+            user_net, 0 if _state["nvshmem_up"] else C.device_free_bytes(device), device))
     hosts, net_env = _hosts.job_network_env(values)
     inter_shape = internode_shape_of(cfgs, ranks, C.internode_region_bytes, hosts)
     inter_bytes = int(C.internode_region_bytes(*inter_shape))
@@ -491,15 +499,18 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
         # Every process's free memory came with the hosts: the same answer on
         # every rank, so no rank is left waiting in NVSHMEM's start when this raises.
         heap = int(os.environ["NVSHMEM_SYMMETRIC_SIZE"])
-        frees = _hosts.free_bytes_of(values)
-        worst = min(range(nranks), key=lambda r: frees[r])
-        free = frees[worst]
+        # processes sharing a GPU (jax_ep.shared_gpu) share its free memory
+        room = [(free // sharing, sharing) for free, sharing in _hosts.gpu_sharing(values)]
+        worst = min(range(nranks), key=lambda r: room[r][0])
+        free, sharing = room[worst]
         if heap > free:
+            shared = (f" ({sharing} processes share that GPU: a heap each)" if sharing > 1
+                      else "")
             raise RuntimeError(
                 f"jax_ep.initialize: the NVSHMEM symmetric heap ({heap >> 20} MiB for "
                 f"buffer_bytes={buffer_bytes} + regions of {ll_bytes + inter_bytes} bytes) does not "
                 f"fit in the {free >> 20} MiB of GPU memory process {worst} has "
-                "JAX left free; lower XLA_PYTHON_CLIENT_MEM_FRACTION (now "
+                f"JAX left free{shared}; lower XLA_PYTHON_CLIENT_MEM_FRACTION (now "
                 f"{os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION', 'unset: 0.75')}) or set "
                 "XLA_PYTHON_CLIENT_PREALLOCATE=false before JAX starts, or pass a smaller "
                 "buffer_bytes")
