@@ -1,11 +1,14 @@
-"""Run a worker function as an N-process JAX job, one GPU per process.
+"""Run a worker function as an N-process JAX job on this machine's GPUs.
 
     from harness import run, nprocs
     results = run("test_runtime:_layout_worker", n=nprocs(), kwargs={...})
 
-Each child process (``python harness.py ...``) does
+With at least N GPUs each process drives one; with fewer, the N processes
+share them round robin (jax_ep.shared_gpu, as ``jax-ep-launch --gpus``):
+every multi-process test runs on one GPU, correctness only. Each child
+process (``python harness.py ...``) does
 ``jax.distributed.initialize("127.0.0.1:<port>", num_processes=n,
-process_id=i, local_device_ids=[i])`` (skipped for ``distributed=False``, a
+process_id=i, local_device_ids=[its GPU])`` (skipped for ``distributed=False``, a
 plain single process), then ``jax_ep.initialize()`` (unless
 ``init_native=False``), then calls ``worker(rank, n, **kwargs)`` and writes its
 JSON-serialisable return value back. ``run`` returns the list of results in
@@ -14,6 +17,9 @@ non-zero, times out or returns nothing. The parent itself only runs the
 single-GPU grouped-matmul tests, without preallocating (conftest.py).
 
 Number of processes: ``nprocs()`` = ``$JAX_EP_TEST_NPROCS`` (default 2).
+Memory: one GPU each, ``XLA_PYTHON_CLIENT_MEM_FRACTION`` 0.6; shared, 0.8 per
+processes on a GPU, or ``$XLA_PYTHON_CLIENT_MEM_FRACTION`` when set (several
+test sessions on one GPU at once give each its share).
 """
 from __future__ import annotations
 
@@ -55,12 +61,14 @@ def gpu_count() -> int:
     return n
 
 
-def skip_reason(n: Optional[int] = None) -> Optional[str]:
-    """Why a GPU job of ``n`` processes cannot run here (None when it can)."""
-    n = nprocs() if n is None else n
+def skip_reason(gpus_in_one_process: int = 1) -> Optional[str]:
+    """Why a GPU job cannot run here (None when it can). Processes share GPUs
+    when there are fewer than they, so only a test whose one process drives
+    several GPUs (``gpus_in_one_process``) needs more than one."""
     g = gpu_count()
-    if g < n:
-        return f"needs >= {n} CUDA GPUs, found {g}"
+    if g < gpus_in_one_process:
+        return (f"one process driving {gpus_in_one_process} GPUs needs >= "
+                f"{gpus_in_one_process} CUDA GPUs, found {g}")
     from jax_ep import runtime
 
     if not runtime.extension_available():
@@ -83,10 +91,22 @@ def _free_port() -> int:
     return free_port()
 
 
-def _child_env(extra: Optional[dict]) -> dict:
+def gpu_plan(n: int):
+    """How a job of ``n`` processes uses this machine's GPUs (jax_ep.shared_gpu)."""
+    from jax_ep import shared_gpu
+
+    g = max(1, gpu_count())
+    return shared_gpu.plan(n, min(n, g), g, gpu_bytes=shared_gpu.gpu_memory_bytes(),
+                           user_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"))
+
+
+def _child_env(extra: Optional[dict], plan, rank: int) -> dict:
+    from jax_ep import shared_gpu
+
     env = dict(os.environ)
     env.update(NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1", PYTHONUNBUFFERED="1")
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
+    env = shared_gpu.apply(env, plan, rank, rank, "jax_ep_test", loopback=True)
     if env.pop("_JAX_EP_PARENT_ALLOCATOR", None):  # set by conftest for the parent only
         env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
         env.pop("XLA_PYTHON_CLIENT_ALLOCATOR", None)
@@ -100,6 +120,21 @@ def _child_env(extra: Optional[dict]) -> dict:
     return env
 
 
+def launch_env() -> dict:
+    """The environment for ``jax-ep-launch`` from a test: this tree importable,
+    the CPU suite's settings and the parent's allocator removed."""
+    env = dict(os.environ)
+    env.update(NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1", PYTHONUNBUFFERED="1")
+    for k in ("JAX_PLATFORMS", "XLA_FLAGS"):
+        env.pop(k, None)
+    if env.pop("_JAX_EP_PARENT_ALLOCATOR", None):
+        env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
+        env.pop("XLA_PYTHON_CLIENT_ALLOCATOR", None)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(
+        os.pathsep) if p])
+    return env
+
+
 def run(worker: str, n: Optional[int] = None, *, kwargs: Optional[dict] = None,
         timeout: float = 300.0, env: Optional[dict] = None, init_native: bool = True,
         distributed: bool = True) -> list:
@@ -110,6 +145,7 @@ def run(worker: str, n: Optional[int] = None, *, kwargs: Optional[dict] = None,
     if not distributed and n != 1:
         raise ValueError("distributed=False needs n == 1")
     port = _free_port()
+    plan = gpu_plan(n)
     tmp = tempfile.mkdtemp(prefix="jax_ep_job_")
     procs, logs = [], []
     for rank in range(n):
@@ -120,7 +156,7 @@ def run(worker: str, n: Optional[int] = None, *, kwargs: Optional[dict] = None,
         logs.append(log)
         procs.append(subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), json.dumps(spec)], cwd=ROOT,
-            env=_child_env(env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            env=_child_env(env, plan, rank), stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
 
     deadline = time.monotonic() + timeout
     failed = None
@@ -192,8 +228,9 @@ def _child(spec: dict) -> None:
     import jax
 
     if spec["distributed"]:
+        device = int(os.environ.get("JAX_EP_LOCAL_DEVICE_IDS", rank))
         jax.distributed.initialize(f"127.0.0.1:{spec['port']}", num_processes=n,
-                                   process_id=rank, local_device_ids=[rank])
+                                   process_id=rank, local_device_ids=[device])
     jax.devices()  # create the GPU client before NVSHMEM starts
     if spec["init_native"]:
         import jax_ep

@@ -79,6 +79,12 @@ def test_native_chunking():
     _run("_chunking_worker")
 
 
+def test_native_ring_wrap_large_t():
+    """T 16384 and 65536 per rank: every peer's staging ring wraps many times
+    per call on the default buffer; dispatch and fp8 rows bit-identical."""
+    _run("_ring_wrap_worker")
+
+
 # ----------------------------------------------------------------------------
 # worker side (run in the job's processes)
 # ----------------------------------------------------------------------------
@@ -189,7 +195,8 @@ FP8_CASES = [  # name, T, H, K, E, layout, x dtype (None: fp8 + scales given)
 ]
 
 
-def _fp8_case(checks, rng, mesh, R, case):
+def _fp8_case(checks, rng, mesh, R, case, fmt):
+    """``fmt``: EpConfig.fp8_scale_format, "f32" or "ue8m0" (power-of-two scales)."""
     import jax.numpy as jnp
 
     from ep_testing import random_routing
@@ -202,7 +209,7 @@ def _fp8_case(checks, rng, mesh, R, case):
     xf[0, 0, :128] = 0.0  # an all-zero group: amax clamps to 1e-4
     x = xf.astype(jnp.bfloat16) if xdt != "float32" else xf
     cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
-                   fp8_dispatch=True, backend="native")
+                   fp8_dispatch=True, fp8_scale_format=fmt, backend="native")
     res = {}
     for be_name in ("native", "reference"):
         def fn(a, b, be_name=be_name):
@@ -210,10 +217,10 @@ def _fp8_case(checks, rng, mesh, R, case):
             # rows < used are compared: the tail is unspecified without zero_tail
             used = jnp.sum(gs) if gs is not None else jnp.sum(h.row_src >= 0)
             if be_name == "reference":
-                q, s = reference.fp8_cast(a)
+                q, s = reference.fp8_cast(a, scale_format=fmt)
                 return reference.BACKEND.dispatch_rows(q, s, h, cfg) + (used,)
             if xdt is None:  # fp8 + scales given
-                q, s = reference.fp8_cast(a)
+                q, s = reference.fp8_cast(a, scale_format=fmt)
                 return native.BACKEND.dispatch_rows(q, s, h, cfg) + (used,)
             return native.BACKEND.dispatch_rows_fp8(a, h, cfg) + (used,)
 
@@ -227,14 +234,15 @@ def _fp8_case(checks, rng, mesh, R, case):
         s1, s2 = res["native"][1], res["reference"][1]
         detail = (f"q mismatches {(q1 != q2).sum()} / {q1.size}, "
                   f"scale mismatches {(bits(s1) != bits(s2)).sum()} / {s1.size}")
-    checks.report(name, ok, detail)
+    checks.report(f"{name}_{fmt}", ok, detail)
 
 
 def _fp8_worker(rank, n):
     checks, rng, mesh = _start(n)
     for case in FP8_CASES:
-        with checks.guard(case[0]):
-            _fp8_case(checks, rng, mesh, n, case)
+        for fmt in ("f32", "ue8m0"):
+            with checks.guard(f"{case[0]}_{fmt}"):
+                _fp8_case(checks, rng, mesh, n, case, fmt)
     return _finish(checks)
 
 
@@ -462,6 +470,33 @@ def _chunking_worker(rank, n):
                           same[0] and same[2] and same[3] and all(same_default),
                           f"dispatch/combine/fp8q/fp8s == reference: {same}; "
                           f"== native default: {same_default}")
+    return _finish(checks)
+
+
+# ---- large T: the rings of the default 1 GiB buffer wrap ----------------------
+def _ring_wrap_worker(rank, n):
+    import jax.numpy as jnp
+
+    from ep_testing import random_routing
+
+    checks, rng, mesh = _start(n)
+    for T in (16384, 65536):
+        name = f"ring_wrap_rm_T{T}_H1024_K4_E32_skew"
+        with checks.guard(name):
+            R, H, K, E = n, 1024, 4, 32
+            idx = random_routing(rng, R, T, K, E, minus_one=0.1, skew=True)
+            w = rng.random((R, T, K)).astype(np.float32)
+            x = rng.standard_normal((R, T, H), dtype=np.float32).astype(jnp.bfloat16)
+            got = _chunk_outputs(mesh, "native", "default", E, x, idx, w)
+            ref = _chunk_outputs(mesh, "reference", "default", E, x, idx, w)
+            same = [bool(np.array_equal(u, v)) for u, v in zip(got, ref)]
+            a = got[1].view(jnp.bfloat16).astype(np.float32)
+            b = ref[1].view(jnp.bfloat16).astype(np.float32)
+            err = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+            checks.report(name, same[0] and same[2] and same[3] and err < 1e-2
+                          and bool(np.isfinite(a).all()),
+                          f"dispatch/combine/fp8q/fp8s == reference: {same}; "
+                          f"combine_rel_err={err:.2e}")
     return _finish(checks)
 
 

@@ -16,7 +16,7 @@ import pytest
 import harness
 from gpu_helpers import from_stacked, mesh_case_data
 
-_REASON = harness.skip_reason(2)   # at least 2 GPUs, whatever JAX_EP_TEST_NPROCS says
+_REASON = harness.skip_reason(2)   # one process driving 2 GPUs: needs 2 real GPUs
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
 
 
