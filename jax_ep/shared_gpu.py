@@ -12,9 +12,9 @@ What each process of such a job needs:
   ranks on one GPU of one host ("Duplicate GPU detected") and, with distinct
   identities, talks over its socket transport instead (on loopback when the
   whole job is on this machine);
-- a share of the GPU's memory for XLA's pool (``XLA_PYTHON_CLIENT_MEM_FRACTION``
-  = 0.8 / processes per GPU, unless the user set one), leaving room for each
-  process's CUDA context and NVSHMEM heap outside the pool.
+- a share of the GPU's memory for XLA's pool (``XLA_PYTHON_CLIENT_MEM_FRACTION``,
+  :func:`fair_fraction`, unless the user set one), leaving room for each
+  process's CUDA context, NVSHMEM heap and NCCL buffers outside the pool.
 
 Used by ``jax_ep.launch`` (``--gpus``) and the GPU test harness.
 """
@@ -25,12 +25,16 @@ import math
 import subprocess
 from typing import Optional
 
-# Outside XLA's pool, per process: its CUDA context (~0.5 GiB) and the NVSHMEM
-# heap of the default 1 GiB buffer (1.5 GiB in 512 MiB granules).
-OUTSIDE_POOL_BYTES = 2 << 30
-# XLA's pools together take this share of a GPU, as one process alone would
-# (JAX's default is 0.75).
+# Outside XLA's pool, per process: its CUDA context (~0.5 GiB), the NVSHMEM
+# heap of the default 1 GiB buffer (1.5 GiB in 512 MiB granules) and NCCL's
+# buffers. 14 processes with pools of 0.8 / 14 of a GPU left NCCL none
+# ("Failed to CUDA calloc async 16 bytes").
+OUTSIDE_POOL_BYTES = 3 << 30
+# XLA's pools together take at most this share of a GPU, as one process alone
+# would (JAX's default is 0.75), and the pools plus what lies outside them at
+# most USABLE_SHARE of it.
 POOL_SHARE = 0.8
+USABLE_SHARE = 0.9
 # Below this much pool a process cannot hold a test's arrays, let alone a model's.
 MIN_POOL_BYTES = 1 << 30
 
@@ -80,6 +84,17 @@ def gpu_memory_bytes() -> Optional[int]:
     return min(sizes) if sizes else None
 
 
+def fair_fraction(per_gpu: int, gpu_bytes: Optional[int]) -> float:
+    """Each process's pool share when ``per_gpu`` processes share a GPU of
+    ``gpu_bytes`` (None: unknown, 0.8 / per_gpu): 0.8 / per_gpu, lowered so
+    that every process's outside-pool memory fits in 0.9 of the GPU."""
+    frac = POOL_SHARE / per_gpu
+    if gpu_bytes:
+        room = (USABLE_SHARE * gpu_bytes - per_gpu * OUTSIDE_POOL_BYTES) / (per_gpu * gpu_bytes)
+        frac = min(frac, room)
+    return math.floor(frac * 1000) / 1000
+
+
 def plan(nproc: int, gpus: int, visible: int, *, gpu_bytes: Optional[int] = None,
          user_fraction: Optional[str] = None) -> GpuPlan:
     """The plan for ``nproc`` processes on ``gpus`` of the ``visible`` GPUs.
@@ -98,12 +113,12 @@ def plan(nproc: int, gpus: int, visible: int, *, gpu_bytes: Optional[int] = None
     p = GpuPlan(nproc, gpus)
     if not p.shared:
         return p
-    frac = float(user_fraction) if user_fraction else round(POOL_SHARE / p.per_gpu, 4)
+    frac = float(user_fraction) if user_fraction else fair_fraction(p.per_gpu, gpu_bytes)
     p = dataclasses.replace(p, mem_fraction=frac)
     if gpu_bytes:
         pool = frac * gpu_bytes
         need = p.per_gpu * (pool + OUTSIDE_POOL_BYTES)
-        if need > gpu_bytes or pool < MIN_POOL_BYTES:
+        if need > USABLE_SHARE * gpu_bytes or pool < MIN_POOL_BYTES:
             raise SharedGpuError(
                 f"{p.per_gpu} processes per GPU do not fit its {gpu_bytes / 2**30:.0f} GiB: each "
                 f"needs its XLA pool (memory fraction {frac:.3g} = {pool / 2**30:.1f} GiB, at "

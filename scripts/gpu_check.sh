@@ -21,7 +21,7 @@
 #                  the training example and the internode workers (tests/gpu/rehearsal.py)
 #   SKIP_BUILD=1   use the jax_ep/_C*.so already in the tree (e.g. carried)
 #   EXTRA          a command run last (a benchmark), output in $OUT/extra.log
-#   TEST_TIMEOUT   seconds per pytest session (default 540)
+#   TEST_TIMEOUT   seconds per pytest session (default 540); JOB_TIMEOUT per job (240)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/jax_ep_gpu_check}"
@@ -49,15 +49,15 @@ fi
   >> "$OUT/build.log" 2>&1
 t_build=$(( $(date +%s) - t0 ))
 
-MP_TESTS="tests/gpu/test_native_dispatch.py tests/gpu/test_native_hardening.py
-  tests/gpu/test_native_mesh.py tests/gpu/test_native_timeout.py tests/gpu/test_runtime.py
-  tests/gpu/test_native_low_latency.py tests/gpu/test_native_internode.py tests/gpu/test_examples_gpu.py"
+MP_TESTS="tests/gpu/test_examples_gpu.py tests/gpu/test_native_low_latency.py
+  tests/gpu/test_native_internode.py tests/gpu/test_native_dispatch.py tests/gpu/test_native_hardening.py
+  tests/gpu/test_native_mesh.py tests/gpu/test_native_timeout.py tests/gpu/test_runtime.py"
 SUITE_N="${SUITE_N:-2 4 8}"
 total=0; for n in $SUITE_N; do total=$(( total + n )); done
-# Concurrent sessions share the GPU(s): each process gets 0.8 of a GPU divided
-# by the processes on it (rounded down to 1e-3).
+# Concurrent sessions share the GPU(s): each process gets the fair share of all
+# the processes on its GPU (jax_ep.shared_gpu.fair_fraction).
 per_gpu=$(( (total + NGPU - 1) / (NGPU > 0 ? NGPU : 1) ))
-frac=$("$PY" -c "print(f'{0.8 / max(1, $per_gpu) - 5e-4:.3f}')")
+frac=$("$PY" -c "from jax_ep import shared_gpu as s; print(s.fair_fraction($per_gpu, s.gpu_memory_bytes()))")
 
 declare -A rc
 if [ "$build_rc" = 0 ] && [ "${SUITE_TESTS:-}" != none ]; then
@@ -65,6 +65,7 @@ if [ "$build_rc" = 0 ] && [ "${SUITE_TESTS:-}" != none ]; then
   pids=()
   for n in $SUITE_N; do
     JAX_EP_TEST_NPROCS=$n XLA_PYTHON_CLIENT_MEM_FRACTION=$frac \
+      JAX_EP_GPU_TEST_TIMEOUT=${JOB_TIMEOUT:-240} \
       timeout -k 30 "${TEST_TIMEOUT:-540}" "$PY" -m pytest -m gpu ${SUITE_TESTS:-$MP_TESTS} -v -rs \
       -p no:cacheprovider --durations=15 > "$OUT/suite_n$n.log" 2>&1 &
     pids+=("$n:$!")

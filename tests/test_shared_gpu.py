@@ -17,7 +17,9 @@ def test_one_gpu_each_is_not_shared():
 def test_round_robin_with_a_fair_fraction(n, g, per):
     p = shared_gpu.plan(n, g, g, gpu_bytes=141 * GIB)
     assert p.per_gpu == per and p.shared
-    assert p.mem_fraction == pytest.approx(0.8 / per, rel=1e-3)
+    assert p.mem_fraction == shared_gpu.fair_fraction(per, 141 * GIB) <= 0.8 / per
+    # every process's pool and outside-pool memory fit in 0.9 of the GPU
+    assert per * (p.mem_fraction * 141 * GIB + shared_gpu.OUTSIDE_POOL_BYTES) <= 0.9 * 141 * GIB
     envs = [shared_gpu.process_env(p, r, 10 + r, "box", True) for r in range(n)]
     assert [e["JAX_EP_LOCAL_DEVICE_IDS"] for e in envs] == [str(r % g) for r in range(n)]
     assert len({e["NCCL_HOSTID"] for e in envs}) == n          # one NCCL host each
@@ -35,8 +37,11 @@ def test_user_fraction_and_nccl_interface_are_kept():
 
 def test_too_many_processes_for_the_memory():
     with pytest.raises(shared_gpu.SharedGpuError, match=r"64 processes per GPU do not fit .*"
-                       r"memory fraction 0\.0125"):
+                       r"memory fraction -"):
         shared_gpu.plan(64, 1, 1, gpu_bytes=141 * GIB)
+    with pytest.raises(shared_gpu.SharedGpuError, match=r"32 processes per GPU do not fit .*"
+                       r"memory fraction 0\.0"):
+        shared_gpu.plan(32, 1, 1, gpu_bytes=141 * GIB)
     with pytest.raises(shared_gpu.SharedGpuError, match="lower XLA_PYTHON_CLIENT_MEM_FRACTION"):
         shared_gpu.plan(4, 1, 1, gpu_bytes=141 * GIB, user_fraction="0.3")
 
