@@ -311,18 +311,10 @@ def train(args, verbose=True):
     """Run the training loop; returns a dict of results (losses, timings)."""
     backend = args.backend
     info = None
-    if "JAX_EP_NUM_PROCESSES" in os.environ or backend == "native" or _want_gpu(args):
+    want_native = backend == "native" or (backend == "auto" and _want_gpu(args))
+    if "JAX_EP_NUM_PROCESSES" in os.environ or want_native:
         from jax_ep.launch import init_distributed
-        # "auto" on GPUs: start the native runtime when possible, else the reference runs
-        kw = {} if args.transport == "auto" else {"transport": args.transport}
-        info = init_distributed(native=(backend == "native" or
-                                        (backend == "auto" and _want_gpu(args))), **kw)
-        if backend == "native" and not info.native:
-            from jax_ep import runtime
-            raise SystemExit(f"--backend native: the jax_ep native runtime did not start "
-                             f"({runtime.unavailable_reason()}); run one process per GPU "
-                             "with `python -m jax_ep.launch -n <gpus> ...`, or one process "
-                             "with --transport peer_memory, or use --backend reference")
+        info = init_distributed()   # jax.distributed; the native runtime once the config is known
     is_main = jax.process_index() == 0
     say = print if (verbose and is_main) else (lambda *a, **k: None)
 
@@ -346,6 +338,19 @@ def train(args, verbose=True):
     tokens_total = args.batch * S
     if tokens_total % n_dev:
         raise SystemExit(f"batch*seq = {tokens_total} tokens must divide over {n_dev} devices")
+    if want_native:
+        # The buffer (and, where the EP group spans hosts, the internode region)
+        # sized for this layer's config. "auto" on GPUs: the native runtime when
+        # it starts, else the reference backend.
+        kw = {} if args.transport == "auto" else {"transport": args.transport}
+        info = init_distributed(native=True, config=ml.make_ep_config(
+            moe_cfg, tokens_total // n_dev, "ep", backend, args.experts_impl), **kw)
+        if backend == "native" and not info.native:
+            from jax_ep import runtime
+            raise SystemExit(f"--backend native: the jax_ep native runtime did not start "
+                             f"({runtime.unavailable_reason()}); run one process per GPU "
+                             "with `python -m jax_ep.launch -n <gpus> ...`, or one process "
+                             "with --transport peer_memory, or use --backend reference")
     say(f"devices: {n_dev} x {jax.devices()[0].platform} "
         f"({jax.process_count()} process(es)); mesh data={data} x ep={ep}; "
         f"jax_ep backend={backend}, experts {args.experts_impl}; "

@@ -55,9 +55,10 @@ MP_TESTS="tests/gpu/test_examples_gpu.py tests/gpu/test_native_low_latency.py
 SUITE_N="${SUITE_N:-2 4 8}"
 total=0; for n in $SUITE_N; do total=$(( total + n )); done
 # Concurrent sessions share the GPU(s): each process gets the fair share of all
-# the processes on its GPU (jax_ep.shared_gpu.fair_fraction).
+# the processes on its GPU (jax_ep.shared_gpu.fair_fraction), or
+# $XLA_PYTHON_CLIENT_MEM_FRACTION when set.
 per_gpu=$(( (total + NGPU - 1) / (NGPU > 0 ? NGPU : 1) ))
-frac=$("$PY" -c "from jax_ep import shared_gpu as s; print(s.fair_fraction($per_gpu, s.gpu_memory_bytes()))")
+frac=${XLA_PYTHON_CLIENT_MEM_FRACTION:-$("$PY" -c "from jax_ep import shared_gpu as s; print(s.fair_fraction($per_gpu, s.gpu_memory_bytes()))")}
 
 declare -A rc
 if [ "$build_rc" = 0 ] && [ "${SUITE_TESTS:-}" != none ]; then
@@ -80,7 +81,7 @@ if [ "${REHEARSAL:-0}" = 1 ] && [ "$build_rc" = 0 ]; then
   run2() {   # both "hosts" of one job, 2 processes each, sharing GPU 0
     local pids=() r
     for r in 0 1; do
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.18 timeout 300 "$PY" -m jax_ep.launch -n 2 --gpus 1 \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.18} timeout 300 "$PY" -m jax_ep.launch -n 2 --gpus 1 \
         --nnodes 2 --node-rank $r --host-id node$r --coordinator 127.0.0.1:$1 "${@:2}" &
       pids+=($!)
     done
