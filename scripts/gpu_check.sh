@@ -81,14 +81,14 @@ if [ "${REHEARSAL:-0}" = 1 ] && [ "$build_rc" = 0 ]; then
   run2() {   # both "hosts" of one job, 2 processes each, sharing GPU 0
     local pids=() r
     for r in 0 1; do
-      XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.18} timeout 300 "$PY" -m jax_ep.launch -n 2 --gpus 1 \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.18} timeout ${REHEARSAL_TIMEOUT:-300} "$PY" -m jax_ep.launch -n 2 --gpus 1 \
         --nnodes 2 --node-rank $r --host-id node$r --coordinator 127.0.0.1:$1 "${@:2}" &
       pids+=($!)
     done
     local bad=0; for r in "${pids[@]}"; do wait "$r" || bad=1; done; return $bad
   }
   { echo "== train_moe.py"; run2 "$port" examples/train_moe.py --backend native --platform gpu \
-      --steps 60 --no-comm-timing --log-every 20; echo "rc=$?"
+      --steps ${TRAIN_STEPS:-60} --no-comm-timing --log-every 20; echo "rc=$?"
     port=$("$PY" -c "from jax_ep.launch import free_port; print(free_port())")
     echo "== internode workers"; JAX_EP_TEST_NUM_NODES=1 JAX_EP_DEBUG_POISON=1 run2 "$port" \
       tests/gpu/rehearsal.py; echo "rc=$?"
