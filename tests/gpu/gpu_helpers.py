@@ -73,13 +73,14 @@ def bits(a):
 
 def per_rank_jit(fn, mesh, axes, *arrays):
     """``jit(shard_map(fn))`` over the mesh axes ``axes`` (a tuple) and its
-    inputs, global arrays built from ``arrays`` stacked per rank (``from_stacked``).
-    0-d outputs become [1] per rank. -> (f, inputs)."""
+    inputs, global arrays built from ``arrays`` stacked per rank (``from_stacked``;
+    a ``jax.Array`` is taken as the global array it is). 0-d outputs become [1]
+    per rank. -> (f, inputs)."""
     import jax
     from jax.sharding import PartitionSpec as P
 
     spec = P(axes)
-    ins = [from_stacked(mesh, spec, a) for a in arrays]
+    ins = [a if isinstance(a, jax.Array) else from_stacked(mesh, spec, a) for a in arrays]
 
     def body(*xs):
         out = fn(*xs)
