@@ -30,11 +30,3 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-from . import runtime as _runtime
-
-if not _runtime.extension_available():
-    import logging as _logging
-
-    # one line on stderr by default; silence with logging.getLogger("jax_ep").setLevel(...)
-    _logging.getLogger("jax_ep").warning(
-        "jax_ep: native extension not built; only the reference (pure-JAX) backend is available")

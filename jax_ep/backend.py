@@ -100,7 +100,9 @@ def select(cfg: EpConfig) -> Backend:
         return runtime.native_backend()  # raises with a clear message if not initialised
     if runtime.is_initialized():
         return runtime.native_backend()
-    if not _notice_printed:
+    # Without the extension "auto" is the reference, silently; with it, one
+    # line says the runtime is down and why.
+    if runtime.extension_available() and not _notice_printed:
         _notice_printed = True
         _log.warning("jax_ep: native runtime not initialised (%s); using the reference backend",
                      runtime.unavailable_reason())

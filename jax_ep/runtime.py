@@ -80,7 +80,13 @@ def _extension():
                     installed = "unknown"
                 hint = (f"; jax_ep._C must run with the nvidia-nvshmem-cu13 release it was "
                         f"built against (installed: {installed})")
-            _ext["error"] = f"native extension not available ({e}{hint})"
+            if getattr(e, "name", None) == __package__ + "._C":
+                _ext["error"] = (
+                    "jax_ep was installed without its CUDA extension (jax_ep._C): the reference "
+                    "backend only. On a GPU host with nvcc: JAX_EP_NATIVE=1 python3 -m pip "
+                    "install '.[cuda13]' (README, Install)")
+            else:
+                _ext["error"] = f"native extension not available ({e}{hint})"
     return _ext["module"]
 
 

@@ -156,14 +156,18 @@ def global_sum(n):
     """``n`` summed over the manual axes of the enclosing ``shard_map`` (every
     device of the mesh when it is manual over all of them), so every device
     holds the same value: one decision, taken everywhere."""
+    return _global(n, jax.lax.psum)
+
+
+def _global(n, reduce):
     from ._ffi import to_vma, vma_of
 
     axes = bound_axes()
     if not axes:
         return n
-    if vma_of(n):  # check_vma=True: psum needs n varying over every axis it sums
+    if vma_of(n):  # check_vma=True: a collective needs n varying over every axis it reduces
         n = to_vma(n, frozenset(axes))
-    return jax.lax.psum(n, axes)
+    return reduce(n, axes)
 
 
 class _QuietOverflow:
@@ -177,32 +181,113 @@ class _QuietOverflow:
         return not (isinstance(exc, OverflowError) and str(exc).startswith(_MSG_HEAD))
 
 
-_MSG_HEAD = "jax_ep.dispatch dropped"
+_MSG_HEAD = "jax_ep.dispatch (EpConfig.check_overflow)"
 _quiet_installed = False
 
 
 def _quiet_callback_logs():
+    """JAX's callback log filtered, and its runtime tokens cleared of jax_ep's
+    own overflow before JAX's exit handlers wait on them: the error reached
+    the user once, where the computation was read; JAX would print it twice
+    more at exit ("Exception ignored in atexit callback")."""
     global _quiet_installed
     if not _quiet_installed:
+        import atexit
         import logging
         _quiet_installed = True
         logging.getLogger("jax._src.callback").addFilter(_QuietOverflow())
+        atexit.register(_drop_overflow_tokens)   # runs before JAX's (registered earlier)
 
 
-def _raise_if_dropped(total, capacity):
-    total = int(np.asarray(total))
-    if total > 0:
-        raise OverflowError(
-            f"{_MSG_HEAD} {total} (token, expert) pairs over all ranks (EpConfig.check_overflow, "
-            f"capacity C={capacity} rows): use EpConfig.capacity=None (dropless) or a larger "
-            "one, and expert ids in [-1, num_experts)")
+def _drop_overflow_tokens():
+    try:
+        from jax._src import dispatch
+        tokens = dispatch.runtime_tokens.output_runtime_tokens
+    except (ImportError, AttributeError):
+        return
+    for device, token in list(tokens.items()):
+        try:
+            token.block_until_ready()
+        except Exception as e:  # noqa: BLE001 - only jax_ep's own error is dropped
+            if _MSG_HEAD in str(e):
+                del tokens[device]
+
+
+# The checked dispatch's global report, one int32 vector, the same on every device.
+_FIELDS = ("dropped", "invalid", "invalid_min", "invalid_max", "over", "rank", "needed",
+           "expert", "expert_pairs")
+_BIG = np.iinfo(np.int32).max
+
+
+def drop_report(topk_idx, handle, cfg: EpConfig, num_dropped):
+    """The facts :func:`check_drops` names: global drops; ids outside
+    ``[-1, E)`` (how many, the smallest and largest); the rank furthest over
+    its capacity (rows it needs, by how many over) and its busiest expert
+    (global id, pairs). Collective over the manual axes."""
+    E, R, C = cfg.num_experts, handle.num_ranks, handle.capacity
+    L = E // R
+    bad = (topk_idx < -1) | (topk_idx >= E)
+    invalid = jnp.sum(bad, dtype=jnp.int32)
+    lo = jnp.min(jnp.where(bad, topk_idx, _BIG)).astype(jnp.int32)
+    hi = jnp.max(jnp.where(bad, topk_idx, -_BIG)).astype(jnp.int32)
+    # pairs per local expert on this rank (each source token once per expert)
+    per_expert = jnp.sum((handle.recv_local_idx[..., None] == jnp.arange(L)).any(axis=2),
+                         axis=(0, 1), dtype=jnp.int32)                     # [L]
+    if cfg.layout == "expert_major":
+        a = cfg.expert_alignment
+        needed = jnp.sum((per_expert + a - 1) // a * a, dtype=jnp.int32)
+    else:
+        needed = jnp.sum(jnp.any(handle.recv_local_idx >= 0, axis=2), dtype=jnp.int32)
+    over = needed - C
+    me = jax.lax.axis_index(cfg.axis_name).astype(jnp.int32)
+    worst = _global(over, jax.lax.pmax)
+    rank = _global(jnp.where(over == worst, me, _BIG), jax.lax.pmin)
+    mine = me == rank
+    busiest = jnp.argmax(per_expert).astype(jnp.int32)
+
+    def from_worst(v):   # the worst rank's value, on every device
+        return _global(jnp.where(mine, v, jnp.int32(-_BIG)), jax.lax.pmax)
+
+    return jnp.stack([global_sum(num_dropped), global_sum(invalid), _global(lo, jax.lax.pmin),
+                      _global(hi, jax.lax.pmax), worst, rank, from_worst(needed),
+                      from_worst(me * L + busiest), from_worst(per_expert[busiest])])
+
+
+def overflow_message(report, cfg: EpConfig, capacity: int) -> str:
+    """The one error of a checked dispatch that dropped pairs: its cause(s) and
+    the remedy for each ('' when nothing was dropped)."""
+    r = dict(zip(_FIELDS, (int(v) for v in np.asarray(report).reshape(-1))))
+    if r["dropped"] <= 0:
+        return ""
+    parts = []
+    if r["invalid"] > 0:
+        parts.append(
+            f"{r['invalid']} expert id(s) outside [-1, {cfg.num_experts}) (smallest "
+            f"{r['invalid_min']}, largest {r['invalid_max']}): the router must give ids in "
+            f"[0, num_experts={cfg.num_experts}), or -1 for an unused slot")
+    spilled = r["dropped"] - r["invalid"]
+    if spilled > 0:
+        fix = ("a larger EpConfig.capacity" if cfg.capacity is None else
+               f"EpConfig.capacity >= {r['needed']}, or capacity=None (dropless)")
+        parts.append(
+            f"{spilled} (token, expert) pair(s) over capacity: rank {r['rank']} of axis "
+            f"{cfg.axis_name!r} needs {r['needed']} rows but has C={capacity} "
+            f"({r['over']} over; its busiest expert, {r['expert']}, received "
+            f"{r['expert_pairs']} pairs); use {fix}")
+    return f"{_MSG_HEAD}: dropped {r['dropped']} pair(s): " + "; ".join(parts)
+
+
+def _raise_if_dropped(report, cfg: EpConfig, capacity: int):
+    msg = overflow_message(report, cfg, capacity)
+    if msg:
+        raise OverflowError(msg)
     return np.zeros((), np.int32)
 
 
-def check_drops(total, capacity: int):
-    """Checked mode: a host callback that raises ``OverflowError`` when
-    ``total`` (the global drop count, the same value on every device) is
-    positive, else returns int32 0. A ``pure_callback`` (no effects, so it
+def check_drops(report, cfg: EpConfig, capacity: int):
+    """Checked mode: a host callback that raises ``OverflowError`` naming the
+    cause when ``report`` (:func:`drop_report`, the same on every device) shows
+    drops, else returns int32 0. A ``pure_callback`` (no effects, so it
     also works under ``jax.checkpoint``); the caller makes the data movement
     depend on its result, so it is never dead code and runs before any rank
     can block in a later collective."""
@@ -214,5 +299,5 @@ def check_drops(total, capacity: int):
             "partially-manual shard_map. Return Dispatched.total_dropped and check it on the "
             "host instead")
     _quiet_callback_logs()
-    return jax.pure_callback(lambda n: _raise_if_dropped(n, capacity),
-                             jax.ShapeDtypeStruct((), jnp.int32), total)
+    return jax.pure_callback(lambda v: _raise_if_dropped(v, cfg, capacity),
+                             jax.ShapeDtypeStruct((), jnp.int32), report)

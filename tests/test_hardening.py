@@ -154,10 +154,17 @@ if mode in ("some", "ckpt"):  # rank 0 receives 7 + 8 rows for expert 0: only it
 elif mode == "all":  # every rank receives 16 rows per expert
     idx[:, :, 0] = (np.arange(T) % R) * 2
     idx[:, :, 1] = (np.arange(T) % R) * 2 + 1
+elif mode == "invalid":  # ids outside [-1, E), nothing over capacity
+    idx[2, 1, 0], idx[5, 3, 1] = E + 3, -5
 
 def f(a, b, c):  # only the combined output is used: the check must not be dead code
     d = jax_ep.dispatch(a, b, c, cfg)
     return jax_ep.combine(d.x, d, cfg)
+
+def valid_call():  # after a caught overflow, a valid call works and nothing prints at exit
+    ok = np.full((R, T, K), -1, np.int32)
+    ok[:, 0, 0] = 1
+    run_per_rank(f, mesh, "ep", x, ok, w)
 
 try:
     if mode == "ckpt":
@@ -169,6 +176,7 @@ try:
 except Exception as e:
     msg = str(e)
     print("RAISED", type(e).__name__, len(msg.splitlines()), msg.splitlines()[-1])
+    valid_call()
 else:
     print("NO ERROR")
 sys.stdout.flush()
@@ -182,17 +190,37 @@ def _run_script(script, *args, timeout=240):
     return p.stdout, p.stderr
 
 
-@pytest.mark.parametrize("mode,count", [("some", 7), ("all", 64), ("ckpt", 7), ("ok", 0)])
+_CAUSES = {  # mode -> what the one error must name
+    "some": ["7 (token, expert) pair(s) over capacity: rank 0 of axis 'ep' needs 15 rows but "
+             "has C=8 (7 over; its busiest expert, 0, received 15 pairs); use "
+             "EpConfig.capacity >= 15, or capacity=None (dropless)"],
+    "ckpt": ["rank 0 of axis 'ep' needs 15 rows but has C=8"],
+    "all": ["64 (token, expert) pair(s) over capacity", "needs 16 rows but has C=8 (8 over"],
+    "invalid": ["2 expert id(s) outside [-1, 16) (smallest -5, largest 19): the router must "
+                "give ids in [0, num_experts=16), or -1 for an unused slot"],
+}
+
+
+@pytest.mark.parametrize("mode,count", [("some", 7), ("all", 64), ("ckpt", 7), ("invalid", 2),
+                                        ("ok", 0)])
 def test_checked_overflow_is_collective(mode, count):
+    """One error, on every rank alike, naming its cause and the remedy that
+    applies (invalid ids: no capacity advice); a valid call after it works and
+    nothing is printed again at exit."""
     out, err = _run_script(_OVERFLOW_SCRIPT, mode)
     if mode == "ok":
         assert "NO ERROR" in out, out + err
         return
     assert "RAISED" in out, out + err
     line = out.split("RAISED", 1)[1]
-    assert f"OverflowError: jax_ep.dispatch dropped {count} " in line, line
-    assert "capacity" in line and int(line.split()[1]) <= 12, line  # short message
+    assert (f"OverflowError: jax_ep.dispatch (EpConfig.check_overflow): dropped {count} "
+            "pair(s): ") in line, line
+    for cause in _CAUSES[mode]:
+        assert cause in line, (cause, line)
+    assert ("capacity" in line) == (mode != "invalid"), line
+    assert int(line.split()[1]) <= 12, line  # short message
     assert "jax.pure_callback failed" not in err  # no per-device logged tracebacks
+    assert "Exception ignored" not in err and "OverflowError" not in err, err  # not again at exit
 
 
 def test_num_dropped_shape_and_total():
