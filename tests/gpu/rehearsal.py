@@ -19,7 +19,8 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.dirname(os.path.dirname(_HERE))]   # tests/gpu and this tree
 
 
 def main() -> int:
