@@ -6,10 +6,12 @@
 #
 # With fewer GPUs than N the N processes of a job share them (tests/gpu/harness.py,
 # jax_ep.shared_gpu): every multi-process path runs and is checked; no timing
-# from that mode means anything. The suite at one N takes about one 10-minute
-# device call on one GPU, so split it there:
-#   SUITE_N=8 bash scripts/gpu_check.sh
-#   SUITE_N="2 4" REHEARSAL=1 bash scripts/gpu_check.sh
+# from that mode means anything. Each test starts its own job (about 40 s a
+# test on one H200, mostly start-up and compilation), so the 38 tests at one N
+# take about 25 minutes: on a machine whose calls last 10 minutes, split
+# SUITE_TESTS (file or node ids) over calls; N values run side by side, e.g.
+#   SUITE_N="2 8" SUITE_TESTS="tests/gpu/test_native_dispatch.py" bash scripts/gpu_check.sh
+# bench/results/gpu-suite-shared-gpu.md: what has passed so far.
 #
 # Knobs:
 #   SUITE_N        process counts; each runs as its own pytest session, side by
