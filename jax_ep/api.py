@@ -176,8 +176,8 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, config:
     topk_weights = merge_duplicate_weights(topk_idx, topk_weights, config.num_experts)
     raw_idx = topk_idx
     handle, group_sizes, num_valid, num_dropped = be.router.route(topk_idx, config, R)
-    if pad:
-        handle = dataclasses.replace(handle, padded_tokens=pad)
+    handle = dataclasses.replace(handle, padded_tokens=pad,
+                                 dispatch_config=validate.dispatch_config(config))
     if config.check_overflow:
         # every device gets the same global count, raises (or not) in the callback, and
         # moves no row before it: the rows' send mask depends on the callback's result

@@ -27,6 +27,9 @@ class Handle:
       padded_tokens: static; rows :func:`jax_ep.dispatch` appended to the
         caller's tokens (one empty row when T = 0), which combine strips.
         ``num_tokens`` counts them.
+      dispatch_config: static; the dispatch's :class:`EpConfig` fields that
+        combine's must equal (``validate.DISPATCH_FIELDS``: name, value pairs;
+        empty: unchecked).
     """
 
     send_mask: jax.Array
@@ -39,12 +42,14 @@ class Handle:
     capacity: int = 0
     layout: str = "expert_major"
     padded_tokens: int = 0
+    dispatch_config: tuple = ()
 
 
 jax.tree_util.register_dataclass(
     Handle,
     data_fields=["send_mask", "recv_local_idx", "slot_row", "row_src", "native"],
-    meta_fields=["num_ranks", "num_tokens", "capacity", "layout", "padded_tokens"],
+    meta_fields=["num_ranks", "num_tokens", "capacity", "layout", "padded_tokens",
+                 "dispatch_config"],
 )
 
 

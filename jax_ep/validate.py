@@ -136,7 +136,23 @@ def buffer_size(cfg: EpConfig, R: int, T: int, dtype) -> int:
     return C
 
 
+# EpConfig fields a combine must share with its dispatch (the handle's layout,
+# capacity and rows follow from them).
+DISPATCH_FIELDS = ("num_experts", "topk", "max_tokens_per_rank", "capacity", "expert_alignment",
+                   "fp8_dispatch", "axis_name")
+
+
+def dispatch_config(cfg: EpConfig) -> tuple:
+    """``((field, value), ...)`` of :data:`DISPATCH_FIELDS` (kept in the handle)."""
+    return tuple((f, getattr(cfg, f)) for f in DISPATCH_FIELDS)
+
+
 def combine_args(y, d, cfg: EpConfig, R: int):
+    for (field, was), now in zip(d.handle.dispatch_config, dispatch_config(cfg)):
+        if was != now[1]:
+            raise ValueError(
+                f"jax_ep.combine: EpConfig.{field} is {now[1]!r} here but the dispatch ran with "
+                f"{was!r}; pass combine the config dispatch was given")
     _shape("y", y, 2)
     C, H = d.x.shape
     if y.shape != (C, cfg.hidden):

@@ -117,3 +117,24 @@ def test_fp8_dispatch_needs_bf16_or_f32():
 def test_numpy_ints_in_config():
     cfg = _cfg(num_experts=np.int64(E), capacity=np.int32(64))
     assert cfg == _cfg(capacity=64) and type(cfg.num_experts) is int
+
+
+@pytest.mark.parametrize("field,value", [("num_experts", 16), ("topk", 1),
+                                         ("max_tokens_per_rank", 8), ("capacity", 64),
+                                         ("expert_alignment", 4), ("fp8_dispatch", True)])
+def test_combine_names_the_config_field_that_differs_from_dispatch(field, value):
+    import dataclasses
+
+    mesh = make_mesh((4,), ("ep",))
+    cfg = jax_ep.EpConfig(num_experts=8, topk=2, max_tokens_per_rank=4, hidden=128)
+    other = dataclasses.replace(cfg, **{field: value})
+
+    def f(x, i, w):
+        d = jax_ep.dispatch(x, i, w, cfg)
+        return jax_ep.combine(d.x, d, other)
+
+    g = jax.shard_map(f, mesh=mesh, in_specs=(P("ep"),) * 3, out_specs=P("ep"))
+    x = np.ones((16, 128), np.float32)
+    with pytest.raises(ValueError, match=rf"EpConfig\.{field} is .* here but the dispatch ran "
+                                         rf"with .*; pass combine the config dispatch was given"):
+        jax.jit(g).lower(x, np.zeros((16, 2), np.int32), np.ones((16, 2), np.float32))
