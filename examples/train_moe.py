@@ -404,8 +404,7 @@ def train(args, verbose=True):
     params, opt_state, biases, m = step(params, opt_state, biases, batch)
     first_loss = float(m["loss"])
     compile_s = time.perf_counter() - t0
-    say(f"step 0: loss {first_loss:.4f} (chance ln({args.vocab - 2}) = "
-        f"{math.log(args.vocab - 2):.4f}); compile + first step {compile_s:.1f}s")
+    say(f"step 0: loss {first_loss:.4f}; compile + first step {compile_s:.1f}s")
 
     losses = [first_loss]
     all_finite = bool(m["finite"])
@@ -447,15 +446,14 @@ def train(args, verbose=True):
                                        seed=args.seed)
         share = args.layers * t_comm / step_med
         res.update(comm_s=t_comm, comm_share=share)
+        # fwd+bwd of dispatch -> combine alone (identity experts, random routing), same
+        # shapes and mesh, median of 20 runs, times the layers, over the median step
         say(f"dispatch+combine: {args.layers} layers x {t_comm * 1e3:.2f} ms = "
-            f"{100 * share:.1f}% of the median step ({step_med * 1e3:.2f} ms). "
-            "[measured as a separately jitted fwd+bwd of dispatch->combine alone "
-            "(identity experts, random top-k routing) on the same per-device shapes and mesh, "
-            "median of 20 runs, times the number of MoE layers, divided by the median "
-            "train-step time]")
+            f"{100 * share:.1f}% of the median step ({step_med * 1e3:.2f} ms)")
     tail = losses[-10:]
     say(f"loss: start {first_loss:.4f} -> end {losses[-1]:.4f} (mean of last {len(tail)}: "
-        f"{np.mean(tail):.4f}); {args.steps} steps in {wall:.1f}s, median step "
+        f"{np.mean(tail):.4f}; guessing among the {args.vocab - 2} copyable tokens: "
+        f"ln({args.vocab - 2}) = {math.log(args.vocab - 2):.2f}); {args.steps} steps in {wall:.1f}s, median step "
         f"{step_med * 1e3:.2f} ms, {res['tokens_per_s']:,.0f} tokens/s; grads finite: "
         f"{all_finite}")
     if info is not None and info.native:

@@ -253,7 +253,11 @@ def _log(msg: str) -> None:
 def _parse(argv: Optional[Sequence[str]]):
     p = argparse.ArgumentParser(
         prog="python -m jax_ep.launch",
-        description="Run N local processes of a jax_ep script (one GPU each).",
+        description="Run N local processes of a jax_ep script (one GPU each, or sharing the "
+                    "GPUs when there are fewer). The script must call "
+                    "jax_ep.launch.init_distributed() (native=True for the native backend) "
+                    "before anything touches a JAX device: it reads the JAX_EP_* variables "
+                    "this launcher sets.",
         epilog="Everything after the script (or -m module) is passed to it unchanged.")
     p.add_argument("-n", "--nproc", type=int, default=None,
                    help="processes on this node (default: number of GPUs, or 2 on CPU)")

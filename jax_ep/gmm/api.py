@@ -50,7 +50,11 @@ def grouped_matmul(x, w, group_sizes, *, preferred_element_type=None,
     if x.shape[1] != w.shape[1]:
         raise ValueError(f"contracting dims differ: x {x.shape}, w {w.shape}")
     if group_sizes.shape != (w.shape[0],):
-        raise ValueError(f"group_sizes must have shape ({w.shape[0]},), got {group_sizes.shape}")
+        raise ValueError(
+            f"grouped_matmul: group_sizes has shape {group_sizes.shape} but w has "
+            f"{w.shape[0]} groups (w [G, K, N], group_sizes [G]). Under jax_ep.dispatch the groups are "
+            "the local experts of EpConfig.axis_name: that axis must be the one w's experts "
+            "are sharded over (E / its size experts per device)")
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(f"group_sizes must be integer, got {group_sizes.dtype}")
     out_dtype = jnp.dtype(preferred_element_type or x.dtype)

@@ -49,7 +49,7 @@ def test_decode_overlap_native():
 def test_train_moe_native_learns():
     out = _launch("train_moe.py", "--backend", "native", "--platform", "gpu", "--steps", "120",
                   "--no-comm-timing", "--log-every", "40")
-    m = re.search(r"loss: start ([\d.]+) -> end [\d.]+ \(mean of last \d+: ([\d.]+)\).*"
+    m = re.search(r"loss: start ([\d.]+) -> end [\d.]+ \(mean of last \d+: ([\d.]+);.*"
                   r"grads finite: (\w+)", out)
     assert m, out[-6000:]
     first, last, finite = float(m.group(1)), float(m.group(2)), m.group(3)
