@@ -9,7 +9,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_readme_example_runs():
     text = open(os.path.join(ROOT, "README.md")).read()
-    section = text[text.index("## Example"):text.index("## Concepts")]
+    start = text.index("## Example")
+    section = text[start:text.index("\n## ", start + 1)]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
