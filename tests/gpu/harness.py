@@ -66,9 +66,11 @@ def skip_reason(gpus_in_one_process: int = 1) -> Optional[str]:
     when there are fewer than they, so only a test whose one process drives
     several GPUs (``gpus_in_one_process``) needs more than one."""
     g = gpu_count()
+    if g == 0:
+        return "no CUDA GPU here (the GPU suite: scripts/gpu_check.sh on a GPU machine)"
     if g < gpus_in_one_process:
-        return (f"one process driving {gpus_in_one_process} GPUs needs >= "
-                f"{gpus_in_one_process} CUDA GPUs, found {g}")
+        return (f"one process driving {gpus_in_one_process} GPUs needs as many CUDA GPUs, "
+                f"found {g}")
     from jax_ep import runtime
 
     if not runtime.extension_available():
