@@ -138,19 +138,8 @@ def _detect_gpus() -> int:
 
 
 def _visible_gpus() -> int:
-    """GPUs this host shows its processes: ``$CUDA_VISIBLE_DEVICES`` up to its
-    first invalid entry (as CUDA reads it), else every GPU."""
-    n = _detect_gpus()
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return n
-    shown = 0
-    for v in visible.split(","):
-        v = v.strip()
-        if not v or v.startswith("-"):
-            break
-        shown += 1
-    return min(n, shown)
+    """GPUs this host shows its processes (``CUDA_VISIBLE_DEVICES`` honoured)."""
+    return shared_gpu.visible(_detect_gpus(), os.environ)
 
 
 def _cpu_xla_flags(flags: str, devices: int) -> str:

@@ -71,6 +71,22 @@ class GpuPlan:
                 "but timings mean nothing (the processes time-slice each GPU)")
 
 
+def visible(total: int, environ) -> int:
+    """Of a host's ``total`` GPUs, how many its processes see:
+    ``CUDA_VISIBLE_DEVICES`` up to its first invalid entry, as CUDA reads it
+    ("-1" hides the rest)."""
+    shown = environ.get("CUDA_VISIBLE_DEVICES")
+    if shown is None:
+        return total
+    n = 0
+    for v in shown.split(","):
+        v = v.strip()
+        if not v or v.startswith("-"):
+            break
+        n += 1
+    return min(total, n)
+
+
 def gpu_memory_bytes() -> Optional[int]:
     """Total memory of the smallest visible NVIDIA GPU, from nvidia-smi (no
     CUDA context here), or None when it cannot be read."""

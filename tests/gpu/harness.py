@@ -48,17 +48,10 @@ def gpu_count() -> int:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return 0
-    n = sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:   # CUDA stops at the first invalid entry ("-1" hides the rest)
-        shown = 0
-        for v in visible.split(","):
-            v = v.strip()
-            if not v or v.startswith("-"):
-                break
-            shown += 1
-        n = min(n, shown)
-    return n
+    from jax_ep import shared_gpu
+
+    return shared_gpu.visible(sum(1 for line in out.stdout.splitlines()
+                                  if line.startswith("GPU ")), os.environ)
 
 
 def skip_reason(gpus_in_one_process: int = 1) -> Optional[str]:
@@ -102,29 +95,11 @@ def gpu_plan(n: int):
                            user_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"))
 
 
-def _child_env(extra: Optional[dict], plan, rank: int) -> dict:
-    from jax_ep import shared_gpu
-
-    env = dict(os.environ)
-    env.update(NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1", PYTHONUNBUFFERED="1")
-    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
-    env = shared_gpu.apply(env, plan, rank, rank, "jax_ep_test", loopback=True)
-    if env.pop("_JAX_EP_PARENT_ALLOCATOR", None):  # set by conftest for the parent only
-        env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
-        env.pop("XLA_PYTHON_CLIENT_ALLOCATOR", None)
-    if env.get("JAX_PLATFORMS", "") == "cpu":
-        env.pop("JAX_PLATFORMS")
-    # The CPU test suite's fake host devices are of no use here.
-    env.pop("XLA_FLAGS", None)
-    paths = [HERE, ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    env.update(extra or {})
-    return env
-
-
-def launch_env() -> dict:
-    """The environment for ``jax-ep-launch`` from a test: this tree importable,
-    the CPU suite's settings and the parent's allocator removed."""
+def launch_env(paths=(ROOT,)) -> dict:
+    """The environment of a GPU process started from a test (a job's rank, or
+    ``jax-ep-launch``): ``paths`` (default this tree) importable, the CPU
+    suite's settings (``JAX_PLATFORMS=cpu``, fake host devices) and the
+    parent's allocator (conftest.py) removed, never NVLink multicast."""
     env = dict(os.environ)
     env.update(NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1", PYTHONUNBUFFERED="1")
     for k in ("JAX_PLATFORMS", "XLA_FLAGS"):
@@ -132,8 +107,18 @@ def launch_env() -> dict:
     if env.pop("_JAX_EP_PARENT_ALLOCATOR", None):
         env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
         env.pop("XLA_PYTHON_CLIENT_ALLOCATOR", None)
-    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(
-        os.pathsep) if p])
+    env["PYTHONPATH"] = os.pathsep.join(
+        list(paths) + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+def _child_env(extra: Optional[dict], plan, rank: int) -> dict:
+    from jax_ep import shared_gpu
+
+    env = launch_env((HERE, ROOT))
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
+    env = shared_gpu.apply(env, plan, rank, rank, "jax_ep_test", loopback=True)
+    env.update(extra or {})
     return env
 
 
