@@ -1,7 +1,8 @@
-"""Start one process per GPU (or per CPU) for a multi-process jax_ep job.
+"""Start the processes of a multi-process jax_ep job: one per GPU, several per
+GPU when there are fewer GPUs than processes, or one per CPU.
 
-NVSHMEM needs one GPU per OS process, so the native backend runs as a
-multi-process JAX job (``jax.distributed``). This module is both the launcher
+An NVSHMEM PE is an OS process driving one GPU, so the native backend runs as
+a multi-process JAX job (``jax.distributed``). This module is both the launcher
 and the helper the launched script calls.
 
 Launcher (one node)::
@@ -61,13 +62,15 @@ Fewer GPUs than processes (``--gpus G``, default every visible GPU; one GPU
 for development and tests): the N processes share the G GPUs round robin
 (``jax_ep.shared_gpu``): each gets its GPU (``local_rank % G``), a host
 identity of its own for NCCL (``NCCL_HOSTID``: NCCL then uses its socket
-transport) and ``XLA_PYTHON_CLIENT_MEM_FRACTION`` = 0.8 / processes per GPU
-(unless set), and the launcher prints one line saying so: every path runs and
-is checked, timings mean nothing. It refuses a G above the visible GPUs and
-more processes per GPU than its memory holds::
+transport) and a fair share of the GPU's memory
+(``XLA_PYTHON_CLIENT_MEM_FRACTION``, ``shared_gpu.fair_fraction``, unless
+set), and the launcher prints one line saying so: every path runs and is
+checked, timings mean nothing. It refuses a G above the visible GPUs and more
+processes per GPU than its memory holds::
 
-    python -m jax_ep.launch -n 8 examples/train_moe.py --backend native   # 1 GPU: 8 share it Or skip the launcher under SLURM
-(``srun --ntasks-per-node=<gpus> python train.py``): :func:`init_distributed`
+    python -m jax_ep.launch -n 8 examples/train_moe.py --backend native   # 1 GPU: 8 share it
+
+Or skip the launcher under SLURM (``srun --ntasks-per-node=<gpus> python train.py``): :func:`init_distributed`
 then reads, in this order of precedence:
 
 * ``JAX_EP_NUM_PROCESSES`` / ``JAX_EP_PROCESS_ID`` / ``JAX_EP_LOCAL_RANK`` /
