@@ -33,6 +33,7 @@ def _combine(cfg, mesh, x, idx, w, y):
     return run_per_rank(fn, mesh, "ep", x, idx, w, y)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["expert_major", "rank_major"])
 @pytest.mark.parametrize("dtype", [np.float32, BF16])
 def test_combine_matches_f64_model_and_is_deterministic(layout, dtype):

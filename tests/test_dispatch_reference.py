@@ -126,6 +126,7 @@ else:
 """
 
 
+@pytest.mark.slow
 def test_checked_mode_raises_on_overflow():
     # In a subprocess: a failed host callback leaves JAX's runtime token in error state.
     import os, subprocess, sys
@@ -217,6 +218,7 @@ def test_layout_matches_model():
         np.testing.assert_array_equal(np.asarray(g).reshape(w_.shape), w_)
 
 
+@pytest.mark.slow
 def test_fp8_dispatch_is_forward_only():
     """Differentiating through the fp8 cast is a clear error, not a silent zero."""
     R, T, H, K, E = 8, 4, 128, 2, 8

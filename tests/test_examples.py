@@ -69,6 +69,7 @@ def _nan_tail_dispatch(orig):
     return dispatch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nan_tail", [False, True], ids=["clean", "nan_tail"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_moe_block_matches_dense(case, nan_tail, monkeypatch):
@@ -108,6 +109,7 @@ def test_moe_block_matches_dense(case, nan_tail, monkeypatch):
         assert float(jnp.abs(leaf).max()) > 0
 
 
+@pytest.mark.slow
 def test_fused_gate_up(monkeypatch):
     """gate_up [E, H, 2F] holds gate | up; the grouped path runs ONE grouped matmul for both."""
     cfg = ml.MoEConfig(d_model=6, d_ff=4, num_experts=4, topk=2, n_shared=2)
@@ -137,6 +139,7 @@ def test_fused_gate_up(monkeypatch):
         np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_router_group_limit_and_bias():
     cfg = ml.MoEConfig(d_model=8, d_ff=4, num_experts=8, topk=2, n_groups=4, topk_groups=1)
     params = ml.init_moe_params(jax.random.key(0), cfg)
@@ -158,6 +161,7 @@ def test_router_group_limit_and_bias():
     assert float(nb[5]) < 0 and float(nb[0]) < 0 and float(nb[1]) > 0
 
 
+@pytest.mark.slow
 def test_training_example_learns():
     import train_moe
 
@@ -170,6 +174,7 @@ def test_training_example_learns():
     assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(res["params"]))
 
 
+@pytest.mark.slow
 def test_layer_bench_smoke(tmp_path):
     """bench/moe_layer_step.py on CPU with tiny shapes: one job per impl, one table."""
     import json
@@ -234,6 +239,7 @@ def test_multinode_model_smoke(tmp_path):
     assert "| 16 | 128 |" in (tmp_path / "multinode_model.md").read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("procs", [1, 2])
 def test_decode_overlap_example(procs):
     """examples/decode_overlap.py on CPU (reference backend): one process with

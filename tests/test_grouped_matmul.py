@@ -269,6 +269,7 @@ def test_dw_zeroing_runs_exactly_on_steps_with_foreign_rows(bk):
     assert bad.size == 0, [cases[i] for i in bad[:5]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bm", [64, 128])
 def test_row_tiles_cover_every_row_once(bm):
     """The forward/dx tile table: every row of [0, m) stored by exactly one tile

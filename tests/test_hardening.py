@@ -42,6 +42,7 @@ def _dense(x, idx, w, W, E):
 
 
 # -- 1. repeated expert ids -----------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["expert_major", "rank_major"])
 def test_repeated_ids_follow_dense_moe(layout):
     T, K, E = 6, 4, 16
@@ -203,6 +204,7 @@ _CAUSES = {  # mode -> what the one error must name
 
 @pytest.mark.parametrize("mode,count", [("some", 7), ("all", 64), ("ckpt", 7), ("invalid", 2),
                                         ("ok", 0)])
+@pytest.mark.slow
 def test_checked_overflow_is_collective(mode, count):
     """One error, on every rank alike, naming its cause and the remedy that
     applies (invalid ids: no capacity advice); a valid call after it works and
@@ -297,6 +299,7 @@ def test_any_int_idx_any_float_weights(idx_dtype, w_dtype):
     np.testing.assert_array_equal(got[2].reshape(-1), want["num_dropped"])
 
 
+@pytest.mark.slow
 def test_int64_idx_under_x64():
     script = r"""
 import jax
@@ -345,18 +348,30 @@ def test_huge_alignment_warns_with_bytes():
         _trace(lambda x, i, w: jax_ep.dispatch(x, i, w, _cfg()).x, *_avals())
 
 
-def test_fallback_notice_is_logged_once(caplog, capsys):
-    from jax_ep import backend
-    backend._notice_printed = False
+def test_fallback_notice_is_logged_once(caplog, capsys, monkeypatch):
+    """With the extension built but the runtime down, "auto" says so once;
+    without the extension it falls back silently (nothing at import either)."""
+    from jax_ep import backend, runtime
     cfg = _cfg(backend="auto")
-    with caplog.at_level(logging.WARNING, logger="jax_ep"):
-        backend.select(cfg)
-        backend.select(cfg)
-    notes = [r for r in caplog.records if "using the reference backend" in r.getMessage()]
-    assert len(notes) == 1 and "\n" not in notes[0].getMessage()
+    for built, want in ((True, 1), (False, 0)):
+        monkeypatch.setattr(runtime, "extension_available", lambda built=built: built)
+        backend._notice_printed = False
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="jax_ep"):
+            backend.select(cfg)
+            backend.select(cfg)
+        notes = [r for r in caplog.records if "using the reference backend" in r.getMessage()]
+        assert len(notes) == want and all("\n" not in r.getMessage() for r in notes)
     assert "reference backend" not in capsys.readouterr().err  # logged, not printed
 
 
+def test_import_prints_nothing():
+    out = subprocess.run([sys.executable, "-c", "import jax_ep"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout == "" and out.stderr == "", out.stderr
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["jvp", "jacfwd"])
 def test_forward_mode_is_a_clear_error(how):
     T, K, E = 4, 2, 16

@@ -92,6 +92,7 @@ def test_trace_time_error_when_nodes_do_not_split_the_axis(nodes):
         _run(_cfg(num_nodes=nodes), x, idx, w)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("net", ["auto", "put"])
 @pytest.mark.parametrize("layout", ["expert_major", "rank_major"])
 def test_reference_backend_ignores_num_nodes(layout, net):

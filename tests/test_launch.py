@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THIS = os.path.abspath(__file__)
@@ -100,6 +101,7 @@ def test_usage_error_without_script():
 # ----------------------------------------------------------------------------- processes
 
 
+@pytest.mark.slow
 def test_two_cpu_processes_dispatch_combine():
     r = _launch("-n", "2", "--platform", "cpu", THIS, "worker")
     out = r.stdout + r.stderr
@@ -108,6 +110,7 @@ def test_two_cpu_processes_dispatch_combine():
         assert f"[rank {rank}] WORKER OK" in r.stdout, out
 
 
+@pytest.mark.slow
 def test_failing_rank_stops_all_quickly():
     t0 = time.monotonic()
     r = _launch("-n", "2", "--platform", "cpu", "--grace", "2", THIS, "fail", timeout=60)
@@ -120,6 +123,7 @@ def test_failing_rank_stops_all_quickly():
     assert not _alive(_read_pids(r.stdout)), "orphaned processes left behind"
 
 
+@pytest.mark.slow
 def test_sigint_propagates_to_all_ranks():
     p = subprocess.Popen([sys.executable, "-m", "jax_ep.launch", "-n", "2", "--platform", "cpu",
                           "--grace", "1", THIS, "hang"], cwd=ROOT, env=_env(),

@@ -78,6 +78,7 @@ def _routing(rng, R, T, K, E, skew):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "R{}_T{}_Tm{}_H{}_K{}_E{}_{}_{}".format(
     *c[:6], "fp8" if c[6] else "bf16", c[7]))
+@pytest.mark.slow
 def test_low_latency_matches_model(case):
     R, T, Tmax, H, K, E, fp8, fmt, skew = case
     rng = np.random.default_rng(11)
@@ -295,6 +296,7 @@ def test_ll_transport_config():
 
 @pytest.mark.parametrize("T,K,E,skew", [(128, 8, 256, False), (64, 8, 16, True), (37, 3, 6, False),
                                         (1, 4, 8, False), (256, 8, 256, True)])
+@pytest.mark.slow
 def test_slots_pairwise_equals_cumsum(T, K, E, skew):
     """The two formulations of the send's slots (pairwise compare for T*K <=
     _PAIRWISE_SLOTS_MAX, exclusive cumsum otherwise) give the same integers,

@@ -4,9 +4,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_readme_example_runs():
     text = open(os.path.join(ROOT, "README.md")).read()
     start = text.index("## Example")

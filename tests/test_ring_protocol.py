@@ -177,6 +177,7 @@ def _combine_case(R, n, depth, W, per_chunk, p_need, seed, rule):
     return Combine(R, n, depth, W, items, need, rule, seed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("R,n,depth,W", [(2, 9, 2, 3), (4, 7, 1, 2), (8, 6, 2, 4), (8, 5, 1, 8)])
 def test_dispatch_rings_no_deadlock_no_overwrite(R, n, depth, W):
     for seed in range(40):
@@ -187,6 +188,7 @@ def test_dispatch_rings_no_deadlock_no_overwrite(R, n, depth, W):
 
 @pytest.mark.parametrize("R,n,depth,W,per_chunk", [(2, 9, 2, 3, 3), (8, 6, 2, 4, 6),
                                                    (8, 7, 1, 8, 8), (4, 8, 3, 4, 3)])
+@pytest.mark.slow
 def test_combine_rings_no_deadlock_no_overwrite(R, n, depth, W, per_chunk):
     for seed in range(40):
         sim = _combine_case(R, n, depth, W, per_chunk, 0.3, seed, rule=True)

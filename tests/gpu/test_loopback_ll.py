@@ -98,6 +98,7 @@ def test_loopback_ll_mixed():
     _run("_mixed_worker")
 
 
+@pytest.mark.slow
 def test_ll_expected_side_cpu():
     """No GPU: the worker's inputs and expected values build on CPU, and the
     kernel's combine order (sel_0 + sel_1 + ..., no FMA) gives the reference's bits."""
