@@ -167,6 +167,27 @@ def _alive(pids):
         alive.append(pid)
     return alive
 
+@pytest.mark.slow
+def test_two_launchers_as_two_hosts():
+    """The multi-host launch path on one machine (docs/multihost.md, "Rehearse
+    on one machine"): two launchers with --nnodes 2 and their own --host-id;
+    every process sees both hosts in jax_ep's exchange, the EP group of 4
+    splits one node per host, and NVSHMEM's network transport stays off (one
+    machine)."""
+    from jax_ep.launch import free_port
+
+    coord = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "jax_ep.launch", "-n", "2", "--platform", "cpu", "--nnodes", "2",
+         "--node-rank", str(r), "--host-id", f"node{r}", "--coordinator", coord, THIS, "hosts"],
+        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in (0, 1)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(outs)
+    for rank in range(4):
+        line = f"HOSTS rank {rank} node0,node0,node1,node1 nodes 2 remote none"
+        assert line in "".join(outs), "\n".join(outs)
+
 
 # ----------------------------------------------------------------------------- child side
 
@@ -259,8 +280,26 @@ def _hang():
     time.sleep(60)
 
 
+def _hosts():
+    """Rank side of test_two_launchers_as_two_hosts: jax_ep's host exchange
+    (what initialize does before NVSHMEM starts) through JAX's key-value store."""
+    from jax_ep.launch import init_distributed
+
+    info = init_distributed()
+    from jax._src import distributed
+
+    from jax_ep import hosts
+
+    values = hosts.exchange(distributed.global_state.client, info.process_id,
+                            info.num_processes, 0, 60_000, hosts.local_value({}))
+    names, net = hosts.job_network_env(values)
+    print(f"HOSTS rank {info.process_id} {','.join(names)} nodes "
+          f"{hosts.auto_nodes(names, info.num_processes)} remote "
+          f"{net['NVSHMEM_REMOTE_TRANSPORT']}", flush=True)
+
+
 if __name__ == "__main__":
-    {"worker": _worker, "fail": _fail, "hang": _hang}[sys.argv[1]]()
+    {"worker": _worker, "fail": _fail, "hang": _hang, "hosts": _hosts}[sys.argv[1]]()
 
 
 def test_child_arguments_are_not_taken_by_the_launcher():
