@@ -61,25 +61,8 @@ SWEEP["dx"] = SWEEP["fwd"]
 
 # --sweep-small: a few targeted configs (op -> [(tiles, config kwargs, dists)]);
 # one GPU run with --no-xla --sweep-small should take ~90 s.
-# session 9's ping-pong dw rows: measured slower, deleted (bench/results/README.md).
-# Session 11: forward/dx configurations for small groups (--rows 8192: 64 rows per
-# group, the V3 layer at T 128 with expert_alignment 64), where the kernels stream
-# weights at 3.1-3.6 TB/s against XLA's ~4.0 (history/2026-12-01-h200x1-s11-gmm-small-
-# groups.log). Session 12: the 2-consumer kernel runs one pipeline per SM across its
-# tiles (the per-tile pipeline it replaced: bench/results/README.md, deleted variants).
-# Session 13: the V3 layer at T 128 spends 95% of its step in the six grouped
-# matmuls, whose forward/dx stream weights at 3.9-4.1 TB/s in the layer where
-# XLA's batched GEMMs of 16 rows reach 4.4-4.5: configurations with smaller x
-# tiles and more stages (loads in flight) for 64-row groups. Most standalone
-# gains did not carry into the layer; dx (64,128,128) did and became
-# config.SMALL_GROUP_TILES (bench/results/2026-12-02-h200x1-s13.md).
-# (Those forward/dx rows, (64,128,64,4,2) (64,128,32,8,2) (64,256,32,4,2)
-# (64,128,128,3,2) (128,128,32,6,2) at uniform sizes, ran through session 19.)
-# Session 20-21: the forward/dx with fwd_half_tiles (half-empty 128-row tiles in
-# a second pipeline of 64-row tiles) measured no faster, deleted
-# (bench/results/README.md). dw: session 19's cluster and ring rows are the
-# defaults (the main rows); session 20's group order by size measured no
-# faster, deleted. The lists hold the next targeted configurations.
+# Configurations measured slower and deleted, with their numbers: docs/decisions.md.
+# The lists hold the next targeted configurations.
 SWEEP_SMALL = {"fwd": [], "dx": [], "dw": []}
 
 

@@ -11,7 +11,7 @@ between dependent kernels are not in it: compare with the chained-step benches).
 ``ll``: low_latency_dispatch (fp8) + low_latency_combine (bf16), T 128, E 256,
 top-8, H 7168 (every expert local at R = 1), under ``ll_transport`` "auto" and
 "put". (A ``layer`` mode, the V3 layer's fwd+bwd under CUPTI, ran past its
-150 s limit without a table in session 11 and was removed; the layer's
+150 s limit without a table and was removed; the layer's
 pieces are timed by ``bench/moe_layer_step.py --expert-breakdown``.)
 """
 from __future__ import annotations

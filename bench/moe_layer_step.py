@@ -913,7 +913,7 @@ def _worker_body(spec, out, save):
         waits for this step. An optimization barrier, not an update: an in-place
         ``.at[0].add`` on a loop-carried weight that the step also reads made XLA
         copy every weight each step (measured on 1x H200, V3 with 128 local experts:
-        ~9 ms of a 31 ms layer step, the same for every impl; session 7)."""
+        ~9 ms of a 31 ms layer step, the same for every impl)."""
         return jax.lax.optimization_barrier((tree, s))[0]
 
     def rank_figures(vals):

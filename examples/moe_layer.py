@@ -275,7 +275,7 @@ def make_ep_config(cfg: MoEConfig, tokens_per_rank: int, ep_axis: str = "ep",
     With the grouped-matmul experts each expert group starts at a multiple of
     ``jax_ep.gmm.GROUP_ALIGNMENT`` (64) rows unless ``overrides`` says
     otherwise: the dw kernel then never zeroes foreign rows (12% faster V3
-    layer step at EP 1, session 8); the padding rows are zeros and cost up to
+    layer step at EP 1); the padding rows are zeros and cost up to
     63 rows per local expert of capacity."""
     if expert_impl == "grouped":
         overrides = dict({"expert_alignment": GROUP_ALIGNMENT}, **overrides)

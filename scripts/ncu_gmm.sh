@@ -40,7 +40,7 @@ if k:
     open(sys.argv[2], "w").write(max(k.items(), key=lambda kv: us(kv[1]))[0][1])
 PY
 # Stall reasons and memory breakdown of the longest kernel of the first run;
-# SourceCounters: the SASS lines where warps stall most (session 15's dw run
+# SourceCounters: the SASS lines where warps stall most (a dw run
 # put 37% of the stalls on a long scoreboard, which the sections alone could
 # not place: producer, consumers' barrier waits or the epilogue).
 name=$(cat "$OUT/ncu_longest.txt" 2>/dev/null)

@@ -10,7 +10,7 @@ layer at T 128), default 32768. Each op
 runs once to compile and once more, then the device is synchronised: the
 profiler sees every kernel twice (filter with --launch-skip / -k). Uniform
 group sizes (128 groups of 256 rows), random bf16 data made on the host
-(no XLA random kernels for the profiler to replay: session 7's first try spent
+(no XLA random kernels for the profiler to replay: a first try spent
 its whole time limit on them).
 """
 from __future__ import annotations

@@ -95,7 +95,7 @@ def test_low_latency_region_size():
     head = _align(2 * 128) + _align(2 * E * 8) + _align(2 * C.MAX_RANKS * 8)
     stage = _ll_staging(E, Tm, K, H)
     assert C.ll_region_size((E, Tm, K, H)) == head + 2 * per_parity + stage
-    # ~0.08 GiB of receive areas (0.94 GiB with one row per pair, session 10),
+    # ~0.08 GiB of receive areas (0.94 GiB with one row per pair),
     # + 0.22 GiB of staging at V3-decode
     assert 0.2 * GIB < stage < 0.23 * GIB
     assert 0.28 * GIB < C.ll_region_size((E, Tm, K, H)) < 0.32 * GIB

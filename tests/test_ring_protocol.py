@@ -199,7 +199,7 @@ def test_combine_rings_no_deadlock_no_overwrite(R, n, depth, W, per_chunk):
 def test_combine_old_rule_races():
     """Waiting only for the peers a token needs lets a fast warp count its drain
     of chunk ci + depth before a slow warp drained ci: a slot is rewritten while
-    still being read (the race a review found in session 6)."""
+    still being read (a race a review found)."""
     bad = 0
     for seed in range(200):
         sim = _combine_case(2, 8, 1, 4, 4, 0.2, seed, rule=False)

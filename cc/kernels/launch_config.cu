@@ -15,8 +15,8 @@ LaunchConfig make_launch_config(OpKind op, int num_tokens, int num_sms_requested
   // Dispatch: one per sender warp (8). Combine: 4 (two warps per row), since
   // its receive side (the K-row f32 reduce) is the longer tail after the last
   // byte lands and smaller waves shorten it (measured on 2x H200, V3-train:
-  // combine faster at chunk 4, dispatch equal or slower; bench/results/README.md,
-  // session 3). Smaller chunks pay one publish each.
+  // combine faster at chunk 4, dispatch equal or slower; bench/results/README.md).
+  // Smaller chunks pay one publish each.
   if (chunk <= 0) {
     const int max_chunk = op == kOpCombine ? 4 : lc.send_warps;
     chunk = (num_tokens + sms - 1) / sms;
@@ -47,7 +47,7 @@ std::string plan_launch(OpKind op, int R, int T, int num_sms_requested, int devi
                         LaunchConfig* lc) {
   *lc = make_launch_config(op, T > 0 ? T : 1, num_sms_requested, device_sms, chunk);
   const size_t half = stage_half_bytes(sym_bytes);
-  // Rings wrap at any R (1x H200 loopback, session 7: R = 2 and R = 8 with a
+  // Rings wrap at any R (1x H200 loopback: R = 2 and R = 8 with a
   // tiny ring bit-exact to the reference), so the default buffer runs any T.
   if (fit_ring(lc, R, T, row_bytes, s_row_bytes, half)) return "";
   const std::string what = "one ring slot of one row per (peer, block)";

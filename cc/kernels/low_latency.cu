@@ -573,7 +573,7 @@ void dispatch_send(const LlDispatchSendArgs& a, dim3 grid, dim3 block, cudaStrea
 // host thread drives several ranks (the loopback harness, the peer-memory
 // transport) and blocks loading, say, the combine send behind a spinning
 // dispatch receive, the peer's send is never launched until the receive
-// times out (session 8: the loopback round trip's first call). So whoever
+// times out (seen in the loopback round trip's first call). So whoever
 // starts the low-latency kernels on a device (the runtime at attach, the
 // loopback harness) loads all of them first (cudaFuncGetAttributes forces
 // the load), before anything of ours spins; the launches stay free of it.

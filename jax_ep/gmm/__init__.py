@@ -85,7 +85,7 @@ and shares the x tile by TMA multicast). By default ``tgmm_pallas_ring``: one
 ring of pipeline stages per SM (cluster) across all groups, a hand-written
 loop nest (group, this SM's tiles of it, k-steps), so the next group's loads
 are in flight while the last group's tiles finish (0.79 of dense at V3 T 4096
-shapes, session 19); where groups are small (the small-group tile bound)
+shapes); where groups are small (the small-group tile bound)
 ``tgmm_pallas_ws``, one warp-specialized pipeline per (SM, group) across the
 SM's tiles (the ring lost 5% there: one k-step per tile). Where ``K % (2
 block_m) != 0`` (or ``dw_warpgroups=1``) ``tgmm_pallas``, one warpgroup with ``block_m x

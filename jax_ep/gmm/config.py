@@ -23,31 +23,31 @@ DEFAULT_TILES = {
 # counting every row of x), measured in the V3 layer at T 128 (EP 1, one H200;
 # 64-row groups of ~8 routed rows):
 #  - dx: block_m 64 and block_k 128 (256-byte rows of the transposed weight
-#    tile for TMA; 2 stages fit). Session 13: the two dx kernels 2703 against
+#    tile for TMA; 2 stages fit): the two dx kernels 2703 against
 #    2890-2945 us per step with the default tiles, layer 9.14 against
 #    9.27-9.43 ms; standalone at 64 rows per group 1.862 / 0.954 against 2.055 /
 #    1.035 ms (up / down), bit-identical; at 256 rows per group 36% slower,
 #    hence the bound.
-#  - dw: block_m 64 (a 128 x 128 CTA tile of dw[g]) with 5 stages. Session 14:
+#  - dw: block_m 64 (a 128 x 128 CTA tile of dw[g]) with 5 stages:
 #    gate_up dw 2093 against 2218-2277 us per step (four runs of the default),
 #    down dw equal (1124 against 1110-1119), layer 9.159 against 9.217-9.259 ms.
 #  - fwd: block_m 64, block_n 256 (512-byte weight-tile rows; 2 stages fit
 #    the 2-consumer kernel; asked for as 5 stages, cut to 2 by the fit).
-#    Session 18, two calls, 3 runs against 4 of
+#    Two calls, 3 runs against 4 of
 #    (64, 128, 64, 4, 2): gate_up fwd 1761-1762 against 1803-1814 us per step,
 #    down fwd 918-922 against 932-940, layer 9.070-9.096 against 9.124-9.188
 #    ms. At T 1024 (127 rows per group, above the bound) they lose: layer
-#    10.82-10.86 against 10.63 ms. Session 17's (64, 128, 64, 4, 2) had beaten
-#    the 128-row default by 1.5-1.8% per kernel; session 9's 64-row tiles,
-#    with a pipeline per tile, were no faster.
-#  Session 20: wider ones (dx (64, 64, 256, 2, 2) and (64, 64, 128, 4, 2), dw
-#    (64, 256, 64, 3, 4)) no faster in the layer at T 128 (bench/results/README.md).
+#    10.82-10.86 against 10.63 ms. (64, 128, 64, 4, 2) had beaten the 128-row
+#    default by 1.5-1.8% per kernel; 64-row tiles with a pipeline per tile
+#    were no faster.
+#  Wider ones (dx (64, 64, 256, 2, 2) and (64, 64, 128, 4, 2), dw
+#    (64, 256, 64, 3, 4)) no faster in the layer at T 128 (docs/decisions.md).
 SMALL_GROUP_ROWS = 96
 SMALL_GROUP_TILES = {"fwd": (64, 256, 64, 2, 2), "dx": (64, 128, 128, 3, 2),
                      "dw": (64, 128, 64, 5, 4)}
 
-# dw's defaults (GroupedMatmulConfig.dw_pipeline None, dw_cluster 2), session 19
-# (one H200; bench/results/2026-12-03-h200x1-s19.md). Standalone at T 4096 shapes
+# dw's defaults (GroupedMatmulConfig.dw_pipeline None, dw_cluster 2), one H200
+# (bench/results/2026-12-03-h200x1-s19.md). Standalone at T 4096 shapes
 # (128 groups of 256 rows, uniform), same call: up dw 3.493 ms per-group
 # pipeline, 3.487 on clusters, 3.380 ring, 3.235 ring on clusters (0.73 -> 0.79
 # of dense; cuBLAS's batched dw 3.131); down dw 1.910 / 1.856 / 1.712 / 1.633
@@ -61,7 +61,7 @@ DW_PIPELINE = {"default": "ring", "small": "per_group"}
 # the default dw block_k. Groups that start and end on a k-step boundary need
 # no zeroing pass in dw (pallas_common.step_has_outside_rows). Measured in the
 # V3 layer at EP 1 (128 experts, T 4096, one H200, same run): 22.80 ms per
-# fwd+bwd step at alignment 64 against 25.89 ms at 1 (session 8).
+# fwd+bwd step at alignment 64 against 25.89 ms at 1.
 GROUP_ALIGNMENT = 64
 
 _IMPLS = ("auto", "pallas", "xla")

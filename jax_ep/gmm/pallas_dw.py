@@ -324,7 +324,7 @@ def tgmm_pallas_ring(x, dy, offsets, tiles, out_dtype, interpret, cluster=1):
     V3 shapes, the more that a group has few tiles per SM). Same tiles, tile
     order and k-step order as ``tgmm_pallas_ws`` (bit-identical results), same
     ``cluster`` option (x tile multicast to CTA pairs). The loop nest needs no
-    table and no division per step (session 14's table-driven per-SM pipeline
+    table and no division per step (the table-driven per-SM pipeline
     lost to those)."""
     pl, plgpu = pallas_modules()
     bm, bn, bk, steps, band = tiles

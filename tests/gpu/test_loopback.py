@@ -105,7 +105,7 @@ def test_loopback_tiny_ring_r2():
 @pytest.mark.gpu
 def test_loopback_tiny_ring_r8():
     """As test_loopback_tiny_ring_r2 at R = 8 (every peer's ring wraps); its
-    pass (1x H200, session 7) is what lets plan_launch wrap rings at every R."""
+    pass (1x H200) is what lets plan_launch wrap rings at every R."""
     _run("_ring_worker_r8")
 
 

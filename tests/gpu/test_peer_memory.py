@@ -6,7 +6,7 @@ through device-side flags. Checked against the reference backend in the same
 process: dispatch bit-identical on every valid row (both layouts, fp8 cast,
 1-token chunks so the rings wrap at EP 2), combine and gradients within f32
 tolerance, on natural and permuted meshes (a reversed device list, ('ep',
-'data') order, EP on a sub-axis). Written in session 6 without a multi-GPU
+'data') order, EP on a sub-axis). Written without a multi-GPU
 machine: not yet run."""
 from __future__ import annotations
 
