@@ -11,7 +11,10 @@
 # take about 25 minutes: on a machine whose calls last 10 minutes, split
 # SUITE_TESTS (file or node ids) over calls; N values run side by side, e.g.
 #   SUITE_N="2 8" SUITE_TESTS="tests/gpu/test_native_dispatch.py" bash scripts/gpu_check.sh
-# bench/results/gpu-suite-shared-gpu.md: what has passed so far.
+# JAX_EP_TEST_WARM=1 keeps a job's processes between tests of one shape
+# (tests/gpu/harness.py: start-up paid once, not per test; checked on CPU, not
+# yet measured on a GPU). bench/results/gpu-suite-shared-gpu.md: what has
+# passed so far.
 #
 # Knobs:
 #   SUITE_N        process counts; each runs as its own pytest session, side by

@@ -16,13 +16,18 @@ rank order, or fails the test with every rank's output when a rank exits
 non-zero, times out or returns nothing. The parent itself only runs the
 single-GPU grouped-matmul tests, without preallocating (conftest.py).
 
-Number of processes: ``nprocs()`` = ``$JAX_EP_TEST_NPROCS`` (default 2).
+Each job's ranks serve requests (worker calls) until told to quit: one per
+job, or with ``$JAX_EP_TEST_WARM=1`` as many as the tests of one shape send
+(:func:`warm_jobs`; ``run(..., fresh=True)`` for a worker that leaves the
+runtime unusable). Number of processes: ``nprocs()`` = ``$JAX_EP_TEST_NPROCS``
+(default 2).
 Memory: one GPU each, ``XLA_PYTHON_CLIENT_MEM_FRACTION`` 0.6; shared, 0.8 per
 processes on a GPU, or ``$XLA_PYTHON_CLIENT_MEM_FRACTION`` when set (several
 test sessions on one GPU at once give each its share).
 """
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
 import os
@@ -122,73 +127,145 @@ def _child_env(extra: Optional[dict], plan, rank: int) -> dict:
     return env
 
 
+def warm_jobs() -> bool:
+    """``$JAX_EP_TEST_WARM=1``: keep a job's processes between tests that
+    share its shape (processes, environment, start-up), so each test pays
+    its own compilation but not the job's start-up (JAX, jax.distributed,
+    NVSHMEM). One warm job at a time (their GPU memory would add up)."""
+    return os.environ.get("JAX_EP_TEST_WARM", "0") == "1"
+
+
+class _Job:
+    """The n rank processes of one job; they run requests (worker calls) one
+    at a time until told to quit (tests/gpu/harness.py serve loop)."""
+
+    def __init__(self, n: int, env: Optional[dict], init_native: bool, distributed: bool):
+        self.n, self.seq = n, 0
+        self.dir = tempfile.mkdtemp(prefix="jax_ep_job_")
+        plan, port = gpu_plan(n), _free_port()
+        self.procs, self.logs = [], []
+        for rank in range(n):
+            spec = dict(rank=rank, n=n, port=port, dir=self.dir, init_native=init_native,
+                        distributed=distributed)
+            log = open(os.path.join(self.dir, f"rank{rank}.log"), "w+")
+            self.logs.append(log)
+            self.procs.append(subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), json.dumps(spec)], cwd=ROOT,
+                env=_child_env(env, plan, rank), stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True))
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
+
+    def request(self, worker: str, kwargs: dict, timeout: float) -> tuple:
+        """-> (per-rank results, None) or (None, why it failed, every rank's log tail)."""
+        seq, self.seq = self.seq, self.seq + 1
+        marks = [os.path.getsize(log.name) for log in self.logs]
+        _write_json(os.path.join(self.dir, f"req{seq}.json"), dict(worker=worker, kwargs=kwargs))
+        paths = [os.path.join(self.dir, f"result{r}_{seq}.json") for r in range(self.n)]
+        deadline = time.monotonic() + timeout
+        failed = None
+        while not all(os.path.exists(q) for q in paths):
+            bad = [r for r, p in enumerate(self.procs) if p.poll() is not None]
+            if bad:
+                failed = f"rank {bad[0]} exited with code {self.procs[bad[0]].returncode}"
+                break
+            if time.monotonic() > deadline:
+                failed = f"timed out after {timeout:.0f} s"
+                break
+            time.sleep(0.05)
+        if failed is None:
+            results = []
+            for q in paths:
+                with open(q) as f:
+                    results.append(json.load(f))
+            return results, None
+        return None, (failed, "\n".join(
+            f"----- rank {r} output (tail) -----\n{self._output(r, marks[r])}"
+            for r in range(self.n)))
+
+    def output(self, rank: int) -> str:
+        return self._output(rank, 0)
+
+    def _output(self, rank: int, since: int) -> str:
+        log = self.logs[rank]
+        log.flush()
+        log.seek(since)
+        return log.read()[-6000:]
+
+    def close(self) -> None:
+        """Ask the ranks to quit, then stop whatever still runs (_stop)."""
+        if self.alive():
+            _write_json(os.path.join(self.dir, f"req{self.seq}.json"), dict(quit=True))
+            end = time.monotonic() + 20
+            while time.monotonic() < end and not all(p.poll() is not None for p in self.procs):
+                time.sleep(0.05)
+        _stop(self.procs)
+
+
+_warm = {"key": None, "job": None}
+
+
+def _close_warm() -> None:
+    if _warm["job"] is not None:
+        _warm["job"].close()
+    _warm.update(key=None, job=None)
+
+
+atexit.register(_close_warm)
+
+
 def run(worker: str, n: Optional[int] = None, *, kwargs: Optional[dict] = None,
         timeout: float = 300.0, env: Optional[dict] = None, init_native: bool = True,
-        distributed: bool = True) -> list:
-    """Run ``worker`` ("module:function", module importable from tests/gpu) on n ranks."""
+        distributed: bool = True, fresh: bool = False) -> list:
+    """Run ``worker`` ("module:function", module importable from tests/gpu) on n ranks.
+
+    ``fresh``: in a job of its own even with warm jobs (:func:`warm_jobs`),
+    for a worker that leaves the runtime unusable (a peer timeout, an order
+    error) or tests start-up itself."""
     import pytest
 
     n = nprocs() if n is None else n
     if not distributed and n != 1:
         raise ValueError("distributed=False needs n == 1")
-    port = _free_port()
-    plan = gpu_plan(n)
-    tmp = tempfile.mkdtemp(prefix="jax_ep_job_")
-    procs, logs = [], []
-    for rank in range(n):
-        spec = dict(worker=worker, rank=rank, n=n, port=port, kwargs=kwargs or {},
-                    init_native=init_native, distributed=distributed,
-                    result=os.path.join(tmp, f"result{rank}.json"))
-        log = open(os.path.join(tmp, f"rank{rank}.log"), "w+")
-        logs.append(log)
-        procs.append(subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), json.dumps(spec)], cwd=ROOT,
-            env=_child_env(env, plan, rank), stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-
-    deadline = time.monotonic() + timeout
-    failed = None
+    key = (n, tuple(sorted((env or {}).items())), init_native, distributed)
+    warm = warm_jobs() and not fresh
+    if warm and _warm["key"] == key and _warm["job"].alive():
+        job = _warm["job"]
+    else:
+        _close_warm()
+        job = _Job(n, env, init_native, distributed)
+        if warm:
+            _warm.update(key=key, job=job)
     try:
-        while any(p.poll() is None for p in procs):
-            bad = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-            if bad:
-                failed = f"rank {bad[0]} exited with code {procs[bad[0]].returncode}"
-                break
-            if time.monotonic() > deadline:
-                failed = f"timed out after {timeout:.0f} s"
-                break
-            time.sleep(0.2)
-        if failed is None:
-            bad = [r for r, p in enumerate(procs) if p.returncode != 0]
-            if bad:
-                failed = f"rank {bad[0]} exited with code {procs[bad[0]].returncode}"
-    finally:
+        results, failure = job.request(worker, kwargs or {}, timeout)
+    except BaseException:
         # Also when pytest itself is stopped (Ctrl-C, or SIGTERM: conftest.py
         # turns it into KeyboardInterrupt): the ranks run in sessions of their
         # own and would outlive us holding GPU memory and NVSHMEM heaps.
-        _stop(procs)
-
-    def output(rank):
-        logs[rank].flush()
-        logs[rank].seek(0)
-        text = logs[rank].read()
-        return text[-6000:]
-
-    results = []
-    if failed is None:
-        for rank in range(n):
-            path = os.path.join(tmp, f"result{rank}.json")
-            if not os.path.exists(path):
-                failed = f"rank {rank} returned no result"
-                break
-            with open(path) as f:
-                results.append(json.load(f))
-    if failed is not None:
-        detail = "\n".join(f"----- rank {r} output (tail) -----\n{output(r)}" for r in range(n))
+        if warm:
+            _close_warm()
+        else:
+            job.close()
+        raise
+    if not warm:
+        job.close()
+    if failure is not None:
+        if warm:
+            _close_warm()
+        failed, detail = failure
         pytest.fail(f"GPU job {worker} on {n} process(es): {failed}\n{detail}", pytrace=False)
     if os.environ.get("JAX_EP_TEST_SHOW_OUTPUT"):
         for r in range(n):
-            print(f"----- rank {r} -----\n{output(r)}")
+            print(f"----- rank {r} -----\n{job.output(r)}")
     return results
+
+
+def _write_json(path: str, obj) -> None:
+    """Whole or not at all: the reader polls for the name."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f)
+    os.replace(path + ".tmp", path)
 
 
 def _stop(procs) -> None:
@@ -211,6 +288,7 @@ def _stop(procs) -> None:
 
 
 def _child(spec: dict) -> None:
+    """A rank: start up once, then run each request of the job in turn."""
     rank, n = spec["rank"], spec["n"]
     import jax
 
@@ -219,18 +297,32 @@ def _child(spec: dict) -> None:
         jax.distributed.initialize(f"127.0.0.1:{spec['port']}", num_processes=n,
                                    process_id=rank, local_device_ids=[device])
     jax.devices()  # create the GPU client before NVSHMEM starts
-    if spec["init_native"]:
-        import jax_ep
+    parent = os.getppid()
+    seq = 0
+    while True:
+        path = os.path.join(spec["dir"], f"req{seq}.json")
+        while not os.path.exists(path):
+            if os.getppid() != parent:   # the test process is gone
+                return
+            time.sleep(0.02)
+        with open(path) as f:
+            req = json.load(f)
+        if req.get("quit"):
+            break
+        if spec["init_native"]:
+            import jax_ep
 
-        if not jax_ep.initialize():
-            from jax_ep import runtime
-            raise SystemExit(f"jax_ep.initialize() failed: {runtime.unavailable_reason()}")
-    mod_name, fn_name = spec["worker"].split(":")
-    fn = getattr(importlib.import_module(mod_name), fn_name)
-    result: Any = fn(rank, n, **spec["kwargs"])
-    with open(spec["result"], "w") as f:
-        json.dump(result, f)
-    print(f"[harness] rank {rank}: done", flush=True)
+            if not jax_ep.is_initialized() and not jax_ep.initialize():
+                from jax_ep import runtime
+                raise SystemExit(f"jax_ep.initialize() failed: {runtime.unavailable_reason()}")
+        mod_name, fn_name = req["worker"].split(":")
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+        result: Any = fn(rank, n, **req["kwargs"])
+        _write_json(os.path.join(spec["dir"], f"result{rank}_{seq}.json"), result)
+        print(f"[harness] rank {rank}: {req['worker']} done", flush=True)
+        # a later request may build the same functions on a new runtime buffer
+        jax.clear_caches()
+        seq += 1
     if spec["distributed"]:
         jax.distributed.shutdown()
 

@@ -112,7 +112,8 @@ def _overflow_worker(rank, n):
 
 
 def test_native_checked_overflow_one_rank():
-    res = harness.run("test_native_hardening:_overflow_worker", timeout=120)  # no hang
+    res = harness.run("test_native_hardening:_overflow_worker", timeout=120,  # no hang
+                      fresh=True)
     for r in res:
         assert r["error"] is not None, res
         assert "OverflowError: jax_ep.dispatch (EpConfig.check_overflow): dropped" in r["error"], r

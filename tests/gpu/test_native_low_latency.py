@@ -47,9 +47,9 @@ _ENV = {"JAX_EP_DEBUG_POISON": "1", "JAX_EP_KEEP_NVSHMEM": "1"}
 GRAPH_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
 
 
-def _run(worker: str, env=None, **kwargs):
+def _run(worker: str, env=None, fresh=False, **kwargs):
     results = harness.run(f"test_native_low_latency:{worker}", timeout=_TIMEOUT, kwargs=kwargs,
-                          env=dict(_ENV, **(env or {})), init_native=False)
+                          env=dict(_ENV, **(env or {})), init_native=False, fresh=fresh)
     assert_checks(results, f"{worker}{kwargs or ''}")
 
 
@@ -73,7 +73,7 @@ def test_native_ll_command_buffers(transport):
 
 
 def test_native_ll_order_error():
-    _run("_order_worker")
+    _run("_order_worker", fresh=True)   # leaves the order error behind
 
 
 # ----------------------------------------------------------------------------

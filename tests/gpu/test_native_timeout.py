@@ -51,7 +51,7 @@ def _absent_peer_worker(rank, n):
 
 
 def test_absent_peer_times_out_with_clear_error():
-    res = harness.run("test_native_timeout:_absent_peer_worker", timeout=120)
+    res = harness.run("test_native_timeout:_absent_peer_worker", timeout=120, fresh=True)
     r0 = res[0]
     assert r0["error"] is not None, r0
     assert "timed out waiting for a peer" in r0["error"], r0["error"]

@@ -183,7 +183,7 @@ def test_peer_exchange():
 @needs_ping
 def test_initialize_finalize_initialize(keep_nvshmem):
     n = harness.nprocs()
-    results = harness.run("test_runtime:_reinit_worker", n, init_native=False,
+    results = harness.run("test_runtime:_reinit_worker", n, init_native=False, fresh=True,
                           env={"JAX_EP_KEEP_NVSHMEM": keep_nvshmem})
     for rank, out in enumerate(results):
         assert out == [dict(ok=True, pe=rank, n_pes=n), dict(after_finalize=False)] * 2, out
@@ -192,7 +192,7 @@ def test_initialize_finalize_initialize(keep_nvshmem):
 @needs_ping
 def test_not_initialized_error_then_single_process():
     (res,) = harness.run("test_runtime:_not_initialized_worker", 1, init_native=False,
-                         distributed=False, env={"CUDA_VISIBLE_DEVICES": "0"})
+                         distributed=False, fresh=True, env={"CUDA_VISIBLE_DEVICES": "0"})
     assert res["ffi_error"] and "not initialised" in res["ffi_error"], res
     assert res["backend_error"] and "jax_ep.initialize()" in res["backend_error"], res
     assert res["oom_error"] and "XLA_PYTHON_CLIENT_MEM_FRACTION" in res["oom_error"], res
