@@ -9,8 +9,8 @@ every multi-process test runs on one GPU, correctness only. Each child
 process (``python harness.py ...``) does
 ``jax.distributed.initialize("127.0.0.1:<port>", num_processes=n,
 process_id=i, local_device_ids=[its GPU])`` (skipped for ``distributed=False``, a
-plain single process), then ``jax_ep.initialize()`` (unless
-``init_native=False``), then calls ``worker(rank, n, **kwargs)`` and writes its
+plain single process), then, per request, ``jax_ep.initialize()`` when the
+runtime is down (unless ``init_native=False``) and ``worker(rank, n, **kwargs)``, and writes its
 JSON-serialisable return value back. ``run`` returns the list of results in
 rank order, or fails the test with every rank's output when a rank exits
 non-zero, times out or returns nothing. The parent itself only runs the
@@ -21,9 +21,9 @@ job, or with ``$JAX_EP_TEST_WARM=1`` as many as the tests of one shape send
 (:func:`warm_jobs`; ``run(..., fresh=True)`` for a worker that leaves the
 runtime unusable). Number of processes: ``nprocs()`` = ``$JAX_EP_TEST_NPROCS``
 (default 2).
-Memory: one GPU each, ``XLA_PYTHON_CLIENT_MEM_FRACTION`` 0.6; shared, 0.8 per
-processes on a GPU, or ``$XLA_PYTHON_CLIENT_MEM_FRACTION`` when set (several
-test sessions on one GPU at once give each its share).
+Memory: one GPU each, ``XLA_PYTHON_CLIENT_MEM_FRACTION`` 0.6; shared,
+``shared_gpu.fair_fraction``, or ``$XLA_PYTHON_CLIENT_MEM_FRACTION`` when set
+(several test sessions on one GPU at once give each its share).
 """
 from __future__ import annotations
 
