@@ -116,10 +116,14 @@ def local_value(user_net: Mapping[str, Optional[str]], free_bytes: int = 0,
 
 def gpu_sharing(values: Sequence[str]) -> list:
     """``[(free bytes, processes on that GPU)]`` per process from the exchanged
-    ``values``: processes of one machine on one device share its free memory."""
+    ``values``: processes of one machine on one device share its free memory,
+    the least any of them saw (each read it at its own time)."""
     rows = [json.loads(v) for v in values]
     keys = [(r.get("machine", r["host"]), r.get("device", 0)) for r in rows]
-    return [(int(r.get("free", 0)), keys.count(k)) for r, k in zip(rows, keys)]
+    least = {}
+    for r, k in zip(rows, keys):
+        least[k] = min(least.get(k, int(r.get("free", 0))), int(r.get("free", 0)))
+    return [(least[k], keys.count(k)) for k in keys]
 
 
 def network_env(hosts: Sequence[str], user: Mapping[str, Optional[str]]) -> dict:

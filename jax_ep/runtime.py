@@ -506,11 +506,11 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
         # every rank, so no rank is left waiting in NVSHMEM's start when this raises.
         heap = int(os.environ["NVSHMEM_SYMMETRIC_SIZE"])
         # processes sharing a GPU (jax_ep.shared_gpu) share its free memory
-        room = [(free // sharing, sharing) for free, sharing in _hosts.gpu_sharing(values)]
+        room = [(free // on_gpu, on_gpu) for free, on_gpu in _hosts.gpu_sharing(values)]
         worst = min(range(nranks), key=lambda r: room[r][0])
-        free, sharing = room[worst]
+        free, on_gpu = room[worst]
         if heap > free:
-            shared = (f" ({sharing} processes share that GPU: a heap each)" if sharing > 1
+            shared = (f" ({on_gpu} processes share that GPU: a heap each)" if on_gpu > 1
                       else "")
             raise RuntimeError(
                 f"jax_ep.initialize: the NVSHMEM symmetric heap ({heap >> 20} MiB for "

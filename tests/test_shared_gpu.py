@@ -86,8 +86,8 @@ def test_heap_room_is_split_between_processes_of_one_gpu():
         return f'{{"host": "{machine}", "machine": "{machine}", "net": {{}}, "free": {free}, ' \
                f'"device": {device}}}'
 
-    vals = [v("a", 0, 100), v("a", 0, 100), v("a", 1, 50), v("b", 0, 80)]
-    assert hosts.gpu_sharing(vals) == [(100, 2), (100, 2), (50, 1), (80, 1)]
+    vals = [v("a", 0, 100), v("a", 0, 90), v("a", 1, 50), v("b", 0, 80)]
+    assert hosts.gpu_sharing(vals) == [(90, 2), (90, 2), (50, 1), (80, 1)]
 
 
 def test_emulated_hosts_on_one_machine_need_no_network(monkeypatch):
