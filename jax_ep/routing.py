@@ -56,7 +56,7 @@ def sanitize_topk(topk_idx: jax.Array, num_experts: int):
 def merge_duplicate_weights(topk_idx: jax.Array, topk_weights: jax.Array, num_experts: int):
     """Dense-MoE weights for rows that name one expert in several slots.
 
-    ``w'[t, k] = sum_j [idx[t, j] == idx[t, k]] w[t, j]`` on the first slot
+    ``w'[t, k] = sum_j [idx[t, j] == idx[t, k]] w[t, j]`` (j ascending) on the first slot
     naming a valid expert (``[0, E)``), 0 on its repeats and on -1 / invalid
     slots. Plain differentiable jnp: the gradient of every duplicate slot is
     the gradient of the merged one, ``<d_out, f_e(x)>``, as in a dense MoE.
@@ -67,7 +67,9 @@ def merge_duplicate_weights(topk_idx: jax.Array, topk_weights: jax.Array, num_ex
     earlier = jnp.tril(jnp.ones((K, K), bool), -1)  # [k, j]: j < k
     first = valid & ~jnp.any(same & earlier[None], axis=2)
     repeated = jnp.sum(same, axis=2) > 1
-    merged = jnp.sum(jnp.where(same, topk_weights[:, None, :], 0), axis=2)
+    merged = jnp.zeros(topk_weights.shape, topk_weights.dtype)
+    for j in range(K):   # slots ascending (semantics §2): the same bits on every backend
+        merged = merged + jnp.where(same[:, :, j], topk_weights[:, None, j], 0)
     w = jnp.where(repeated, merged, topk_weights)
     return jnp.where(first, w, jnp.zeros((), w.dtype))
 

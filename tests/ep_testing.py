@@ -33,9 +33,11 @@ def run_per_rank(fn, mesh, ep_axis, *arrays, out_specs=None):
     return jax.tree_util.tree_map(lambda o: np.asarray(o).reshape((n, -1) + o.shape[1:]), out)
 
 
-def random_routing(rng, R, T, K, E, *, minus_one=0.2, skew=False, invalid=0.0):
+def random_routing(rng, R, T, K, E, *, minus_one=0.2, skew=False, invalid=0.0, repeat=0.0):
     """topk_idx [R, T, K] int32 with distinct experts per token, some -1 slots,
-    optional skew (half the tokens pick expert 0) and out-of-range ids."""
+    optional skew (half the tokens pick expert 0), out-of-range ids and
+    repeated ids (``repeat``: the chance that a slot names its token's first
+    id again; semantics §2 merges their weights onto the first)."""
     idx = np.empty((R, T, K), np.int32)
     for r in range(R):
         for t in range(T):
@@ -51,4 +53,8 @@ def random_routing(rng, R, T, K, E, *, minus_one=0.2, skew=False, invalid=0.0):
     if invalid:
         bad = rng.random((R, T, K)) < invalid
         idx = np.where(bad, rng.choice([-5, E, E + 3], size=(R, T, K)), idx)
+    if repeat and K > 1:
+        again = rng.random((R, T, K)) < repeat
+        again[..., 0] = False
+        idx = np.where(again, idx[..., :1], idx)
     return idx.astype(np.int32)

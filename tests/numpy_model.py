@@ -26,12 +26,33 @@ def clean_routing(idx, E):
     return out, invalid
 
 
+def merged_weights(idx, w, E):
+    """§2: a slot naming an expert again adds its weight to the first slot
+    naming it (f32, slots ascending); repeats, -1 and invalid slots keep their
+    own (they are not routed). -> [R,T,K] f32."""
+    out = w.astype(np.float32).copy()
+    R, T, K = idx.shape
+    for r in range(R):
+        for t in range(T):
+            for k in range(K):
+                e = int(idx[r, t, k])
+                if not 0 <= e < E or e in (int(v) for v in idx[r, t, :k]):
+                    continue
+                acc = np.float32(0)
+                for j in range(K):
+                    if int(idx[r, t, j]) == e:
+                        acc = np.float32(acc + np.float32(w[r, t, j]))
+                out[r, t, k] = acc
+    return out
+
+
 def dispatch(x, idx, w, E, layout="expert_major", align=1, C=None, scales=None):
     """x [R,T,H], idx/w [R,T,K] -> dict of per-rank outputs stacked on axis 0."""
     R, T, K = idx.shape
     H = x.shape[2]
     L = E // R
     cidx, invalid = clean_routing(idx, E)
+    w = merged_weights(idx, w, E)
     if C is None:
         C = R * T if layout == "rank_major" else max(align, -(-(R * T * min(K, L) + L * (align - 1)) // align) * align)
     res = {k: [] for k in ("x", "scales", "group_sizes", "weights", "topk_idx", "topk_weights",

@@ -5,7 +5,8 @@ sums in exactly that order (one f32 rounding per multiply and per add) must
 give the same bits, so a reversed sum over k or over ranks, or a partial
 left in f32, fails here.
 
-The weights are powers of two, so each product is exact and the bits do not
+The weights are powers of two (sums of a few where ids repeat) and the values
+carry bf16's 8 significant bits, so each product is exact and the bits do not
 depend on whether XLA:CPU contracts a multiply-add into an FMA (the sums'
 order still decides them). Two kinds of values: magnitudes spread over
 2^-8 .. 2^8 (another order moves f32 results by an ulp), and +-2^24 beside
@@ -37,6 +38,7 @@ def ordered_combine(y, idx, w, E, layout, disp):
     R, T, K = idx.shape
     L = E // R
     cidx, _ = npm.clean_routing(idx, E)
+    w = npm.merged_weights(idx, w, E)        # repeated ids: §2
     f32 = np.float32
     out = np.zeros((R, T, y.shape[2]), y.dtype)
     for s in range(R):
@@ -82,14 +84,16 @@ def _values(rng, kind, shape):
 def test_reference_combine_is_the_documented_order_bit_for_bit(layout, dtype, capacity, values):
     R, T, K, E, H = 4, 24, 6, 16, 40   # up to 4 slots of a token on one rank: order matters
     rng = np.random.default_rng(11)
-    idx = random_routing(rng, R, T, K, E, minus_one=0.2, skew=True)
+    idx = random_routing(rng, R, T, K, E, minus_one=0.2, skew=True, repeat=0.1, invalid=0.05)
     w = (2.0 ** rng.integers(-3, 2, (R, T, K)) if values == "spread"
          else np.ones((R, T, K))).astype(np.float32)
     x = rng.standard_normal((R, T, H)).astype(np.float32)
     cfg = jax_ep.EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H,
                           layout=layout, capacity=capacity, backend="reference")
     C = cfg.capacity_for(R, T)
-    y = _values(rng, values, (R, C, H)).astype(dtype)
+    # 8 significant bits (bf16's) even in f32: a product by a merged weight
+    # (a sum of a few powers of two) stays exact
+    y = _values(rng, values, (R, C, H)).astype(BF16).astype(dtype)
     disp = npm.dispatch(x, idx, w, E, layout=layout, C=C)
     if capacity is not None:
         assert disp["num_dropped"].sum() > 0   # the case drops pairs

@@ -61,7 +61,7 @@ def test_dispatch_matches_model(layout, T, K, E):
     mesh = make_mesh((R,), ("ep",))
     cfg = jax_ep.EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H,
                           layout=layout, backend="reference")
-    x, idx, w = _inputs(rng, R, T, H, K, E, dtype=BF16, skew=(T == 64))
+    x, idx, w = _inputs(rng, R, T, H, K, E, dtype=BF16, skew=(T == 64), repeat=0.15)
     got = _run_dispatch(cfg, mesh, x, idx, w)
     want = npm.dispatch(x, idx, w, E, layout=layout)
     _check(got, want, layout)
@@ -75,7 +75,7 @@ def test_expert_alignment(align):
     mesh = make_mesh((R,), ("ep",))
     cfg = jax_ep.EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H,
                           expert_alignment=align, backend="reference")
-    x, idx, w = _inputs(rng, R, T, H, K, E, skew=True)
+    x, idx, w = _inputs(rng, R, T, H, K, E, skew=True, repeat=0.15)
     got = _run_dispatch(cfg, mesh, x, idx, w)
     want = npm.dispatch(x, idx, w, E, align=align)
     _check(got, want, "expert_major")
