@@ -103,26 +103,14 @@ def test_repeated_ids_merge_weights_on_first_slot(layout):
         return d.x, d.topk_idx, d.topk_weights, d.num_dropped
 
     got = run_per_rank(fn, mesh, "ep", x, idx, w)
-    merged = np.zeros_like(w)
-    for s in range(R):
-        for t in range(T):
-            seen = {}
-            for k in range(K):
-                e = int(idx[s, t, k])
-                if 0 <= e < E:
-                    if e in seen:
-                        merged[s, t, seen[e]] += w[s, t, k]
-                    else:
-                        seen[e] = k
-                        merged[s, t, k] = w[s, t, k]
-    want = npm.dispatch(x, idx, merged, E, layout=layout)
+    want = npm.dispatch(x, idx, w, E, layout=layout)   # the model merges repeats (§2)
     np.testing.assert_array_equal(got[0].reshape(want["x"].shape), want["x"])
     if layout == "expert_major":
-        np.testing.assert_allclose(got[1].reshape(want["weights"].shape), want["weights"], rtol=1e-6)
+        np.testing.assert_array_equal(got[1].reshape(want["weights"].shape), want["weights"])
     else:
         np.testing.assert_array_equal(got[1].reshape(want["topk_idx"].shape), want["topk_idx"])
-        np.testing.assert_allclose(got[2].reshape(want["topk_weights"].shape), want["topk_weights"],
-                                   rtol=1e-6)
+        np.testing.assert_array_equal(got[2].reshape(want["topk_weights"].shape),
+                                      want["topk_weights"])
     np.testing.assert_array_equal(got[-1].reshape(-1), want["num_dropped"])
 
 
@@ -226,8 +214,10 @@ def test_checked_overflow_is_collective(mode, count):
 
 
 def test_num_dropped_shape_and_total():
-    """num_valid / num_dropped are [1] (returnable with out_specs=P(axes)); total_dropped
-    is the psum over every mesh axis, returnable with out_specs=P()."""
+    """num_valid / num_dropped are [1] (returnable with out_specs=P(axes)) and
+    equal to the NumPy model's per rank (capacity drops at the receiver plus
+    the sender's invalid ids, each EP group of the data axis on its own);
+    total_dropped is the psum over every mesh axis, returnable with out_specs=P()."""
     D, Rr, T, K, E = 2, 4, 8, 2, 8
     mesh = make_mesh((D, Rr), ("data", "ep"))
     cfg = _cfg(num_experts=E, topk=K, max_tokens_per_rank=T, capacity=4)
@@ -235,6 +225,7 @@ def test_num_dropped_shape_and_total():
     x = rng.standard_normal((D * Rr * T, H)).astype(np.float32)
     idx = rng.integers(0, E, size=(D * Rr * T, K)).astype(np.int32)
     idx[:, 1] = np.where(idx[:, 1] == idx[:, 0], -1, idx[:, 1])
+    idx[5, 0], idx[41, 1] = E + 2, -4   # invalid ids, counted by their sender
     w = np.ones((D * Rr * T, K), np.float32)
     tok = P(("data", "ep"))
 
@@ -246,7 +237,15 @@ def test_num_dropped_shape_and_total():
     f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(tok,) * 3, out_specs=(tok, tok, P())))
     dropped, valid, total = f(x, idx, w)
     assert dropped.shape == (D * Rr,) and valid.shape == (D * Rr,) and total.shape == ()
-    assert int(total) == int(np.sum(dropped)) > 0
+    per_group = [npm.dispatch(*(a.reshape(D, Rr, T, -1)[g] for a in (x, idx, w)), E, C=4)
+                 for g in range(D)]
+    want_dropped = np.concatenate([m["num_dropped"] for m in per_group])
+    want_valid = np.concatenate([m["num_valid"] for m in per_group])
+    capacity_drops = want_dropped.sum() - 2
+    assert capacity_drops > 0
+    np.testing.assert_array_equal(np.asarray(dropped), want_dropped)
+    np.testing.assert_array_equal(np.asarray(valid), want_valid)
+    assert int(total) == int(want_dropped.sum())
 
 
 # -- 3. T = 0 ------------------------------------------------------------------------
