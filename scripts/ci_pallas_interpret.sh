@@ -32,4 +32,4 @@ if ! { [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"; } ||
 fi
 echo "ci_pallas_interpret: $("$VENV/bin/python" -c 'import sys, jax; print(sys.version.split()[0], "jax", jax.__version__)')"
 # the source tree's jax_ep (pure Python here: no extension is built for this Python)
-exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_grouped_matmul.py
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --full tests/test_grouped_matmul.py
