@@ -174,14 +174,13 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, config:
     be = _backend.select(config)
     # dense-MoE weights for repeated ids (plain jnp, so autodiff spreads the gradient)
     topk_weights = merge_duplicate_weights(topk_idx, topk_weights, config.num_experts)
-    raw_idx = topk_idx
     handle, group_sizes, num_valid, num_dropped = be.router.route(topk_idx, config, R)
     handle = dataclasses.replace(handle, padded_tokens=pad,
                                  dispatch_config=validate.dispatch_config(config))
     if config.check_overflow:
         # every device gets the same global count, raises (or not) in the callback, and
         # moves no row before it: the rows' send mask depends on the callback's result
-        ok = validate.check_drops(validate.drop_report(raw_idx, handle, config, num_dropped),
+        ok = validate.check_drops(validate.drop_report(topk_idx, handle, config, num_dropped),
                                   config, handle.capacity)
         handle = dataclasses.replace(handle, send_mask=handle.send_mask & (ok == 0))
         num_dropped = num_dropped + ok

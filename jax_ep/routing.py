@@ -38,13 +38,18 @@ def excl_cumsum(x, axis):
     return jnp.cumsum(x, axis=axis) - x
 
 
+def invalid_ids(topk_idx: jax.Array, num_experts: int) -> jax.Array:
+    """Slots whose id lies outside ``[-1, E)``: dropped and counted (semantics §2)."""
+    return (topk_idx < -1) | (topk_idx >= num_experts)
+
+
 def sanitize_topk(topk_idx: jax.Array, num_experts: int):
     """-> (idx with invalid and repeated ids set to -1, number of invalid ids).
 
     Ids outside [-1, E) are dropped and counted. A repeated id inside one
     token's top-k is routed once (its first slot); later copies act as -1.
     ``merge_duplicate_weights`` moves their weights onto that first slot."""
-    invalid = (topk_idx < -1) | (topk_idx >= num_experts)
+    invalid = invalid_ids(topk_idx, num_experts)
     idx = jnp.where(invalid, -1, topk_idx)
     K = idx.shape[1]
     earlier = jnp.tril(jnp.ones((K, K), bool), -1)  # [k, j]: j < k

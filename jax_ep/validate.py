@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import EpConfig
+from .routing import invalid_ids
 
 _X_DTYPES = (jnp.bfloat16, jnp.float32, jnp.float16)
 _FP8 = jnp.float8_e4m3fn
@@ -242,7 +243,7 @@ def drop_report(topk_idx, handle, cfg: EpConfig, num_dropped):
     (global id, pairs). Collective over the manual axes."""
     E, R, C = cfg.num_experts, handle.num_ranks, handle.capacity
     L = E // R
-    bad = (topk_idx < -1) | (topk_idx >= E)
+    bad = invalid_ids(topk_idx, E)
     invalid = jnp.sum(bad, dtype=jnp.int32)
     lo = jnp.min(jnp.where(bad, topk_idx, _BIG)).astype(jnp.int32)
     hi = jnp.max(jnp.where(bad, topk_idx, -_BIG)).astype(jnp.int32)
