@@ -150,8 +150,8 @@ def process_env(p: GpuPlan, local_rank: int, process_id: int, host: str,
     """The variables process ``process_id`` (``local_rank`` on this host)
     needs under plan ``p``. ``host``: this host's identity (NCCL's is made
     from it); ``loopback``: the whole job runs on this machine (NCCL's
-    sockets on ``lo``). Values the caller's environment already holds for
-    NCCL's interface / IB switches should be kept (``setdefault``)."""
+    sockets on ``lo``). :func:`apply` merges them into an environment,
+    keeping the user's NCCL interface / IB settings."""
     env = {"JAX_EP_LOCAL_DEVICE_IDS": str(p.device_of(local_rank))}
     if not p.shared:
         return env
