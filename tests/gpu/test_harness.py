@@ -36,3 +36,16 @@ def test_warm_jobs_serve_several_requests(monkeypatch):
     monkeypatch.setenv("JAX_EP_TEST_WARM", "0")
     (f,), (g,) = _run(), _run()
     assert f != g                        # one job per run
+
+
+def test_assert_checks_counts_and_names():
+    from gpu_helpers import assert_checks
+
+    ok = lambda name: dict(name=name, ok=True, detail="")
+    assert_checks([[ok("a"), ok("b")], [ok("a"), ok("b")]], "w", expect=2)
+    with pytest.raises(AssertionError, match="fewer than 2 checks"):
+        assert_checks([[ok("a"), ok("b")], [ok("a")]], "w", expect=2)
+    with pytest.raises(AssertionError, match="different checks"):
+        assert_checks([[ok("a")], [ok("b")]], "w")
+    with pytest.raises(AssertionError, match="1 failed"):
+        assert_checks([[ok("a")], [dict(ok("a"), ok=False)]], "w")
