@@ -90,6 +90,29 @@ __device__ __forceinline__ void raise_error(int* host_err, int code) {
   if (*w == kErrNone) *w = code;
 }
 
+// A wait this long also gives up as soon as an error has been raised (by
+// another wait of this call, or a call before): the waits of one kernel run
+// one after another (peers, chunks, blocks not yet resident), so each paying
+// its own timeout turned one missing peer at EP 8 into 7 timeouts, 70 s. A
+// healthy wait is far shorter, so its polling never reads host memory.
+constexpr unsigned long long kErrorPollAfterNs = 1000ull * 1000;
+
+__device__ __forceinline__ bool error_raised(const int* host_err) {
+  return host_err && *reinterpret_cast<const volatile int*>(host_err) != kErrNone;
+}
+
+// true: keep waiting; false: the wait gave up (timeout raised, or an error
+// was already raised).
+__device__ __forceinline__ bool keep_waiting(unsigned long long t0, int* host_err,
+                                             unsigned long long timeout_ns) {
+  const unsigned long long waited = global_timer_ns() - t0;
+  if (waited > timeout_ns) {
+    raise_error(host_err, kErrTimeout);
+    return false;
+  }
+  return waited < kErrorPollAfterNs || !error_raised(host_err);
+}
+
 // Spin (every lane of the warp) until *flag >= epoch. On timeout, raise the
 // error in host-mapped memory and return false (the caller moves on; data is
 // then garbage, and the next FFI call reports the error).
@@ -100,10 +123,7 @@ __device__ __forceinline__ bool wait_flag(const unsigned int* flag, unsigned int
   while (true) {
     for (int i = 0; i < 64; ++i)
       if (static_cast<int>(ld_acquire_sys(flag) - epoch) >= 0) return true;
-    if (global_timer_ns() - t0 > timeout_ns) {
-      raise_error(host_err, kErrTimeout);
-      return false;
-    }
+    if (!keep_waiting(t0, host_err, timeout_ns)) return false;
   }
 }
 
@@ -115,10 +135,7 @@ __device__ __forceinline__ bool wait_tag(const unsigned long long* flag, unsigne
   while (true) {
     for (int i = 0; i < 64; ++i)
       if (tag_reached(ld_acquire_sys64(flag), tag)) return true;
-    if (global_timer_ns() - t0 > timeout_ns) {
-      raise_error(host_err, kErrTimeout);
-      return false;
-    }
+    if (!keep_waiting(t0, host_err, timeout_ns)) return false;
   }
 }
 
