@@ -4,8 +4,8 @@
 # needs jax >= 0.11, so Python >= 3.12, which CI's default python3 (3.11, jax
 # 0.10.2) lacks: this runs tests/test_grouped_matmul.py under the first Python
 # >= 3.12 it finds, in a throwaway venv with the jax the GPU machine runs.
-# No such Python, or the venv cannot be installed: a notice, not a failure.
-# A failing test fails.
+# No such Python, or a venv that cannot be installed, fails (with the remedy):
+# the kernels' only CPU check must not pass by not running. A failing test fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 JAX_VERSION="${JAX_EP_INTERPRET_JAX:-0.11.2}"
@@ -22,13 +22,15 @@ for c in "${candidates[@]}"; do
   fi
 done
 if [ -z "$PY" ]; then
-  echo "ci_pallas_interpret: no Python >= 3.12 here; Pallas interpret-mode tests not run"
-  exit 0
+  echo "ci_pallas_interpret: FAILED: no Python >= 3.12 here (tried ${candidates[*]}); install one" \
+       "(e.g. pyenv install 3.12) to run the Pallas interpret-mode tests" >&2
+  exit 1
 fi
 if ! { [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"; } ||
    ! "$VENV/bin/python" -m pip install -q "jax==$JAX_VERSION" "jaxlib==$JAX_VERSION" pytest; then
-  echo "ci_pallas_interpret: could not set up jax $JAX_VERSION under $PY; tests not run"
-  exit 0
+  echo "ci_pallas_interpret: FAILED: could not install jax $JAX_VERSION into $VENV under $PY" \
+       "(network? a broken venv: delete $VENV); Pallas interpret-mode tests not run" >&2
+  exit 1
 fi
 echo "ci_pallas_interpret: $("$VENV/bin/python" -c 'import sys, jax; print(sys.version.split()[0], "jax", jax.__version__)')"
 # the source tree's jax_ep (pure Python here: no extension is built for this Python)
