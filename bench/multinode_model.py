@@ -24,7 +24,7 @@ eta = payload share of the wire (RDMA writes of whole chunks at a 4096 B MTU
 with 58 B of headers per packet, plus one 8 B ready flag and one 8 B credit
 per chunk), fill = one network round trip + one chunk serialisation (the ring
 pipeline's start and drain). B_nvl = the P2P store ceiling measured on 2x H200
-(bench/results/2026-11-30-h200x2-s5.md: 307-344 GB/s; 300 used). Printed
+(bench/results/2026-11-30-h200x2-ops.md: 307-344 GB/s; 300 used). Printed
 "% of line rate" = modelled NIC payload GB/s / 50 GB/s.
 
     python bench/multinode_model.py [--tokens 4096] [--samples 4096] [--out DIR]

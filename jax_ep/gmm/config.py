@@ -47,7 +47,7 @@ SMALL_GROUP_TILES = {"fwd": (64, 256, 64, 2, 2), "dx": (64, 128, 128, 3, 2),
                      "dw": (64, 128, 64, 5, 4)}
 
 # dw's defaults (GroupedMatmulConfig.dw_pipeline None, dw_cluster 2), one H200
-# (bench/results/2026-12-03-h200x1-s19.md). Standalone at T 4096 shapes
+# (bench/results/2026-12-03-h200x1-grouped-matmul-layer-ep1.md). Standalone at T 4096 shapes
 # (128 groups of 256 rows, uniform), same call: up dw 3.493 ms per-group
 # pipeline, 3.487 on clusters, 3.380 ring, 3.235 ring on clusters (0.73 -> 0.79
 # of dense; cuBLAS's batched dw 3.131); down dw 1.910 / 1.856 / 1.712 / 1.633
