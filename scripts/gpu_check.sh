@@ -6,20 +6,21 @@
 #
 # With fewer GPUs than N the N processes of a job share them (tests/gpu/harness.py,
 # jax_ep.shared_gpu): every multi-process path runs and is checked; no timing
-# from that mode means anything. Each test starts its own job (about 40 s a
-# test on one H200, mostly start-up and compilation), so the 38 tests at one N
-# take about 25 minutes: on a machine whose calls last 10 minutes, split
-# SUITE_TESTS (file or node ids) over calls; N values run side by side, e.g.
-#   SUITE_N="2 8" SUITE_TESTS="tests/gpu/test_native_dispatch.py" bash scripts/gpu_check.sh
-# JAX_EP_TEST_WARM=1 keeps a job's processes between tests of one shape
-# (tests/gpu/harness.py: start-up paid once, not per test; checked on CPU, not
-# yet measured on a GPU). bench/results/gpu-suite-shared-gpu.md: what has
-# passed so far.
+# from that mode means anything. Warm jobs (JAX_EP_TEST_WARM=1, the default
+# here) keep a job's processes between tests of one shape. On one H200 with
+# N = 2, 4, 8 side by side, the core half took 410 s at N = 2 and about 560 s
+# at N = 4; N = 8 needs about 700 s per half, so on a machine whose calls last
+# 10 minutes run N = 8 in calls of its own, e.g.
+#   SUITE_N="2 4" SUITE_PART=core bash scripts/gpu_check.sh
+#   SUITE_N=8 SUITE_TESTS="tests/gpu/test_native_dispatch.py" bash scripts/gpu_check.sh
+# bench/results/gpu-suite-shared-gpu.md: what passed, per N.
 #
 # Knobs:
 #   SUITE_N        process counts; each runs as its own pytest session, side by
 #                  side, with the GPU memory split between all their processes
-#   SUITE_TESTS    the multi-process test files (default: every one)
+#   SUITE_PART     core (runtime, mesh, hardening, timeout, dispatch) or
+#                  families (low latency, internode, examples); default both
+#   SUITE_TESTS    the multi-process test files or node ids (overrides SUITE_PART)
 #   ONE_GPU_TESTS  single-GPU test files run after (loopback kernels, grouped
 #                  matmul; default none)
 #   REHEARSAL=1    two launchers on this machine as two hosts (--host-id):
@@ -32,7 +33,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/jax_ep_gpu_check}"
 mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 JAX_EP_TEST_WARM=${JAX_EP_TEST_WARM:-1}
 PY="${PYTHON:-python3}"
 t0=$(date +%s)
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
@@ -55,9 +56,16 @@ fi
   >> "$OUT/build.log" 2>&1
 t_build=$(( $(date +%s) - t0 ))
 
-MP_TESTS="tests/gpu/test_examples_gpu.py tests/gpu/test_native_low_latency.py
-  tests/gpu/test_native_internode.py tests/gpu/test_native_dispatch.py tests/gpu/test_native_hardening.py
-  tests/gpu/test_native_mesh.py tests/gpu/test_native_timeout.py tests/gpu/test_runtime.py"
+# The suite in two halves (SUITE_PART), one device call each where calls are short.
+CORE_TESTS="tests/gpu/test_runtime.py tests/gpu/test_native_mesh.py tests/gpu/test_native_hardening.py
+  tests/gpu/test_native_timeout.py tests/gpu/test_native_dispatch.py"
+FAMILY_TESTS="tests/gpu/test_native_low_latency.py tests/gpu/test_native_internode.py
+  tests/gpu/test_examples_gpu.py"
+case "${SUITE_PART:-all}" in
+  core) MP_TESTS=$CORE_TESTS ;;
+  families) MP_TESTS=$FAMILY_TESTS ;;
+  *) MP_TESTS="$CORE_TESTS $FAMILY_TESTS" ;;
+esac
 SUITE_N="${SUITE_N:-2 4 8}"
 total=0; for n in $SUITE_N; do total=$(( total + n )); done
 # Concurrent sessions share the GPU(s): each process gets the fair share of all
