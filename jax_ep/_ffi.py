@@ -72,7 +72,7 @@ def pe_of_device(device) -> int:
     peer-memory transport (one process, several GPUs), its CUDA ordinal."""
     from . import runtime
 
-    if runtime.transport() == "peer_memory":
+    if runtime.symmetric_memory() == "peer_memory":
         return int(device.local_hardware_id)
     return int(device.process_index)
 
@@ -100,7 +100,7 @@ def ep_groups_of(devices: np.ndarray, axis_names: Sequence[str], axis_name: str,
                 f"jax_ep native backend: the EP group along {axis_name!r} puts several mesh "
                 f"positions on one process (PEs {row.tolist()}); the NVSHMEM transport needs "
                 "one GPU per process (use the reference backend, one process per GPU, or "
-                "jax_ep.initialize(transport='peer_memory'))")
+                "jax_ep.initialize(symmetric_memory='peer_memory'))")
     return groups
 
 

@@ -39,7 +39,7 @@ def _transport(cfg: EpConfig) -> np.int32:
     time, rather than by the handler at run time)."""
     from . import runtime
 
-    if cfg.ll_transport == "put" and runtime.transport() == "peer_memory":
+    if cfg.ll_transport == "put" and runtime.symmetric_memory() == "peer_memory":
         raise ValueError("jax_ep low-latency mode: EpConfig.ll_transport='put' needs the NVSHMEM "
                          "transport; the runtime uses peer memory (one process, several GPUs: "
                          "no PEs to put to). Use 'auto' or 'p2p'")

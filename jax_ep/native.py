@@ -104,7 +104,7 @@ def _net_transport(cfg: EpConfig) -> np.int32:
     here, at trace time, rather than by the handler at run time)."""
     from . import runtime
 
-    if cfg.net_transport == "put" and runtime.transport() == "peer_memory":
+    if cfg.net_transport == "put" and runtime.symmetric_memory() == "peer_memory":
         raise ValueError("jax_ep native internode: EpConfig.net_transport='put' needs the NVSHMEM "
                          "transport; the runtime uses peer memory (one process, several GPUs: "
                          "no PEs to put to). Use 'auto' or 'p2p'")

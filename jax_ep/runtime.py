@@ -37,11 +37,11 @@ _state = {
     "nvshmem_up": False,     # NVSHMEM is initialised in this process
     "generation": 0,         # initialize() calls, for unique KV-store keys
     "reason": "jax_ep.initialize() not called",
-    "transport": None,       # "nvshmem" | "peer_memory" while initialized
+    "symmetric_memory": None,  # "nvshmem" | "peer_memory" while initialized
     "hosts": None,           # host name of every PE (NVSHMEM transport), see hosts.py
     "net_env_set": {},       # network variables initialize set (and their values)
 }
-TRANSPORTS = ("auto", "nvshmem", "peer_memory")
+SYMMETRIC_MEMORY = ("auto", "nvshmem", "peer_memory")
 _ext = {"module": None, "error": None, "registered": False}
 
 
@@ -139,7 +139,7 @@ def info() -> Optional[dict]:
 def pe_hosts() -> Optional[list]:
     """Host name of every NVSHMEM PE of the live runtime (index = PE), or None
     (no runtime, or the peer-memory transport: one process, one host)."""
-    return _state["hosts"] if transport() == "nvshmem" else None
+    return _state["hosts"] if symmetric_memory() == "nvshmem" else None
 
 
 def _kv_client():
@@ -214,9 +214,12 @@ def _not_up(reason: str) -> bool:
     return False
 
 
-def transport() -> Optional[str]:
-    """The live runtime's transport, ``"nvshmem"`` or ``"peer_memory"``, or None."""
-    return _state["transport"] if _state["initialized"] else None
+def symmetric_memory() -> Optional[str]:
+    """Where the live runtime's buffers live and how ranks reach each other's:
+    ``"nvshmem"`` (the NVSHMEM symmetric heap, one GPU per process) or
+    ``"peer_memory"`` (a buffer per GPU of one process, CUDA peer access); None
+    when the runtime is down."""
+    return _state["symmetric_memory"] if _state["initialized"] else None
 
 
 def ll_shape_of(config) -> tuple:
@@ -358,7 +361,7 @@ def check_device_error() -> None:
     C = _extension()
     if C is None or not _state["initialized"]:
         return
-    code = int(C.device_error() if _state["transport"] == "peer_memory"
+    code = int(C.device_error() if _state["symmetric_memory"] == "peer_memory"
                else C.take_device_error())
     if code == 0:
         return
@@ -370,7 +373,7 @@ def check_device_error() -> None:
     raise RuntimeError(f"jax_ep: {what}; results since are invalid, restart the job")
 
 
-def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str = "auto",
+def initialize(buffer_bytes: Optional[int] = None, config=None, symmetric_memory: str = "auto",
                low_latency=None) -> bool:
     """Start the native runtime in this process. Collective over all processes.
 
@@ -378,7 +381,7 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
     Bootstraps NVSHMEM (rank 0's unique id travels through JAX's distributed
     key-value store; an NVSHMEM that XLA already started is reused) and
     allocates the symmetric buffer with ``nvshmem_malloc``. With
-    ``transport="peer_memory"`` in a single process that drives several GPUs it
+    ``symmetric_memory="peer_memory"`` in a single process that drives several GPUs it
     instead allocates one buffer per GPU and enables peer access between them
     (no NVSHMEM; docs/transports.md). That mode has not run on GPUs yet, so
     ``"auto"`` does not pick it: in such a process ``"auto"`` returns False
@@ -393,8 +396,11 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
         any has ``num_nodes > 1``, an internode region is appended after the
         other regions (:func:`internode_shape_of`; added even when
         ``buffer_bytes`` is given, which sizes only the normal buffer).
-      transport: ``"auto"`` (NVSHMEM, one GPU per process), ``"nvshmem"`` or
-        ``"peer_memory"`` (one process, several GPUs; not yet validated on GPUs).
+      symmetric_memory: the memory every rank's kernels write into, and how
+        they reach the other ranks': ``"auto"`` or ``"nvshmem"`` (the NVSHMEM
+        symmetric heap, one GPU per process, any number of hosts) or
+        ``"peer_memory"`` (a ``cudaMalloc`` buffer per GPU of one process and
+        CUDA peer access between them; not yet validated on GPUs).
       low_latency: the decode :class:`EpConfig` (``num_experts``,
         ``max_tokens_per_rank`` = Tmax, ``topk``, ``hidden``) to lay out the
         low-latency region for (:func:`jax_ep.low_latency_dispatch` with the
@@ -415,10 +421,10 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
     ``NVSHMEM_SYMMETRIC_SIZE`` to fit the buffer. Multi-host: ``docs/multihost.md``.
     """
     if _state["initialized"]:
-        if transport not in ("auto", _state["transport"]):
+        if symmetric_memory not in ("auto", _state["symmetric_memory"]):
             raise ValueError(
-                f"jax_ep.initialize(transport={transport!r}): the runtime is already up with "
-                f"the {_state['transport']!r} transport; call jax_ep.finalize() first")
+                f"jax_ep.initialize(symmetric_memory={symmetric_memory!r}): the runtime is "
+                f"already up with {_state['symmetric_memory']!r}; call jax_ep.finalize() first")
         want = ll_shape_of(low_latency)
         have = tuple(int(v) for v in (info() or {}).get("ll_shape", (0, 0, 0, 0)))
         if low_latency is not None and want != have:
@@ -428,16 +434,16 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
                 f"for {want}. Call jax_ep.finalize() first")
         _check_internode_region(config)
         return True
-    if transport not in TRANSPORTS:
-        raise ValueError(f"jax_ep.initialize: transport must be one of {TRANSPORTS}, got "
-                         f"{transport!r}")
+    if symmetric_memory not in SYMMETRIC_MEMORY:
+        raise ValueError(f"jax_ep.initialize: symmetric_memory must be one of "
+                         f"{SYMMETRIC_MEMORY}, got {symmetric_memory!r}")
     sharing = _shared_gpu.processes_per_gpu(os.environ)
-    if transport == "peer_memory" and sharing > 1:
+    if symmetric_memory == "peer_memory" and sharing > 1:
         raise ValueError(
-            f"jax_ep.initialize(transport='peer_memory'): this process shares its GPU with "
-            f"{sharing - 1} other(s) (jax-ep-launch with fewer GPUs than processes), and the "
-            "peer-memory transport drives several GPUs from one process; use the NVSHMEM "
-            "transport (transport='auto'), which runs several processes on one GPU")
+            f"jax_ep.initialize(symmetric_memory='peer_memory'): this process shares its GPU "
+            f"with {sharing - 1} other(s) (jax-ep-launch with fewer GPUs than processes), and "
+            "peer memory drives several GPUs from one process; use the NVSHMEM symmetric heap "
+            "(symmetric_memory='auto'), which runs several processes on one GPU")
     # Every attempt, first thing: a process that returns early or raises below
     # stays in step with the others' key-value keys when it tries again.
     _state["generation"] += 1
@@ -451,7 +457,7 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
 
         # EP ranks: the processes (one GPU each), or every GPU of this process
         ranks = max(1, (len([d for d in jax.local_devices() if d.platform == "gpu"])
-                        if transport == "peer_memory" else jax.process_count()))
+                        if symmetric_memory == "peer_memory" else jax.process_count()))
     if buffer_bytes is None and cfgs:
         buffer_bytes = max(c.native_buffer_bytes(ranks) for c in cfgs)
     buffer_bytes = DEFAULT_BUFFER_BYTES if buffer_bytes is None else int(buffer_bytes)
@@ -466,7 +472,7 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
     gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
     if not gpus:
         return _not_up("no CUDA GPU visible to JAX in this process")
-    if transport == "peer_memory":   # one process: one host
+    if symmetric_memory == "peer_memory":   # one process: one host
         return _attach_peer_memory(C, gpus, buffer_bytes, ll_shape,
                                    internode_shape_of(cfgs, ranks, C.internode_region_bytes))
     if len(gpus) != 1:
@@ -474,7 +480,7 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
             f"this process drives {len(gpus)} GPUs; the NVSHMEM transport needs one GPU per "
             "process (jax.distributed.initialize(..., local_device_ids=[i]) or jax-ep-launch), "
             "or opt in to the peer-memory transport (not yet validated on GPUs): "
-            "jax_ep.initialize(transport='peer_memory')")
+            "jax_ep.initialize(symmetric_memory='peer_memory')")
     device = int(gpus[0].local_hardware_id)
     rank, nranks = jax.process_index(), jax.process_count()
     # Every process's host (and free GPU memory) first: the internode region's
@@ -535,7 +541,7 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, transport: str =
     # raises naming XLA_PYTHON_CLIENT_MEM_FRACTION
     C.runtime_attach(device, buffer_bytes, ll_shape, inter_shape)
     _state["initialized"] = True
-    _state["transport"] = "nvshmem"
+    _state["symmetric_memory"] = "nvshmem"
     _state["hosts"] = hosts
     _state["reason"] = ""
     return True
@@ -546,7 +552,8 @@ def _attach_peer_memory(C, gpus, buffer_bytes: int, ll_shape: tuple, inter_shape
     import jax
 
     if jax.process_count() != 1:
-        raise ValueError("jax_ep.initialize(transport='peer_memory') drives the GPUs of ONE "
+        raise ValueError("jax_ep.initialize(symmetric_memory='peer_memory') drives the GPUs "
+                         "of ONE "
                          f"process; this job has {jax.process_count()} processes (use the "
                          "NVSHMEM transport, one GPU per process)")
     _register_targets()
@@ -555,7 +562,7 @@ def _attach_peer_memory(C, gpus, buffer_bytes: int, ll_shape: tuple, inter_shape
     C.peer_memory_attach([int(d.local_hardware_id) for d in gpus], buffer_bytes, ll_shape,
                          inter_shape)
     _state["initialized"] = True
-    _state["transport"] = "peer_memory"
+    _state["symmetric_memory"] = "peer_memory"
     _state["hosts"] = None
     _state["reason"] = ""
     return True
@@ -582,8 +589,8 @@ def finalize() -> None:
     C = _extension()
     _state["initialized"] = False
     _state["reason"] = "jax_ep.finalize() was called"
-    peer = _state["transport"] == "peer_memory"
-    _state["transport"] = None
+    peer = _state["symmetric_memory"] == "peer_memory"
+    _state["symmetric_memory"] = None
     C.runtime_detach()
     if peer:
         return

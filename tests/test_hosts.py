@@ -186,12 +186,12 @@ def test_initialize_nvshmem_path_with_a_stand_in_extension(monkeypatch):
     gpu = types.SimpleNamespace(platform="gpu", local_hardware_id=3)
     monkeypatch.setattr(jax, "local_devices", lambda: [gpu])
     for k, v in (("initialized", False), ("nvshmem_up", False), ("owns_nvshmem", False),
-                 ("transport", None), ("hosts", None), ("net_env_set", {})):
+                 ("symmetric_memory", None), ("hosts", None), ("net_env_set", {})):
         monkeypatch.setitem(runtime._state, k, v)
 
     assert runtime.initialize(buffer_bytes=1 << 20) is True
     heap = str(runtime._HEAP_GRANULE)      # 1 MiB + slack, rounded up to one granule
     assert calls == [("init", b"uid", 0, 1, 3, "none", heap), ("attach", 3, 1 << 20)]
-    assert runtime.transport() == "nvshmem" and runtime.pe_hosts() == [hosts.host_id()]
+    assert runtime.symmetric_memory() == "nvshmem" and runtime.pe_hosts() == [hosts.host_id()]
     runtime.finalize()
     assert calls[-2:] == [("detach",), ("finalize",)] and not runtime.is_initialized()

@@ -208,9 +208,9 @@ def test_internode_put_lowers_with_nvshmem_and_is_refused_without(native_everywh
                           in_specs=(P(("data", "ep")),) * 3, out_specs=P(("data", "ep")))
         return jax.jit(f).lower(x, idx, w).as_text()
 
-    monkeypatch.setattr(runtime, "transport", lambda: "nvshmem")
+    monkeypatch.setattr(runtime, "symmetric_memory", lambda: "nvshmem")
     assert re.search(rf"net_transport = {abi.net_transport('put')} : i32", lower())
-    monkeypatch.setattr(runtime, "transport", lambda: "peer_memory")
+    monkeypatch.setattr(runtime, "symmetric_memory", lambda: "peer_memory")
     with pytest.raises(ValueError, match="net_transport='put' needs the NVSHMEM transport"):
         lower()
 
@@ -313,7 +313,7 @@ def test_low_latency_put_needs_nvshmem(monkeypatch):
     ll = importlib.import_module("jax_ep.low_latency")
     monkeypatch.setattr(_ffi, "pe_of_device", lambda d: d.id)
     monkeypatch.setattr(ll, "_native", lambda cfg: True)
-    monkeypatch.setattr(runtime, "transport", lambda: "peer_memory")
+    monkeypatch.setattr(runtime, "symmetric_memory", lambda: "peer_memory")
     mesh = make_mesh((4,), ("ep",))
     cfg = jax_ep.EpConfig(num_experts=8, topk=2, max_tokens_per_rank=4, hidden=128,
                           backend="native", ll_transport="put")
