@@ -128,7 +128,7 @@ def worker(args):
 
     sys.path.insert(0, ROOT)
     import jax_ep
-    from jax_ep import native, reference
+    from jax_ep.intranode import native, reference
     from jax_ep.config import EpConfig, KernelTuning
 
     class SkipBackend(native.NativeBackend):

@@ -9,14 +9,14 @@ backend (CUDA kernels over NVSHMEM, one GPU per process) is used after
 """
 from .api import combine, dispatch, get_dispatch_layout
 from .config import EpConfig, KernelTuning
+from .fp8 import fp8_cast
 from .gmm import GroupedMatmulConfig, grouped_matmul
-from .low_latency import (LowLatencyDispatched, LowLatencyHandle, LowLatencyPending,
-                          low_latency_combine, low_latency_combine_recv, low_latency_combine_send,
-                          low_latency_dispatch, low_latency_dispatch_recv,
-                          low_latency_dispatch_send)
-from .reference import fp8_cast
-from .runtime import (check_device_error, finalize, initialize, is_initialized,
-                      low_latency_region_bytes)
+from .low_latency.api import (low_latency_combine, low_latency_combine_recv,
+                              low_latency_combine_send, low_latency_dispatch,
+                              low_latency_dispatch_recv, low_latency_dispatch_send)
+from .low_latency.region import region_bytes as low_latency_region_bytes
+from .low_latency.types import LowLatencyDispatched, LowLatencyHandle, LowLatencyPending
+from .runtime import check_device_error, finalize, initialize, is_initialized
 from .types import Dispatched, Handle
 
 __all__ = [

@@ -118,7 +118,7 @@ def test_low_latency_matches_model(case):
     y = (rng.standard_normal((R, E // R, R * Tmax, H))).astype(np.float32).astype(jnp.bfloat16)
 
     def comb(y, i, w, sl):
-        from jax_ep.low_latency import LowLatencyHandle
+        from jax_ep import LowLatencyHandle
         h = LowLatencyHandle(slot=sl, num_ranks=R, max_tokens=Tmax)
         return low_latency_combine(y, i, w, h, cfg)
     out = run_per_rank(comb, mesh, "ep", y, idx, w, slot)
@@ -301,7 +301,7 @@ def test_slots_pairwise_equals_cumsum(T, K, E, skew):
     """The two formulations of the send's slots (pairwise compare for T*K <=
     _PAIRWISE_SLOTS_MAX, exclusive cumsum otherwise) give the same integers,
     with -1, invalid and repeated ids, and the counts per expert."""
-    from jax_ep import low_latency as ll
+    from jax_ep.low_latency import api as ll
     from jax_ep.routing import sanitize_topk
 
     idx = _routing(np.random.default_rng(T * K + E), 1, T, K, E, skew)[0].astype(np.int32)
@@ -341,7 +341,7 @@ def test_low_latency_combine_is_k_ascending_bit_for_bit(values):
     y = y.astype(jnp.bfloat16)
 
     def comb(y, i, w, sl):
-        from jax_ep.low_latency import LowLatencyHandle
+        from jax_ep import LowLatencyHandle
         h = LowLatencyHandle(slot=sl, num_ranks=R, max_tokens=Tmax)
         return low_latency_combine(y, i, w, h, cfg)
     out = np.asarray(run_per_rank(comb, mesh, "ep", y, idx, w, slot))

@@ -165,7 +165,7 @@ def test_check_device_error_keeps_the_peer_memory_word(monkeypatch):
     """check_device_error reads the shared error word of the peer-memory
     transport without clearing it (the FFI handlers keep it set: every GPU's
     next call fails); one GPU per process takes (clears) it."""
-    from jax_ep import runtime
+    from jax_ep import extension, runtime
 
     calls = []
 
@@ -178,7 +178,7 @@ def test_check_device_error_keeps_the_peer_memory_word(monkeypatch):
             calls.append("take")
             return 1
 
-    monkeypatch.setattr(runtime, "_extension", lambda: FakeC())
+    monkeypatch.setattr(extension, "load", lambda: FakeC())
     monkeypatch.setitem(runtime._state, "initialized", True)
     for transport, want in (("peer_memory", "peek"), ("nvshmem", "take")):
         monkeypatch.setitem(runtime._state, "symmetric_memory", transport)

@@ -204,7 +204,7 @@ def _expected_dispatch(spec, x, idx, w):
     import jax.numpy as jnp
 
     from ep_testing import make_mesh, run_per_rank
-    from jax_ep import low_latency as ll
+    from jax_ep.low_latency import api as ll
     from jax_ep.routing import merge_duplicate_weights
 
     s = spec
@@ -253,7 +253,7 @@ def _make_y(rng, spec, valid):
 def _expected_combine(spec, y, idx, w, slot):
     from ep_testing import make_mesh, run_per_rank
     from jax_ep import low_latency_combine
-    from jax_ep.low_latency import LowLatencyHandle
+    from jax_ep import LowLatencyHandle
 
     cfg = spec.cfg()
 

@@ -189,7 +189,8 @@ def _fp8_case(checks, rng, mesh, R, case, net):
     import jax.numpy as jnp
 
     from ep_testing import random_routing
-    from jax_ep import native, reference
+    from jax_ep.internode import native
+    from jax_ep.intranode import reference
 
     name, T, H, K, E, layout, xdt = case
     idx = random_routing(rng, R, T, K, E, minus_one=0.1)
