@@ -21,11 +21,23 @@ Layout = Literal["expert_major", "rank_major"]
 Backend = Literal["auto", "reference", "native"]
 
 _LAYOUTS = ("expert_major", "rank_major")
-_BACKENDS = ("auto", "reference", "native")
+BACKENDS = ("auto", "reference", "native")
 # How the native low-latency kernels reach each rank (abi.LL_TRANSPORTS).
 LL_TRANSPORTS = tuple(abi.LL_TRANSPORTS)
 # How the internode kernels' network leg reaches each rank (abi.NET_TRANSPORTS).
 NET_TRANSPORTS = tuple(abi.NET_TRANSPORTS)
+
+
+def positive_int(obj, name: str, v) -> None:
+    """Set frozen dataclass field ``name`` of ``obj`` to ``v`` as a plain int
+    (ints and NumPy integers; not floats or bools), or raise naming it."""
+    try:
+        iv = operator.index(v)
+    except TypeError:
+        iv = None
+    if iv is None or isinstance(v, (bool, np.bool_)) or iv < 1:
+        raise ValueError(f"{type(obj).__name__}.{name} must be a positive int, got {v!r}")
+    object.__setattr__(obj, name, int(iv))  # keep the config hashable and plain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,13 +207,7 @@ class EpConfig:
 
     def __post_init__(self):
         def pos_int(name, v):
-            try:
-                iv = operator.index(v)  # ints and NumPy integers; not floats or bools
-            except TypeError:
-                iv = None
-            if iv is None or isinstance(v, (bool, np.bool_)) or iv < 1:
-                raise ValueError(f"EpConfig.{name} must be a positive int, got {v!r}")
-            object.__setattr__(self, name, int(iv))  # keep the config hashable and plain
+            positive_int(self, name, v)
 
         for name in ("num_experts", "topk", "max_tokens_per_rank", "hidden", "expert_alignment",
                      "num_nodes"):
@@ -211,8 +217,8 @@ class EpConfig:
                 f"EpConfig.topk ({self.topk}) must not exceed num_experts ({self.num_experts})")
         if self.layout not in _LAYOUTS:
             raise ValueError(f"EpConfig.layout must be one of {_LAYOUTS}, got {self.layout!r}")
-        if self.backend not in _BACKENDS:
-            raise ValueError(f"EpConfig.backend must be one of {_BACKENDS}, got {self.backend!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"EpConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.capacity is not None:
             pos_int("capacity", self.capacity)
         if self.num_sms is not None:

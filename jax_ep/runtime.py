@@ -209,9 +209,9 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, symmetric_memory
         symmetric heap, one GPU per process, any number of hosts) or
         ``"peer_memory"`` (a ``cudaMalloc`` buffer per GPU of one process and
         CUDA peer access between them; not yet validated on GPUs).
-      low_latency: the decode :class:`EpConfig` (``num_experts``,
-        ``max_tokens_per_rank`` = Tmax, ``topk``, ``hidden``) to lay out the
-        low-latency region for (:func:`jax_ep.low_latency_dispatch` with the
+      low_latency: the decode config (a :class:`jax_ep.LowLatencyConfig` or an
+        :class:`EpConfig`: ``num_experts``, ``max_tokens_per_rank`` = Tmax,
+        ``topk``, ``hidden``) to lay out the low-latency region for (:func:`jax_ep.low_latency_dispatch` with the
         native backend needs it; calls must use that E, K, H and T <= Tmax).
         Adds :func:`jax_ep.low_latency_region_bytes` to each buffer. None: no
         region.

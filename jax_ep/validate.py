@@ -18,18 +18,25 @@ _X_DTYPES = (jnp.bfloat16, jnp.float32, jnp.float16)
 _FP8 = jnp.float8_e4m3fn
 
 
-def axis_size(cfg: EpConfig) -> int:
-    """Size R of ``cfg.axis_name``; clear error outside a matching shard_map."""
+def mesh_axis_size(cfg) -> int:
+    """Size R of ``cfg.axis_name`` (any config type); clear error outside a
+    matching shard_map."""
+    owner = type(cfg).__name__
     try:
-        R = jax.lax.axis_size(cfg.axis_name)
-    except NameError as e:
+        return jax.lax.axis_size(cfg.axis_name)
+    except NameError:
         bound = bound_axes()
         where = (f"the axes bound here are {bound}" if bound else
                  "no mesh axis is bound here (not inside jax.shard_map?)")
         raise ValueError(
-            f"axis_name {cfg.axis_name!r} (EpConfig.axis_name) is not a mesh axis bound here; "
+            f"axis_name {cfg.axis_name!r} ({owner}.axis_name) is not a mesh axis bound here; "
             f"{where}: call jax_ep inside jax.shard_map over a mesh that has an axis named "
-            f"{cfg.axis_name!r}, or set EpConfig.axis_name to one of them") from None
+            f"{cfg.axis_name!r}, or set {owner}.axis_name to one of them") from None
+
+
+def axis_size(cfg: EpConfig) -> int:
+    """Size R of ``cfg.axis_name``, checked against the config's E and nodes."""
+    R = mesh_axis_size(cfg)
     cfg.local_experts(R)  # E % R check
     cfg.ranks_per_node(R)  # R % num_nodes check
     return R

@@ -24,7 +24,7 @@ LAYERS = [
               "jax_ep.nvshmem_env", "jax_ep.device_errors", "jax_ep.mesh_axes", "jax_ep.region",
               "jax_ep.intranode", "jax_ep.internode", "jax_ep.low_latency",
               "jax_ep.low_latency.types"]),
-    ("config", ["jax_ep.config", "jax_ep.types", "jax_ep.fp8"]),
+    ("config", ["jax_ep.config", "jax_ep.types", "jax_ep.fp8", "jax_ep.low_latency.config"]),
     ("sizing", ["jax_ep.intranode.region", "jax_ep.internode.region",
                 "jax_ep.low_latency.region"]),
     ("runtime", ["jax_ep.runtime"]),

@@ -40,6 +40,7 @@ half returns its result (same values, no overlap).
 from __future__ import annotations
 
 from functools import partial
+from typing import Union
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +49,8 @@ from .. import backend as _backend
 from .. import validate
 from ..config import FP8_SCALE_FORMATS, EpConfig
 from ..routing import F32, excl_cumsum, merge_duplicate_weights, sanitize_topk
+from . import config as ll_config
+from .config import LowLatencyConfig
 from .types import LowLatencyDispatched, LowLatencyHandle, LowLatencyPending
 
 
@@ -89,7 +92,22 @@ def _slots_cumsum(e, first, E):
     return slot.astype(jnp.int32), jnp.sum(onehot, axis=0).astype(jnp.int32)
 
 
-def _check(x, topk_idx, cfg: EpConfig, R: int, fp8: bool, scale_format: str):
+Config = Union[LowLatencyConfig, EpConfig]
+
+
+def _config(config: Config):
+    """(R, the :class:`LowLatencyConfig`) of ``config``; an EpConfig is checked as
+    normal mode checks it (E and num_nodes against R)."""
+    if isinstance(config, EpConfig):
+        R = validate.axis_size(config)
+    else:
+        R = validate.mesh_axis_size(config)
+    cfg = ll_config.of(config)
+    cfg.local_experts(R)
+    return R, cfg
+
+
+def _check(x, topk_idx, cfg: LowLatencyConfig, R: int, fp8: bool, scale_format: str):
     if x.ndim != 2 or topk_idx.ndim != 2 or topk_idx.shape[0] != x.shape[0]:
         raise ValueError(f"low_latency_dispatch: x must be [T, H] and topk_idx [T, K], got "
                          f"{x.shape} and {topk_idx.shape}")
@@ -130,7 +148,7 @@ def _forward_only_bwd(name, res, g):
 _forward_only.defvjp(_forward_only_fwd, _forward_only_bwd)
 
 
-def low_latency_dispatch_send(x: jax.Array, topk_idx: jax.Array, config: EpConfig, *,
+def low_latency_dispatch_send(x: jax.Array, topk_idx: jax.Array, config: Config, *,
                               fp8: bool = True, scale_format: str = "f32",
                               after=None) -> LowLatencyPending:
     """Send half of :func:`low_latency_dispatch` (same arguments).
@@ -144,13 +162,13 @@ def low_latency_dispatch_send(x: jax.Array, topk_idx: jax.Array, config: EpConfi
     dispatch's result (any pytree of arrays) as ``after`` so that XLA cannot
     schedule this send before that receive.
     """
-    R = validate.axis_size(config)
-    _check(x, topk_idx, config, R, fp8, scale_format)
-    be = _backend.select(_backend.LOW_LATENCY, config)
+    R, cfg = _config(config)
+    _check(x, topk_idx, cfg, R, fp8, scale_format)
+    be = _backend.select(_backend.LOW_LATENCY, cfg)
     x, = _forward_only("low_latency_dispatch", x)
     idx = topk_idx.astype(jnp.int32)
-    slot, per_expert = _slots(idx, config.num_experts)
-    return be.dispatch_send(x, idx, slot, per_expert, config, R, fp8, scale_format, after=after)
+    slot, per_expert = _slots(idx, cfg.num_experts)
+    return be.dispatch_send(x, idx, slot, per_expert, cfg, R, fp8, scale_format, after=after)
 
 
 def low_latency_dispatch_recv(pending: LowLatencyPending) -> LowLatencyDispatched:
@@ -168,7 +186,7 @@ def low_latency_dispatch_recv(pending: LowLatencyPending) -> LowLatencyDispatche
     return _backend.made(_backend.LOW_LATENCY, pending).dispatch_recv(pending)
 
 
-def low_latency_dispatch(x: jax.Array, topk_idx: jax.Array, config: EpConfig, *,
+def low_latency_dispatch(x: jax.Array, topk_idx: jax.Array, config: Config, *,
                          fp8: bool = True, scale_format: str = "f32",
                          after=None) -> LowLatencyDispatched:
     """Send each (token, expert) pair to the expert's rank, into a static layout.
@@ -178,9 +196,9 @@ def low_latency_dispatch(x: jax.Array, topk_idx: jax.Array, config: EpConfig, *,
         The native backend sends fp8 or bf16 rows (f32 needs ``fp8=True``).
       topk_idx: ``[T, K]`` expert ids in ``[-1, E)`` (-1, or any id outside,
         = slot unused); an expert named twice by a token is sent once.
-      config: :class:`EpConfig` (``num_experts``, ``topk``, ``hidden``,
-        ``max_tokens_per_rank``, ``axis_name``, ``backend``, ``num_sms``,
-        ``ll_transport``; layout and capacity unused). The native backend needs
+      config: a :class:`LowLatencyConfig`, or an :class:`EpConfig` (its fields
+        of the same names are read; layout, capacity, fp8 and internode fields
+        are unused). The native backend needs
         ``jax_ep.initialize(low_latency=config)``.
       fp8: send fp8-e4m3 rows with per-token, per-128-channel scales (else x's dtype).
       scale_format: ``"f32"`` (``jax_ep.fp8_cast``) or ``"ue8m0"`` (power-of-two
@@ -201,14 +219,14 @@ def low_latency_dispatch(x: jax.Array, topk_idx: jax.Array, config: EpConfig, *,
 
 
 def low_latency_combine_send(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                             handle: LowLatencyHandle, config: EpConfig, *,
+                             handle: LowLatencyHandle, config: Config, *,
                              after=None) -> LowLatencyPending:
     """Send half of :func:`low_latency_combine` (same arguments): natively one
     kernel stores every valid row of ``y`` into its source's combine area and
     signals; finish with :func:`low_latency_combine_recv`. ``after``: as in
     :func:`low_latency_dispatch_send` (the previous combine's output)."""
-    R = validate.axis_size(config)
-    E, L, Tm = config.num_experts, config.num_experts // R, handle.max_tokens
+    R, cfg = _config(config)
+    E, L, Tm = cfg.num_experts, cfg.num_experts // R, handle.max_tokens
     if y.ndim != 3 or y.shape[:2] != (L, R * Tm):
         raise ValueError(f"low_latency_combine: y must be [L, R*Tmax, H] = [{L}, {R * Tm}, H], "
                          f"got {y.shape}")
@@ -217,11 +235,11 @@ def low_latency_combine_send(y: jax.Array, topk_idx: jax.Array, topk_weights: ja
                          f"(the dispatch's [T, K]), got {topk_idx.shape} / {topk_weights.shape}")
     if handle.num_ranks != R:
         raise ValueError(f"low_latency_combine: handle is for R={handle.num_ranks}, axis has {R}")
-    be = _backend.select(_backend.LOW_LATENCY, config)
+    be = _backend.select(_backend.LOW_LATENCY, cfg)
     y, topk_weights = _forward_only("low_latency_combine", y, topk_weights)
     idx = topk_idx.astype(jnp.int32)
     w = merge_duplicate_weights(idx, topk_weights.astype(F32), E)
-    return be.combine_send(y, idx, w, handle, config, R, after=after)
+    return be.combine_send(y, idx, w, handle, cfg, R, after=after)
 
 
 def low_latency_combine_recv(pending: LowLatencyPending) -> jax.Array:
@@ -233,7 +251,7 @@ def low_latency_combine_recv(pending: LowLatencyPending) -> jax.Array:
 
 
 def low_latency_combine(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                        handle: LowLatencyHandle, config: EpConfig, *, after=None) -> jax.Array:
+                        handle: LowLatencyHandle, config: Config, *, after=None) -> jax.Array:
     """Bring every expert's output row back and reduce it with the routing weights.
 
     Args:
@@ -242,7 +260,7 @@ def low_latency_combine(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arr
       topk_idx: ``[T, K]``, the ids given to :func:`low_latency_dispatch`.
       topk_weights: ``[T, K]`` routing weights (used as f32).
       handle: the dispatch's :class:`LowLatencyHandle`.
-      config: the dispatch's :class:`EpConfig`.
+      config: the dispatch's config.
       after: as in :func:`low_latency_dispatch` (the previous combine's output).
 
     Returns:

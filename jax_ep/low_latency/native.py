@@ -12,7 +12,7 @@ XLA computes the kernels' inputs (jax_ep/low_latency/api.py): ``slot [T, K]``
 merged weights, so the kernels never re-derive them and the reference's bits
 follow.
 
-Every call takes ``ll_transport`` (``EpConfig.ll_transport`` as its
+Every call takes ``ll_transport`` (``LowLatencyConfig.ll_transport`` as its
 ``abi.LL_TRANSPORTS`` code): how the kernels reach each rank, P2P stores or
 NVSHMEM puts (cc/ffi_low_latency.cc).
 """
@@ -23,28 +23,28 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _ffi, abi, ffi_attrs, runtime
-from ..config import EpConfig
+from .config import LowLatencyConfig
 from ..fp8 import FP8
 from .types import LowLatencyDispatched, LowLatencyHandle, LowLatencyPending
 
 _TOKEN = ((1,), jnp.uint32)
 
 
-def _num_sms(cfg: EpConfig) -> np.int32:
+def _num_sms(cfg: LowLatencyConfig) -> np.int32:
     return ffi_attrs.num_sms(cfg)
 
 
-def _transport(cfg: EpConfig) -> np.int32:
+def _transport(cfg: LowLatencyConfig) -> np.int32:
     """The ll_transport attribute; "put" needs NVSHMEM PEs (said here, at trace
     time, rather than by the handler at run time)."""
     if cfg.ll_transport == "put" and runtime.symmetric_memory() == "peer_memory":
-        raise ValueError("jax_ep low-latency mode: EpConfig.ll_transport='put' needs the NVSHMEM "
+        raise ValueError("jax_ep low-latency mode: ll_transport='put' needs the NVSHMEM "
                          "transport; the runtime uses peer memory (one process, several GPUs: "
                          "no PEs to put to). Use 'auto' or 'p2p'")
     return np.int32(abi.ll_transport(cfg.ll_transport))
 
 
-def dispatch_send(x, idx, slot, per_expert, cfg: EpConfig, R: int, fp8: bool,
+def dispatch_send(x, idx, slot, per_expert, cfg: LowLatencyConfig, R: int, fp8: bool,
                   scale_format: str, after: tuple = ()) -> LowLatencyPending:
     """``after``: arrays the send takes as operands and never reads (its
     order after the previous receive: :func:`_after_operands`)."""
@@ -82,7 +82,7 @@ def dispatch_recv(p: LowLatencyPending) -> LowLatencyDispatched:
                                 src_count=src_count, handle=handle)
 
 
-def combine_send(y, w, handle: LowLatencyHandle, cfg: EpConfig, R: int,
+def combine_send(y, w, handle: LowLatencyHandle, cfg: LowLatencyConfig, R: int,
                  after: tuple = ()) -> LowLatencyPending:
     if y.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
         raise TypeError(f"jax_ep low_latency_combine (native): y must be bf16, f16 or f32, got "
@@ -120,7 +120,7 @@ class NativeBackend:
 
     name = "native"
 
-    def unavailable(self, cfg: EpConfig):
+    def unavailable(self, cfg: LowLatencyConfig):
         """None when the live runtime has a low-latency region laid out for this
         config's (E, Tmax, K, H) (``initialize(low_latency=)``), else the error
         a native call raises."""
@@ -130,8 +130,8 @@ class NativeBackend:
         if not live.nbytes:
             return ValueError("jax_ep low-latency mode, backend='native': the runtime has no "
                               "low-latency region; call jax_ep.initialize(low_latency=config) "
-                              "with the decode EpConfig")
-        want = (cfg.num_experts, cfg.max_tokens_per_rank, cfg.topk, cfg.hidden)
+                              "with the decode config")
+        want = cfg.shape
         if tuple(live.attach_arg) != want:   # the handlers check too; this says it at trace time
             return ValueError(
                 f"jax_ep low-latency mode (native): the low-latency region was laid out for "
@@ -139,7 +139,7 @@ class NativeBackend:
                 f"this config has {want}")
         return None
 
-    def dispatch_send(self, x, idx, slot, per_expert, cfg: EpConfig, R: int, fp8: bool,
+    def dispatch_send(self, x, idx, slot, per_expert, cfg: LowLatencyConfig, R: int, fp8: bool,
                       scale_format: str, after=None) -> LowLatencyPending:
         return dispatch_send(x, idx, slot, per_expert, cfg, R, fp8, scale_format,
                              after=_after_operands(after))
@@ -147,7 +147,7 @@ class NativeBackend:
     def dispatch_recv(self, pending: LowLatencyPending) -> LowLatencyDispatched:
         return dispatch_recv(pending)
 
-    def combine_send(self, y, idx, w, handle: LowLatencyHandle, cfg: EpConfig, R: int,
+    def combine_send(self, y, idx, w, handle: LowLatencyHandle, cfg: LowLatencyConfig, R: int,
                      after=None) -> LowLatencyPending:
         if handle.info is None:
             raise ValueError("low_latency_combine (native): the handle comes from a reference "

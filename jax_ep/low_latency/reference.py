@@ -9,12 +9,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..config import EpConfig
 from ..fp8 import F32, fp8_cast
+from .config import LowLatencyConfig
 from .types import LowLatencyDispatched, LowLatencyHandle, LowLatencyPending
 
 
-def _exchange(buf, cfg: EpConfig):
+def _exchange(buf, cfg: LowLatencyConfig):
     """``[R, ...]`` block r to rank r; returns ``[R(source), ...]``."""
     return jax.lax.all_to_all(buf, cfg.axis_name, 0, 0, tiled=True)
 
@@ -28,7 +28,7 @@ def _after(x, after):
     return jax.lax.optimization_barrier((x, after))[0]
 
 
-def _dispatch(x, idx, slot, per_expert, cfg: EpConfig, R: int, fp8: bool,
+def _dispatch(x, idx, slot, per_expert, cfg: LowLatencyConfig, R: int, fp8: bool,
               scale_format: str) -> LowLatencyDispatched:
     E, L, Tm = cfg.num_experts, cfg.num_experts // R, cfg.max_tokens_per_rank
     # send buffer [E * Tm, W]: expert e's block (rank e // L, local e % L), row slot
@@ -53,7 +53,7 @@ def _dispatch(x, idx, slot, per_expert, cfg: EpConfig, R: int, fp8: bool,
                                 handle=LowLatencyHandle(slot=slot, num_ranks=R, max_tokens=Tm))
 
 
-def _combine(y, idx, w, slot, cfg: EpConfig, R: int, Tm: int):
+def _combine(y, idx, w, slot, cfg: LowLatencyConfig, R: int, Tm: int):
     E, L = cfg.num_experts, cfg.num_experts // R
     H = y.shape[2]
     back = y.reshape(L, R, Tm, H).swapaxes(0, 1).reshape(R, L * Tm, H)
@@ -71,10 +71,10 @@ class ReferenceBackend:
 
     name = "reference"
 
-    def unavailable(self, cfg: EpConfig):
+    def unavailable(self, cfg: LowLatencyConfig):
         return None   # runs anywhere
 
-    def dispatch_send(self, x, idx, slot, per_expert, cfg: EpConfig, R: int, fp8: bool,
+    def dispatch_send(self, x, idx, slot, per_expert, cfg: LowLatencyConfig, R: int, fp8: bool,
                       scale_format: str, after=None) -> LowLatencyPending:
         d = _dispatch(_after(x, after), idx, slot, per_expert, cfg, R, fp8, scale_format)
         return LowLatencyPending(token=None, arrays=(), result=d, meta=("dispatch",))
@@ -82,7 +82,7 @@ class ReferenceBackend:
     def dispatch_recv(self, pending: LowLatencyPending) -> LowLatencyDispatched:
         return pending.result
 
-    def combine_send(self, y, idx, w, handle: LowLatencyHandle, cfg: EpConfig, R: int,
+    def combine_send(self, y, idx, w, handle: LowLatencyHandle, cfg: LowLatencyConfig, R: int,
                      after=None) -> LowLatencyPending:
         out = _combine(_after(y, after), idx, w, handle.slot, cfg, R, handle.max_tokens)
         return LowLatencyPending(token=None, arrays=(), result=out, meta=("combine",))

@@ -7,18 +7,21 @@ from __future__ import annotations
 from .. import extension
 from ..config import EpConfig
 from ..region import Region
+from . import config as ll_config
+from .config import LowLatencyConfig
 
 NONE = (0, 0, 0, 0)   # (E, Tmax, K, H) of no region
 
 
 def shape_of(config) -> tuple:
-    """(E, Tmax, K, H) of the region for an :class:`EpConfig` (None: no region)."""
+    """(E, Tmax, K, H) of the region for a :class:`LowLatencyConfig` or an
+    :class:`EpConfig` (None: no region)."""
     if config is None:
         return NONE
-    if not isinstance(config, EpConfig):
-        raise TypeError(f"jax_ep.initialize: low_latency must be an EpConfig or None, got "
-                        f"{type(config).__name__}")
-    return (config.num_experts, config.max_tokens_per_rank, config.topk, config.hidden)
+    if not isinstance(config, (LowLatencyConfig, EpConfig)):
+        raise TypeError(f"jax_ep.initialize: low_latency must be a LowLatencyConfig, an EpConfig "
+                        f"or None, got {type(config).__name__}")
+    return ll_config.of(config).shape
 
 
 def region_bytes(config) -> int:
@@ -28,7 +31,7 @@ def region_bytes(config) -> int:
     rows fit; + f32 scales), an int32 info word per ``E * Tmax`` output row and
     ``Tmax * K`` combine rows (f32 width), whatever the EP size, plus one
     staging copy of what this rank may send by NVSHMEM puts
-    (``EpConfig.ll_transport``): ``Tmax`` dispatch rows and ``min(E, 8 K) *
+    (``ll_transport``): ``Tmax`` dispatch rows and ``min(E, 8 K) *
     Tmax`` combine rows. About 0.33 GB (0.30 GiB) at DeepSeek-V3 decode (E 256,
     Tmax 128, K 8, H 7168), 0.24 GB of it staging."""
     C = extension.require("low_latency_region_bytes")

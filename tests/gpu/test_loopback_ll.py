@@ -5,7 +5,7 @@
 receive kernels (cc/kernels/low_latency.cu) on one device, each rank on its
 own stream and SM share, with plain zeroed device buffers holding the
 low-latency region in place of the symmetric buffer. Expected values come from
-the reference (jax_ep/low_latency.py) on R fake CPU devices; the kernel inputs
+the reference (jax_ep/low_latency/reference.py) on R fake CPU devices; the kernel inputs
 XLA will compute before the kernels (slot, tokens per expert, merged weights)
 come from the same functions. Outputs are poisoned with 0xFF first.
 

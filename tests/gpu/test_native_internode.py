@@ -28,7 +28,7 @@ buffers are poisoned (JAX_EP_DEBUG_POISON=1) before the kernels run.
   native combine;
 - gradients of a dispatch + combine layer, both layouts: within 2e-2 of the
   reference (the expert_major backward is the internode dispatch of w * g
-  plus dw in XLA: jax_ep/native.py).
+  plus dw in XLA: jax_ep/internode/native.py).
 
 ``$JAX_EP_GPU_TEST_TIMEOUT`` (seconds, default 420) bounds each job.
 """
