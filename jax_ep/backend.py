@@ -183,6 +183,6 @@ def normal_family(cfg: EpConfig, R: int) -> Family:
     return INTERNODE if internode_native.nodes_of(cfg, R) > 1 else INTRANODE
 
 
-def made(family: Family, pending: LowLatencyPending) -> Backend:
+def sent_by(family: Family, pending: LowLatencyPending) -> Backend:
     """The backend whose send half made ``pending`` (native sends leave a token)."""
     return family.reference if pending.token is None else family.native

@@ -17,10 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from .config import EpConfig
+from .fp8 import F32, FP8
 from .types import Handle
-
-F32 = jnp.float32
-FP8 = jnp.float8_e4m3fn
 
 Exchange = Callable[[jax.Array, EpConfig], jax.Array]
 

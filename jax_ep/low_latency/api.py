@@ -183,7 +183,7 @@ def low_latency_dispatch_recv(pending: LowLatencyPending) -> LowLatencyDispatche
     """
     if pending.meta[0] != "dispatch":
         raise ValueError(f"low_latency_dispatch_recv: got the pending {pending.meta[0]!r} op")
-    return _backend.made(_backend.LOW_LATENCY, pending).dispatch_recv(pending)
+    return _backend.sent_by(_backend.LOW_LATENCY, pending).dispatch_recv(pending)
 
 
 def low_latency_dispatch(x: jax.Array, topk_idx: jax.Array, config: Config, *,
@@ -247,7 +247,7 @@ def low_latency_combine_recv(pending: LowLatencyPending) -> jax.Array:
     rank's signal, then reduces; returns ``[T, H]`` as :func:`low_latency_combine`."""
     if pending.meta[0] != "combine":
         raise ValueError(f"low_latency_combine_recv: got the pending {pending.meta[0]!r} op")
-    return _backend.made(_backend.LOW_LATENCY, pending).combine_recv(pending)
+    return _backend.sent_by(_backend.LOW_LATENCY, pending).combine_recv(pending)
 
 
 def low_latency_combine(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
