@@ -128,7 +128,7 @@ def worker(args):
 
     sys.path.insert(0, ROOT)
     import jax_ep
-    from jax_ep import native, reference
+    from jax_ep.intranode import native, reference
     from jax_ep.config import EpConfig, KernelTuning
 
     class SkipBackend(native.NativeBackend):
@@ -149,7 +149,7 @@ def worker(args):
 
     # the default buffer either way (the rings wrap at any EP), as the
     # multi-process run uses
-    ok = jax_ep.initialize(transport="peer_memory" if single else "auto")
+    ok = jax_ep.initialize(symmetric_memory="peer_memory" if single else "auto")
     R = args.nproc
     mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
     spec = P("ep")

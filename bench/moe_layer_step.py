@@ -842,7 +842,8 @@ def _worker_body(spec, out, save):
                platform=dev.platform, backend=backend, L=E // R,
                capacity_rows=ep_cfg.capacity_for(R, T))
     if backend == "native":
-        out["nvshmem_bytes"] = spec.get("buffer_bytes") or ep_cfg.native_buffer_bytes(R)
+        from jax_ep.intranode import region as intranode_region
+        out["nvshmem_bytes"] = spec.get("buffer_bytes") or intranode_region.buffer_bytes(ep_cfg, R)
         kw = ({"buffer_bytes": spec["buffer_bytes"]} if spec.get("buffer_bytes")
               else {"config": ep_cfg})
         if not jax_ep.initialize(**kw):
@@ -929,7 +930,7 @@ def _worker_body(spec, out, save):
         fori_loop whose ``a`` passes an optimization barrier with the previous output
         (nothing hoisted, every output materialised, as in
         bench/grouped_matmul_bench.py); the output buffer is carried and donated."""
-        from jax_ep._ffi import to_vma
+        from jax_ep.mesh_axes import to_vma
         from jax_ep.gmm import DEFAULT_TILES, gmm, tgmm
 
         t_b0 = time.perf_counter()

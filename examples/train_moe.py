@@ -24,7 +24,7 @@ GPUs (one process per GPU, NVSHMEM native backend)::
 GPUs, one process driving all of them (peer-memory transport; written, not
 yet run on GPUs)::
 
-    python examples/train_moe.py --backend native --transport peer_memory
+    python examples/train_moe.py --backend native --symmetric-memory peer_memory
 
 The output reports the loss every ``--log-every`` steps, tokens/s, and the
 share of a training step spent in dispatch + combine, measured by timing a
@@ -46,9 +46,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", choices=("reference", "native", "auto"), default="reference",
                    help="jax_ep backend (default reference; native needs GPUs + the launcher)")
-    p.add_argument("--transport", choices=("auto", "nvshmem", "peer_memory"), default="auto",
-                   help="native runtime transport: one GPU per process (NVSHMEM, the launcher) "
-                        "or peer_memory (one process drives every GPU; not yet run on GPUs)")
+    p.add_argument("--symmetric-memory", choices=("auto", "nvshmem", "peer_memory"),
+                   default="auto",
+                   help="jax_ep.initialize(symmetric_memory=): nvshmem, one GPU per process "
+                        "(the launcher), or peer_memory (one process drives every GPU; not yet "
+                        "run on GPUs)")
     p.add_argument("--platform", choices=("auto", "cpu", "gpu"), default="auto",
                    help="auto: gpu with --backend native or under the launcher on GPUs, else "
                         "cpu with 8 fake devices")
@@ -342,7 +344,8 @@ def train(args, verbose=True):
         # The buffer (and, where the EP group spans hosts, the internode region)
         # sized for this layer's config. "auto" on GPUs: the native runtime when
         # it starts, else the reference backend.
-        kw = {} if args.transport == "auto" else {"transport": args.transport}
+        kw = ({} if args.symmetric_memory == "auto"
+              else {"symmetric_memory": args.symmetric_memory})
         info = init_distributed(native=True, config=ml.make_ep_config(
             moe_cfg, tokens_total // n_dev, "ep", backend, args.experts_impl), **kw)
         if backend == "native" and not info.native:
@@ -350,7 +353,7 @@ def train(args, verbose=True):
             raise SystemExit(f"--backend native: the jax_ep native runtime did not start "
                              f"({runtime.unavailable_reason()}); run one process per GPU "
                              "with `python -m jax_ep.launch -n <gpus> ...`, or one process "
-                             "with --transport peer_memory, or use --backend reference")
+                             "with --symmetric-memory peer_memory, or use --backend reference")
     say(f"devices: {n_dev} x {jax.devices()[0].platform} "
         f"({jax.process_count()} process(es)); mesh data={data} x ep={ep}; "
         f"jax_ep backend={backend}, experts {args.experts_impl}; "

@@ -3,26 +3,29 @@
 Per-rank functions, called inside ``jax.shard_map`` over ``EpConfig.axis_name``:
 :func:`dispatch`, :func:`combine`, :func:`get_dispatch_layout`, and the
 low-latency (decode) pair :func:`low_latency_dispatch` / :func:`low_latency_combine`
-(and their send / receive halves, the hook). The native
+and their send / receive halves, the hook (configured by a
+:class:`LowLatencyConfig` or an :class:`EpConfig`). The native
 backend (CUDA kernels over NVSHMEM, one GPU per process) is used after
 :func:`initialize`; otherwise the pure-JAX reference backend runs anywhere.
 """
 from .api import combine, dispatch, get_dispatch_layout
 from .config import EpConfig, KernelTuning
+from .fp8 import fp8_cast
 from .gmm import GroupedMatmulConfig, grouped_matmul
-from .low_latency import (LowLatencyDispatched, LowLatencyHandle, LowLatencyPending,
-                          low_latency_combine, low_latency_combine_recv, low_latency_combine_send,
-                          low_latency_dispatch, low_latency_dispatch_recv,
-                          low_latency_dispatch_send)
-from .reference import fp8_cast
-from .runtime import (check_device_error, finalize, initialize, is_initialized,
-                      low_latency_region_bytes)
+from .low_latency.api import (low_latency_combine, low_latency_combine_recv,
+                              low_latency_combine_send, low_latency_dispatch,
+                              low_latency_dispatch_recv, low_latency_dispatch_send)
+from .low_latency.config import LowLatencyConfig
+from .low_latency.region import region_bytes as low_latency_region_bytes
+from .low_latency.types import LowLatencyDispatched, LowLatencyHandle, LowLatencyPending
+from .runtime import check_device_error, finalize, initialize, is_initialized
 from .types import Dispatched, Handle
 
 __all__ = [
     "EpConfig", "KernelTuning", "Dispatched", "Handle", "dispatch", "combine", "get_dispatch_layout",
     "grouped_matmul", "GroupedMatmulConfig",
-    "low_latency_dispatch", "low_latency_combine", "LowLatencyDispatched", "LowLatencyHandle",
+    "low_latency_dispatch", "low_latency_combine", "LowLatencyConfig", "LowLatencyDispatched",
+    "LowLatencyHandle",
     "low_latency_dispatch_send", "low_latency_dispatch_recv", "low_latency_combine_send",
     "low_latency_combine_recv", "LowLatencyPending", "low_latency_region_bytes",
     "check_device_error",

@@ -24,27 +24,17 @@ from typing import Optional, Sequence
 
 import jax
 import numpy as np
+from jax._src import core
+from jax._src import dispatch as jax_dispatch
+from jax._src import ffi as ffi_lib
+from jax._src import mesh as mesh_lib
+from jax._src.interpreters import mlir
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from . import hosts, runtime
+from .mesh_axes import to_vma, vma_of
 
 _SDS_PARAMS = frozenset(inspect.signature(jax.ShapeDtypeStruct.__init__).parameters)
-
-
-def vma_of(x) -> frozenset:
-    """Mesh axes over which ``x`` varies (empty outside shard_map / check_vma=False)."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        mat = getattr(aval, "manual_axis_type", None) or getattr(aval, "mat", None)
-        vma = getattr(mat, "varying", None)
-    return frozenset(vma or ())
-
-
-def to_vma(x, axes: frozenset):
-    """``x`` marked as varying over ``axes`` (a superset of its own)."""
-    missing = tuple(sorted(axes - vma_of(x)))
-    if not missing:
-        return x
-    return jax.lax.pcast(x, missing, to="varying")
 
 
 def result_type(shape, dtype, like=None, vma: Optional[frozenset] = None):
@@ -57,9 +47,6 @@ def result_type(shape, dtype, like=None, vma: Optional[frozenset] = None):
         return jax.ShapeDtypeStruct(shape, dtype, vma=frozenset(vma))
     # jax 0.10/0.11: the manual-axis type is only valid together with a
     # sharding on the (abstract, manual) mesh of the enclosing shard_map.
-    from jax._src import core
-    from jax.sharding import NamedSharding, PartitionSpec
-
     mesh = jax.sharding.get_abstract_mesh()
     mat = core.ManualAxisType(varying=frozenset(vma))
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()),
@@ -69,10 +56,9 @@ def result_type(shape, dtype, like=None, vma: Optional[frozenset] = None):
 def pe_of_device(device) -> int:
     """Member id of ``device`` in the ``ep_groups`` attribute: the NVSHMEM PE
     that drives it (its process: one GPU per process), or, with the
-    peer-memory transport (one process, several GPUs), its CUDA ordinal."""
-    from . import runtime
-
-    if runtime.transport() == "peer_memory":
+    peer memory (``symmetric_memory="peer_memory"``: one process, several GPUs),
+    its CUDA ordinal."""
+    if runtime.symmetric_memory() == "peer_memory":
         return int(device.local_hardware_id)
     return int(device.process_index)
 
@@ -100,7 +86,7 @@ def ep_groups_of(devices: np.ndarray, axis_names: Sequence[str], axis_name: str,
                 f"jax_ep native backend: the EP group along {axis_name!r} puts several mesh "
                 f"positions on one process (PEs {row.tolist()}); the NVSHMEM transport needs "
                 "one GPU per process (use the reference backend, one process per GPU, or "
-                "jax_ep.initialize(transport='peer_memory'))")
+                "jax_ep.initialize(symmetric_memory='peer_memory'))")
     return groups
 
 
@@ -111,13 +97,9 @@ def _lowering_mesh(ctx, axis_name: str):
     shard_map's mesh, or the concrete mesh behind an abstract one); that is
     the order ``axis_index`` follows, so peers derived from it are right for
     any device permutation."""
-    from jax.sharding import Mesh
-
     axis_ctx = ctx.module_context.axis_context
     mesh = getattr(axis_ctx, "mesh", None)
     if not isinstance(mesh, Mesh):  # e.g. an inner shard_map over the abstract mesh
-        from jax._src import mesh as mesh_lib
-
         concrete = mesh_lib.get_concrete_mesh()
         mesh = concrete if isinstance(concrete, Mesh) and not concrete.empty else None
     if mesh is None:
@@ -152,13 +134,9 @@ def _thaw(attrs: tuple) -> dict:
 
 
 def _make_primitive():
-    from jax._src import core, dispatch
-    from jax._src import ffi as ffi_lib
-    from jax._src.interpreters import mlir
-
     prim = core.Primitive("jax_ep_ffi_call")
     prim.multiple_results = True
-    dispatch.simple_impl(prim)
+    jax_dispatch.simple_impl(prim)
 
     def abstract_eval(*avals, result_avals, has_side_effect, **_):
         return ffi_lib.ffi_call_abstract_eval(*avals, result_avals=result_avals,
@@ -172,8 +150,6 @@ def _make_primitive():
         if ep_axis is not None:
             mesh = _lowering_mesh(ctx, ep_axis)
             groups = ep_groups_of(mesh.devices, mesh.axis_names, ep_axis, pe_of=pe_of_device)
-            from . import hosts, runtime
-
             hosts.check_ep_groups(target_name, groups, runtime.pe_hosts(), attrs.get("nodes"),
                                   ep_axis)
             attrs["ep_groups"] = groups.reshape(-1)
@@ -185,7 +161,7 @@ def _make_primitive():
     # The lowering reads the devices: make them part of JAX's lowering-cache key, or
     # a jit re-used under jax.set_mesh(B) after set_mesh(A) (same shape, permuted
     # devices) would keep A's peers.
-    dispatch.prim_requires_devices_during_lowering.add(prim)
+    jax_dispatch.prim_requires_devices_during_lowering.add(prim)
     return prim
 
 
@@ -204,16 +180,12 @@ def call(target: str, results: Sequence, *args, ep_axis: Optional[str] = None,
     global _PRIM
     if _PRIM is None:
         _PRIM = _make_primitive()
-    from jax._src import core
-
     vma = frozenset().union(*(vma_of(a) for a in args)) if args else frozenset()
     args = tuple(to_vma(a, vma) for a in args)
     like = args[0] if args else None
     out_types = [result_type(s, d, like=like, vma=vma) for s, d in results]
     result_avals = tuple(core.shaped_abstractify(t) for t in out_types)
     if ep_axis is not None:
-        from jax._src import mesh as mesh_lib
-
         names = tuple(mesh_lib.get_abstract_mesh().axis_names)
         if ep_axis not in names:  # fail at trace time, not at lowering
             raise ValueError(f"jax_ep: axis {ep_axis!r} is not an axis of the current mesh; "

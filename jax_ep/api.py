@@ -5,7 +5,8 @@ Every function here is called per rank inside ``jax.shard_map`` over
 larger mesh). Shapes below are per rank: T tokens, H hidden, K top-k, E
 experts, R ranks on the axis, L = E / R local experts, C rows of capacity.
 
-Gradients follow docs/semantics.md §9 and are backend-independent: the backward of
+Gradients follow docs/semantics.md §9 and are backend-independent (the backend:
+``jax_ep.backend.select``): the backward of
 dispatch is a combine of the row gradients (unweighted) plus the return of the
 ``weights`` gradients to ``topk_weights``; the backward of combine is a
 dispatch of ``d_out`` (weighted on the expert side) plus
@@ -23,8 +24,14 @@ import jax.numpy as jnp
 from . import backend as _backend
 from . import validate
 from .config import EpConfig
-from .routing import F32, merge_duplicate_weights
+from .mesh_axes import to_vma, vma_of
+from .routing import merge_duplicate_weights
 from .types import Dispatched
+
+try:   # JAX internals, used only to word an error
+    from jax._src.interpreters.ad import JVPTracer
+except ImportError:  # pragma: no cover - JAX internals moved
+    JVPTracer = None
 
 
 def _reject_forward_mode(fn: str, *arrays):
@@ -33,12 +40,8 @@ def _reject_forward_mode(fn: str, *arrays):
     the jvp is traced around the per-rank code (``jax.jvp(shard_map(...))``,
     ``jax.jit(jax.jacfwd(...))``); a jvp of an already-jitted function still
     gets JAX's own message."""
-    if not getattr(jax.config, "jax_use_direct_linearize", True):
+    if not getattr(jax.config, "jax_use_direct_linearize", True) or JVPTracer is None:
         return  # jax.grad itself runs through JVP tracers then
-    try:
-        from jax._src.interpreters.ad import JVPTracer
-    except ImportError:  # pragma: no cover - JAX internals moved
-        return
     if any(isinstance(a, JVPTracer) and type(getattr(a, "tangent", None)).__name__ != "Zero"
            for a in arrays if a is not None):
         raise TypeError(
@@ -123,8 +126,6 @@ _fp8_rows.defvjp(_fp8_rows_fwd, _fp8_rows_bwd)
 def _one_empty_row(x, topk_idx, topk_weights, x_scales):
     """T = 0 inputs as one row naming no expert (fresh rows: the empty inputs'
     gradients are empty)."""
-    from ._ffi import to_vma, vma_of
-
     vma = vma_of(x) | vma_of(topk_idx) | vma_of(topk_weights)
     row = lambda a, v: to_vma(jnp.full((1, a.shape[1]), v, a.dtype), vma)
     return (row(x, 0), row(topk_idx, -1), row(topk_weights, 0),
@@ -171,7 +172,7 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, config:
     pad = int(x.shape[0] == 0)
     if pad:  # T = 0: route one empty row (no expert), stripped again by combine
         x, topk_idx, topk_weights, x_scales = _one_empty_row(x, topk_idx, topk_weights, x_scales)
-    be = _backend.select(config)
+    be = _backend.select(_backend.normal_family(config, R), config)
     # dense-MoE weights for repeated ids (plain jnp, so autodiff spreads the gradient)
     topk_weights = merge_duplicate_weights(topk_idx, topk_weights, config.num_experts)
     handle, group_sizes, num_valid, num_dropped = be.router.route(topk_idx, config, R)
@@ -230,7 +231,7 @@ def combine(y: jax.Array, dispatched: Dispatched, config: EpConfig) -> jax.Array
     w = dispatched.weights if config.layout == "expert_major" else None
     _reject_forward_mode("combine", y, w)
     validate.combine_args(y, dispatched, config, R)
-    be = _backend.select(config)
+    be = _backend.select(_backend.normal_family(config, R), config)
     out = _combine(be, config, y, w, dispatched.handle)
     pad = dispatched.handle.padded_tokens
     return out[:out.shape[0] - pad] if pad else out
@@ -249,7 +250,7 @@ def get_dispatch_layout(topk_idx: jax.Array, config: EpConfig):
     """
     R = validate.axis_size(config)
     topk_idx = validate.topk_idx(topk_idx, config, R)
-    be = _backend.select(config)
+    be = _backend.select(_backend.normal_family(config, R), config)
     if topk_idx.shape[0] == 0:  # T = 0: one row with no expert counts nowhere
         empty = jnp.full((1, topk_idx.shape[1]), -1, jnp.int32)
         per_rank, per_expert, in_rank = be.layout(jnp.concatenate([topk_idx, empty]), config, R)

@@ -1,4 +1,8 @@
-"""The one configuration type of jax_ep."""
+"""The configuration of an EP group: :class:`EpConfig` and :class:`KernelTuning`.
+
+Pure data and checks; each kernel family sizes its buffer region from it in
+``jax_ep/<family>/region.py``.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -17,11 +21,23 @@ Layout = Literal["expert_major", "rank_major"]
 Backend = Literal["auto", "reference", "native"]
 
 _LAYOUTS = ("expert_major", "rank_major")
-_BACKENDS = ("auto", "reference", "native")
+BACKENDS = ("auto", "reference", "native")
 # How the native low-latency kernels reach each rank (abi.LL_TRANSPORTS).
 LL_TRANSPORTS = tuple(abi.LL_TRANSPORTS)
 # How the internode kernels' network leg reaches each rank (abi.NET_TRANSPORTS).
 NET_TRANSPORTS = tuple(abi.NET_TRANSPORTS)
+
+
+def positive_int(obj, name: str, v) -> None:
+    """Set frozen dataclass field ``name`` of ``obj`` to ``v`` as a plain int
+    (ints and NumPy integers; not floats or bools), or raise naming it."""
+    try:
+        iv = operator.index(v)
+    except TypeError:
+        iv = None
+    if iv is None or isinstance(v, (bool, np.bool_)) or iv < 1:
+        raise ValueError(f"{type(obj).__name__}.{name} must be a positive int, got {v!r}")
+    object.__setattr__(obj, name, int(iv))  # keep the config hashable and plain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +55,7 @@ class KernelTuning:
         default (4, fewer when T is small).
       fp8_ieee_division: the fp8 cast computes 448/amax with IEEE
         round-to-nearest division instead of rounding it as XLA:GPU's f32
-        division does (the default, bit-identical to ``reference.fp8_cast``
+        division does (the default, bit-identical to ``jax_ep.fp8_cast``
         compiled by XLA:GPU).
     """
 
@@ -116,7 +132,7 @@ class EpConfig:
         masked matmul over all C rows).
       buffer_bytes: NVSHMEM symmetric buffer per process that
         ``jax_ep.initialize(config=...)`` allocates (``None``: sized from the
-        shapes above, see :meth:`native_buffer_bytes`).
+        shapes above, ``jax_ep.intranode.region.buffer_bytes``).
       tuning: :class:`KernelTuning`, the native kernels' tuning knobs (the
         defaults are the measured best; the reference backend ignores them).
       num_nodes: the EP group is ``num_nodes`` consecutive blocks of
@@ -154,7 +170,7 @@ class EpConfig:
         reach different peers (every rank vs. the network leg's), and a test
         can force puts on one without the other.
       internode_bytes: bound on the internode region (``num_nodes > 1``) per
-        GPU; None: ``DEFAULT_INTERNODE_BYTES`` (1 GiB). The region is laid out
+        GPU; None: 1 GiB (``jax_ep.internode.region``). The region is laid out
         for a window of W tokens, the most that fit (at most
         ``max_tokens_per_rank``); a call of more tokens runs as windows of W
         tokens, one kernel each (docs/internode.md, "Windows"), so the memory
@@ -191,13 +207,7 @@ class EpConfig:
 
     def __post_init__(self):
         def pos_int(name, v):
-            try:
-                iv = operator.index(v)  # ints and NumPy integers; not floats or bools
-            except TypeError:
-                iv = None
-            if iv is None or isinstance(v, (bool, np.bool_)) or iv < 1:
-                raise ValueError(f"EpConfig.{name} must be a positive int, got {v!r}")
-            object.__setattr__(self, name, int(iv))  # keep the config hashable and plain
+            positive_int(self, name, v)
 
         for name in ("num_experts", "topk", "max_tokens_per_rank", "hidden", "expert_alignment",
                      "num_nodes"):
@@ -207,8 +217,8 @@ class EpConfig:
                 f"EpConfig.topk ({self.topk}) must not exceed num_experts ({self.num_experts})")
         if self.layout not in _LAYOUTS:
             raise ValueError(f"EpConfig.layout must be one of {_LAYOUTS}, got {self.layout!r}")
-        if self.backend not in _BACKENDS:
-            raise ValueError(f"EpConfig.backend must be one of {_BACKENDS}, got {self.backend!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"EpConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.capacity is not None:
             pos_int("capacity", self.capacity)
         if self.num_sms is not None:
@@ -267,59 +277,3 @@ class EpConfig:
         a = self.expert_alignment
         rows = num_ranks * num_tokens * min(self.topk, L) + L * (a - 1)
         return max(a, -(-rows // a) * a)
-
-    def native_buffer_bytes(self, num_ranks: int) -> int:
-        """Symmetric buffer the native kernels need for this config.
-
-        Staging is a bounded ring per (peer, block) for dispatch and for
-        combine, each double-buffered by call parity; rows sized for f32 (the
-        widest row dtype), plus the control words. The rings wrap, so this is
-        at most the 1 GiB default whatever T and R (smaller when a ring that
-        never wraps fits in less).
-        Computed by the extension (``cc/buffer_layout.h``, the one source of
-        these sizes), so it needs ``jax_ep._C``. ``buffer_bytes`` overrides it."""
-        if self.buffer_bytes is not None:
-            return self.buffer_bytes
-        from .runtime import _extension, unavailable_reason
-
-        C = _extension()
-        if C is None:
-            raise RuntimeError("EpConfig.native_buffer_bytes needs the native extension: "
-                               + unavailable_reason())
-        return int(C.symmetric_buffer_bytes(num_ranks, self.max_tokens_per_rank,
-                                            self.hidden * 4, (self.hidden // 128) * 4))
-
-    def native_internode_bytes(self, num_ranks: int) -> int:
-        """Bytes of the internode region ``jax_ep.initialize(config=...)`` adds
-        to each buffer for this config (0 when ``num_nodes == 1``): per call
-        parity, dispatch rows ``(N + R + 1) * W`` and combine rows ``(G + 2) *
-        N * W`` (G = R / N; each with its put staging), f32 wide (any row dtype
-        fits), plus flags, for the window W of :meth:`internode_window`; at
-        most ``internode_bytes``. Not covered by ``buffer_bytes``. Computed by
-        the extension (``cc/kernels/internode_layout.h``). (With ``num_nodes
-        == 1`` on a job that spans hosts, ``initialize`` lays the region out
-        for one node per host: ``runtime.internode_shape_of``.)"""
-        if self.num_nodes == 1:
-            return 0
-        C = _internode_extension("native_internode_bytes")
-        return int(C.internode_region_bytes(self.num_nodes, num_ranks,
-                                            self.internode_window(num_ranks), self.hidden))
-
-    def internode_window(self, num_ranks: int) -> int:
-        """W: the tokens per rank one internode kernel moves (``num_nodes >
-        1``): ``max_tokens_per_rank``, or fewer where that region would exceed
-        ``internode_bytes``; calls of more tokens run as windows of W."""
-        from .runtime import internode_window
-
-        C = _internode_extension("internode_window")
-        return internode_window(C.internode_region_bytes, self.num_nodes, num_ranks,
-                                self.max_tokens_per_rank, self.hidden, self.internode_bytes)
-
-
-def _internode_extension(what: str):
-    from .runtime import _extension, unavailable_reason
-
-    C = _extension()
-    if C is None:
-        raise RuntimeError(f"EpConfig.{what} needs the native extension: " + unavailable_reason())
-    return C

@@ -100,7 +100,9 @@ import threading
 import time
 from typing import List, Optional, Sequence
 
-from . import shared_gpu
+import jax
+
+from . import hosts, runtime, shared_gpu
 
 __all__ = ["main", "init_distributed", "DistributedInfo", "free_port", "child_env"]
 
@@ -179,10 +181,8 @@ def child_env(base: dict, *, local_rank: int, nproc: int, node_rank: int, nnodes
         env["JAX_PLATFORMS"] = "cpu"
         env["XLA_FLAGS"] = _cpu_xla_flags(env.get("XLA_FLAGS", ""), cpu_devices)
     else:
-        from .hosts import host_id as this_host
-
         env = shared_gpu.apply(env, gpu_plan or shared_gpu.GpuPlan(nproc, nproc), local_rank,
-                               node_rank * nproc + local_rank, host_id or this_host(),
+                               node_rank * nproc + local_rank, host_id or hosts.host_id(),
                                loopback=_loopback(coordinator))
     return env
 
@@ -471,8 +471,6 @@ def init_distributed(native: bool = False, platform: Optional[str] = None,
             _INFO = dataclasses.replace(_INFO, native=_start_native(native_kwargs))
         return _INFO
 
-    import jax
-
     num = _env_int("JAX_EP_NUM_PROCESSES")
     if num is not None:
         pid = _env_int("JAX_EP_PROCESS_ID") or 0
@@ -524,10 +522,8 @@ def init_distributed(native: bool = False, platform: Optional[str] = None,
 
 
 def _start_native(kwargs) -> bool:
-    import jax_ep
-
-    ok = jax_ep.initialize(**kwargs)
-    return bool(ok) if ok is not None else bool(jax_ep.is_initialized())
+    ok = runtime.initialize(**kwargs)
+    return bool(ok) if ok is not None else bool(runtime.is_initialized())
 
 
 if __name__ == "__main__":

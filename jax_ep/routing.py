@@ -4,7 +4,8 @@ Both backends compute the same handle, group sizes, counts and per-row
 routing weights from these functions; they differ only in the ``exchange``
 they pass (``x [R, T, W]``: slice r goes to rank r, the result's slice s came
 from rank s) and in how the rows themselves move (XLA all_to_all in
-``jax_ep.reference``, the CUDA kernels in ``jax_ep.native``).
+``jax_ep.intranode.reference``, the CUDA kernels in ``jax_ep.intranode.native``
+and ``jax_ep.internode.native``).
 
 Every function runs per rank inside ``jax.shard_map``.
 """
@@ -16,10 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from .config import EpConfig
+from .fp8 import F32, FP8
 from .types import Handle
-
-F32 = jnp.float32
-FP8 = jnp.float8_e4m3fn
 
 Exchange = Callable[[jax.Array, EpConfig], jax.Array]
 

@@ -6,6 +6,8 @@ from typing import Any, Optional
 
 import jax
 
+from .mesh_axes import global_sum
+
 
 @dataclasses.dataclass(frozen=True)
 class Handle:
@@ -105,8 +107,7 @@ class Dispatched:
         (a ``psum`` over the manual axes of the enclosing ``shard_map``), the same on
         every device, so ``out_specs=P()`` returns it. Call it inside the
         ``shard_map``; it costs one scalar all-reduce (none when unused)."""
-        from . import validate
-        return validate.global_sum(self.num_dropped[0])
+        return global_sum(self.num_dropped[0])
 
 
 jax.tree_util.register_dataclass(

@@ -1,43 +1,42 @@
 """Trace-time argument checks: bad input fails with a message naming the argument."""
 from __future__ import annotations
 
+import atexit
+import logging
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import dispatch as _jax_dispatch
 
 from .config import EpConfig
+from .mesh_axes import bound_axes, global_reduce, global_sum
 from .routing import invalid_ids
 
 _X_DTYPES = (jnp.bfloat16, jnp.float32, jnp.float16)
 _FP8 = jnp.float8_e4m3fn
 
 
-def bound_axes() -> tuple:
-    """Manual mesh axes bound here (inside ``jax.shard_map``), () elsewhere.
-
-    Only Manual axes: in a partially-manual ``shard_map`` (``axis_names=``) the
-    Auto axes cannot be named by collectives."""
+def mesh_axis_size(cfg) -> int:
+    """Size R of ``cfg.axis_name`` (any config type); clear error outside a
+    matching shard_map."""
+    owner = type(cfg).__name__
     try:
-        m = jax.sharding.get_abstract_mesh()
-        types = getattr(m, "axis_types", None) or ()
-        manual = jax.sharding.AxisType.Manual
-        return tuple(n for n, t in zip(m.axis_names, types) if t == manual)
-    except Exception:  # noqa: BLE001 - only used for messages and psums
-        return ()
-
-
-def axis_size(cfg: EpConfig) -> int:
-    """Size R of ``cfg.axis_name``; clear error outside a matching shard_map."""
-    try:
-        R = jax.lax.axis_size(cfg.axis_name)
-    except NameError as e:
+        return jax.lax.axis_size(cfg.axis_name)
+    except NameError:
         bound = bound_axes()
         where = (f"the axes bound here are {bound}" if bound else
                  "no mesh axis is bound here (not inside jax.shard_map?)")
         raise ValueError(
-            f"axis_name {cfg.axis_name!r} (EpConfig.axis_name) is not a mesh axis bound here; "
+            f"axis_name {cfg.axis_name!r} ({owner}.axis_name) is not a mesh axis bound here; "
             f"{where}: call jax_ep inside jax.shard_map over a mesh that has an axis named "
-            f"{cfg.axis_name!r}, or set EpConfig.axis_name to one of them") from None
+            f"{cfg.axis_name!r}, or set {owner}.axis_name to one of them") from None
+
+
+def axis_size(cfg: EpConfig) -> int:
+    """Size R of ``cfg.axis_name``, checked against the config's E and nodes."""
+    R = mesh_axis_size(cfg)
     cfg.local_experts(R)  # E % R check
     cfg.ranks_per_node(R)  # R % num_nodes check
     return R
@@ -128,7 +127,6 @@ def buffer_size(cfg: EpConfig, R: int, T: int, dtype) -> int:
     item = np.dtype(dtype).itemsize
     waste = (C - useful) * cfg.hidden * item
     if C > 2 * useful and waste > _WARN_BYTES:
-        import warnings
         warnings.warn(
             f"jax_ep.dispatch: C={C} rows of capacity (EpConfig.capacity={cfg.capacity}, "
             f"expert_alignment={cfg.expert_alignment}) allocate {C * cfg.hidden * item:,} bytes "
@@ -169,24 +167,6 @@ def combine_args(y, d, cfg: EpConfig, R: int):
                          f"{cfg.layout!r}")
 
 
-def global_sum(n):
-    """``n`` summed over the manual axes of the enclosing ``shard_map`` (every
-    device of the mesh when it is manual over all of them), so every device
-    holds the same value: one decision, taken everywhere."""
-    return _global(n, jax.lax.psum)
-
-
-def _global(n, reduce):
-    from ._ffi import to_vma, vma_of
-
-    axes = bound_axes()
-    if not axes:
-        return n
-    if vma_of(n):  # check_vma=True: a collective needs n varying over every axis it reduces
-        n = to_vma(n, frozenset(axes))
-    return reduce(n, axes)
-
-
 class _QuietOverflow:
     """logging filter for JAX's callback logger: JAX logs every failed callback
     with its traceback, once per device; the error it then raises carries the
@@ -209,8 +189,6 @@ def _quiet_callback_logs():
     more at exit ("Exception ignored in atexit callback")."""
     global _quiet_installed
     if not _quiet_installed:
-        import atexit
-        import logging
         _quiet_installed = True
         logging.getLogger("jax._src.callback").addFilter(_QuietOverflow())
         atexit.register(_drop_overflow_tokens)   # runs before JAX's (registered earlier)
@@ -218,9 +196,8 @@ def _quiet_callback_logs():
 
 def _drop_overflow_tokens():
     try:
-        from jax._src import dispatch
-        tokens = dispatch.runtime_tokens.output_runtime_tokens
-    except (ImportError, AttributeError):
+        tokens = _jax_dispatch.runtime_tokens.output_runtime_tokens
+    except AttributeError:
         return
     for device, token in list(tokens.items()):
         try:
@@ -257,16 +234,16 @@ def drop_report(topk_idx, handle, cfg: EpConfig, num_dropped):
         needed = jnp.sum(jnp.any(handle.recv_local_idx >= 0, axis=2), dtype=jnp.int32)
     over = needed - C
     me = jax.lax.axis_index(cfg.axis_name).astype(jnp.int32)
-    worst = _global(over, jax.lax.pmax)
-    rank = _global(jnp.where(over == worst, me, _BIG), jax.lax.pmin)
+    worst = global_reduce(over, jax.lax.pmax)
+    rank = global_reduce(jnp.where(over == worst, me, _BIG), jax.lax.pmin)
     mine = me == rank
     busiest = jnp.argmax(per_expert).astype(jnp.int32)
 
     def from_worst(v):   # the worst rank's value, on every device
-        return _global(jnp.where(mine, v, jnp.int32(-_BIG)), jax.lax.pmax)
+        return global_reduce(jnp.where(mine, v, jnp.int32(-_BIG)), jax.lax.pmax)
 
-    return jnp.stack([global_sum(num_dropped), global_sum(invalid), _global(lo, jax.lax.pmin),
-                      _global(hi, jax.lax.pmax), worst, rank, from_worst(needed),
+    return jnp.stack([global_sum(num_dropped), global_sum(invalid), global_reduce(lo, jax.lax.pmin),
+                      global_reduce(hi, jax.lax.pmax), worst, rank, from_worst(needed),
                       from_worst(me * L + busiest), from_worst(per_expert[busiest])])
 
 

@@ -1,5 +1,5 @@
 """A loop-by-loop NumPy model of docs/semantics.md, written independently of
-jax_ep.reference, so the reference is checked against the contract itself."""
+jax_ep.intranode.reference, so the reference is checked against the contract itself."""
 from __future__ import annotations
 
 import numpy as np

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from jax_ep import runtime
+from jax_ep import extension
 
-C = runtime._extension()
+C = extension.load()
 pytestmark = pytest.mark.skipif(C is None, reason="needs the jax_ep._C extension")
 
 GIB = 1 << 30

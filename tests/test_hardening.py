@@ -350,15 +350,15 @@ def test_huge_alignment_warns_with_bytes():
 def test_fallback_notice_is_logged_once(caplog, capsys, monkeypatch):
     """With the extension built but the runtime down, "auto" says so once;
     without the extension it falls back silently (nothing at import either)."""
-    from jax_ep import backend, runtime
+    from jax_ep import backend, extension
     cfg = _cfg(backend="auto")
     for built, want in ((True, 1), (False, 0)):
-        monkeypatch.setattr(runtime, "extension_available", lambda built=built: built)
-        backend._notice_printed = False
+        monkeypatch.setattr(extension, "available", lambda built=built: built)
+        monkeypatch.setattr(backend, "_notice_printed", False)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="jax_ep"):
-            backend.select(cfg)
-            backend.select(cfg)
+            for family in backend.FAMILIES:   # one notice, whichever family asks
+                assert backend.select(family, cfg) is family.reference
         notes = [r for r in caplog.records if "using the reference backend" in r.getMessage()]
         assert len(notes) == want and all("\n" not in r.getMessage() for r in notes)
     assert "reference backend" not in capsys.readouterr().err  # logged, not printed

@@ -109,26 +109,29 @@ def test_internode_node_blocks_must_share_a_host():
 
 
 def test_initialize_env_keeps_the_users_choice(monkeypatch):
-    """runtime's network env: sets what the user left unset, keeps what they
-    set, and a later initialize on other hosts replaces only its own values."""
-    from jax_ep import runtime
+    """initialize's network env (jax_ep.nvshmem_env): sets what the user left
+    unset, keeps what they set, and a later initialize on other hosts replaces
+    only its own values."""
+    import os
+
+    from jax_ep import nvshmem_env
 
     R, G = "NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_IB_ENABLE_IBGDA"
     monkeypatch.delenv(R, raising=False)
     monkeypatch.delenv(G, raising=False)
-    monkeypatch.setitem(runtime._state, "net_env_set", {})
+    monkeypatch.setattr(nvshmem_env, "_set_here", {})
 
     def init_on(job_hosts):
-        user = runtime._user_network_env()
-        runtime._apply_network_env(hosts.network_env(job_hosts, user), user)
+        user = nvshmem_env.user_network()
+        nvshmem_env.apply_network(hosts.network_env(job_hosts, user), user)
 
     init_on(["h", "h"])
-    assert runtime.os.environ.get(R) == "none" and G not in runtime.os.environ
+    assert os.environ.get(R) == "none" and G not in os.environ
     init_on(["h0", "h1"])                             # ours replaced: NVSHMEM's default + IBGDA
-    assert R not in runtime.os.environ and runtime.os.environ.get(G) == "1"
+    assert R not in os.environ and os.environ.get(G) == "1"
     monkeypatch.setenv(R, "ucx")                      # the user's, set later: kept
     init_on(["h", "h"])
-    assert runtime.os.environ.get(R) == "ucx" and G not in runtime.os.environ
+    assert os.environ.get(R) == "ucx" and G not in os.environ
 
 
 def test_initialize_nvshmem_path_with_a_stand_in_extension(monkeypatch):
@@ -137,11 +140,12 @@ def test_initialize_nvshmem_path_with_a_stand_in_extension(monkeypatch):
     network variables (one host: REMOTE_TRANSPORT=none), NVSHMEM init and
     attach in that order; then finalize. (The GPU path is otherwise only run
     on GPU machines.)"""
+    import os
     import types
 
     import jax
 
-    from jax_ep import runtime
+    from jax_ep import extension, nvshmem_env, runtime
 
     calls = []
 
@@ -163,8 +167,8 @@ def test_initialize_nvshmem_path_with_a_stand_in_extension(monkeypatch):
 
         def nvshmem_init(self, uid, rank, nranks, device):
             calls.append(("init", uid, rank, nranks, device,
-                          runtime.os.environ.get("NVSHMEM_REMOTE_TRANSPORT"),
-                          runtime.os.environ.get("NVSHMEM_SYMMETRIC_SIZE")))
+                          os.environ.get("NVSHMEM_REMOTE_TRANSPORT"),
+                          os.environ.get("NVSHMEM_SYMMETRIC_SIZE")))
             return True
 
         def runtime_attach(self, device, buffer_bytes, ll_shape, inter_shape):
@@ -180,18 +184,22 @@ def test_initialize_nvshmem_path_with_a_stand_in_extension(monkeypatch):
               "NVSHMEM_DISABLE_NVLS"):
         monkeypatch.setenv(k, "")     # recorded, so what initialize sets is undone after
         monkeypatch.delenv(k)
-    monkeypatch.setattr(runtime, "_extension", lambda: StandIn())
-    monkeypatch.setattr(runtime, "_register_targets", lambda: None)
-    monkeypatch.setattr(runtime, "_USER_HEAP", None)
+    monkeypatch.setattr(extension, "load", lambda: StandIn())
+    monkeypatch.setattr(extension, "register_targets", lambda: None)
+    monkeypatch.setattr(nvshmem_env, "USER_HEAP", None)
+    monkeypatch.setattr(nvshmem_env, "_set_here", {})
     gpu = types.SimpleNamespace(platform="gpu", local_hardware_id=3)
     monkeypatch.setattr(jax, "local_devices", lambda: [gpu])
     for k, v in (("initialized", False), ("nvshmem_up", False), ("owns_nvshmem", False),
-                 ("transport", None), ("hosts", None), ("net_env_set", {})):
+                 ("symmetric_memory", None), ("hosts", None), ("regions", ()),
+                 ("heap_bytes", None)):
         monkeypatch.setitem(runtime._state, k, v)
 
     assert runtime.initialize(buffer_bytes=1 << 20) is True
-    heap = str(runtime._HEAP_GRANULE)      # 1 MiB + slack, rounded up to one granule
+    heap = str(nvshmem_env.HEAP_GRANULE)   # 1 MiB + slack, rounded up to one granule
     assert calls == [("init", b"uid", 0, 1, 3, "none", heap), ("attach", 3, 1 << 20)]
-    assert runtime.transport() == "nvshmem" and runtime.pe_hosts() == [hosts.host_id()]
+    assert runtime.symmetric_memory() == "nvshmem" and runtime.pe_hosts() == [hosts.host_id()]
+    assert [(r.family, r.nbytes) for r in runtime.regions()] == [
+        ("intranode", 1 << 20), ("low_latency", 0), ("internode", 0)]
     runtime.finalize()
     assert calls[-2:] == [("detach",), ("finalize",)] and not runtime.is_initialized()

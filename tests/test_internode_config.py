@@ -8,7 +8,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep import runtime
+from jax_ep import extension, runtime
+from jax_ep.internode import region as inter_region
 from ep_testing import make_mesh, random_routing
 
 R, T, H, K, E = 8, 4, 256, 2, 16
@@ -109,15 +110,15 @@ def test_reference_backend_ignores_num_nodes(layout, net):
 
 def test_internode_shape_of():
     one, two = _cfg(), _cfg(num_nodes=2)
-    assert runtime.internode_shape_of([], 8) == (0, 0, 0, 0)
-    assert runtime.internode_shape_of([one], 8) == (0, 0, 0, 0)
+    assert inter_region.shape_of([], 8) == (0, 0, 0, 0)
+    assert inter_region.shape_of([one], 8) == (0, 0, 0, 0)
     big = _cfg(num_nodes=2, max_tokens_per_rank=64, hidden=512)
     # largest T and H of the internode configs; single-node configs do not count
-    assert runtime.internode_shape_of([one, two, big], 8) == (2, 8, 64, 512)
+    assert inter_region.shape_of([one, two, big], 8) == (2, 8, 64, 512)
     with pytest.raises(ValueError, match="different num_nodes"):
-        runtime.internode_shape_of([two, _cfg(num_nodes=4)], 8)
+        inter_region.shape_of([two, _cfg(num_nodes=4)], 8)
     with pytest.raises(ValueError, match="must divide the 6 EP ranks"):
-        runtime.internode_shape_of([_cfg(num_nodes=4)], 6)
+        inter_region.shape_of([_cfg(num_nodes=4)], 6)
 
 
 def test_internode_shape_follows_the_hosts():
@@ -125,11 +126,11 @@ def test_internode_shape_follows_the_hosts():
     has PEs: the region gets one node per host (what the native calls pick,
     hosts.auto_nodes); an explicit num_nodes must agree with it."""
     hosts = ["a", "a", "b", "b", "c", "c", "d", "d"]
-    assert runtime.internode_shape_of([_cfg()], 8, hosts=hosts) == (4, 8, T, H)
-    assert runtime.internode_shape_of([_cfg()], 8, hosts=["h"] * 8) == (0, 0, 0, 0)
-    assert runtime.internode_shape_of([_cfg(num_nodes=4)], 8, hosts=hosts) == (4, 8, T, H)
+    assert inter_region.shape_of([_cfg()], 8, hosts=hosts) == (4, 8, T, H)
+    assert inter_region.shape_of([_cfg()], 8, hosts=["h"] * 8) == (0, 0, 0, 0)
+    assert inter_region.shape_of([_cfg(num_nodes=4)], 8, hosts=hosts) == (4, 8, T, H)
     # an explicit num_nodes decides over one node per host
-    assert runtime.internode_shape_of([_cfg(), _cfg(num_nodes=2)], 8, hosts=hosts) == (2, 8, T, H)
+    assert inter_region.shape_of([_cfg(), _cfg(num_nodes=2)], 8, hosts=hosts) == (2, 8, T, H)
 
 
 def test_internode_window():
@@ -137,16 +138,16 @@ def test_internode_window():
     internode_bytes of the configs), every T when it fits, an error when not
     even one token does; a region linear in T here (bytes = 100 + 10 T)."""
     fake = lambda n, r, t, h: 100 + 10 * t
-    assert runtime.internode_window(fake, 2, 8, 64, 512, 10_000) == 64
-    assert runtime.internode_window(fake, 2, 8, 4096, 512, 10_000) == 990
-    assert runtime.internode_window(fake, 2, 8, 4096, 512, 110) == 1
-    assert runtime.internode_window(fake, 2, 8, 4096, 512, None) == 4096   # 1 GiB
+    assert inter_region.window_for(fake, 2, 8, 64, 512, 10_000) == 64
+    assert inter_region.window_for(fake, 2, 8, 4096, 512, 10_000) == 990
+    assert inter_region.window_for(fake, 2, 8, 4096, 512, 110) == 1
+    assert inter_region.window_for(fake, 2, 8, 4096, 512, None) == 4096   # 1 GiB
     with pytest.raises(ValueError, match="below the internode region of one token"):
-        runtime.internode_window(fake, 2, 8, 4096, 512, 109)
+        inter_region.window_for(fake, 2, 8, 4096, 512, 109)
     a = _cfg(num_nodes=2, max_tokens_per_rank=4096, internode_bytes=10_000)
     b = _cfg(num_nodes=2, max_tokens_per_rank=64, hidden=512, internode_bytes=5_000)
-    assert runtime.internode_shape_of([a, b], 8, fake) == (2, 8, 490, 512)
-    assert runtime.internode_shape_of([a, b], 8) == (2, 8, 4096, 512)   # no bound applied
+    assert inter_region.shape_of([a, b], 8, fake) == (2, 8, 490, 512)
+    assert inter_region.shape_of([a, b], 8) == (2, 8, 4096, 512)   # no bound applied
     with pytest.raises(ValueError, match="internode_bytes"):
         _cfg(num_nodes=2, internode_bytes=0)
 
@@ -154,36 +155,43 @@ def test_internode_window():
 def test_second_initialize_checks_the_internode_region(monkeypatch):
     """A later initialize(config=...) on a live runtime: an internode config
     that does not fit the region laid out at start is an error, not ignored."""
-    monkeypatch.setattr(runtime, "info", lambda: {"inter_shape": (2, 8, 64, 512)})
-    runtime._check_internode_region(None)
-    runtime._check_internode_region(_cfg())                     # one node: no region needed
-    runtime._check_internode_region([_cfg(num_nodes=2, max_tokens_per_rank=64, hidden=512),
-                                     _cfg(num_nodes=2)])        # fits
+    from jax_ep.region import Region
+
+    def check(live, config):   # initialize on a runtime that is up with region `live`
+        monkeypatch.setitem(runtime._state, "initialized", True)
+        monkeypatch.setitem(runtime._state, "regions", (Region("internode", live, 1),))
+        runtime._check_live(config, None)
+
+    live = (2, 8, 64, 512)
+    check(live, None)
+    check(live, _cfg())                     # one node: no region needed
+    check(live, [_cfg(num_nodes=2, max_tokens_per_rank=64, hidden=512),
+                 _cfg(num_nodes=2)])        # fits
     # more tokens than the region's window: windows of it, no error
-    runtime._check_internode_region(_cfg(num_nodes=2, max_tokens_per_rank=65))
+    check(live, _cfg(num_nodes=2, max_tokens_per_rank=65))
     for bad in (_cfg(num_nodes=2, hidden=1024), _cfg(num_nodes=4)):
         with pytest.raises(ValueError, match="already up with an internode region"):
-            runtime._check_internode_region(bad)
-    monkeypatch.setattr(runtime, "info", lambda: {"inter_shape": (0, 0, 0, 0)})
+            check(live, bad)
+    live = inter_region.NONE
     with pytest.raises(ValueError, match="Call jax_ep.finalize"):
-        runtime._check_internode_region(_cfg(num_nodes=2))
+        check(live, _cfg(num_nodes=2))
     # num_nodes 1 on a job that spans hosts (8 PEs, 2 per host): one node per
     # host needs a region the live runtime does not have
     monkeypatch.setattr(runtime, "pe_hosts", lambda: ["a", "a", "b", "b", "c", "c", "d", "d"])
     with pytest.raises(ValueError, match=r"needs 4 nodes \(num_nodes=1, one node per host"):
-        runtime._check_internode_region(_cfg())
+        check(live, _cfg())
     monkeypatch.setattr(runtime, "pe_hosts", lambda: ["h"] * 8)
-    runtime._check_internode_region(_cfg())
+    check(live, _cfg())
 
 
-C = runtime._extension()
+C = extension.load()
 V3_WINDOW = 780   # tokens of the 1 GiB default at V3-train, 2 x 4 ranks (H 7168)
 needs_ext = pytest.mark.skipif(C is None, reason="needs the jax_ep._C extension")
 
 
 @needs_ext
 def test_region_bytes_zero_for_one_node():
-    assert _cfg().native_internode_bytes(8) == 0
+    assert inter_region.region_bytes(_cfg(), 8) == 0
     assert C.internode_region_bytes(1, 8, 4096, 7168) == 0
 
 
@@ -192,8 +200,8 @@ def test_region_bytes_zero_for_one_node():
 def test_region_holds_both_ops_at_f32_rows(N, Rk):
     """The data of each op and parity with its put staging, dispatch (N + R + 1)
     * T and combine (G + 2) * N * T rows of f32 (+ scales and per-slot words),
-    fits a quarter of the region; the region grows with T and H, and is the
-    EpConfig method's number."""
+    fits a quarter of the region; the region grows with T and H, and is
+    internode.region.region_bytes's number."""
     Tk, Hk = 512, 1024
     got = C.internode_region_bytes(N, Rk, Tk, Hk)
     G = Rk // N
@@ -202,7 +210,7 @@ def test_region_holds_both_ops_at_f32_rows(N, Rk):
     assert C.internode_region_bytes(N, Rk, 2 * Tk, Hk) > got
     assert C.internode_region_bytes(N, Rk, Tk, 2 * Hk) > got
     cfg = _cfg(num_nodes=N, max_tokens_per_rank=Tk, hidden=Hk)
-    assert cfg.native_internode_bytes(Rk) == got     # under 1 GiB: no window cut
+    assert inter_region.region_bytes(cfg, Rk) == got     # under 1 GiB: no window cut
 
 
 @needs_ext
@@ -213,8 +221,8 @@ def test_region_at_v3_train_2x4():
     got = C.internode_region_bytes(2, 8, 4096, 7168)
     assert 5.5e9 < got < 5.8e9
     cfg = _cfg(num_nodes=2, max_tokens_per_rank=4096, hidden=7168)
-    W = cfg.internode_window(8)
+    W = inter_region.window(cfg, 8)
     assert W == V3_WINDOW
-    assert cfg.native_internode_bytes(8) <= 1 << 30 < C.internode_region_bytes(2, 8, W + 1, 7168)
+    assert inter_region.region_bytes(cfg, 8) <= 1 << 30 < C.internode_region_bytes(2, 8, W + 1, 7168)
     big = _cfg(num_nodes=2, max_tokens_per_rank=4096, hidden=7168, internode_bytes=got)
-    assert big.internode_window(8) == 4096 and big.native_internode_bytes(8) == got
+    assert inter_region.window(big, 8) == 4096 and inter_region.region_bytes(big, 8) == got

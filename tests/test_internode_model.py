@@ -10,7 +10,7 @@ import pytest
 
 import internode_model as im
 from ep_testing import make_mesh, random_routing, run_per_rank
-from jax_ep import reference
+from jax_ep.intranode import reference
 from jax_ep.config import EpConfig
 
 R = 8
@@ -28,7 +28,7 @@ def _handles(idx, E, layout="expert_major"):
 
 
 def _reference_combine(y, w, send_mask, li, sr, layout, E, K):
-    """jax_ep.reference's combine on the same handle (the model's flat sum is
+    """jax_ep.intranode.reference's combine on the same handle (the model's flat sum is
     that formula; XLA:CPU may contract to FMA, so compared within rounding)."""
     from jax_ep.types import Handle
 

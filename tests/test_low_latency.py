@@ -118,7 +118,7 @@ def test_low_latency_matches_model(case):
     y = (rng.standard_normal((R, E // R, R * Tmax, H))).astype(np.float32).astype(jnp.bfloat16)
 
     def comb(y, i, w, sl):
-        from jax_ep.low_latency import LowLatencyHandle
+        from jax_ep import LowLatencyHandle
         h = LowLatencyHandle(slot=sl, num_ranks=R, max_tokens=Tmax)
         return low_latency_combine(y, i, w, h, cfg)
     out = run_per_rank(comb, mesh, "ep", y, idx, w, slot)
@@ -294,6 +294,46 @@ def test_ll_transport_config():
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
 
 
+def test_low_latency_config_equals_ep_config():
+    """A LowLatencyConfig runs low latency as the EpConfig it is made from
+    (low_latency.config.of keeps the fields low latency reads), bit for bit;
+    its own fields are checked; an unrelated type is refused."""
+    from jax_ep import LowLatencyConfig
+    from jax_ep.low_latency import config as ll_config
+    from jax_ep.low_latency import region as low_latency_region
+
+    ep = EpConfig(num_experts=8, topk=2, max_tokens_per_rank=4, hidden=128, backend="reference",
+                  ll_transport="put", num_sms=3, layout="rank_major", capacity=7)
+    ll = ll_config.of(ep)
+    assert ll == LowLatencyConfig(num_experts=8, topk=2, max_tokens_per_rank=4, hidden=128,
+                                  backend="reference", ll_transport="put", num_sms=3)
+    assert ll_config.of(ll) is ll and ll.shape == (8, 4, 2, 128)
+    with pytest.raises(ValueError, match="LowLatencyConfig.ll_transport must be one of"):
+        LowLatencyConfig(num_experts=8, topk=2, max_tokens_per_rank=4, hidden=128,
+                         ll_transport="nvlink")
+    with pytest.raises(ValueError, match="LowLatencyConfig.hidden must be a positive int"):
+        LowLatencyConfig(num_experts=8, topk=2, max_tokens_per_rank=4, hidden=0)
+    with pytest.raises(TypeError, match="LowLatencyConfig or an EpConfig"):
+        ll_config.of((8, 4, 2, 128))
+    with pytest.raises(TypeError, match="LowLatencyConfig, an EpConfig or None"):
+        low_latency_region.shape_of((8, 4, 2, 128))
+
+    R, T = 2, 4
+    mesh = make_mesh((R,), ("ep",))
+    rng = np.random.default_rng(5)
+    idx = _routing(rng, R, T, 2, 8, False)
+    x = rng.standard_normal((R, T, 128)).astype(np.float32).astype(jnp.bfloat16)
+    w = rng.random((R, T, 2)).astype(np.float32)
+    outs = []
+    for cfg in (ep, ll):
+        def step(x, i, w, cfg=cfg):
+            d = low_latency_dispatch(x, i, cfg)
+            y = (d.x.astype(jnp.float32) * jnp.repeat(d.x_scales, 128, axis=-1)).astype(x.dtype)
+            return low_latency_combine(y, i, w, d.handle, cfg)
+        outs.append(np.asarray(run_per_rank(step, mesh, "ep", x, idx, w)).view(np.uint16))
+    assert np.array_equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("T,K,E,skew", [(128, 8, 256, False), (64, 8, 16, True), (37, 3, 6, False),
                                         (1, 4, 8, False), (256, 8, 256, True)])
 @pytest.mark.slow
@@ -301,7 +341,7 @@ def test_slots_pairwise_equals_cumsum(T, K, E, skew):
     """The two formulations of the send's slots (pairwise compare for T*K <=
     _PAIRWISE_SLOTS_MAX, exclusive cumsum otherwise) give the same integers,
     with -1, invalid and repeated ids, and the counts per expert."""
-    from jax_ep import low_latency as ll
+    from jax_ep.low_latency import api as ll
     from jax_ep.routing import sanitize_topk
 
     idx = _routing(np.random.default_rng(T * K + E), 1, T, K, E, skew)[0].astype(np.int32)
@@ -341,7 +381,7 @@ def test_low_latency_combine_is_k_ascending_bit_for_bit(values):
     y = y.astype(jnp.bfloat16)
 
     def comb(y, i, w, sl):
-        from jax_ep.low_latency import LowLatencyHandle
+        from jax_ep import LowLatencyHandle
         h = LowLatencyHandle(slot=sl, num_ranks=R, max_tokens=Tmax)
         return low_latency_combine(y, i, w, h, cfg)
     out = np.asarray(run_per_rank(comb, mesh, "ep", y, idx, w, slot))

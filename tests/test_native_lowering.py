@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep import _ffi, abi, backend, native
+from jax_ep import _ffi, abi, backend
 from ep_testing import make_mesh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,10 +63,17 @@ def _assert_binds(target, n_ops, n_res, attrs, bound):
         f"{sorted(attrs)}; cc binds {b_ops}, {b_res}, {sorted(b_attrs)}")
 
 
+def _native_runs(monkeypatch, *families):
+    """The native backends of ``families`` run here (as if the runtime were up);
+    CPU devices act as one "process" each."""
+    monkeypatch.setattr(_ffi, "pe_of_device", lambda d: d.id)
+    for f in families:
+        monkeypatch.setattr(type(f.native), "unavailable", lambda self, cfg: None)
+
+
 @pytest.fixture
 def native_everywhere(monkeypatch):
-    monkeypatch.setattr(_ffi, "pe_of_device", lambda d: d.id)  # CPU: one "process" per device
-    monkeypatch.setattr(backend, "select", lambda cfg: native.BACKEND)
+    _native_runs(monkeypatch, backend.INTRANODE, backend.INTERNODE)
 
 
 REMAT = tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 11)
@@ -208,9 +215,9 @@ def test_internode_put_lowers_with_nvshmem_and_is_refused_without(native_everywh
                           in_specs=(P(("data", "ep")),) * 3, out_specs=P(("data", "ep")))
         return jax.jit(f).lower(x, idx, w).as_text()
 
-    monkeypatch.setattr(runtime, "transport", lambda: "nvshmem")
+    monkeypatch.setattr(runtime, "symmetric_memory", lambda: "nvshmem")
     assert re.search(rf"net_transport = {abi.net_transport('put')} : i32", lower())
-    monkeypatch.setattr(runtime, "transport", lambda: "peer_memory")
+    monkeypatch.setattr(runtime, "symmetric_memory", lambda: "peer_memory")
     with pytest.raises(ValueError, match="net_transport='put' needs the NVSHMEM transport"):
         lower()
 
@@ -221,11 +228,7 @@ def test_low_latency_calls_match_cc_bindings(monkeypatch, transport, fp8):
     """The four low-latency targets (send and receive of dispatch and combine)
     lower with their bindings, and each carries EpConfig.ll_transport as its
     abi code in the ll_transport attribute."""
-    import importlib
-
-    ll = importlib.import_module("jax_ep.low_latency")
-    monkeypatch.setattr(_ffi, "pe_of_device", lambda d: d.id)
-    monkeypatch.setattr(ll, "_native", lambda cfg: True)
+    _native_runs(monkeypatch, backend.LOW_LATENCY)
     mesh = make_mesh((2, 4), ("data", "ep"))
     T, H, K, E = 4, 128, 2, 8
     cfg = jax_ep.EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H,
@@ -261,11 +264,7 @@ def test_low_latency_after_is_an_operand_of_the_send(monkeypatch):
     after that receive. An optimization barrier there left the send free to
     run first: kErrLlOrder on a GPU ("a low-latency send ran before the
     previous receive of the same op")."""
-    import importlib
-
-    ll = importlib.import_module("jax_ep.low_latency")
-    monkeypatch.setattr(_ffi, "pe_of_device", lambda d: d.id)
-    monkeypatch.setattr(ll, "_native", lambda cfg: True)
+    _native_runs(monkeypatch, backend.LOW_LATENCY)
     mesh = make_mesh((4,), ("ep",))
     T, H, K, E = 4, 128, 2, 8
     cfg = jax_ep.EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H,
@@ -306,14 +305,10 @@ def test_low_latency_after_is_an_operand_of_the_send(monkeypatch):
 def test_low_latency_put_needs_nvshmem(monkeypatch):
     """ll_transport="put" under the peer-memory runtime (no PEs) is refused at
     trace time, with the way out in the message."""
-    import importlib
-
     from jax_ep import runtime
 
-    ll = importlib.import_module("jax_ep.low_latency")
-    monkeypatch.setattr(_ffi, "pe_of_device", lambda d: d.id)
-    monkeypatch.setattr(ll, "_native", lambda cfg: True)
-    monkeypatch.setattr(runtime, "transport", lambda: "peer_memory")
+    _native_runs(monkeypatch, backend.LOW_LATENCY)
+    monkeypatch.setattr(runtime, "symmetric_memory", lambda: "peer_memory")
     mesh = make_mesh((4,), ("ep",))
     cfg = jax_ep.EpConfig(num_experts=8, topk=2, max_tokens_per_rank=4, hidden=128,
                           backend="native", ll_transport="put")

@@ -130,8 +130,8 @@ def test_peer_memory_groups_use_cuda_ordinals(monkeypatch):
     with pytest.raises(ValueError, match="one GPU per process"):
         _ffi.ep_groups_of(devs([1, 0]), ("ep",), "ep")          # NVSHMEM: both on process 0
     monkeypatch.setitem(runtime._state, "initialized", True)
-    monkeypatch.setitem(runtime._state, "transport", "peer_memory")
-    assert runtime.transport() == "peer_memory"
+    monkeypatch.setitem(runtime._state, "symmetric_memory", "peer_memory")
+    assert runtime.symmetric_memory() == "peer_memory"
     assert _ffi.ep_groups_of(devs([1, 0]), ("ep",), "ep").tolist() == [[1, 0]]
     ords = np.array([[5, 2, 7, 0], [1, 6, 3, 4]])                # (data=2, ep=4), permuted
     assert _ffi.ep_groups_of(devs(ords), ("data", "ep"), "ep").tolist() == ords.tolist()
@@ -141,31 +141,31 @@ def test_peer_memory_groups_use_cuda_ordinals(monkeypatch):
         _ffi.ep_groups_of(devs([3, 3]), ("ep",), "ep")
 
 
-def test_initialize_transport_argument():
+def test_initialize_symmetric_memory_argument():
     from jax_ep import runtime
 
-    with pytest.raises(ValueError, match="transport must be one of"):
-        runtime.initialize(transport="nccl")
+    with pytest.raises(ValueError, match="symmetric_memory must be one of"):
+        runtime.initialize(symmetric_memory="nccl")
 
 
-def test_initialize_on_a_live_runtime_refuses_another_transport(monkeypatch):
+def test_initialize_on_a_live_runtime_refuses_another_symmetric_memory(monkeypatch):
     """A live runtime's transport is not silently kept when another is asked for."""
     from jax_ep import runtime
 
     monkeypatch.setitem(runtime._state, "initialized", True)
-    monkeypatch.setitem(runtime._state, "transport", "nvshmem")
-    with pytest.raises(ValueError, match="already up with the 'nvshmem' transport"):
-        runtime.initialize(transport="peer_memory")
-    monkeypatch.setitem(runtime._state, "transport", "peer_memory")
+    monkeypatch.setitem(runtime._state, "symmetric_memory", "nvshmem")
+    with pytest.raises(ValueError, match="already up with .nvshmem."):
+        runtime.initialize(symmetric_memory="peer_memory")
+    monkeypatch.setitem(runtime._state, "symmetric_memory", "peer_memory")
     with pytest.raises(ValueError, match="finalize"):
-        runtime.initialize(transport="nvshmem")
+        runtime.initialize(symmetric_memory="nvshmem")
 
 
 def test_check_device_error_keeps_the_peer_memory_word(monkeypatch):
     """check_device_error reads the shared error word of the peer-memory
     transport without clearing it (the FFI handlers keep it set: every GPU's
     next call fails); one GPU per process takes (clears) it."""
-    from jax_ep import runtime
+    from jax_ep import extension, runtime
 
     calls = []
 
@@ -178,10 +178,10 @@ def test_check_device_error_keeps_the_peer_memory_word(monkeypatch):
             calls.append("take")
             return 1
 
-    monkeypatch.setattr(runtime, "_extension", lambda: FakeC())
+    monkeypatch.setattr(extension, "load", lambda: FakeC())
     monkeypatch.setitem(runtime._state, "initialized", True)
     for transport, want in (("peer_memory", "peek"), ("nvshmem", "take")):
-        monkeypatch.setitem(runtime._state, "transport", transport)
+        monkeypatch.setitem(runtime._state, "symmetric_memory", transport)
         with pytest.raises(RuntimeError, match="timed out"):
             runtime.check_device_error()
         assert calls[-1] == want

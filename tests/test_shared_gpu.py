@@ -75,8 +75,8 @@ def test_peer_memory_refused_when_sharing_a_gpu(monkeypatch):
     from jax_ep import runtime
 
     monkeypatch.setenv(shared_gpu.SHARED_ENV, "4")
-    with pytest.raises(ValueError, match="shares its GPU with 3 other.*NVSHMEM transport"):
-        runtime.initialize(transport="peer_memory")
+    with pytest.raises(ValueError, match="shares its GPU with 3 other.*NVSHMEM symmetric heap"):
+        runtime.initialize(symmetric_memory="peer_memory")
 
 
 def test_heap_room_is_split_between_processes_of_one_gpu():

@@ -78,9 +78,9 @@ def skip_reason(gpus_in_one_process: int = 1) -> Optional[str]:
 
 def testing_skip_reason() -> Optional[str]:
     """Why the test/bench helpers of cc/testing are missing (None when built)."""
-    from jax_ep import runtime
+    from jax_ep import extension
 
-    if not getattr(runtime._extension(), "TESTING", True):
+    if not getattr(extension.load(), "TESTING", True):
         return "jax_ep built without JAX_EP_TESTING (no test/bench helpers)"
     return None
 

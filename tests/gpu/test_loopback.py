@@ -157,10 +157,10 @@ class Loopback:
         import torch
 
         sys.path[:0] = [os.path.dirname(_HERE), os.path.dirname(os.path.dirname(_HERE))]
-        from jax_ep import runtime
+        from jax_ep import extension, runtime
 
         self.np, self.torch = np, torch
-        self.C = runtime._extension()  # the jax_ep._C module
+        self.C = extension.load()  # the jax_ep._C module
         assert self.C is not None, runtime.unavailable_reason()
         self.sms = torch.cuda.get_device_properties(0).multi_processor_count
         self._sym = {}
@@ -200,7 +200,7 @@ class Loopback:
     def handles_and_ref(self, R, cfg, x, idx, mode):
         """Per-rank handle fields and the reference's dispatch rows (numpy, [R, ...])."""
         from ep_testing import make_mesh, run_per_rank
-        from jax_ep import reference
+        from jax_ep.intranode import reference
 
         ref = reference.BACKEND
         mesh = make_mesh((R,), ("ep",))
@@ -276,7 +276,7 @@ class Loopback:
         sum of group_sizes; rank_major: the valid rows), from the reference."""
         import jax.numpy as jnp
         from ep_testing import make_mesh, run_per_rank
-        from jax_ep import reference
+        from jax_ep.intranode import reference
 
         def fn(i):
             h, gs, _, _ = reference.BACKEND.router.route(i, cfg, R)
@@ -463,7 +463,7 @@ def _fp8_case(lb, checks, rng, case):
     import jax.numpy as jnp
 
     from ep_testing import random_routing
-    from jax_ep import reference
+    from jax_ep.intranode import reference
     from jax_ep.config import EpConfig
 
     name, R, T, H, K, E, layout, mode, xdt, chunks = case[:10]
@@ -521,7 +521,7 @@ def _reference_combine(R, T, cfg, hd, y, w):
     """The reference combine of y [R, C, H] (weights w [R, C] or None) through
     the handles of ``lb.handles_and_ref``: per rank [T, H]."""
     from ep_testing import make_mesh, run_per_rank
-    from jax_ep import reference
+    from jax_ep.intranode import reference
     from jax_ep.types import Handle
 
     send_mask, recv_li, slot_row, row_src = hd[:4]
@@ -597,7 +597,7 @@ def _cbwd_expected(R, T, cfg, hd, g, y, w):
     import jax.numpy as jnp
 
     from ep_testing import make_mesh, run_per_rank
-    from jax_ep import reference
+    from jax_ep.intranode import reference
     from jax_ep.types import Handle
 
     ref = reference.BACKEND

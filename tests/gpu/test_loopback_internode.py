@@ -198,7 +198,7 @@ def _fp8_case(lb, checks, rng, case, region=None):
     import jax
     import jax.numpy as jnp
 
-    from jax_ep import reference
+    from jax_ep.intranode import reference
     from jax_ep.config import EpConfig
 
     name, N, T, H, K, E, layout, mode, xdt, fmt, kind, chunks = case
@@ -250,7 +250,7 @@ COMBINE_CASES = [  # name, N, T, H, K, E, layout, dtype, weighted, routing, chun
 
 def _ref_combine(cfg, hd, y, w, layout, T):
     from ep_testing import make_mesh, run_per_rank
-    from jax_ep import reference
+    from jax_ep.intranode import reference
     from jax_ep.types import Handle
 
     Cn = y.shape[1]
@@ -429,7 +429,7 @@ def _bench(put=False):
     x = rng.standard_normal((R, T, H)).astype(np.float32).astype(jnp.bfloat16)
     print(f"loopback on 1 GPU ({lb.sms} SMs, {lb.sms // R} per rank), R={R} T={T} H={H} K={K} "
           f"E={E}")
-    from jax_ep.runtime import internode_window
+    from jax_ep.internode.region import window_for as internode_window
 
     W = internode_window(lb.C.internode_region_bytes, 2, R, T, H)
     print(f"| op | layout | intranode us | 2x4 us | 2x4 W{W} us | 4x2 us | 2x4 / intra | "
@@ -483,7 +483,7 @@ def _bench_handles(lb, cfg, x, idx, fp8):
     import jax.numpy as jnp
 
     from ep_testing import make_mesh, run_per_rank
-    from jax_ep import reference
+    from jax_ep.intranode import reference
 
     T, H = x.shape[1], x.shape[2]
 

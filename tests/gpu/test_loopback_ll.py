@@ -5,7 +5,7 @@
 receive kernels (cc/kernels/low_latency.cu) on one device, each rank on its
 own stream and SM share, with plain zeroed device buffers holding the
 low-latency region in place of the symmetric buffer. Expected values come from
-the reference (jax_ep/low_latency.py) on R fake CPU devices; the kernel inputs
+the reference (jax_ep/low_latency/reference.py) on R fake CPU devices; the kernel inputs
 XLA will compute before the kernels (slot, tokens per expert, merged weights)
 come from the same functions. Outputs are poisoned with 0xFF first.
 
@@ -204,7 +204,7 @@ def _expected_dispatch(spec, x, idx, w):
     import jax.numpy as jnp
 
     from ep_testing import make_mesh, run_per_rank
-    from jax_ep import low_latency as ll
+    from jax_ep.low_latency import api as ll
     from jax_ep.routing import merge_duplicate_weights
 
     s = spec
@@ -253,7 +253,7 @@ def _make_y(rng, spec, valid):
 def _expected_combine(spec, y, idx, w, slot):
     from ep_testing import make_mesh, run_per_rank
     from jax_ep import low_latency_combine
-    from jax_ep.low_latency import LowLatencyHandle
+    from jax_ep import LowLatencyHandle
 
     cfg = spec.cfg()
 

@@ -203,7 +203,7 @@ def _fp8_case(checks, rng, mesh, R, case, fmt):
     import jax.numpy as jnp
 
     from ep_testing import random_routing
-    from jax_ep import native, reference
+    from jax_ep.intranode import native, reference
     from jax_ep.config import EpConfig
 
     name, T, H, K, E, layout, xdt = case
@@ -378,7 +378,7 @@ def _combine_backward_case(checks, rng, mesh, R, case):
 
     from ep_testing import random_routing
     from gpu_helpers import from_process_local
-    from jax_ep import native, reference
+    from jax_ep.intranode import native, reference
     from jax_ep.config import EpConfig
 
     name, T, H, K, E, layout, align, dt, zt = case
@@ -438,7 +438,7 @@ def _chunk_outputs(mesh, be, chunk, E, x, idx, w):
     import jax.numpy as jnp
 
     import jax_ep
-    from jax_ep import native, reference
+    from jax_ep.intranode import native, reference
     from jax_ep.config import EpConfig, KernelTuning
 
     T, H, K = x.shape[1], x.shape[2], idx.shape[2]

@@ -28,7 +28,7 @@ buffers are poisoned (JAX_EP_DEBUG_POISON=1) before the kernels run.
   native combine;
 - gradients of a dispatch + combine layer, both layouts: within 2e-2 of the
   reference (the expert_major backward is the internode dispatch of w * g
-  plus dw in XLA: jax_ep/native.py).
+  plus dw in XLA: jax_ep/internode/native.py).
 
 ``$JAX_EP_GPU_TEST_TIMEOUT`` (seconds, default 420) bounds each job.
 """
@@ -189,7 +189,8 @@ def _fp8_case(checks, rng, mesh, R, case, net):
     import jax.numpy as jnp
 
     from ep_testing import random_routing
-    from jax_ep import native, reference
+    from jax_ep.internode import native
+    from jax_ep.intranode import reference
 
     name, T, H, K, E, layout, xdt = case
     idx = random_routing(rng, R, T, K, E, minus_one=0.1)

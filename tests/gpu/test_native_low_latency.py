@@ -329,10 +329,10 @@ def _graphs_worker(rank, n, transport="auto"):
                           command_buffers=len(cb), ll_calls=total, ll_calls_captured=in_cb,
                           names=sorted(comps)[:12],
                           flags=os.environ.get("XLA_FLAGS", ""))
-            from jax_ep import runtime
-            before = runtime._extension().graph_capture_count()
+            from jax_ep import extension
+            before = extension.load().graph_capture_count()
             runs = [local(f(*ins)) for _ in range(3)]
-            captured = runtime._extension().graph_capture_count() - before
+            captured = extension.load().graph_capture_count() - before
             # each of the 4 calls once while XLA records the graph, not per replay
             checks.report("custom_calls_captured_in_cuda_graph", captured >= 4,   # all 4
                           handler_calls_while_capturing=int(captured))

@@ -18,7 +18,7 @@ def _absent_peer_worker(rank, n):
     import jax
     from jax.sharding import PartitionSpec as P
 
-    from jax_ep import native, reference
+    from jax_ep.intranode import native, reference
     from jax_ep.config import EpConfig
 
     T, H, K, E = 64, 256, 2, 8 * n

@@ -1,6 +1,6 @@
 """The peer-memory transport: ONE process driving every GPU (JAX's default).
 
-``jax_ep.initialize(transport="peer_memory")`` allocates a buffer per GPU with
+``jax_ep.initialize(symmetric_memory="peer_memory")`` allocates a buffer per GPU with
 peer access between them; the same kernels run per device, synchronised only
 through device-side flags. Checked against the reference backend in the same
 process: dispatch bit-identical on every valid row (both layouts, fp8 cast,
@@ -83,9 +83,9 @@ def _peer_memory_worker(rank: int, n: int):
     # the cases' E = 16 experts and the kernels' 8 ranks at most: 2, 4 or 8 GPUs
     n = 1 << (min(len(devs), 8).bit_length() - 1)
     devs = devs[:n]
-    assert jax_ep.initialize(transport="peer_memory"), "peer-memory runtime did not start"
+    assert jax_ep.initialize(symmetric_memory="peer_memory"), "peer-memory runtime did not start"
     from jax_ep import runtime
-    results = {"transport": [runtime.transport() == "peer_memory", str(runtime.info())]}
+    results = {"transport": [runtime.symmetric_memory() == "peer_memory", str(runtime.info())]}
     meshes = {
         "natural": (Mesh(devs, ("ep",)), ("ep",)),
         "reversed": (Mesh(devs[::-1], ("ep",)), ("ep",)),

@@ -74,10 +74,10 @@ def _layout_worker(rank, n):
     import jax
     from jax.sharding import PartitionSpec as P
 
-    from jax_ep import native_layout
+    from jax_ep.intranode import layout as native_layout
     from jax_ep.config import EpConfig
 
-    from jax_ep import reference
+    from jax_ep.intranode import reference
 
     ref = reference.BACKEND.layout
     mesh = ep_mesh(n)
@@ -146,7 +146,10 @@ def _not_initialized_worker(rank, n):
     except Exception as e:  # XlaRuntimeError
         res["ffi_error"] = f"{type(e).__name__}: {e}"
     try:
-        runtime.native_backend()
+        from jax_ep import backend
+        backend.select(backend.INTRANODE, jax_ep.EpConfig(num_experts=8, topk=2,
+                                                          max_tokens_per_rank=4, hidden=128,
+                                                          backend="native"))
         res["backend_error"] = None
     except RuntimeError as e:
         res["backend_error"] = str(e)

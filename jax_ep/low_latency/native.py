@@ -7,12 +7,12 @@ takes, so XLA orders the two and may schedule independent work between them.
 Every call is marked side-effecting: a receive advances this rank's epoch even
 when its outputs are unused, so XLA must neither drop nor merge one.
 
-XLA computes the kernels' inputs (jax_ep/low_latency.py): ``slot [T, K]``
+XLA computes the kernels' inputs (jax_ep/low_latency/api.py): ``slot [T, K]``
 (each pair's row in its source block), tokens per expert ``[E]`` and the
 merged weights, so the kernels never re-derive them and the reference's bits
 follow.
 
-Every call takes ``ll_transport`` (``EpConfig.ll_transport`` as its
+Every call takes ``ll_transport`` (``LowLatencyConfig.ll_transport`` as its
 ``abi.LL_TRANSPORTS`` code): how the kernels reach each rank, P2P stores or
 NVSHMEM puts (cc/ffi_low_latency.cc).
 """
@@ -22,41 +22,32 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _ffi, abi
-from .config import EpConfig
-from .low_latency import LowLatencyDispatched, LowLatencyHandle, LowLatencyPending
-from .reference import FP8
+from .. import _ffi, abi, ffi_attrs, runtime
+from .config import LowLatencyConfig
+from ..fp8 import FP8
+from .types import LowLatencyDispatched, LowLatencyHandle, LowLatencyPending
 
 _TOKEN = ((1,), jnp.uint32)
 
 
-def _num_sms(cfg: EpConfig) -> np.int32:
-    return np.int32(cfg.num_sms or 0)   # 0: every SM
+def _num_sms(cfg: LowLatencyConfig) -> np.int32:
+    return ffi_attrs.num_sms(cfg)
 
 
-def _transport(cfg: EpConfig) -> np.int32:
+def _transport(cfg: LowLatencyConfig) -> np.int32:
     """The ll_transport attribute; "put" needs NVSHMEM PEs (said here, at trace
     time, rather than by the handler at run time)."""
-    from . import runtime
-
-    if cfg.ll_transport == "put" and runtime.transport() == "peer_memory":
-        raise ValueError("jax_ep low-latency mode: EpConfig.ll_transport='put' needs the NVSHMEM "
+    if cfg.ll_transport == "put" and runtime.symmetric_memory() == "peer_memory":
+        raise ValueError("jax_ep low-latency mode: ll_transport='put' needs the NVSHMEM "
                          "transport; the runtime uses peer memory (one process, several GPUs: "
                          "no PEs to put to). Use 'auto' or 'p2p'")
     return np.int32(abi.ll_transport(cfg.ll_transport))
 
 
-def _scale_mode(cfg: EpConfig, scale_format: str) -> np.int32:
-    if scale_format == "ue8m0":
-        return np.int32(abi.fp8_scale_mode("ue8m0"))
-    # f32 scales: the reference's division as XLA:GPU computes it (or IEEE)
-    return np.int32(abi.fp8_scale_mode("ieee" if cfg.tuning.fp8_ieee_division else "xla_gpu"))
-
-
-def dispatch_send(x, idx, slot, per_expert, cfg: EpConfig, R: int, fp8: bool,
+def dispatch_send(x, idx, slot, per_expert, cfg: LowLatencyConfig, R: int, fp8: bool,
                   scale_format: str, after: tuple = ()) -> LowLatencyPending:
     """``after``: arrays the send takes as operands and never reads (its
-    order after the previous receive; low_latency._after_operands)."""
+    order after the previous receive: :func:`_after_operands`)."""
     if fp8:
         mode = abi.dispatch_mode("cast_bf16" if x.dtype == jnp.bfloat16 else "cast_f32")
     elif x.dtype == jnp.bfloat16:
@@ -67,7 +58,7 @@ def dispatch_send(x, idx, slot, per_expert, cfg: EpConfig, R: int, fp8: bool,
     transport = _transport(cfg)
     token, = _ffi.call("jax_ep_ll_dispatch_send", [_TOKEN], x, idx, slot, per_expert, *after,
                        ep_axis=cfg.axis_name, has_side_effect=True, mode=np.int32(mode),
-                       fp8_scale_mode=_scale_mode(cfg, scale_format), ll_transport=transport,
+                       fp8_scale_mode=ffi_attrs.fp8_scale_mode(cfg, scale_format), ll_transport=transport,
                        num_sms=_num_sms(cfg))
     L, Tm, H, K = cfg.num_experts // R, cfg.max_tokens_per_rank, x.shape[1], idx.shape[1]
     dtype = FP8 if fp8 else x.dtype
@@ -91,7 +82,7 @@ def dispatch_recv(p: LowLatencyPending) -> LowLatencyDispatched:
                                 src_count=src_count, handle=handle)
 
 
-def combine_send(y, w, handle: LowLatencyHandle, cfg: EpConfig, R: int,
+def combine_send(y, w, handle: LowLatencyHandle, cfg: LowLatencyConfig, R: int,
                  after: tuple = ()) -> LowLatencyPending:
     if y.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
         raise TypeError(f"jax_ep low_latency_combine (native): y must be bf16, f16 or f32, got "
@@ -114,3 +105,58 @@ def combine_recv(p: LowLatencyPending) -> jax.Array:
                      ep_axis=axis, has_side_effect=True, num_experts=np.int32(E),
                      ll_transport=np.int32(transport), num_sms=np.int32(num_sms))
     return out
+
+
+def _after_operands(after) -> tuple:
+    """``after``'s leaves as extra operands of a native send: a buffer read
+    XLA must honour even where a command buffer orders its graph by buffer
+    uses alone, which drops an optimization barrier's edge (a send before
+    the previous receive of its op raises kErrLlOrder)."""
+    return tuple(jax.lax.stop_gradient(a) for a in jax.tree_util.tree_leaves(after))
+
+
+class NativeBackend:
+    """A :class:`jax_ep.backend.LowLatencyBackend` through the ``jax_ep_ll_*`` kernels."""
+
+    name = "native"
+
+    def unavailable(self, cfg: LowLatencyConfig):
+        """None when the live runtime has a low-latency region laid out for this
+        config's (E, Tmax, K, H) (``initialize(low_latency=)``), else the error
+        a native call raises."""
+        if not runtime.is_initialized():
+            return runtime.not_initialized_error()
+        live = runtime.region("low_latency")
+        if not live.nbytes:
+            return ValueError("jax_ep low-latency mode, backend='native': the runtime has no "
+                              "low-latency region; call jax_ep.initialize(low_latency=config) "
+                              "with the decode config")
+        want = cfg.shape
+        if tuple(live.attach_arg) != want:   # the handlers check too; this says it at trace time
+            return ValueError(
+                f"jax_ep low-latency mode (native): the low-latency region was laid out for "
+                f"(E, Tmax, K, H) = {tuple(live.attach_arg)} (jax_ep.initialize(low_latency=...)); "
+                f"this config has {want}")
+        return None
+
+    def dispatch_send(self, x, idx, slot, per_expert, cfg: LowLatencyConfig, R: int, fp8: bool,
+                      scale_format: str, after=None) -> LowLatencyPending:
+        return dispatch_send(x, idx, slot, per_expert, cfg, R, fp8, scale_format,
+                             after=_after_operands(after))
+
+    def dispatch_recv(self, pending: LowLatencyPending) -> LowLatencyDispatched:
+        return dispatch_recv(pending)
+
+    def combine_send(self, y, idx, w, handle: LowLatencyHandle, cfg: LowLatencyConfig, R: int,
+                     after=None) -> LowLatencyPending:
+        if handle.info is None:
+            raise ValueError("low_latency_combine (native): the handle comes from a reference "
+                             "low_latency_dispatch (no info / src_count); dispatch and combine "
+                             "must use one backend")
+        return combine_send(y, w, handle, cfg, R, after=_after_operands(after))
+
+    def combine_recv(self, pending: LowLatencyPending) -> jax.Array:
+        return combine_recv(pending)
+
+
+BACKEND = NativeBackend()

@@ -14,15 +14,16 @@ once per destination rank and replicate it there):
 The source knows where each of its pairs lands without asking anyone: the
 token's rank among its own tokens that picked the same expert. That index is
 the handle (``slot [T, K]``) combine reuses. fp8 sends e4m3 rows with
-per-token, per-128-channel scales, f32 (``reference.fp8_cast``) or
+per-token, per-128-channel scales, f32 (``jax_ep.fp8_cast``) or
 power-of-two "UE8M0" (exact on every platform). Combine brings each expert's
 output row back and sums ``out[t] = cast(sum_k w'_k f32(y_(t, k)))`` on the
 source, k ascending, in f32 (``w'``: repeated ids merged onto the first slot,
 as in normal mode).
 
-The reference implementation here (XLA all_to_all of a dense
-``[R, L * Tmax, H]`` buffer) is the semantics; the native kernels
-(``jax_ep/low_latency_native.py``, cc/kernels/low_latency.cu) give its bits.
+The reference backend (``jax_ep/low_latency/reference.py``: XLA all_to_all
+of a dense ``[R, L * Tmax, H]`` buffer) is the semantics; the native kernels
+(``jax_ep/low_latency/native.py``, cc/kernels/low_latency.cu) give its bits;
+``jax_ep.backend.select`` picks one.
 Forward-only: differentiating raises.
 
 The hook: each op also exists as a send half and a receive half,
@@ -38,101 +39,19 @@ half returns its result (same values, no overlap).
 """
 from __future__ import annotations
 
-import dataclasses
 from functools import partial
-from typing import Optional
+from typing import Union
 
 import jax
 import jax.numpy as jnp
 
-from . import validate
-from .config import FP8_SCALE_FORMATS, EpConfig
-from .reference import FP8, fp8_cast
-from .routing import F32, excl_cumsum, merge_duplicate_weights, sanitize_topk
-
-
-@dataclasses.dataclass(frozen=True)
-class LowLatencyHandle:
-    """What :func:`low_latency_dispatch` leaves for :func:`low_latency_combine`.
-
-    Attributes:
-      slot: ``[T, K]`` int32, the row inside its source block where pair
-        ``(t, topk_idx[t, k])`` landed on the expert's rank; -1 for unused
-        slots, invalid ids and repeats of an expert already named by the token.
-      info: ``[L, R * Tmax]`` int32 (native backend): ``t * K + k`` of each
-        received row at its source, where combine sends the row back; None
-        with the reference backend.
-      src_count: ``[L, R]`` int32 (native backend): valid rows per block; None
-        with the reference backend.
-      num_ranks, max_tokens: static R and Tmax.
-    """
-
-    slot: jax.Array
-    info: Optional[jax.Array] = None
-    src_count: Optional[jax.Array] = None
-    num_ranks: int = 0
-    max_tokens: int = 0
-
-
-jax.tree_util.register_dataclass(LowLatencyHandle, data_fields=["slot", "info", "src_count"],
-                                 meta_fields=["num_ranks", "max_tokens"])
-
-
-@dataclasses.dataclass(frozen=True)
-class LowLatencyDispatched:
-    """Result of :func:`low_latency_dispatch`, per rank.
-
-    Attributes:
-      x: ``[L, R * Tmax, H]`` received rows (fp8-e4m3 with ``fp8``, else the
-        input dtype); block ``s`` of expert ``l`` holds ``src_count[l, s]``
-        rows from source rank ``s`` in token order, the rest unspecified.
-      x_scales: ``[L, R * Tmax, H / 128]`` f32 dequantisation scales (fp8) or None.
-      count: ``[L]`` int32 valid rows per local expert.
-      src_count: ``[L, R]`` int32 valid rows per (local expert, source rank).
-      handle: :class:`LowLatencyHandle`.
-    """
-
-    x: jax.Array
-    x_scales: Optional[jax.Array]
-    count: jax.Array
-    src_count: jax.Array
-    handle: LowLatencyHandle
-
-    def valid_rows(self) -> jax.Array:
-        """``[L, R * Tmax]`` bool: the rows that hold a token."""
-        L, RT = self.x.shape[:2]
-        Tm = self.handle.max_tokens
-        j = jnp.arange(RT, dtype=jnp.int32)
-        return (j % Tm)[None, :] < jnp.repeat(self.src_count, Tm, axis=1)
-
-
-jax.tree_util.register_dataclass(
-    LowLatencyDispatched, data_fields=["x", "x_scales", "count", "src_count", "handle"],
-    meta_fields=[])
-
-
-@dataclasses.dataclass(frozen=True)
-class LowLatencyPending:
-    """An op between its send half and its receive half (the hook).
-
-    Attributes:
-      token: native backend: ``[1]`` uint32 output of the send custom call,
-        the receive's input (it orders the receive after the send; it holds
-        no data). None with the reference backend.
-      arrays: what the receive half needs (native: the handle's slot for
-        dispatch; slot and merged weights for combine).
-      result: reference backend: the op's finished result.
-      meta: static: the op ("dispatch" / "combine") and the receive's shapes.
-    """
-
-    token: Optional[jax.Array]
-    arrays: tuple
-    result: object
-    meta: tuple
-
-
-jax.tree_util.register_dataclass(LowLatencyPending, data_fields=["token", "arrays", "result"],
-                                 meta_fields=["meta"])
+from .. import backend as _backend
+from .. import validate
+from ..config import FP8_SCALE_FORMATS, EpConfig
+from ..routing import F32, excl_cumsum, merge_duplicate_weights, sanitize_topk
+from . import config as ll_config
+from .config import LowLatencyConfig
+from .types import LowLatencyDispatched, LowLatencyHandle, LowLatencyPending
 
 
 # Up to this many (token, expert) pairs, _slots compares every pair with every
@@ -173,41 +92,22 @@ def _slots_cumsum(e, first, E):
     return slot.astype(jnp.int32), jnp.sum(onehot, axis=0).astype(jnp.int32)
 
 
-def _exchange(buf, cfg: EpConfig):
-    """``[R, ...]`` block r to rank r; returns ``[R(source), ...]``."""
-    return jax.lax.all_to_all(buf, cfg.axis_name, 0, 0, tiled=True)
+Config = Union[LowLatencyConfig, EpConfig]
 
 
-def _native(cfg: EpConfig) -> bool:
-    """Whether this config runs the native kernels: ``native``, or ``auto``
-    with the runtime up and a low-latency region (``initialize(low_latency=)``)
-    laid out for this config's (E, Tmax, K, H)."""
-    if cfg.backend == "reference":
-        return False
-    from . import runtime
-
-    info = runtime.info() if runtime.is_initialized() else None
-    has_region = bool(info and info.get("ll_bytes"))
-    want = (cfg.num_experts, cfg.max_tokens_per_rank, cfg.topk, cfg.hidden)
-    have = tuple(int(v) for v in info["ll_shape"]) if has_region else None
-    if cfg.backend == "auto":
-        return have == want   # native only for the shape the region was laid out for
-    if not runtime.is_initialized():
-        raise RuntimeError(f"{runtime.not_initialized_message()} "
-                           f"({runtime.unavailable_reason()})")
-    if not has_region:
-        raise ValueError("jax_ep low-latency mode, backend='native': the runtime has no "
-                         "low-latency region; call jax_ep.initialize(low_latency=config) "
-                         "with the decode EpConfig")
-    if have != want:   # the handlers check too; this says it at trace time
-        raise ValueError(
-            f"jax_ep low-latency mode (native): the low-latency region was laid out for "
-            f"(E, Tmax, K, H) = {have} (jax_ep.initialize(low_latency=...)); this config has "
-            f"{want}")
-    return True
+def _config(config: Config):
+    """(R, the :class:`LowLatencyConfig`) of ``config``; an EpConfig is checked as
+    normal mode checks it (E and num_nodes against R)."""
+    if isinstance(config, EpConfig):
+        R = validate.axis_size(config)
+    else:
+        R = validate.mesh_axis_size(config)
+    cfg = ll_config.of(config)
+    cfg.local_experts(R)
+    return R, cfg
 
 
-def _check(x, topk_idx, cfg: EpConfig, R: int, fp8: bool, scale_format: str):
+def _check(x, topk_idx, cfg: LowLatencyConfig, R: int, fp8: bool, scale_format: str):
     if x.ndim != 2 or topk_idx.ndim != 2 or topk_idx.shape[0] != x.shape[0]:
         raise ValueError(f"low_latency_dispatch: x must be [T, H] and topk_idx [T, K], got "
                          f"{x.shape} and {topk_idx.shape}")
@@ -248,50 +148,7 @@ def _forward_only_bwd(name, res, g):
 _forward_only.defvjp(_forward_only_fwd, _forward_only_bwd)
 
 
-def _ref_dispatch(x, idx, slot, per_expert, cfg: EpConfig, R: int, fp8: bool,
-                  scale_format: str) -> LowLatencyDispatched:
-    E, L, Tm = cfg.num_experts, cfg.num_experts // R, cfg.max_tokens_per_rank
-    # send buffer [E * Tm, W]: expert e's block (rank e // L, local e % L), row slot
-    T, K = idx.shape
-    dest = jnp.where(slot >= 0, idx * Tm + slot, E * Tm).reshape(-1)
-    src = jnp.repeat(jnp.arange(T), K)
-
-    def place(rows):
-        buf = jnp.zeros((E * Tm + 1,) + rows.shape[1:], rows.dtype).at[dest].set(rows[src])
-        recv = _exchange(buf[:-1].reshape(R, L * Tm, *rows.shape[1:]), cfg)
-        recv = recv.reshape(R, L, Tm, *rows.shape[1:]).swapaxes(0, 1)   # [L, R, Tm, ...]
-        return recv.reshape(L, R * Tm, *rows.shape[1:])
-
-    if fp8:
-        q, s = fp8_cast(x, scale_format=scale_format)
-        recv_x, recv_s = place(q), place(s)
-    else:
-        recv_x, recv_s = place(x), None
-    src_count = _exchange(per_expert.reshape(R, L), cfg).T          # [L, R]
-    return LowLatencyDispatched(x=recv_x, x_scales=recv_s, count=jnp.sum(src_count, axis=1),
-                                src_count=src_count,
-                                handle=LowLatencyHandle(slot=slot, num_ranks=R, max_tokens=Tm))
-
-
-def _after(x, after):
-    """``x``, available to XLA only once ``after`` is computed (reference
-    backend: an optimization barrier, an edge without data; the reference has
-    no state between calls, so the edge only keeps both backends' programs
-    alike)."""
-    if after is None:
-        return x
-    return jax.lax.optimization_barrier((x, after))[0]
-
-
-def _after_operands(after) -> tuple:
-    """``after``'s leaves as extra operands of a native send: a buffer read
-    XLA must honour even where a command buffer orders its graph by buffer
-    uses alone, which drops an optimization barrier's edge (a send before
-    the previous receive of its op raises kErrLlOrder)."""
-    return tuple(jax.lax.stop_gradient(a) for a in jax.tree_util.tree_leaves(after))
-
-
-def low_latency_dispatch_send(x: jax.Array, topk_idx: jax.Array, config: EpConfig, *,
+def low_latency_dispatch_send(x: jax.Array, topk_idx: jax.Array, config: Config, *,
                               fp8: bool = True, scale_format: str = "f32",
                               after=None) -> LowLatencyPending:
     """Send half of :func:`low_latency_dispatch` (same arguments).
@@ -305,19 +162,13 @@ def low_latency_dispatch_send(x: jax.Array, topk_idx: jax.Array, config: EpConfi
     dispatch's result (any pytree of arrays) as ``after`` so that XLA cannot
     schedule this send before that receive.
     """
-    R = validate.axis_size(config)
-    _check(x, topk_idx, config, R, fp8, scale_format)
+    R, cfg = _config(config)
+    _check(x, topk_idx, cfg, R, fp8, scale_format)
+    be = _backend.select(_backend.LOW_LATENCY, cfg)
     x, = _forward_only("low_latency_dispatch", x)
     idx = topk_idx.astype(jnp.int32)
-    slot, per_expert = _slots(idx, config.num_experts)
-    if _native(config):
-        from . import low_latency_native as nat
-
-        return nat.dispatch_send(x, idx, slot, per_expert, config, R, fp8, scale_format,
-                                 after=_after_operands(after))
-    x = _after(x, after)
-    d = _ref_dispatch(x, idx, slot, per_expert, config, R, fp8, scale_format)
-    return LowLatencyPending(token=None, arrays=(), result=d, meta=("dispatch",))
+    slot, per_expert = _slots(idx, cfg.num_experts)
+    return be.dispatch_send(x, idx, slot, per_expert, cfg, R, fp8, scale_format, after=after)
 
 
 def low_latency_dispatch_recv(pending: LowLatencyPending) -> LowLatencyDispatched:
@@ -332,14 +183,10 @@ def low_latency_dispatch_recv(pending: LowLatencyPending) -> LowLatencyDispatche
     """
     if pending.meta[0] != "dispatch":
         raise ValueError(f"low_latency_dispatch_recv: got the pending {pending.meta[0]!r} op")
-    if pending.token is None:
-        return pending.result
-    from . import low_latency_native as nat
-
-    return nat.dispatch_recv(pending)
+    return _backend.sent_by(_backend.LOW_LATENCY, pending).dispatch_recv(pending)
 
 
-def low_latency_dispatch(x: jax.Array, topk_idx: jax.Array, config: EpConfig, *,
+def low_latency_dispatch(x: jax.Array, topk_idx: jax.Array, config: Config, *,
                          fp8: bool = True, scale_format: str = "f32",
                          after=None) -> LowLatencyDispatched:
     """Send each (token, expert) pair to the expert's rank, into a static layout.
@@ -349,9 +196,9 @@ def low_latency_dispatch(x: jax.Array, topk_idx: jax.Array, config: EpConfig, *,
         The native backend sends fp8 or bf16 rows (f32 needs ``fp8=True``).
       topk_idx: ``[T, K]`` expert ids in ``[-1, E)`` (-1, or any id outside,
         = slot unused); an expert named twice by a token is sent once.
-      config: :class:`EpConfig` (``num_experts``, ``topk``, ``hidden``,
-        ``max_tokens_per_rank``, ``axis_name``, ``backend``, ``num_sms``,
-        ``ll_transport``; layout and capacity unused). The native backend needs
+      config: a :class:`LowLatencyConfig`, or an :class:`EpConfig` (its fields
+        of the same names are read; layout, capacity, fp8 and internode fields
+        are unused). The native backend needs
         ``jax_ep.initialize(low_latency=config)``.
       fp8: send fp8-e4m3 rows with per-token, per-128-channel scales (else x's dtype).
       scale_format: ``"f32"`` (``jax_ep.fp8_cast``) or ``"ue8m0"`` (power-of-two
@@ -371,28 +218,15 @@ def low_latency_dispatch(x: jax.Array, topk_idx: jax.Array, config: EpConfig, *,
                                   after=after))
 
 
-def _ref_combine(y, idx, w, slot, cfg: EpConfig, R: int, Tm: int):
-    E, L = cfg.num_experts, cfg.num_experts // R
-    H = y.shape[2]
-    back = y.reshape(L, R, Tm, H).swapaxes(0, 1).reshape(R, L * Tm, H)
-    back = _exchange(back, cfg).reshape(E * Tm, H)                  # [e * Tm + slot]
-    out = jnp.zeros((idx.shape[0], H), F32)
-    for k in range(idx.shape[1]):   # fixed order: k ascending
-        ok = (slot[:, k] >= 0)[:, None]
-        row = back[jnp.where(slot[:, k] >= 0, idx[:, k] * Tm + slot[:, k], 0)].astype(F32)
-        out = out + jnp.where(ok, w[:, k:k + 1] * row, F32(0))
-    return out.astype(y.dtype)
-
-
 def low_latency_combine_send(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                             handle: LowLatencyHandle, config: EpConfig, *,
+                             handle: LowLatencyHandle, config: Config, *,
                              after=None) -> LowLatencyPending:
     """Send half of :func:`low_latency_combine` (same arguments): natively one
     kernel stores every valid row of ``y`` into its source's combine area and
     signals; finish with :func:`low_latency_combine_recv`. ``after``: as in
     :func:`low_latency_dispatch_send` (the previous combine's output)."""
-    R = validate.axis_size(config)
-    E, L, Tm = config.num_experts, config.num_experts // R, handle.max_tokens
+    R, cfg = _config(config)
+    E, L, Tm = cfg.num_experts, cfg.num_experts // R, handle.max_tokens
     if y.ndim != 3 or y.shape[:2] != (L, R * Tm):
         raise ValueError(f"low_latency_combine: y must be [L, R*Tmax, H] = [{L}, {R * Tm}, H], "
                          f"got {y.shape}")
@@ -401,20 +235,11 @@ def low_latency_combine_send(y: jax.Array, topk_idx: jax.Array, topk_weights: ja
                          f"(the dispatch's [T, K]), got {topk_idx.shape} / {topk_weights.shape}")
     if handle.num_ranks != R:
         raise ValueError(f"low_latency_combine: handle is for R={handle.num_ranks}, axis has {R}")
+    be = _backend.select(_backend.LOW_LATENCY, cfg)
     y, topk_weights = _forward_only("low_latency_combine", y, topk_weights)
     idx = topk_idx.astype(jnp.int32)
     w = merge_duplicate_weights(idx, topk_weights.astype(F32), E)
-    if _native(config):
-        if handle.info is None:
-            raise ValueError("low_latency_combine (native): the handle comes from a reference "
-                             "low_latency_dispatch (no info / src_count); dispatch and combine "
-                             "must use one backend")
-        from . import low_latency_native as nat
-
-        return nat.combine_send(y, w, handle, config, R, after=_after_operands(after))
-    y = _after(y, after)
-    out = _ref_combine(y, idx, w, handle.slot, config, R, Tm)
-    return LowLatencyPending(token=None, arrays=(), result=out, meta=("combine",))
+    return be.combine_send(y, idx, w, handle, cfg, R, after=after)
 
 
 def low_latency_combine_recv(pending: LowLatencyPending) -> jax.Array:
@@ -422,15 +247,11 @@ def low_latency_combine_recv(pending: LowLatencyPending) -> jax.Array:
     rank's signal, then reduces; returns ``[T, H]`` as :func:`low_latency_combine`."""
     if pending.meta[0] != "combine":
         raise ValueError(f"low_latency_combine_recv: got the pending {pending.meta[0]!r} op")
-    if pending.token is None:
-        return pending.result
-    from . import low_latency_native as nat
-
-    return nat.combine_recv(pending)
+    return _backend.sent_by(_backend.LOW_LATENCY, pending).combine_recv(pending)
 
 
 def low_latency_combine(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array,
-                        handle: LowLatencyHandle, config: EpConfig, *, after=None) -> jax.Array:
+                        handle: LowLatencyHandle, config: Config, *, after=None) -> jax.Array:
     """Bring every expert's output row back and reduce it with the routing weights.
 
     Args:
@@ -439,7 +260,7 @@ def low_latency_combine(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arr
       topk_idx: ``[T, K]``, the ids given to :func:`low_latency_dispatch`.
       topk_weights: ``[T, K]`` routing weights (used as f32).
       handle: the dispatch's :class:`LowLatencyHandle`.
-      config: the dispatch's :class:`EpConfig`.
+      config: the dispatch's config.
       after: as in :func:`low_latency_dispatch` (the previous combine's output).
 
     Returns:

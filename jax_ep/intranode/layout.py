@@ -1,6 +1,6 @@
 """Native dispatch layout: the ``jax_ep_layout`` CUDA kernel as a per-rank op.
 
-Same contract as ``Backend.layout`` (jax_ep/backend.py): call per rank inside
+Same contract as ``RowBackend.layout`` (jax_ep/backend.py): call per rank inside
 ``jax.shard_map``; returns ``(num_tokens_per_rank [R] i32,
 num_tokens_per_expert [E] i32, is_token_in_rank [T, R] bool)`` over this rank's
 tokens, ids outside ``[0, E)`` counting nowhere and a token counting once per
@@ -11,8 +11,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from . import _ffi
-from .config import EpConfig
+from .. import _ffi
+from ..config import EpConfig
 
 
 def layout(topk_idx, cfg: EpConfig, R: int):

@@ -1,4 +1,4 @@
-"""Pure-JAX reference backend: the executable definition of docs/semantics.md.
+"""Normal-mode reference backend: the executable definition of docs/semantics.md.
 
 Routing (handle, counts, weights) is ``jax_ep.routing``, shared with the native
 backend; rows move through ``jax.lax.all_to_all`` over a dense, statically shaped ``[R, T, W]``
@@ -6,7 +6,9 @@ send buffer (each token at most once per destination rank), so it runs on any
 platform and device layout, CPU included. It is the oracle of every native test
 and XLA's "dense all_to_all with static capacity" baseline in the benchmark.
 
-Every method runs per rank inside ``jax.shard_map`` (see ``jax_ep.backend``).
+Every method runs per rank inside ``jax.shard_map`` (``jax_ep.backend.RowBackend``).
+It serves both normal-mode families: the internode kernels give the same
+semantics (up to one rounding per node partial in bf16 combine).
 """
 from __future__ import annotations
 
@@ -15,52 +17,10 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from . import routing
-from .config import FP8_SCALE_FORMATS, EpConfig
-from .routing import merge_duplicate_weights, sanitize_topk  # noqa: F401  (public names)
-from .types import Handle
-
-F32 = jnp.float32
-FP8 = jnp.float8_e4m3fn
-FP8_MAX = 448.0
-FP8_BLOCK = 128
-
-
-def fp8_cast(x: jax.Array, scale_format: str = "f32"):
-    """Per-token, per-128-channel fp8-e4m3 cast (the bits the native kernel must match).
-
-    ``scale_format="ue8m0"``: the scale is the smallest power of two with
-    ``448 * scale >= amax`` (found from ``frexp(amax)`` without dividing), and
-    ``q = e4m3(x * 2^-k)`` is a multiply by a power of two: exact, so every
-    platform gives the same bits (DeepSeek-V3's UE8M0 scales). The default
-    ``"f32"`` is described below.
-
-    x ``[T, H]`` (H % 128 == 0) -> (q ``[T, H]`` e4m3, scales ``[T, H/128]`` f32)
-    with ``x ≈ q * scale``: ``amax = max(max|x|, 1e-4)``, ``scale = amax / 448``,
-    ``q = e4m3(clip(x * (448 / amax), ±448))`` (IEEE f32, round to nearest even).
-
-    The scale is ``amax * f32(1/448)``, a multiply, because XLA rewrites
-    division by a constant into that. ``448 / amax`` is an IEEE division on the
-    CPU but XLA:GPU lowers f32 division to the approximate PTX ``div.full.f32``,
-    so the bits of q differ between platforms in rare last-ulp cases. The native
-    kernel follows XLA:GPU (``KernelTuning(fp8_ieee_division=True)`` switches it to IEEE), so
-    native and reference agree bit for bit when both run on the GPU."""
-    if scale_format not in FP8_SCALE_FORMATS:
-        raise ValueError(f"fp8_cast: scale_format must be one of {FP8_SCALE_FORMATS}, got "
-                         f"{scale_format!r}")
-    T, H = x.shape
-    xf = x.astype(F32).reshape(T, H // FP8_BLOCK, FP8_BLOCK)
-    amax = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1), F32(1e-4))
-    if scale_format == "ue8m0":
-        m, p = jnp.frexp(amax)   # amax = m 2^p, m in [0.5, 1); 448 = 1.75 2^8
-        k = jnp.where(m <= F32(0.875), p - 9, p - 8)
-        inv_pow2 = jnp.ldexp(jnp.ones_like(amax), -k)
-        q = jnp.clip(xf * inv_pow2[..., None], -FP8_MAX, FP8_MAX).astype(FP8)
-        return q.reshape(T, H), jnp.ldexp(jnp.ones_like(amax), k)
-    scale = amax * F32(1.0 / FP8_MAX)
-    inv = F32(FP8_MAX) / amax
-    q = jnp.clip(xf * inv[..., None], -FP8_MAX, FP8_MAX).astype(FP8)
-    return q.reshape(T, H), scale
+from .. import routing
+from ..config import EpConfig
+from ..fp8 import F32, fp8_cast
+from ..types import Handle
 
 
 class ReferenceBackend:
@@ -70,6 +30,9 @@ class ReferenceBackend:
 
     name = "reference"
     router = routing.XlaRouter()
+
+    def unavailable(self, cfg: EpConfig):
+        return None   # runs anywhere
 
     def layout(self, topk_idx, cfg: EpConfig, R: int):
         return routing.layout_counts(topk_idx, cfg, R)

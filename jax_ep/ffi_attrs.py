@@ -1,0 +1,62 @@
+"""FFI attributes several kernel families share, from an :class:`EpConfig`.
+
+The codes are ``jax_ep/abi.py``'s (compiled into the kernels); the attribute
+names are those the handlers bind (cc/ffi_targets.h).
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from . import abi
+from .config import EpConfig
+from .types import Handle
+
+
+def dispatch_mode(name: str) -> np.int32:
+    return np.int32(abi.dispatch_mode(name))
+
+
+def cast_mode(dtype) -> np.int32:
+    """The DispatchMode of an fp8 cast in the send kernel, from x's dtype."""
+    if dtype == jnp.bfloat16:
+        return dispatch_mode("cast_bf16")
+    if dtype == jnp.float32:
+        return dispatch_mode("cast_f32")
+    raise TypeError(f"jax_ep native dispatch: fp8 cast needs bf16/f32 x, got {dtype}")
+
+
+def num_sms(cfg: EpConfig, override=None) -> np.int32:
+    """SMs the kernels may occupy: ``override``, else ``cfg.num_sms`` (0: every SM)."""
+    return np.int32(override if override is not None else (cfg.num_sms or 0))
+
+
+def chunk(cfg: EpConfig, op: str) -> np.int32:
+    """Tokens per flag (``cfg.tuning``; 0: the kernel default) of ``op``
+    (``"dispatch"``: dispatch, fp8 dispatch and the combine backward; ``"combine"``)."""
+    t = cfg.tuning
+    return np.int32(t.combine_chunk if op == "combine" else t.dispatch_chunk)
+
+
+def fp8_scale_mode(cfg: EpConfig, scale_format: str = None) -> np.int32:
+    """The kernel's Fp8ScaleMode for ``scale_format`` (None: ``cfg.fp8_scale_format``):
+    UE8M0, or f32 scales with the reference's division as XLA:GPU computes
+    it (or IEEE, ``cfg.tuning.fp8_ieee_division``)."""
+    fmt = cfg.fp8_scale_format if scale_format is None else scale_format
+    if fmt == "ue8m0":
+        return np.int32(abi.fp8_scale_mode("ue8m0"))
+    return np.int32(abi.fp8_scale_mode("ieee" if cfg.tuning.fp8_ieee_division else "xla_gpu"))
+
+
+def row_attrs(handle: Handle, cfg: EpConfig) -> dict:
+    """Which rows with no source the kernel zeroes: padding inside expert
+    groups always (it finds them from the alignment), the tail past the last
+    group only with ``cfg.zero_tail`` (unspecified otherwise: at EP 2 / V3-train
+    that tail is half of the dropless capacity)."""
+    align = cfg.expert_alignment if handle.layout == "expert_major" else 1
+    return dict(align=np.int32(align), zero_tail=np.int32(cfg.zero_tail))
+
+
+def empty_f32(n_rows: int):
+    """A ``[n_rows, 0]`` f32 operand: no scales."""
+    return jnp.zeros((n_rows, 0), jnp.float32)
