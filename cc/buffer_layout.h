@@ -5,7 +5,7 @@
 // ring_depth).
 //
 // [ dispatch parity 0 | dispatch parity 1 | combine parity 0 | combine parity 1 | ... | control ]
-// Each op's staging is double-buffered by call parity (see transport/p2p.cuh
+// Each op's staging is double-buffered by call parity (see transport/ring.cuh
 // for the protocol); the control region at the end holds one OpCtrl per op.
 //
 // Staging is a set of bounded rings, so the buffer does not grow with T: in
@@ -13,7 +13,7 @@
 // slots of `chunk` token rows. Chunk j of the tokens belongs to block
 // b = j % G and is that block's i-th chunk (i = j / G); it lands in slot
 // q = i % depth. A sender reuses a slot only after the receiver returned the
-// slot's credit (transport/p2p.cuh). When depth covers all of a block's
+// slot's credit (transport/ring.cuh). When depth covers all of a block's
 // chunks nothing wraps and no sender ever waits.
 #pragma once
 

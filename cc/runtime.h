@@ -32,7 +32,7 @@ struct PeerTable {
   // NVSHMEM PE of each member (the puts' target); 0 with peer memory, which
   // has no PEs and maps every member.
   int pe[kMaxRanks] = {};
-  // How a put names byte off of member r (put_target, transport/p2p.cuh).
+  // How a put names byte off of member r (put_target, transport/nvshmem_put.cuh).
   // 0: the caller's own address of it (peers[rank] + off: one symmetric
   // buffer per PE, NVSHMEM's naming). 1: peers[r] + off on pe[r] (the
   // loopback harness: every member's buffer a separate object of one PE's

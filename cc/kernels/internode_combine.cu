@@ -87,7 +87,7 @@ inter_combine_kernel(InterCombineArgs ia, InterLaunch lc) {
     const uint8_t* cnvl_meta = reinterpret_cast<const uint8_t*>(peer_ptr(a.peers, me, ar.cnvl_meta));
     for (int it = blockIdx.x * lc.fwd_warps + warp - lc.send_warps; it < NC * N; it += nw) {
       const int j = it / N, ns = it % N, s = ns * G + my_g;
-      const bool put = PUT && net_by_put(ia.put_mask, s);  // warp-uniform
+      const bool put = PUT && by_put(ia.put_mask, s);  // warp-uniform
       for (int gg = 0; gg < G; ++gg)
         wait_local(a.peers, lay.c_nvl_ready + ((size_t(gg) * N + ns) * LT + j) * 8, tag,
                    a.host_err, a.timeout_ns);
@@ -101,20 +101,20 @@ inter_combine_kernel(InterCombineArgs ia, InterLaunch lc) {
         if (!q) continue;  // t reached no rank of this node: the source expects nothing
         const size_t off = ar.cnet_rows + (size_t(my_node) * LT + t) * RB;
         const size_t stage = ar.cstage_rows + (size_t(ns) * LT + t) * RB;
-        char* dst = put ? net_sym(a.peers, stage) : net_dst(a.peers, s, off);
+        char* dst = put ? own_ptr(a.peers, stage) : net_dst(a.peers, s, off);
         warp_combine_token<T, V>(src, q, -1, nullptr, RB, nullptr, nullptr, 0, false, dst, 0, RB,
                                  lane);
         if constexpr (PUT) {
           if (put) {
             __syncwarp();  // every lane's staged bytes before the warp's put reads them
-            net_put_warp(a.peers, s, off, stage, RB);
+            put_row_warp(a.peers, s, off, stage, RB);
           }
         }
       }
       __syncwarp();
       if (lane == 0)
-        net_signal<PUT>(a.peers, ia.put_mask, s, lay.c_net_ready + (size_t(my_node) * LT + j) * 8,
-                        tag);
+        send_signal<PUT, SignalOrder::kFenceFirst>(
+            a.peers, ia.put_mask, s, lay.c_net_ready + (size_t(my_node) * LT + j) * 8, tag);
       __syncwarp();
     }
   } else {
@@ -126,7 +126,7 @@ inter_combine_kernel(InterCombineArgs ia, InterLaunch lc) {
       for (int nd = 0; nd < N; ++nd)
         wait_local(a.peers, lay.c_net_ready + (size_t(nd) * LT + j) * 8, tag, a.host_err,
                    a.timeout_ns);
-      net_puts_visible<PUT>(a.peers, lay.c_net_ready + j * 8, lane);
+      puts_visible_warp<PUT>(a.peers, lay.c_net_ready + j * 8, lane);
       for (int t = j * chunk; t < min(NT, (j + 1) * chunk); ++t) {
         const bool* mb = a.send_mask + static_cast<long long>(t0 + t) * R;
         const char* src[kMaxRanks];

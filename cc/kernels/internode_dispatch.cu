@@ -44,10 +44,11 @@ __device__ __forceinline__ void put_token_row(const PeerTable& p, unsigned int p
   __syncwarp();  // every lane's staging writes before the warp's puts read them
   for (int nd = 0; put_t >> nd; ++nd) {
     if (!((put_t >> nd) & 1u)) continue;
-    net_put_warp(p, nd * G + my_g, ar.net_rows + slot * RB, ar.stage_rows + size_t(t) * RB, RB);
+    put_row_warp(p, nd * G + my_g, ar.net_rows + slot * RB,
+                 ar.stage_rows + size_t(t) * RB, RB);
     if (SB)
-      net_put_warp(p, nd * G + my_g, ar.net_scales + slot * SB, ar.stage_scales + size_t(t) * SB,
-                   SB);
+      put_row_warp(p, nd * G + my_g, ar.net_scales + slot * SB,
+                   ar.stage_scales + size_t(t) * SB, SB);
   }
 }
 
@@ -60,7 +61,7 @@ __device__ __forceinline__ void put_chunk_meta(const PeerTable& p, unsigned int 
                                                int t1) {
   for (int nd = 0; nd < N; ++nd) {
     if (!((put_nodes >> nd) & 1u)) continue;
-    net_put_warp(p, nd * G + my_g, ar.net_meta + (size_t(my_node) * LT + t0) * 4,
+    put_row_warp(p, nd * G + my_g, ar.net_meta + (size_t(my_node) * LT + t0) * 4,
                  ar.stage_meta + (size_t(nd) * LT + t0) * 4, 4LL * (t1 - t0));
   }
 }
@@ -92,7 +93,7 @@ inter_dispatch_kernel(InterDispatchArgs ia, InterLaunch lc) {
     unsigned int put_nodes = 0;  // bit nd: forwarder (nd, my_g) is reached by puts
     if constexpr (PUT)
       for (int nd = 0; nd < N; ++nd)
-        if (net_by_put(ia.put_mask, nd * G + my_g)) put_nodes |= 1u << nd;
+        if (by_put(ia.put_mask, nd * G + my_g)) put_nodes |= 1u << nd;
     for (int j = blockIdx.x * lc.send_warps + warp; j < NC; j += nw) {
       for (int t = j * chunk; t < min(T, (j + 1) * chunk); ++t) {
         // lane m < N: the mask of node m's ranks that want t
@@ -104,7 +105,7 @@ inter_dispatch_kernel(InterDispatchArgs ia, InterLaunch lc) {
         const size_t slot = size_t(my_node) * LT + t;
         if (lane < N) {
           if (PUT && ((put_nodes >> lane) & 1u))  // staged: the chunk's words go in one put
-            *reinterpret_cast<uint32_t*>(net_sym(a.peers, ar.stage_meta + (size_t(lane) * LT + t) * 4)) = m;
+            *reinterpret_cast<uint32_t*>(own_ptr(a.peers, ar.stage_meta + (size_t(lane) * LT + t) * 4)) = m;
           else
             *reinterpret_cast<uint32_t*>(net_dst(a.peers, lane * G + my_g, ar.net_meta + slot * 4)) = m;
         }
@@ -119,8 +120,8 @@ inter_dispatch_kernel(InterDispatchArgs ia, InterLaunch lc) {
           ++n;
         }
         if (put_t) {  // one staged copy (n < N here), put to each of those nodes below
-          dst[n] = net_sym(a.peers, ar.stage_rows + size_t(t) * RB);
-          dsts[n] = net_sym(a.peers, ar.stage_scales + size_t(t) * SB);
+          dst[n] = own_ptr(a.peers, ar.stage_rows + size_t(t) * RB);
+          dsts[n] = own_ptr(a.peers, ar.stage_scales + size_t(t) * SB);
           ++n;
         }
         if (n)
@@ -133,8 +134,9 @@ inter_dispatch_kernel(InterDispatchArgs ia, InterLaunch lc) {
       if constexpr (PUT) put_chunk_meta(a.peers, put_nodes, N, G, my_node, my_g, ar, LT, j * chunk,
                                         min(T, (j + 1) * chunk));
       if (lane < N)
-        net_signal<PUT>(a.peers, ia.put_mask, lane * G + my_g,
-                        lay.d_net_ready + (size_t(my_node) * LT + j) * 8, tag);
+        send_signal<PUT, SignalOrder::kFenceFirst>(
+            a.peers, ia.put_mask, lane * G + my_g,
+            lay.d_net_ready + (size_t(my_node) * LT + j) * 8, tag);
       __syncwarp();
     }
   } else if (warp < lc.send_warps + lc.fwd_warps) {
@@ -147,7 +149,7 @@ inter_dispatch_kernel(InterDispatchArgs ia, InterLaunch lc) {
       const int j = it / N, ns = it % N, s = ns * G + my_g;  // chunk-major: early chunks first
       const size_t flag = lay.d_net_ready + (size_t(ns) * LT + j) * 8;
       wait_local(a.peers, flag, tag, a.host_err, a.timeout_ns);
-      net_puts_visible<PUT>(a.peers, flag, lane);
+      puts_visible_warp<PUT>(a.peers, flag, lane);
       for (int t = j * chunk; t < min(T, (j + 1) * chunk); ++t) {
         const size_t slot = size_t(ns) * LT + t;
         const unsigned int m = net_meta[slot];

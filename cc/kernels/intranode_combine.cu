@@ -15,7 +15,7 @@
 #include "kernels/intranode.h"
 #include "kernels/row_copy.cuh"
 #include "kernels/sync.cuh"
-#include "transport/p2p.cuh"
+#include "transport/ring.cuh"
 
 namespace jax_ep {
 

@@ -10,7 +10,7 @@
 // (destination, chunk); "receiver" warps gather a peer's chunk as soon as its
 // flag is up and otherwise do the work that needs nobody (zero rows, own
 // tokens), so the local gather overlaps the NVLink transfer. Chunks go
-// through bounded rings with credits (transport/p2p.cuh): a block's chunk i
+// through bounded rings with credits (transport/ring.cuh): a block's chunk i
 // reuses slot i % depth once every receiver drained chunk i - depth.
 #include <cuda_fp8.h>
 #include <cuda_bf16.h>
@@ -20,7 +20,7 @@
 #include "kernels/intranode.h"
 #include "kernels/row_copy.cuh"
 #include "kernels/sync.cuh"
-#include "transport/p2p.cuh"
+#include "transport/ring.cuh"
 
 namespace jax_ep {
 

@@ -46,8 +46,6 @@
 // third buffer; the hook must keep them interleaved.)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <nvshmem.h>
-#include <nvshmemx.h>
 
 #include <mutex>
 #include <type_traits>
@@ -57,55 +55,31 @@
 #include "kernels/low_latency.h"
 #include "kernels/row_copy.cuh"
 #include "kernels/sync.cuh"
-#include "transport/p2p.cuh"
+#include "transport/nvshmem_put.cuh"
+#include "transport/peer.cuh"
 
 namespace jax_ep {
 
 namespace {
 
-// ---- transport seam: the only places a low-latency kernel touches another
-// rank. Rank r is reached one of two ways (bit r of put_mask, low_latency.h):
-//  - P2P: a warp writes its row in place through peer_ptr; a signal is a
-//    release store. Each block fences before it arrives on the done counter
-//    and the last block fences again (fence cumulativity covers the stores).
-//  - put: a warp writes its row into this rank's staging area (symmetric
-//    memory: a network put reads its source from there) and sends it with
-//    nvshmemx_putmem_nbi_warp to the same offset on PE pe[r] (put_target); a signal is
-//    nvshmemx_signal_op(SET). A fence does not cover a put that a NIC carries
-//    out, so each block completes its puts (nvshmem_quiet: done and visible
-//    at the target) before it arrives; the last block's signals then follow
-//    every block's rows, and the staging rows are free when the kernel ends.
+// ---- Reaching other ranks. Rank r is reached one of two ways (bit r of
+// put_mask, low_latency.h):
+//  - P2P: a warp writes its row in place through peer_ptr;
+//  - put: a warp writes its row into this rank's staging area and sends it
+//    with put_row_warp (transport/nvshmem_put.cuh).
+// Signals are send_signal<PUT, SignalOrder::kOrderedByCaller>: no fence at the
+// signal itself. Each block fences before it arrives on the done counter and
+// the last block fences again (fence cumulativity covers the P2P stores); a
+// fence does not cover a put that a NIC carries out, so with puts each block
+// first completes its puts (quiet_puts: done and visible at the target). The
+// last block's signals then follow every block's rows, and the staging rows
+// are free when the kernel ends.
 // The send kernels are instantiated twice: PUT = false (no rank by puts: no
-// NVSHMEM call at all, the P2P code as it was) and PUT = true (per rank).
-__device__ __forceinline__ bool ll_by_put(unsigned int put_mask, int r) {
-  return (put_mask >> r) & 1u;
-}
-
-// Byte off of this rank's buffer: NVSHMEM names a put's target by the
-// caller's own address of the symmetric object.
-__device__ __forceinline__ char* ll_sym(const PeerTable& p, size_t off) {
-  return peer_ptr(p, p.rank, off);
-}
-
-// Whole warp: `bytes` staged at src (the warp's own writes, ordered before
-// this by __syncwarp) to byte off of rank r. Non-blocking: src stays
-// untouched until the block's quiet.
-__device__ __forceinline__ void ll_put_warp(const PeerTable& p, int r, size_t off, const char* src,
-                                            long long bytes) {
-  nvshmemx_putmem_nbi_warp(put_target(p, r, off), src, static_cast<size_t>(bytes), p.pe[r]);
-}
-
+// NVSHMEM call at all) and PUT = true (per rank).
 template <bool PUT>
 __device__ __forceinline__ void ll_signal(const PeerTable& p, unsigned int put_mask, int r,
                                           size_t off, unsigned long long tag) {
-  if constexpr (PUT) {
-    if (ll_by_put(put_mask, r)) {
-      nvshmemx_signal_op(reinterpret_cast<uint64_t*>(put_target(p, r, off)), tag, NVSHMEM_SIGNAL_SET,
-                         p.pe[r]);
-      return;
-    }
-  }
-  st_release_sys64(reinterpret_cast<unsigned long long*>(peer_ptr(p, r, off)), tag);
+  send_signal<PUT, SignalOrder::kOrderedByCaller>(p, put_mask, r, off, tag);
 }
 
 __device__ __forceinline__ LlOpCtrl* ll_ctrl(const PeerTable& p, const LlLayout& lay, int op) {
@@ -152,25 +126,9 @@ template <bool PUT>
 __device__ __forceinline__ bool ll_send_finished(unsigned int* done) {
   if constexpr (PUT) {
     __syncthreads();
-    if (threadIdx.x == 0) nvshmem_quiet();
+    if (threadIdx.x == 0) quiet_puts();
   }
   return last_block(done);
-}
-
-// A receive kernel, after its waits, when some rank reaches this one by puts:
-// a word being set does not by itself make a network put's rows visible to
-// this GPU's loads on every platform (NVSHMEM follows its own waits and tests
-// with a consistency step at the target); a test of a word already seen set
-// takes that step and returns at once. Block-uniform; the barriers order
-// every thread's waits before it and every row read after it.
-__device__ __forceinline__ void ll_puts_visible(unsigned int put_mask,
-                                                const unsigned long long* word) {
-  if (!put_mask) return;
-  __syncthreads();
-  if (threadIdx.x == 0)
-    nvshmem_uint64_test(reinterpret_cast<uint64_t*>(const_cast<unsigned long long*>(word)),
-                        NVSHMEM_CMP_GE, 0);
-  __syncthreads();
 }
 
 // In place over sm[0..n): sm[i] = sum of the inputs before i, sm[n] = total.
@@ -280,11 +238,11 @@ ll_dispatch_send_kernel(LlDispatchSendArgs a) {
     unsigned int puts = 0;   // bit r: rank r gets the staged row by a put
     for (unsigned int m = firsts; m; m &= m - 1) {
       const int rr = __shfl_sync(0xffffffffu, r, __ffs(m) - 1);
-      if (PUT && ll_by_put(a.put_mask, rr)) {
+      if (PUT && by_put(a.put_mask, rr)) {
         if (!puts) {  // one staged copy (token t's staging row) serves every put rank
           si = n;
-          dst[n] = ll_sym(a.peers, a.lay.disp_stage + static_cast<size_t>(t) * a.lay.row_stride);
-          dsts[n++] = ll_sym(a.peers, a.lay.disp_stage_scales +
+          dst[n] = own_ptr(a.peers, a.lay.disp_stage + static_cast<size_t>(t) * a.lay.row_stride);
+          dsts[n++] = own_ptr(a.peers, a.lay.disp_stage_scales +
                                           static_cast<size_t>(t) * a.lay.s_row_stride);
         }
         puts |= 1u << rr;
@@ -314,9 +272,9 @@ ll_dispatch_send_kernel(LlDispatchSendArgs a) {
         __syncwarp();
         for (unsigned int m = puts; m; m &= m - 1) {
           const int rr = __ffs(m) - 1;
-          ll_put_warp(a.peers, rr, off + b0, dst[si] + b0, b1 - b0);
+          put_row_warp(a.peers, rr, off + b0, dst[si] + b0, b1 - b0);
           if constexpr (kCast)
-            ll_put_warp(a.peers, rr, soff + 4LL * g0, dsts[si] + 4LL * g0, 4LL * (g1 - g0));
+            put_row_warp(a.peers, rr, soff + 4LL * g0, dsts[si] + 4LL * g0, 4LL * (g1 - g0));
         }
       }
     }
@@ -325,8 +283,8 @@ ll_dispatch_send_kernel(LlDispatchSendArgs a) {
       const size_t ioff =
           a.lay.disp_info[par] + ((static_cast<size_t>(l) * R + me) * a.lay.Tmax + j) * 4;
       const int32_t tk = t * K + lane;
-      if (PUT && ll_by_put(a.put_mask, r))  // travels by value: nothing to stage
-        nvshmem_int32_p(reinterpret_cast<int32_t*>(put_target(a.peers, r, ioff)), tk, a.peers.pe[r]);
+      if (PUT && by_put(a.put_mask, r))  // travels by value: nothing to stage
+        put_int32(a.peers, r, ioff, tk);
       else
         *reinterpret_cast<int32_t*>(peer_ptr(a.peers, r, ioff)) = tk;
     }
@@ -360,7 +318,7 @@ ll_dispatch_recv_kernel(LlDispatchRecvArgs a) {
       n = static_cast<int>(static_cast<unsigned int>(ld_acquire_sys64(words + b))) - 1;
     sm_pre[b] = min(max(n, 0), a.lay.Tmax);
   }
-  ll_puts_visible(a.put_mask, words);
+  puts_visible_block(a.put_mask, words);
   block_exclusive_scan(sm_pre, LR);
   if (blockIdx.x == 0) {
     for (int b = threadIdx.x; b < LR; b += blockDim.x) a.src_count[b] = sm_pre[b + 1] - sm_pre[b];
@@ -428,11 +386,11 @@ ll_combine_send_kernel(LlCombineSendArgs a) {
     const int tk = __ldg(a.info + row);
     if (tk < 0 || tk >= a.lay.Tmax * a.lay.K) continue;  // never for a dispatch's own info
     const size_t off = a.lay.comb_rows[par] + tk * a.lay.comb_row_stride;
-    const bool put = PUT && ll_by_put(a.put_mask, s);  // warp-uniform
+    const bool put = PUT && by_put(a.put_mask, s);  // warp-uniform
     // By put: written to staging row i first (i < comb_stage_rows for a
     // dispatch's own src_count: buffer_layout.h).
     if (put && i >= a.lay.comb_stage_rows) continue;
-    char* dst = put ? ll_sym(a.peers, a.lay.comb_stage + i * a.lay.comb_row_stride)
+    char* dst = put ? own_ptr(a.peers, a.lay.comb_stage + i * a.lay.comb_row_stride)
                     : peer_ptr(a.peers, s, off);
     long long b0, b1;
     vec_slice(nvec, v, sl, slices, &b0, &b1);
@@ -441,7 +399,7 @@ ll_combine_send_kernel(LlCombineSendArgs a) {
     if constexpr (PUT) {
       if (put) {
         __syncwarp();
-        ll_put_warp(a.peers, s, off + b0, dst + b0, b1 - b0);
+        put_row_warp(a.peers, s, off + b0, dst + b0, b1 - b0);
       }
     }
   }
@@ -516,7 +474,7 @@ ll_combine_recv_kernel(LlCombineRecvArgs a) {
   for (int s = threadIdx.x; s < R; s += blockDim.x)
     wait_tag(flags + s, chunk_tag(epoch, -1), a.host_err, a.timeout_ns);
   __syncthreads();
-  ll_puts_visible(a.put_mask, flags);
+  puts_visible_block(a.put_mask, flags);
   const char* area = peer_ptr(a.peers, me, a.lay.comb_rows[par]);
   const long long rb = a.lay.comb_row_bytes;
   const int K = a.lay.K;

@@ -5,7 +5,7 @@
 #include "buffer_layout.h"
 #include "device_error.h"
 #include "kernels/sync.cuh"
-#include "transport/p2p.cuh"
+#include "transport/peer.cuh"
 
 namespace jax_ep {
 

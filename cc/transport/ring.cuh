@@ -1,13 +1,6 @@
-// The transport seam: how a kernel reaches another rank. Kernels touch peer
-// memory only through peer_ptr (a byte offset in rank r's symmetric buffer,
-// mapped into this process) and publish_chunk (make rows visible, then raise
-// the flag); nothing else in a kernel knows where PeerTable's pointers come
-// from. Today the runtime fills PeerTable with NVSHMEM P2P mappings
-// (nvshmem_ptr over NVLink, cc/runtime.cu); a peer-memory transport (one
-// process driving several GPUs) fills the same table with peer-access
-// pointers. A transport that cannot map remote memory (NVSHMEM puts, RDMA)
-// provides its own pair of these functions in a file next to this one and the
-// kernels that use it are instantiated for it.
+// The ring / credit protocol of the intranode kernels: bounded staging rings
+// per (source, receiving block), written by P2P stores through peer_ptr
+// (transport/peer.cuh), published by tagged ready words, freed by credits.
 //
 // Protocol (every op): each call has an epoch e (a device-side counter, so the
 // kernels are safe to replay in CUDA graphs). Staging is a bounded ring per
@@ -34,20 +27,9 @@
 #include "buffer_layout.h"
 #include "kernels/sync.cuh"
 #include "runtime.h"
+#include "transport/peer.cuh"
 
 namespace jax_ep {
-
-// Byte `off` of rank r's symmetric buffer (r == p.rank: the local one).
-__device__ __forceinline__ char* peer_ptr(const PeerTable& p, int r, size_t off) {
-  return static_cast<char*>(p.peers[r]) + off;
-}
-
-// The symmetric address an NVSHMEM put or signal to PE p.pe[r] names for byte
-// `off` of rank r's buffer (PeerTable::put_at_peer): this rank's own address
-// of the same offset, or (loopback harness) rank r's buffer in this PE's heap.
-__device__ __forceinline__ char* put_target(const PeerTable& p, int r, size_t off) {
-  return peer_ptr(p, p.put_at_peer ? r : p.rank, off);
-}
 
 // Sender warps of a block publish their i-th chunk (slot q) to every peer:
 // its rows (written by any sender thread of the block) are visible before
