@@ -1,5 +1,5 @@
 // jax_ep._C: the nanobind module. Exposes the runtime lifecycle
-// (runtime_lifecycle.h) and the FFI handler capsules (ffi_targets.h).
+// (runtime/lifecycle.h) and the FFI handler capsules (ffi_targets.h).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/array.h>
 #include <nanobind/stl/string.h>
@@ -10,14 +10,15 @@
 #include <string>
 #include <utility>
 
+#include "common/device_error.h"
+#include "common/graph_capture.h"
 #include "ffi_targets.h"
-#include "device_error.h"
-#include "graph_capture.h"
-#include "runtime.h"
-#include "runtime_lifecycle.h"
-#include "buffer_layout.h"
-#include "kernels/internode_layout.h"
-#include "kernels/launch_config.h"
+#include "internode/region_layout.h"
+#include "intranode/launch_config.h"
+#include "intranode/ring_layout.h"
+#include "low_latency/region_layout.h"
+#include "runtime/lifecycle.h"
+#include "runtime/runtime.h"
 #include "xla/ffi/api/api.h"
 #if JAX_EP_TESTING
 #include "testing/loopback.h"
@@ -38,7 +39,7 @@ NB_MODULE(_C, m) {
   m.attr("MAX_RANKS") = jax_ep::kMaxRanks;
   m.attr("TESTING") = bool(JAX_EP_TESTING);
   // Codes the Python side passes as FFI attributes (one source: these enums).
-  // Sizes (one source: buffer_layout.h).
+  // Sizes (one source: intranode/ring_layout.h, low_latency/region_layout.h).
   m.def("symmetric_buffer_bytes", &jax_ep::symmetric_buffer_bytes, nb::arg("num_ranks"),
         nb::arg("tokens"), nb::arg("row_bytes"), nb::arg("scale_row_bytes"),
         "Symmetric buffer (bytes) whose staging rings hold dispatch and combine of "
@@ -144,11 +145,12 @@ NB_MODULE(_C, m) {
   m.def("internode_region_bytes", &jax_ep::internode_region_bytes, nb::arg("nodes"),
         nb::arg("ranks"), nb::arg("tokens"), nb::arg("hidden"),
         "Bytes of the runtime's internode region for (nodes, EP ranks, T, hidden) "
-        "(kernels/internode_layout.h); 0 for one node.");
+        "(internode/region_layout.h); 0 for one node.");
   m.def("ll_region_size",
         [ll_of](std::array<int, 4> ll_shape) { return jax_ep::ll_region_size(ll_of(ll_shape)); },
         nb::arg("ll_shape"),
-        "Bytes of the runtime's low-latency region for (E, Tmax, K, hidden) (buffer_layout.h).");
+        "Bytes of the runtime's low-latency region for (E, Tmax, K, hidden) "
+        "(low_latency/region_layout.h).");
   m.def("runtime_detach", [] {
     nb::gil_scoped_release release;
     jax_ep::runtime_detach();

@@ -1,6 +1,6 @@
 // XLA FFI target "jax_ep_bench_transfer": the link ceilings of bench/ep_bench.py.
-#include "buffer_layout.h"
-#include "ffi_common.h"
+#include "common/ffi_common.h"
+#include "intranode/ring_layout.h"
 #include "testing/bench_transfer.h"
 
 namespace jax_ep {

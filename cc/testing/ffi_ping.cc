@@ -1,6 +1,6 @@
 // XLA FFI target "jax_ep_ping": runtime self-test (tests/gpu/test_runtime.py).
 // Also the smallest example of a handler that needs the runtime and peers.
-#include "ffi_common.h"
+#include "common/ffi_common.h"
 #include "testing/ping.h"
 
 namespace jax_ep {

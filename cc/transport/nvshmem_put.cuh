@@ -21,7 +21,7 @@
 
 #include <cstdint>
 
-#include "runtime.h"
+#include "runtime/runtime.h"
 #include "transport/peer.cuh"
 
 namespace jax_ep {

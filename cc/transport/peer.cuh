@@ -1,6 +1,6 @@
 // Peer addressing: how a kernel names byte `off` of another rank's symmetric
 // buffer, and the P2P signal (a release store into a mapped peer word).
-// PeerTable (runtime.h) is filled by the runtime with NVSHMEM P2P mappings
+// PeerTable (runtime/runtime.h) is filled by the runtime with NVSHMEM P2P mappings
 // (nvshmem_ptr over NVLink) or, for the peer-memory transport, with CUDA
 // peer-access pointers; kernels index it by position in the EP group and never
 // ask where a pointer came from. Ranks a kernel cannot map are reached by
@@ -9,8 +9,8 @@
 
 #include <cuda_runtime.h>
 
-#include "kernels/sync.cuh"
-#include "runtime.h"
+#include "common/sync.cuh"
+#include "runtime/runtime.h"
 
 namespace jax_ep {
 

@@ -4,7 +4,7 @@
 //
 // Protocol (every op): each call has an epoch e (a device-side counter, so the
 // kernels are safe to replay in CUDA graphs). Staging is a bounded ring per
-// (source, receiving block) (buffer_layout.h). A sender writes the rows of its
+// (source, receiving block) (intranode/ring_layout.h). A sender writes the rows of its
 // block's i-th chunk straight into slot q = i % depth of the receiver's ring
 // (stores through peer_ptr), then stores tag(e, i) into the receiver's
 // ready[sender][block][q] with release semantics; the receiver spins
@@ -24,12 +24,31 @@
 
 #include <cuda_runtime.h>
 
-#include "buffer_layout.h"
-#include "kernels/sync.cuh"
-#include "runtime.h"
+#include "common/sync.cuh"
+#include "intranode/ring_layout.h"
+#include "runtime/runtime.h"
 #include "transport/peer.cuh"
 
 namespace jax_ep {
+
+// Epoch of this call: one more than the last finished one.
+__device__ __forceinline__ unsigned int current_epoch(const OpCtrl* ctrl) {
+  return ld_volatile(&ctrl->epoch) + 1u;
+}
+
+// Every block calls this once at its end; the last one publishes the epoch.
+__device__ __forceinline__ void finish_call(OpCtrl* ctrl, unsigned int epoch) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    unsigned int prev = atomicAdd(&ctrl->done, 1u);
+    if (prev == gridDim.x - 1) {
+      ctrl->done = 0;
+      *reinterpret_cast<volatile unsigned int*>(&ctrl->epoch) = epoch;
+      __threadfence();
+    }
+  }
+}
 
 // Sender warps of a block publish their i-th chunk (slot q) to every peer:
 // its rows (written by any sender thread of the block) are visible before
