@@ -107,24 +107,10 @@ NB_MODULE(_C, m) {
         },
         nb::arg("uid"), nb::arg("rank"), nb::arg("nranks"), nb::arg("device"));
   // ll_shape: (E, Tmax, K, hidden) of the low-latency region, or all zero for none.
-  auto ll_of = [](const std::array<int, 4>& v) {
-    jax_ep::LlShape s;
-    s.E = v[0];
-    s.Tmax = v[1];
-    s.K = v[2];
-    s.hidden = v[3];
-    return s;
-  };
+  auto ll_of = [](const std::array<int, 4>& v) { return jax_ep::LlShape::of(v); };
   // inter_shape: (nodes, ranks, T, hidden) of the internode region, or all
   // zero for none (the default, as before the region existed).
-  auto inter_of = [](const std::array<int, 4>& v) {
-    jax_ep::InterShape s;
-    s.nodes = v[0];
-    s.ranks = v[1];
-    s.T = v[2];
-    s.hidden = v[3];
-    return s;
-  };
+  auto inter_of = [](const std::array<int, 4>& v) { return jax_ep::InterShape::of(v); };
   m.def("runtime_attach",
         [ll_of, inter_of](int device, size_t bytes, std::array<int, 4> ll_shape,
                           std::array<int, 4> inter_shape) {
@@ -224,19 +210,20 @@ NB_MODULE(_C, m) {
     nb::dict d;
     d["my_pe"] = rt->my_pe;
     d["n_pes"] = rt->n_pes;
-    d["sym_bytes"] = rt->sym_bytes;
+    d["sym_bytes"] = rt->region(jax_ep::kRegionNormal).bytes;
     d["transport"] = rt->transport == jax_ep::Transport::kNvshmem ? "nvshmem" : "peer_memory";
     nb::list ords;
     for (int i = 0; i < rt->num_devices; ++i) ords.append(rt->ordinals[i]);
     d["devices"] = ords;
     d["device"] = rt->device;
     d["num_sms"] = rt->num_sms;
-    const jax_ep::LlShape& ll = rt->ll_shape;
-    d["ll_shape"] = nb::make_tuple(ll.E, ll.Tmax, ll.K, ll.hidden);
-    d["ll_bytes"] = rt->ll_bytes;
-    const jax_ep::InterShape& is = rt->inter_shape;
-    d["inter_shape"] = nb::make_tuple(is.nodes, is.ranks, is.T, is.hidden);
-    d["inter_bytes"] = rt->inter_bytes;
+    const jax_ep::BufferRegion& ll = rt->region(jax_ep::kRegionLowLatency);
+    d["ll_shape"] = nb::make_tuple(ll.shape[0], ll.shape[1], ll.shape[2], ll.shape[3]);
+    d["ll_bytes"] = ll.bytes;
+    const jax_ep::BufferRegion& inter = rt->region(jax_ep::kRegionInternode);
+    d["inter_shape"] = nb::make_tuple(inter.shape[0], inter.shape[1], inter.shape[2],
+                                      inter.shape[3]);
+    d["inter_bytes"] = inter.bytes;
     return d;
   });
 }

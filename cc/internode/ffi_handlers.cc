@@ -4,7 +4,7 @@
 //                                scales, the fp8 casts), plus `nodes`
 //   "jax_ep_internode_combine"   those of "jax_ep_combine", plus `nodes`
 // The EP group is `nodes` consecutive blocks of R / nodes ranks. Both run in
-// the runtime's internode region (Runtime::inter_off; sized by
+// the runtime's internode region (its RegionKind kRegionInternode; sized by
 // jax_ep.initialize(config=...) for configs with num_nodes > 1), laid out
 // with the region's fixed T (its window: at most EpConfig.internode_bytes) so
 // calls of any T share it; a call of more tokens runs as windows of it
@@ -83,27 +83,28 @@ ffi::Error InterRegion(const std::string& op, bool combine, long long row_bytes,
     return InvalidArgument(op + ": nodes (" + std::to_string(nodes) +
                            ") must be >= 2 and divide the EP group size (" + std::to_string(R) +
                            ")");
-  if (rt->inter_bytes == 0)
+  const BufferRegion& region = rt->region(kRegionInternode);
+  if (region.bytes == 0)
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       "jax_ep: " + op + ": the runtime has no internode region: pass the "
                       "EpConfig with num_nodes > 1 to jax_ep.initialize(config=...)");
-  const InterShape& s = rt->inter_shape;
+  const InterShape s = InterShape::of(region.shape);
   const int G = R / nodes;
-  const InterLayout lay = inter_layout(rt->inter_bytes, nodes, G, s.T, s.T);
+  const InterLayout lay = inter_layout(region.bytes, nodes, G, s.T, s.T);
   const size_t want = combine ? inter_combine_areas(0, nodes, G, s.T, row_bytes).end
                               : inter_dispatch_areas(0, nodes, G, s.T, row_bytes, s_row_bytes).end;
   const size_t have = lay.op_bytes / 2;
   if (want > have)
     return InvalidArgument(op + ": " + std::to_string(nodes) + " nodes x " + std::to_string(G) +
                            " ranks need " + std::to_string(want) + " bytes per call parity, the "
-                           "internode region (" + std::to_string(rt->inter_bytes) +
+                           "internode region (" + std::to_string(region.bytes) +
                            " bytes, sized for " + std::to_string(s.nodes) + " nodes, " +
                            std::to_string(s.ranks) + " ranks, T " + std::to_string(s.T) +
                            " (window), hidden " + std::to_string(s.hidden) + ") has " +
                            std::to_string(have) + ": pass this config to jax_ep.initialize");
   for (int r = 0; r < R; ++r)
-    if (peers->peers[r]) peers->peers[r] = static_cast<char*>(peers->peers[r]) + rt->inter_off;
-  *sym_bytes = rt->inter_bytes;
+    if (peers->peers[r]) peers->peers[r] = static_cast<char*>(peers->peers[r]) + region.off;
+  *sym_bytes = region.bytes;
   *layout_T = s.T;
   return ffi::Error::Success();
 }

@@ -40,6 +40,15 @@
 
 namespace jax_ep {
 
+// Shape the internode region is sized for (jax_ep.initialize(config=...) with
+// an EpConfig of num_nodes > 1): nodes, EP ranks, T (the layout's fixed T,
+// the window: longer calls run as windows of it), hidden. nodes <= 1: no region.
+struct InterShape {
+  int nodes = 0, ranks = 0, T = 0, hidden = 0;
+  RegionShape dims() const { return {nodes, ranks, T, hidden}; }
+  static InterShape of(const RegionShape& d) { return {d[0], d[1], d[2], d[3]}; }
+};
+
 // The kernels compute the layout themselves (from the call's shape): every
 // function here is __host__ __device__.
 __host__ __device__ inline size_t inter_align(size_t n) {
@@ -186,7 +195,7 @@ inline size_t internode_buffer_bytes(int N, int G, int T, long long row_bytes,
   return inter_head_bytes(N, G, T) + 4 * half + 4 * kRegionAlign;
 }
 
-// The runtime's internode region (Runtime::inter_off, jax_ep.initialize with
+// The runtime's internode region (Runtime::region(kRegionInternode), jax_ep.initialize with
 // an EpConfig of num_nodes > 1): the fixed_T = T layout, data sized for N
 // nodes of ceil(R / N) ranks (a smaller EP group with N nodes fits too), rows
 // of the widest dtype: dispatch f32 rows of `hidden` (+ hidden / 128 f32

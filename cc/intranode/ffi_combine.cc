@@ -30,14 +30,14 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
                                        send_mask, *out, rank_major, weighted, chunk, &a));
   const int T = a.T;
   a.peers = peers;
-  a.ctrl_off = ctrl_offset(rt->sym_bytes, kOpCombine);
+  a.ctrl_off = ctrl_offset(rt->region(kRegionNormal).bytes, kOpCombine);
   a.skip = debug_skip;  // bench breakdown only (DispatchArgs::skip); 0 in production
 
   LaunchConfig lc;
   JAX_EP_RETURN_IF_ERROR(PlanLaunch("combine", kOpCombine, R, T, num_sms, chunk, a.row_bytes, 0,
                                     device, &lc));
-  a.stage_off[0] = stage_offset(rt->sym_bytes, kOpCombine, 0);
-  a.stage_off[1] = stage_offset(rt->sym_bytes, kOpCombine, 1);
+  a.stage_off[0] = stage_offset(rt->region(kRegionNormal).bytes, kOpCombine, 0);
+  a.stage_off[1] = stage_offset(rt->region(kRegionNormal).bytes, kOpCombine, 1);
 
   if (T == 0) return ffi::Error::Success();
   if (debug_poison()) JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.out, 0xFF, out->size_bytes(), stream));

@@ -31,9 +31,9 @@ ffi::Error SetupDispatch(const char* op, int R, int T, int C, ffi::Buffer<ffi::S
                                     a->s_row_bytes, device, lc));
   size_t scales_off = 0;
   ring_bytes(R, lc->num_blocks, lc->depth, lc->chunk, a->row_bytes, a->s_row_bytes, &scales_off);
-  a->ctrl_off = ctrl_offset(rt->sym_bytes, kOpDispatch);
-  a->stage_off[0] = stage_offset(rt->sym_bytes, kOpDispatch, 0);
-  a->stage_off[1] = stage_offset(rt->sym_bytes, kOpDispatch, 1);
+  a->ctrl_off = ctrl_offset(rt->region(kRegionNormal).bytes, kOpDispatch);
+  a->stage_off[0] = stage_offset(rt->region(kRegionNormal).bytes, kOpDispatch, 0);
+  a->stage_off[1] = stage_offset(rt->region(kRegionNormal).bytes, kOpDispatch, 1);
   a->stage_scales_off = scales_off;
   a->skip = debug_skip;  // bench breakdown only (DispatchArgs::skip); 0 in production
   return ffi::Error::Success();

@@ -17,7 +17,7 @@ inline ffi::Error PlanLaunch(const std::string& o, OpKind op, int R, int T, int 
                              LaunchConfig* lc) {
   Runtime* rt = runtime();
   const std::string err = plan_launch(op, R, T, num_sms, rt->sms_of(device), chunk, row_bytes,
-                                      s_row_bytes, rt->sym_bytes, lc);
+                                      s_row_bytes, rt->region(kRegionNormal).bytes, lc);
   return err.empty() ? ffi::Error::Success() : InvalidArgument(o + ": " + err);
 }
 

@@ -51,8 +51,9 @@ ffi::Error LlLayoutFor(const char* op, const PeerTable& peers, int E, int K, int
                        long long row_bytes, long long s_row_bytes, long long comb_row_bytes,
                        LlLayout* lay) {
   const Runtime* rt = runtime();
-  const LlShape& s = rt->ll_shape;
-  if (s.E == 0 || rt->ll_bytes == 0)
+  const BufferRegion& region = rt->region(kRegionLowLatency);
+  const LlShape s = ll_region_shape(*rt);
+  if (s.E == 0 || region.bytes == 0)
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       std::string("jax_ep: ") + op +
                           ": no low-latency region: call jax_ep.initialize(low_latency=config) "
@@ -70,7 +71,7 @@ ffi::Error LlLayoutFor(const char* op, const PeerTable& peers, int E, int K, int
   if (K < 1 || K > kLlMaxTopk)
     return InvalidArgument(std::string(op) + ": top-k must be in [1, " +
                            std::to_string(kLlMaxTopk) + "]");
-  *lay = ll_region_layout(rt->ll_off, peers.num_ranks, s, row_bytes, s_row_bytes, comb_row_bytes);
+  *lay = ll_region_layout(region.off, peers.num_ranks, s, row_bytes, s_row_bytes, comb_row_bytes);
   if (const char* e = ll_rows_error(*lay); *e) return InvalidArgument(std::string(op) + ": " + e);
   return ffi::Error::Success();
 }
@@ -197,7 +198,7 @@ ffi::Error LlDispatchRecvImpl(cudaStream_t stream, int32_t device, ffi::Buffer<f
   if (od.size() != 3) return InvalidArgument("low_latency_dispatch: out must be [L, R*Tmax, H]");
   const int L = static_cast<int>(od[0]), H = static_cast<int>(od[2]);
   const Runtime* rt = runtime();
-  if (od[1] != static_cast<int64_t>(R) * rt->ll_shape.Tmax)
+  if (od[1] != static_cast<int64_t>(R) * ll_region_shape(*rt).Tmax)
     return InvalidArgument("low_latency_dispatch: out must be [L, R*Tmax, H] with the region's Tmax");
   const long long row_bytes = static_cast<long long>(ffi::ByteWidth(out->element_type())) * H;
   const long long s_row_bytes =
@@ -241,7 +242,7 @@ ffi::Error LlCombineSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   auto yd = y.dimensions();
   if (yd.size() != 3) return InvalidArgument("low_latency_combine: y must be [L, R*Tmax, H]");
   const int L = static_cast<int>(yd[0]), H = static_cast<int>(yd[2]);
-  if (yd[1] != static_cast<int64_t>(R) * runtime()->ll_shape.Tmax)
+  if (yd[1] != static_cast<int64_t>(R) * ll_region_shape(*runtime()).Tmax)
     return InvalidArgument("low_latency_combine: y must be [L, R*Tmax, H] with the region's Tmax");
   if (info.element_count() != static_cast<size_t>(yd[0] * yd[1]) ||
       src_count.element_count() != static_cast<size_t>(L) * R)

@@ -12,6 +12,19 @@
 
 namespace jax_ep {
 
+// Shape of the low-latency (decode) region (jax_ep.initialize(low_latency=
+// config)): experts, max tokens per rank, top-k, hidden. E == 0: no region.
+struct LlShape {
+  int E = 0, Tmax = 0, K = 0, hidden = 0;
+  RegionShape dims() const { return {E, Tmax, K, hidden}; }
+  static LlShape of(const RegionShape& d) { return {d[0], d[1], d[2], d[3]}; }
+};
+
+// The shape the runtime's low-latency region was laid out for.
+inline LlShape ll_region_shape(const Runtime& rt) {
+  return LlShape::of(rt.region(kRegionLowLatency).shape);
+}
+
 // Low-latency (decode) mode: its own region (docs/low_latency.md).
 // From byte `base`, every offset the same on every rank:
 //   ctrl         LlOpCtrl[2]: dispatch, combine (local counters)

@@ -152,20 +152,29 @@ static void check_buffer_bytes(size_t bytes) {
                              "and some staging)");
 }
 
-// The allocation: the normal-mode buffer, then (ll.E > 0) the low-latency
-// region, then (inter.nodes > 1) the internode region, each at the next
-// kRegionAlign boundary (the earlier regions' offsets never move).
-static size_t total_bytes(size_t bytes, const LlShape& ll, const InterShape& inter, Runtime* rt) {
-  rt->sym_bytes = bytes;
-  rt->ll_shape = ll;
-  rt->ll_off = align_up(bytes);
-  rt->ll_bytes = ll_region_size(ll);
-  size_t end = rt->ll_bytes ? rt->ll_off + rt->ll_bytes : bytes;
-  rt->inter_bytes = internode_region_bytes(inter.nodes, inter.ranks, inter.T, inter.hidden);
-  if (rt->inter_bytes) {
-    rt->inter_shape = inter;
-    rt->inter_off = align_up(end);
-    end = rt->inter_off + rt->inter_bytes;
+// The allocation's regions (runtime/regions.h): the normal region of `bytes`,
+// then the low-latency region (ll.E > 0), then the internode region
+// (inter.nodes > 1), each at the next kRegionAlign boundary. Returns the
+// allocation's size.
+static size_t lay_out_regions(size_t bytes, const LlShape& ll, const InterShape& inter,
+                              Runtime* rt) {
+  BufferRegion* r = rt->regions;
+  r[kRegionNormal].bytes = bytes;
+  size_t end = bytes;
+  // The low-latency region keeps the shape and offset it was given even when
+  // empty (runtime_info reports the shape as passed).
+  BufferRegion& lr = r[kRegionLowLatency];
+  lr.shape = ll.dims();
+  lr.off = align_up(end);
+  lr.bytes = ll_region_size(ll);
+  if (lr.bytes) end = lr.off + lr.bytes;
+  // The internode region records its shape and offset only when it has bytes.
+  BufferRegion& ir = r[kRegionInternode];
+  ir.bytes = internode_region_bytes(inter.nodes, inter.ranks, inter.T, inter.hidden);
+  if (ir.bytes) {
+    ir.shape = inter.dims();
+    ir.off = align_up(end);
+    end = ir.off + ir.bytes;
   }
   return end;
 }
@@ -174,7 +183,7 @@ void runtime_attach(int device, size_t bytes, const LlShape& ll, const InterShap
   if (g_live) throw std::runtime_error("jax_ep: runtime already attached");
   check_buffer_bytes(bytes);
   Runtime rt;
-  const size_t total = total_bytes(bytes, ll, inter, &rt);
+  const size_t total = lay_out_regions(bytes, ll, inter, &rt);
   cuda_check(cudaSetDevice(device), "cudaSetDevice");
   void* base = nvshmem_malloc(total);  // collective
   if (!base)
@@ -195,7 +204,8 @@ void runtime_attach(int device, size_t bytes, const LlShape& ll, const InterShap
   for (int pe = 0; pe < rt.n_pes; ++pe)
     g_pe_base[pe] = pe == rt.my_pe ? base : nvshmem_ptr(base, pe);
   // before any kernel of ours can spin (and outside any graph capture)
-  if (rt.ll_bytes) cuda_check(preload_ll_kernels(), "loading the low-latency kernels");
+  if (rt.region(kRegionLowLatency).bytes)
+    cuda_check(preload_ll_kernels(), "loading the low-latency kernels");
   nvshmem_barrier_all();  // every PE has zeroed its buffer before anyone uses it
   g_runtime = rt;
   g_live = &g_runtime;
@@ -215,7 +225,7 @@ void peer_memory_attach(const std::vector<int>& ordinals, size_t bytes, const Ll
   rt.transport = Transport::kPeerMemory;
   rt.my_pe = 0;
   rt.n_pes = 1;
-  const size_t total = total_bytes(bytes, ll, inter, &rt);
+  const size_t total = lay_out_regions(bytes, ll, inter, &rt);
   rt.num_devices = n;
   try {
     for (int i = 0; i < n; ++i) {
@@ -251,7 +261,8 @@ void peer_memory_attach(const std::vector<int>& ordinals, size_t bytes, const Ll
     for (int i = 0; i < n; ++i) {
       cuda_check(cudaSetDevice(rt.ordinals[i]), "cudaSetDevice");
       cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // zeroed before any use
-      if (rt.ll_bytes) cuda_check(preload_ll_kernels(), "loading the low-latency kernels");
+      if (rt.region(kRegionLowLatency).bytes)
+    cuda_check(preload_ll_kernels(), "loading the low-latency kernels");
       // every rank must pick the same grid (ring layout): same SM count
       if (rt.dev_sms[i] != rt.dev_sms[0])
         throw std::runtime_error("jax_ep: the peer-memory transport needs GPUs with one SM "

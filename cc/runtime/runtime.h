@@ -16,6 +16,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "runtime/regions.h"
+
 namespace jax_ep {
 
 constexpr int kMaxRanks = 8;  // NVLink P2P group size handled by the kernels
@@ -42,19 +44,6 @@ struct PeerTable {
 
 enum class Transport : int { kNvshmem = 0, kPeerMemory = 1 };
 
-// Shape of the low-latency (decode) region (jax_ep.initialize(low_latency=
-// config)): experts, max tokens per rank, top-k, hidden. E == 0: no region.
-struct LlShape {
-  int E = 0, Tmax = 0, K = 0, hidden = 0;
-};
-
-// Shape the internode region is sized for (jax_ep.initialize(config=...) with
-// an EpConfig of num_nodes > 1): nodes, EP ranks, T (the layout's fixed T,
-// the window: longer calls run as windows of it), hidden. nodes <= 1: no region.
-struct InterShape {
-  int nodes = 0, ranks = 0, T = 0, hidden = 0;
-};
-
 constexpr int kMaxDevices = 16;  // local GPUs of one process (peer-memory transport)
 
 struct Runtime {
@@ -62,16 +51,9 @@ struct Runtime {
   int my_pe = -1;
   int n_pes = 0;
   void* sym_base = nullptr;   // NVSHMEM: nvshmem_malloc'd, same offset on every PE
-  size_t sym_bytes = 0;       // normal-mode part of each buffer (every PE / device alike)
-  // The low-latency region follows it: [ll_off, ll_off + ll_bytes) of the
-  // same allocation (low_latency/region_layout.h, ll_region_layout), laid out for ll_shape.
-  size_t ll_off = 0, ll_bytes = 0;
-  LlShape ll_shape;
-  // The internode region follows (internode/region_layout.h,
-  // internode_region_bytes): [inter_off, inter_off + inter_bytes), laid out
-  // with fixed_T = inter_shape.T. inter_bytes 0: none.
-  size_t inter_off = 0, inter_bytes = 0;
-  InterShape inter_shape;
+  // The buffer's regions (runtime/regions.h), indexed by RegionKind; every
+  // PE / device lays them out alike. The normal region is [0, its bytes).
+  BufferRegion regions[kNumRegionKinds];
   int device = -1;            // NVSHMEM: CUDA device of this process
   int num_sms = 0;            // multiprocessors of `device` (of the first device: peer memory)
   // Peer memory: the process's GPUs, by CUDA ordinal, and each one's buffer.
@@ -94,6 +76,7 @@ struct Runtime {
   }
   // Multiprocessors of the caller's device.
   int sms_of(int device_ordinal) const;
+  const BufferRegion& region(RegionKind k) const { return regions[k]; }
 };
 
 // The live runtime or nullptr when jax_ep.initialize() has not been called.
