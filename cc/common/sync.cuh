@@ -1,6 +1,7 @@
 // Device-side synchronisation of the kernels: system-scope flag loads and
-// stores, the per-call epoch, a timeout-guarded spin (a missing peer becomes
-// a clear error on the host, never a hang).
+// stores, epoch tags, a timeout-guarded spin (a missing peer becomes a clear
+// error on the host, never a hang). The ring ops' per-call epoch is in
+// transport/ring.cuh.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -31,7 +31,7 @@
 
 namespace jax_ep {
 
-// Epoch of this call: one more than the last finished one.
+// Epoch of this call of a ring op: one more than the last finished one.
 __device__ __forceinline__ unsigned int current_epoch(const OpCtrl* ctrl) {
   return ld_volatile(&ctrl->epoch) + 1u;
 }
