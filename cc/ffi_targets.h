@@ -1,6 +1,6 @@
 // The one list of XLA FFI targets exported by jax_ep._C.
 //
-// To add a target: define its handler in a cc/ffi_*.cc (cc/testing/ffi_*.cc for
+// To add a target: define its handler in its family folder's ffi*.cc (cc/testing/ffi_*.cc for
 // test and bench helpers) with
 //   XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpFoo, FooImpl, ffi::Ffi::Bind()...);
 // (the symbol is extern "C" at global scope) and append

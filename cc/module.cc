@@ -1,5 +1,5 @@
 // jax_ep._C: the nanobind module. Exposes the runtime lifecycle
-// (runtime_lifecycle.h) and the FFI handler capsules (ffi_targets.h).
+// (runtime/lifecycle.h) and the FFI handler capsules (ffi_targets.h).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/array.h>
 #include <nanobind/stl/string.h>
@@ -10,14 +10,15 @@
 #include <string>
 #include <utility>
 
+#include "common/device_error.h"
+#include "common/graph_capture.h"
 #include "ffi_targets.h"
-#include "device_error.h"
-#include "graph_capture.h"
-#include "runtime.h"
-#include "runtime_lifecycle.h"
-#include "buffer_layout.h"
-#include "kernels/internode_layout.h"
-#include "kernels/launch_config.h"
+#include "internode/region_layout.h"
+#include "intranode/launch_config.h"
+#include "intranode/ring_layout.h"
+#include "low_latency/region_layout.h"
+#include "runtime/lifecycle.h"
+#include "runtime/runtime.h"
 #include "xla/ffi/api/api.h"
 #if JAX_EP_TESTING
 #include "testing/loopback.h"
@@ -38,7 +39,7 @@ NB_MODULE(_C, m) {
   m.attr("MAX_RANKS") = jax_ep::kMaxRanks;
   m.attr("TESTING") = bool(JAX_EP_TESTING);
   // Codes the Python side passes as FFI attributes (one source: these enums).
-  // Sizes (one source: buffer_layout.h).
+  // Sizes (one source: intranode/ring_layout.h, low_latency/region_layout.h).
   m.def("symmetric_buffer_bytes", &jax_ep::symmetric_buffer_bytes, nb::arg("num_ranks"),
         nb::arg("tokens"), nb::arg("row_bytes"), nb::arg("scale_row_bytes"),
         "Symmetric buffer (bytes) whose staging rings hold dispatch and combine of "
@@ -106,24 +107,10 @@ NB_MODULE(_C, m) {
         },
         nb::arg("uid"), nb::arg("rank"), nb::arg("nranks"), nb::arg("device"));
   // ll_shape: (E, Tmax, K, hidden) of the low-latency region, or all zero for none.
-  auto ll_of = [](const std::array<int, 4>& v) {
-    jax_ep::LlShape s;
-    s.E = v[0];
-    s.Tmax = v[1];
-    s.K = v[2];
-    s.hidden = v[3];
-    return s;
-  };
+  auto ll_of = [](const std::array<int, 4>& v) { return jax_ep::LlShape::of(v); };
   // inter_shape: (nodes, ranks, T, hidden) of the internode region, or all
   // zero for none (the default, as before the region existed).
-  auto inter_of = [](const std::array<int, 4>& v) {
-    jax_ep::InterShape s;
-    s.nodes = v[0];
-    s.ranks = v[1];
-    s.T = v[2];
-    s.hidden = v[3];
-    return s;
-  };
+  auto inter_of = [](const std::array<int, 4>& v) { return jax_ep::InterShape::of(v); };
   m.def("runtime_attach",
         [ll_of, inter_of](int device, size_t bytes, std::array<int, 4> ll_shape,
                           std::array<int, 4> inter_shape) {
@@ -144,11 +131,12 @@ NB_MODULE(_C, m) {
   m.def("internode_region_bytes", &jax_ep::internode_region_bytes, nb::arg("nodes"),
         nb::arg("ranks"), nb::arg("tokens"), nb::arg("hidden"),
         "Bytes of the runtime's internode region for (nodes, EP ranks, T, hidden) "
-        "(kernels/internode_layout.h); 0 for one node.");
+        "(internode/region_layout.h); 0 for one node.");
   m.def("ll_region_size",
         [ll_of](std::array<int, 4> ll_shape) { return jax_ep::ll_region_size(ll_of(ll_shape)); },
         nb::arg("ll_shape"),
-        "Bytes of the runtime's low-latency region for (E, Tmax, K, hidden) (buffer_layout.h).");
+        "Bytes of the runtime's low-latency region for (E, Tmax, K, hidden) "
+        "(low_latency/region_layout.h).");
   m.def("runtime_detach", [] {
     nb::gil_scoped_release release;
     jax_ep::runtime_detach();
@@ -222,19 +210,20 @@ NB_MODULE(_C, m) {
     nb::dict d;
     d["my_pe"] = rt->my_pe;
     d["n_pes"] = rt->n_pes;
-    d["sym_bytes"] = rt->sym_bytes;
+    d["sym_bytes"] = rt->region(jax_ep::kRegionNormal).bytes;
     d["transport"] = rt->transport == jax_ep::Transport::kNvshmem ? "nvshmem" : "peer_memory";
     nb::list ords;
     for (int i = 0; i < rt->num_devices; ++i) ords.append(rt->ordinals[i]);
     d["devices"] = ords;
     d["device"] = rt->device;
     d["num_sms"] = rt->num_sms;
-    const jax_ep::LlShape& ll = rt->ll_shape;
-    d["ll_shape"] = nb::make_tuple(ll.E, ll.Tmax, ll.K, ll.hidden);
-    d["ll_bytes"] = rt->ll_bytes;
-    const jax_ep::InterShape& is = rt->inter_shape;
-    d["inter_shape"] = nb::make_tuple(is.nodes, is.ranks, is.T, is.hidden);
-    d["inter_bytes"] = rt->inter_bytes;
+    const jax_ep::BufferRegion& ll = rt->region(jax_ep::kRegionLowLatency);
+    d["ll_shape"] = nb::make_tuple(ll.shape[0], ll.shape[1], ll.shape[2], ll.shape[3]);
+    d["ll_bytes"] = ll.bytes;
+    const jax_ep::BufferRegion& inter = rt->region(jax_ep::kRegionInternode);
+    d["inter_shape"] = nb::make_tuple(inter.shape[0], inter.shape[1], inter.shape[2],
+                                      inter.shape[3]);
+    d["inter_bytes"] = inter.bytes;
     return d;
   });
 }

@@ -2,10 +2,10 @@
 // staging, between two one-block barriers on the bench op's flags.
 #include "testing/bench_transfer.h"
 
-#include "buffer_layout.h"
-#include "device_error.h"
-#include "kernels/sync.cuh"
-#include "transport/p2p.cuh"
+#include "common/device_error.h"
+#include "common/sync.cuh"
+#include "intranode/ring_layout.h"
+#include "transport/ring.cuh"
 
 namespace jax_ep {
 

@@ -1,6 +1,6 @@
 // XLA FFI target "jax_ep_bench_transfer": the link ceilings of bench/ep_bench.py.
-#include "buffer_layout.h"
-#include "ffi_common.h"
+#include "common/ffi_common.h"
+#include "intranode/ring_layout.h"
 #include "testing/bench_transfer.h"
 
 namespace jax_ep {
@@ -14,11 +14,12 @@ ffi::Error BenchTransferImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ff
   PeerTable peers;
   JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, device, &peers));
   Runtime* rt = runtime();
+  const size_t normal_bytes = rt->region(kRegionNormal).bytes;
   const size_t bytes = src.element_count() & ~size_t(15);
-  if (bytes > stage_half_bytes(rt->sym_bytes))
+  if (bytes > stage_half_bytes(normal_bytes))
     return InvalidArgument("bench_transfer: larger than a staging half");
   const int blocks = num_sms > 0 ? num_sms : 2 * rt->sms_of(device);
-  JAX_EP_CUDA_RETURN(launch_bench_transfer(peers, rt->sym_bytes, src.untyped_data(), bytes, mode,
+  JAX_EP_CUDA_RETURN(launch_bench_transfer(peers, normal_bytes, src.untyped_data(), bytes, mode,
                                            blocks, device_error_word(), stream));
   JAX_EP_CUDA_RETURN(cudaMemcpyAsync(token_out->untyped_data(), token.untyped_data(),
                                      token.size_bytes(), cudaMemcpyDeviceToDevice, stream));

@@ -1,6 +1,6 @@
 // XLA FFI target "jax_ep_ping": runtime self-test (tests/gpu/test_runtime.py).
 // Also the smallest example of a handler that needs the runtime and peers.
-#include "ffi_common.h"
+#include "common/ffi_common.h"
 #include "testing/ping.h"
 
 namespace jax_ep {
@@ -14,7 +14,7 @@ ffi::Error PingImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> x
   if (runtime()->transport != Transport::kNvshmem)
     return InvalidArgument("ping: an NVSHMEM barrier test (the NVSHMEM transport only)");
   const int64_t n = static_cast<int64_t>(x.element_count());
-  if (static_cast<size_t>(n) * sizeof(int32_t) > runtime()->sym_bytes)
+  if (static_cast<size_t>(n) * sizeof(int32_t) > runtime()->region(kRegionNormal).bytes)
     return InvalidArgument("ping: input larger than the symmetric buffer");
   JAX_EP_CUDA_RETURN(launch_ping(peers, x.typed_data(), y->typed_data(), n, stream));
   return ffi::Error::Success();

@@ -7,8 +7,8 @@
 #include <functional>
 #include <iterator>
 
-#include "device_error.h"
-#include "kernels/intranode.h"
+#include "common/device_error.h"
+#include "intranode/kernels.h"
 
 namespace jax_ep {
 

@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
-#include "kernels/intranode.h"
-#include "runtime.h"
+#include "intranode/kernels.h"
+#include "runtime/runtime.h"
 
 namespace jax_ep {
 

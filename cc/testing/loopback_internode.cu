@@ -5,7 +5,7 @@
 
 #include <iterator>
 
-#include "kernels/internode.h"
+#include "internode/kernels.h"
 #include "testing/loopback.h"
 #include "testing/loopback_put.h"
 
@@ -22,7 +22,7 @@ struct InterTail {
 };
 
 // Rank r's network leg by puts (put mode): every rank of its local index, its
-// own included, as NetPutMask's "put" (cc/ffi_internode.cc).
+// own included, as NetPutMask's "put" (internode/ffi_handlers.cc).
 unsigned int loopback_net_put_mask(int R, int nodes, int r) {
   const int G = R / nodes;
   unsigned int m = 0;

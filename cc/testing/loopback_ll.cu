@@ -5,9 +5,9 @@
 
 #include <iterator>
 
-#include "buffer_layout.h"
-#include "device_error.h"
-#include "kernels/low_latency.h"
+#include "common/device_error.h"
+#include "low_latency/kernels.h"
+#include "low_latency/region_layout.h"
 #include "testing/loopback.h"
 #include "testing/loopback_put.h"
 

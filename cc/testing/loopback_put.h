@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <string>
 
-#include "runtime.h"
+#include "runtime/runtime.h"
 
 namespace jax_ep {
 

@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "runtime.h"
+#include "runtime/runtime.h"
 
 namespace jax_ep {
 

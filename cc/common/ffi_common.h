@@ -1,0 +1,137 @@
+// Helpers shared by every XLA FFI handler (the family folders' ffi*.cc).
+//
+// Conventions for a jax_ep FFI target:
+//  * typed FFI API, `.Ctx<Stream>()` first, work enqueued on that (XLA's)
+//    stream only, no host synchronisation (so it can run inside command
+//    buffers / CUDA graphs when it uses no host-side state);
+//  * targets that talk to other ranks take `.Ctx<Device>()` (XLA's device
+//    ordinal of the call) and two attributes, produced by jax_ep._ffi.call():
+//    `ep_groups` (i32 array: every EP group of the mesh, one row of
+//    `num_ranks` members each, in axis order: PEs with NVSHMEM, CUDA ordinals
+//    with the peer-memory transport) and `num_ranks` (i32); call
+//    GetPeerTable() to get this caller's PeerTable;
+//  * every handler is defined with XLA_FFI_DEFINE_HANDLER_SYMBOL and listed in
+//    cc/ffi_targets.h, which module.cc turns into jax_ep._C.registrations().
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "common/device_error.h"
+#include "intranode/launch_config.h"
+#include "runtime/runtime.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_ep {
+
+namespace ffi = xla::ffi;
+using Stream = ffi::PlatformStream<cudaStream_t>;
+using Device = ffi::DeviceOrdinal;  // int32 in the handler: XLA's (= CUDA's) ordinal
+
+inline ffi::Error CudaFfiError(cudaError_t e, const char* what, const char* file, int line) {
+  return ffi::Error(ffi::ErrorCode::kInternal,
+                    std::string("jax_ep: CUDA error '") + cudaGetErrorString(e) + "' in " + what +
+                        " (" + file + ":" + std::to_string(line) + ")");
+}
+
+// Return an ffi::Error from the enclosing handler when a CUDA call fails.
+#define JAX_EP_CUDA_RETURN(expr)                                                   \
+  do {                                                                             \
+    cudaError_t jax_ep_e_ = (expr);                                                \
+    if (jax_ep_e_ != cudaSuccess)                                                  \
+      return ::jax_ep::CudaFfiError(jax_ep_e_, #expr, __FILE__, __LINE__);         \
+  } while (0)
+
+// Check a kernel launch (launch-configuration errors only: no sync).
+#define JAX_EP_LAUNCH_CHECK(name) JAX_EP_CUDA_RETURN(cudaGetLastError())
+
+// Propagate an ffi::Error from a helper.
+#define JAX_EP_RETURN_IF_ERROR(expr)                 \
+  do {                                               \
+    ::xla::ffi::Error jax_ep_err_ = (expr);          \
+    if (jax_ep_err_.failure()) return jax_ep_err_;   \
+  } while (0)
+
+inline ffi::Error NotInitialized() {
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition, kNotInitialized);
+}
+
+inline ffi::Error InvalidArgument(const std::string& msg) {
+  return ffi::Error::InvalidArgument("jax_ep: " + msg);
+}
+
+// The live runtime, or the kNotInitialized error.
+inline ffi::Error GetRuntime(Runtime** out) {
+  *out = runtime();
+  return *out ? ffi::Error::Success() : NotInitialized();
+}
+
+// PeerTable of the EP group that holds the caller (this process's PE, or
+// with peer memory the GPU `device` the call runs on), from the `ep_groups`
+// and `num_ranks` attributes (see jax_ep/_ffi.py: rows = groups, in axis order).
+// allow_unmapped: members NVSHMEM does not map are kept, with null peers[]
+// (for kernels that reach them by puts); else they are an error.
+inline ffi::Error GetPeerTable(ffi::Span<const int32_t> ep_groups, int32_t num_ranks,
+                               int32_t device, PeerTable* out, bool allow_unmapped = false) {
+  Runtime* rt = runtime();
+  if (!rt) return NotInitialized();
+  if (num_ranks < 1 || num_ranks > kMaxRanks)
+    return InvalidArgument("EP group size " + std::to_string(num_ranks) + " outside [1, " +
+                           std::to_string(kMaxRanks) + "]");
+  if (ep_groups.size() % num_ranks != 0)
+    return InvalidArgument("ep_groups length is not a multiple of num_ranks");
+  const int me = rt->member_id(device);
+  for (size_t g = 0; g < ep_groups.size(); g += num_ranks) {
+    for (int32_t i = 0; i < num_ranks; ++i) {
+      if (ep_groups[g + i] != me) continue;
+      const char* err = nullptr;
+      if (!rt->peer_table(ep_groups.begin() + g, num_ranks, device, out, &err, allow_unmapped))
+        return ffi::Error(ffi::ErrorCode::kFailedPrecondition, std::string("jax_ep: ") + err);
+      // One process, several GPUs: XLA has made this GPU's context current;
+      // its ordinal must be the one ep_groups and the buffers are keyed by.
+      if (rt->transport == Transport::kPeerMemory) {
+        int cur = -1;
+        if (cudaGetDevice(&cur) != cudaSuccess || cur != device)
+          return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                            "jax_ep: XLA's device ordinal " + std::to_string(device) +
+                                " is not the current CUDA device (" + std::to_string(cur) +
+                                "): the peer-memory transport keys its buffers by CUDA ordinal");
+      }
+      return ffi::Error::Success();
+    }
+  }
+  return InvalidArgument(rt->transport == Transport::kNvshmem
+                             ? "this process (PE " + std::to_string(rt->my_pe) +
+                                   ") is in none of the EP groups passed to the call"
+                             : "GPU " + std::to_string(device) +
+                                   " is in none of the EP groups passed to the call");
+}
+
+// Surfaces a spin timeout a previous kernel of this process left behind.
+inline ffi::Error CheckDeviceError() {
+  // One process per GPU: the word is this rank's, read once. One process
+  // driving several GPUs shares one word: it stays set, so every GPU's next
+  // call fails (else the others would launch, spin and time out again, and
+  // the GPU that failed would fall an epoch behind).
+  const Runtime* rt = runtime();
+  const bool sticky = rt && rt->transport == Transport::kPeerMemory;
+  if (int e = sticky ? peek_device_error() : take_device_error()) {
+    if (e == kErrLlOrder)
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                        "jax_ep: a low-latency send ran before the previous receive of the same "
+                        "op had finished on this rank (each op must alternate send, receive, "
+                        "send, ...: two sends of one op in flight would overwrite rows a peer "
+                        "still reads); its peers time out; results since are invalid, restart "
+                        "the job");
+    return ffi::Error(ffi::ErrorCode::kInternal,
+                      "jax_ep: a previous dispatch/combine kernel timed out waiting for a peer "
+                      "rank (error " + std::to_string(e) +
+                      "): ranks called different ops or a peer died; results since are "
+                      "invalid, restart the job");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace jax_ep
