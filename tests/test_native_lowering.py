@@ -30,8 +30,7 @@ def _bindings():
     header = open(os.path.join(ROOT, "cc", "ffi_targets.h")).read()
     targets = dict(re.findall(r'X\("(\w+)",\s*(\w+)\)', header[header.index("#define"):]))
     symbols = {}
-    for path in (glob.glob(os.path.join(ROOT, "cc", "ffi_*.cc"))
-                 + glob.glob(os.path.join(ROOT, "cc", "testing", "ffi_*.cc"))):
+    for path in glob.glob(os.path.join(ROOT, "cc", "**", "ffi_*.cc"), recursive=True):
         src = open(path).read()
         for m in re.finditer(r"XLA_FFI_DEFINE_HANDLER_SYMBOL\((\w+),(.*?)\);", src, re.S):
             body = re.sub(r"//[^\n]*", "", m.group(2))
