@@ -44,7 +44,7 @@ B_NIC = 50e9                      # 400 Gb/s
 B_NVL = 300e9                     # measured P2P store ceiling, one direction
 MTU, HDR = 4096, 58               # IB payload per packet, headers (LRH+GRH+BTH+RETH+ICRC+VCRC)
 RTT = 4e-6                        # one RDMA round trip (write + completion seen by a poll)
-CHUNK = 8                         # tokens per ring slot (cc/kernels/launch_config.cu)
+CHUNK = 8                         # tokens per ring slot (cc/intranode/launch_config.cu)
 
 # DeepEP's published figures, same shapes (V3: 4096 tokens, top-4 groups, top-8,
 # fp8 dispatch, bf16 combine): V1 on H800 + CX7 (docs/legacy.md, "bottleneck

@@ -8,7 +8,7 @@
   result gets that union, which is right for a per-rank kernel.
 * the EP group: with ``ep_axis`` the call gets the attributes ``ep_groups`` (i32
   array: every group of the mesh along that axis, one row of PEs each, in axis
-  order) and ``num_ranks``, which ``GetPeerTable`` in cc/ffi_common.h reads.
+  order) and ``num_ranks``, which ``GetPeerTable`` in cc/common/ffi_common.h reads.
   They are computed when the call is lowered, from the devices the mesh really
   holds (a permuted device list, any axis order, EP on a sub-axis), never
   assumed from process order.

@@ -6,7 +6,7 @@ targets) and the row dtype codes of the kernels are these numbers. At build time
 compiles the C++ enums from its output (``jax_ep_abi.h``: ``DispatchMode``,
 ``RowDtype``, ``Fp8ScaleMode``, ``LlTransport``, ``NetTransport``), so the two sides cannot
 drift. Sizes of the symmetric buffer live on the C++ side
-(``cc/buffer_layout.h``) and reach Python through
+(``cc/low_latency/region_layout.h``) and reach Python through
 ``jax_ep._C.symmetric_buffer_bytes``. No imports beyond the standard library:
 the build runs it before jax_ep is installed.
 """

@@ -1,4 +1,4 @@
-"""The staging-ring sizing of cc/buffer_layout.h and cc/kernels/launch_config.cu,
+"""The staging-ring sizing of cc/low_latency/region_layout.h and cc/intranode/launch_config.cu,
 through the extension (no GPU needed: pure host arithmetic; skipped where
 jax_ep._C is not built). These numbers decide whether a call runs at all."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A model of the staging rings' protocol (cc/transport/p2p.cuh), run under
+"""A model of the staging rings' protocol (cc/transport/ring.cuh), run under
 random interleavings on CPU.
 
 One thread block index on R ranks (blocks of one index only talk to each
@@ -7,7 +7,7 @@ every peer's ring, waiting for every peer's credit of chunk i - depth first;
 W receiver warps per rank drain the slots. Dispatch receivers walk (chunk,
 peer) chunk-major and wait for every peer; combine receivers walk their own
 items and wait for the peers their token needs, or, when the ring wraps, for
-every peer (the rule cc/kernels/intranode_combine.cu follows). A slot's credit
+every peer (the rule cc/intranode/combine.cu follows). A slot's credit
 goes back when the expected number of warps has drained it (a shared counter,
 as in drain_slot). The model asserts what the kernels rely on: no deadlock,
 and no slot rewritten while a warp still reads it (every read sees the chunk

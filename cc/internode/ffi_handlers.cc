@@ -9,7 +9,7 @@
 // with the region's fixed T (its window: at most EpConfig.internode_bytes) so
 // calls of any T share it; a call of more tokens runs as windows of it
 // (launch_inter_dispatch / _combine). There is no
-// fused combine backward here: jax_ep/native.py does it as this dispatch plus
+// fused combine backward here: jax_ep/internode/native.py does it as this dispatch plus
 // XLA. All enqueue on XLA's stream and never synchronise the host.
 //
 // Transport: the int32 attribute net_transport (NetTransport, EpConfig.

@@ -47,7 +47,7 @@ bool fit_ring(LaunchConfig* lc, int R, int T, long long row_bytes, long long s_r
 
 // The launch of op for R ranks and T tokens in a symmetric buffer of
 // sym_bytes (make_launch_config + fit_ring): "" and *lc, or why the staging
-// does not fit. The FFI handlers and the trace-time check in jax_ep/native.py
+// does not fit. The FFI handlers and the trace-time check in jax_ep/intranode/native.py
 // (jax_ep._C.staging_error) both use it.
 std::string plan_launch(OpKind op, int R, int T, int num_sms_requested, int device_sms,
                         int chunk, long long row_bytes, long long s_row_bytes, size_t sym_bytes,

@@ -1,5 +1,5 @@
 // Low-latency (decode) dispatch and combine (docs/semantics.md §12; the plan
-// is docs/low_latency.md). The reference is jax_ep/low_latency.py; these
+// is docs/low_latency.md). The reference is jax_ep/low_latency/reference.py; these
 // kernels give its bits.
 //
 // Dispatch sends each token once per destination rank (its row cast once, in

@@ -1,4 +1,4 @@
-"""Internode native backend: the hierarchical kernels (cc/ffi_internode.cc) as per-rank ops.
+"""Internode native backend: the hierarchical kernels (cc/internode/ffi_handlers.cc) as per-rank ops.
 
 Implements :class:`jax_ep.backend.RowBackend` for an EP group of ``nodes``
 blocks of ranks (:func:`nodes_of`, decided at trace time). Routing and

@@ -3,7 +3,7 @@
 Per call parity, dispatch rows ``(N + R + 1) * W`` and combine rows
 ``(G + 2) * N * W`` (G = R / N; each with its put staging), f32 wide (any row
 dtype fits), plus flags; computed by the extension
-(``cc/kernels/internode_layout.h``). W is the largest ``max_tokens_per_rank``
+(``cc/internode/region_layout.h``). W is the largest ``max_tokens_per_rank``
 of the configs, or fewer where the region would exceed ``internode_bytes``;
 calls of more tokens run as windows of W tokens (docs/internode.md, "Windows").
 """

@@ -3,8 +3,8 @@
 Implements :class:`jax_ep.backend.RowBackend`. Routing metadata (``route``) is
 the shared ``jax_ep.routing`` over a small XLA all_to_all of ``[R, T, K]``
 int32; the rows themselves move through ``jax_ep_dispatch`` /
-``jax_ep_combine`` (cc/ffi_dispatch.cc, cc/ffi_combine.cc): P2P stores over
-NVLink into the peers' NVSHMEM staging rings (bounded: credits, cc/buffer_layout.h),
+``jax_ep_combine`` (cc/intranode/ffi_dispatch.cc, cc/intranode/ffi_combine.cc): P2P stores over
+NVLink into the peers' NVSHMEM staging rings (bounded: credits, cc/low_latency/region_layout.h),
 one copy per (token, rank), on XLA's stream. Results are bit-identical to the
 reference backend (dispatch) and equal to it op for op in f32 (combine). The
 backward of expert_major combine (``combine_backward``, ``jax_ep_combine_bwd``)
@@ -39,7 +39,7 @@ def _debug_skip(debug_skip: int) -> np.int32:
 def _check_staging(op: str, R: int, T: int, row_bytes: int, s_row_bytes: int, cfg: EpConfig,
                    sms) -> None:
     """Trace time: the op's staging rings fit the live runtime's symmetric
-    buffer (the FFI handlers' own check, cc/kernels/launch_config.h
+    buffer (the FFI handlers' own check, cc/intranode/launch_config.h
     ``plan_launch``). Skipped when the runtime is not up (the call then fails
     with the not-initialised message)."""
     info = runtime.info() if runtime.is_initialized() else None

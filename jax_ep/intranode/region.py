@@ -4,7 +4,7 @@ Staging is a ring per (peer, block) for dispatch and for combine, each
 double-buffered by call parity; rows sized for f32 (the widest row dtype),
 plus the control words. The rings wrap, so the buffer is at most the 1 GiB
 default whatever T and R (smaller when a ring that never wraps fits in
-less). The sizes come from ``cc/buffer_layout.h`` through the extension, the
+less). The sizes come from ``cc/low_latency/region_layout.h`` through the extension, the
 one source of them.
 """
 from __future__ import annotations

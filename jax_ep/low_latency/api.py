@@ -22,7 +22,7 @@ as in normal mode).
 
 The reference backend (``jax_ep/low_latency/reference.py``: XLA all_to_all
 of a dense ``[R, L * Tmax, H]`` buffer) is the semantics; the native kernels
-(``jax_ep/low_latency/native.py``, cc/kernels/low_latency.cu) give its bits;
+(``jax_ep/low_latency/native.py``, cc/low_latency/kernels.cu) give its bits;
 ``jax_ep.backend.select`` picks one.
 Forward-only: differentiating raises.
 

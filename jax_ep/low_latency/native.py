@@ -1,6 +1,6 @@
 """Native low-latency (decode) ops: the send and receive custom calls.
 
-Four FFI targets (cc/ffi_low_latency.cc over cc/kernels/low_latency.cu):
+Four FFI targets (cc/low_latency/ffi_handlers.cc over cc/low_latency/kernels.cu):
 ``jax_ep_ll_dispatch_send`` / ``_recv`` and ``jax_ep_ll_combine_send`` /
 ``_recv``. A send returns a ``[1]`` uint32 token (no data) that its receive
 takes, so XLA orders the two and may schedule independent work between them.
@@ -14,7 +14,7 @@ follow.
 
 Every call takes ``ll_transport`` (``LowLatencyConfig.ll_transport`` as its
 ``abi.LL_TRANSPORTS`` code): how the kernels reach each rank, P2P stores or
-NVSHMEM puts (cc/ffi_low_latency.cc).
+NVSHMEM puts (cc/low_latency/ffi_handlers.cc).
 """
 from __future__ import annotations
 

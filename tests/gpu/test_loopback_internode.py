@@ -349,7 +349,7 @@ FIXED_T_CALLS = [
 
 
 def _fixed_t_worker(rank, n):
-    """As the JAX path runs them (cc/ffi_internode.cc: layout_T = the region's
+    """As the JAX path runs them (cc/internode/ffi_handlers.cc: layout_T = the region's
     T, one region for every call, epochs carried over): dispatch and combine
     calls of T 256, 7, 128, 1, 200 and three row widths on one buffer per rank."""
     lb, checks, rng = _start()

@@ -2,7 +2,7 @@
 
 ``jax_ep._C.loopback_ll_dispatch`` / ``loopback_ll_combine`` /
 ``loopback_ll_round_trip`` (cc/testing/loopback_ll.cu) run R ranks' send and
-receive kernels (cc/kernels/low_latency.cu) on one device, each rank on its
+receive kernels (cc/low_latency/kernels.cu) on one device, each rank on its
 own stream and SM share, with plain zeroed device buffers holding the
 low-latency region in place of the symmetric buffer. Expected values come from
 the reference (jax_ep/low_latency/reference.py) on R fake CPU devices; the kernel inputs

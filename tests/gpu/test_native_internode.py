@@ -1,7 +1,7 @@
 """The internode (hierarchical) kernels through jax_ep, on N processes as 2
 emulated nodes x N/2 ranks (EpConfig.num_nodes=2; N = $JAX_EP_TEST_NPROCS: 2x1,
 2x2, 2x4): the "network" leg between the nodes goes through the same P2P
-stores behind the transport seam (cc/kernels/internode.cuh); at 2x1 the
+stores behind the transport seam (cc/internode/legs.cuh); at 2x1 the
 forwarding inside a node is trivial (G = 1). The processes may share one GPU
 (harness.py).
 
