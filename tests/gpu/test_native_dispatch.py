@@ -160,7 +160,39 @@ def _dispatch_case(checks, rng, mesh, R, case, variant):
     checks.report(tag, not bad and untouched, f"mismatch in {bad}" if bad else
                   f"rows={a.x.shape[0]} used={used} valid={int(a.num_valid.sum())} "
                   f"dropped={int(a.num_dropped.sum())} tail_untouched={untouched}")
+    if T <= _MODEL_MAX_T:
+        _check_against_model(checks, tag, a, x, idx, w, E, layout, align, cap)
     return a
+
+
+# The NumPy model (tests/numpy_model.py, loop by loop) runs for small T only.
+_MODEL_MAX_T = 128
+
+
+def _check_against_model(checks, tag, a, x, idx, w, E, layout, align, cap):
+    """This rank's routing metadata, weights and exact drop counts against the
+    NumPy model of semantics §2-5, which shares no code with either backend
+    (native == reference alone is circular there: one router serves both)."""
+    import jax
+
+    import numpy_model
+
+    rank = jax.process_index()
+    m = numpy_model.dispatch(np.asarray(x, np.float32), idx, w, E, layout, align, cap)
+    fields = (["group_sizes", "weights"] if layout == "expert_major"
+              else ["topk_idx", "topk_weights"]) + ["num_valid", "num_dropped"]
+    bad = []
+    for f in fields:
+        got, want = np.asarray(getattr(a, f)), np.asarray(m[f][rank])
+        if f in ("weights", "topk_weights"):
+            same = got.shape == want.shape and np.array_equal(bits(got.astype(np.float32)),
+                                                            bits(want.astype(np.float32)))
+        else:
+            same = np.array_equal(got.reshape(-1).astype(np.int64), want.reshape(-1).astype(np.int64))
+        if not same:
+            bad.append(f)
+    checks.report(tag + "_model", not bad, f"differs from the NumPy model in {bad}" if bad else
+                  f"dropped={int(np.asarray(m['num_dropped'][rank]))}")
 
 
 def _dispatch_worker(rank, n):
