@@ -1,4 +1,4 @@
-"""Peers come from the mesh's real devices (DESIGN §3), checked without GPUs.
+"""Peers come from the mesh's real devices (DESIGN §4), checked without GPUs.
 
 ``_ffi.ep_groups_of`` turns a mesh's device array into the PE rows the kernels
 read; the lowering test checks that the attribute a jitted shard_map actually

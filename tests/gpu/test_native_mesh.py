@@ -1,6 +1,6 @@
 """Native kernels on meshes whose devices are not in process order (2 GPUs).
 
-Peers must come from the mesh's real devices (DESIGN §3): a reversed device
+Peers must come from the mesh's real devices (DESIGN §4): a reversed device
 list, ('ep', 'data') axis order and EP on a sub-axis give the reference's
 results — dispatch bit-identical on every valid row, combine and gradients
 equal within f32 tolerance — never a silently wrong result."""
