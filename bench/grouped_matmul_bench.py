@@ -219,8 +219,8 @@ def main():
             for op in args.ops.split(","):
                 g_args, d_args = operands(op, x, w, dy, gs)
                 gfn, dfn = ops(pallas)[op]
-                # the tiles the main row runs with (small groups: SMALL_GROUP_TILES)
-                main_tiles = str(op_tiles(pallas, op, g_args[0], g_args[1], G))
+                # the tiles the main row asks for (small groups: the small-group tiles)
+                main_tiles = str(op_tiles(pallas, op, g_args[0], g_args[1], G).astuple())
                 if (proj, op) not in dense_cache:    # same shapes for every dist
                     dense_cache[proj, op] = per_call_ms(dfn, d_args, args.n1, args.n2, args.reps)
                 dense_ms = dense_cache[proj, op]

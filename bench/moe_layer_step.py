@@ -931,7 +931,9 @@ def _worker_body(spec, out, save):
         (nothing hoisted, every output materialised, as in
         bench/grouped_matmul_bench.py); the output buffer is carried and donated."""
         from jax_ep.mesh_axes import to_vma
-        from jax_ep.gmm import DEFAULT_TILES, gmm, tgmm
+        from jax_ep.gmm import gmm, tgmm
+        from jax_ep.gmm.devices import device_info
+        from jax_ep.gmm.tuning import tuning_for
 
         t_b0 = time.perf_counter()
         all_axes = frozenset(mesh.axis_names)
@@ -939,8 +941,9 @@ def _worker_body(spec, out, save):
         ep_spec = P("ep")
         C = rows.shape[0] // n_dev
         gate_up, down = ew
-        bm = ((gcfg.fwd if gcfg else None) or DEFAULT_TILES["fwd"])[0]
-        bk = ((gcfg.dw if gcfg else None) or DEFAULT_TILES["dw"])[2]
+        tuned = tuning_for(device_info().kind).default
+        bm = ((gcfg.fwd if gcfg else None) or tuned.fwd).block_m
+        bk = ((gcfg.dw if gcfg else None) or tuned.dw).block_k
         g_host = np.asarray(multihost_utils.process_allgather(gs, tiled=True) if multi
                             else jax.device_get(gs)).reshape(n_dev, -1)
         bd = out["breakdown"] = {"block_m": bm, "dw_block_k": bk, "capacity_rows": C,

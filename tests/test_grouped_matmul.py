@@ -9,8 +9,11 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jax_ep import gmm as gm_mod
+from jax_ep.gmm import registry as gm_registry
 from jax_ep.gmm import select as gm_select
-from jax_ep.gmm import GroupedMatmulConfig, grouped_matmul
+from jax_ep.gmm import DwTiles, FwdTiles, GroupedMatmulConfig, grouped_matmul
+from jax_ep.gmm.devices import device_info
+from jax_ep.gmm.tuning import tuning_for
 from jax_ep.gmm.pallas_common import row_tiles, step_has_outside_rows
 
 try:
@@ -207,8 +210,8 @@ def test_sum_larger_than_m_is_clipped():
 
 def test_config_and_validation():
     cfg = GroupedMatmulConfig(fwd=[128, 128, 64, 4, 2])
-    assert cfg.fwd == (128, 128, 64, 4, 2) and hash(cfg)
-    assert cfg.tiles("dw") == gm_mod.DEFAULT_TILES["dw"]
+    assert cfg.fwd == FwdTiles(128, 128, 64, 4, 2) and hash(cfg)
+    assert cfg.dw is None and GroupedMatmulConfig(dw=cfg.fwd).dw == DwTiles(128, 128, 64, 4, 2)
     with pytest.raises(ValueError):
         GroupedMatmulConfig(impl="cuda")
     with pytest.raises(ValueError):
@@ -233,8 +236,8 @@ def test_config_and_validation():
     # f32 is not a Pallas dtype: forcing it is an error, auto quietly uses XLA
     with pytest.raises(ValueError, match="16-bit"):
         grouped_matmul(x, w, gs, impl="pallas")
-    assert gm_select.choose(GroupedMatmulConfig(), "fwd", jnp.asarray(x), jnp.asarray(w),
-                          jnp.dtype(jnp.float32), w.shape[0]) == "xla"
+    assert gm_select.plan(GroupedMatmulConfig(), "fwd", jnp.asarray(x), jnp.asarray(w),
+                          w.shape[0], jnp.dtype(jnp.float32)).variant is gm_registry.XLA
 
 
 # ---------------------------------------------------------------- Pallas path
@@ -247,6 +250,11 @@ PSIZES = {
     "all_empty": [0, 0, 0, 0, 0],
     "ends_at_m": [70, 0, 33, 1, 96],                   # sum 200 = m: last tiles moved back
 }
+
+
+def _plan(cfg, op, x, w, groups=None):
+    """The kernel the config runs ``op`` with (``w`` is ``dy`` for dw)."""
+    return gm_select.plan(cfg, op, x, w, w.shape[0] if groups is None else groups, x.dtype)
 
 
 @pytest.mark.parametrize("bk", [32, 64])
@@ -353,50 +361,53 @@ def test_pallas_lowers_for_cuda(op):
 
 
 def test_small_group_tiles():
-    """fwd, dx and dw take SMALL_GROUP_TILES where the config leaves their
-    tiles unset and rows / groups <= SMALL_GROUP_ROWS (the V3 layer at T 128:
+    """fwd, dx and dw take the small-group tiles where the config leaves their
+    tiles unset and rows / groups <= small_group_rows (the V3 layer at T 128:
     9088 rows, 128 groups); the default at T 1024 (16256 rows), for tiles the
     user set, and where the small tiles do not fit the shape."""
-    from jax_ep.gmm.config import SMALL_GROUP_TILES
+    tuned = tuning_for(device_info().kind)
     sds, bf = jax.ShapeDtypeStruct, jnp.bfloat16
     w = sds((128, 7168, 4096), bf)          # dx: dy [M, 4096] @ w[g]^T
-    small, dflt = SMALL_GROUP_TILES["dx"], gm_mod.DEFAULT_TILES["dx"]
+    small, dflt = tuned.small.dx, tuned.default.dx
     cfg = GroupedMatmulConfig()
     assert gm_select.op_tiles(cfg, "dx", sds((9088, 4096), bf), w, 128) == small
     assert gm_select.op_tiles(cfg, "dx", sds((16256, 4096), bf), w, 128) == dflt
     w_up = sds((128, 7168, 4096), bf)       # fwd: x [M, 7168] @ w[g]
-    small_fwd = SMALL_GROUP_TILES["fwd"]
+    small_fwd = tuned.small.fwd
     assert gm_select.op_tiles(cfg, "fwd", sds((9088, 7168), bf), w_up, 128) == small_fwd
     assert gm_select.op_tiles(cfg, "fwd", sds((16256, 7168), bf), w_up, 128) \
-        == gm_mod.DEFAULT_TILES["fwd"]
+        == tuned.default.fwd
     # the 2-consumer kernel runs the small forward tiles as they are (2 stages fit)
-    assert gm_select.two_consumer_tiles(small_fwd, "n", 4096, bf) == small_fwd
+    assert gm_registry.GMM_WS.fit("fwd", small_fwd, sds((9088, 7168), bf), w_up,
+                                  device_info()) == small_fwd
     mine = GroupedMatmulConfig(dx=(128, 128, 64, 4, 2))
-    assert gm_select.op_tiles(mine, "dx", sds((9088, 4096), bf), w, 128) == (128, 128, 64, 4, 2)
+    assert gm_select.op_tiles(mine, "dx", sds((9088, 4096), bf), w, 128) == FwdTiles(128, 128, 64, 4, 2)
     odd = sds((128, 7168, 4160), bf)        # K = 4160: not a multiple of block_k 128
     assert gm_select.op_tiles(cfg, "dx", sds((9088, 4160), bf), odd, 128) == dflt
     # dw: x [M, H] ^T @ dy [M, 2F], the group count from group_sizes
     x, dy = sds((9088, 7168), bf), sds((9088, 4096), bf)
-    small_dw = SMALL_GROUP_TILES["dw"]
+    small_dw = tuned.small.dw
     assert gm_select.op_tiles(cfg, "dw", x, dy, 128) == small_dw
-    assert gm_select.op_tiles(cfg, "dw", x, dy, 64) == gm_mod.DEFAULT_TILES["dw"]
+    assert gm_select.op_tiles(cfg, "dw", x, dy, 64) == tuned.default.dw
     assert gm_select.op_tiles(GroupedMatmulConfig(dw=(128, 128, 64, 3, 4)), "dw", x, dy, 128) \
-        == (128, 128, 64, 3, 4)
+        == DwTiles(128, 128, 64, 3, 4)
     # the 2-consumer kernel runs them as they are (5 stages fit)
-    assert gm_select.two_consumer_tiles(small_dw, "m", 7168, bf) == small_dw
+    assert gm_registry.TGMM_WS.fit("dw", small_dw, x, dy, device_info()) == small_dw
 
 
 def test_pallas_constraints_fall_back_to_xla():
     bf = jnp.bfloat16
     x = jax.ShapeDtypeStruct((260, 512), bf)          # M % 8 != 0
     w = jax.ShapeDtypeStruct((4, 512, 256), bf)
-    assert "M % 8" in gm_select.constraint_error("fwd", (128, 128, 64, 4, 4), x, w, jnp.dtype(bf))
+    check = functools.partial(gm_registry.GMM.check, dev=device_info())
+    assert "M % 8" in check("fwd", FwdTiles(128, 128, 64, 4, 4), x, w, jnp.dtype(bf))
     x = jax.ShapeDtypeStruct((264, 512), bf)
-    assert gm_select.constraint_error("fwd", (128, 128, 64, 4, 4), x, w, jnp.dtype(bf)) is None
-    assert gm_select.constraint_error("fwd", (128, 128, 64, 4, 4), x, w, jnp.dtype(jnp.float32))
-    assert gm_select.constraint_error("fwd", (128, 384, 64, 4, 4), x, w, jnp.dtype(bf))
+    assert check("fwd", FwdTiles(128, 128, 64, 4, 4), x, w, jnp.dtype(bf)) is None
+    assert check("fwd", FwdTiles(128, 128, 64, 4, 4), x, w, jnp.dtype(jnp.float32))
+    assert check("fwd", FwdTiles(128, 384, 64, 4, 4), x, w, jnp.dtype(bf))
     # not on a Hopper GPU here: auto uses XLA
-    assert gm_select.choose(GroupedMatmulConfig(), "fwd", x, w, jnp.dtype(bf), w.shape[0]) == "xla"
+    assert gm_select.plan(GroupedMatmulConfig(), "fwd", x, w, w.shape[0],
+                          jnp.dtype(bf)).variant is gm_registry.XLA
 
 
 @pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
@@ -411,7 +422,7 @@ def test_pallas_fwd_dx_two_warpgroups_interpret(sizes):
     xb, wb, dyb = (jnp.asarray(a, jnp.bfloat16) for a in (x, w, dy))
     cfg = GroupedMatmulConfig(impl="pallas", interpret=True, fwd=(64, 64, 64, 2, 1),
                               dx=(64, 64, 64, 2, 1), fwd_warpgroups=2)
-    assert gm_select.fwd_ws_tiles(cfg, "fwd", xb, wb, False) is not None
+    assert _plan(cfg, "fwd", xb, wb).variant is gm_registry.GMM_WS
     y = np.asarray(gm_mod.gmm(xb, wb, gs, config=cfg), np.float32)
     dx = np.asarray(gm_mod.gmm(dyb, wb, gs, transpose_rhs=True, config=cfg), np.float32)
     xf, wf, dyf = (np.asarray(a, np.float32) for a in (xb, wb, dyb))
@@ -471,8 +482,8 @@ def test_pallas_128_row_two_consumer_interpret(sizes):
     xb, wb, dyb = (jnp.asarray(a, jnp.bfloat16) for a in (x, w, dy))
     tiles = (128, 64, 64, 3, 1)
     cfg = GroupedMatmulConfig(impl="pallas", interpret=True, fwd=tiles, dx=tiles, dw=tiles)
-    assert gm_select.fwd_ws_tiles(cfg, "fwd", xb, wb, False) is not None
-    assert gm_select.fwd_ws_tiles(cfg, "dx", dyb, wb, True) is not None
+    assert _plan(cfg, "fwd", xb, wb).variant is gm_registry.GMM_WS
+    assert _plan(cfg, "dx", dyb, wb).variant is gm_registry.GMM_WS
     y, dx, dw = (np.asarray(a, np.float32) for a in (
         gm_mod.gmm(xb, wb, gs, config=cfg),
         gm_mod.gmm(dyb, wb, gs, transpose_rhs=True, config=cfg),
@@ -485,9 +496,11 @@ def test_pallas_128_row_two_consumer_interpret(sizes):
     np.testing.assert_allclose(dw, rdw, **tol)
     tot = int(np.sum(sizes))
     assert np.all(y[tot:] == 0) and np.all(dx[tot:] == 0)
-    bf = jnp.bfloat16
-    assert gm_select.two_consumer_tiles((128, 128, 64, 5, 2), "n", 4096, bf)[3] == 4
-    assert gm_select.two_consumer_tiles((128, 128, 64, 4, 4), "m", 7168, bf)[3] == 4
+    bf, sds, dev = jnp.bfloat16, jax.ShapeDtypeStruct, device_info()
+    assert gm_registry.GMM_WS.fit("fwd", FwdTiles(128, 128, 64, 5, 2), sds((1024, 7168), bf),
+                                  sds((8, 7168, 4096), bf), dev).stages == 4
+    assert gm_registry.TGMM_WS.fit("dw", DwTiles(128, 128, 64, 4, 4), sds((1024, 7168), bf),
+                                   sds((1024, 4096), bf), dev).stages == 4
 
 
 @pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
@@ -499,11 +512,11 @@ def test_pallas_small_group_interpret():
     x, w, dy, gs = make(sizes, m=256, k=256, n=512, seed=9)   # n: 2 x block_n 256
     wb, dyb = jnp.asarray(w, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
     cfg = GroupedMatmulConfig(impl="pallas", interpret=True)
-    from jax_ep.gmm.config import SMALL_GROUP_TILES
-    assert gm_select.op_tiles(cfg, "dx", dyb, wb, wb.shape[0]) == SMALL_GROUP_TILES["dx"]
-    assert gm_select.fwd_ws_tiles(cfg, "dx", dyb, wb, True) is not None
+    small = tuning_for(device_info().kind).small
+    assert gm_select.op_tiles(cfg, "dx", dyb, wb, wb.shape[0]) == small.dx
+    assert _plan(cfg, "dx", dyb, wb).variant is gm_registry.GMM_WS
     xb = jnp.asarray(x, jnp.bfloat16)
-    assert gm_select.fwd_ws_tiles(cfg, "fwd", xb, wb, False) == SMALL_GROUP_TILES["fwd"]
+    assert _plan(cfg, "fwd", xb, wb) == gm_select.Plan(gm_registry.GMM_WS, small.fwd)
     dx = np.asarray(gm_mod.gmm(dyb, wb, gs, transpose_rhs=True, config=cfg), np.float32)
     y = np.asarray(gm_mod.gmm(xb, wb, gs, config=cfg), np.float32)
     xf, wf, dyf = (np.asarray(a, np.float32) for a in (xb, wb, dyb))
@@ -553,8 +566,8 @@ def test_pallas_dw_cluster_interpret(sizes, pipeline):
     tiles = (64, 64, 32, 3, 1)    # cluster tile 128 x 128: 2 x 2 on 2 clusters of 2 "SMs"
     cfg = GroupedMatmulConfig(impl="pallas", interpret=True, dw=tiles, dw_cluster=2,
                               dw_pipeline=pipeline)
-    assert gm_select.dw_cluster(cfg, tiles, 256, xb.dtype, pipeline) == 2
-    assert gm_select.dw_cluster(cfg, tiles, 192, xb.dtype, pipeline) == 1   # N % (2 block_n)
+    assert _plan(cfg, "dw", xb, dyb, len(sizes)).cluster == 2
+    assert _plan(cfg, "dw", xb, dyb[:, :192], len(sizes)).cluster == 1   # N % (2 block_n)
     out = np.asarray(gm_mod.tgmm(xb, dyb, gs, config=cfg), np.float32)
     ref = np_dw(np.asarray(xb, np.float32), np.asarray(dyb, np.float32), sizes)
     assert np.all(np.isfinite(out))

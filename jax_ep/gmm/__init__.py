@@ -40,10 +40,14 @@ Implementations (``GroupedMatmulConfig.impl``):
   (forward, dx, dw).
 
 Layout of the package: ``api`` (``grouped_matmul``, ``gmm``, ``tgmm``),
-``config`` (``GroupedMatmulConfig``, default tiles), ``select`` (which
-implementation runs: constraints, a one-time compile check, two-consumer
-tiles), ``xla`` (the ragged_dot fallback), ``pallas_common``, ``pallas_fwd``,
-``pallas_dw`` (the kernels).
+``config`` (``GroupedMatmulConfig``), ``tiles`` (``FwdTiles``, ``DwTiles``:
+the typed tile configs), ``registry`` (the kernel variants and what each
+supports: ops, dtypes, devices, shapes, shared memory), ``devices`` (SM count
+and shared memory per device kind), ``tuned_tiles.json`` + ``tuning`` (tuned
+tiles per device kind), ``heuristic`` (which tuned tiles an operation asks
+for), ``select`` (the plan: variant, tiles, cluster), ``probe`` (the
+one-time compile check), ``xla`` (the ragged_dot fallback),
+``pallas_common``, ``pallas_fwd``, ``pallas_dw`` (the kernels).
 
 Pallas kernels
 --------------
@@ -68,14 +72,13 @@ group, none for empty groups and none past ``total`` (tiles cut at fixed
 ``block_m`` boundaries, an earlier version, cost one more tile per boundary
 inside a block: 1.5x the work at ~256 rows per group).
 
-Tiles: ``GroupedMatmulConfig``'s, else ``DEFAULT_TILES``; with small groups
-(``M / G <= SMALL_GROUP_ROWS``, 96, and the config's tiles for the op unset)
-the ops take ``SMALL_GROUP_TILES`` (forward: 64 x 256 tiles with 2 stages,
-1.7-2.5% faster forward kernels in the V3 layer at T 128 than 64 x 128, which
-beat the 128-row default by 1.5-1.8%; dx: block_m 64, block_k 128,
-256-byte rows of the transposed weight tile, 7% faster dx there and 36%
-slower at 256 rows per group; dw: block_m 64 with 5 stages, 6% faster
-gate_up dw there).
+Tiles: ``GroupedMatmulConfig``'s, else the device's tuned tiles
+(``tuned_tiles.json``, by ``jax.devices()[0].device_kind``; kinds not in it
+get the H200's); with small groups (``M / G`` at most the entry's
+``small_group_rows``, 96, and the config's tiles for the op unset) the ops
+take the entry's small-group tiles where they fit the shape (forward: 64 x 256
+tiles with 2 stages, dx: block_m 64, block_k 128; dw: block_m 64 with 5
+stages; the measurements are in ``tuning``'s docstring).
 
 dw (``pallas_dw``): two consumer warpgroups fed by a producer warpgroup (a
 CTA owns a ``2 block_m x block_n`` tile of ``dw[g]``, loads of the next tile
@@ -101,8 +104,8 @@ Empty groups store zeros.
 The 2-consumer kernels (``gmm_pallas_ws``, ``tgmm_pallas_ws``) store a
 consumer's accumulator through shared memory in 64-row chunks
 (``EPILOGUE_ROWS``): half the staging of a 128-row tile, which fits a 4th
-pipeline stage at the default tiles (``select.two_consumer_tiles`` cuts the
-configured stages to what fits).
+pipeline stage at the default tiles (``registry.Variant.fit`` cuts the
+configured stages to what fits the device's shared memory).
 
 Constraints of the Pallas path (checked; otherwise ``"auto"`` falls back to XLA
 and ``"pallas"`` raises): x and w of the same 16-bit dtype (bf16/f16) and the
@@ -110,13 +113,16 @@ output in that dtype; ``block_m``/``block_n``/``block_k`` multiples of 64/64/16
 (block_n 8..256), forward: ``K % block_k == 0`` and ``N % block_n == 0``; dx:
 ``N % block_k == 0`` and ``K % block_n == 0``; dw: ``K % block_m == 0`` and
 ``N % block_n == 0``; ``M % 8 == 0``, ``M >= block_m`` (forward/dx) and
-``M >= block_k`` (dw).
+``M >= block_k`` (dw); the 1-warpgroup kernels' stages within the device's
+shared memory per block (the 2-consumer kernels cut their stages to fit).
+Each kernel variant states these in ``registry``.
 Any group sizes (empty, skewed, unaligned, ``total < M``) are fine.
 """
 from __future__ import annotations
 
 from .api import gmm, grouped_matmul, tgmm
-from .config import DEFAULT_TILES, GROUP_ALIGNMENT, GroupedMatmulConfig, Tiles
+from .config import GROUP_ALIGNMENT, GroupedMatmulConfig
+from .tiles import DwTiles, FwdTiles
 
-__all__ = ["GroupedMatmulConfig", "grouped_matmul", "gmm", "tgmm", "DEFAULT_TILES", "Tiles",
+__all__ = ["GroupedMatmulConfig", "grouped_matmul", "gmm", "tgmm", "FwdTiles", "DwTiles",
            "GROUP_ALIGNMENT"]

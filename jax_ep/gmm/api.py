@@ -10,11 +10,7 @@ import jax.numpy as jnp
 
 from .._ffi import to_vma, vma_of
 from .config import GroupedMatmulConfig
-from .pallas_dw import tgmm_pallas, tgmm_pallas_ring, tgmm_pallas_ws
-from .pallas_fwd import gmm_pallas, gmm_pallas_ws
-from .select import (choose, dw_cluster, dw_kernel_op, dw_pipeline, fwd_ws_tiles, op_tiles,
-                     pallas_compiles, two_consumer_tiles)
-from .xla import gmm_xla, tgmm_xla
+from .select import plan
 
 
 def grouped_matmul(x, w, group_sizes, *, preferred_element_type=None,
@@ -100,15 +96,8 @@ def gmm(x, w, group_sizes, *, transpose_rhs: bool = False,
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     op = "dx" if transpose_rhs else "fwd"
     offsets = _offsets(group_sizes, x.shape[0])
-    if choose(cfg, op, x, w, out_dtype, w.shape[0]) == "pallas":
-        ws = fwd_ws_tiles(cfg, op, x, w, transpose_rhs)
-        if ws is not None:
-            out = gmm_pallas_ws(x, w, offsets, transpose_rhs, ws, out_dtype, cfg.interpret)
-        else:
-            out = gmm_pallas(x, w, offsets, transpose_rhs, op_tiles(cfg, op, x, w, w.shape[0]),
-                             out_dtype, cfg.interpret)
-    else:
-        out = gmm_xla(x, w, offsets, transpose_rhs, out_dtype)
+    out = plan(cfg, op, x, w, w.shape[0], out_dtype).run(x, w, offsets, op, out_dtype,
+                                                         cfg.interpret)
     return to_vma(out, vma_of(x) | vma_of(w) | vma_of(group_sizes))
 
 
@@ -121,26 +110,9 @@ def tgmm(x, dy, group_sizes, *, config: Optional[GroupedMatmulConfig] = None,
     """
     cfg = config if config is not None else GroupedMatmulConfig()
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    num_groups = group_sizes.shape[0]
     offsets = _offsets(group_sizes, x.shape[0])
-    if choose(cfg, "dw", x, dy, out_dtype, num_groups) == "pallas":
-        tiles = op_tiles(cfg, "dw", x, dy, num_groups)
-        ws = (two_consumer_tiles(tiles, "m", x.shape[1], x.dtype) if cfg.dw_warpgroups == 2
-              else None)
-        pipeline = dw_pipeline(cfg, x, num_groups)
-        if ws is not None and not cfg.interpret and cfg.impl == "auto":
-            # a ring that does not compile falls back to the per-group pipeline
-            if pipeline == "ring" and not pallas_compiles("dw_ring", ws, x.dtype.name):
-                pipeline = "per_group"
-            ws = ws if pallas_compiles(dw_kernel_op(pipeline), ws, x.dtype.name) else None
-        if ws is not None:
-            kern = tgmm_pallas_ring if pipeline == "ring" else tgmm_pallas_ws
-            out = kern(x, dy, offsets, ws, out_dtype, cfg.interpret,
-                       dw_cluster(cfg, ws, dy.shape[1], x.dtype, pipeline))
-        else:
-            out = tgmm_pallas(x, dy, offsets, tiles, out_dtype, cfg.interpret)
-    else:
-        out = tgmm_xla(x, dy, offsets, num_groups, out_dtype)
+    out = plan(cfg, "dw", x, dy, group_sizes.shape[0], out_dtype).run(
+        x, dy, offsets, "dw", out_dtype, cfg.interpret)
     return to_vma(out, vma_of(x) | vma_of(dy) | vma_of(group_sizes))
 
 

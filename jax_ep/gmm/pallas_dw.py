@@ -16,7 +16,8 @@ from .pallas_common import (EPILOGUE_ROWS, carried_acc_context, dw_transforms,
 
 def tgmm_pallas(x, dy, offsets, tiles, out_dtype, interpret):
     pl, plgpu = pallas_modules()
-    bm, bn, bk, steps, band = tiles
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    steps, band = tiles.stages, tiles.band
     m, k = x.shape
     n = dy.shape[1]
     g_count = offsets.shape[0] - 1
@@ -213,9 +214,9 @@ def _ws_shape(x, dy, tiles, cluster, interpret):
     """``(cm, grid_m, grid_n, n_tiles, nsm)``: the CTA tile's rows (2 block_m),
     the (cluster) tile grid of one ``dw[g]``, its tile count, and the SMs (or
     clusters) the tiles are dealt to."""
-    bm, bn = tiles[0], tiles[1]
+    bm, bn = tiles.block_m, tiles.block_n
     cm = 2 * bm
-    # else columns or rows of dw would go unwritten (select.py never asks for it)
+    # else columns or rows of dw would go unwritten (registry.Variant.fit never allows it)
     assert x.shape[1] % cm == 0 and dy.shape[1] % (cluster * bn) == 0, (x.shape, dy.shape, tiles)
     grid_m, grid_n = x.shape[1] // cm, dy.shape[1] // (cluster * bn)
     return cm, grid_m, grid_n, grid_m * grid_n, num_sms(interpret) // cluster
@@ -251,7 +252,8 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, cluster=1):
     stage the partner still reads.
     """
     pl, plgpu = pallas_modules()
-    bm, bn, bk, steps, band = tiles
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    steps, band = tiles.stages, tiles.band
     k, n = x.shape[1], dy.shape[1]
     g_count = offsets.shape[0] - 1
     cm, grid_m, grid_n, n_tiles, nsm = _ws_shape(x, dy, tiles, cluster, interpret)
@@ -327,7 +329,8 @@ def tgmm_pallas_ring(x, dy, offsets, tiles, out_dtype, interpret, cluster=1):
     table and no division per step (the table-driven per-SM pipeline
     lost to those)."""
     pl, plgpu = pallas_modules()
-    bm, bn, bk, steps, band = tiles
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    steps, band = tiles.stages, tiles.band
     k, n = x.shape[1], dy.shape[1]
     g_count = offsets.shape[0] - 1
     cm, grid_m, grid_n, n_tiles, nsm = _ws_shape(x, dy, tiles, cluster, interpret)

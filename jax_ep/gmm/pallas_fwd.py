@@ -16,7 +16,8 @@ from .pallas_common import (EPILOGUE_ROWS, carried_acc_context, dw_transforms,
 
 def gmm_pallas(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
     pl, plgpu = pallas_modules()
-    bm, bn, bk, steps, band = tiles
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    steps, band = tiles.stages, tiles.band
     m, k = x.shape
     if transpose_rhs:
         _, n, k2 = w.shape     # w [G, N_out, K_contract]
@@ -99,7 +100,8 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
     ``EPILOGUE_ROWS`` row chunks.
     """
     pl, plgpu = pallas_modules()
-    bm, bn, bk, steps, band = tiles
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    steps, band = tiles.stages, tiles.band
     m, k = x.shape
     n = w.shape[1] if transpose_rhs else w.shape[2]
     rs, r0, r1, grp = row_tiles(offsets, m, bm)

@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 
 from jax_ep import gmm as gm_mod
+from jax_ep.gmm import registry as gm_registry
 from jax_ep.gmm import select as gm_select
-from jax_ep.gmm import GroupedMatmulConfig, grouped_matmul
+from jax_ep.gmm import DwTiles, GroupedMatmulConfig, grouped_matmul
+from jax_ep.gmm.devices import device_info
 
 
 def _hopper():
@@ -80,7 +82,8 @@ def rel_err(a, b):
 def test_auto_picks_pallas_on_hopper():
     x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((8, 512, 256), jnp.bfloat16)
-    assert gm_select.choose(GroupedMatmulConfig(), "fwd", x, w, jnp.dtype(jnp.bfloat16), 8) == "pallas"
+    p = gm_select.plan(GroupedMatmulConfig(), "fwd", x, w, 8, jnp.dtype(jnp.bfloat16))
+    assert p.variant is gm_registry.GMM_WS
 
 
 @pytest.mark.parametrize("kind,total", [("uniform", 4096), ("skew", 4096), ("unaligned", 3001),
@@ -126,7 +129,7 @@ def test_tile_configs(tiles, fwd_wgs):
     x, w, dy, gs = data(m, k, n, sizes, seed=1)
     cfg = GroupedMatmulConfig(impl="pallas", fwd=tiles, dx=tiles, dw=tiles, fwd_warpgroups=fwd_wgs)
     if fwd_wgs == 2:
-        assert gm_select.fwd_ws_tiles(cfg, "fwd", x, w, False) is not None
+        assert gm_select.plan(cfg, "fwd", x, w, g, x.dtype).variant is gm_registry.GMM_WS
     y = jax.jit(functools.partial(gm_mod.gmm, config=cfg))(x, w, gs)
     dx = jax.jit(functools.partial(gm_mod.gmm, transpose_rhs=True, config=cfg))(dy, w, gs)
     dw = jax.jit(functools.partial(gm_mod.tgmm, config=cfg))(x, dy, gs)
@@ -148,7 +151,8 @@ def test_dw_tiles(kind, total):
     outs = {}
     for tiles in [(128, 128, 64, 4, 4), (128, 128, 128, 2, 4), (128, 128, 64, 3, 8)]:
         for wgs in (1, 2):
-            if wgs == 2 and gm_select.two_consumer_tiles(tiles, "m", k, x.dtype) is None:
+            if wgs == 2 and gm_registry.TGMM_WS.fit("dw", DwTiles(*tiles), x, dy,
+                                                    device_info()) is None:
                 continue  # no stage fits: the 2-warpgroup config runs the 1-warpgroup kernel
             cfg = GroupedMatmulConfig(impl="pallas", dw=tiles, dw_warpgroups=wgs)
             outs[tiles, wgs] = jax.jit(functools.partial(gm_mod.tgmm, config=cfg))(x, dy, gs)
@@ -186,12 +190,11 @@ def test_dw_cluster(kind, total, g):
                 dict()]
     outs = [jax.jit(functools.partial(gm_mod.tgmm, config=GroupedMatmulConfig(**v)))(x, dy, gs)
             for v in variants]
-    ws = gm_select.two_consumer_tiles(gm_select.op_tiles(PALLAS, "dw", x, dy, g), "m", k, x.dtype)
     for v in variants:
-        cfg = GroupedMatmulConfig(**v)
-        pipe = gm_select.dw_pipeline(cfg, x, g)
-        assert gm_select.pallas_compiles(gm_select.dw_kernel_op(pipe), ws, x.dtype.name)
-        assert gm_select.dw_cluster(cfg, ws, n, x.dtype, pipe) == cfg.dw_cluster
+        cfg = GroupedMatmulConfig(**v)   # "auto": the plan's kernels passed the compile check
+        p = gm_select.plan(cfg, "dw", x, dy, g, x.dtype)
+        assert p.variant is gm_registry.DW_PIPELINE_VARIANT[gm_select.dw_pipeline(cfg, x, g)], v
+        assert p.cluster == cfg.dw_cluster, v
     xc, dyc = clean(x, sizes).astype(jnp.float32), clean(dy, sizes).astype(jnp.float32)
     ref = gm_mod.tgmm(xc, dyc, gs, config=XLA)
     for v, out in zip(variants, outs):
@@ -208,8 +211,7 @@ def test_dw_small_groups(kind, total):
     sizes = sizes_for(kind, g, total, seed=6)
     sizes[5] = 0
     x, _, dy, gs = data(m, k, n, sizes, seed=6)
-    assert gm_select.two_consumer_tiles(gm_select.op_tiles(PALLAS, "dw", x, dy, g), "m", k,
-                                        x.dtype) is not None
+    assert gm_select.plan(PALLAS, "dw", x, dy, g, x.dtype).variant is gm_registry.TGMM_WS
     one = jax.jit(functools.partial(gm_mod.tgmm, config=PALLAS))(x, dy, gs)
     assert bool(jnp.all(jnp.isfinite(one)))
     assert not bool(jnp.any(one[5] != 0))

@@ -1,0 +1,31 @@
+"""The one heuristic: which tuned tiles (and dw pipeline) an operation asks
+for, by device kind and group size. What a kernel can run is not decided here
+(``registry``); the caller takes the first candidate its kernel supports."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Tuple
+
+from .tuning import tuning_for
+
+
+@dataclasses.dataclass(frozen=True)
+class Suggestion:
+    tiles: Tuple    # candidates, preferred first; the last is the device's default
+    dw_pipeline: str
+
+
+def small_groups(rows: int, groups: int, device_kind: str) -> bool:
+    """Whether the groups are small: ``rows / groups`` at most the device's
+    bound (a static bound on the mean: group sizes live on the device)."""
+    return rows <= tuning_for(device_kind).small_group_rows * groups
+
+
+def suggest(op: str, rows: int, groups: int, device_kind: str) -> Suggestion:
+    """Tiles for ``op`` (``"fwd"``, ``"dx"``, ``"dw"``) on ``rows`` rows in
+    ``groups`` groups: the small-group tiles first where groups are small
+    (they do not fit every shape), then the default."""
+    t = tuning_for(device_kind)
+    if small_groups(rows, groups, device_kind):
+        return Suggestion((t.small.tiles(op), t.default.tiles(op)), t.small.dw_pipeline)
+    return Suggestion((t.default.tiles(op),), t.default.dw_pipeline)

@@ -1,0 +1,101 @@
+"""The tuned tiles per device kind (``tuned_tiles.json``) and the one function that loads them.
+
+Where the H200 numbers come from (one H200, bench/grouped_matmul_bench.py and
+the V3 layer of bench/moe_layer_step.py; the H100 entry reuses them, see the
+file):
+
+* default fwd/dx ``(128, 128, 64, 5, 2)``: best of the first H200 tile sweep
+  of bench/grouped_matmul_bench.py; the 2-consumer kernel runs it with the
+  stages cut to what fits (4).
+* default dw ``(128, 128, 64, 4, 4)``; a 1-warpgroup variant with one pipeline
+  per (SM, group) measured slower and was deleted (docs/decisions.md).
+* small groups (at most ``small_group_rows`` = 96 rows per group on average,
+  counting every row of x), measured in the V3 layer at T 128 (EP 1; 64-row
+  groups of ~8 routed rows):
+
+  - dx ``(64, 128, 128, 3, 2)``: 256-byte rows of the transposed weight tile
+    for TMA, 2 stages fit; the two dx kernels 2703 against 2890-2945 us per
+    step with the default, layer 9.14 against 9.27-9.43 ms; standalone at 64
+    rows per group 1.862 / 0.954 against 2.055 / 1.035 ms (up / down),
+    bit-identical; at 256 rows per group 36% slower, hence the bound.
+  - dw ``(64, 128, 64, 5, 4)`` (a 128 x 128 CTA tile): gate_up dw 2093 against
+    2218-2277 us per step, down dw equal, layer 9.159 against 9.217-9.259 ms.
+  - fwd ``(64, 256, 64, 2, 2)``: 512-byte weight-tile rows, 2 stages fit the
+    2-consumer kernel; gate_up fwd 1761-1762 against 1803-1814 us per step
+    for ``(64, 128, 64, 4, 2)``, down 918-922 against 932-940, layer
+    9.070-9.096 against 9.124-9.188 ms. At T 1024 (127 rows per group, above
+    the bound) they lose: layer 10.82-10.86 against 10.63 ms.
+  - wider ones (dx ``(64, 64, 256, 2, 2)``, ``(64, 64, 128, 4, 2)``, dw
+    ``(64, 256, 64, 3, 4)``) were no faster in the layer (docs/decisions.md).
+
+* dw pipeline (bench/results/2026-12-03-h200x1-grouped-matmul-layer-ep1.md): the ring across
+  groups on 2-CTA clusters, standalone at T 4096 shapes up dw 3.235 ms against
+  3.493 for the per-group pipeline (cuBLAS batched 3.131), down 1.633 against
+  1.910; V3 layer at T 4096 20.660 against 20.919 ms. With small groups (one
+  k-step per tile) the ring loses (layer 9.251 / 9.274 against 9.116): the
+  per-group pipeline there.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from importlib import resources
+from typing import Dict, Optional
+
+from .tiles import DwTiles, FwdTiles
+
+DW_PIPELINES = ("per_group", "ring")
+
+
+@dataclasses.dataclass(frozen=True)
+class TileSet:
+    fwd: FwdTiles
+    dx: FwdTiles
+    dw: DwTiles
+    dw_pipeline: str
+
+    def __post_init__(self):
+        if self.dw_pipeline not in DW_PIPELINES:
+            raise ValueError(f"dw_pipeline must be one of {DW_PIPELINES}, got {self.dw_pipeline!r}")
+
+    def tiles(self, op: str):
+        return getattr(self, op)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceTuning:
+    kind: str
+    small_group_rows: int
+    default: TileSet
+    small: TileSet
+
+
+@functools.lru_cache(maxsize=None)
+def load_tuned(text: Optional[str] = None):
+    """``(entries by device kind, the fallback kind)`` from ``tuned_tiles.json``
+    (or from ``text``, for tests)."""
+    if text is None:
+        text = resources.files(__package__).joinpath("tuned_tiles.json").read_text()
+    data = json.loads(text)
+    raw = data["devices"]
+    entries: Dict[str, DeviceTuning] = {}
+    for kind, e in raw.items():
+        src = raw[e["same_as"]] if "same_as" in e else e
+        entries[kind] = DeviceTuning(kind, int(src["small_group_rows"]),
+                                     _tile_set(src["default"]), _tile_set(src["small"]))
+    fallback = data["fallback"]
+    if fallback not in entries:
+        raise ValueError(f"tuned_tiles.json: fallback {fallback!r} is not an entry")
+    return entries, fallback
+
+
+def tuning_for(kind: str) -> DeviceTuning:
+    """The tuned entry of device kind ``kind``; the fallback's for unknown kinds
+    (the tiles every device ran before the table existed)."""
+    entries, fallback = load_tuned()
+    return entries.get(kind) or entries[fallback]
+
+
+def _tile_set(e) -> TileSet:
+    return TileSet(FwdTiles(*e["fwd"]), FwdTiles(*e["dx"]), DwTiles(*e["dw"]), e["dw_pipeline"])
