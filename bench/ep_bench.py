@@ -111,26 +111,11 @@ def _run_job(args, flags, env, timeout, row_file=None):
     return rc
 
 
-def worker(args):
-    import jax
+_N0, _N1 = 10, 30   # chained calls of the two timed chains: per op = (t30 - t10) / 20
 
-    rank = args.worker
-    single = args.transport == "peer_memory"
-    if single:
-        args.nproc = len(jax.devices())
-    else:
-        jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.nproc,
-                                   process_id=rank, local_device_ids=[rank],
-                                   initialization_timeout=_INIT_TIMEOUT_S)
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
-    sys.path.insert(0, ROOT)
-    import jax_ep
-    from jax_ep.intranode import native, reference
-    from jax_ep.config import EpConfig, KernelTuning
-
+def _skip_backend_class(native):
+    """The native backend with the bench breakdown's debug_skip attribute."""
     class SkipBackend(native.NativeBackend):
         """The native rows ops with a bench breakdown (debug_skip FFI attribute:
         1 = no data sent, 2 = no receive-side gather / reduce, 3 = flags only)."""
@@ -147,21 +132,43 @@ def worker(args):
         def combine_rows(self, y, row_weights, handle, cfg):
             return native.combine_raw(y, row_weights, handle, cfg, debug_skip=self.skip)
 
-    # the default buffer either way (the rings wrap at any EP), as the
-    # multi-process run uses
-    ok = jax_ep.initialize(symmetric_memory="peer_memory" if single else "auto")
-    R = args.nproc
-    mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
-    spec = P("ep")
-    log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
-    log(f"devices={jax.devices()} native={ok} jax={jax.__version__}")
+    return SkipBackend
 
-    def glob(arr):
+
+def _dep(x, o):
+    # data dependence of the next call on this one's output, at ~no cost
+    return x.at[0, 0].add((o.reshape(-1)[0] * 0).astype(x.dtype))
+
+
+class _Bench:
+    """One worker's mesh and timing helpers (rank, EP size R, the backends)."""
+
+    def __init__(self, args, rank, single, mesh, log):
+        from jax.sharding import PartitionSpec as P
+
+        from jax_ep.intranode import native, reference
+
+        self.args, self.rank, self.single, self.mesh, self.log = args, rank, single, mesh, log
+        self.R = args.nproc
+        self.spec = P("ep")
+        self.native, self.reference = native, reference
+        self.SkipBackend = _skip_backend_class(native)
+
+    def glob(self, arr):
+        import jax
+        import numpy as np
+        from jax.sharding import NamedSharding
+
         arr = np.asarray(arr)
-        return jax.make_array_from_callback(arr.shape, NamedSharding(mesh, spec), lambda i: arr[i])
+        return jax.make_array_from_callback(arr.shape, NamedSharding(self.mesh, self.spec),
+                                            lambda i: arr[i])
 
+    @staticmethod
     def timed(fn_n, ins, reps):
         """median seconds of one jitted call (after warm-up)."""
+        import jax
+        import numpy as np
+
         out = fn_n(*ins)
         jax.block_until_ready(out)
         out = fn_n(*ins)
@@ -173,40 +180,38 @@ def worker(args):
             ts.append(time.perf_counter() - t0)
         return float(np.median(ts))
 
-    N0, N1 = 10, 30
-
-    def per_op(build, ins, reps=20):
+    def per_op(self, build, ins, reps=20):
         """build(n) -> per-rank fn doing n chained ops. -> (us per op, us of n=10 / 10)."""
-        fs = {}
-        for n in (N0, N1):
-            fs[n] = jax.jit(jax.shard_map(build(n), mesh=mesh, in_specs=(spec,) * len(ins),
-                                          out_specs=spec))
-        t0 = timed(fs[N0], ins, reps)
-        t1 = timed(fs[N1], ins, reps)
-        return (t1 - t0) / (N1 - N0) * 1e6, t0 / N0 * 1e6
+        import jax
 
-    def routing(T, K, E, seed):
+        fs = {}
+        for n in (_N0, _N1):
+            fs[n] = jax.jit(jax.shard_map(build(n), mesh=self.mesh,
+                                          in_specs=(self.spec,) * len(ins), out_specs=self.spec))
+        t0 = self.timed(fs[_N0], ins, reps)
+        t1 = self.timed(fs[_N1], ins, reps)
+        return (t1 - t0) / (_N1 - _N0) * 1e6, t0 / _N0 * 1e6
+
+    def routing(self, T, K, E, seed):
+        import numpy as np
+
         rng = np.random.default_rng(seed)
-        idx = np.argsort(rng.random((R * T, E)), axis=1)[:, :K].astype(np.int32)  # uniform, distinct
+        idx = np.argsort(rng.random((self.R * T, E)), axis=1)[:, :K].astype(np.int32)  # uniform, distinct
         return idx
 
-    def dep(x, o):
-        # data dependence of the next call on this one's output, at ~no cost
-        return x.at[0, 0].add((o.reshape(-1)[0] * 0).astype(x.dtype))
-
-    results = {"machine": f"{R}x {jax.local_devices()[0].device_kind}"
-               + (", one process (peer memory)" if single else ", one process per GPU (NVSHMEM)"),
-               "nproc": R, "suffix": "-1proc" if single else "",
-               "date": datetime.date.today().isoformat(),
-               "jax": jax.__version__, "rows": [], "sweep": []}
-
+    @staticmethod
     def cfg_for(T, H, K, E, layout, backend, num_sms=None, **kw):
+        from jax_ep.config import EpConfig
+
         backend = backend if backend in ("native", "reference") else "reference"
         return EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout=layout,
                         backend=backend, num_sms=num_sms, **kw)
 
-    def route_stats(T, H, K, E, layout, idx):
+    def route_stats(self, T, H, K, E, layout, idx):
         """(received rows incl. local, link rows per direction) on rank 0 (numpy)."""
+        import numpy as np
+
+        R = self.R
         L = E // R
         dest = idx.reshape(R, T, K) // L
         sent = np.zeros((R, T, R), bool)
@@ -220,175 +225,262 @@ def worker(args):
             recv_rows = recv_tokens
         return int(recv_rows), int(recv_tokens), int(link_rows)
 
-    def bench_config(T, H, K, E, ops, seed=0, reps=20):
-        idx = routing(T, K, E, seed)
-        x = (np.random.default_rng(seed + 1).standard_normal((R * T, H))).astype(np.float32)
-        xb = glob(x.astype(jnp.bfloat16))
-        gidx = glob(idx)
-        out = {}
-        for op in ops:
-            kind, layout, be = op[:3]
-            skip = op[3] if len(op) > 3 else 0
-            sms = op[4] if len(op) > 4 else None
-            assert not (op[5] if len(op) > 5 else ()), "op[5] (environment knobs) is gone"
-            cfg_kw = dict(op[6]) if len(op) > 6 else {}  # EpConfig fields, e.g. zero_tail, tuning
-            cfg = cfg_for(T, H, K, E, layout, be, sms, **cfg_kw)
-            bk = ((SkipBackend(skip) if skip else native.BACKEND) if be == "native"
-                  else reference.BACKEND)
-            try:
-                if kind == "route":
-                    def build(n, cfg=cfg, bk=bk):
-                        def f(x, i):
-                            acc = jnp.zeros((), jnp.int32)
-                            for _ in range(n):
-                                h = bk.router.route(i + acc, cfg, R)[0]
-                                # always 0, but not provably so: keeps the routes chained
-                                acc = acc + jnp.where(h.slot_row.reshape(-1)[0] < -5, 1, 0)
-                            return x[:1] + acc.astype(x.dtype)
-                        return f
-                elif kind == "dispatch":
-                    def build(n, cfg=cfg, bk=bk):
-                        def f(x, i):
-                            h = bk.router.route(i, cfg, R)[0]
-                            for _ in range(n):
-                                o = bk.dispatch_rows(x, None, h, cfg)[0]
-                                x = dep(x, o)
-                            return x
-                        return f
-                elif kind == "dispatch_fp8":
-                    def build(n, cfg=cfg, bk=bk):
-                        def f(x, i):
-                            h = bk.router.route(i, cfg, R)[0]
-                            for _ in range(n):
-                                o = bk.dispatch_rows_fp8(x, h, cfg)[0]
-                                x = dep(x, o.reshape(-1)[:1].astype(jnp.float32))
-                            return x
-                        return f
-                elif kind == "combine":
-                    def build(n, cfg=cfg, bk=bk):
-                        def f(x, i):
-                            h = bk.router.route(i, cfg, R)[0]
-                            y = bk.dispatch_rows(x, None, h, cfg)[0]
-                            w = (jnp.ones((h.capacity,), jnp.float32) * 0.5
-                                 if cfg.layout == "expert_major" else None)
-                            o = x
-                            for _ in range(n):
-                                o = bk.combine_rows(y, w, h, cfg)
-                                y = dep(y, o)
-                            return o
-                        return f
-                elif kind in ("combine_bwd", "combine_bwd_xla"):
-                    # backward of expert_major combine for d_out g [T, H]: the backend's
-                    # (native: fused into the dispatch kernel), or "_xla": the reference
-                    # math (dispatch of g, then [C, H] f32 temporaries in XLA) over
-                    # this backend's dispatch, as api._combine_bwd did before
-                    bwd = (bk.combine_backward if kind == "combine_bwd" else
-                           lambda *a, bk=bk: reference.ReferenceBackend.combine_backward(bk, *a))
 
-                    def build(n, cfg=cfg, bk=bk, bwd=bwd):
-                        def f(x, i):
-                            h = bk.router.route(i, cfg, R)[0]
-                            y = bk.dispatch_rows(x, None, h, cfg)[0]
-                            w = jnp.ones((h.capacity,), jnp.float32) * 0.5
-                            g = x
-                            for _ in range(n):
-                                # the barrier keeps XLA from computing only the
-                                # elements dep() reads (slices pushed through the math)
-                                dy, dw = jax.lax.optimization_barrier(bwd(g, y, w, h, cfg))
-                                g = dep(dep(g, dy), dw)
-                            return g
-                        return f
-                elif kind == "roundtrip":
-                    def build(n, cfg=cfg, bk=bk):
-                        def f(x, i):
-                            h = bk.router.route(i, cfg, R)[0]
-                            w = (jnp.ones((h.capacity,), jnp.float32) * 0.5
-                                 if cfg.layout == "expert_major" else None)
-                            for _ in range(n):
-                                y = bk.dispatch_rows(x, None, h, cfg)[0]
-                                x = bk.combine_rows(y, w, h, cfg)
-                            return x
-                        return f
-                elif kind == "roundtrip_route":
-                    # the whole API round trip: route (layout + metadata exchange)
-                    # every iteration, made to depend on the previous output
-                    def build(n, cfg=cfg, bk=bk):
-                        def f(x, i):
-                            w = None
-                            for _ in range(n):
-                                bump = (x[0, 0] > 1e30).astype(jnp.int32)  # 0, not provably
-                                h = bk.router.route(i + bump, cfg, R)[0]
-                                y = bk.dispatch_rows(x, None, h, cfg)[0]
-                                x = bk.combine_rows(y, w, h, cfg)
-                            return x
-                        return f
-                elif kind == "ragged_a2a":
-                    def build(n, cfg=cfg):
-                        def f(x, i):
-                            # token rows to each rank, deduplicated, as ragged_all_to_all
-                            L = E // R
-                            dest = i // L
-                            T_ = x.shape[0]
-                            send = jnp.stack([(dest == r).any(-1) for r in range(R)], 0)  # [R, T]
-                            order = jnp.argsort(~send, axis=1, stable=True)
-                            sizes = send.sum(1).astype(jnp.int32)
-                            rows = jnp.concatenate([x[order[r]] for r in range(R)], 0)
-                            in_off = jnp.arange(R, dtype=jnp.int32) * T_
-                            recv_sizes = jax.lax.all_to_all(sizes[:, None], "ep", 0, 0)[:, 0]
-                            out_off = jax.lax.all_to_all((jnp.arange(R, dtype=jnp.int32) * T_)[:, None],
-                                                         "ep", 0, 0)[:, 0]
-                            buf = jnp.zeros((R * T_, x.shape[1]), x.dtype)
-                            for _ in range(n):
-                                buf = jax.lax.ragged_all_to_all(rows, buf, in_off, sizes, out_off,
-                                                                recv_sizes, axis_name="ep")
-                                rows = dep(rows, buf)
-                            return buf[:T_]
-                        return f
-                us, us_naive = per_op(build, [xb, gidx], reps)
-                out[op] = (us, us_naive)
-                log(f"  T={T} {kind:12s} {layout:12s} {be:9s} skip={skip} sms={sms} {us:9.1f} us/op (n10/10: {us_naive:.1f})")
-            except Exception as e:  # noqa: BLE001
-                out[op] = (None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-                log(f"  T={T} {kind} {layout} {be}: FAILED {out[op][1]}")
-        return out, idx
+def _build_route(R, cfg, bk):
+    import jax.numpy as jnp
 
-    T, H, K, E = 4096, 7168, 8, 256
-    ragged_op = ("ragged_a2a", "rank_major", "xla")
-    if args.ragged_only:  # the ragged_all_to_all job (its own XLA_FLAGS): one row to a file
-        res, _ = bench_config(T, H, K, E, [ragged_op], reps=5)  # ~90 ms a call single-process
-        if rank == 0:
-            us, note = res[ragged_op]
-            with open(args.ragged_only, "w") as f:
-                json.dump({"us": us, "note": note + f" ({_RAGGED_XLA_FLAGS})"
-                           if us is None else note}, f)
-        jax_ep.finalize()
-        return 0
+    def build(n):
+        def f(x, i):
+            acc = jnp.zeros((), jnp.int32)
+            for _ in range(n):
+                h = bk.router.route(i + acc, cfg, R)[0]
+                # always 0, but not provably so: keeps the routes chained
+                acc = acc + jnp.where(h.slot_row.reshape(-1)[0] < -5, 1, 0)
+            return x[:1] + acc.astype(x.dtype)
+        return f
+    return build
 
-    # ---- ceilings -------------------------------------------------------------
+
+def _build_dispatch(R, cfg, bk):
+    def build(n):
+        def f(x, i):
+            h = bk.router.route(i, cfg, R)[0]
+            for _ in range(n):
+                o = bk.dispatch_rows(x, None, h, cfg)[0]
+                x = _dep(x, o)
+            return x
+        return f
+    return build
+
+
+def _build_dispatch_fp8(R, cfg, bk):
+    import jax.numpy as jnp
+
+    def build(n):
+        def f(x, i):
+            h = bk.router.route(i, cfg, R)[0]
+            for _ in range(n):
+                o = bk.dispatch_rows_fp8(x, h, cfg)[0]
+                x = _dep(x, o.reshape(-1)[:1].astype(jnp.float32))
+            return x
+        return f
+    return build
+
+
+def _build_combine(R, cfg, bk):
+    import jax.numpy as jnp
+
+    def build(n):
+        def f(x, i):
+            h = bk.router.route(i, cfg, R)[0]
+            y = bk.dispatch_rows(x, None, h, cfg)[0]
+            w = (jnp.ones((h.capacity,), jnp.float32) * 0.5
+                 if cfg.layout == "expert_major" else None)
+            o = x
+            for _ in range(n):
+                o = bk.combine_rows(y, w, h, cfg)
+                y = _dep(y, o)
+            return o
+        return f
+    return build
+
+
+def _build_combine_bwd(R, cfg, bk, bwd):
+    """Backward of expert_major combine for d_out g [T, H] through ``bwd``."""
+    import jax
+    import jax.numpy as jnp
+
+    def build(n):
+        def f(x, i):
+            h = bk.router.route(i, cfg, R)[0]
+            y = bk.dispatch_rows(x, None, h, cfg)[0]
+            w = jnp.ones((h.capacity,), jnp.float32) * 0.5
+            g = x
+            for _ in range(n):
+                # the barrier keeps XLA from computing only the
+                # elements dep() reads (slices pushed through the math)
+                dy, dw = jax.lax.optimization_barrier(bwd(g, y, w, h, cfg))
+                g = _dep(_dep(g, dy), dw)
+            return g
+        return f
+    return build
+
+
+def _build_roundtrip(R, cfg, bk):
+    import jax.numpy as jnp
+
+    def build(n):
+        def f(x, i):
+            h = bk.router.route(i, cfg, R)[0]
+            w = (jnp.ones((h.capacity,), jnp.float32) * 0.5
+                 if cfg.layout == "expert_major" else None)
+            for _ in range(n):
+                y = bk.dispatch_rows(x, None, h, cfg)[0]
+                x = bk.combine_rows(y, w, h, cfg)
+            return x
+        return f
+    return build
+
+
+def _build_roundtrip_route(R, cfg, bk):
+    """The whole API round trip: route (layout + metadata exchange) every
+    iteration, made to depend on the previous output."""
+    import jax.numpy as jnp
+
+    def build(n):
+        def f(x, i):
+            w = None
+            for _ in range(n):
+                bump = (x[0, 0] > 1e30).astype(jnp.int32)  # 0, not provably
+                h = bk.router.route(i + bump, cfg, R)[0]
+                y = bk.dispatch_rows(x, None, h, cfg)[0]
+                x = bk.combine_rows(y, w, h, cfg)
+            return x
+        return f
+    return build
+
+
+def _build_ragged_a2a(R, E):
+    import jax
+    import jax.numpy as jnp
+
+    def build(n):
+        def f(x, i):
+            # token rows to each rank, deduplicated, as ragged_all_to_all
+            L = E // R
+            dest = i // L
+            T_ = x.shape[0]
+            send = jnp.stack([(dest == r).any(-1) for r in range(R)], 0)  # [R, T]
+            order = jnp.argsort(~send, axis=1, stable=True)
+            sizes = send.sum(1).astype(jnp.int32)
+            rows = jnp.concatenate([x[order[r]] for r in range(R)], 0)
+            in_off = jnp.arange(R, dtype=jnp.int32) * T_
+            recv_sizes = jax.lax.all_to_all(sizes[:, None], "ep", 0, 0)[:, 0]
+            out_off = jax.lax.all_to_all((jnp.arange(R, dtype=jnp.int32) * T_)[:, None],
+                                         "ep", 0, 0)[:, 0]
+            buf = jnp.zeros((R * T_, x.shape[1]), x.dtype)
+            for _ in range(n):
+                buf = jax.lax.ragged_all_to_all(rows, buf, in_off, sizes, out_off,
+                                                recv_sizes, axis_name="ep")
+                rows = _dep(rows, buf)
+            return buf[:T_]
+        return f
+    return build
+
+
+def _op_builder(b, kind, cfg, bk, E):
+    """build(n) of one op kind: a per-rank fn doing n chained calls."""
+    R = b.R
+    if kind == "route":
+        return _build_route(R, cfg, bk)
+    if kind == "dispatch":
+        return _build_dispatch(R, cfg, bk)
+    if kind == "dispatch_fp8":
+        return _build_dispatch_fp8(R, cfg, bk)
+    if kind == "combine":
+        return _build_combine(R, cfg, bk)
+    if kind in ("combine_bwd", "combine_bwd_xla"):
+        # the backend's (native: fused into the dispatch kernel), or "_xla": the
+        # reference math (dispatch of g, then [C, H] f32 temporaries in XLA) over
+        # this backend's dispatch, as api._combine_bwd did before
+        bwd = (bk.combine_backward if kind == "combine_bwd" else
+               lambda *a, bk=bk: b.reference.ReferenceBackend.combine_backward(bk, *a))
+        return _build_combine_bwd(R, cfg, bk, bwd)
+    if kind == "roundtrip":
+        return _build_roundtrip(R, cfg, bk)
+    if kind == "roundtrip_route":
+        return _build_roundtrip_route(R, cfg, bk)
+    if kind == "ragged_a2a":
+        return _build_ragged_a2a(R, E)
+    raise ValueError(f"unknown op kind {kind!r}")
+
+
+def _bench_config(b, T, H, K, E, ops, seed=0, reps=20):
+    """Times every op at one shape. -> ({op: (us, us of n=10 / 10) or (None, error)}, idx)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    idx = b.routing(T, K, E, seed)
+    x = (np.random.default_rng(seed + 1).standard_normal((b.R * T, H))).astype(np.float32)
+    xb = b.glob(x.astype(jnp.bfloat16))
+    gidx = b.glob(idx)
+    out = {}
+    for op in ops:
+        kind, layout, be = op[:3]
+        skip = op[3] if len(op) > 3 else 0
+        sms = op[4] if len(op) > 4 else None
+        assert not (op[5] if len(op) > 5 else ()), "op[5] (environment knobs) is gone"
+        cfg_kw = dict(op[6]) if len(op) > 6 else {}  # EpConfig fields, e.g. zero_tail, tuning
+        cfg = b.cfg_for(T, H, K, E, layout, be, sms, **cfg_kw)
+        bk = ((b.SkipBackend(skip) if skip else b.native.BACKEND) if be == "native"
+              else b.reference.BACKEND)
+        try:
+            build = _op_builder(b, kind, cfg, bk, E)
+            us, us_naive = b.per_op(build, [xb, gidx], reps)
+            out[op] = (us, us_naive)
+            b.log(f"  T={T} {kind:12s} {layout:12s} {be:9s} skip={skip} sms={sms} {us:9.1f} us/op (n10/10: {us_naive:.1f})")
+        except Exception as e:  # noqa: BLE001
+            out[op] = (None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            b.log(f"  T={T} {kind} {layout} {be}: FAILED {out[op][1]}")
+    return out, idx
+
+
+def _start_worker(args):
+    """jax.distributed (one process per GPU) or every GPU here (peer memory),
+    then the jax_ep runtime. -> _Bench."""
+    import jax
+
+    rank = args.worker
+    single = args.transport == "peer_memory"
+    if single:
+        args.nproc = len(jax.devices())
+    else:
+        jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.nproc,
+                                   process_id=rank, local_device_ids=[rank],
+                                   initialization_timeout=_INIT_TIMEOUT_S)
+    sys.path.insert(0, ROOT)
+    import jax_ep
+
+    # the default buffer either way (the rings wrap at any EP), as the
+    # multi-process run uses
+    ok = jax_ep.initialize(symmetric_memory="peer_memory" if single else "auto")
+    mesh = jax.make_mesh((args.nproc,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+    log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    log(f"devices={jax.devices()} native={ok} jax={jax.__version__}")
+    return _Bench(args, rank, single, mesh, log)
+
+
+def _ceilings(b, T, H, K, E):
+    """Transfer ceilings (GB/s per direction) of one bf16 [T, H] per direction."""
+    import numpy as np
+
     nbytes = T * H * 2  # one V3-train bf16 [T, H] per direction
-    src = glob(np.random.default_rng(5).integers(0, 255, (R * nbytes,), dtype=np.uint8))
-    tok = glob(np.zeros((R, ), np.int32))
-    cfg0 = cfg_for(T, H, K, E, "rank_major", "native")
+    src = b.glob(np.random.default_rng(5).integers(0, 255, (b.R * nbytes,), dtype=np.uint8))
+    tok = b.glob(np.zeros((b.R, ), np.int32))
+    cfg0 = b.cfg_for(T, H, K, E, "rank_major", "native")
     ceil = {}
-    for mode, name in [] if args.only_fp8 else [(0, "sm_write_both"), (1, "ce_copy_both"), (2, "ce_copy_one_way"),
+    for mode, name in [] if b.args.only_fp8 else [(0, "sm_write_both"), (1, "ce_copy_both"), (2, "ce_copy_one_way"),
                        (3, "sm_write_one_way")]:
         def build(n, mode=mode):
             def f(s, t):
                 for _ in range(n):
-                    t = native.bench_transfer(s, t, cfg0, mode)
+                    t = b.native.bench_transfer(s, t, cfg0, mode)
                 return t
             return f
         try:
-            us, _ = per_op(build, [src, tok])
+            us, _ = b.per_op(build, [src, tok])
             ceil[name] = nbytes / (us * 1e-6) / 1e9
-            log(f"ceiling {name}: {us:.1f} us for {nbytes/1e6:.1f} MB -> {ceil[name]:.1f} GB/s per direction")
+            b.log(f"ceiling {name}: {us:.1f} us for {nbytes/1e6:.1f} MB -> {ceil[name]:.1f} GB/s per direction")
         except Exception as e:  # noqa: BLE001
             ceil[name] = None
-            log(f"ceiling {name}: FAILED {e}")
-    results["ceilings_GBps_per_direction"] = ceil
-    bidir = max([v for k, v in ceil.items() if v and k.endswith("both")] or [275.0])
+            b.log(f"ceiling {name}: FAILED {e}")
+    return ceil
 
-    # ---- V3-train table ----------------------------------------------------------
+
+def _v3_ops(args):
+    """The V3-train table's ops: (kind, layout, backend[, skip, num_sms, (), EpConfig fields])."""
+    from jax_ep.config import KernelTuning
+
     ops = [("route", "rank_major", "reference"), ("route", "rank_major", "native"),
            ("roundtrip_route", "rank_major", "native"),
            ("roundtrip_route", "rank_major", "reference"),
@@ -427,44 +519,95 @@ def worker(args):
         ops = [o for o in ops if o[2] == "native"]
     if args.only_fp8:
         ops = [o for o in ops if o[0] == "dispatch_fp8" and o[2] == "native"]
-    log("V3-train T=4096 H=7168 K=8 E=256 bf16, uniform routing")
-    res, idx = bench_config(T, H, K, E, ops)
-    if args.ragged_row:  # measured by the job before this one (see _RAGGED_XLA_FLAGS)
-        try:
-            with open(args.ragged_row) as f:
-                rr = json.load(f)
-            res[ragged_op] = (rr["us"], rr["note"])
-        except (OSError, ValueError, KeyError) as e:
-            res[ragged_op] = (None, f"no result from the ragged_all_to_all job ({e})")
-    for op, (us, extra) in res.items():
-        kind, layout, be = op[:3]
-        skip = op[3] if len(op) > 3 else 0
-        sms = op[4] if len(op) > 4 else None
-        if skip:
-            kind = f"{kind} [skip={skip}: " + {1: "no data sent", 2: "send only", 3: "flags only"}[skip] + "]"
-        if sms:
-            kind = f"{kind} [num_sms={sms}]"
-        if len(op) > 6:
-            kind = f"{kind} [" + " ".join(f"EpConfig.{k_}={v_}" for k_, v_ in op[6]) + "]"
-        row = {"op": kind, "layout": layout, "backend": be, "us": us,
-               "note": extra if us is None else f"n10/10={extra:.1f}us"}
-        if us is not None and kind.split()[0] != "route" and not skip:
-            recv_rows, recv_tokens, link_rows = route_stats(T, H, K, E, layout, idx)
-            base = kind.split()[0]
-            bpr = H * (1 if base == "dispatch_fp8" else 2) + (H // 128 * 4 if base == "dispatch_fp8" else 0)
-            base = "roundtrip" if base == "roundtrip_route" else base
-            if base in ("dispatch", "dispatch_fp8", "ragged_a2a", "combine_bwd", "combine_bwd_xla"):
-                recv_b, link_b = recv_rows * bpr, link_rows * bpr
-            elif base == "combine":
-                recv_b, link_b = recv_tokens * bpr, link_rows * bpr
-            else:  # round trip: both
-                recv_b, link_b = (recv_rows + recv_tokens) * bpr, 2 * link_rows * bpr
-            row["deepep_GBps"] = recv_b / (us * 1e-6) / 1e9
-            row["link_GBps"] = link_b / (us * 1e-6) / 1e9
-            row["pct_of_bidir_ceiling"] = 100 * row["link_GBps"] / bidir
-        results["rows"].append(row)
+    return ops
 
-    if rank == 0:  # the table now, the sweep appended later (a cut-short run keeps it)
+
+def _v3_row(b, op, us, extra, idx, T, H, K, E, bidir):
+    """One V3-train table row: the op's label, time and GB/s (both ways)."""
+    kind, layout, be = op[:3]
+    skip = op[3] if len(op) > 3 else 0
+    sms = op[4] if len(op) > 4 else None
+    if skip:
+        kind = f"{kind} [skip={skip}: " + {1: "no data sent", 2: "send only", 3: "flags only"}[skip] + "]"
+    if sms:
+        kind = f"{kind} [num_sms={sms}]"
+    if len(op) > 6:
+        kind = f"{kind} [" + " ".join(f"EpConfig.{k_}={v_}" for k_, v_ in op[6]) + "]"
+    row = {"op": kind, "layout": layout, "backend": be, "us": us,
+           "note": extra if us is None else f"n10/10={extra:.1f}us"}
+    if us is not None and kind.split()[0] != "route" and not skip:
+        recv_rows, recv_tokens, link_rows = b.route_stats(T, H, K, E, layout, idx)
+        base = kind.split()[0]
+        bpr = H * (1 if base == "dispatch_fp8" else 2) + (H // 128 * 4 if base == "dispatch_fp8" else 0)
+        base = "roundtrip" if base == "roundtrip_route" else base
+        if base in ("dispatch", "dispatch_fp8", "ragged_a2a", "combine_bwd", "combine_bwd_xla"):
+            recv_b, link_b = recv_rows * bpr, link_rows * bpr
+        elif base == "combine":
+            recv_b, link_b = recv_tokens * bpr, link_rows * bpr
+        else:  # round trip: both
+            recv_b, link_b = (recv_rows + recv_tokens) * bpr, 2 * link_rows * bpr
+        row["deepep_GBps"] = recv_b / (us * 1e-6) / 1e9
+        row["link_GBps"] = link_b / (us * 1e-6) / 1e9
+        row["pct_of_bidir_ceiling"] = 100 * row["link_GBps"] / bidir
+    return row
+
+
+def _ragged_only(b, ragged_op, T, H, K, E):
+    """The ragged_all_to_all job (its own XLA_FLAGS): one row to a file."""
+    import jax_ep
+
+    res, _ = _bench_config(b, T, H, K, E, [ragged_op], reps=5)  # ~90 ms a call single-process
+    if b.rank == 0:
+        us, note = res[ragged_op]
+        with open(b.args.ragged_only, "w") as f:
+            json.dump({"us": us, "note": note + f" ({_RAGGED_XLA_FLAGS})"
+                       if us is None else note}, f)
+    jax_ep.finalize()
+    return 0
+
+
+def _read_ragged_row(path):
+    """The row measured by the job before this one (see _RAGGED_XLA_FLAGS)."""
+    try:
+        with open(path) as f:
+            rr = json.load(f)
+        return (rr["us"], rr["note"])
+    except (OSError, ValueError, KeyError) as e:
+        return (None, f"no result from the ragged_all_to_all job ({e})")
+
+
+def worker(args):
+    import jax
+
+    b = _start_worker(args)   # (puts ROOT on sys.path: jax_ep imports after it)
+    import jax_ep
+
+    R = b.R
+    results = {"machine": f"{R}x {jax.local_devices()[0].device_kind}"
+               + (", one process (peer memory)" if b.single else ", one process per GPU (NVSHMEM)"),
+               "nproc": R, "suffix": "-1proc" if b.single else "",
+               "date": datetime.date.today().isoformat(),
+               "jax": jax.__version__, "rows": [], "sweep": []}
+    T, H, K, E = 4096, 7168, 8, 256
+    ragged_op = ("ragged_a2a", "rank_major", "xla")
+    if args.ragged_only:
+        return _ragged_only(b, ragged_op, T, H, K, E)
+
+    # ---- ceilings -------------------------------------------------------------
+    ceil = _ceilings(b, T, H, K, E)
+    results["ceilings_GBps_per_direction"] = ceil
+    bidir = max([v for k, v in ceil.items() if v and k.endswith("both")] or [275.0])
+
+    # ---- V3-train table ----------------------------------------------------------
+    ops = _v3_ops(args)
+    b.log("V3-train T=4096 H=7168 K=8 E=256 bf16, uniform routing")
+    res, idx = _bench_config(b, T, H, K, E, ops)
+    if args.ragged_row:
+        res[ragged_op] = _read_ragged_row(args.ragged_row)
+    for op, (us, extra) in res.items():
+        results["rows"].append(_v3_row(b, op, us, extra, idx, T, H, K, E, bidir))
+
+    if b.rank == 0:  # the table now, the sweep appended later (a cut-short run keeps it)
         write_outputs(results, args.out, bidir, quiet=True)
 
     # ---- sweep over T --------------------------------------------------------------
@@ -472,11 +615,11 @@ def worker(args):
     for Tn in Ts:
         sops = [("dispatch", "rank_major", "native"), ("combine", "rank_major", "native"),
                 ("roundtrip", "rank_major", "native"), ("roundtrip", "rank_major", "reference")]
-        r2, _ = bench_config(Tn, H, K, E, sops, reps=10)
+        r2, _ = _bench_config(b, Tn, H, K, E, sops, reps=10)
         for op, (us, _) in r2.items():
             results["sweep"].append({"T": Tn, "op": op[0], "layout": op[1], "backend": op[2], "us": us})
 
-    if rank == 0:
+    if b.rank == 0:
         write_outputs(results, args.out, bidir)
     jax_ep.finalize()
     return 0

@@ -31,9 +31,11 @@ Prints one markdown table; writes it to $OUT/grouped_matmul.md when OUT is set.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -160,7 +162,7 @@ def operands(op, x, w, dy, gs):
     return (x, dy, gs), (x, dy)
 
 
-def main():
+def _parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--n1", type=int, default=2)
@@ -185,7 +187,11 @@ def main():
                          "gains of small tiles on all-random rows did not carry into the layer")
     ap.add_argument("--scale", type=int, default=1,
                     help="divide M, K, N by this (smoke tests on CPU)")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def _apply_shape_args(args):
+    """--rows and --scale set the module's M and PROJ shapes."""
     global M
     if args.rows:
         M = args.rows
@@ -194,91 +200,116 @@ def main():
         for p_, (k_, n_) in list(PROJ.items()):
             PROJ[p_] = (k_ // args.scale, n_ // args.scale)
 
-    dev = jax.devices()[0]
-    print(f"# device: {dev.device_kind}, jax {jax.__version__}", flush=True)
-    pallas = GroupedMatmulConfig(impl=args.impl)
-    xla = GroupedMatmulConfig(impl="xla")
-    rows = []
-    dense_cache = {}
-    key = jax.random.key(0)
-    t_start = time.perf_counter()
-    for proj in args.proj.split(","):
-        k, n = PROJ[proj]
-        kx, kw, kd = jax.random.split(jax.random.fold_in(key, k), 3)
-        x = x0 = jax.random.normal(kx, (M, k), jnp.bfloat16)
-        w = (jax.random.normal(kw, (G, k, n), jnp.bfloat16) * (1.0 / np.sqrt(k))).astype(jnp.bfloat16)
-        dy = dy0 = jax.random.normal(kd, (M, n), jnp.bfloat16)
-        for dist in args.dist.split(","):
-            sizes = group_sizes(dist)
-            gs = jnp.asarray(sizes)
-            if args.real_rows is not None:   # the layer's groups: real rows, then zeros
-                keep = jnp.asarray(real_row_mask(sizes, args.real_rows))[:, None]
-                x = jnp.where(keep, x0, jnp.zeros((), x0.dtype))
-                dy = jnp.where(keep, dy0, jnp.zeros((), dy0.dtype))
-            flops = 2.0 * float(sizes.sum()) * k * n
-            for op in args.ops.split(","):
-                g_args, d_args = operands(op, x, w, dy, gs)
-                gfn, dfn = ops(pallas)[op]
-                # the tiles the main row asks for (small groups: the small-group tiles)
-                main_tiles = str(op_tiles(pallas, op, g_args[0], g_args[1], G).astuple())
-                if (proj, op) not in dense_cache:    # same shapes for every dist
-                    dense_cache[proj, op] = per_call_ms(dfn, d_args, args.n1, args.n2, args.reps)
-                dense_ms = dense_cache[proj, op]
-                dense_tf = 2.0 * M * k * n / dense_ms / 1e9
-                try:
-                    ms = per_call_ms(gfn, g_args, args.n1, args.n2, args.reps)
-                    tf = flops / ms / 1e9
-                    rows.append((proj, dist, op, args.impl, main_tiles, f"{ms:.3f}",
-                                 f"{tf:.0f}", f"{dense_tf:.0f}", f"{tf / dense_tf:.2f}"))
-                except Exception as e:  # noqa: BLE001
-                    rows.append((proj, dist, op, args.impl, main_tiles,
-                                 f"FAILED {type(e).__name__}: {str(e)[:80]}", "", f"{dense_tf:.0f}", ""))
-                print("# |", " | ".join(rows[-1]), "|", flush=True)
-                sweep = []
-                if args.sweep and dist == "uniform":
-                    sweep += [(t, {}) for t in SWEEP[op]]
-                if args.sweep_small and op in (args.sweep_ops or args.ops).split(","):
-                    sweep += [(t, kw) for t, kw, dists in SWEEP_SMALL.get(op, ()) if dist in dists]
-                if sweep:
-                    # every sweep row's output against the main row's (rel. Frobenius)
-                    main_out = jnp.asarray(jax.jit(gfn)(*g_args), jnp.float32)
-                    for tiles, kw in sweep:
-                        cfg = GroupedMatmulConfig(impl="pallas", **{op: tiles}, **kw)
-                        label = "pallas (sweep" + "".join(f", {a}={v}" for a, v in kw.items()) + ")"
-                        try:
-                            # same method as the main rows (n1, n2), fewer reps
-                            ms = per_call_ms(ops(cfg)[op][0], g_args, args.n1, args.n2,
-                                             args.sweep_reps)
-                            out = jnp.asarray(jax.jit(ops(cfg)[op][0])(*g_args), jnp.float32)
-                            err = float(jnp.linalg.norm(out - main_out) / jnp.linalg.norm(main_out))
-                            label += f" err {err:.1e}"
-                            r = (f"{ms:.3f}", f"{flops / ms / 1e9:.0f}",
-                                 f"{flops / ms / 1e9 / dense_tf:.2f}")
-                        except Exception as e:  # noqa: BLE001
-                            r = (f"FAILED {type(e).__name__}: {str(e)[:60]}", "", "")
-                        rows.append((proj, dist, op, label, str(tiles), r[0], r[1],
-                                     f"{dense_tf:.0f}", r[2]))
-                        print("# |", " | ".join(rows[-1]), "|", flush=True)
-                if dist == "uniform" and M % G == 0:
-                    ms = per_call_ms(batched(op), g_args[:2], args.n1, args.n2, args.reps)
-                    tf = flops / ms / 1e9
-                    rows.append((proj, dist, op, "xla batched (padded layer)", "-", f"{ms:.3f}",
-                                 f"{tf:.0f}", f"{dense_tf:.0f}", f"{tf / dense_tf:.2f}"))
-                    print("# |", " | ".join(rows[-1]), "|", flush=True)
-                if not args.no_xla:
-                    xfn = ops(xla)[op][0]
-                    try:
-                        ms = per_call_ms(xfn, g_args, 1, 2, args.xla_reps)
-                        tf = flops / ms / 1e9
-                        rows.append((proj, dist, op, "xla ragged_dot", "-", f"{ms:.3f}",
-                                     f"{tf:.1f}", f"{dense_tf:.0f}", f"{tf / dense_tf:.3f}"))
-                    except Exception as e:  # noqa: BLE001
-                        rows.append((proj, dist, op, "xla ragged_dot", "-",
-                                     f"FAILED {type(e).__name__}: {str(e)[:80]}", "",
-                                     f"{dense_tf:.0f}", ""))
-                    print("# |", " | ".join(rows[-1]), "|", flush=True)
-        del x, w, dy
 
+@dataclasses.dataclass
+class _Case:
+    """One (projection, group sizes, op) row group: its operands and its dense baseline."""
+    proj: str
+    dist: str
+    op: str
+    gfn: Callable
+    g_args: tuple
+    flops: float
+    dense_tf: float
+
+
+def _emit(rows, row):
+    rows.append(row)
+    print("# |", " | ".join(rows[-1]), "|", flush=True)
+
+
+def _main_row(args, pallas, c: _Case, rows):
+    # the tiles the main row asks for (small groups: the small-group tiles)
+    main_tiles = str(op_tiles(pallas, c.op, c.g_args[0], c.g_args[1], G).astuple())
+    try:
+        ms = per_call_ms(c.gfn, c.g_args, args.n1, args.n2, args.reps)
+        tf = c.flops / ms / 1e9
+        row = (c.proj, c.dist, c.op, args.impl, main_tiles, f"{ms:.3f}",
+               f"{tf:.0f}", f"{c.dense_tf:.0f}", f"{tf / c.dense_tf:.2f}")
+    except Exception as e:  # noqa: BLE001
+        row = (c.proj, c.dist, c.op, args.impl, main_tiles,
+               f"FAILED {type(e).__name__}: {str(e)[:80]}", "", f"{c.dense_tf:.0f}", "")
+    _emit(rows, row)
+
+
+def _sweep_rows(args, c: _Case, rows):
+    sweep = []
+    if args.sweep and c.dist == "uniform":
+        sweep += [(t, {}) for t in SWEEP[c.op]]
+    if args.sweep_small and c.op in (args.sweep_ops or args.ops).split(","):
+        sweep += [(t, kw) for t, kw, dists in SWEEP_SMALL.get(c.op, ()) if c.dist in dists]
+    if not sweep:
+        return
+    # every sweep row's output against the main row's (rel. Frobenius)
+    main_out = jnp.asarray(jax.jit(c.gfn)(*c.g_args), jnp.float32)
+    for tiles, kw in sweep:
+        cfg = GroupedMatmulConfig(impl="pallas", **{c.op: tiles}, **kw)
+        label = "pallas (sweep" + "".join(f", {a}={v}" for a, v in kw.items()) + ")"
+        try:
+            # same method as the main rows (n1, n2), fewer reps
+            ms = per_call_ms(ops(cfg)[c.op][0], c.g_args, args.n1, args.n2, args.sweep_reps)
+            out = jnp.asarray(jax.jit(ops(cfg)[c.op][0])(*c.g_args), jnp.float32)
+            err = float(jnp.linalg.norm(out - main_out) / jnp.linalg.norm(main_out))
+            label += f" err {err:.1e}"
+            r = (f"{ms:.3f}", f"{c.flops / ms / 1e9:.0f}",
+                 f"{c.flops / ms / 1e9 / c.dense_tf:.2f}")
+        except Exception as e:  # noqa: BLE001
+            r = (f"FAILED {type(e).__name__}: {str(e)[:60]}", "", "")
+        _emit(rows, (c.proj, c.dist, c.op, label, str(tiles), r[0], r[1],
+                     f"{c.dense_tf:.0f}", r[2]))
+
+
+def _batched_row(args, c: _Case, rows):
+    ms = per_call_ms(batched(c.op), c.g_args[:2], args.n1, args.n2, args.reps)
+    tf = c.flops / ms / 1e9
+    _emit(rows, (c.proj, c.dist, c.op, "xla batched (padded layer)", "-", f"{ms:.3f}",
+                 f"{tf:.0f}", f"{c.dense_tf:.0f}", f"{tf / c.dense_tf:.2f}"))
+
+
+def _ragged_dot_row(args, xla, c: _Case, rows):
+    xfn = ops(xla)[c.op][0]
+    try:
+        ms = per_call_ms(xfn, c.g_args, 1, 2, args.xla_reps)
+        tf = c.flops / ms / 1e9
+        row = (c.proj, c.dist, c.op, "xla ragged_dot", "-", f"{ms:.3f}",
+               f"{tf:.1f}", f"{c.dense_tf:.0f}", f"{tf / c.dense_tf:.3f}")
+    except Exception as e:  # noqa: BLE001
+        row = (c.proj, c.dist, c.op, "xla ragged_dot", "-",
+               f"FAILED {type(e).__name__}: {str(e)[:80]}", "", f"{c.dense_tf:.0f}", "")
+    _emit(rows, row)
+
+
+def _proj_rows(args, pallas, xla, proj, key, dense_cache, rows):
+    """Every row of one projection: each group-size distribution, each op."""
+    k, n = PROJ[proj]
+    kx, kw, kd = jax.random.split(jax.random.fold_in(key, k), 3)
+    x = x0 = jax.random.normal(kx, (M, k), jnp.bfloat16)
+    w = (jax.random.normal(kw, (G, k, n), jnp.bfloat16) * (1.0 / np.sqrt(k))).astype(jnp.bfloat16)
+    dy = dy0 = jax.random.normal(kd, (M, n), jnp.bfloat16)
+    for dist in args.dist.split(","):
+        sizes = group_sizes(dist)
+        gs = jnp.asarray(sizes)
+        if args.real_rows is not None:   # the layer's groups: real rows, then zeros
+            keep = jnp.asarray(real_row_mask(sizes, args.real_rows))[:, None]
+            x = jnp.where(keep, x0, jnp.zeros((), x0.dtype))
+            dy = jnp.where(keep, dy0, jnp.zeros((), dy0.dtype))
+        flops = 2.0 * float(sizes.sum()) * k * n
+        for op in args.ops.split(","):
+            g_args, d_args = operands(op, x, w, dy, gs)
+            gfn, dfn = ops(pallas)[op]
+            if (proj, op) not in dense_cache:    # same shapes for every dist
+                dense_cache[proj, op] = per_call_ms(dfn, d_args, args.n1, args.n2, args.reps)
+            dense_tf = 2.0 * M * k * n / dense_cache[proj, op] / 1e9
+            c = _Case(proj, dist, op, gfn, g_args, flops, dense_tf)
+            _main_row(args, pallas, c, rows)
+            _sweep_rows(args, c, rows)
+            if dist == "uniform" and M % G == 0:
+                _batched_row(args, c, rows)
+            if not args.no_xla:
+                _ragged_dot_row(args, xla, c, rows)
+
+
+def _table(args, dev, rows, t_start):
     head = ("proj", "sizes", "op", "impl", "tiles (bm,bn,bk,stages,band)", "ms/call",
             "TF/s", "dense TF/s", "ratio")
     lines = [f"Grouped matmul, {dev.device_kind}, jax {jax.__version__}: G={G}, M={M}, bf16, "
@@ -288,7 +319,24 @@ def main():
              f"{time.perf_counter() - t_start:.0f} s total", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
-    table = "\n".join(lines)
+    return "\n".join(lines)
+
+
+def main():
+    args = _parse_args()
+    _apply_shape_args(args)
+    dev = jax.devices()[0]
+    print(f"# device: {dev.device_kind}, jax {jax.__version__}", flush=True)
+    pallas = GroupedMatmulConfig(impl=args.impl)
+    xla = GroupedMatmulConfig(impl="xla")
+    rows = []
+    dense_cache = {}
+    key = jax.random.key(0)
+    t_start = time.perf_counter()
+    for proj in args.proj.split(","):
+        _proj_rows(args, pallas, xla, proj, key, dense_cache, rows)
+
+    table = _table(args, dev, rows, t_start)
     print()
     print(table)
     out = os.environ.get("OUT")

@@ -80,6 +80,7 @@ an earlier run (to split the sweep over several calls). CPU smoke (tiny shapes):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import glob
 import json
@@ -92,6 +93,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
+from typing import Callable, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -331,8 +334,8 @@ def _parse_gmm_tiles(text):
     return out
 
 
-def run_job(args, job, platform, nproc, timeout, workdir):
-    """Runs one job in its own process(es); -> the job dict with its results."""
+def _job_spec(args, job):
+    """The job's spec file contents: the job plus the run-wide options."""
     spec = dict(job)
     spec.update({
         "dtype": args.dtype, "data": args.data, "capacity": args.capacity,
@@ -346,19 +349,11 @@ def run_job(args, job, platform, nproc, timeout, workdir):
         "profile": bool(getattr(args, "profile", False)),
         "gmm_tiles": getattr(args, "gmm_fields", None),
     })
-    tag = job["name"].replace("/", "_")
-    spec_path = os.path.join(workdir, tag + ".spec.json")
-    spec["result"] = os.path.join(workdir, tag + ".result")
-    with open(spec_path, "w") as f:
-        json.dump(spec, f)
-    extra = RAGGED_XLA_FLAG if (job["impl"] == "xla_ragged" and platform == "gpu") else ""
-    env = _job_env(platform, nproc, args.cpu_devices, extra)
-    if nproc == 0:
-        cmd = [sys.executable, "-u", os.path.abspath(__file__), "--job", spec_path]
-    else:
-        cmd = [sys.executable, "-u", "-m", "jax_ep.launch", "-n", str(nproc), "--platform",
-               platform, "--grace", "3", os.path.abspath(__file__), "--job", spec_path]
-    log_path = os.path.join(workdir, tag + ".log")
+    return spec
+
+
+def _spawn_job(cmd, env, log_path, timeout):
+    """Runs cmd with its output in log_path. -> (rc, timed out, wall seconds, log text)."""
     t0 = time.monotonic()
     timed_out = False
     with open(log_path, "w") as log:
@@ -376,29 +371,55 @@ def run_job(args, job, platform, nproc, timeout, workdir):
     wall = time.monotonic() - t0
     with open(log_path, errors="replace") as f:
         log_text = f.read()
-    res = dict(job)
-    res["wall_s"] = wall
+    return rc, timed_out, wall, log_text
+
+
+def _merge_rank_results(res, result_prefix):
+    """Rank 0's figures, the peaks' max over ranks and the first error of any rank."""
     ranks = []
-    for path in sorted(glob.glob(spec["result"] + ".rank*.json")):
+    for path in sorted(glob.glob(result_prefix + ".rank*.json")):
         try:
             with open(path) as f:
                 ranks.append(json.load(f))
         except (OSError, ValueError):
             pass
     ranks.sort(key=lambda r: r.get("rank", 0))
-    if ranks:
-        r0 = ranks[0]
-        for k, v in r0.items():
-            if k not in ("rank", "peak_bytes", "peak_bytes_layer", "error", "stage_error"):
-                res[k] = v
-        peaks = [r.get("peak_bytes_layer") for r in ranks if r.get("peak_bytes_layer")]
-        res["peak_bytes_layer"] = max(peaks) if peaks else None
-        peaks = [r.get("peak_bytes") for r in ranks if r.get("peak_bytes")]
-        res["peak_bytes"] = max(peaks) if peaks else None
-        for key in ("error", "stage_error"):
-            errs = [r[key] for r in ranks if r.get(key)]
-            if errs:
-                res[key] = errs[0]
+    if not ranks:
+        return
+    r0 = ranks[0]
+    for k, v in r0.items():
+        if k not in ("rank", "peak_bytes", "peak_bytes_layer", "error", "stage_error"):
+            res[k] = v
+    peaks = [r.get("peak_bytes_layer") for r in ranks if r.get("peak_bytes_layer")]
+    res["peak_bytes_layer"] = max(peaks) if peaks else None
+    peaks = [r.get("peak_bytes") for r in ranks if r.get("peak_bytes")]
+    res["peak_bytes"] = max(peaks) if peaks else None
+    for key in ("error", "stage_error"):
+        errs = [r[key] for r in ranks if r.get(key)]
+        if errs:
+            res[key] = errs[0]
+
+
+def run_job(args, job, platform, nproc, timeout, workdir):
+    """Runs one job in its own process(es); -> the job dict with its results."""
+    spec = _job_spec(args, job)
+    tag = job["name"].replace("/", "_")
+    spec_path = os.path.join(workdir, tag + ".spec.json")
+    spec["result"] = os.path.join(workdir, tag + ".result")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    extra = RAGGED_XLA_FLAG if (job["impl"] == "xla_ragged" and platform == "gpu") else ""
+    env = _job_env(platform, nproc, args.cpu_devices, extra)
+    if nproc == 0:
+        cmd = [sys.executable, "-u", os.path.abspath(__file__), "--job", spec_path]
+    else:
+        cmd = [sys.executable, "-u", "-m", "jax_ep.launch", "-n", str(nproc), "--platform",
+               platform, "--grace", "3", os.path.abspath(__file__), "--job", spec_path]
+    rc, timed_out, wall, log_text = _spawn_job(cmd, env, os.path.join(workdir, tag + ".log"),
+                                               timeout)
+    res = dict(job)
+    res["wall_s"] = wall
+    _merge_rank_results(res, spec["result"])
     if timed_out and res.get("layer_s"):
         res["stage_error"] = f"timeout ({timeout:.0f} s) in {res.get('stage', '?')}"
     elif timed_out:
@@ -808,17 +829,116 @@ def worker(spec_path):
     return 0
 
 
-def _worker_body(spec, out, save):
+def _touch(tree, s):
+    """Ties ``tree`` to ``s`` (the step's loss): the next step's use of the tree
+    waits for this step. An optimization barrier, not an update: an in-place
+    ``.at[0].add`` on a loop-carried weight that the step also reads made XLA
+    copy every weight each step (measured on 1x H200, V3 with 128 local experts:
+    ~9 ms of a 31 ms layer step, the same for every impl)."""
+    import jax
+    return jax.lax.optimization_barrier((tree, s))[0]
+
+
+@dataclasses.dataclass
+class _Job:
+    """One worker's job: the spec, its result dict and what every stage shares
+    (mesh, configs, shapes, the timing helpers)."""
+    spec: dict
+    out: dict
+    save: Callable
+    mesh: object
+    cfg: object            # moe_layer.MoEConfig
+    ep_cfg: object         # jax_ep.EpConfig of the layer
+    dtype: object
+    n_dev: int
+    T: int
+    H: int
+    K: int
+    Fd: int
+    backend: str
+    impl: str
+    overrides: dict
+    dev: object
+    gcfg: object = None    # GroupedMatmulConfig (--gmm-tiles) or None
+    cap: Optional[int] = None   # padded experts' rows per expert
+    multi: bool = False
+    static_all: bool = False
+    rep: object = None     # replicated sharding
+    tok: object = None     # token sharding over (data, ep)
+    n_arrays: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def N(self):
+        return self.T * self.n_dev
+
+    def agree(self, v):  # every rank must run the same number of (collective) calls
+        import numpy as np
+        from jax.experimental import multihost_utils
+        return int(multihost_utils.broadcast_one_to_all(np.int32(v))) if self.multi else int(v)
+
+    def n_arg(self, n, static):
+        import jax
+        import numpy as np
+        if static:
+            return n
+        if n not in self.n_arrays:
+            self.n_arrays[n] = jax.make_array_from_callback(
+                (), self.rep, lambda _: np.asarray(n, np.int32))
+        return self.n_arrays[n]
+
+    def measure(self, fn, state, rest, steps, static, min_time=None):
+        """fn(n, state, *rest) -> (state, extras); state donated and carried over calls.
+        -> (seconds per step, p10, p90, compile seconds, reps, extras of the first call)."""
+        import jax
+        import numpy as np
+        spec = self.spec
+        min_time = spec["min_time"] if min_time is None else min_time
+        n_lo, n_hi = steps
+        holder = [state]
+
+        def call(n):
+            t0 = time.perf_counter()
+            st, extra = fn(self.n_arg(n, static), holder[0], *rest)
+            jax.block_until_ready((st, extra))
+            holder[0] = st
+            return time.perf_counter() - t0, extra
+
+        t_c0, first = call(n_lo)
+        first = jax.tree.map(np.asarray, jax.device_get(first)) if first is not None else None
+        t_c1, _ = call(n_hi)
+        compile_s = t_c0 + (t_c1 if static else 0.0)
+        t_lo, _ = call(n_lo)
+        t_hi, _ = call(n_hi)
+        reps = int(math.ceil(min_time / max(t_lo + t_hi, 1e-6)))
+        reps = self.agree(max(3 if t_lo + t_hi > min_time else spec["min_reps"],
+                              min(reps, spec["max_reps"])))
+        d = []
+        for _ in range(reps):
+            a, _ = call(n_lo)
+            b, _ = call(n_hi)
+            d.append((b - a) / (n_hi - n_lo))
+        d = np.asarray(d)
+        return (float(np.median(d)), float(np.percentile(d, 10)), float(np.percentile(d, 90)),
+                compile_s, reps, first, holder[0])
+
+    def rank_figures(self, vals):
+        """Per-rank figures (a list of floats) of every process -> [ranks][len(vals)]."""
+        import numpy as np
+        from jax.experimental import multihost_utils
+        v = np.asarray(vals, np.float64)[None]
+        return (np.asarray(multihost_utils.process_allgather(v, tiled=True)) if self.multi
+                else v).tolist()
+
+
+def _make_job(spec, out, save):
+    """The mesh, layer config and jax_ep config of the spec; starts the native
+    runtime when the job's backend needs it."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
-    from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    import jax_ep
     import moe_layer as ml
 
-    F32 = jnp.float32
     n_dev = jax.device_count()
     data = spec["data"]
     if n_dev % data:
@@ -831,8 +951,7 @@ def _worker_body(spec, out, save):
                        topk=m["topk"], n_groups=m["n_groups"], topk_groups=m["topk_groups"],
                        score_func=m["score_func"], route_scale=m["route_scale"],
                        n_shared=m["n_shared"], dtype=dtype)
-    T, H, E, K, Fd = spec["T"], m["hidden"], m["experts"], m["topk"], m["d_ff"]
-    N = T * n_dev
+    T, E = spec["T"], m["experts"]
     backend, impl = spec["backend"], spec["experts_impl"]
     overrides = {k: spec[k] for k in ("capacity", "expert_alignment", "num_sms")
                  if spec.get(k) is not None}
@@ -841,232 +960,105 @@ def _worker_body(spec, out, save):
     out.update(machine=f"{n_dev}x {dev.device_kind}", devices=n_dev, jax=jax.__version__,
                platform=dev.platform, backend=backend, L=E // R,
                capacity_rows=ep_cfg.capacity_for(R, T))
+    job = _Job(spec, out, save, mesh, cfg, ep_cfg, dtype, n_dev, T, m["hidden"], m["topk"],
+               m["d_ff"], backend, impl, overrides, dev)
     if backend == "native":
-        from jax_ep.intranode import region as intranode_region
-        out["nvshmem_bytes"] = spec.get("buffer_bytes") or intranode_region.buffer_bytes(ep_cfg, R)
-        kw = ({"buffer_bytes": spec["buffer_bytes"]} if spec.get("buffer_bytes")
-              else {"config": ep_cfg})
-        if not jax_ep.initialize(**kw):
-            from jax_ep import runtime
-            raise RuntimeError(f"native backend unavailable: {runtime.unavailable_reason()}")
-    gcfg = None
-    if spec.get("gmm_tiles") and impl == "grouped":
-        from jax_ep.gmm import GroupedMatmulConfig
-
-        fields = {k: (tuple(v) if isinstance(v, list) else v)
-                  for k, v in spec["gmm_tiles"].items()}
-        gcfg = GroupedMatmulConfig(**fields)
-        out["gmm_tiles_used"] = "; ".join(f"{k}={v}" for k, v in fields.items())
-    cap = None
+        _start_native(job, R)
+    job.gcfg = _gmm_config(job)
     if impl == "padded":
-        mean_rows = R * T * K / E
-        cap = min(R * T, int(math.ceil(spec["expert_capacity_factor"] * mean_rows / 8) * 8))
-        out["expert_capacity"] = cap
-    multi = jax.process_count() > 1
+        mean_rows = R * T * job.K / E
+        job.cap = min(R * T, int(math.ceil(spec["expert_capacity_factor"] * mean_rows / 8) * 8))
+        out["expert_capacity"] = job.cap
+    job.multi = jax.process_count() > 1
+    job.rep = NamedSharding(mesh, P())
+    job.tok = NamedSharding(mesh, P(("data", "ep")))
+    job.static_all = bool(spec["static_loops"])
+    return job
 
-    def agree(v):  # every rank must run the same number of (collective) calls
-        return int(multihost_utils.broadcast_one_to_all(np.int32(v))) if multi else int(v)
 
-    rep = NamedSharding(mesh, P())
-    n_arrays = {}
+def _start_native(job, R):
+    import jax_ep
+    from jax_ep.intranode import region as intranode_region
 
-    def n_arg(n, static):
-        if static:
-            return n
-        if n not in n_arrays:
-            n_arrays[n] = jax.make_array_from_callback((), rep, lambda _: np.asarray(n, np.int32))
-        return n_arrays[n]
+    spec = job.spec
+    job.out["nvshmem_bytes"] = (spec.get("buffer_bytes")
+                                or intranode_region.buffer_bytes(job.ep_cfg, R))
+    kw = ({"buffer_bytes": spec["buffer_bytes"]} if spec.get("buffer_bytes")
+          else {"config": job.ep_cfg})
+    if not jax_ep.initialize(**kw):
+        from jax_ep import runtime
+        raise RuntimeError(f"native backend unavailable: {runtime.unavailable_reason()}")
 
-    def measure(fn, state, rest, steps, static, min_time=None):
-        """fn(n, state, *rest) -> (state, extras); state donated and carried over calls.
-        -> (seconds per step, p10, p90, compile seconds, reps, extras of the first call)."""
-        min_time = spec["min_time"] if min_time is None else min_time
-        n_lo, n_hi = steps
-        holder = [state]
 
-        def call(n):
-            t0 = time.perf_counter()
-            st, extra = fn(n_arg(n, static), holder[0], *rest)
-            jax.block_until_ready((st, extra))
-            holder[0] = st
-            return time.perf_counter() - t0, extra
+def _gmm_config(job):
+    """--gmm-tiles as a GroupedMatmulConfig (grouped experts only), else None."""
+    spec = job.spec
+    if not (spec.get("gmm_tiles") and job.impl == "grouped"):
+        return None
+    from jax_ep.gmm import GroupedMatmulConfig
 
-        t_c0, first = call(n_lo)
-        first = jax.tree.map(np.asarray, jax.device_get(first)) if first is not None else None
-        t_c1, _ = call(n_hi)
-        compile_s = t_c0 + (t_c1 if static else 0.0)
-        t_lo, _ = call(n_lo)
-        t_hi, _ = call(n_hi)
-        reps = int(math.ceil(min_time / max(t_lo + t_hi, 1e-6)))
-        reps = agree(max(3 if t_lo + t_hi > min_time else spec["min_reps"],
-                         min(reps, spec["max_reps"])))
-        d = []
-        for _ in range(reps):
-            a, _ = call(n_lo)
-            b, _ = call(n_hi)
-            d.append((b - a) / (n_hi - n_lo))
-        d = np.asarray(d)
-        return (float(np.median(d)), float(np.percentile(d, 10)), float(np.percentile(d, 90)),
-                compile_s, reps, first, holder[0])
+    fields = {k: (tuple(v) if isinstance(v, list) else v)
+              for k, v in spec["gmm_tiles"].items()}
+    job.out["gmm_tiles_used"] = "; ".join(f"{k}={v}" for k, v in fields.items())
+    return GroupedMatmulConfig(**fields)
 
-    def touch(tree, s):
-        """Ties ``tree`` to ``s`` (the step's loss): the next step's use of the tree
-        waits for this step. An optimization barrier, not an update: an in-place
-        ``.at[0].add`` on a loop-carried weight that the step also reads made XLA
-        copy every weight each step (measured on 1x H200, V3 with 128 local experts:
-        ~9 ms of a 31 ms layer step, the same for every impl)."""
-        return jax.lax.optimization_barrier((tree, s))[0]
 
-    def rank_figures(vals):
-        """Per-rank figures (a list of floats) of every process -> [ranks][len(vals)]."""
-        v = np.asarray(vals, np.float64)[None]
-        return (np.asarray(multihost_utils.process_allgather(v, tiled=True)) if multi
-                else v).tolist()
+def _worker_body(spec, out, save):
+    import jax
 
-    def expert_breakdown(rows, gs, ew, dy, mean_valid):
-        """--expert-breakdown: every piece of the grouped-matmul experts fwd+bwd timed
-        alone on this routing's dispatched rows (``measure``: chained calls in one jit,
-        traced counts, medians). Each piece is ``f(a, *rest)`` called n times in a
-        fori_loop whose ``a`` passes an optimization barrier with the previous output
-        (nothing hoisted, every output materialised, as in
-        bench/grouped_matmul_bench.py); the output buffer is carried and donated."""
-        from jax_ep.mesh_axes import to_vma
-        from jax_ep.gmm import gmm, tgmm
-        from jax_ep.gmm.devices import device_info
-        from jax_ep.gmm.tuning import tuning_for
+    import jax_ep
+    import moe_layer as ml
 
-        t_b0 = time.perf_counter()
-        all_axes = frozenset(mesh.axis_names)
-        spec_t = P(("data", "ep"))
-        ep_spec = P("ep")
-        C = rows.shape[0] // n_dev
-        gate_up, down = ew
-        tuned = tuning_for(device_info().kind).default
-        bm = ((gcfg.fwd if gcfg else None) or tuned.fwd).block_m
-        bk = ((gcfg.dw if gcfg else None) or tuned.dw).block_k
-        g_host = np.asarray(multihost_utils.process_allgather(gs, tiled=True) if multi
-                            else jax.device_get(gs)).reshape(n_dev, -1)
-        bd = out["breakdown"] = {"block_m": bm, "dw_block_k": bk, "capacity_rows": C,
-                                 "group_stats": [_group_stats(g, C, bm, bk) for g in g_host]}
-        try:  # the standalone bench's sizes, for comparison
-            sys.path.insert(0, HERE)
-            import grouped_matmul_bench as gmb
+    job = _make_job(spec, out, save)
+    params, grads0, bias, x, ct = _layer_inputs(job)
+    out["stage"] = "layer"
+    layer_fn, (params, grads) = _layer_stage(job, params, grads0, bias, x, ct)
+    del grads0
+    if spec.get("profile"):
+        out["stage"] = "profile"
+        params, grads = _profile_stage(job, layer_fn, params, grads, x, bias, ct)
 
-            bd["standalone"] = {k: _group_stats(gmb.group_sizes(k), gmb.M, bm, bk)
-                                for k in ("uniform", "skewed")}
-        except Exception as e:  # noqa: BLE001
-            bd["standalone_error"] = f"{type(e).__name__}: {e}"
+    if spec["split"]:
+        # ---- dispatch + combine alone (identity experts), the layer's routing
+        out["stage"] = "dispatch+combine"
+        idx, w = jax.jit(lambda p, b, x: ml.route(p, b, x, job.cfg)[:2],
+                         out_shardings=(job.tok, job.tok))(params, bias, x)
+        if not spec.get("skip_comm"):  # (else the orchestrator takes it from another job)
+            _comm_stage(job, x, idx, w, ct)
 
-        def full(tree):  # every result varies over every mesh axis (one out spec)
-            return jax.tree.map(lambda v: to_vma(v, all_axes), tree)
-
-        def swiglu_fb(gu, dh):  # the SwiGLU elementwise part (split included), fwd + bwd
-            h, vjp = jax.vjp(ml.silu_mul, gu)
-            return h, vjp(dh.astype(h.dtype))[0]
-
-        def fwd(a, w, s):  # as grouped_matmul's forward
-            return gmm(a, w, s, out_dtype=a.dtype, config=gcfg)
-
-        def dx(a, w, s):  # as grouped_matmul's bwd: dy @ w[g]^T
-            return gmm(a, w, s, transpose_rhs=True, out_dtype=a.dtype, config=gcfg)
-
-        def dw(a, b, s):  # as grouped_matmul's bwd: x[g]^T @ dy[g]
-            return tgmm(a, b, s, out_dtype=dtype, config=gcfg)
-
-        def ex_fwd(a, s, gu, d):
-            return ml.routed_experts(a, gu, d, s, impl, cap, gcfg)[0]
-
-        def ex_fb(a, s, gu, d, ct):
-            y, vjp = jax.vjp(
-                lambda a, gu, d: ml.routed_experts(a, gu, d, s, impl, cap, gcfg)[0], a, gu, d)
-            return vjp(ct.astype(y.dtype))
-
-        def prep(x, s, gu_w, d, dy):  # the real intermediates of one fwd+bwd
-            gu = fwd(x, gu_w, s)
-            dh = dx(dy, d, s)
-            h, dgu = swiglu_fb(gu, dh)
-            return full((gu, h, dh, dgu))
-
-        gs32 = jax.jit(lambda v: v.astype(jnp.int32))(gs)
-        gu, h, dh, dgu = jax.jit(jax.shard_map(
-            prep, mesh=mesh, in_specs=(spec_t, spec_t, ep_spec, ep_spec, spec_t),
-            out_specs=(spec_t,) * 4, check_vma=True))(rows, gs32, gate_up, down, dy)
-
-        chains = {}
-
-        def chained(f, specs):
-            """-> (jit of (n, out, *args) -> (out after n chained calls, None), jit of zeros
-            of the output)."""
-            key = (f, specs)
-            if key in chains:
-                return chains[key]
-
-            def per_rank(n, o, a, *rest):
-                def body(i, c):
-                    a_b, _ = jax.lax.optimization_barrier((a, c))
-                    return full(f(a_b, *rest))
-                return jax.lax.fori_loop(0, n, body, o)
-
-            def run(n, o, *args):
-                o_specs = jax.tree.map(lambda _: spec_t, o)
-                if static_all:
-                    fn = jax.shard_map(lambda o, *a: per_rank(n, o, *a), mesh=mesh,
-                                       in_specs=(o_specs,) + specs, out_specs=o_specs,
-                                       check_vma=True)
-                    return fn(o, *args), None
-                fn = jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), o_specs) + specs,
-                                   out_specs=o_specs, check_vma=True)
-                return fn(n, o, *args), None
-
-            def zeros(*args):  # the first carried output (traced only, no compile of f)
-                shapes = jax.eval_shape(jax.shard_map(
-                    lambda *a: full(f(*a)), mesh=mesh, in_specs=specs, out_specs=spec_t,
-                    check_vma=True), *args)
-                return jax.jit(lambda: jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype),
-                                                    shapes),
-                               out_shardings=jax.tree.map(lambda _: tok, shapes))()
-
-            chains[key] = (jax.jit(run, static_argnums=(0,) if static_all else (),
-                                   donate_argnums=(1,)), zeros)
-            return chains[key]
-
-        mm = 2.0 * mean_valid * H * Fd  # one [rows, H] x [H, F] product, per device
-        bd_min_time = min(spec["min_time"], 0.5)  # 9 pieces: keep the extra time short
-        R_, W_ = spec_t, ep_spec
-        pieces = [  # (part, op, f, args, specs, flops per device); gate_up is 2F wide
-            ("gate_up", "fwd", fwd, (rows, gate_up, gs32), (R_, W_, R_), 2 * mm),
-            ("down", "fwd", fwd, (h, down, gs32), (R_, W_, R_), mm),
-            ("gate_up", "dx", dx, (dgu, gate_up, gs32), (R_, W_, R_), 2 * mm),
-            ("down", "dx", dx, (dy, down, gs32), (R_, W_, R_), mm),
-            ("gate_up", "dw", dw, (rows, dgu, gs32), (R_, R_, R_), 2 * mm),
-            ("down", "dw", dw, (h, dy, gs32), (R_, R_, R_), mm),
-            ("swiglu", "fwd+bwd", swiglu_fb, (gu, dh), (R_, R_), None),
-            ("experts", "fwd", ex_fwd, (rows, gs32, gate_up, down), (R_, R_, W_, W_), 3 * mm),
-            ("experts", "fwd+bwd (chain)", ex_fb, (rows, gs32, gate_up, down, dy),
-             (R_, R_, W_, W_, R_), 9 * mm),
-        ]
-        ops = []
-        for part, op, f, a, specs, fl in pieces:
-            run_fn, zeros_fn = chained(f, specs)
-            t0 = time.perf_counter()
-            med, p10, p90, comp, reps, _, _ = measure(run_fn, zeros_fn(*a), a, spec["steps"],
-                                                      static_all, bd_min_time)
-            figs = rank_figures([med, p10, p90])
-            worst = max(figs, key=lambda r: r[0])
-            ops.append({"part": part, "op": op, "ms": 1e3 * worst[0], "p10_ms": 1e3 * worst[1],
-                        "p90_ms": 1e3 * worst[2], "ms_ranks": [1e3 * r[0] for r in figs],
-                        "tflops": fl / worst[0] / 1e12 if fl and worst[0] > 0 else None,
-                        "reps": reps, "compile_s": comp, "wall_s": time.perf_counter() - t0})
-            bd["ops"] = ops
+        # ---- the routed expert matmuls alone, on the rows this routing dispatches
+        out["stage"] = "experts"
+        rows, gs, valid_rows, ct_rows = _dispatched_rows(job, x, idx, w)
+        ex = params["experts"]
+        del params, grads
+        ex_state = _experts_stage(job, rows, gs, (ex["gate_up"], ex["down"]), ct_rows,
+                                  valid_rows)
+        if spec.get("expert_breakdown") and job.impl == "grouped":
             save()
-        t = {(o["part"], o["op"]): o["ms"] for o in ops}
-        bd["matmuls_ms"] = sum(v for (p_, _), v in t.items() if p_ in MATMUL_PARTS)
-        bd["parts_ms"] = bd["matmuls_ms"] + t[("swiglu", "fwd+bwd")]
-        bd["experts_ms"] = 1e3 * out["experts_s"]  # the experts column (its own chain)
-        bd["wall_s"] = time.perf_counter() - t_b0
-        save()
+            out["stage"] = "expert breakdown"
+            rows, ew = ex_state[0], ex_state[1]  # (the first call donated the originals)
+            del ex_state
+            _expert_breakdown(job, rows, gs, ew, ct_rows, valid_rows / job.n_dev)
+        else:
+            del ex_state
+    out.pop("stage", None)
+    stats = job.dev.memory_stats() or {}
+    out["peak_bytes"] = stats.get("peak_bytes_in_use")
+    save()
+    if job.backend == "native":
+        jax_ep.finalize()
 
-    # ---- parameters and inputs, created on the devices already sharded
+
+def _layer_inputs(job):
+    """Parameters, zero gradients, routing bias and the inputs x, ct, created on
+    the devices already sharded."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import moe_layer as ml
+
+    cfg, mesh = job.cfg, job.mesh
     key = jax.random.key(0)
     p_shapes = jax.eval_shape(lambda: ml.init_moe_params(key, cfg))
     p_shard = jax.tree.map(lambda s: NamedSharding(mesh, s), ml.param_specs(p_shapes),
@@ -1074,21 +1066,29 @@ def _worker_body(spec, out, save):
     params = jax.jit(lambda: ml.init_moe_params(key, cfg), out_shardings=p_shard)()
     grads0 = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), p_shapes),
                      out_shardings=p_shard)()
-    bias = jax.device_put(ml.init_routing_bias(cfg), rep)
-    tok = NamedSharding(mesh, P(("data", "ep")))
+    bias = jax.device_put(ml.init_routing_bias(cfg), job.rep)
+    N, H, dtype = job.N, job.H, job.dtype
     x, ct = jax.jit(lambda: (jax.random.normal(jax.random.key(1), (N, H), dtype),
                              jax.random.normal(jax.random.key(2), (N, H), dtype)),
-                    out_shardings=(tok, tok))()
-    static_all = bool(spec["static_loops"])
+                    out_shardings=(job.tok, job.tok))()
+    return params, grads0, bias, x, ct
 
-    # ---- the layer
-    out["stage"] = "layer"
+
+def _layer_stage(job, params, grads0, bias, x, ct):
+    """The layer's chained fwd+bwd steps, timed. -> (its jit, the carried (params, grads))."""
+    import jax
+    import jax.numpy as jnp
+
+    import moe_layer as ml
+
+    F32 = jnp.float32
+    cfg, mesh = job.cfg, job.mesh
 
     def layer_chain(n, state, x, bias, ct):
         def loss(p, xx):
-            o, aux = ml.moe_block(p, bias, xx, cfg, mesh, backend=backend,
-                                  ep_overrides=overrides, expert_impl=impl, expert_capacity=cap,
-                                  gmm_config=gcfg)
+            o, aux = ml.moe_block(p, bias, xx, cfg, mesh, backend=job.backend,
+                                  ep_overrides=job.overrides, expert_impl=job.impl,
+                                  expert_capacity=job.cap, gmm_config=job.gcfg)
             return jnp.sum(o.astype(F32) * ct.astype(F32)), aux["num_dropped"]
 
         vg = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
@@ -1097,150 +1097,363 @@ def _worker_body(spec, out, save):
             p, g, xx, _, _ = c
             (l, dr), (gp, gx) = vg(p, xx)
             xx = (xx.astype(F32) - 1e-6 * gx.astype(F32)).astype(xx.dtype)
-            return touch(p, l), gp, xx, l, dr
+            return _touch(p, l), gp, xx, l, dr
 
         p, g = state
         p, g, _, l, dr = jax.lax.fori_loop(0, n, body, (p, g, x, jnp.zeros((), F32),
                                                         jnp.zeros((), jnp.int32)))
         return (p, g), (l, dr)
 
-    jit_kw = dict(donate_argnums=(1,))
-    layer_fn = jax.jit(layer_chain, static_argnums=(0,) if static_all else (), **jit_kw)
-    med, p10, p90, comp, reps, first, (params, grads) = measure(
-        layer_fn, (params, grads0), (x, bias, ct), spec["steps"], static_all)
-    del grads0
-    out.update(layer_s=med, layer_p10_s=p10, layer_p90_s=p90, layer_compile_s=comp,
-               layer_reps=reps, loss=float(first[0]), dropped=int(first[1]),
-               tokens_per_s=T / med if med > 0 else None)
-    stats = dev.memory_stats() or {}
-    out["peak_bytes_layer"] = stats.get("peak_bytes_in_use")
-    save()
-    if spec.get("profile"):
-        out["stage"] = "profile"
+    static_all = job.static_all
+    layer_fn = jax.jit(layer_chain, static_argnums=(0,) if static_all else (),
+                       donate_argnums=(1,))
+    med, p10, p90, comp, reps, first, state = job.measure(
+        layer_fn, (params, grads0), (x, bias, ct), job.spec["steps"], static_all)
+    job.out.update(layer_s=med, layer_p10_s=p10, layer_p90_s=p90, layer_compile_s=comp,
+                   layer_reps=reps, loss=float(first[0]), dropped=int(first[1]),
+                   tokens_per_s=job.T / med if med > 0 else None)
+    stats = job.dev.memory_stats() or {}
+    job.out["peak_bytes_layer"] = stats.get("peak_bytes_in_use")
+    job.save()
+    return layer_fn, state
+
+
+def _profile_stage(job, layer_fn, params, grads, x, bias, ct):
+    """--profile: the kernels of one traced call of the layer chain. -> (params, grads)."""
+    import jax
+
+    sys.path.insert(0, HERE)
+    import device_trace
+
+    n_p = job.spec["steps"][-1]
+    hold = [(params, grads)]
+    del params, grads
+
+    def traced_call():
+        st, extra = layer_fn(job.n_arg(n_p, job.static_all), hold[0], x, bias, ct)
+        jax.block_until_ready((st, extra))
+        hold[0] = st
+
+    try:
+        traced_call()   # (a compiled executable: the trace holds one call's kernels)
+        job.out["profile"] = device_trace.kernel_table(traced_call, n_p)
+    except Exception as e:  # noqa: BLE001 -- a failed trace must not lose the job
+        job.out["profile"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    state = hold.pop()   # (the list must not keep the donated state alive)
+    del traced_call
+    job.save()
+    return state
+
+
+def _comm_stage(job, x, idx, w, ct):
+    """Dispatch + combine fwd+bwd alone (identity experts), chained and timed."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    import jax_ep
+
+    F32 = jnp.float32
+    spec_t = P(("data", "ep"))
+    ep_cfg = job.ep_cfg
+
+    def per_rank_dc(x, idx, w):
+        d = jax_ep.dispatch(x, idx, w, ep_cfg)
+        return jax_ep.combine(d.x, d, ep_cfg)
+
+    comm = jax.shard_map(per_rank_dc, mesh=job.mesh, in_specs=(spec_t,) * 3,
+                         out_specs=spec_t, check_vma=True)
+
+    def dc_chain(n, state, idx, ct):
+        def body(i, c):
+            xx, ww, l_prev = c
+            ii = jnp.where(l_prev > -3e38, idx, -1)  # ties the routing to the carry
+            l, (gx, gw) = jax.value_and_grad(
+                lambda xx, ww: jnp.sum(comm(xx, ii, ww).astype(F32) * ct.astype(F32)),
+                argnums=(0, 1))(xx, ww)
+            xx = (xx.astype(F32) - 1e-6 * gx.astype(F32)).astype(xx.dtype)
+            return xx, ww - 1e-6 * gw, l
+        xx, ww = state
+        xx, ww, l = jax.lax.fori_loop(0, n, body, (xx, ww, jnp.zeros((), F32)))
+        return (xx, ww), l
+
+    dc_fn = jax.jit(dc_chain, static_argnums=(0,), donate_argnums=(1,))
+    x_dc, w_dc = jax.jit(lambda a, b: (jnp.copy(a), jnp.copy(b)),
+                         out_shardings=(job.tok, job.tok))(x, w)  # donated below
+    med, p10, p90, comp, reps, _, _ = job.measure(dc_fn, (x_dc, w_dc), (idx, ct),
+                                                  job.spec["comm_steps"], True)
+    job.out.update(comm_s=med, comm_p10_s=p10, comm_p90_s=p90, comm_compile_s=comp)
+    job.save()
+
+
+def _dispatched_rows(job, x, idx, w):
+    """The rows and group sizes this routing dispatches, the valid rows over all
+    ranks and a random cotangent of the rows' shape."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from jax.sharding import PartitionSpec as P
+
+    import jax_ep
+
+    spec_t = P(("data", "ep"))
+
+    def per_rank_rows(x, idx, w):
+        d = jax_ep.dispatch(x, idx, w, job.ep_cfg)
+        return d.x, d.group_sizes
+
+    rows, gs = jax.jit(jax.shard_map(per_rank_rows, mesh=job.mesh, in_specs=(spec_t,) * 3,
+                                     out_specs=(spec_t, spec_t), check_vma=True))(x, idx, w)
+    valid_rows = int(np.sum(np.asarray(multihost_utils.process_allgather(gs, tiled=True)))
+                     if job.multi else np.sum(np.asarray(gs)))
+    ct_rows = jax.jit(lambda: jax.random.normal(jax.random.key(3), rows.shape, job.dtype),
+                      out_shardings=rows.sharding)()
+    return rows, gs, valid_rows, ct_rows
+
+
+def _experts_stage(job, rows, gs, ew, ct_rows, valid_rows):
+    """The routed expert matmuls fwd+bwd alone, chained and timed. -> the carried
+    (rows, ew, grad rows, grad ew)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    import moe_layer as ml
+
+    F32 = jnp.float32
+    spec_t, ep_spec = P(("data", "ep")), P("ep")
+    impl, cap, gcfg = job.impl, job.cap, job.gcfg
+
+    def per_rank_experts(rows, gs, gate_up, down, ct):
+        y, _ = ml.routed_experts(rows, gate_up, down, gs, impl, cap, gcfg)
+        return jnp.sum(y.astype(F32) * ct.astype(F32)).reshape(1)
+
+    ex_loss = jax.shard_map(per_rank_experts, mesh=job.mesh,
+                            in_specs=(spec_t, spec_t, ep_spec, ep_spec, spec_t),
+                            out_specs=spec_t, check_vma=True)
+
+    def ex_chain(n, state, gs, ct):
+        def body(i, c):
+            rr, ew, _, _, l_prev = c
+            g_s = jnp.where(l_prev > -3e38, gs, 0)
+            l, (gr, gew) = jax.value_and_grad(
+                lambda rr, ew: jnp.sum(ex_loss(rr, g_s, *ew, ct)), argnums=(0, 1))(rr, ew)
+            return _touch(rr, l), _touch(ew, l), gr, gew, l
+        rr, ew, gr, gew = state
+        rr, ew, gr, gew, l = jax.lax.fori_loop(0, n, body,
+                                               (rr, ew, gr, gew, jnp.zeros((), F32)))
+        return (rr, ew, gr, gew), l
+
+    zeros = jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t),
+                    out_shardings=jax.tree.map(lambda a: a.sharding, (rows, ew)))
+    gr0, gw0 = zeros((rows, ew))
+    ex_fn = jax.jit(ex_chain, static_argnums=(0,) if job.static_all else (),
+                    donate_argnums=(1,))
+    med, p10, p90, comp, reps, _, ex_state = job.measure(
+        ex_fn, (rows, ew, gr0, gw0), (gs, ct_rows), job.spec["steps"], job.static_all)
+    # useful FLOPs: the routed (token, expert) pairs (N * K, the router picks K
+    # distinct experts), not the rows in groups, which include the
+    # expert_alignment padding rows
+    n_dev = job.n_dev
+    pairs = job.N * job.K
+    flops = 18.0 * pairs / n_dev * job.H * job.Fd  # (2F + F wide) x (fwd + 2 bwd) x 2, per device
+    out = job.out
+    out.update(experts_s=med, experts_p10_s=p10, experts_p90_s=p90, experts_compile_s=comp,
+               valid_rows_per_rank=valid_rows / n_dev, routed_pairs_per_rank=pairs / n_dev,
+               experts_tflops=flops / med / 1e12 if med > 0 else None)
+    if "comm_s" in out:
+        out["rest_s"] = out["layer_s"] - out["comm_s"] - med
+    return ex_state
+
+
+def _breakdown_setup(job, rows, gs):
+    """The breakdown record: tile sizes and every rank's group-size statistics
+    (and the standalone bench's, for comparison)."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from jax_ep.gmm.devices import device_info
+    from jax_ep.gmm.tuning import tuning_for
+
+    gcfg = job.gcfg
+    C = rows.shape[0] // job.n_dev
+    tuned = tuning_for(device_info().kind).default
+    bm = ((gcfg.fwd if gcfg else None) or tuned.fwd).block_m
+    bk = ((gcfg.dw if gcfg else None) or tuned.dw).block_k
+    g_host = np.asarray(multihost_utils.process_allgather(gs, tiled=True) if job.multi
+                        else jax.device_get(gs)).reshape(job.n_dev, -1)
+    bd = job.out["breakdown"] = {"block_m": bm, "dw_block_k": bk, "capacity_rows": C,
+                                 "group_stats": [_group_stats(g, C, bm, bk) for g in g_host]}
+    try:  # the standalone bench's sizes, for comparison
         sys.path.insert(0, HERE)
-        import device_trace
+        import grouped_matmul_bench as gmb
 
-        n_p = spec["steps"][-1]
-        hold = [(params, grads)]
+        bd["standalone"] = {k: _group_stats(gmb.group_sizes(k), gmb.M, bm, bk)
+                            for k in ("uniform", "skewed")}
+    except Exception as e:  # noqa: BLE001
+        bd["standalone_error"] = f"{type(e).__name__}: {e}"
+    return bd
 
-        def traced_call():
-            st, extra = layer_fn(n_arg(n_p, static_all), hold[0], x, bias, ct)
-            jax.block_until_ready((st, extra))
-            hold[0] = st
 
-        try:
-            traced_call()   # (a compiled executable: the trace holds one call's kernels)
-            out["profile"] = device_trace.kernel_table(traced_call, n_p)
-        except Exception as e:  # noqa: BLE001 -- a failed trace must not lose the job
-            out["profile"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-        params, grads = hold.pop()   # (the list must not keep the donated state alive)
-        del traced_call
-        save()
+def _breakdown_ops(job):
+    """The breakdown's pieces as per-rank functions (``full``: every output
+    varies over every mesh axis, so one out spec fits all)."""
+    import jax
 
-    if spec["split"]:
-        # ---- dispatch + combine alone (identity experts), the layer's routing
-        out["stage"] = "dispatch+combine"
-        idx, w = jax.jit(lambda p, b, x: ml.route(p, b, x, cfg)[:2],
-                         out_shardings=(tok, tok))(params, bias, x)
-        spec_t = P(("data", "ep"))
+    import moe_layer as ml
+    from jax_ep.gmm import gmm, tgmm
+    from jax_ep.mesh_axes import to_vma
 
-        def per_rank_dc(x, idx, w):
-            d = jax_ep.dispatch(x, idx, w, ep_cfg)
-            return jax_ep.combine(d.x, d, ep_cfg)
+    all_axes = frozenset(job.mesh.axis_names)
+    impl, cap, gcfg, dtype = job.impl, job.cap, job.gcfg, job.dtype
 
-        comm = jax.shard_map(per_rank_dc, mesh=mesh, in_specs=(spec_t,) * 3, out_specs=spec_t,
-                             check_vma=True)
+    def full(tree):  # every result varies over every mesh axis (one out spec)
+        return jax.tree.map(lambda v: to_vma(v, all_axes), tree)
 
-        def dc_chain(n, state, idx, ct):
+    def swiglu_fb(gu, dh):  # the SwiGLU elementwise part (split included), fwd + bwd
+        h, vjp = jax.vjp(ml.silu_mul, gu)
+        return h, vjp(dh.astype(h.dtype))[0]
+
+    def fwd(a, w, s):  # as grouped_matmul's forward
+        return gmm(a, w, s, out_dtype=a.dtype, config=gcfg)
+
+    def dx(a, w, s):  # as grouped_matmul's bwd: dy @ w[g]^T
+        return gmm(a, w, s, transpose_rhs=True, out_dtype=a.dtype, config=gcfg)
+
+    def dw(a, b, s):  # as grouped_matmul's bwd: x[g]^T @ dy[g]
+        return tgmm(a, b, s, out_dtype=dtype, config=gcfg)
+
+    def ex_fwd(a, s, gu, d):
+        return ml.routed_experts(a, gu, d, s, impl, cap, gcfg)[0]
+
+    def ex_fb(a, s, gu, d, ct):
+        y, vjp = jax.vjp(
+            lambda a, gu, d: ml.routed_experts(a, gu, d, s, impl, cap, gcfg)[0], a, gu, d)
+        return vjp(ct.astype(y.dtype))
+
+    def prep(x, s, gu_w, d, dy):  # the real intermediates of one fwd+bwd
+        gu = fwd(x, gu_w, s)
+        dh = dx(dy, d, s)
+        h, dgu = swiglu_fb(gu, dh)
+        return full((gu, h, dh, dgu))
+
+    return types.SimpleNamespace(full=full, swiglu_fb=swiglu_fb, fwd=fwd, dx=dx, dw=dw,
+                                 ex_fwd=ex_fwd, ex_fb=ex_fb, prep=prep)
+
+
+def _breakdown_chainer(job, full):
+    """-> chained(f, specs): (jit of (n, out, *args) -> (out after n chained
+    calls, None), jit of zeros of the output), one per (f, specs)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    mesh, static_all, tok = job.mesh, job.static_all, job.tok
+    spec_t = P(("data", "ep"))
+    chains = {}
+
+    def chained(f, specs):
+        key = (f, specs)
+        if key in chains:
+            return chains[key]
+
+        def per_rank(n, o, a, *rest):
             def body(i, c):
-                xx, ww, l_prev = c
-                ii = jnp.where(l_prev > -3e38, idx, -1)  # ties the routing to the carry
-                l, (gx, gw) = jax.value_and_grad(
-                    lambda xx, ww: jnp.sum(comm(xx, ii, ww).astype(F32) * ct.astype(F32)),
-                    argnums=(0, 1))(xx, ww)
-                xx = (xx.astype(F32) - 1e-6 * gx.astype(F32)).astype(xx.dtype)
-                return xx, ww - 1e-6 * gw, l
-            xx, ww = state
-            xx, ww, l = jax.lax.fori_loop(0, n, body, (xx, ww, jnp.zeros((), F32)))
-            return (xx, ww), l
+                a_b, _ = jax.lax.optimization_barrier((a, c))
+                return full(f(a_b, *rest))
+            return jax.lax.fori_loop(0, n, body, o)
 
-        if not spec.get("skip_comm"):  # (else the orchestrator takes it from another job)
-            dc_fn = jax.jit(dc_chain, static_argnums=(0,), donate_argnums=(1,))
-            x_dc, w_dc = jax.jit(lambda a, b: (jnp.copy(a), jnp.copy(b)),
-                                 out_shardings=(tok, tok))(x, w)  # donated below
-            med, p10, p90, comp, reps, _, _ = measure(dc_fn, (x_dc, w_dc), (idx, ct),
-                                                      spec["comm_steps"], True)
-            out.update(comm_s=med, comm_p10_s=p10, comm_p90_s=p90, comm_compile_s=comp)
-            save()
+        def run(n, o, *args):
+            o_specs = jax.tree.map(lambda _: spec_t, o)
+            if static_all:
+                fn = jax.shard_map(lambda o, *a: per_rank(n, o, *a), mesh=mesh,
+                                   in_specs=(o_specs,) + specs, out_specs=o_specs,
+                                   check_vma=True)
+                return fn(o, *args), None
+            fn = jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), o_specs) + specs,
+                               out_specs=o_specs, check_vma=True)
+            return fn(n, o, *args), None
 
-        # ---- the routed expert matmuls alone, on the rows this routing dispatches
-        out["stage"] = "experts"
+        def zeros(*args):  # the first carried output (traced only, no compile of f)
+            shapes = jax.eval_shape(jax.shard_map(
+                lambda *a: full(f(*a)), mesh=mesh, in_specs=specs, out_specs=spec_t,
+                check_vma=True), *args)
+            return jax.jit(lambda: jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype),
+                                                shapes),
+                           out_shardings=jax.tree.map(lambda _: tok, shapes))()
 
-        def per_rank_rows(x, idx, w):
-            d = jax_ep.dispatch(x, idx, w, ep_cfg)
-            return d.x, d.group_sizes
+        chains[key] = (jax.jit(run, static_argnums=(0,) if static_all else (),
+                               donate_argnums=(1,)), zeros)
+        return chains[key]
 
-        rows, gs = jax.jit(jax.shard_map(per_rank_rows, mesh=mesh, in_specs=(spec_t,) * 3,
-                                         out_specs=(spec_t, spec_t), check_vma=True))(x, idx, w)
-        valid_rows = int(np.sum(np.asarray(multihost_utils.process_allgather(gs, tiled=True)))
-                         if multi else np.sum(np.asarray(gs)))
-        ct_rows = jax.jit(lambda: jax.random.normal(jax.random.key(3), rows.shape, dtype),
-                          out_shardings=rows.sharding)()
-        ex = params["experts"]
-        del params, grads
-        ep_spec = P("ep")
+    return chained
 
-        def per_rank_experts(rows, gs, gate_up, down, ct):
-            y, _ = ml.routed_experts(rows, gate_up, down, gs, impl, cap, gcfg)
-            return jnp.sum(y.astype(F32) * ct.astype(F32)).reshape(1)
 
-        ex_loss = jax.shard_map(per_rank_experts, mesh=mesh,
-                                in_specs=(spec_t, spec_t, ep_spec, ep_spec, spec_t),
-                                out_specs=spec_t, check_vma=True)
+def _expert_breakdown(job, rows, gs, ew, dy, mean_valid):
+    """--expert-breakdown: every piece of the grouped-matmul experts fwd+bwd timed
+    alone on this routing's dispatched rows (``measure``: chained calls in one jit,
+    traced counts, medians). Each piece is ``f(a, *rest)`` called n times in a
+    fori_loop whose ``a`` passes an optimization barrier with the previous output
+    (nothing hoisted, every output materialised, as in
+    bench/grouped_matmul_bench.py); the output buffer is carried and donated."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
 
-        def ex_chain(n, state, gs, ct):
-            def body(i, c):
-                rr, ew, _, _, l_prev = c
-                g_s = jnp.where(l_prev > -3e38, gs, 0)
-                l, (gr, gew) = jax.value_and_grad(
-                    lambda rr, ew: jnp.sum(ex_loss(rr, g_s, *ew, ct)), argnums=(0, 1))(rr, ew)
-                return touch(rr, l), touch(ew, l), gr, gew, l
-            rr, ew, gr, gew = state
-            rr, ew, gr, gew, l = jax.lax.fori_loop(0, n, body,
-                                                   (rr, ew, gr, gew, jnp.zeros((), F32)))
-            return (rr, ew, gr, gew), l
+    t_b0 = time.perf_counter()
+    spec_t = P(("data", "ep"))
+    ep_spec = P("ep")
+    gate_up, down = ew
+    bd = _breakdown_setup(job, rows, gs)
+    o = _breakdown_ops(job)
 
-        ew = (ex["gate_up"], ex["down"])
-        zeros = jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t),
-                        out_shardings=jax.tree.map(lambda a: a.sharding, (rows, ew)))
-        gr0, gw0 = zeros((rows, ew))
-        ex_fn = jax.jit(ex_chain, static_argnums=(0,) if static_all else (), **jit_kw)
-        med, p10, p90, comp, reps, _, ex_state = measure(ex_fn, (rows, ew, gr0, gw0),
-                                                         (gs, ct_rows), spec["steps"], static_all)
-        # useful FLOPs: the routed (token, expert) pairs (N * K, the router picks K
-        # distinct experts), not the rows in groups, which include the
-        # expert_alignment padding rows
-        pairs = N * K
-        flops = 18.0 * pairs / n_dev * H * Fd  # (2F + F wide) x (fwd + 2 bwd) x 2, per device
-        out.update(experts_s=med, experts_p10_s=p10, experts_p90_s=p90, experts_compile_s=comp,
-                   valid_rows_per_rank=valid_rows / n_dev, routed_pairs_per_rank=pairs / n_dev,
-                   experts_tflops=flops / med / 1e12 if med > 0 else None)
-        if "comm_s" in out:
-            out["rest_s"] = out["layer_s"] - out["comm_s"] - med
-        if spec.get("expert_breakdown") and impl == "grouped":
-            save()
-            out["stage"] = "expert breakdown"
-            rows, ew = ex_state[0], ex_state[1]  # (the first call donated the originals)
-            del ex_state
-            expert_breakdown(rows, gs, ew, ct_rows, valid_rows / n_dev)
-        else:
-            del ex_state
-    out.pop("stage", None)
-    stats = dev.memory_stats() or {}
-    out["peak_bytes"] = stats.get("peak_bytes_in_use")
-    save()
-    if backend == "native":
-        jax_ep.finalize()
+    gs32 = jax.jit(lambda v: v.astype(jnp.int32))(gs)
+    gu, h, dh, dgu = jax.jit(jax.shard_map(
+        o.prep, mesh=job.mesh, in_specs=(spec_t, spec_t, ep_spec, ep_spec, spec_t),
+        out_specs=(spec_t,) * 4, check_vma=True))(rows, gs32, gate_up, down, dy)
+
+    mm = 2.0 * mean_valid * job.H * job.Fd  # one [rows, H] x [H, F] product, per device
+    R_, W_ = spec_t, ep_spec
+    pieces = [  # (part, op, f, args, specs, flops per device); gate_up is 2F wide
+        ("gate_up", "fwd", o.fwd, (rows, gate_up, gs32), (R_, W_, R_), 2 * mm),
+        ("down", "fwd", o.fwd, (h, down, gs32), (R_, W_, R_), mm),
+        ("gate_up", "dx", o.dx, (dgu, gate_up, gs32), (R_, W_, R_), 2 * mm),
+        ("down", "dx", o.dx, (dy, down, gs32), (R_, W_, R_), mm),
+        ("gate_up", "dw", o.dw, (rows, dgu, gs32), (R_, R_, R_), 2 * mm),
+        ("down", "dw", o.dw, (h, dy, gs32), (R_, R_, R_), mm),
+        ("swiglu", "fwd+bwd", o.swiglu_fb, (gu, dh), (R_, R_), None),
+        ("experts", "fwd", o.ex_fwd, (rows, gs32, gate_up, down), (R_, R_, W_, W_), 3 * mm),
+        ("experts", "fwd+bwd (chain)", o.ex_fb, (rows, gs32, gate_up, down, dy),
+         (R_, R_, W_, W_, R_), 9 * mm),
+    ]
+    ops = _time_pieces(job, bd, pieces, _breakdown_chainer(job, o.full))
+    t = {(op["part"], op["op"]): op["ms"] for op in ops}
+    bd["matmuls_ms"] = sum(v for (p_, _), v in t.items() if p_ in MATMUL_PARTS)
+    bd["parts_ms"] = bd["matmuls_ms"] + t[("swiglu", "fwd+bwd")]
+    bd["experts_ms"] = 1e3 * job.out["experts_s"]  # the experts column (its own chain)
+    bd["wall_s"] = time.perf_counter() - t_b0
+    job.save()
+
+
+def _time_pieces(job, bd, pieces, chained):
+    """Times every piece (slowest rank's figures), saving after each. -> bd["ops"]."""
+    bd_min_time = min(job.spec["min_time"], 0.5)  # 9 pieces: keep the extra time short
+    ops = []
+    for part, op, f, a, specs, fl in pieces:
+        run_fn, zeros_fn = chained(f, specs)
+        t0 = time.perf_counter()
+        med, p10, p90, comp, reps, _, _ = job.measure(run_fn, zeros_fn(*a), a, job.spec["steps"],
+                                                      job.static_all, bd_min_time)
+        figs = job.rank_figures([med, p10, p90])
+        worst = max(figs, key=lambda r: r[0])
+        ops.append({"part": part, "op": op, "ms": 1e3 * worst[0], "p10_ms": 1e3 * worst[1],
+                    "p90_ms": 1e3 * worst[2], "ms_ranks": [1e3 * r[0] for r in figs],
+                    "tflops": fl / worst[0] / 1e12 if fl and worst[0] > 0 else None,
+                    "reps": reps, "compile_s": comp, "wall_s": time.perf_counter() - t0})
+        bd["ops"] = ops
+        job.save()
+    return ops
 
 
 def main(argv=None):

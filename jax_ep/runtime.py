@@ -230,22 +230,8 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, symmetric_memory
     ``NVSHMEM_SYMMETRIC_SIZE`` to fit the buffer. Multi-host: ``docs/multihost.md``.
     """
     if _state["initialized"]:
-        if symmetric_memory not in ("auto", _state["symmetric_memory"]):
-            raise ValueError(
-                f"jax_ep.initialize(symmetric_memory={symmetric_memory!r}): the runtime is "
-                f"already up with {_state['symmetric_memory']!r}; call jax_ep.finalize() first")
-        _check_live(config, low_latency)
-        return True
-    if symmetric_memory not in SYMMETRIC_MEMORY:
-        raise ValueError(f"jax_ep.initialize: symmetric_memory must be one of "
-                         f"{SYMMETRIC_MEMORY}, got {symmetric_memory!r}")
-    sharing = _shared_gpu.processes_per_gpu(os.environ)
-    if symmetric_memory == "peer_memory" and sharing > 1:
-        raise ValueError(
-            f"jax_ep.initialize(symmetric_memory='peer_memory'): this process shares its GPU "
-            f"with {sharing - 1} other(s) (jax-ep-launch with fewer GPUs than processes), and "
-            "peer memory drives several GPUs from one process; use the NVSHMEM symmetric heap "
-            "(symmetric_memory='auto'), which runs several processes on one GPU")
+        return _initialize_live(config, symmetric_memory, low_latency)
+    _check_symmetric_memory(symmetric_memory)
     # Every attempt, first thing: a process that returns early or raises below
     # stays in step with the others' key-value keys when it tries again.
     _state["generation"] += 1
@@ -253,15 +239,9 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, symmetric_memory
     if C is None:
         return _not_up(unavailable_reason())
     cfgs = _config_list(config)
-    ranks = 1
-    if cfgs:
-        # EP ranks: the processes (one GPU each), or every GPU of this process
-        ranks = max(1, (len([d for d in jax.local_devices() if d.platform == "gpu"])
-                        if symmetric_memory == "peer_memory" else jax.process_count()))
+    ranks = _ep_ranks(cfgs, symmetric_memory)
     normal = intranode_region.plan(cfgs, ranks, buffer_bytes)
-    buffer_bytes = normal.nbytes
     ll = low_latency_region.plan(C, low_latency)
-    ll_bytes = ll.nbytes
 
     # JAX must create its GPU client (and CUDA primary context) before NVSHMEM.
     gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
@@ -275,7 +255,45 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, symmetric_memory
             "process (jax.distributed.initialize(..., local_device_ids=[i]) or jax-ep-launch), "
             "or opt in to the peer-memory transport (not yet validated on GPUs): "
             "jax_ep.initialize(symmetric_memory='peer_memory')")
-    device = int(gpus[0].local_hardware_id)
+    return _attach_nvshmem(C, int(gpus[0].local_hardware_id), cfgs, ranks, normal, ll)
+
+
+def _initialize_live(config, symmetric_memory: str, low_latency) -> bool:
+    """``initialize`` on a live runtime: same memory, configs that fit its regions."""
+    if symmetric_memory not in ("auto", _state["symmetric_memory"]):
+        raise ValueError(
+            f"jax_ep.initialize(symmetric_memory={symmetric_memory!r}): the runtime is "
+            f"already up with {_state['symmetric_memory']!r}; call jax_ep.finalize() first")
+    _check_live(config, low_latency)
+    return True
+
+
+def _check_symmetric_memory(symmetric_memory: str) -> None:
+    if symmetric_memory not in SYMMETRIC_MEMORY:
+        raise ValueError(f"jax_ep.initialize: symmetric_memory must be one of "
+                         f"{SYMMETRIC_MEMORY}, got {symmetric_memory!r}")
+    sharing = _shared_gpu.processes_per_gpu(os.environ)
+    if symmetric_memory == "peer_memory" and sharing > 1:
+        raise ValueError(
+            f"jax_ep.initialize(symmetric_memory='peer_memory'): this process shares its GPU "
+            f"with {sharing - 1} other(s) (jax-ep-launch with fewer GPUs than processes), and "
+            "peer memory drives several GPUs from one process; use the NVSHMEM symmetric heap "
+            "(symmetric_memory='auto'), which runs several processes on one GPU")
+
+
+def _ep_ranks(cfgs: list, symmetric_memory: str) -> int:
+    """EP ranks the configs' regions are sized for: the processes (one GPU
+    each), or every GPU of this process; 1 without configs."""
+    if not cfgs:
+        return 1
+    return max(1, (len([d for d in jax.local_devices() if d.platform == "gpu"])
+                   if symmetric_memory == "peer_memory" else jax.process_count()))
+
+
+def _attach_nvshmem(C, device: int, cfgs: list, ranks: int, normal: Region,
+                    ll: Region) -> bool:
+    """One GPU per process: regions on the NVSHMEM symmetric heap (started here
+    unless it is already up)."""
     rank, nranks = jax.process_index(), jax.process_count()
     # Every process's host (and free GPU memory) first: the internode region's
     # node split follows the hosts (an EP group larger than a host: one node per
@@ -287,7 +305,6 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, symmetric_memory
             user_net, 0 if _state["nvshmem_up"] else C.device_free_bytes(device), device))
     hosts, net_env = _hosts.job_network_env(values)
     inter = internode_region.plan(C, cfgs, ranks, hosts)
-    inter_bytes = inter.nbytes
     regions_ = (normal, ll, inter)     # the extension's attach order
     need_heap = heap_bytes(regions_)
     extension.register_targets()
@@ -296,46 +313,56 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, symmetric_memory
         # NVSHMEM stayed up (JAX_EP_KEEP_NVSHMEM=1, or started by XLA): its heap
         # was sized when it started and does not grow.
         raise RuntimeError(
-            f"jax_ep.initialize: buffer {buffer_bytes >> 20} MiB + low-latency region "
-            f"{ll_bytes >> 20} MiB + internode region {inter_bytes >> 20} MiB exceed the NVSHMEM "
+            f"jax_ep.initialize: buffer {normal.nbytes >> 20} MiB + low-latency region "
+            f"{ll.nbytes >> 20} MiB + internode region {inter.nbytes >> 20} MiB exceed the NVSHMEM "
             f"symmetric heap NVSHMEM started with ({_state['heap_bytes'] >> 20} MiB); initialize "
             "the largest configuration first, or set NVSHMEM_SYMMETRIC_SIZE before the first "
             "initialize")
-
     if not _state["nvshmem_up"]:
-        # Every process's free memory came with the hosts: the same answer on
-        # every rank, so no rank is left waiting in NVSHMEM's start when this raises.
-        heap = int(os.environ["NVSHMEM_SYMMETRIC_SIZE"])
-        # processes sharing a GPU (jax_ep.shared_gpu) share its free memory
-        room = [(free // on_gpu, on_gpu) for free, on_gpu in _hosts.gpu_sharing(values)]
-        worst = min(range(nranks), key=lambda r: room[r][0])
-        free, on_gpu = room[worst]
-        if heap > free:
-            shared = (f" ({on_gpu} processes share that GPU: a heap each)" if on_gpu > 1
-                      else "")
-            raise RuntimeError(
-                f"jax_ep.initialize: the NVSHMEM symmetric heap ({heap >> 20} MiB for "
-                f"buffer_bytes={buffer_bytes} + regions of {ll_bytes + inter_bytes} bytes) does not "
-                f"fit in the {free >> 20} MiB of GPU memory process {worst} has "
-                f"JAX left free{shared}; lower XLA_PYTHON_CLIENT_MEM_FRACTION (now "
-                f"{os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION', 'unset: 0.75')}) or set "
-                "XLA_PYTHON_CLIENT_PREALLOCATE=false before JAX starts, or pass a smaller "
-                "buffer_bytes")
-    if not _state["nvshmem_up"]:
-        # One host: no network transport (no NIC needed). Several: NVSHMEM's
-        # default plus IBGDA, unless the users chose (hosts.network_env).
-        nvshmem_env.apply_network(net_env, user_net)
-        if C.nvshmem_status() >= 2:  # started by XLA: attach, never finalize it
-            C.nvshmem_init(b"", rank, nranks, device)
-            _state["owns_nvshmem"] = False
-        else:
-            uid = _share_unique_id(C, rank, nranks)
-            _state["owns_nvshmem"] = C.nvshmem_init(uid, rank, nranks, device)
-        _state["nvshmem_up"] = True
-        _state["heap_bytes"] = int(os.environ["NVSHMEM_SYMMETRIC_SIZE"])
+        _check_heap_fits(values, nranks, normal.nbytes, ll.nbytes + inter.nbytes)
+        _start_nvshmem(C, net_env, user_net, rank, nranks, device)
     # raises naming XLA_PYTHON_CLIENT_MEM_FRACTION
     C.runtime_attach(device, *(r.attach_arg for r in regions_))
     return _up("nvshmem", regions_, hosts)
+
+
+def _check_heap_fits(values, nranks: int, buffer_bytes: int, region_bytes: int) -> None:
+    """Raise unless the heap fits every process's free GPU memory.
+
+    Every process's free memory came with the hosts: the same answer on every
+    rank, so no rank is left waiting in NVSHMEM's start when this raises.
+    """
+    heap = int(os.environ["NVSHMEM_SYMMETRIC_SIZE"])
+    # processes sharing a GPU (jax_ep.shared_gpu) share its free memory
+    room = [(free // on_gpu, on_gpu) for free, on_gpu in _hosts.gpu_sharing(values)]
+    worst = min(range(nranks), key=lambda r: room[r][0])
+    free, on_gpu = room[worst]
+    if heap > free:
+        shared = (f" ({on_gpu} processes share that GPU: a heap each)" if on_gpu > 1
+                  else "")
+        raise RuntimeError(
+            f"jax_ep.initialize: the NVSHMEM symmetric heap ({heap >> 20} MiB for "
+            f"buffer_bytes={buffer_bytes} + regions of {region_bytes} bytes) does not "
+            f"fit in the {free >> 20} MiB of GPU memory process {worst} has "
+            f"JAX left free{shared}; lower XLA_PYTHON_CLIENT_MEM_FRACTION (now "
+            f"{os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION', 'unset: 0.75')}) or set "
+            "XLA_PYTHON_CLIENT_PREALLOCATE=false before JAX starts, or pass a smaller "
+            "buffer_bytes")
+
+
+def _start_nvshmem(C, net_env, user_net, rank: int, nranks: int, device: int) -> None:
+    """Start NVSHMEM, or attach to the one XLA started (never finalised here)."""
+    # One host: no network transport (no NIC needed). Several: NVSHMEM's
+    # default plus IBGDA, unless the users chose (hosts.network_env).
+    nvshmem_env.apply_network(net_env, user_net)
+    if C.nvshmem_status() >= 2:  # started by XLA: attach, never finalize it
+        C.nvshmem_init(b"", rank, nranks, device)
+        _state["owns_nvshmem"] = False
+    else:
+        uid = _share_unique_id(C, rank, nranks)
+        _state["owns_nvshmem"] = C.nvshmem_init(uid, rank, nranks, device)
+    _state["nvshmem_up"] = True
+    _state["heap_bytes"] = int(os.environ["NVSHMEM_SYMMETRIC_SIZE"])
 
 
 def _attach_peer_memory(C, gpus, regions_: tuple) -> bool:
