@@ -131,22 +131,6 @@ def worker(args):
     from jax_ep.intranode import native, reference
     from jax_ep.config import EpConfig, KernelTuning
 
-    class SkipBackend(native.NativeBackend):
-        """The native rows ops with a bench breakdown (debug_skip FFI attribute:
-        1 = no data sent, 2 = no receive-side gather / reduce, 3 = flags only)."""
-
-        def __init__(self, skip):
-            self.skip = skip
-
-        def dispatch_rows(self, x, x_scales, handle, cfg):
-            return native.dispatch_raw(x, x_scales, handle, cfg, debug_skip=self.skip)
-
-        def dispatch_rows_fp8(self, x, handle, cfg):
-            return native.dispatch_raw(x, None, handle, cfg, cast_fp8=True, debug_skip=self.skip)
-
-        def combine_rows(self, y, row_weights, handle, cfg):
-            return native.combine_raw(y, row_weights, handle, cfg, debug_skip=self.skip)
-
     # the default buffer either way (the rings wrap at any EP), as the
     # multi-process run uses
     ok = jax_ep.initialize(symmetric_memory="peer_memory" if single else "auto")
@@ -233,8 +217,7 @@ def worker(args):
             assert not (op[5] if len(op) > 5 else ()), "op[5] (environment knobs) is gone"
             cfg_kw = dict(op[6]) if len(op) > 6 else {}  # EpConfig fields, e.g. zero_tail, tuning
             cfg = cfg_for(T, H, K, E, layout, be, sms, **cfg_kw)
-            bk = ((SkipBackend(skip) if skip else native.BACKEND) if be == "native"
-                  else reference.BACKEND)
+            bk = native.BACKEND if be == "native" else reference.BACKEND
             try:
                 if kind == "route":
                     def build(n, cfg=cfg, bk=bk):
@@ -344,7 +327,8 @@ def worker(args):
                                 rows = dep(rows, buf)
                             return buf[:T_]
                         return f
-                us, us_naive = per_op(build, [xb, gidx], reps)
+                with native.debug_skip(skip):  # the breakdown rows: test build only
+                    us, us_naive = per_op(build, [xb, gidx], reps)
                 out[op] = (us, us_naive)
                 log(f"  T={T} {kind:12s} {layout:12s} {be:9s} skip={skip} sms={sms} {us:9.1f} us/op (n10/10: {us_naive:.1f})")
             except Exception as e:  # noqa: BLE001
@@ -406,7 +390,7 @@ def worker(args):
            ("combine", "rank_major", "reference"),
            ("roundtrip", "rank_major", "reference"), ("roundtrip", "expert_major", "reference"),
            ("dispatch_fp8", "rank_major", "reference"),
-           # breakdown (debug_skip attribute, SkipBackend): 1 = no data sent (flags + local work only),
+           # breakdown (native.debug_skip, test build only): 1 = no data sent (flags + local work only),
            # 2 = sends only (no receive-side gather / reduce), 3 = flags only
            ("dispatch", "rank_major", "native", 1), ("dispatch", "rank_major", "native", 2),
            ("dispatch", "rank_major", "native", 3),
