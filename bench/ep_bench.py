@@ -114,27 +114,6 @@ def _run_job(args, flags, env, timeout, row_file=None):
 _N0, _N1 = 10, 30   # chained calls of the two timed chains: per op = (t30 - t10) / 20
 
 
-def _skip_backend_class(native):
-    """The native backend with the bench breakdown's debug_skip attribute."""
-    class SkipBackend(native.NativeBackend):
-        """The native rows ops with a bench breakdown (debug_skip FFI attribute:
-        1 = no data sent, 2 = no receive-side gather / reduce, 3 = flags only)."""
-
-        def __init__(self, skip):
-            self.skip = skip
-
-        def dispatch_rows(self, x, x_scales, handle, cfg):
-            return native.dispatch_raw(x, x_scales, handle, cfg, debug_skip=self.skip)
-
-        def dispatch_rows_fp8(self, x, handle, cfg):
-            return native.dispatch_raw(x, None, handle, cfg, cast_fp8=True, debug_skip=self.skip)
-
-        def combine_rows(self, y, row_weights, handle, cfg):
-            return native.combine_raw(y, row_weights, handle, cfg, debug_skip=self.skip)
-
-    return SkipBackend
-
-
 def _dep(x, o):
     # data dependence of the next call on this one's output, at ~no cost
     return x.at[0, 0].add((o.reshape(-1)[0] * 0).astype(x.dtype))
@@ -152,7 +131,6 @@ class _Bench:
         self.R = args.nproc
         self.spec = P("ep")
         self.native, self.reference = native, reference
-        self.SkipBackend = _skip_backend_class(native)
 
     def glob(self, arr):
         import jax
@@ -412,11 +390,11 @@ def _bench_config(b, T, H, K, E, ops, seed=0, reps=20):
         assert not (op[5] if len(op) > 5 else ()), "op[5] (environment knobs) is gone"
         cfg_kw = dict(op[6]) if len(op) > 6 else {}  # EpConfig fields, e.g. zero_tail, tuning
         cfg = b.cfg_for(T, H, K, E, layout, be, sms, **cfg_kw)
-        bk = ((b.SkipBackend(skip) if skip else b.native.BACKEND) if be == "native"
-              else b.reference.BACKEND)
+        bk = b.native.BACKEND if be == "native" else b.reference.BACKEND
         try:
             build = _op_builder(b, kind, cfg, bk, E)
-            us, us_naive = b.per_op(build, [xb, gidx], reps)
+            with b.native.debug_skip(skip):  # the breakdown rows: test build only
+                us, us_naive = b.per_op(build, [xb, gidx], reps)
             out[op] = (us, us_naive)
             b.log(f"  T={T} {kind:12s} {layout:12s} {be:9s} skip={skip} sms={sms} {us:9.1f} us/op (n10/10: {us_naive:.1f})")
         except Exception as e:  # noqa: BLE001
@@ -498,7 +476,7 @@ def _v3_ops(args):
            ("combine", "rank_major", "reference"),
            ("roundtrip", "rank_major", "reference"), ("roundtrip", "expert_major", "reference"),
            ("dispatch_fp8", "rank_major", "reference"),
-           # breakdown (debug_skip attribute, SkipBackend): 1 = no data sent (flags + local work only),
+           # breakdown (native.debug_skip, test build only): 1 = no data sent (flags + local work only),
            # 2 = sends only (no receive-side gather / reduce), 3 = flags only
            ("dispatch", "rank_major", "native", 1), ("dispatch", "rank_major", "native", 2),
            ("dispatch", "rank_major", "native", 3),

@@ -6,6 +6,11 @@
 a GPU-less machine this way), ``JAX_EP_NATIVE=0`` skips it. Only a native build
 asks for nanobind, jaxlib (FFI headers) and the NVSHMEM wheel at build time;
 the decision reaches CMake as ``-DJAX_EP_NATIVE=ON/OFF``.
+
+``JAX_EP_TESTING=1`` makes the test build: the extension with the test and
+bench helpers of cc/testing (the GPU tests need them; wheels leave them out).
+It reaches CMake as ``-DJAX_EP_TESTING=ON/OFF`` on every build, so a build
+directory configured for one never hands its cached choice to the other.
 """
 from __future__ import annotations
 
@@ -37,9 +42,15 @@ def native_build() -> bool:
     return _has_gpu() and _has_nvcc()
 
 
+def testing_build() -> bool:
+    """The test build (cc/testing compiled in)? ``JAX_EP_TESTING`` = 1; default no."""
+    return os.environ.get("JAX_EP_TESTING", "").strip().lower() in ("1", "on", "true", "yes")
+
+
 def _settings(config_settings):
     cs = dict(config_settings or {})
     cs.setdefault("cmake.define.JAX_EP_NATIVE", "ON" if native_build() else "OFF")
+    cs.setdefault("cmake.define.JAX_EP_TESTING", "ON" if testing_build() else "OFF")
     return cs
 
 

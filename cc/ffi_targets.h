@@ -35,8 +35,8 @@
   X("jax_ep_ll_combine_send", JaxEpLlCombineSend)     \
   X("jax_ep_ll_combine_recv", JaxEpLlCombineRecv)
 
-// Runtime self-test and link ceilings (cc/testing/, built with JAX_EP_TESTING,
-// the default; a production build can leave them out).
+// Runtime self-test and link ceilings (cc/testing/): the test build only
+// (CMake option JAX_EP_TESTING).
 #define JAX_EP_TESTING_TARGETS(X)      \
   X("jax_ep_ping", JaxEpPing)          \
   X("jax_ep_bench_transfer", JaxEpBenchTransfer)

@@ -12,6 +12,7 @@
 
 #include "common/device_error.h"
 #include "common/graph_capture.h"
+#include "common/testing_hooks.h"
 #include "ffi_targets.h"
 #include "internode/region_layout.h"
 #include "intranode/launch_config.h"
@@ -147,6 +148,10 @@ NB_MODULE(_C, m) {
   });
   m.def("device_free_bytes", &jax_ep::device_free_bytes, nb::arg("device"));
 #if JAX_EP_TESTING
+  // Bench breakdown (bench/ep_bench.py through jax_ep.intranode.native.debug_skip).
+  m.def("set_debug_skip", &jax_ep::set_debug_skip, nb::arg("skip"),
+        "Intranode dispatch / combine of this process from now on: bit 0 sends no data, "
+        "bit 1 skips the receive-side gather / reduce (0: the full op).");
   // Tests only (tests/gpu/test_loopback.py): every rank's kernel on one GPU.
   auto names = [](auto const& arr) {
     nb::list l;

@@ -39,13 +39,15 @@ t0=$(date +%s)
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
 
 # --no-build-isolation: the machine has no network; its nanobind, jaxlib,
-# NVSHMEM wheel and scikit-build-core are used as installed. The tests' ranks
-# import jax_ep from this tree: the extension is copied next to the sources.
+# NVSHMEM wheel and scikit-build-core are used as installed. JAX_EP_TESTING=1:
+# the test build (cc/testing: loopback, ping, output poisoning), which the GPU
+# tests need. The tests' ranks import jax_ep from this tree: the extension is
+# copied next to the sources.
 build_rc=0
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
   echo "== build" >&2
   { nvidia-smi -L; "$PY" -V; nvcc --version | tail -1
-    JAX_EP_NATIVE=1 "$PY" -m pip install --no-build-isolation --no-deps -v .; } > "$OUT/build.log" 2>&1
+    JAX_EP_NATIVE=1 JAX_EP_TESTING=1 "$PY" -m pip install --no-build-isolation --no-deps -v .; } > "$OUT/build.log" 2>&1
   build_rc=$?
   if [ "$build_rc" = 0 ]; then
     so=$(cd /tmp && "$PY" -c "import glob, os, jax_ep; print(*glob.glob(os.path.join(os.path.dirname(jax_ep.__file__), '_C*.so')))")

@@ -41,6 +41,24 @@ def _bindings():
     return {name: symbols[sym] for name, sym in targets.items()}
 
 
+def test_production_targets_carry_no_test_hooks():
+    """Test and bench hooks (output poisoning, the bench breakdown) live in the
+    test build (cc/common/testing_hooks.h): no production target binds a
+    ``debug_*`` attribute, and no production source reads the environment."""
+    header = open(os.path.join(ROOT, "cc", "ffi_targets.h")).read()
+    testing_block = header[header.index("#define JAX_EP_TESTING_TARGETS"):].split("\n\n")[0]
+    testing = set(re.findall(r'X\("(\w+)"', testing_block))
+    assert testing, "no testing targets found in cc/ffi_targets.h"
+    production = {n: b for n, b in _bindings().items() if n not in testing}
+    assert "jax_ep_dispatch" in production
+    for name, (_, _, attrs) in production.items():
+        assert not [a for a in attrs if a.startswith("debug")], (name, sorted(attrs))
+    for path in glob.glob(os.path.join(ROOT, "cc", "**", "*.*"), recursive=True):
+        if os.sep + "testing" + os.sep in path or not path.endswith((".cc", ".cu", ".h", ".cuh")):
+            continue
+        assert "getenv" not in open(path).read(), f"{path} reads the environment"
+
+
 def _calls(text):
     """(target, operands, results, attribute names) of every jax_ep custom call."""
     out = []

@@ -3,8 +3,6 @@
 // process sees it and fails with a clear message instead of hanging.
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <mutex>
 
 #include "common/device_error.h"
@@ -35,15 +33,6 @@ int* device_error_word() {
     g_dev = static_cast<int*>(d);
   });
   return g_dev;  // nullptr: no error reporting (kernels then only time out)
-}
-
-// Test-only (see device_error.h): read once per process.
-bool debug_poison() {
-  static const bool on = [] {
-    const char* v = std::getenv("JAX_EP_DEBUG_POISON");
-    return v && std::strcmp(v, "0") != 0 && v[0] != 0;
-  }();
-  return on;
 }
 
 int peek_device_error() {

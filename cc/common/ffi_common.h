@@ -20,6 +20,7 @@
 #include <string>
 
 #include "common/device_error.h"
+#include "common/testing_hooks.h"
 #include "intranode/launch_config.h"
 #include "runtime/runtime.h"
 #include "xla/ffi/api/ffi.h"

@@ -17,13 +17,12 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
                        ffi::Buffer<ffi::S32> slot_row, ffi::Buffer<ffi::S32> recv_local_idx,
                        ffi::Buffer<ffi::PRED> send_mask, ffi::Span<const int32_t> ep_groups,
                        int32_t num_ranks, int32_t rank_major, int32_t weighted, int32_t num_sms,
-                       int32_t chunk, int32_t debug_skip, ffi::Result<ffi::AnyBuffer> out) {
+                       int32_t chunk, ffi::Result<ffi::AnyBuffer> out) {
   JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
   PeerTable peers;
   JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, device, &peers));
   Runtime* rt = runtime();
   const int R = peers.num_ranks;
-  if (debug_skip < 0 || debug_skip > 3) return InvalidArgument("combine: debug_skip must be in [0, 3]");
 
   CombineArgs a;
   JAX_EP_RETURN_IF_ERROR(CombineArgsOf("combine", R, y, row_weights, slot_row, recv_local_idx,
@@ -31,7 +30,7 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
   const int T = a.T;
   a.peers = peers;
   a.ctrl_off = ctrl_offset(rt->region(kRegionNormal).bytes, kOpCombine);
-  a.skip = debug_skip;  // bench breakdown only (DispatchArgs::skip); 0 in production
+  a.skip = debug_skip();  // bench breakdown, test build only (testing_hooks.h); 0 otherwise
 
   LaunchConfig lc;
   JAX_EP_RETURN_IF_ERROR(PlanLaunch("combine", kOpCombine, R, T, num_sms, chunk, a.row_bytes, 0,
@@ -63,5 +62,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombine, jax_ep::CombineImpl,
                                   .Attr<int32_t>("weighted")
                                   .Attr<int32_t>("num_sms")
                                   .Attr<int32_t>("chunk")       // tokens per ring slot (0: default)
-                                  .Attr<int32_t>("debug_skip")  // bench breakdown only (0)
                                   .Ret<xla::ffi::AnyBuffer>());                // out [T, W]

@@ -21,11 +21,10 @@ namespace {
 ffi::Error SetupDispatch(const char* op, int R, int T, int C, ffi::Buffer<ffi::S32> row_src,
                          ffi::Buffer<ffi::S32> slot_row, ffi::Buffer<ffi::PRED> send_mask,
                          int32_t align, int32_t zero_tail, int32_t num_sms, int32_t chunk,
-                         int32_t debug_skip, int32_t device, DispatchArgs* a, LaunchConfig* lc) {
+                         int32_t device, DispatchArgs* a, LaunchConfig* lc) {
   const std::string o(op);
   JAX_EP_RETURN_IF_ERROR(
       DispatchHandleArgs(o, R, T, C, row_src, slot_row, send_mask, align, zero_tail, chunk, a));
-  if (debug_skip < 0 || debug_skip > 3) return InvalidArgument(o + ": debug_skip must be in [0, 3]");
   Runtime* rt = runtime();
   JAX_EP_RETURN_IF_ERROR(PlanLaunch(o, kOpDispatch, R, T, num_sms, chunk, a->row_bytes,
                                     a->s_row_bytes, device, lc));
@@ -35,7 +34,7 @@ ffi::Error SetupDispatch(const char* op, int R, int T, int C, ffi::Buffer<ffi::S
   a->stage_off[0] = stage_offset(rt->region(kRegionNormal).bytes, kOpDispatch, 0);
   a->stage_off[1] = stage_offset(rt->region(kRegionNormal).bytes, kOpDispatch, 1);
   a->stage_scales_off = scales_off;
-  a->skip = debug_skip;  // bench breakdown only (DispatchArgs::skip); 0 in production
+  a->skip = debug_skip();  // bench breakdown, test build only (testing_hooks.h); 0 otherwise
   return ffi::Error::Success();
 }
 
@@ -44,7 +43,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, f
                         ffi::Buffer<ffi::PRED> send_mask, ffi::Span<const int32_t> ep_groups,
                         int32_t num_ranks, int32_t mode, int32_t rank_major, int32_t align,
                         int32_t zero_tail, int32_t num_sms, int32_t chunk, int32_t fp8_scale_mode,
-                        int32_t debug_skip, ffi::Result<ffi::AnyBuffer> out,
+                        ffi::Result<ffi::AnyBuffer> out,
                         ffi::Result<ffi::Buffer<ffi::F32>> out_scales) {
   JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
   PeerTable peers;
@@ -60,7 +59,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, f
   const int C = static_cast<int>(out->dimensions()[0]);
   JAX_EP_RETURN_IF_ERROR(
       SetupDispatch("dispatch", R, T, C, row_src, slot_row, send_mask, align, zero_tail, num_sms,
-                    chunk, debug_skip, device, &a, &lc));
+                    chunk, device, &a, &lc));
 
   if (T == 0 && C == 0) return ffi::Error::Success();
   if (debug_poison()) {
@@ -75,7 +74,7 @@ ffi::Error CombineBwdImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer g,
                           ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> row_src,
                           ffi::Buffer<ffi::S32> slot_row, ffi::Buffer<ffi::PRED> send_mask,
                           ffi::Span<const int32_t> ep_groups, int32_t num_ranks, int32_t align,
-                          int32_t zero_tail, int32_t num_sms, int32_t chunk, int32_t debug_skip,
+                          int32_t zero_tail, int32_t num_sms, int32_t chunk,
                           ffi::Result<ffi::AnyBuffer> dy,
                           ffi::Result<ffi::Buffer<ffi::F32>> dw) {
   JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
@@ -114,7 +113,7 @@ ffi::Error CombineBwdImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer g,
   a.dw = dw->typed_data();
   JAX_EP_RETURN_IF_ERROR(
       SetupDispatch("combine_bwd", R, T, C, row_src, slot_row, send_mask, align, zero_tail,
-                    num_sms, chunk, debug_skip, device, &a, &lc));
+                    num_sms, chunk, device, &a, &lc));
 
   if (T == 0 && C == 0) return ffi::Error::Success();
   if (debug_poison()) {
@@ -148,7 +147,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::DispatchImpl,
                                   .Attr<int32_t>("num_sms")
                                   .Attr<int32_t>("chunk")         // tokens per ring slot (0: default)
                                   .Attr<int32_t>("fp8_scale_mode")  // Fp8ScaleMode
-                                  .Attr<int32_t>("debug_skip")    // bench breakdown only (0)
                                   .Ret<xla::ffi::AnyBuffer>()                      // out [C, W]
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());        // out_scales [C, S]
 
@@ -168,6 +166,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineBwd, jax_ep::CombineBwdImpl,
                                   .Attr<int32_t>("zero_tail")
                                   .Attr<int32_t>("num_sms")
                                   .Attr<int32_t>("chunk")       // tokens per ring slot (0: default)
-                                  .Attr<int32_t>("debug_skip")  // bench breakdown only (0)
                                   .Ret<xla::ffi::AnyBuffer>()                      // dy [C, W]
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());        // dw [C]

@@ -52,8 +52,8 @@ struct DispatchArgs {
   const float* row_w = nullptr;
   float* dw = nullptr;
   int dtype = 0;                 // RowDtype
-  // Bench breakdown only (the debug_skip FFI attribute, 0 in production): bit0
-  // no data sends, bit1 no local gather.
+  // Bench breakdown, test build only (common/testing_hooks.h debug_skip(); 0
+  // otherwise): bit0 no data sends, bit1 no local gather.
   int skip = 0;
   // The fp8 cast's scale rule (Fp8ScaleMode, jax_ep/abi.py; the
   // fp8_scale_mode FFI attribute): 448/amax as XLA's GPU division rounds it
@@ -81,7 +81,7 @@ struct CombineArgs {
   void* out = nullptr;                // [T, W]
   int T = 0, K = 0, C = 0;
   bool rank_major = false;
-  int skip = 0;                       // as DispatchArgs::skip (debug_skip attribute)
+  int skip = 0;                       // as DispatchArgs::skip
   int* host_err = nullptr;
   unsigned long long timeout_ns = kDefaultTimeoutNs;
 };

@@ -15,6 +15,7 @@ the last expert group are left unspecified unless ``EpConfig.zero_tail``
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import jax.numpy as jnp
@@ -25,15 +26,6 @@ from ..config import EpConfig
 from ..fp8 import FP8
 from ..types import Handle
 from . import layout as _layout
-
-
-def _debug_skip(debug_skip: int) -> np.int32:
-    """Bench breakdown only: bit 0 sends no data, bit 1 skips the local gather;
-    never set from a config, only by bench code through ``*_raw(debug_skip=)``."""
-    skip = int(debug_skip)
-    if not 0 <= skip <= 3:
-        raise ValueError(f"jax_ep native: debug_skip must be in [0, 3], got {debug_skip!r}")
-    return np.int32(skip)
 
 
 def _check_staging(op: str, R: int, T: int, row_bytes: int, s_row_bytes: int, cfg: EpConfig,
@@ -54,10 +46,10 @@ def _check_staging(op: str, R: int, T: int, row_bytes: int, s_row_bytes: int, cf
 
 
 def dispatch_raw(x, x_scales, handle: Handle, cfg: EpConfig, *, cast_fp8: bool = False,
-                 num_sms: Optional[int] = None, debug_skip: int = 0):
+                 num_sms: Optional[int] = None):
     """The ``jax_ep_dispatch`` call: ``x [T, W]`` (+ ``x_scales``) -> (``[C, W]``,
     scales ``[C, S]`` or None). ``cast_fp8``: x bf16/f32 is cast to fp8 (+ scales)
-    in the kernel. ``debug_skip``: bench breakdown only (:func:`_debug_skip`)."""
+    in the kernel."""
     T, W = x.shape
     C = handle.capacity
     if cast_fp8:
@@ -83,12 +75,11 @@ def dispatch_raw(x, x_scales, handle: Handle, cfg: EpConfig, *, cast_fp8: bool =
         ep_axis=cfg.axis_name, has_side_effect=True,
         mode=mode, rank_major=np.int32(handle.layout == "rank_major"), num_sms=sms,
         fp8_scale_mode=ffi_attrs.fp8_scale_mode(cfg), **ffi_attrs.row_attrs(handle, cfg),
-        chunk=ffi_attrs.chunk(cfg, "dispatch"), debug_skip=_debug_skip(debug_skip))
+        chunk=ffi_attrs.chunk(cfg, "dispatch"))
     return out, (out_scales if (cast_fp8 or x_scales is not None) else None)
 
 
-def combine_bwd_raw(g, y, w, handle: Handle, cfg: EpConfig, *, num_sms: Optional[int] = None,
-                    debug_skip: int = 0):
+def combine_bwd_raw(g, y, w, handle: Handle, cfg: EpConfig, *, num_sms: Optional[int] = None):
     """Backward of expert_major ``combine_rows(y, w)`` for ``g = d_out [T, W]``
     (y's dtype), one kernel: ``g``'s rows are dispatched and, on the expert side,
     ``dy[c] = cast(w[c] * f32(g_t))`` (the reference's bits) and ``dw[c] =
@@ -104,13 +95,11 @@ def combine_bwd_raw(g, y, w, handle: Handle, cfg: EpConfig, *, num_sms: Optional
         [((C, W), y.dtype), ((C,), jnp.float32)],
         g, y, w.astype(jnp.float32), handle.row_src, handle.slot_row, handle.send_mask,
         ep_axis=cfg.axis_name, has_side_effect=True, num_sms=sms,
-        **ffi_attrs.row_attrs(handle, cfg), chunk=ffi_attrs.chunk(cfg, "dispatch"),
-        debug_skip=_debug_skip(debug_skip))
+        **ffi_attrs.row_attrs(handle, cfg), chunk=ffi_attrs.chunk(cfg, "dispatch"))
     return dy, dw
 
 
-def combine_raw(y, row_weights, handle: Handle, cfg: EpConfig, *, num_sms: Optional[int] = None,
-                debug_skip: int = 0):
+def combine_raw(y, row_weights, handle: Handle, cfg: EpConfig, *, num_sms: Optional[int] = None):
     """The ``jax_ep_combine`` call: ``y [C, W]`` -> ``[T, W]`` (``Backend.combine_rows``)."""
     T = handle.num_tokens
     rank_major = handle.layout == "rank_major"
@@ -124,8 +113,21 @@ def combine_raw(y, row_weights, handle: Handle, cfg: EpConfig, *, num_sms: Optio
         y, w, handle.slot_row, handle.recv_local_idx, handle.send_mask,
         ep_axis=cfg.axis_name, has_side_effect=True,
         rank_major=np.int32(rank_major), weighted=np.int32(weighted), num_sms=sms,
-        chunk=ffi_attrs.chunk(cfg, "combine"), debug_skip=_debug_skip(debug_skip))
+        chunk=ffi_attrs.chunk(cfg, "combine"))
     return out
+
+
+_NOT_TESTING = ("jax_ep was built without its test/bench helpers (cc/testing): rebuild with "
+                "JAX_EP_TESTING=1 python3 -m pip install .")
+
+
+def _testing_ext():
+    """The extension, when it is the test build (CMake option JAX_EP_TESTING);
+    raises otherwise."""
+    C = extension.load()
+    if not getattr(C, "TESTING", False):
+        raise RuntimeError(_NOT_TESTING)
+    return C
 
 
 def bench_transfer(src_u8, token, cfg: EpConfig, mode: int, num_sms: int = 0):
@@ -133,17 +135,33 @@ def bench_transfer(src_u8, token, cfg: EpConfig, mode: int, num_sms: int = 0):
 
     mode 0: SM writes both ways, 1: copy engine both ways, 2: copy engine rank
     0 -> 1 only, 3: SM writes rank 0 -> 1 only. Returns a copy of ``token``
-    (chain it to make calls data-dependent). Needs an extension built with
-    the test/bench helpers (CMake option JAX_EP_TESTING, on by default)."""
-    C = extension.load()
-    if C is not None and not getattr(C, "TESTING", True):
-        raise RuntimeError("jax_ep was built without JAX_EP_TESTING: no link-ceiling target "
-                           "(rebuild with -C cmake.define.JAX_EP_TESTING=ON)")
+    (chain it to make calls data-dependent). Needs the test build."""
+    _testing_ext()
     (out,) = _ffi.call(
         "jax_ep_bench_transfer", [(token.shape, jnp.int32)], src_u8, token,
         ep_axis=cfg.axis_name, has_side_effect=True, mode=np.int32(mode),
         num_sms=np.int32(num_sms))
     return out
+
+
+@contextlib.contextmanager
+def debug_skip(skip: int):
+    """Bench breakdown of the intranode dispatch / combine (test build only):
+    while the block runs (calls executed, not traced), bit 0 sends no data and
+    bit 1 skips the receive-side gather / reduce, in every such call of this
+    process. ``skip=0`` (the full op) needs no test build."""
+    skip = int(skip)
+    if not 0 <= skip <= 3:
+        raise ValueError(f"jax_ep native: debug_skip must be in [0, 3], got {skip!r}")
+    if skip == 0:
+        yield
+        return
+    C = _testing_ext()
+    C.set_debug_skip(skip)
+    try:
+        yield
+    finally:
+        C.set_debug_skip(0)
 
 
 class NativeBackend:

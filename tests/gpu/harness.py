@@ -77,11 +77,15 @@ def skip_reason(gpus_in_one_process: int = 1) -> Optional[str]:
 
 
 def testing_skip_reason() -> Optional[str]:
-    """Why the test/bench helpers of cc/testing are missing (None when built)."""
+    """Why the test build's helpers (cc/testing: loopback, ping, output
+    poisoning) are missing (None when built, or when there is no extension:
+    :func:`skip_reason` says that)."""
     from jax_ep import extension
 
-    if not getattr(extension.load(), "TESTING", True):
-        return "jax_ep built without JAX_EP_TESTING (no test/bench helpers)"
+    C = extension.load()
+    if C is not None and not getattr(C, "TESTING", False):
+        return ("needs the test build of jax_ep (cc/testing): JAX_EP_TESTING=1 python3 -m pip "
+                "install . (as scripts/gpu_check.sh builds it)")
     return None
 
 

@@ -30,8 +30,13 @@ def main() -> int:
     import jax
 
     jax.devices()   # the GPU client before NVSHMEM starts
+    import harness
     import test_native_internode as t
     from jax_ep import hosts, runtime
+
+    if harness.testing_skip_reason():  # the workers check the poisoned outputs
+        print(f"rehearsal: {harness.testing_skip_reason()}", flush=True)
+        return 1
 
     rank, n = info.process_id, info.num_processes
     failed = []
