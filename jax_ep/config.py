@@ -28,6 +28,14 @@ LL_TRANSPORTS = tuple(abi.LL_TRANSPORTS)
 NET_TRANSPORTS = tuple(abi.NET_TRANSPORTS)
 
 
+def one_of(obj, name: str, choices) -> None:
+    """Raise, naming the field and the choices, unless field ``name`` of ``obj``
+    is one of ``choices``."""
+    v = getattr(obj, name)
+    if v not in choices:
+        raise ValueError(f"{type(obj).__name__}.{name} must be one of {choices}, got {v!r}")
+
+
 def positive_int(obj, name: str, v) -> None:
     """Set frozen dataclass field ``name`` of ``obj`` to ``v`` as a plain int
     (ints and NumPy integers; not floats or bools), or raise naming it."""
@@ -215,10 +223,8 @@ class EpConfig:
         if self.topk > self.num_experts:
             raise ValueError(
                 f"EpConfig.topk ({self.topk}) must not exceed num_experts ({self.num_experts})")
-        if self.layout not in _LAYOUTS:
-            raise ValueError(f"EpConfig.layout must be one of {_LAYOUTS}, got {self.layout!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"EpConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
+        one_of(self, "layout", _LAYOUTS)
+        one_of(self, "backend", BACKENDS)
         if self.capacity is not None:
             pos_int("capacity", self.capacity)
         if self.num_sms is not None:
@@ -231,15 +237,9 @@ class EpConfig:
             raise TypeError(f"EpConfig.axis_name must be a str, got {self.axis_name!r}")
         if not isinstance(self.tuning, KernelTuning):
             raise TypeError(f"EpConfig.tuning must be a jax_ep.KernelTuning, got {self.tuning!r}")
-        if self.fp8_scale_format not in FP8_SCALE_FORMATS:
-            raise ValueError(f"EpConfig.fp8_scale_format must be one of {FP8_SCALE_FORMATS}, "
-                             f"got {self.fp8_scale_format!r}")
-        if self.ll_transport not in LL_TRANSPORTS:
-            raise ValueError(f"EpConfig.ll_transport must be one of {LL_TRANSPORTS}, "
-                             f"got {self.ll_transport!r}")
-        if self.net_transport not in NET_TRANSPORTS:
-            raise ValueError(f"EpConfig.net_transport must be one of {NET_TRANSPORTS}, "
-                             f"got {self.net_transport!r}")
+        one_of(self, "fp8_scale_format", FP8_SCALE_FORMATS)
+        one_of(self, "ll_transport", LL_TRANSPORTS)
+        one_of(self, "net_transport", NET_TRANSPORTS)
         if self.fp8_dispatch and self.hidden % 128 != 0:
             raise ValueError(
                 f"EpConfig.fp8_dispatch needs hidden % 128 == 0, got hidden={self.hidden}")

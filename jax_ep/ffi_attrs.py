@@ -10,6 +10,7 @@ import numpy as np
 
 from . import abi
 from .config import EpConfig
+from .fp8 import FP8
 from .types import Handle
 
 
@@ -24,6 +25,22 @@ def cast_mode(dtype) -> np.int32:
     if dtype == jnp.float32:
         return dispatch_mode("cast_f32")
     raise TypeError(f"jax_ep native dispatch: fp8 cast needs bf16/f32 x, got {dtype}")
+
+
+def dispatch_rows_in(x, x_scales, cast_fp8: bool):
+    """A dispatch's row operands and mode, for every family that sends rows of
+    ``x [T, W]``: -> (mode, output dtype, scales operand ``[T, S]`` f32, S).
+    ``cast_fp8``: the kernel casts bf16/f32 x to fp8 (S = W / 128 scales made
+    there, the operand a placeholder); else x is copied, with its scales if any."""
+    T, W = x.shape
+    if cast_fp8:
+        if W % 128:
+            raise ValueError(f"jax_ep native dispatch: fp8 cast needs H % 128 == 0, got {W}")
+        return cast_mode(x.dtype), FP8, empty_f32(T), W // 128
+    if x_scales is not None:
+        scales = x_scales.astype(jnp.float32)
+        return dispatch_mode("copy"), x.dtype, scales, scales.shape[1]
+    return dispatch_mode("copy"), x.dtype, empty_f32(T), 0
 
 
 def num_sms(cfg: EpConfig, override=None) -> np.int32:

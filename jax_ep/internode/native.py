@@ -16,7 +16,6 @@ import numpy as np
 
 from .. import _ffi, abi, ffi_attrs, hosts, routing, runtime
 from ..config import EpConfig
-from ..fp8 import FP8
 from ..intranode import layout as _layout
 from ..types import Handle
 
@@ -64,19 +63,7 @@ def dispatch_raw(x, x_scales, handle: Handle, cfg: EpConfig, *, cast_fp8: bool =
     """The ``jax_ep_internode_dispatch`` call, as ``intranode.native.dispatch_raw``."""
     T, W = x.shape
     C = handle.capacity
-    if cast_fp8:
-        mode = ffi_attrs.cast_mode(x.dtype)
-        if W % 128:
-            raise ValueError(f"jax_ep native dispatch: fp8 cast needs H % 128 == 0, got {W}")
-        out_dtype, S = FP8, W // 128
-        scales = ffi_attrs.empty_f32(T)
-    else:
-        mode, out_dtype = ffi_attrs.dispatch_mode("copy"), x.dtype
-        if x_scales is not None:
-            scales = x_scales.astype(jnp.float32)
-            S = scales.shape[1]
-        else:
-            scales, S = ffi_attrs.empty_f32(T), 0
+    mode, out_dtype, scales, S = ffi_attrs.dispatch_rows_in(x, x_scales, cast_fp8)
     nodes = nodes_of(cfg, handle.num_ranks)
     _check_region("dispatch", handle.num_ranks, cfg, nodes)
     out, out_scales = _ffi.call(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from ..config import BACKENDS, LL_TRANSPORTS, EpConfig, KernelTuning, positive_int
+from ..config import BACKENDS, LL_TRANSPORTS, EpConfig, KernelTuning, one_of, positive_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,12 +54,8 @@ class LowLatencyConfig:
                              f"({self.num_experts})")
         if not isinstance(self.axis_name, str):
             raise TypeError(f"LowLatencyConfig.axis_name must be a str, got {self.axis_name!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"LowLatencyConfig.backend must be one of {BACKENDS}, got "
-                             f"{self.backend!r}")
-        if self.ll_transport not in LL_TRANSPORTS:
-            raise ValueError(f"LowLatencyConfig.ll_transport must be one of {LL_TRANSPORTS}, got "
-                             f"{self.ll_transport!r}")
+        one_of(self, "backend", BACKENDS)
+        one_of(self, "ll_transport", LL_TRANSPORTS)
         if not isinstance(self.tuning, KernelTuning):
             raise TypeError(f"LowLatencyConfig.tuning must be a jax_ep.KernelTuning, got "
                             f"{self.tuning!r}")
