@@ -34,9 +34,10 @@ def dispatch_rows_in(x, x_scales, cast_fp8: bool):
     there, the operand a placeholder); else x is copied, with its scales if any."""
     T, W = x.shape
     if cast_fp8:
+        mode = cast_mode(x.dtype)
         if W % 128:
             raise ValueError(f"jax_ep native dispatch: fp8 cast needs H % 128 == 0, got {W}")
-        return cast_mode(x.dtype), FP8, empty_f32(T), W // 128
+        return mode, FP8, empty_f32(T), W // 128
     if x_scales is not None:
         scales = x_scales.astype(jnp.float32)
         return dispatch_mode("copy"), x.dtype, scales, scales.shape[1]

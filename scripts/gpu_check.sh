@@ -33,6 +33,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/jax_ep_gpu_check}"
 mkdir -p "$OUT"
+rm -f "$OUT"/suite_n*.log "$OUT"/rehearsal.log "$OUT"/one_gpu.log "$OUT"/extra.log  # this run's logs only
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 JAX_EP_TEST_WARM=${JAX_EP_TEST_WARM:-1}
 PY="${PYTHON:-python3}"
 t0=$(date +%s)
@@ -66,7 +67,8 @@ FAMILY_TESTS="tests/gpu/test_native_low_latency.py tests/gpu/test_native_interno
 case "${SUITE_PART:-all}" in
   core) MP_TESTS=$CORE_TESTS ;;
   families) MP_TESTS=$FAMILY_TESTS ;;
-  *) MP_TESTS="$CORE_TESTS $FAMILY_TESTS" ;;
+  all) MP_TESTS="$CORE_TESTS $FAMILY_TESTS" ;;
+  *) echo "gpu_check: SUITE_PART must be core, families or all, got '$SUITE_PART'" >&2; exit 2 ;;
 esac
 SUITE_N="${SUITE_N:-2 4 8}"
 total=0; for n in $SUITE_N; do total=$(( total + n )); done
@@ -112,6 +114,7 @@ if [ "${REHEARSAL:-0}" != 0 ] && [ "$build_rc" = 0 ]; then
       tests/gpu/rehearsal.py; echo "rc=$?"
   } > "$OUT/rehearsal.log" 2>&1
   reh_rc="$(grep -c '^rc=0' "$OUT/rehearsal.log") of $(grep -c '^rc=' "$OUT/rehearsal.log")"
+  [ "$(grep -c '^rc=0' "$OUT/rehearsal.log")" = "$(grep -c '^rc=' "$OUT/rehearsal.log")" ] || reh_failed=1
 fi
 
 one_rc=skipped
@@ -143,6 +146,7 @@ for n in $SUITE_N; do
   [ "${rc[$n]:-1}" = 0 ] || ok=0
 done
 echo "rehearsal: $reh_rc passed"
+[ "${reh_failed:-0}" = 1 ] && ok=0
 [ -f "$OUT/rehearsal.log" ] && grep -E "^== |rc=|rehearsal rank|loss: start|FAIL" "$OUT/rehearsal.log" | tail -20
 [ "$one_rc" = skipped ] || { echo "one-GPU tests: rc=$one_rc  $(tail -1 "$OUT/one_gpu.log")"; [ "$one_rc" = 0 ] || ok=0; }
 [ -f "$OUT/extra.log" ] && tail -40 "$OUT/extra.log"

@@ -74,8 +74,9 @@ __device__ __forceinline__ void raise_error(int* host_err, int code) {
 // A wait this long also gives up as soon as an error has been raised (by
 // another wait of this call, or a call before): the waits of one kernel run
 // one after another (peers, chunks, blocks not yet resident), so each paying
-// its own timeout turned one missing peer at EP 8 into 7 timeouts, 70 s. A
-// healthy wait is far shorter, so its polling never reads host memory.
+// its own timeout turned one missing peer at EP 8 into 7 timeouts, 70 s. Only
+// a wait longer than 1 ms (ranks far apart, or a dead peer) reads the host
+// word, once per 64 polls; a short wait never does.
 constexpr unsigned long long kErrorPollAfterNs = 1000ull * 1000;
 
 __device__ __forceinline__ bool error_raised(const int* host_err) {

@@ -132,13 +132,13 @@ def mesh_case_data(n, seed=7):
 
 def assert_checks(results, worker="", expect=1):
     """``results``: harness.run's per-rank lists of ``Checks.results``. Every
-    rank must have run at least ``expect`` checks (a worker's case count: a
-    case that raises still reports, as a failed check), every rank the same
-    checks by name, and every check must have passed."""
+    check must have passed (a case that raises reports a failed check with its
+    exception), every rank must have run at least ``expect`` checks (the
+    worker's case count) and the same checks by name."""
+    bad = [dict(rank=r, **c) for r, checks in enumerate(results) for c in checks if not c["ok"]]
+    assert not bad, f"{worker}: {len(bad)} failed check(s)\n" + json.dumps(bad, indent=1)
     short = [r for r, checks in enumerate(results) if len(checks) < expect]
     assert results and not short, (f"{worker}: fewer than {expect} checks ran on rank(s) {short}: "
                                    f"{[len(c) for c in results]}")
     names = [[c["name"] for c in checks] for checks in results]
     assert all(n == names[0] for n in names), f"{worker}: ranks ran different checks: {names}"
-    bad = [dict(rank=r, **c) for r, checks in enumerate(results) for c in checks if not c["ok"]]
-    assert not bad, f"{worker}: {len(bad)} failed check(s)\n" + json.dumps(bad, indent=1)

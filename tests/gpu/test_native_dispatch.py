@@ -161,7 +161,7 @@ def _dispatch_case(checks, rng, mesh, R, case, variant):
                   f"rows={a.x.shape[0]} used={used} valid={int(a.num_valid.sum())} "
                   f"dropped={int(a.num_dropped.sum())} tail_untouched={untouched}")
     if T <= _MODEL_MAX_T:
-        _check_against_model(checks, tag, a, x, idx, w, E, layout, align, cap)
+        _check_against_model(checks, tag, mesh, a, x, idx, w, E, layout, align, cap)
     return a
 
 
@@ -169,7 +169,7 @@ def _dispatch_case(checks, rng, mesh, R, case, variant):
 _MODEL_MAX_T = 128
 
 
-def _check_against_model(checks, tag, a, x, idx, w, E, layout, align, cap):
+def _check_against_model(checks, tag, mesh, a, x, idx, w, E, layout, align, cap):
     """This rank's routing metadata, weights and exact drop counts against the
     NumPy model of semantics §2-5, which shares no code with either backend
     (native == reference alone is circular there: one router serves both)."""
@@ -177,7 +177,7 @@ def _check_against_model(checks, tag, a, x, idx, w, E, layout, align, cap):
 
     import numpy_model
 
-    rank = jax.process_index()
+    rank = list(mesh.devices.flat).index(jax.local_devices()[0])   # this shard's EP rank
     m = numpy_model.dispatch(np.asarray(x, np.float32), idx, w, E, layout, align, cap)
     fields = (["group_sizes", "weights"] if layout == "expert_major"
               else ["topk_idx", "topk_weights"]) + ["num_valid", "num_dropped"]

@@ -61,7 +61,7 @@ TRANSPORTS = ["auto", "put"]
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_native_ll_ops(transport):
-    _run("_ops_worker", expect=len(SHAPES) * len(OPS_CASES), transport=transport)
+    _run("_ops_worker", expect=2 * len(SHAPES) * len(OPS_CASES), transport=transport)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -56,4 +56,5 @@ def test_absent_peer_times_out_with_clear_error():
     r0 = res[0]
     assert r0["error"] is not None, r0
     assert "timed out waiting for a peer" in r0["error"], r0["error"]
-    assert 5 < r0["first_s"] < 60, r0
+    # one 10 s device timeout, not one per peer (N - 1 of them in turn: 70 s at N = 8)
+    assert 5 < r0["first_s"] < 25, r0
