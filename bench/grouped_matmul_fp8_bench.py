@@ -1,0 +1,119 @@
+"""Benchmark the fp8 grouped matmul on one GPU beside the bf16 one and dense matmuls.
+
+    python bench/grouped_matmul_fp8_bench.py [--reps 10]
+
+DeepSeek-V3 per-rank shapes (G = 128 experts, M = 32768 rows, ~256 per
+expert): up x [M, 7168] @ w [G, 7168, 4096], down x [M, 2048] @ w [G, 2048, 7168];
+uniform and skewed group sizes (``grouped_matmul_bench.group_sizes``). Rows
+of one table, one run:
+
+- ``fp8 nt``: ``pallas_fp8.gmm_fp8_nt`` on a weight stored K-major ``[G, N, K]``;
+- ``fp8 api``: ``jax_ep.grouped_matmul(x, w, gs, x_scales=, w_scales=)`` on
+  ``w [G, K, N]`` (the forward transposes the fp8 weight first), when the API has it;
+- ``bf16``: ``jax_ep.grouped_matmul`` on bf16 operands;
+- ``dense fp8`` / ``dense bf16``: XLA's ``x @ w[0]`` over the same rows (fp8:
+  e4m3 operands, bf16 out; XLA:GPU calls cuBLASLt), the roofs.
+
+Timing as ``grouped_matmul_bench.per_call_ms``: calls chained in one jit,
+(t(n2) - t(n1)) / (n2 - n1), median of --reps. TF/s = 2 * rows * K * N / t.
+Writes the table to $OUT/grouped_matmul_fp8.md when OUT is set.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import jax_ep  # noqa: E402
+from grouped_matmul_bench import G, M, PROJ, group_sizes, per_call_ms  # noqa: E402
+from jax_ep.gmm.api import _offsets  # noqa: E402
+from jax_ep.gmm.pallas_fp8 import gmm_fp8_nt  # noqa: E402
+
+FP8 = jnp.float8_e4m3fn
+
+
+def quant_rows(a):
+    b = a.reshape(a.shape[0], -1, 128)
+    s = jnp.maximum(jnp.max(jnp.abs(b), -1), 1e-4) / 448.0
+    return (b / s[..., None]).astype(FP8).reshape(a.shape), s
+
+
+def quant_blocks(w):   # [G, R, C] -> 128 x 128 block scales [G, R/128, C/128]
+    g, r, c = w.shape
+    b = w.reshape(g, r // 128, 128, c // 128, 128)
+    s = jnp.maximum(jnp.max(jnp.abs(b), (2, 4)), 1e-4) / 448.0
+    return (b / s[:, :, None, :, None]).astype(FP8).reshape(w.shape), s
+
+
+def operands(k, n, seed=0):
+    kx, kw = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(kx, (M, k), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (G, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+    xq, xs = quant_rows(x.astype(jnp.float32))
+    wq, ws = quant_blocks(w.astype(jnp.float32))              # [G, K, N], [G, K/128, N/128]
+    vq, vs = jnp.swapaxes(wq, 1, 2), jnp.swapaxes(ws, 1, 2)  # K-major copy
+    return x, w, xq, xs, wq, ws, vq, vs
+
+
+def rows_for(proj, kind, reps):
+    k, n = PROJ[proj]
+    x, w, xq, xs, wq, ws, vq, vs = jax.block_until_ready(operands(k, n))
+    gs = jnp.asarray(group_sizes(kind))
+    flops = 2.0 * float(np.sum(group_sizes(kind))) * k * n
+    t = {}
+    t["fp8 nt"] = per_call_ms(lambda a, s, v, vsc, g: gmm_fp8_nt(a, s, v, vsc, _offsets(g, M)),
+                              (xq, xs, vq, vs, gs), 2, 6, reps)
+    try:
+        t["fp8 api"] = per_call_ms(
+            lambda a, s, w_, wsc, g: jax_ep.grouped_matmul(a, w_, g, x_scales=s, w_scales=wsc),
+            (xq, xs, wq, ws, gs), 2, 6, reps)
+    except TypeError as e:   # the API without fp8 keywords
+        print("fp8 api: skipped:", e)
+    t["bf16"] = per_call_ms(lambda a, w_, g: jax_ep.grouped_matmul(a, w_, g), (x, w, gs), 2, 6, reps)
+    if kind == "uniform":
+        t["dense fp8"] = per_call_ms(
+            lambda a, v0: jax.lax.dot_general(a, v0, (((1,), (1,)), ((), ())),
+                                              preferred_element_type=jnp.bfloat16),
+            (xq, vq[0]), 2, 6, reps)
+        t["dense bf16"] = per_call_ms(lambda a, w0: a @ w0, (x, w[0]), 2, 6, reps)
+    return [(proj, kind, name, ms, flops / ms / 1e9) for name, ms in t.items()]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--proj", default="up,down")
+    ap.add_argument("--kinds", default="uniform,skew")
+    args = ap.parse_args()
+    print(jax.devices()[0].device_kind, jax.__version__)
+    rows = []
+    for proj in args.proj.split(","):
+        for kind in args.kinds.split(","):
+            rows += rows_for(proj, kind, args.reps)
+            for r in rows[-5:]:
+                print(*r, flush=True)
+    dense = {(p, n): tf for p, _, n, _, tf in rows if n.startswith("dense")}
+    bf16 = {(p, k): tf for p, k, n, _, tf in rows if n == "bf16"}
+    lines = ["| proj | sizes | op | ms | TF/s | vs bf16 grouped | vs dense fp8 |",
+             "|---|---|---|---|---|---|---|"]
+    for p, k, n, ms, tf in rows:
+        df = dense.get((p, "dense fp8"))
+        lines.append(f"| {p} | {k} | {n} | {ms:.3f} | {tf:.0f} | {tf / bf16[(p, k)]:.2f}× | "
+                     + (f"{tf / df:.2f} |" if df else "— |"))
+    table = "\n".join(lines)
+    print(table)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "grouped_matmul_fp8.md"), "w") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

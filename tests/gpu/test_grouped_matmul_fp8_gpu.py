@@ -1,0 +1,102 @@
+"""GPU tests of the fp8 grouped-matmul kernel (``jax_ep.gmm.pallas_fp8``; one GPU, one process).
+
+    python -m pytest -q -m gpu tests/gpu/test_grouped_matmul_fp8_gpu.py
+
+The kernel against dequantize-then-f32-matmul: every output element within
+1e-2 of the sum of its products' magnitudes (``|x·xs| @ |v·vs|^T``), on data
+with outliers (values spanning 2^±8 inside one 128-block), f32 and UE8M0
+scales, empty and skewed groups, unaligned totals, NaN tail rows.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_ep.gmm.api import _offsets
+from jax_ep.gmm.pallas_fp8 import gmm_fp8_nt
+from test_grouped_matmul_gpu import _hopper, sizes_for
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) CUDA GPU"),
+]
+
+E4M3_MAX = 448.0
+
+
+def outliers(key, shape):
+    """Normal data times 2^u, u uniform in [-8, 8]: magnitudes spanning 2^±8 in every block."""
+    k1, k2 = jax.random.split(key)
+    return jax.random.normal(k1, shape) * jnp.exp2(jax.random.uniform(k2, shape, minval=-8, maxval=8))
+
+
+def block_quant(a, rows_block, pow2):
+    """fp8 e4m3 of ``a [..., R, C]`` with one scale per ``rows_block x 128`` block."""
+    *lead, r, c = a.shape
+    b = a.reshape(*lead, r // rows_block, rows_block, c // 128, 128)
+    amax = jnp.maximum(jnp.max(jnp.abs(b), axis=(-3, -1), keepdims=True), 1e-4)
+    s = amax / E4M3_MAX
+    if pow2:
+        s = jnp.exp2(jnp.ceil(jnp.log2(s)))
+    q = jnp.clip(b / s, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    return q.reshape(a.shape), s.reshape(*lead, r // rows_block, c // 128)
+
+
+def case(m, g, kc, n, sizes, pow2, seed=0):
+    kx, kv = jax.random.split(jax.random.key(seed))
+    x, xs = block_quant(outliers(kx, (m, kc)), 1, pow2)
+    v, vs = block_quant(outliers(kv, (g, n, kc)), 128, pow2)
+    tot = int(np.sum(sizes))
+    if tot < m:
+        xs = xs.at[tot:].set(jnp.nan)       # tail rows must never be read
+    return x, xs, v, vs, jnp.asarray(sizes, jnp.int32)
+
+
+def reference(x, xs, v, vs, sizes):
+    """f32 dequantize-then-matmul per group, and the magnitude bound ``|x| @ |v|^T``."""
+    xd = np.asarray(x, np.float32) * np.repeat(np.asarray(xs, np.float32), 128, axis=1)
+    vd = (np.asarray(v, np.float32)
+          * np.repeat(np.repeat(np.asarray(vs, np.float32), 128, axis=1), 128, axis=2))
+    out = np.zeros((x.shape[0], v.shape[1]), np.float64)
+    mag = np.zeros_like(out)
+    off = np.concatenate([[0], np.cumsum(sizes)])
+    for gi in range(v.shape[0]):
+        a, b = off[gi], off[gi + 1]
+        out[a:b] = xd[a:b].astype(np.float64) @ vd[gi].T.astype(np.float64)
+        mag[a:b] = np.abs(xd[a:b]).astype(np.float64) @ np.abs(vd[gi]).T.astype(np.float64)
+    return out, mag
+
+
+def check(x, xs, v, vs, gs, out_dtype=jnp.bfloat16):
+    out = jax.jit(lambda *a: gmm_fp8_nt(*a, _offsets(gs, x.shape[0]), out_dtype=out_dtype))(
+        x, xs, v, vs)
+    ref, mag = reference(x, xs, v, vs, np.asarray(gs))
+    o = np.asarray(out, np.float64)
+    tot = int(np.sum(gs))
+    assert np.all(o[tot:] == 0), "rows past the groups must be zero"
+    err = np.abs(o - ref)[:tot]
+    bound = 1e-2 * mag[:tot] + 1e-30
+    worst = float(np.max(err / bound)) if tot else 0.0
+    assert worst <= 1.0, f"error {worst:.3g} x 1e-2 of the products' magnitude"
+    rel = float(np.linalg.norm(o[:tot] - ref[:tot]) / max(np.linalg.norm(ref[:tot]), 1e-30))
+    assert rel < 1e-2, rel
+    return out
+
+
+@pytest.mark.parametrize("kind,total", [("uniform", 2048), ("skew", 2048), ("unaligned", 1901)])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_fp8_kernel_small(kind, total, pow2):
+    sizes = sizes_for(kind, 8, total)
+    check(*case(2048, 8, 512, 384, sizes, pow2))
+
+
+def test_fp8_kernel_f32_out_and_empty():
+    sizes = np.array([0, 300, 0, 0, 129, 7, 0, 1], np.int32)
+    check(*case(1024, 8, 256, 256, sizes, False, seed=3), out_dtype=jnp.float32)
+    check(*case(1024, 8, 256, 256, np.zeros(8, np.int32), False, seed=4))
+
+
+def test_fp8_kernel_v3_down():
+    g, m = 32, 8192       # V3 down projection, a quarter of the experts
+    sizes = sizes_for("skew", g, m)
+    check(*case(m, g, 2048, 7168, sizes, True, seed=5))
