@@ -36,6 +36,7 @@ import jax_ep  # noqa: E402
 from grouped_matmul_bench import G, M, PROJ, group_sizes, per_call_ms  # noqa: E402
 from jax_ep.gmm.api import _offsets  # noqa: E402
 from jax_ep.gmm.pallas_fp8 import gmm_fp8_nt  # noqa: E402
+from jax_ep.gmm.tiles import FwdTiles  # noqa: E402
 
 FP8 = jnp.float8_e4m3fn
 
@@ -87,19 +88,43 @@ def rows_for(proj, kind, reps):
     return [(proj, kind, name, ms, flops / ms / 1e9) for name, ms in t.items()]
 
 
+SWEEP = [((128, 256, 128, 4, 4), False), ((128, 256, 128, 4, 1), False),
+         ((128, 128, 128, 5, 4), False), ((128, 128, 128, 5, 8), False),
+         ((128, 128, 128, 5, 4), True), ((128, 128, 128, 5, 8), True), ((128, 128, 128, 5, 1), True)]
+
+
+def sweep_rows(reps):
+    """``fp8 nt`` at the up projection, uniform sizes, over SWEEP's tiles."""
+    k, n = PROJ["up"]
+    _, _, xq, xs, _, _, vq, vs = jax.block_until_ready(operands(k, n))
+    gs = jnp.asarray(group_sizes("uniform"))
+    flops = 2.0 * M * k * n
+    rows = []
+    for t, ov in SWEEP:
+        tiles = FwdTiles(*t)
+        ms = per_call_ms(lambda a, s, v, vsc, g: gmm_fp8_nt(a, s, v, vsc, _offsets(g, M), tiles=tiles,
+                                                            overlap=ov),
+                         (xq, xs, vq, vs, gs), 2, 6, reps)
+        rows.append(("up", "uniform", f"fp8 nt {t}{' overlap' if ov else ''}", ms, flops / ms / 1e9))
+        print(*rows[-1], flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--proj", default="up,down")
     ap.add_argument("--kinds", default="uniform,skew")
+    ap.add_argument("--sweep", action="store_true", help="also time SWEEP's tiles")
     args = ap.parse_args()
     print(jax.devices()[0].device_kind, jax.__version__)
     rows = []
     for proj in args.proj.split(","):
         for kind in args.kinds.split(","):
             rows += rows_for(proj, kind, args.reps)
-            for r in rows[-5:]:
-                print(*r, flush=True)
+            print(*rows[-1], flush=True)
+    if args.sweep:
+        rows += sweep_rows(args.reps)
     dense = {(p, n): tf for p, _, n, _, tf in rows if n.startswith("dense")}
     bf16 = {(p, k): tf for p, k, n, _, tf in rows if n == "bf16"}
     lines = ["| proj | sizes | op | ms | TF/s | vs bf16 grouped | vs dense fp8 |",

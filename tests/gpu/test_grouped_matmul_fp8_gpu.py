@@ -67,8 +67,8 @@ def reference(x, xs, v, vs, sizes):
     return out, mag
 
 
-def check(x, xs, v, vs, gs, out_dtype=jnp.bfloat16):
-    out = jax.jit(lambda *a: gmm_fp8_nt(*a, _offsets(gs, x.shape[0]), out_dtype=out_dtype))(
+def check(x, xs, v, vs, gs, out_dtype=jnp.bfloat16, **kw):
+    out = jax.jit(lambda *a: gmm_fp8_nt(*a, _offsets(gs, x.shape[0]), out_dtype=out_dtype, **kw))(
         x, xs, v, vs)
     ref, mag = reference(x, xs, v, vs, np.asarray(gs))
     o = np.asarray(out, np.float64)
@@ -100,3 +100,9 @@ def test_fp8_kernel_v3_down():
     g, m = 32, 8192       # V3 down projection, a quarter of the experts
     sizes = sizes_for("skew", g, m)
     check(*case(m, g, 2048, 7168, sizes, True, seed=5))
+
+
+@pytest.mark.parametrize("kind,total", [("skew", 2048), ("unaligned", 1901)])
+def test_fp8_kernel_overlapped_promotion(kind, total):
+    sizes = sizes_for(kind, 8, total)
+    check(*case(2048, 8, 512, 384, sizes, False, seed=7), overlap=True)
