@@ -21,6 +21,7 @@ Writes the table to $OUT/grouped_matmul_fp8.md when OUT is set.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -64,13 +65,13 @@ def operands(k, n, seed=0):
     return x, w, xq, xs, wq, ws, vq, vs
 
 
-def rows_for(proj, kind, reps):
+def rows_for(proj, kind, reps, kw):
     k, n = PROJ[proj]
     x, w, xq, xs, wq, ws, vq, vs = jax.block_until_ready(operands(k, n))
     gs = jnp.asarray(group_sizes(kind))
     flops = 2.0 * float(np.sum(group_sizes(kind))) * k * n
     t = {}
-    t["fp8 nt"] = per_call_ms(lambda a, s, v, vsc, g: gmm_fp8_nt(a, s, v, vsc, _offsets(g, M)),
+    t["fp8 nt"] = per_call_ms(lambda a, s, v, vsc, g: gmm_fp8_nt(a, s, v, vsc, _offsets(g, M), **kw),
                               (xq, xs, vq, vs, gs), 2, 6, reps)
     try:
         t["fp8 api"] = per_call_ms(
@@ -88,24 +89,24 @@ def rows_for(proj, kind, reps):
     return [(proj, kind, name, ms, flops / ms / 1e9) for name, ms in t.items()]
 
 
-SWEEP = [((128, 256, 128, 4, 4), False), ((128, 256, 128, 4, 1), False),
-         ((128, 128, 128, 5, 4), False), ((128, 128, 128, 5, 8), False),
-         ((128, 128, 128, 5, 4), True), ((128, 128, 128, 5, 8), True), ((128, 128, 128, 5, 1), True)]
+# (tiles, gmm_fp8_nt keywords)
+SWEEP = [((128, 256, 128, 4, 4), {}), ((128, 128, 128, 5, 4), {}), ((128, 128, 128, 5, 8), {}),
+         ((128, 128, 128, 5, 4), {"overlap": True}), ((128, 128, 128, 5, 8), {"overlap": True})]
 
 
-def sweep_rows(reps):
+def sweep_rows(reps, base_kw):
     """``fp8 nt`` at the up projection, uniform sizes, over SWEEP's tiles."""
     k, n = PROJ["up"]
     _, _, xq, xs, _, _, vq, vs = jax.block_until_ready(operands(k, n))
     gs = jnp.asarray(group_sizes("uniform"))
     flops = 2.0 * M * k * n
     rows = []
-    for t, ov in SWEEP:
-        tiles = FwdTiles(*t)
+    for t, kw in SWEEP:
+        tiles, kw = FwdTiles(*t), {**base_kw, **kw}
         ms = per_call_ms(lambda a, s, v, vsc, g: gmm_fp8_nt(a, s, v, vsc, _offsets(g, M), tiles=tiles,
-                                                            overlap=ov),
+                                                            **kw),
                          (xq, xs, vq, vs, gs), 2, 6, reps)
-        rows.append(("up", "uniform", f"fp8 nt {t}{' overlap' if ov else ''}", ms, flops / ms / 1e9))
+        rows.append(("up", "uniform", f"fp8 nt {t} {kw}", ms, flops / ms / 1e9))
         print(*rows[-1], flush=True)
     return rows
 
@@ -116,15 +117,17 @@ def main():
     ap.add_argument("--proj", default="up,down")
     ap.add_argument("--kinds", default="uniform,skew")
     ap.add_argument("--sweep", action="store_true", help="also time SWEEP's tiles")
+    ap.add_argument("--kw", default="{}", help="gmm_fp8_nt keywords (JSON) for every fp8 nt row")
     args = ap.parse_args()
+    kw = json.loads(args.kw)
     print(jax.devices()[0].device_kind, jax.__version__)
     rows = []
     for proj in args.proj.split(","):
         for kind in args.kinds.split(","):
-            rows += rows_for(proj, kind, args.reps)
+            rows += rows_for(proj, kind, args.reps, kw)
             print(*rows[-1], flush=True)
     if args.sweep:
-        rows += sweep_rows(args.reps)
+        rows += sweep_rows(args.reps, kw)
     dense = {(p, n): tf for p, _, n, _, tf in rows if n.startswith("dense")}
     bf16 = {(p, k): tf for p, k, n, _, tf in rows if n == "bf16"}
     lines = ["| proj | sizes | op | ms | TF/s | vs bf16 grouped | vs dense fp8 |",

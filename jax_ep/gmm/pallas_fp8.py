@@ -45,6 +45,7 @@ PART = 128           # output columns per promoted product (one weight-scale blo
 # 128 x 256 tiles, 128 of the contraction per stage (one scale block), 48.5 KB
 # a stage: 4 stages and a bf16 epilogue buffer fit in shared memory (f32: 3).
 FP8_TILES = FwdTiles(block_m=128, block_n=256, block_k=128, stages=4, band=4)
+SCALE_ROW = 32       # f32 weight scales staged per 128 columns: a multiple of 128 bytes
 SMEM_SLACK = 2048    # the pipeline's barriers and alignment (measured: about 1.2 KB)
 
 
@@ -52,7 +53,7 @@ def fp8_stages(tiles, kc: int, out_dtype, smem_bytes: int) -> int:
     """The most pipeline stages (at most ``tiles.stages``) that fit beside the
     epilogue buffer (one ``64 x 128`` part per consumer). A stage: the x and
     v tiles, the rows' scales and the tile's weight scales."""
-    kbp = -(-kc // SCALE_BLOCK // 4) * 4
+    kbp = -(-kc // SCALE_BLOCK // SCALE_ROW) * SCALE_ROW
     stage = (tiles.block_m * tiles.block_k + tiles.block_n * tiles.block_k + 4 * tiles.block_m
              + 4 * (tiles.block_n // PART) * kbp)
     epilogue = 2 * (tiles.block_m // 2) * PART * jnp.dtype(out_dtype).itemsize
@@ -79,7 +80,7 @@ def check_fp8_nt(x, xs, v, vs, tiles=FP8_TILES):
 
 
 def gmm_fp8_nt(x, xs, v, vs, offsets, *, tiles=None, out_dtype=None, interpret=False,
-               overlap=False):
+               overlap=False, staged_scales=True):
     """``[M, Nout]`` in ``out_dtype`` (default bfloat16; see the module docstring)."""
     if tiles is None:   # 128-column tiles where N is not a multiple of 256
         tiles = FP8_TILES if v.shape[1] % FP8_TILES.block_n == 0 else dataclasses.replace(
@@ -94,17 +95,18 @@ def gmm_fp8_nt(x, xs, v, vs, offsets, *, tiles=None, out_dtype=None, interpret=F
     counts = jnp.stack([jnp.sum(used & (grp >= 0)), jnp.sum(used & (grp < 0))]).astype(jnp.int32)
     # step k's scales of the rows r at k * M + r: one contiguous run per tile and step
     xs_flat = xs.astype(jnp.float32).T.reshape(-1)
-    # a tile's weight scales come with each stage (a 16-byte multiple for TMA):
-    # a scalar load from HBM per k-step would stall the consumer for its latency
+    # a tile's weight scales come with each stage, one row of SCALE_ROW per
+    # 128 columns (a scalar load from HBM per k-step would stall the consumer
+    # for its latency); rows of 128 bytes keep the stage buffers aligned
     kb = kc // SCALE_BLOCK
-    vs = jnp.pad(vs.astype(jnp.float32), ((0, 0), (0, 0), (0, -kb % 4)))
+    vs = jnp.pad(vs.astype(jnp.float32), ((0, 0), (0, 0), (0, -kb % SCALE_ROW))).reshape(-1)
     stages = fp8_stages(tiles, kc, out_dtype, device_info().smem_per_block)
     kernel = _kernel(m, kc, v.shape[1], dataclasses.replace(tiles, stages=stages), out_dtype,
-                     interpret, overlap and tiles.block_n == PART)
+                     interpret, overlap and tiles.block_n == PART, staged_scales)
     return kernel(counts, rs, r0, r1, grp, x, v, xs_flat, vs)
 
 
-def _kernel(m, kc, n, tiles, out_dtype, interpret, overlap):
+def _kernel(m, kc, n, tiles, out_dtype, interpret, overlap, staged):
     pl, plgpu = pallas_modules()
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     half = bm // 2                      # rows of one consumer warpgroup
@@ -113,7 +115,8 @@ def _kernel(m, kc, n, tiles, out_dtype, interpret, overlap):
     nsm = num_sms(interpret)
     tr, _ = dw_transforms(plgpu, jnp.float8_e4m3fn, bk, bn)
 
-    kbp = ksteps + (-ksteps % 4)
+    kbp = ksteps + (-ksteps % SCALE_ROW)
+    nb = n // PART
 
     def body(cnt_ref, rs_ref, r0_ref, r1_ref, g_ref, x_ref, v_ref, xs_ref, vs_ref, o_ref):
         sm = lax.axis_index("sm")
@@ -129,11 +132,22 @@ def _kernel(m, kc, n, tiles, out_dtype, interpret, overlap):
             fi, ni = tile(j)
             return jnp.maximum(g_ref[fi], 0), ni, kk
 
+        def vs_index(j, kk):   # element offset of the tile's first scale row
+            g, ni, _ = v_index(j, kk)
+            return ((g * nb + ni * parts) * kbp,)
+
+        def w_scale(vs_smem, j, p, kk):   # staged, or read from HBM
+            if staged:
+                return vs_smem[p * kbp + kk]
+            return vs_ref[vs_index(j, kk)[0] + p * kbp + kk]
+
         def scoped(o_smem):
             wg = lax.axis_index("wg")
             store = _tile_store(pl, plgpu, o_smem, o_ref, rs_ref, r0_ref, r1_ref, wg, half, bn)
-            step = (_overlapped_step(pl, plgpu, tile, store, wg, half, ksteps) if overlap else
-                    _promoting_step(pl, plgpu, tile, store, wg, half, parts, ksteps))
+            step = (_overlapped_step(pl, plgpu, tile, w_scale, store, wg, half, ksteps) if overlap
+                    else _promoting_step(pl, plgpu, tile, w_scale, store, wg, half, parts, ksteps))
+            if not staged:
+                step = _without_scale_stage(step)
             mine = round_robin_count(n_grp * grid_n, sm, nsm)
 
             @pl.when(mine > 0)
@@ -144,10 +158,10 @@ def _kernel(m, kc, n, tiles, out_dtype, interpret, overlap):
                                               transforms=tr),
                               plgpu.BlockSpec((None, bn, bk), v_index, transforms=tr),
                               plgpu.BlockSpec((pl.Element(bm),), lambda j, kk: (kk * m + row0(j),)),
-                              plgpu.BlockSpec((None, parts, kbp), lambda j, kk: v_index(j, 0))],
+                              plgpu.BlockSpec((pl.Element(parts * kbp),), vs_index)][:4 if staged else 3],
                     wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=tiles.stages,
                     compute_context=lambda run: run(_zero_carry(plgpu, half, parts, overlap)),
-                )(x_ref, v_ref, xs_ref, vs_ref)
+                )(x_ref, v_ref, xs_ref, *([vs_ref] if staged else []))
 
             @pl.when(wg < 2)
             def _():   # tail tiles (rows past the groups): zeros, no matmul
@@ -172,14 +186,20 @@ def _kernel(m, kc, n, tiles, out_dtype, interpret, overlap):
     )
 
 
-def _promoting_step(pl, plgpu, tile, store, wg, half, parts, ksteps):
+def _without_scale_stage(step):
+    def unstaged(idx, x_smem, v_smem, xs_smem, carry):
+        return step(idx, x_smem, v_smem, xs_smem, None, carry)
+    return unstaged
+
+
+def _promoting_step(pl, plgpu, tile, w_scale, store, wg, half, parts, ksteps):
     """The consumer's pipeline step: for each 128-column part, this k-step's
     product of its ``half`` rows into a fresh accumulator, scaled and added to
     the part's carried f32 sum; on the tile's last k-step the sums are stored."""
     def step(idx, x_smem, v_smem, xs_smem, vs_smem, acc):
         j, kk = idx
         fi, ni = tile(j)
-        w_scales = [vs_smem[p, kk] for p in range(parts)]
+        w_scales = [w_scale(vs_smem, j, p, kk) for p in range(parts)]
         x_scale = _load_rows(plgpu, xs_smem.at[pl.ds(wg * half, half)])
         # a tile's first k-step starts the sums: a select, never a multiply by
         # zero (rows outside the tile's groups may hold NaN)
@@ -212,7 +232,7 @@ def _zero_carry(plgpu, half, parts, overlap):
     return tuple(zeros() for _ in range(parts))
 
 
-def _overlapped_step(pl, plgpu, tile, store, wg, half, ksteps):
+def _overlapped_step(pl, plgpu, tile, w_scale, store, wg, half, ksteps):
     """As :func:`_promoting_step` for one 128-column part, with the previous
     k-step's product added to the sum while this step's WGMMA runs (the
     carry holds it and its scales: 64 more registers a thread)."""
@@ -220,7 +240,7 @@ def _overlapped_step(pl, plgpu, tile, store, wg, half, ksteps):
         acc, prev, prev_scale = carry
         j, kk = idx
         fi, ni = tile(j)
-        scale = _load_rows(plgpu, xs_smem.at[pl.ds(wg * half, half)]) * vs_smem[0, kk]
+        scale = _load_rows(plgpu, xs_smem.at[pl.ds(wg * half, half)]) * w_scale(vs_smem, j, 0, kk)
         first = plgpu.layout_cast(lax.broadcast(kk == 0, (half, PART)), plgpu.Layout.WGMMA)
 
         def mma(acc_ref):

@@ -103,6 +103,8 @@ def test_fp8_kernel_v3_down():
 
 
 @pytest.mark.parametrize("kind,total", [("skew", 2048), ("unaligned", 1901)])
-def test_fp8_kernel_overlapped_promotion(kind, total):
+@pytest.mark.parametrize("kw", [dict(overlap=True), dict(staged_scales=False),
+                                dict(overlap=True, staged_scales=False)])
+def test_fp8_kernel_variants(kind, total, kw):
     sizes = sizes_for(kind, 8, total)
-    check(*case(2048, 8, 512, 384, sizes, False, seed=7), overlap=True)
+    check(*case(2048, 8, 512, 384, sizes, False, seed=7), **kw)
