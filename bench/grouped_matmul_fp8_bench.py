@@ -21,7 +21,6 @@ Writes the table to $OUT/grouped_matmul_fp8.md when OUT is set.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -65,13 +64,13 @@ def operands(k, n, seed=0):
     return x, w, xq, xs, wq, ws, vq, vs
 
 
-def rows_for(proj, kind, reps, kw):
+def rows_for(proj, kind, reps):
     k, n = PROJ[proj]
     x, w, xq, xs, wq, ws, vq, vs = jax.block_until_ready(operands(k, n))
     gs = jnp.asarray(group_sizes(kind))
     flops = 2.0 * float(np.sum(group_sizes(kind))) * k * n
     t = {}
-    t["fp8 nt"] = per_call_ms(lambda a, s, v, vsc, g: gmm_fp8_nt(a, s, v, vsc, _offsets(g, M), **kw),
+    t["fp8 nt"] = per_call_ms(lambda a, s, v, vsc, g: gmm_fp8_nt(a, s, v, vsc, _offsets(g, M)),
                               (xq, xs, vq, vs, gs), 2, 6, reps)
     try:
         t["fp8 api"] = per_call_ms(
@@ -89,24 +88,22 @@ def rows_for(proj, kind, reps, kw):
     return [(proj, kind, name, ms, flops / ms / 1e9) for name, ms in t.items()]
 
 
-# (tiles, gmm_fp8_nt keywords)
-SWEEP = [((128, 256, 128, 4, 4), {}), ((128, 128, 128, 5, 4), {}), ((128, 128, 128, 5, 8), {}),
-         ((128, 128, 128, 5, 4), {"overlap": True}), ((128, 128, 128, 5, 8), {"overlap": True})]
+# tiles to time with --sweep (variants measured slower and deleted: docs/decisions.md)
+SWEEP = [(128, 128, 128, 5, 1), (128, 128, 128, 5, 8), (128, 128, 128, 4, 4)]
 
 
-def sweep_rows(reps, base_kw):
+def sweep_rows(reps):
     """``fp8 nt`` at the up projection, uniform sizes, over SWEEP's tiles."""
     k, n = PROJ["up"]
     _, _, xq, xs, _, _, vq, vs = jax.block_until_ready(operands(k, n))
     gs = jnp.asarray(group_sizes("uniform"))
     flops = 2.0 * M * k * n
     rows = []
-    for t, kw in SWEEP:
-        tiles, kw = FwdTiles(*t), {**base_kw, **kw}
-        ms = per_call_ms(lambda a, s, v, vsc, g: gmm_fp8_nt(a, s, v, vsc, _offsets(g, M), tiles=tiles,
-                                                            **kw),
+    for t in SWEEP:
+        tiles = FwdTiles(*t)
+        ms = per_call_ms(lambda a, s, v, vsc, g: gmm_fp8_nt(a, s, v, vsc, _offsets(g, M), tiles=tiles),
                          (xq, xs, vq, vs, gs), 2, 6, reps)
-        rows.append(("up", "uniform", f"fp8 nt {t} {kw}", ms, flops / ms / 1e9))
+        rows.append(("up", "uniform", f"fp8 nt {t}", ms, flops / ms / 1e9))
         print(*rows[-1], flush=True)
     return rows
 
@@ -117,17 +114,15 @@ def main():
     ap.add_argument("--proj", default="up,down")
     ap.add_argument("--kinds", default="uniform,skew")
     ap.add_argument("--sweep", action="store_true", help="also time SWEEP's tiles")
-    ap.add_argument("--kw", default="{}", help="gmm_fp8_nt keywords (JSON) for every fp8 nt row")
     args = ap.parse_args()
-    kw = json.loads(args.kw)
     print(jax.devices()[0].device_kind, jax.__version__)
     rows = []
     for proj in args.proj.split(","):
         for kind in args.kinds.split(","):
-            rows += rows_for(proj, kind, args.reps, kw)
+            rows += rows_for(proj, kind, args.reps)
             print(*rows[-1], flush=True)
     if args.sweep:
-        rows += sweep_rows(args.reps, kw)
+        rows += sweep_rows(args.reps)
     dense = {(p, n): tf for p, _, n, _, tf in rows if n.startswith("dense")}
     bf16 = {(p, k): tf for p, k, n, _, tf in rows if n == "bf16"}
     lines = ["| proj | sizes | op | ms | TF/s | vs bf16 grouped | vs dense fp8 |",

@@ -16,15 +16,17 @@ which is then scaled by ``xs[row, k] * vs[g, n, k]`` and added to the tile's
 f32 sum in registers. The tensor core's fp8 accumulator keeps fewer mantissa
 bits than f32 (DeepSeek-V3 measured about 14), so promoting every 128 of the
 contraction (4 WGMMA instructions) keeps the error at the bf16 output's level;
-the scales cannot be applied later anyway, since they change along k.
+the scales cannot be applied later anyway, since they change along k. A
+step's product joins the sum during the next step's WGMMA (the carry holds it
+and its row scales), so the promotion runs under the tensor cores' work.
 
 Structure as :func:`pallas_fwd.gmm_pallas_ws`: a producer warpgroup and two
 consumers, one warp-specialized pipeline per SM across its tiles. A CTA owns a
-``block_m x block_n`` output tile (128 x 256: 175 flops per staged byte, which
-keeps the L2 -> shared-memory traffic under what the fp8 rate asks); each
-consumer takes half of its rows and computes its ``block_m / 2 x block_n`` in
-128-column parts, one weight-scale block each, one after the other, so only
-one part's product is live beside the f32 sum (64 + 128 registers a thread).
+``128 x 128`` output tile, each consumer 64 of its rows: three f32 register
+tiles a thread (the sum, the carried product, the WGMMA's accumulator; 64
+registers each). Each stage brings the x and v tiles, the rows' scales and the
+tile's weight scales (a scalar load from HBM per k-step stalls the consumer
+for its latency). Variants measured slower and deleted: docs/decisions.md.
 """
 from __future__ import annotations
 
@@ -41,22 +43,21 @@ from .devices import device_info
 from .tiles import FwdTiles
 
 SCALE_BLOCK = 128
-PART = 128           # output columns per promoted product (one weight-scale block)
-# 128 x 256 tiles, 128 of the contraction per stage (one scale block), 48.5 KB
-# a stage: 4 stages and a bf16 epilogue buffer fit in shared memory (f32: 3).
-FP8_TILES = FwdTiles(block_m=128, block_n=256, block_k=128, stages=4, band=4)
-SCALE_ROW = 32       # f32 weight scales staged per 128 columns: a multiple of 128 bytes
+# 128 x 128 tiles, 128 of the contraction per stage (one scale block), 33 KB a
+# stage: 5 stages and a bf16 epilogue buffer fit in shared memory (f32: 4).
+FP8_TILES = FwdTiles(block_m=128, block_n=128, block_k=128, stages=5, band=4)
+SCALE_ROW = 32       # f32 weight scales staged per tile: a multiple of 128 bytes
 SMEM_SLACK = 2048    # the pipeline's barriers and alignment (measured: about 1.2 KB)
 
 
 def fp8_stages(tiles, kc: int, out_dtype, smem_bytes: int) -> int:
     """The most pipeline stages (at most ``tiles.stages``) that fit beside the
-    epilogue buffer (one ``64 x 128`` part per consumer). A stage: the x and
-    v tiles, the rows' scales and the tile's weight scales."""
+    epilogue buffer (a consumer's rows of the tile). A stage: the x and v
+    tiles, the rows' scales and the tile's weight scales."""
     kbp = -(-kc // SCALE_BLOCK // SCALE_ROW) * SCALE_ROW
     stage = (tiles.block_m * tiles.block_k + tiles.block_n * tiles.block_k + 4 * tiles.block_m
-             + 4 * (tiles.block_n // PART) * kbp)
-    epilogue = 2 * (tiles.block_m // 2) * PART * jnp.dtype(out_dtype).itemsize
+             + 4 * kbp)
+    epilogue = tiles.block_m * tiles.block_n * jnp.dtype(out_dtype).itemsize
     return max(1, min(tiles.stages, (smem_bytes - SMEM_SLACK - epilogue) // stage))
 
 
@@ -68,8 +69,8 @@ def check_fp8_nt(x, xs, v, vs, tiles=FP8_TILES):
     if v.ndim != 3 or v.shape[2] != kc:
         return f"v must be [G, Nout, {kc}], got {v.shape}"
     n = v.shape[1]
-    if tiles.block_k != SCALE_BLOCK or tiles.block_m != 128 or tiles.block_n % PART:
-        return f"fp8 tiles need block_k 128, block_m 128, block_n a multiple of 128, got {tiles}"
+    if (tiles.block_m, tiles.block_n, tiles.block_k) != (128, 128, 128):
+        return f"fp8 tiles are 128 x 128 x 128, got {tiles}"
     if kc % SCALE_BLOCK or n % tiles.block_n or n % SCALE_BLOCK:
         return f"Kc ({kc}) must be a multiple of 128 and Nout ({n}) of {tiles.block_n}"
     if m % 8 or m < tiles.block_m:
@@ -79,12 +80,9 @@ def check_fp8_nt(x, xs, v, vs, tiles=FP8_TILES):
     return None
 
 
-def gmm_fp8_nt(x, xs, v, vs, offsets, *, tiles=None, out_dtype=None, interpret=False,
-               overlap=False, staged_scales=True):
+def gmm_fp8_nt(x, xs, v, vs, offsets, *, tiles=None, out_dtype=None, interpret=False):
     """``[M, Nout]`` in ``out_dtype`` (default bfloat16; see the module docstring)."""
-    if tiles is None:   # 128-column tiles where N is not a multiple of 256
-        tiles = FP8_TILES if v.shape[1] % FP8_TILES.block_n == 0 else dataclasses.replace(
-            FP8_TILES, block_n=PART)
+    tiles = tiles or FP8_TILES
     err = check_fp8_nt(x, xs, v, vs, tiles)
     if err is not None:
         raise ValueError(f"gmm_fp8_nt: {err}")
@@ -95,28 +93,26 @@ def gmm_fp8_nt(x, xs, v, vs, offsets, *, tiles=None, out_dtype=None, interpret=F
     counts = jnp.stack([jnp.sum(used & (grp >= 0)), jnp.sum(used & (grp < 0))]).astype(jnp.int32)
     # step k's scales of the rows r at k * M + r: one contiguous run per tile and step
     xs_flat = xs.astype(jnp.float32).T.reshape(-1)
-    # a tile's weight scales come with each stage, one row of SCALE_ROW per
-    # 128 columns (a scalar load from HBM per k-step would stall the consumer
-    # for its latency); rows of 128 bytes keep the stage buffers aligned
+    # a tile's weight scales come with each stage, padded to SCALE_ROW: rows
+    # of 128 bytes keep the stage buffers aligned
     kb = kc // SCALE_BLOCK
     vs = jnp.pad(vs.astype(jnp.float32), ((0, 0), (0, 0), (0, -kb % SCALE_ROW))).reshape(-1)
     stages = fp8_stages(tiles, kc, out_dtype, device_info().smem_per_block)
     kernel = _kernel(m, kc, v.shape[1], dataclasses.replace(tiles, stages=stages), out_dtype,
-                     interpret, overlap and tiles.block_n == PART, staged_scales)
+                     interpret)
     return kernel(counts, rs, r0, r1, grp, x, v, xs_flat, vs)
 
 
-def _kernel(m, kc, n, tiles, out_dtype, interpret, overlap, staged):
+def _kernel(m, kc, n, tiles, out_dtype, interpret):
     pl, plgpu = pallas_modules()
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     half = bm // 2                      # rows of one consumer warpgroup
-    parts = bn // PART
     grid_n, ksteps = n // bn, kc // bk
     nsm = num_sms(interpret)
     tr, _ = dw_transforms(plgpu, jnp.float8_e4m3fn, bk, bn)
 
     kbp = ksteps + (-ksteps % SCALE_ROW)
-    nb = n // PART
+    nb = n // bn
 
     def body(cnt_ref, rs_ref, r0_ref, r1_ref, g_ref, x_ref, v_ref, xs_ref, vs_ref, o_ref):
         sm = lax.axis_index("sm")
@@ -134,20 +130,12 @@ def _kernel(m, kc, n, tiles, out_dtype, interpret, overlap, staged):
 
         def vs_index(j, kk):   # element offset of the tile's first scale row
             g, ni, _ = v_index(j, kk)
-            return ((g * nb + ni * parts) * kbp,)
-
-        def w_scale(vs_smem, j, p, kk):   # staged, or read from HBM
-            if staged:
-                return vs_smem[p * kbp + kk]
-            return vs_ref[vs_index(j, kk)[0] + p * kbp + kk]
+            return ((g * nb + ni) * kbp,)
 
         def scoped(o_smem):
             wg = lax.axis_index("wg")
             store = _tile_store(pl, plgpu, o_smem, o_ref, rs_ref, r0_ref, r1_ref, wg, half, bn)
-            step = (_overlapped_step(pl, plgpu, tile, w_scale, store, wg, half, ksteps) if overlap
-                    else _promoting_step(pl, plgpu, tile, w_scale, store, wg, half, parts, ksteps))
-            if not staged:
-                step = _without_scale_stage(step)
+            step = _promoting_step(pl, plgpu, tile, store, wg, half, ksteps)
             mine = round_robin_count(n_grp * grid_n, sm, nsm)
 
             @pl.when(mine > 0)
@@ -158,10 +146,10 @@ def _kernel(m, kc, n, tiles, out_dtype, interpret, overlap, staged):
                                               transforms=tr),
                               plgpu.BlockSpec((None, bn, bk), v_index, transforms=tr),
                               plgpu.BlockSpec((pl.Element(bm),), lambda j, kk: (kk * m + row0(j),)),
-                              plgpu.BlockSpec((pl.Element(parts * kbp),), vs_index)][:4 if staged else 3],
+                              plgpu.BlockSpec((pl.Element(kbp),), vs_index)],
                     wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=tiles.stages,
-                    compute_context=lambda run: run(_zero_carry(plgpu, half, parts, overlap)),
-                )(x_ref, v_ref, xs_ref, *([vs_ref] if staged else []))
+                    compute_context=lambda run: run(_zero_carry(plgpu, half, bn)),
+                )(x_ref, v_ref, xs_ref, vs_ref)
 
             @pl.when(wg < 2)
             def _():   # tail tiles (rows past the groups): zeros, no matmul
@@ -169,11 +157,11 @@ def _kernel(m, kc, n, tiles, out_dtype, interpret, overlap, staged):
                 def _(j):
                     t = sm + j * nsm
                     store(n_grp + lax.div(t, jnp.int32(grid_n)), lax.rem(t, jnp.int32(grid_n)),
-                          (jnp.zeros((half, PART), jnp.float32),) * parts)
+                          jnp.zeros((half, bn), jnp.float32))
 
                 plgpu.wait_smem_to_gmem(0)
 
-        pl.run_scoped(scoped, plgpu.SMEM((2, half, PART), out_dtype), collective_axes="wg")
+        pl.run_scoped(scoped, plgpu.SMEM((2, half, bn), out_dtype), collective_axes="wg")
 
     return plgpu.kernel(
         body,
@@ -186,75 +174,39 @@ def _kernel(m, kc, n, tiles, out_dtype, interpret, overlap, staged):
     )
 
 
-def _without_scale_stage(step):
-    def unstaged(idx, x_smem, v_smem, xs_smem, carry):
-        return step(idx, x_smem, v_smem, xs_smem, None, carry)
-    return unstaged
+def _zero_carry(plgpu, half, bn):
+    """The consumer's carry: (sum, previous k-step's product, its row scales)."""
+    def zeros(shape, layout):
+        return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), layout)
+    return (zeros((half, bn), plgpu.Layout.WGMMA), zeros((half, bn), plgpu.Layout.WGMMA),
+            zeros((half,), plgpu.Layout.WGMMA.reduce(1)))
 
 
-def _promoting_step(pl, plgpu, tile, w_scale, store, wg, half, parts, ksteps):
-    """The consumer's pipeline step: for each 128-column part, this k-step's
-    product of its ``half`` rows into a fresh accumulator, scaled and added to
-    the part's carried f32 sum; on the tile's last k-step the sums are stored."""
-    def step(idx, x_smem, v_smem, xs_smem, vs_smem, acc):
-        j, kk = idx
-        fi, ni = tile(j)
-        w_scales = [w_scale(vs_smem, j, p, kk) for p in range(parts)]
-        x_scale = _load_rows(plgpu, xs_smem.at[pl.ds(wg * half, half)])
-        # a tile's first k-step starts the sums: a select, never a multiply by
-        # zero (rows outside the tile's groups may hold NaN)
-        first = plgpu.layout_cast(lax.broadcast(kk == 0, (half, PART)), plgpu.Layout.WGMMA)
-        out = []
-        for p in range(parts):
-            def mma(acc_ref, p=p):
-                plgpu.wgmma(acc_ref, x_smem.at[pl.ds(wg * half, half)],
-                            transposed(plgpu, v_smem.at[pl.ds(p * PART, PART)]))
-                return acc_ref[...]
-
-            prod = pl.run_scoped(mma, plgpu.ACC((half, PART)))
-            prod = prod * lax.broadcast_in_dim(x_scale * w_scales[p], (half, PART), [0])
-            out.append(jnp.where(first, prod, acc[p] + prod))
-        out = tuple(out)
-
-        @pl.when(kk == ksteps - 1)
-        def _():
-            store(fi, ni, out)
-        return out
-    return step
-
-
-def _zero_carry(plgpu, half, parts, overlap):
-    def zeros():
-        return plgpu.layout_cast(jnp.zeros((half, PART), jnp.float32), plgpu.Layout.WGMMA)
-    if overlap:   # (sum, previous step's product, its row scales)
-        return zeros(), zeros(), plgpu.layout_cast(jnp.zeros((half,), jnp.float32),
-                                                   plgpu.Layout.WGMMA.reduce(1))
-    return tuple(zeros() for _ in range(parts))
-
-
-def _overlapped_step(pl, plgpu, tile, w_scale, store, wg, half, ksteps):
-    """As :func:`_promoting_step` for one 128-column part, with the previous
-    k-step's product added to the sum while this step's WGMMA runs (the
-    carry holds it and its scales: 64 more registers a thread)."""
+def _promoting_step(pl, plgpu, tile, store, wg, half, ksteps):
+    """The consumer's pipeline step: this k-step's product of its ``half`` rows
+    into a fresh accumulator; while the WGMMA runs, the previous step's
+    product, scaled, joins the carried f32 sum (a tile's first step drops it:
+    it was the previous tile's, already stored). On the tile's last k-step the
+    sum with this step's product is stored."""
     def step(idx, x_smem, v_smem, xs_smem, vs_smem, carry):
         acc, prev, prev_scale = carry
         j, kk = idx
         fi, ni = tile(j)
-        scale = _load_rows(plgpu, xs_smem.at[pl.ds(wg * half, half)]) * w_scale(vs_smem, j, 0, kk)
-        first = plgpu.layout_cast(lax.broadcast(kk == 0, (half, PART)), plgpu.Layout.WGMMA)
+        scale = _load_rows(plgpu, xs_smem.at[pl.ds(wg * half, half)]) * vs_smem[kk]
+        shape = prev.shape
+        # a select, never a multiply by zero: rows outside the tile's groups may hold NaN
+        first = plgpu.layout_cast(lax.broadcast(kk == 0, shape), plgpu.Layout.WGMMA)
 
         def mma(acc_ref):
             plgpu.wgmma(acc_ref, x_smem.at[pl.ds(wg * half, half)], transposed(plgpu, v_smem))
-            # the previous product joins the sum while the tensor cores work; a
-            # tile's first step drops it (it was the last tile's, already stored)
-            folded = acc + prev * lax.broadcast_in_dim(prev_scale, (half, PART), [0])
+            folded = acc + prev * lax.broadcast_in_dim(prev_scale, shape, [0])
             return acc_ref[...], jnp.where(first, jnp.zeros_like(acc), folded)
 
-        prod, acc = pl.run_scoped(mma, plgpu.ACC((half, PART)))
+        prod, acc = pl.run_scoped(mma, plgpu.ACC(shape))
 
         @pl.when(kk == ksteps - 1)
         def _():
-            store(fi, ni, (acc + prod * lax.broadcast_in_dim(scale, (half, PART), [0]),))
+            store(fi, ni, acc + prod * lax.broadcast_in_dim(scale, shape, [0]))
         return acc, prod, scale
     return step
 
@@ -269,18 +221,16 @@ def _load_rows(plgpu, ref):
 
 
 def _tile_store(pl, plgpu, o_smem, o_ref, rs_ref, r0_ref, r1_ref, wg, half, bn):
-    """``store(fi, ni, parts)``: a consumer's ``half x bn`` rows of tile
-    ``(fi, ni)`` (``bn / 128`` parts) to HBM, only rows inside ``[lo, hi)``."""
+    """``store(fi, ni, val)``: a consumer's ``half x bn`` rows of tile ``(fi, ni)``
+    to HBM, only rows inside ``[lo, hi)`` of the row tile."""
     top = 1 << (half.bit_length() - 1)
 
-    def store(fi, ni, parts):
+    def store(fi, ni, val):
         lo, hi = r0_ref[fi], r1_ref[fi]
         c0 = pl.multiple_of(rs_ref[fi], 8) + wg * half
-        for p, val in enumerate(parts):
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # our slot is free
-            o_smem[wg] = val.astype(o_smem.dtype)
-            plgpu.commit_smem()
-            col = pl.multiple_of(ni * bn + p * PART, PART)
-            store_rows(pl, plgpu, o_smem.at[wg], o_ref.at[:, pl.ds(col, PART)],
-                       jnp.clip(lo, c0, c0 + half), jnp.clip(hi, c0, c0 + half), c0, top)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # our slot is free
+        o_smem[wg] = val.astype(o_smem.dtype)
+        plgpu.commit_smem()
+        store_rows(pl, plgpu, o_smem.at[wg], o_ref.at[:, pl.ds(pl.multiple_of(ni * bn, bn), bn)],
+                   jnp.clip(lo, c0, c0 + half), jnp.clip(hi, c0, c0 + half), c0, top)
     return store
