@@ -30,6 +30,7 @@
 
 #include "common/ffi_common.h"
 #include "common/graph_capture.h"
+#include "common/launch.h"
 #include "low_latency/kernels.h"
 
 namespace jax_ep {
@@ -129,9 +130,8 @@ ffi::Error LlBegin(cudaStream_t stream, int32_t device, ffi::Span<const int32_t>
   JAX_EP_RETURN_IF_ERROR(
       GetPeerTable(ep_groups, num_ranks, device, peers, transport != kLlTransportP2p));
   JAX_EP_RETURN_IF_ERROR(LlPutMask(transport, *peers, put_mask));
-  const int sms = runtime()->sms_of(device);
   if (num_sms < 0) return InvalidArgument("low-latency: num_sms must be >= 0 (0: every SM)");
-  g->num_blocks = num_sms > 0 && num_sms < sms ? num_sms : sms;
+  g->num_blocks = sm_budget(num_sms, runtime()->sms_of(device));
   g->warps = kLlWarps;
   return ffi::Error::Success();
 }
