@@ -36,6 +36,15 @@ def one_of(obj, name: str, choices) -> None:
         raise ValueError(f"{type(obj).__name__}.{name} must be one of {choices}, got {v!r}")
 
 
+def local_experts(cfg, num_ranks: int) -> int:
+    """L = E / R of a config with ``num_experts`` and ``axis_name``, checked."""
+    if cfg.num_experts % num_ranks != 0:
+        raise ValueError(
+            f"num_experts ({cfg.num_experts}) must be divisible by the size of "
+            f"axis {cfg.axis_name!r} ({num_ranks})")
+    return cfg.num_experts // num_ranks
+
+
 def positive_int(obj, name: str, v) -> None:
     """Set frozen dataclass field ``name`` of ``obj`` to ``v`` as a plain int
     (ints and NumPy integers; not floats or bools), or raise naming it."""
@@ -246,11 +255,7 @@ class EpConfig:
 
     def local_experts(self, num_ranks: int) -> int:
         """L = E / R, checked."""
-        if self.num_experts % num_ranks != 0:
-            raise ValueError(
-                f"num_experts ({self.num_experts}) must be divisible by the size of "
-                f"axis {self.axis_name!r} ({num_ranks})")
-        return self.num_experts // num_ranks
+        return local_experts(self, num_ranks)
 
     def ranks_per_node(self, num_ranks: int) -> int:
         """R / num_nodes, checked (R must split into num_nodes equal nodes)."""

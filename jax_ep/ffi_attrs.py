@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from . import abi
+from . import abi, runtime
 from .config import EpConfig
 from .fp8 import FP8
 from .types import Handle
@@ -78,3 +78,14 @@ def row_attrs(handle: Handle, cfg: EpConfig) -> dict:
 def empty_f32(n_rows: int):
     """A ``[n_rows, 0]`` f32 operand: no scales."""
     return jnp.zeros((n_rows, 0), jnp.float32)
+
+
+def transport(where: str, field: str, name: str, code: int) -> np.int32:
+    """A transport attribute (``code``, of option ``field`` = ``name``);
+    "put" needs NVSHMEM PEs, said here at trace time rather than by the
+    handler at run time (``where``: the error's prefix)."""
+    if name == "put" and runtime.symmetric_memory() == "peer_memory":
+        raise ValueError(f"{where}: {field}='put' needs the NVSHMEM transport; the runtime uses "
+                         "peer memory (one process, several GPUs: no PEs to put to). Use 'auto' "
+                         "or 'p2p'")
+    return np.int32(code)

@@ -22,6 +22,7 @@
 #include "common/device_error.h"
 #include "common/testing_hooks.h"
 #include "intranode/launch_config.h"
+#include "jax_ep_abi.h"
 #include "runtime/runtime.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -61,6 +62,22 @@ inline ffi::Error NotInitialized() {
 
 inline ffi::Error InvalidArgument(const std::string& msg) {
   return ffi::Error::InvalidArgument("jax_ep: " + msg);
+}
+
+// *dtype = the RowDtype of rows of element type t; false when the kernels
+// take no such rows (bf16, f16 and f32 only).
+inline bool RowDtypeOf(ffi::DataType t, int* dtype) {
+  switch (t) {
+    case ffi::DataType::BF16: *dtype = kBf16; return true;
+    case ffi::DataType::F16: *dtype = kF16; return true;
+    case ffi::DataType::F32: *dtype = kF32; return true;
+    default: return false;
+  }
+}
+
+// Whether the fp8_scale_mode attribute names an Fp8ScaleMode.
+inline bool IsFp8ScaleMode(int32_t mode) {
+  return mode == kFp8ScaleIeee || mode == kFp8ScaleXlaGpu || mode == kFp8ScaleUe8m0;
 }
 
 // The live runtime, or the kNotInitialized error.

@@ -26,6 +26,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "common/launch.h"
 #include "common/row_copy.cuh"
 #include "internode/legs.cuh"
 #include "intranode/combine_rows.cuh"
@@ -147,25 +148,19 @@ inter_combine_kernel(InterCombineArgs ia, InterLaunch lc) {
 }
 
 template <typename T, int V>
-void launch_v(const InterCombineArgs& a, const InterLaunch& lc, cudaStream_t stream) {
-  if (a.put_mask)
-    inter_combine_kernel<T, V, true><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc);
-  else
-    inter_combine_kernel<T, V, false><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc);
+cudaError_t launch_v(const InterCombineArgs& a, const InterLaunch& lc, cudaStream_t stream) {
+  const KernelLaunch k{lc.num_blocks, lc.threads(), 0, stream};
+  if (a.put_mask) return launch(k, inter_combine_kernel<T, V, true>, a, lc);
+  return launch(k, inter_combine_kernel<T, V, false>, a, lc);
 }
 
 template <typename T>
 cudaError_t launch_typed(const InterCombineArgs& a, const InterLaunch& lc, cudaStream_t stream) {
   const int v = row_vec_bytes(a.a.row_bytes);
-  if (v >= 16)
-    launch_v<T, 16>(a, lc, stream);
-  else if (v >= 8)
-    launch_v<T, 8>(a, lc, stream);
-  else if (v >= 4 && sizeof(T) <= 4)
-    launch_v<T, 4>(a, lc, stream);
-  else
-    launch_v<T, sizeof(T)>(a, lc, stream);
-  return cudaGetLastError();
+  if (v >= 16) return launch_v<T, 16>(a, lc, stream);
+  if (v >= 8) return launch_v<T, 8>(a, lc, stream);
+  if (v >= 4 && sizeof(T) <= 4) return launch_v<T, 4>(a, lc, stream);
+  return launch_v<T, sizeof(T)>(a, lc, stream);
 }
 
 }  // namespace

@@ -27,6 +27,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include "common/launch.h"
 #include "common/row_copy.cuh"
 #include "internode/legs.cuh"
 #include "intranode/dispatch_rows.cuh"
@@ -220,11 +221,10 @@ inter_dispatch_kernel(InterDispatchArgs ia, InterLaunch lc) {
 }
 
 template <int EPL>
-void launch_epl(const InterDispatchArgs& a, const InterLaunch& lc, cudaStream_t stream) {
-  if (a.put_mask)
-    inter_dispatch_kernel<EPL, true><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc);
-  else
-    inter_dispatch_kernel<EPL, false><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc);
+cudaError_t launch_epl(const InterDispatchArgs& a, const InterLaunch& lc, cudaStream_t stream) {
+  const KernelLaunch k{lc.num_blocks, lc.threads(), 0, stream};
+  if (a.put_mask) return launch(k, inter_dispatch_kernel<EPL, true>, a, lc);
+  return launch(k, inter_dispatch_kernel<EPL, false>, a, lc);
 }
 
 }  // namespace
@@ -265,11 +265,8 @@ cudaError_t launch_inter_dispatch(const InterDispatchArgs& a, const InterLaunch&
   if (*inter_dispatch_check(a) || lc.threads() > 512 || lc.chunk < 1)
     return cudaErrorInvalidValue;
   return for_each_inter_window(a, [&](const InterDispatchArgs& w) {
-    if (w.a.mode != kDispatchCopy)
-      launch_epl<16>(w, lc, stream);
-    else
-      launch_epl<8>(w, lc, stream);
-    return cudaGetLastError();
+    if (w.a.mode != kDispatchCopy) return launch_epl<16>(w, lc, stream);
+    return launch_epl<8>(w, lc, stream);
   });
 }
 

@@ -23,6 +23,7 @@
 #include <string>
 
 #include "common/ffi_common.h"
+#include "common/launch.h"
 #include "internode/kernels.h"
 #include "intranode/ffi_args.h"
 
@@ -112,9 +113,7 @@ ffi::Error InterRegion(const std::string& op, bool combine, long long row_bytes,
 // Blocks of the grid: the SM budget (num_sms, 0: every SM) capped by the
 // device, as the intranode kernels (one resident 512-thread block per SM).
 int InterBlocks(int num_sms, int32_t device) {
-  const int dev = runtime()->sms_of(device);
-  int sms = num_sms > 0 ? std::min(num_sms, dev) : dev;
-  return std::max(1, std::min(sms, kMaxBlocks));
+  return std::max(1, std::min(sm_budget(num_sms, runtime()->sms_of(device)), kMaxBlocks));
 }
 
 ffi::Error InterDispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,

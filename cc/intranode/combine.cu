@@ -11,6 +11,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "common/launch.h"
 #include "common/row_copy.cuh"
 #include "common/sync.cuh"
 #include "intranode/combine_rows.cuh"
@@ -207,15 +208,11 @@ cudaError_t launch_typed(const CombineArgs& a, const LaunchConfig& lc, cudaStrea
   if (lc.depth < 1 || lc.depth > kMaxDepth || lc.num_blocks > kMaxBlocks)
     return cudaErrorInvalidValue;
   const int v = row_vec_bytes(a.row_bytes);
-  if (v >= 16)
-    combine_kernel<T, 16><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc, num_chunks);
-  else if (v >= 8)
-    combine_kernel<T, 8><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc, num_chunks);
-  else if (v >= 4 && sizeof(T) <= 4)
-    combine_kernel<T, 4><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc, num_chunks);
-  else
-    combine_kernel<T, sizeof(T)><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc, num_chunks);
-  return cudaGetLastError();
+  const KernelLaunch k{lc.num_blocks, lc.threads(), 0, stream};
+  if (v >= 16) return launch(k, combine_kernel<T, 16>, a, lc, num_chunks);
+  if (v >= 8) return launch(k, combine_kernel<T, 8>, a, lc, num_chunks);
+  if (v >= 4 && sizeof(T) <= 4) return launch(k, combine_kernel<T, 4>, a, lc, num_chunks);
+  return launch(k, combine_kernel<T, sizeof(T)>, a, lc, num_chunks);
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include <cuda_bf16.h>
 
 #include "common/fp8_cast.cuh"
+#include "common/launch.h"
 #include "common/row_copy.cuh"
 #include "common/sync.cuh"
 #include "intranode/dispatch_rows.cuh"
@@ -240,13 +241,10 @@ cudaError_t launch_dispatch(const DispatchArgs& a, const LaunchConfig& lc, cudaS
   const int num_chunks = (a.T + lc.chunk - 1) / lc.chunk;
   if (lc.depth < 1 || lc.depth > kMaxDepth || lc.num_blocks > kMaxBlocks)
     return cudaErrorInvalidValue;
-  if (a.mode == kDispatchCombineBwd)
-    dispatch_kernel<8, true><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc, num_chunks);
-  else if (a.mode != kDispatchCopy)
-    dispatch_kernel<16, false><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc, num_chunks);
-  else
-    dispatch_kernel<8, false><<<lc.num_blocks, lc.threads(), 0, stream>>>(a, lc, num_chunks);
-  return cudaGetLastError();
+  const KernelLaunch k{lc.num_blocks, lc.threads(), 0, stream};
+  if (a.mode == kDispatchCombineBwd) return launch(k, dispatch_kernel<8, true>, a, lc, num_chunks);
+  if (a.mode != kDispatchCopy) return launch(k, dispatch_kernel<16, false>, a, lc, num_chunks);
+  return launch(k, dispatch_kernel<8, false>, a, lc, num_chunks);
 }
 
 }  // namespace jax_ep

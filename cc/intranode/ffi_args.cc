@@ -3,6 +3,21 @@
 
 namespace jax_ep {
 
+namespace {
+
+// slot_row [R, T, K] of the handle: checked, *K its top-k.
+ffi::Error SlotRowArgs(const std::string& o, int R, int T, ffi::Buffer<ffi::S32> slot_row,
+                       int* K) {
+  auto sd = slot_row.dimensions();
+  if (sd.size() != 3 || sd[0] != R || sd[1] != T)
+    return InvalidArgument(o + ": slot_row must be [R, T, K] with R = EP group size");
+  *K = static_cast<int>(sd[2]);
+  if (*K > 32) return InvalidArgument(o + ": top-k above 32 is not supported natively");
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
 ffi::Error DispatchRowArgs(const std::string& o, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scales,
                            ffi::AnyBuffer out, ffi::Buffer<ffi::F32> out_scales, int32_t mode,
                            int32_t rank_major, int32_t fp8_scale_mode, DispatchArgs* a) {
@@ -16,8 +31,7 @@ ffi::Error DispatchRowArgs(const std::string& o, ffi::AnyBuffer x, ffi::Buffer<f
   if (mode != kDispatchCopy && mode != kDispatchCastBf16 && mode != kDispatchCastF32)
     return InvalidArgument(o + ": unknown mode");
   // XLA:GPU's rounding of 448/amax (the default), IEEE division, or UE8M0 scales.
-  if (fp8_scale_mode != kFp8ScaleIeee && fp8_scale_mode != kFp8ScaleXlaGpu &&
-      fp8_scale_mode != kFp8ScaleUe8m0)
+  if (!IsFp8ScaleMode(fp8_scale_mode))
     return InvalidArgument(o + ": fp8_scale_mode must be an Fp8ScaleMode (jax_ep/abi.py)");
   a->x = x.untyped_data();
   a->x_row_bytes = static_cast<long long>(x.size_bytes() / (T > 0 ? T : 1));
@@ -52,11 +66,8 @@ ffi::Error DispatchHandleArgs(const std::string& o, int R, int T, int C,
                               ffi::Buffer<ffi::S32> row_src, ffi::Buffer<ffi::S32> slot_row,
                               ffi::Buffer<ffi::PRED> send_mask, int32_t align, int32_t zero_tail,
                               int32_t chunk, DispatchArgs* a) {
-  auto sd = slot_row.dimensions();
-  if (sd.size() != 3 || sd[0] != R || sd[1] != T)
-    return InvalidArgument(o + ": slot_row must be [R, T, K] with R = EP group size");
-  const int K = static_cast<int>(sd[2]);
-  if (K > 32) return InvalidArgument(o + ": top-k above 32 is not supported natively");
+  int K = 0;
+  JAX_EP_RETURN_IF_ERROR(SlotRowArgs(o, R, T, slot_row, &K));
   if (row_src.element_count() != static_cast<size_t>(C))
     return InvalidArgument(o + ": row_src must be [C]");
   if (send_mask.element_count() != static_cast<size_t>(T) * R)
@@ -88,11 +99,8 @@ ffi::Error CombineArgsOf(const std::string& o, int R, ffi::AnyBuffer y,
     return InvalidArgument(o + ": out dtype must equal y dtype");
   const int C = static_cast<int>(yd[0]);
   const int T = static_cast<int>(od[0]);
-  auto sd = slot_row.dimensions();
-  if (sd.size() != 3 || sd[0] != R || sd[1] != T)
-    return InvalidArgument(o + ": slot_row must be [R, T, K] with R = EP group size");
-  const int K = static_cast<int>(sd[2]);
-  if (K > 32) return InvalidArgument(o + ": top-k above 32 is not supported natively");
+  int K = 0;
+  JAX_EP_RETURN_IF_ERROR(SlotRowArgs(o, R, T, slot_row, &K));
   if (recv_local_idx.element_count() != slot_row.element_count())
     return InvalidArgument(o + ": recv_local_idx must be [R, T, K]");
   if (send_mask.element_count() != static_cast<size_t>(T) * R)
@@ -100,12 +108,8 @@ ffi::Error CombineArgsOf(const std::string& o, int R, ffi::AnyBuffer y,
   if (weighted && row_weights.element_count() != static_cast<size_t>(C))
     return InvalidArgument(o + ": row_weights must be [C]");
   if (chunk < 0) return InvalidArgument(o + ": chunk must be >= 0 (0: the kernel default)");
-  switch (y.element_type()) {
-    case ffi::DataType::BF16: a->dtype = kBf16; break;
-    case ffi::DataType::F16: a->dtype = kF16; break;
-    case ffi::DataType::F32: a->dtype = kF32; break;
-    default: return InvalidArgument(o + ": y must be bf16, f16 or f32");
-  }
+  if (!RowDtypeOf(y.element_type(), &a->dtype))
+    return InvalidArgument(o + ": y must be bf16, f16 or f32");
   a->y = y.untyped_data();
   a->W = static_cast<int>(yd[1]);
   a->row_bytes =

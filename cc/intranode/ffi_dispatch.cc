@@ -95,12 +95,8 @@ ffi::Error CombineBwdImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer g,
 
   DispatchArgs a;
   LaunchConfig lc;
-  switch (y.element_type()) {
-    case ffi::DataType::BF16: a.dtype = kBf16; break;
-    case ffi::DataType::F16: a.dtype = kF16; break;
-    case ffi::DataType::F32: a.dtype = kF32; break;
-    default: return InvalidArgument("combine_bwd: y must be bf16, f16 or f32");
-  }
+  if (!RowDtypeOf(y.element_type(), &a.dtype))
+    return InvalidArgument("combine_bwd: y must be bf16, f16 or f32");
   a.peers = peers;
   a.mode = kDispatchCombineBwd;
   a.x = g.untyped_data();

@@ -1,13 +1,14 @@
 // Host side of launch_config.h.
 #include "intranode/launch_config.h"
 
+#include "common/launch.h"
+
 namespace jax_ep {
 
 LaunchConfig make_launch_config(OpKind op, int num_tokens, int num_sms_requested, int device_sms,
                                 int chunk) {
   LaunchConfig lc;
-  int sms = num_sms_requested > 0 ? num_sms_requested : device_sms;
-  if (sms > device_sms) sms = device_sms;
+  int sms = sm_budget(num_sms_requested, device_sms);
   if (sms < 1) sms = 1;
   lc.send_warps = 8;
   lc.recv_warps = 8;

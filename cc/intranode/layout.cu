@@ -1,5 +1,7 @@
 #include "intranode/layout.h"
 
+#include "common/launch.h"
+
 namespace jax_ep {
 namespace {
 
@@ -64,10 +66,9 @@ cudaError_t launch_layout(const int32_t* topk_idx, int64_t T, int64_t K, int32_t
   size_t smem = use_smem ? sizeof(int32_t) * (E + R) : 0;
   int64_t blocks = (T + kThreads - 1) / kThreads;
   if (blocks > 1024) blocks = 1024;
-  layout_kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(
-      topk_idx, T, static_cast<int>(K), E, R, E / R, use_smem, tokens_per_rank, tokens_per_expert,
-      is_token_in_rank);
-  return cudaGetLastError();
+  return launch({static_cast<int>(blocks), kThreads, smem, stream}, layout_kernel, topk_idx, T,
+                static_cast<int>(K), E, R, E / R, use_smem, tokens_per_rank, tokens_per_expert,
+                is_token_in_rank);
 }
 
 }  // namespace jax_ep

@@ -30,6 +30,7 @@
 
 #include "common/ffi_common.h"
 #include "common/graph_capture.h"
+#include "common/launch.h"
 #include "low_latency/kernels.h"
 
 namespace jax_ep {
@@ -76,6 +77,17 @@ ffi::Error LlLayoutFor(const char* op, const PeerTable& peers, int E, int K, int
   return ffi::Error::Success();
 }
 
+// An expert-major buffer [L, R*Tmax, H] (`what`: "<op>: <name>") of the
+// region's Tmax: checked, its L and H.
+ffi::Error ExpertRows(const char* what, ffi::Span<const int64_t> d, int R, int* L, int* H) {
+  if (d.size() != 3) return InvalidArgument(std::string(what) + " must be [L, R*Tmax, H]");
+  *L = static_cast<int>(d[0]);
+  *H = static_cast<int>(d[2]);
+  if (d[1] != static_cast<int64_t>(R) * ll_region_shape(*runtime()).Tmax)
+    return InvalidArgument(std::string(what) + " must be [L, R*Tmax, H] with the region's Tmax");
+  return ffi::Error::Success();
+}
+
 // Bit r set: rank r is reached by puts, under transport (see the top).
 ffi::Error LlPutMask(int32_t transport, const PeerTable& p, unsigned int* mask) {
   *mask = 0;
@@ -118,9 +130,8 @@ ffi::Error LlBegin(cudaStream_t stream, int32_t device, ffi::Span<const int32_t>
   JAX_EP_RETURN_IF_ERROR(
       GetPeerTable(ep_groups, num_ranks, device, peers, transport != kLlTransportP2p));
   JAX_EP_RETURN_IF_ERROR(LlPutMask(transport, *peers, put_mask));
-  const int sms = runtime()->sms_of(device);
   if (num_sms < 0) return InvalidArgument("low-latency: num_sms must be >= 0 (0: every SM)");
-  g->num_blocks = num_sms > 0 && num_sms < sms ? num_sms : sms;
+  g->num_blocks = sm_budget(num_sms, runtime()->sms_of(device));
   g->warps = kLlWarps;
   return ffi::Error::Success();
 }
@@ -152,8 +163,7 @@ ffi::Error LlDispatchSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
     if (x.element_type() != want)
       return InvalidArgument("low_latency_dispatch: x dtype does not match the cast mode");
     if (H % 128) return InvalidArgument("low_latency_dispatch: fp8 needs H % 128 == 0");
-    if (fp8_scale_mode != kFp8ScaleIeee && fp8_scale_mode != kFp8ScaleXlaGpu &&
-        fp8_scale_mode != kFp8ScaleUe8m0)
+    if (!IsFp8ScaleMode(fp8_scale_mode))
       return InvalidArgument("low_latency_dispatch: fp8_scale_mode must be an Fp8ScaleMode");
   } else if (mode != kDispatchCopy) {
     return InvalidArgument("low_latency_dispatch: unknown mode");
@@ -195,11 +205,8 @@ ffi::Error LlDispatchRecvImpl(cudaStream_t stream, int32_t device, ffi::Buffer<f
                                  &peers, &a.put_mask, &g));
   const int R = peers.num_ranks;
   auto od = out->dimensions();
-  if (od.size() != 3) return InvalidArgument("low_latency_dispatch: out must be [L, R*Tmax, H]");
-  const int L = static_cast<int>(od[0]), H = static_cast<int>(od[2]);
-  const Runtime* rt = runtime();
-  if (od[1] != static_cast<int64_t>(R) * ll_region_shape(*rt).Tmax)
-    return InvalidArgument("low_latency_dispatch: out must be [L, R*Tmax, H] with the region's Tmax");
+  int L = 0, H = 0;
+  JAX_EP_RETURN_IF_ERROR(ExpertRows("low_latency_dispatch: out", od, R, &L, &H));
   const long long row_bytes = static_cast<long long>(ffi::ByteWidth(out->element_type())) * H;
   const long long s_row_bytes =
       static_cast<long long>(out_scales->element_count() / (od[0] * od[1] > 0 ? od[0] * od[1] : 1)) * 4;
@@ -240,17 +247,14 @@ ffi::Error LlCombineSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
                                  &peers, &a.put_mask, &g));
   const int R = peers.num_ranks;
   auto yd = y.dimensions();
-  if (yd.size() != 3) return InvalidArgument("low_latency_combine: y must be [L, R*Tmax, H]");
-  const int L = static_cast<int>(yd[0]), H = static_cast<int>(yd[2]);
-  if (yd[1] != static_cast<int64_t>(R) * ll_region_shape(*runtime()).Tmax)
-    return InvalidArgument("low_latency_combine: y must be [L, R*Tmax, H] with the region's Tmax");
+  int L = 0, H = 0;
+  JAX_EP_RETURN_IF_ERROR(ExpertRows("low_latency_combine: y", yd, R, &L, &H));
   if (info.element_count() != static_cast<size_t>(yd[0] * yd[1]) ||
       src_count.element_count() != static_cast<size_t>(L) * R)
     return InvalidArgument("low_latency_combine: info must be [L, R*Tmax] and src_count [L, R]");
-  switch (y.element_type()) {
-    case ffi::DataType::BF16: case ffi::DataType::F16: case ffi::DataType::F32: break;
-    default: return InvalidArgument("low_latency_combine: y must be bf16, f16 or f32");
-  }
+  int dtype = 0;
+  if (!RowDtypeOf(y.element_type(), &dtype))
+    return InvalidArgument("low_latency_combine: y must be bf16, f16 or f32");
   const long long comb_row = static_cast<long long>(ffi::ByteWidth(y.element_type())) * H;
   JAX_EP_RETURN_IF_ERROR(LlLayoutFor("low_latency_combine", peers, L * R, topk, H, 0, 0, 0,
                                      comb_row, &a.lay));
@@ -280,12 +284,8 @@ ffi::Error LlCombineRecvImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ff
     return InvalidArgument("low_latency_combine: slot / weights must be [T, K] and out [T, H]");
   const int T = static_cast<int>(sd[0]), K = static_cast<int>(sd[1]);
   const int H = static_cast<int>(od[1]);
-  switch (out->element_type()) {
-    case ffi::DataType::BF16: a.dtype = kBf16; break;
-    case ffi::DataType::F16: a.dtype = kF16; break;
-    case ffi::DataType::F32: a.dtype = kF32; break;
-    default: return InvalidArgument("low_latency_combine: out must be bf16, f16 or f32");
-  }
+  if (!RowDtypeOf(out->element_type(), &a.dtype))
+    return InvalidArgument("low_latency_combine: out must be bf16, f16 or f32");
   const long long comb_row = static_cast<long long>(ffi::ByteWidth(out->element_type())) * H;
   JAX_EP_RETURN_IF_ERROR(LlLayoutFor("low_latency_combine", peers, num_experts, K, H, T, 0, 0,
                                      comb_row, &a.lay));

@@ -51,6 +51,7 @@
 #include <type_traits>
 
 #include "common/fp8_cast.cuh"
+#include "common/launch.h"
 #include "common/row_copy.cuh"
 #include "common/sync.cuh"
 #include "low_latency/kernels.h"
@@ -516,10 +517,15 @@ bool sends_ok(unsigned int put_mask, int R, const LlLayout& y) {
   return mask_ok(put_mask, R) && (!put_mask || y.comb_stage_rows > 0);
 }
 
+// One block of g per SM (or the budget), `smem` dynamic shared memory.
+KernelLaunch ll_launch(const LlGrid& g, size_t smem, cudaStream_t s) {
+  return {g.num_blocks, 32 * g.warps, smem, s};
+}
+
 template <int MODE>
-void dispatch_send(const LlDispatchSendArgs& a, dim3 grid, dim3 block, cudaStream_t s) {
-  if (a.put_mask) ll_dispatch_send_kernel<MODE, true><<<grid, block, 0, s>>>(a);
-  else ll_dispatch_send_kernel<MODE, false><<<grid, block, 0, s>>>(a);
+cudaError_t dispatch_send(const LlDispatchSendArgs& a, const KernelLaunch& k) {
+  if (a.put_mask) return launch(k, ll_dispatch_send_kernel<MODE, true>, a);
+  return launch(k, ll_dispatch_send_kernel<MODE, false>, a);
 }
 
 }  // namespace
@@ -569,13 +575,12 @@ cudaError_t launch_ll_dispatch_send(const LlDispatchSendArgs& a, const LlGrid& g
                 a.lay.row_bytes != a.hidden)) ||
       (!cast && (a.mode != kDispatchCopy || a.lay.row_bytes != a.x_row_bytes)))
     return cudaErrorInvalidValue;
-  const dim3 grid(g.num_blocks), block(32 * g.warps);
+  const KernelLaunch k = ll_launch(g, 0, s);
   switch (a.mode) {
-    case kDispatchCastBf16: dispatch_send<kDispatchCastBf16>(a, grid, block, s); break;
-    case kDispatchCastF32: dispatch_send<kDispatchCastF32>(a, grid, block, s); break;
-    default: dispatch_send<kDispatchCopy>(a, grid, block, s); break;
+    case kDispatchCastBf16: return dispatch_send<kDispatchCastBf16>(a, k);
+    case kDispatchCastF32: return dispatch_send<kDispatchCastF32>(a, k);
+    default: return dispatch_send<kDispatchCopy>(a, k);
   }
-  return cudaGetLastError();
 }
 
 cudaError_t launch_ll_dispatch_recv(const LlDispatchRecvArgs& a, const LlGrid& g, cudaStream_t s) {
@@ -583,8 +588,7 @@ cudaError_t launch_ll_dispatch_recv(const LlDispatchRecvArgs& a, const LlGrid& g
   if (!grid_ok(g) || !rows_ok(a.lay) || a.lay.L < 1 || LR > kLlMaxBlocksLR ||
       !mask_ok(a.put_mask, a.peers.num_ranks))
     return cudaErrorInvalidValue;
-  ll_dispatch_recv_kernel<<<g.num_blocks, 32 * g.warps, (LR + 1) * sizeof(int), s>>>(a);
-  return cudaGetLastError();
+  return launch(ll_launch(g, (LR + 1) * sizeof(int), s), ll_dispatch_recv_kernel, a);
 }
 
 cudaError_t launch_ll_combine_send(const LlCombineSendArgs& a, const LlGrid& g, cudaStream_t s) {
@@ -592,10 +596,9 @@ cudaError_t launch_ll_combine_send(const LlCombineSendArgs& a, const LlGrid& g, 
   if (!grid_ok(g) || !rows_ok(a.lay) || a.lay.L < 1 || LR > kLlMaxBlocksLR || a.lay.K < 1 ||
       a.lay.K > kLlMaxTopk || !sends_ok(a.put_mask, a.peers.num_ranks, a.lay))
     return cudaErrorInvalidValue;
-  const size_t smem = (LR + 1) * sizeof(int);
-  if (a.put_mask) ll_combine_send_kernel<true><<<g.num_blocks, 32 * g.warps, smem, s>>>(a);
-  else ll_combine_send_kernel<false><<<g.num_blocks, 32 * g.warps, smem, s>>>(a);
-  return cudaGetLastError();
+  const KernelLaunch k = ll_launch(g, (LR + 1) * sizeof(int), s);
+  if (a.put_mask) return launch(k, ll_combine_send_kernel<true>, a);
+  return launch(k, ll_combine_send_kernel<false>, a);
 }
 
 cudaError_t launch_ll_combine_recv(const LlCombineRecvArgs& a, const LlGrid& g, cudaStream_t s) {
@@ -603,23 +606,19 @@ cudaError_t launch_ll_combine_recv(const LlCombineRecvArgs& a, const LlGrid& g, 
   if (!grid_ok(g) || !rows_ok(a.lay) || a.lay.K < 1 || a.lay.K > kLlMaxTopk || a.T < 0 ||
       a.T > a.lay.Tmax || !mask_ok(a.put_mask, a.peers.num_ranks))
     return cudaErrorInvalidValue;
-  const dim3 grid(g.num_blocks), block(32 * g.warps);
+  const KernelLaunch k = ll_launch(g, 0, s);
   switch (a.dtype) {
     case kBf16:
       if (a.lay.comb_row_bytes % 2) return cudaErrorInvalidValue;
-      ll_combine_recv_kernel<__nv_bfloat16><<<grid, block, 0, s>>>(a);
-      break;
+      return launch(k, ll_combine_recv_kernel<__nv_bfloat16>, a);
     case kF16:
       if (a.lay.comb_row_bytes % 2) return cudaErrorInvalidValue;
-      ll_combine_recv_kernel<__half><<<grid, block, 0, s>>>(a);
-      break;
+      return launch(k, ll_combine_recv_kernel<__half>, a);
     case kF32:
       if (a.lay.comb_row_bytes % 4) return cudaErrorInvalidValue;
-      ll_combine_recv_kernel<float><<<grid, block, 0, s>>>(a);
-      break;
+      return launch(k, ll_combine_recv_kernel<float>, a);
     default: return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
 }
 
 }  // namespace jax_ep

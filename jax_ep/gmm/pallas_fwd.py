@@ -81,6 +81,70 @@ def gmm_pallas(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
     return kernel(rs, r0, r1, grp, x, w)
 
 
+def _ws_tables(offsets, m, bm):
+    """The 2-consumer kernel's row-tile table (:func:`row_tiles`) and its int32
+    ``[group tiles, tail tiles]`` counts (tiles in use, group tiles first)."""
+    rs, r0, r1, grp = row_tiles(offsets, m, bm)
+    used = r1 > r0
+    counts = jnp.stack([jnp.sum(used & (grp >= 0)), jnp.sum(used & (grp < 0))]).astype(jnp.int32)
+    return counts, rs, r0, r1, grp
+
+
+def _ws_store(pl, plgpu, o_smem, o_ref, row_refs, wg, bm, bn):
+    """``store(fi, ni, val)``: consumer ``wg``'s ``bm x bn`` f32 half of the
+    output tile (row tile ``fi``, column tile ``ni``) to HBM through its one
+    shared-memory slot, in ``EPILOGUE_ROWS`` row chunks, one after the other;
+    only the row tile's rows ``[lo, hi)`` are stored."""
+    rs_ref, r0_ref, r1_ref = row_refs
+    rows = EPILOGUE_ROWS
+    top = 1 << int(math.log2(rows))
+
+    def store(fi, ni, val):
+        lo, hi = r0_ref[fi], r1_ref[fi]
+        row0 = pl.multiple_of(rs_ref[fi], 8)
+        col = pl.multiple_of(ni * (2 * bn) + wg * bn, bn)
+        for c in range(bm // rows):   # the tile's row chunks, one after the other
+            c0 = row0 + c * rows
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # our slot is free
+            o_smem[wg] = val[c * rows:(c + 1) * rows].astype(o_smem.dtype)
+            plgpu.commit_smem()
+            store_rows(pl, plgpu, o_smem.at[wg], o_ref.at[:, pl.ds(col, bn)],
+                       jnp.clip(lo, c0, c0 + rows), jnp.clip(hi, c0, c0 + rows), c0, top)
+    return store
+
+
+def _ws_step(pl, plgpu, wg, tile, store, ksteps, bm, bn, transpose_rhs, interpret):
+    """Pipeline body of the 2-consumer forward/dx kernel: consumer ``wg``'s
+    wgmma on its ``block_n`` half of the staged ``w`` tile; on a tile's last
+    k-step store the accumulator and reset it."""
+    def step(idx, x_smem, w_smem, carry):
+        j, kk = idx
+        acc_ref = carry[0] if interpret else carry
+        cols = pl.ds(pl.multiple_of(wg * bn, bn), bn)
+        rhs = (transposed(plgpu, w_smem.at[cols, :]) if transpose_rhs
+               else w_smem.at[:, cols])
+        plgpu.wgmma(acc_ref, x_smem, rhs)
+        # wait(0), no delay_release: a stage held one step longer for an
+        # in-flight wgmma is a stage fewer of loads in flight (measured:
+        # with delay_release=1 and 3 stages, 5-30% slower than per-tile).
+        plgpu.wgmma_wait(0)
+        return flush_on_last_step(pl, plgpu, carry, kk == ksteps - 1,
+                                  lambda val: store(*tile(j), val), interpret, (bm, bn))
+    return step
+
+
+def _ws_tail(pl, plgpu, cnt_ref, n_grp, store, sm, nsm, grid_n, bm, bn):
+    """The tail tiles (rows past the ``n_grp`` group tiles) dealt round-robin
+    to the SMs: zeros, no matmul; then wait for this consumer's stores."""
+    @pl.loop(0, round_robin_count(cnt_ref[1] * grid_n, sm, nsm))
+    def _(j):
+        t = sm + j * nsm
+        store(n_grp + lax.div(t, jnp.int32(grid_n)), lax.rem(t, jnp.int32(grid_n)),
+              jnp.zeros((bm, bn), jnp.float32))
+
+    plgpu.wait_smem_to_gmem(0)
+
+
 def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
     """Forward / dx with two consumer warpgroups and a producer warpgroup,
     ONE pipeline per SM across all of its tiles.
@@ -104,13 +168,9 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
     steps, band = tiles.stages, tiles.band
     m, k = x.shape
     n = w.shape[1] if transpose_rhs else w.shape[2]
-    rs, r0, r1, grp = row_tiles(offsets, m, bm)
-    used = r1 > r0
-    counts = jnp.stack([jnp.sum(used & (grp >= 0)), jnp.sum(used & (grp < 0))]).astype(jnp.int32)
+    tables = _ws_tables(offsets, m, bm)
     grid_n, ksteps = n // (2 * bn), k // bk
     nsm = num_sms(interpret)
-    rows = EPILOGUE_ROWS
-    top = 1 << int(math.log2(rows))
     tr, _ = dw_transforms(plgpu, x.dtype, bk, bn)
     w_block = (None, 2 * bn, bk) if transpose_rhs else (None, bk, 2 * bn)
 
@@ -131,33 +191,9 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
 
         def scoped(o_smem):
             wg = lax.axis_index("wg")
-
-            def store(fi, ni, val):
-                lo, hi = r0_ref[fi], r1_ref[fi]
-                row0 = pl.multiple_of(rs_ref[fi], 8)
-                col = pl.multiple_of(ni * (2 * bn) + wg * bn, bn)
-                for c in range(bm // rows):   # the tile's row chunks, one after the other
-                    c0 = row0 + c * rows
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # our slot is free
-                    o_smem[wg] = val[c * rows:(c + 1) * rows].astype(o_smem.dtype)
-                    plgpu.commit_smem()
-                    store_rows(pl, plgpu, o_smem.at[wg], o_ref.at[:, pl.ds(col, bn)],
-                               jnp.clip(lo, c0, c0 + rows), jnp.clip(hi, c0, c0 + rows), c0, top)
-
-            def step(idx, x_smem, w_smem, carry):
-                j, kk = idx
-                acc_ref = carry[0] if interpret else carry
-                cols = pl.ds(pl.multiple_of(wg * bn, bn), bn)
-                rhs = (transposed(plgpu, w_smem.at[cols, :]) if transpose_rhs
-                       else w_smem.at[:, cols])
-                plgpu.wgmma(acc_ref, x_smem, rhs)
-                # wait(0), no delay_release: a stage held one step longer for an
-                # in-flight wgmma is a stage fewer of loads in flight (measured:
-                # with delay_release=1 and 3 stages, 5-30% slower than per-tile).
-                plgpu.wgmma_wait(0)
-                return flush_on_last_step(pl, plgpu, carry, kk == ksteps - 1,
-                                          lambda val: store(*tile(j), val), interpret, (bm, bn))
-
+            store = _ws_store(pl, plgpu, o_smem, o_ref, (rs_ref, r0_ref, r1_ref), wg, bm, bn)
+            step = _ws_step(pl, plgpu, wg, tile, store, ksteps, bm, bn, transpose_rhs,
+                            interpret)
             mine = round_robin_count(n_grp * grid_n, sm, nsm)
 
             @pl.when(mine > 0)
@@ -171,16 +207,11 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
                 )(x_ref, w_ref)
 
             @pl.when(wg < 2)
-            def _():   # tail tiles (rows past the groups): zeros, no matmul
-                @pl.loop(0, round_robin_count(cnt_ref[1] * grid_n, sm, nsm))
-                def _(j):
-                    t = sm + j * nsm
-                    store(n_grp + lax.div(t, jnp.int32(grid_n)), lax.rem(t, jnp.int32(grid_n)),
-                          jnp.zeros((bm, bn), jnp.float32))
+            def _():
+                _ws_tail(pl, plgpu, cnt_ref, n_grp, store, sm, nsm, grid_n, bm, bn)
 
-                plgpu.wait_smem_to_gmem(0)
-
-        pl.run_scoped(scoped, plgpu.SMEM((2, rows, bn), out_dtype), collective_axes="wg")
+        pl.run_scoped(scoped, plgpu.SMEM((2, EPILOGUE_ROWS, bn), out_dtype),
+                      collective_axes="wg")
 
     kernel = plgpu.kernel(
         body,
@@ -191,4 +222,4 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
         thread_name="wg",
         **kernel_params(plgpu, interpret),
     )
-    return kernel(counts, rs, r0, r1, grp, x, w)
+    return kernel(*tables, x, w)

@@ -14,9 +14,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _ffi, abi, ffi_attrs, hosts, routing, runtime
+from .. import _ffi, abi, ffi_attrs, hosts, runtime
 from ..config import EpConfig
-from ..intranode import layout as _layout
+from ..intranode import native as intranode_native
 from ..types import Handle
 
 
@@ -49,13 +49,8 @@ def _check_region(op: str, R: int, cfg: EpConfig, nodes: int) -> None:
 
 
 def _net_transport(cfg: EpConfig) -> np.int32:
-    """The net_transport attribute; "put" needs NVSHMEM PEs (said here, at trace
-    time, rather than by the handler at run time)."""
-    if cfg.net_transport == "put" and runtime.symmetric_memory() == "peer_memory":
-        raise ValueError("jax_ep native internode: EpConfig.net_transport='put' needs the NVSHMEM "
-                         "transport; the runtime uses peer memory (one process, several GPUs: "
-                         "no PEs to put to). Use 'auto' or 'p2p'")
-    return np.int32(abi.net_transport(cfg.net_transport))
+    return ffi_attrs.transport("jax_ep native internode", "EpConfig.net_transport",
+                               cfg.net_transport, abi.net_transport(cfg.net_transport))
 
 
 def dispatch_raw(x, x_scales, handle: Handle, cfg: EpConfig, *, cast_fp8: bool = False,
@@ -98,31 +93,14 @@ def combine_raw(y, row_weights, handle: Handle, cfg: EpConfig, *, num_sms=None):
     return out
 
 
-class InternodeBackend:
-    """Rows through the internode kernels; routing and weights as intranode."""
+class InternodeBackend(intranode_native.NativeBackend):
+    """Rows through the internode kernels; routing, weights and the layout as
+    intranode."""
 
-    name = "native"
-    router = routing.XlaRouter()
+    _dispatch = staticmethod(dispatch_raw)
+    _combine = staticmethod(combine_raw)
 
-    def unavailable(self, cfg: EpConfig):
-        """None when the runtime is up, else the error a native call raises."""
-        return None if runtime.is_initialized() else runtime.not_initialized_error()
-
-    def layout(self, topk_idx, cfg: EpConfig, R: int):
-        return _layout.layout(topk_idx, cfg, R)
-
-    def dispatch_rows(self, x, x_scales, handle: Handle, cfg: EpConfig):
-        return dispatch_raw(x, x_scales, handle, cfg)
-
-    def dispatch_rows_fp8(self, x, handle: Handle, cfg: EpConfig):
-        return dispatch_raw(x, None, handle, cfg, cast_fp8=True)
-
-    def combine_rows(self, y, row_weights, handle: Handle, cfg: EpConfig):
-        return combine_raw(y, row_weights, handle, cfg)
-
-    def combine_backward(self, g, y, w, handle: Handle, cfg: EpConfig):
-        if w is None or handle.layout != "expert_major":  # rank_major: a dispatch of g
-            return dispatch_raw(g, None, handle, cfg)[0].astype(y.dtype), None
+    def _weighted_combine_backward(self, g, y, w, handle: Handle, cfg: EpConfig):
         # No fused internode kernel: the internode dispatch of g, then the
         # reference's dy / dw in XLA ([C, W] f32 temporaries, as the reference).
         g_rows = dispatch_raw(g.astype(y.dtype), None, handle, cfg)[0].astype(jnp.float32)

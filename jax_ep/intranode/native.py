@@ -156,10 +156,14 @@ class NativeBackend:
     bytes per token) through the shared routing (``jax_ep.routing``) over XLA's
     all_to_all, which is faster for them than a kernel launch with its flag
     round (a native all-gather variant measured slower for ``route`` at
-    V3-train and was deleted: bench/results/README.md, "Deleted variants")."""
+    V3-train and was deleted: bench/results/README.md, "Deleted variants").
+    The internode backend is this one with its own row calls."""
 
     name = "native"
     router = routing.XlaRouter()
+    # the family's row calls (dispatch_raw / combine_raw signatures)
+    _dispatch = staticmethod(dispatch_raw)
+    _combine = staticmethod(combine_raw)
 
     def unavailable(self, cfg: EpConfig):
         """None when the runtime is up, else the error a native call raises."""
@@ -170,20 +174,23 @@ class NativeBackend:
 
     def dispatch_rows(self, x, x_scales, handle: Handle, cfg: EpConfig):
         # Pure data movement (also the backward of combine): never casts.
-        return dispatch_raw(x, x_scales, handle, cfg)
+        return self._dispatch(x, x_scales, handle, cfg)
 
     def dispatch_rows_fp8(self, x, handle: Handle, cfg: EpConfig):
         """bf16/f32 ``x [T, H]`` -> (fp8 ``[C, H]``, scales ``[C, H/128]``), cast in
         the send kernel with ``jax_ep.fp8_cast``'s arithmetic (bit-identical to
         ``dispatch_rows(*fp8_cast(x))``, one pass over x)."""
-        return dispatch_raw(x, None, handle, cfg, cast_fp8=True)
+        return self._dispatch(x, None, handle, cfg, cast_fp8=True)
 
     def combine_rows(self, y, row_weights, handle: Handle, cfg: EpConfig):
-        return combine_raw(y, row_weights, handle, cfg)
+        return self._combine(y, row_weights, handle, cfg)
 
     def combine_backward(self, g, y, w, handle: Handle, cfg: EpConfig):
         if w is None or handle.layout != "expert_major":  # rank_major: a dispatch of g
-            return dispatch_raw(g, None, handle, cfg)[0].astype(y.dtype), None
+            return self._dispatch(g, None, handle, cfg)[0].astype(y.dtype), None
+        return self._weighted_combine_backward(g, y, w, handle, cfg)
+
+    def _weighted_combine_backward(self, g, y, w, handle: Handle, cfg: EpConfig):
         # combine's output is in y's dtype, so its cotangent is too
         return combine_bwd_raw(g.astype(y.dtype), y, w, handle, cfg)
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from ..config import BACKENDS, LL_TRANSPORTS, EpConfig, KernelTuning, one_of, positive_int
+from ..config import (BACKENDS, LL_TRANSPORTS, EpConfig, KernelTuning, local_experts, one_of,
+                      positive_int)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,11 +68,7 @@ class LowLatencyConfig:
 
     def local_experts(self, num_ranks: int) -> int:
         """L = E / R, checked."""
-        if self.num_experts % num_ranks != 0:
-            raise ValueError(
-                f"num_experts ({self.num_experts}) must be divisible by the size of "
-                f"axis {self.axis_name!r} ({num_ranks})")
-        return self.num_experts // num_ranks
+        return local_experts(self, num_ranks)
 
 
 def of(config) -> LowLatencyConfig:

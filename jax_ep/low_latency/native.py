@@ -35,13 +35,8 @@ def _num_sms(cfg: LowLatencyConfig) -> np.int32:
 
 
 def _transport(cfg: LowLatencyConfig) -> np.int32:
-    """The ll_transport attribute; "put" needs NVSHMEM PEs (said here, at trace
-    time, rather than by the handler at run time)."""
-    if cfg.ll_transport == "put" and runtime.symmetric_memory() == "peer_memory":
-        raise ValueError("jax_ep low-latency mode: ll_transport='put' needs the NVSHMEM "
-                         "transport; the runtime uses peer memory (one process, several GPUs: "
-                         "no PEs to put to). Use 'auto' or 'p2p'")
-    return np.int32(abi.ll_transport(cfg.ll_transport))
+    return ffi_attrs.transport("jax_ep low-latency mode", "ll_transport", cfg.ll_transport,
+                               abi.ll_transport(cfg.ll_transport))
 
 
 def dispatch_send(x, idx, slot, per_expert, cfg: LowLatencyConfig, R: int, fp8: bool,
