@@ -93,14 +93,14 @@ def _check_rows(operand, output):
                         f"({output.dtype}) must have one dtype")
 
 
-def _row_bytes(x) -> int:
-    """Bytes of one row; 0 for sub-byte dtypes (the native kernel copies whole bytes)."""
+def _row_bytes(x):
+    """Bytes of one row; None for sub-byte dtypes (the native kernel copies whole bytes)."""
     dt = jnp.dtype(x.dtype)
     try:
         bits = (jnp.finfo(dt) if jnp.issubdtype(dt, jnp.floating) else jnp.iinfo(dt)).bits
     except ValueError:   # bool, complex: whole bytes
         bits = dt.itemsize * 8
-    return math.prod(x.shape[1:]) * bits // 8 if bits % 8 == 0 else 0
+    return math.prod(x.shape[1:]) * bits // 8 if bits % 8 == 0 else None
 
 
 def _call(operand, output, ints, axis_name, axis_index_groups, config) -> RaggedCall:

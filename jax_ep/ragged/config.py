@@ -58,7 +58,8 @@ class RaggedCall:
       num_ranks: R, ranks of one group.
       slices: S = K / R, slices sent to each rank (K: length of the offset arrays).
       in_rows, out_rows: N and M, leading sizes of ``operand`` and ``output``.
-      row_bytes: bytes of one row (every dimension after the first).
+      row_bytes: bytes of one row (every dimension after the first); None for
+        sub-byte dtypes.
     """
 
     config: RaggedConfig
@@ -68,7 +69,7 @@ class RaggedCall:
     slices: int
     in_rows: int
     out_rows: int
-    row_bytes: int
+    row_bytes: Optional[int]
 
     @property
     def backend(self) -> str:   # what jax_ep.backend.select reads
@@ -76,8 +77,8 @@ class RaggedCall:
 
     @property
     def in_bytes(self) -> int:
-        return self.in_rows * self.row_bytes
+        return self.in_rows * (self.row_bytes or 0)
 
     @property
     def out_bytes(self) -> int:
-        return self.out_rows * self.row_bytes
+        return self.out_rows * (self.row_bytes or 0)

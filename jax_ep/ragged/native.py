@@ -45,7 +45,7 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
 def _shape_error(call: RaggedCall, cap: int):
     """Why the call's shapes do not fit the kernel or the live region (None: they do)."""
     C = extension.load()
-    if call.row_bytes == 0:
+    if call.row_bytes is None:
         return TypeError("jax_ep.ragged_all_to_all (native): sub-byte dtypes (int4, fp4, ...) "
                          "are not supported; use the reference backend or a byte-sized dtype")
     if call.num_ranks > C.MAX_RANKS:
