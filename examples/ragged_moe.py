@@ -252,7 +252,9 @@ def train(args, verbose: bool = True) -> dict:
             line += f"  lax {float(loss_lax):.6f}"
         say(line)
     if lax_step:
-        say(f"losses equal to lax's: {res['losses'] == res['lax_losses']}")
+        diff = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(res["losses"], res["lax_losses"]))
+        say(f"losses equal to lax's: {res['losses'] == res['lax_losses']} (largest relative "
+            f"difference {diff:.3g})")
     return res
 
 
