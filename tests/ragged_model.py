@@ -107,4 +107,4 @@ def random_case(rng, R, N, M, S=1, feature=(), dtype=np.float32, groups=None, fi
 def _values(rng, shape, dtype):
     if np.issubdtype(np.dtype(dtype), np.integer):
         return rng.integers(-1000, 1000, size=shape).astype(dtype)
-    return rng.standard_normal(shape).astype(dtype)
+    return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
