@@ -25,6 +25,7 @@
   X("jax_ep_combine_bwd", JaxEpCombineBwd) \
   X("jax_ep_internode_dispatch", JaxEpInternodeDispatch) \
   X("jax_ep_internode_combine", JaxEpInternodeCombine) \
+  X("jax_ep_ragged_all_to_all", JaxEpRaggedAllToAll) \
   JAX_EP_GRAPH_TARGETS(X)              \
   /* dispatch / combine targets: append here (one X(...) per line) */
 

@@ -18,6 +18,7 @@
 #include "intranode/launch_config.h"
 #include "intranode/ring_layout.h"
 #include "low_latency/region_layout.h"
+#include "ragged/region_layout.h"
 #include "runtime/lifecycle.h"
 #include "runtime/runtime.h"
 #include "xla/ffi/api/api.h"
@@ -38,6 +39,7 @@ NB_MODULE(_C, m) {
   m.doc() = "jax_ep native runtime (NVSHMEM) and XLA FFI targets";
   m.attr("NOT_INITIALIZED_MESSAGE") = jax_ep::kNotInitialized;
   m.attr("MAX_RANKS") = jax_ep::kMaxRanks;
+  m.attr("RAGGED_MAX_SLICES") = jax_ep::kRaggedMaxSlices;
   m.attr("TESTING") = bool(JAX_EP_TESTING);
   // Codes the Python side passes as FFI attributes (one source: these enums).
   // Sizes (one source: intranode/ring_layout.h, low_latency/region_layout.h).
@@ -112,22 +114,29 @@ NB_MODULE(_C, m) {
   // inter_shape: (nodes, ranks, T, hidden) of the internode region, or all
   // zero for none (the default, as before the region existed).
   auto inter_of = [](const std::array<int, 4>& v) { return jax_ep::InterShape::of(v); };
+  // ragged_shape: (KiB of each area, 0, 0, 0) of the ragged region, or all zero for none.
+  auto ragged_of = [](const std::array<int, 4>& v) { return jax_ep::RaggedShape::of(v); };
+  constexpr std::array<int, 4> kNone = {0, 0, 0, 0};
   m.def("runtime_attach",
-        [ll_of, inter_of](int device, size_t bytes, std::array<int, 4> ll_shape,
-                          std::array<int, 4> inter_shape) {
+        [ll_of, inter_of, ragged_of](int device, size_t bytes, std::array<int, 4> ll_shape,
+                                     std::array<int, 4> inter_shape,
+                                     std::array<int, 4> ragged_shape) {
           nb::gil_scoped_release release;
-          jax_ep::runtime_attach(device, bytes, ll_of(ll_shape), inter_of(inter_shape));
+          jax_ep::runtime_attach(device, bytes, ll_of(ll_shape), inter_of(inter_shape),
+                                 ragged_of(ragged_shape));
         },
-        nb::arg("device"), nb::arg("bytes"), nb::arg("ll_shape"),
-        nb::arg("inter_shape") = std::array<int, 4>{0, 0, 0, 0});
+        nb::arg("device"), nb::arg("bytes"), nb::arg("ll_shape"), nb::arg("inter_shape") = kNone,
+        nb::arg("ragged_shape") = kNone);
   m.def("peer_memory_attach",
-        [ll_of, inter_of](std::vector<int> ordinals, size_t bytes, std::array<int, 4> ll_shape,
-                          std::array<int, 4> inter_shape) {
+        [ll_of, inter_of, ragged_of](std::vector<int> ordinals, size_t bytes,
+                                     std::array<int, 4> ll_shape, std::array<int, 4> inter_shape,
+                                     std::array<int, 4> ragged_shape) {
           nb::gil_scoped_release release;
-          jax_ep::peer_memory_attach(ordinals, bytes, ll_of(ll_shape), inter_of(inter_shape));
+          jax_ep::peer_memory_attach(ordinals, bytes, ll_of(ll_shape), inter_of(inter_shape),
+                                     ragged_of(ragged_shape));
         },
         nb::arg("ordinals"), nb::arg("bytes"), nb::arg("ll_shape"),
-        nb::arg("inter_shape") = std::array<int, 4>{0, 0, 0, 0},
+        nb::arg("inter_shape") = kNone, nb::arg("ragged_shape") = kNone,
         "Peer-memory transport: one zeroed buffer per CUDA device, peer access between all.");
   m.def("internode_region_bytes", &jax_ep::internode_region_bytes, nb::arg("nodes"),
         nb::arg("ranks"), nb::arg("tokens"), nb::arg("hidden"),
@@ -138,6 +147,13 @@ NB_MODULE(_C, m) {
         nb::arg("ll_shape"),
         "Bytes of the runtime's low-latency region for (E, Tmax, K, hidden) "
         "(low_latency/region_layout.h).");
+  m.def("ragged_region_size",
+        [ragged_of](std::array<int, 4> ragged_shape) {
+          return jax_ep::ragged_region_size(ragged_of(ragged_shape));
+        },
+        nb::arg("ragged_shape"),
+        "Bytes of the runtime's ragged region for (KiB of each area, 0, 0, 0) "
+        "(ragged/region_layout.h).");
   m.def("runtime_detach", [] {
     nb::gil_scoped_release release;
     jax_ep::runtime_detach();
@@ -229,6 +245,9 @@ NB_MODULE(_C, m) {
     d["inter_shape"] = nb::make_tuple(inter.shape[0], inter.shape[1], inter.shape[2],
                                       inter.shape[3]);
     d["inter_bytes"] = inter.bytes;
+    const jax_ep::BufferRegion& ragged = rt->region(jax_ep::kRegionRagged);
+    d["ragged_area_bytes"] = static_cast<long long>(ragged.shape[0]) * 1024;
+    d["ragged_bytes"] = ragged.bytes;
     return d;
   });
 }

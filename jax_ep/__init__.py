@@ -4,7 +4,8 @@ Per-rank functions, called inside ``jax.shard_map`` over ``EpConfig.axis_name``:
 :func:`dispatch`, :func:`combine`, :func:`get_dispatch_layout`, and the
 low-latency (decode) pair :func:`low_latency_dispatch` / :func:`low_latency_combine`
 and their send / receive halves, the hook (configured by a
-:class:`LowLatencyConfig` or an :class:`EpConfig`). The native
+:class:`LowLatencyConfig` or an :class:`EpConfig`), and
+:func:`ragged_all_to_all`, a drop-in for ``jax.lax.ragged_all_to_all``. The native
 backend (CUDA kernels over NVSHMEM, one GPU per process) is used after
 :func:`initialize`; otherwise the pure-JAX reference backend runs anywhere.
 """
@@ -18,6 +19,9 @@ from .low_latency.api import (low_latency_combine, low_latency_combine_recv,
 from .low_latency.config import LowLatencyConfig
 from .low_latency.region import region_bytes as low_latency_region_bytes
 from .low_latency.types import LowLatencyDispatched, LowLatencyHandle, LowLatencyPending
+from .ragged.api import ragged_all_to_all
+from .ragged.config import RaggedConfig
+from .ragged.region import region_bytes as ragged_region_bytes
 from .runtime import check_device_error, finalize, initialize, is_initialized
 from .types import Dispatched, Handle
 
@@ -28,6 +32,7 @@ __all__ = [
     "LowLatencyHandle",
     "low_latency_dispatch_send", "low_latency_dispatch_recv", "low_latency_combine_send",
     "low_latency_combine_recv", "LowLatencyPending", "low_latency_region_bytes",
+    "ragged_all_to_all", "RaggedConfig", "ragged_region_bytes",
     "check_device_error",
     "initialize", "finalize", "is_initialized", "fp8_cast",
 ]

@@ -110,6 +110,16 @@ def _lowering_mesh(ctx, axis_name: str):
     return mesh
 
 
+def narrow_groups(groups: np.ndarray, index_groups) -> np.ndarray:
+    """``ep_groups`` rows ``[G, R]`` split by ``axis_index_groups`` (positions
+    along the axis; None: unchanged): ``[G * len(index_groups), r]``, each new
+    row the PEs at one index group's positions of an old row, in its order."""
+    if not index_groups:
+        return groups
+    return np.ascontiguousarray(
+        np.stack([row[list(g)] for row in groups for g in index_groups]), dtype=np.int32)
+
+
 # -- the primitive ------------------------------------------------------------
 # jax.ffi.ffi_call fixes its attributes when it is bound, while the PE of each
 # mesh position is only known when the shard_map body is lowered (inside it
@@ -144,17 +154,22 @@ def _make_primitive():
 
     prim.def_effectful_abstract_eval(abstract_eval)
 
-    def lowering(ctx, *operands, target_name, result_avals, has_side_effect, ep_axis, attributes):
+    def lowering(ctx, *operands, target_name, result_avals, has_side_effect, ep_axis,
+                 ep_index_groups, aliases, attributes):
         del result_avals
         attrs = _thaw(attributes)
         if ep_axis is not None:
             mesh = _lowering_mesh(ctx, ep_axis)
-            groups = ep_groups_of(mesh.devices, mesh.axis_names, ep_axis, pe_of=pe_of_device)
+            groups = narrow_groups(
+                ep_groups_of(mesh.devices, mesh.axis_names, ep_axis, pe_of=pe_of_device),
+                ep_index_groups)
             hosts.check_ep_groups(target_name, groups, runtime.pe_hosts(), attrs.get("nodes"),
                                   ep_axis)
             attrs["ep_groups"] = groups.reshape(-1)
             attrs["num_ranks"] = np.int32(groups.shape[1])
-        rule = jax.ffi.ffi_lowering(target_name, has_side_effect=has_side_effect)
+        rule = jax.ffi.ffi_lowering(target_name, has_side_effect=has_side_effect,
+                                    **({"operand_output_aliases": dict(aliases)} if aliases
+                                       else {}))
         return rule(ctx, *operands, **attrs)
 
     mlir.register_lowering(prim, lowering)
@@ -169,6 +184,7 @@ _PRIM = None
 
 
 def call(target: str, results: Sequence, *args, ep_axis: Optional[str] = None,
+         ep_index_groups: Optional[tuple] = None, operand_output_aliases: Optional[dict] = None,
          has_side_effect: bool = False, **attrs):
     """Call FFI ``target`` per rank. ``results``: ``(shape, dtype)`` pairs.
 
@@ -176,7 +192,10 @@ def call(target: str, results: Sequence, *args, ep_axis: Optional[str] = None,
     the operands' axes. ``attrs`` are static (Python/NumPy scalars, NumPy
     arrays). With ``ep_axis`` the ``ep_groups``/``num_ranks`` attributes of
     that axis are added when the call is lowered, from the real devices of the
-    mesh (see :func:`ep_groups_of`)."""
+    mesh (see :func:`ep_groups_of`), split into ``ep_index_groups`` (a tuple
+    of tuples of axis positions, :func:`narrow_groups`) when given.
+    ``operand_output_aliases``: {operand index: result index} pairs whose
+    buffers XLA makes one (it copies the operand first when it is still used)."""
     global _PRIM
     if _PRIM is None:
         _PRIM = _make_primitive()
@@ -192,4 +211,6 @@ def call(target: str, results: Sequence, *args, ep_axis: Optional[str] = None,
                              f"bound axes: {names}")
     return tuple(_PRIM.bind(*args, target_name=target, result_avals=result_avals,
                             has_side_effect=has_side_effect, ep_axis=ep_axis,
+                            ep_index_groups=ep_index_groups,
+                            aliases=tuple(sorted((operand_output_aliases or {}).items())),
                             attributes=_freeze(attrs)))

@@ -1,17 +1,19 @@
 """The backend interfaces, the kernel families, and backend selection.
 
-Three kernel families, each with a reference and a native backend:
+Four kernel families, each with a reference and a native backend:
 
 - ``intranode``: normal mode inside one NVLink domain (``jax_ep/intranode/``);
 - ``internode``: normal mode across nodes, hierarchical (``jax_ep/internode/``);
   its reference is intranode's (the semantics are one);
-- ``low_latency``: decode (``jax_ep/low_latency/``).
+- ``low_latency``: decode (``jax_ep/low_latency/``);
+- ``ragged``: ``ragged_all_to_all``, lax's op (``jax_ep/ragged/``).
 
-:func:`select` picks the backend of a family one way for all three:
+:func:`select` picks the backend of a family one way for all four:
 ``EpConfig.backend`` ``"reference"``; ``"native"`` (raising why it cannot run
 here); ``"auto"``: native when it can run here (:meth:`Backend.unavailable`
 is None), else the reference, with a one-line notice when the extension is
-built but the runtime is down. Normal mode's family is :func:`normal_family`.
+built but the runtime is down. ``cfg`` is the family's config (the ragged
+family: the call's ``RaggedCall``, whose ``backend`` is its config's). Normal mode's family is :func:`normal_family`.
 
 All row methods run per rank inside ``jax.shard_map`` over ``cfg.axis_name``
 and see per-rank shapes. ``R`` = size of the EP axis, ``T`` = tokens per rank,
@@ -42,6 +44,9 @@ from .intranode import reference as intranode_reference
 from .low_latency import native as low_latency_native
 from .low_latency import reference as low_latency_reference
 from .low_latency.types import LowLatencyHandle, LowLatencyPending
+from .ragged import native as ragged_native
+from .ragged import reference as ragged_reference
+from .ragged.config import RaggedCall
 from .types import Handle
 
 
@@ -134,6 +139,19 @@ class LowLatencyBackend(Backend, Protocol):
         """-> ``[T, H]`` in y's dtype."""
 
 
+class RaggedBackend(Backend, Protocol):
+    """A ragged all-to-all backend (``jax_ep.ragged_all_to_all``); ``unavailable``
+    takes the call's :class:`jax_ep.ragged.config.RaggedCall`."""
+
+    def ragged_all_to_all(self, operand: jax.Array, output: jax.Array,
+                          input_offsets: jax.Array, send_sizes: jax.Array,
+                          output_offsets: jax.Array, recv_sizes: jax.Array,
+                          call: RaggedCall) -> jax.Array:
+        """``operand [N, ...]``, ``output [M, ...]``, int32 ``[K]`` offsets and
+        sizes (K = R * S), all varying over the axis -> ``[M, ...]``: ``output``
+        with the received slices written (docs/ragged.md). Bit-exact."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     """A kernel family's two backends."""
@@ -146,7 +164,8 @@ class Family:
 INTRANODE = Family("intranode", intranode_reference.BACKEND, intranode_native.BACKEND)
 INTERNODE = Family("internode", intranode_reference.BACKEND, internode_native.BACKEND)
 LOW_LATENCY = Family("low_latency", low_latency_reference.BACKEND, low_latency_native.BACKEND)
-FAMILIES = (INTRANODE, INTERNODE, LOW_LATENCY)
+RAGGED = Family("ragged", ragged_reference.BACKEND, ragged_native.BACKEND)
+FAMILIES = (INTRANODE, INTERNODE, LOW_LATENCY, RAGGED)
 
 _notice_printed = False
 _log = logging.getLogger("jax_ep")

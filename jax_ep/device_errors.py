@@ -9,7 +9,16 @@ _WHAT = {
     1: "a kernel timed out waiting for a peer rank (ranks called different ops, or a peer died)",
     2: "a low-latency send ran before the previous receive of the same op finished (sends and "
        "receives of one op must alternate on every rank)",
+    3: "a ragged_all_to_all slice of this rank ran past its operand or its receiver's output, or "
+       "had a negative offset or size (it was not sent); fix input_offsets, send_sizes and "
+       "output_offsets",
+    4: "a ragged_all_to_all slice this rank received has a size other than its recv_sizes entry "
+       "(recv_sizes[s * S + k] must equal send_sizes[r * S + k] of sender s), or its sender's "
+       "slice ran past a buffer (it was not written); fix the sizes",
 }
+
+# Codes after which the runtime stays usable (a bad argument, not a lost peer).
+RECOVERABLE = frozenset({3, 4})
 
 
 def describe(code: int) -> str:
@@ -21,5 +30,9 @@ def check(C, keep: bool) -> None:
     leave it set (peer memory: one word shared by every GPU of the process,
     whose next calls must all fail); else take it (read and clear)."""
     code = int(C.device_error() if keep else C.take_device_error())
+    if code in RECOVERABLE:
+        if keep:
+            C.take_device_error()
+        raise ValueError(f"jax_ep: {describe(code)}; that call's result is incomplete")
     if code:
         raise RuntimeError(f"jax_ep: {describe(code)}; results since are invalid, restart the job")

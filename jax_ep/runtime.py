@@ -33,6 +33,7 @@ from . import shared_gpu as _shared_gpu
 from .internode import region as internode_region
 from .intranode import region as intranode_region
 from .low_latency import region as low_latency_region
+from .ragged import region as ragged_region
 from .region import Region, heap_bytes
 
 _UID_TIMEOUT_MS = 120_000
@@ -164,11 +165,12 @@ def _config_list(config) -> list:
     return list(config) if isinstance(config, (list, tuple)) else [config]
 
 
-def _check_live(config, low_latency) -> None:
+def _check_live(config, low_latency, ragged_bytes) -> None:
     """A later ``initialize`` on a live runtime: its configs must fit the regions
     laid out at start."""
     live = {r.family: r.attach_arg for r in regions()}
     low_latency_region.check_live(live.get("low_latency", low_latency_region.NONE), low_latency)
+    ragged_region.check_live(live.get("ragged", ragged_region.NONE), ragged_bytes)
     hosts = pe_hosts()
     internode_region.check_live(live.get("internode", internode_region.NONE),
                                 _config_list(config), hosts)
@@ -181,7 +183,7 @@ def _up(memory: str, regions_: tuple, hosts) -> bool:
 
 
 def initialize(buffer_bytes: Optional[int] = None, config=None, symmetric_memory: str = "auto",
-               low_latency=None) -> bool:
+               low_latency=None, ragged_bytes: Optional[int] = None) -> bool:
     """Start the native runtime in this process. Collective over all processes.
 
     Call after ``jax.distributed.initialize`` (when there are several processes).
@@ -215,6 +217,10 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, symmetric_memory
         native backend needs it; calls must use that E, K, H and T <= Tmax).
         Adds :func:`jax_ep.low_latency_region_bytes` to each buffer. None: no
         region.
+      ragged_bytes: lay out the region of the native
+        :func:`jax_ep.ragged_all_to_all` for operands and outputs of up to
+        this many bytes per rank (:func:`jax_ep.ragged_region_bytes`: about 3x
+        that). None: no region (``ragged_all_to_all`` uses the reference).
 
     Returns:
       True when the runtime is up; False (with a one-line notice, see
@@ -230,7 +236,7 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, symmetric_memory
     ``NVSHMEM_SYMMETRIC_SIZE`` to fit the buffer. Multi-host: ``docs/multihost.md``.
     """
     if _state["initialized"]:
-        return _initialize_live(config, symmetric_memory, low_latency)
+        return _initialize_live(config, symmetric_memory, low_latency, ragged_bytes)
     _check_symmetric_memory(symmetric_memory)
     # Every attempt, first thing: a process that returns early or raises below
     # stays in step with the others' key-value keys when it tries again.
@@ -240,31 +246,38 @@ def initialize(buffer_bytes: Optional[int] = None, config=None, symmetric_memory
         return _not_up(unavailable_reason())
     cfgs = _config_list(config)
     ranks = _ep_ranks(cfgs, symmetric_memory)
-    normal = intranode_region.plan(cfgs, ranks, buffer_bytes)
-    ll = low_latency_region.plan(C, low_latency)
+    sized = (intranode_region.plan(cfgs, ranks, buffer_bytes),
+             low_latency_region.plan(C, low_latency), ragged_region.plan(C, ragged_bytes))
+    return _attach(C, symmetric_memory, cfgs, ranks, sized)
 
+
+def _attach(C, symmetric_memory: str, cfgs: list, ranks: int, sized: tuple) -> bool:
+    """``initialize`` once the regions that need no hosts are sized (``sized``:
+    normal, low-latency, ragged): attach them on this process's GPU(s)."""
+    normal, ll, ragged = sized
     # JAX must create its GPU client (and CUDA primary context) before NVSHMEM.
     gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
     if not gpus:
         return _not_up("no CUDA GPU visible to JAX in this process")
     if symmetric_memory == "peer_memory":   # one process: one host
-        return _attach_peer_memory(C, gpus, (normal, ll, internode_region.plan(C, cfgs, ranks)))
+        return _attach_peer_memory(C, gpus, (normal, ll, internode_region.plan(C, cfgs, ranks),
+                                             ragged))
     if len(gpus) != 1:
         return _not_up(
             f"this process drives {len(gpus)} GPUs; the NVSHMEM transport needs one GPU per "
             "process (jax.distributed.initialize(..., local_device_ids=[i]) or jax-ep-launch), "
             "or opt in to the peer-memory transport (not yet validated on GPUs): "
             "jax_ep.initialize(symmetric_memory='peer_memory')")
-    return _attach_nvshmem(C, int(gpus[0].local_hardware_id), cfgs, ranks, normal, ll)
+    return _attach_nvshmem(C, int(gpus[0].local_hardware_id), cfgs, ranks, normal, ll, ragged)
 
 
-def _initialize_live(config, symmetric_memory: str, low_latency) -> bool:
+def _initialize_live(config, symmetric_memory: str, low_latency, ragged_bytes) -> bool:
     """``initialize`` on a live runtime: same memory, configs that fit its regions."""
     if symmetric_memory not in ("auto", _state["symmetric_memory"]):
         raise ValueError(
             f"jax_ep.initialize(symmetric_memory={symmetric_memory!r}): the runtime is "
             f"already up with {_state['symmetric_memory']!r}; call jax_ep.finalize() first")
-    _check_live(config, low_latency)
+    _check_live(config, low_latency, ragged_bytes)
     return True
 
 
@@ -291,7 +304,7 @@ def _ep_ranks(cfgs: list, symmetric_memory: str) -> int:
 
 
 def _attach_nvshmem(C, device: int, cfgs: list, ranks: int, normal: Region,
-                    ll: Region) -> bool:
+                    ll: Region, ragged: Region) -> bool:
     """One GPU per process: regions on the NVSHMEM symmetric heap (started here
     unless it is already up)."""
     rank, nranks = jax.process_index(), jax.process_count()
@@ -305,7 +318,7 @@ def _attach_nvshmem(C, device: int, cfgs: list, ranks: int, normal: Region,
             user_net, 0 if _state["nvshmem_up"] else C.device_free_bytes(device), device))
     hosts, net_env = _hosts.job_network_env(values)
     inter = internode_region.plan(C, cfgs, ranks, hosts)
-    regions_ = (normal, ll, inter)     # the extension's attach order
+    regions_ = (normal, ll, inter, ragged)     # the extension's attach order
     need_heap = heap_bytes(regions_)
     extension.register_targets()
     nvshmem_env.set_heap(need_heap)
@@ -314,12 +327,13 @@ def _attach_nvshmem(C, device: int, cfgs: list, ranks: int, normal: Region,
         # was sized when it started and does not grow.
         raise RuntimeError(
             f"jax_ep.initialize: buffer {normal.nbytes >> 20} MiB + low-latency region "
-            f"{ll.nbytes >> 20} MiB + internode region {inter.nbytes >> 20} MiB exceed the NVSHMEM "
+            f"{ll.nbytes >> 20} MiB + internode region {inter.nbytes >> 20} MiB + ragged region "
+            f"{ragged.nbytes >> 20} MiB exceed the NVSHMEM "
             f"symmetric heap NVSHMEM started with ({_state['heap_bytes'] >> 20} MiB); initialize "
             "the largest configuration first, or set NVSHMEM_SYMMETRIC_SIZE before the first "
             "initialize")
     if not _state["nvshmem_up"]:
-        _check_heap_fits(values, nranks, normal.nbytes, ll.nbytes + inter.nbytes)
+        _check_heap_fits(values, nranks, normal.nbytes, ll.nbytes + inter.nbytes + ragged.nbytes)
         _start_nvshmem(C, net_env, user_net, rank, nranks, device)
     # raises naming XLA_PYTHON_CLIENT_MEM_FRACTION
     C.runtime_attach(device, *(r.attach_arg for r in regions_))

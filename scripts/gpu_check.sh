@@ -19,7 +19,7 @@
 #   SUITE_N        process counts; each runs as its own pytest session, side by
 #                  side, with the GPU memory split between all their processes
 #   SUITE_PART     core (runtime, mesh, hardening, timeout, dispatch) or
-#                  families (low latency, internode, examples); default both
+#                  families (low latency, internode, ragged, examples); default both
 #   SUITE_TESTS    the multi-process test files or node ids (overrides SUITE_PART)
 #   ONE_GPU_TESTS  single-GPU test files run after (loopback kernels, grouped
 #                  matmul; default none)
@@ -63,7 +63,7 @@ t_build=$(( $(date +%s) - t0 ))
 CORE_TESTS="tests/gpu/test_runtime.py tests/gpu/test_native_mesh.py tests/gpu/test_native_hardening.py
   tests/gpu/test_native_timeout.py tests/gpu/test_native_dispatch.py"
 FAMILY_TESTS="tests/gpu/test_native_low_latency.py tests/gpu/test_native_internode.py
-  tests/gpu/test_examples_gpu.py"
+  tests/gpu/test_ragged_native.py tests/gpu/test_examples_gpu.py"
 case "${SUITE_PART:-all}" in
   core) MP_TESTS=$CORE_TESTS ;;
   families) MP_TESTS=$FAMILY_TESTS ;;

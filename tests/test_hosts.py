@@ -171,7 +171,7 @@ def test_initialize_nvshmem_path_with_a_stand_in_extension(monkeypatch):
                           os.environ.get("NVSHMEM_SYMMETRIC_SIZE")))
             return True
 
-        def runtime_attach(self, device, buffer_bytes, ll_shape, inter_shape):
+        def runtime_attach(self, device, buffer_bytes, ll_shape, inter_shape, ragged_shape):
             calls.append(("attach", device, buffer_bytes))
 
         def runtime_detach(self):
@@ -200,6 +200,6 @@ def test_initialize_nvshmem_path_with_a_stand_in_extension(monkeypatch):
     assert calls == [("init", b"uid", 0, 1, 3, "none", heap), ("attach", 3, 1 << 20)]
     assert runtime.symmetric_memory() == "nvshmem" and runtime.pe_hosts() == [hosts.host_id()]
     assert [(r.family, r.nbytes) for r in runtime.regions()] == [
-        ("intranode", 1 << 20), ("low_latency", 0), ("internode", 0)]
+        ("intranode", 1 << 20), ("low_latency", 0), ("internode", 0), ("ragged", 0)]
     runtime.finalize()
     assert calls[-2:] == [("detach",), ("finalize",)] and not runtime.is_initialized()

@@ -335,3 +335,37 @@ def test_low_latency_put_needs_nvshmem(monkeypatch):
     idx = np.zeros((16, 2), np.int32)
     with pytest.raises(ValueError, match="ll_transport='put' needs the NVSHMEM transport"):
         jax.jit(f).lower(x, idx)
+
+
+@pytest.mark.parametrize("groups", [None, ((0, 2), (1, 3))], ids=["axis", "groups"])
+def test_ragged_calls_match_cc_binding(monkeypatch, groups):
+    """jax_ep.ragged_all_to_all's forward and backward lower to
+    jax_ep_ragged_all_to_all with its binding, ``output`` aliased to the
+    result, RaggedConfig's transport / num_sms as attributes, and the EP group
+    rows of the ("data", "ep") mesh narrowed to axis_index_groups."""
+    _native_runs(monkeypatch, backend.RAGGED)
+    mesh = make_mesh((2, 4), ("data", "ep"))
+    cfg = jax_ep.RaggedConfig(backend="native", transport="put", num_sms=5)
+    R = 2 if groups else 4
+    tok = P(("data", "ep"))
+
+    def body(op, out, io, ss, oo, rs):
+        return jax_ep.ragged_all_to_all(op, out, io, ss, oo, rs, axis_name="ep",
+                                        axis_index_groups=groups, config=cfg)
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(tok,) * 6, out_specs=tok)
+    ints = [np.zeros((8 * R,), np.int32) for _ in range(4)]
+    loss = lambda op, out: jnp.sum(f(op, out, *ints))
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(
+        np.ones((8 * 3, 2), np.float32), np.ones((8 * 5, 2), np.float32)).as_text()
+    calls = [c for c in _calls(text) if c[0] == "jax_ep_ragged_all_to_all"]
+    assert len(calls) == 2, _calls(text)           # forward, and the backward's return
+    for target, n_ops, n_res, attrs in calls:
+        _assert_binds(target, n_ops, n_res, attrs, _bindings()[target])
+    assert len(re.findall(r"operand_index = 1", text)) == 2
+    assert len(re.findall(rf"transport = {abi.ll_transport('put')} : i32", text)) == 2
+    assert len(re.findall(r"num_sms = 5 : i32", text)) == 2
+    rows = [[0, 1, 2, 3], [4, 5, 6, 7]]             # device ids of the two "ep" rows
+    want = [[row[i] for i in g] for row in rows for g in groups] if groups else rows
+    flat = ", ".join(str(v) for r in want for v in r)
+    assert f"ep_groups = dense<[{flat}]>" in text and f"num_ranks = {R} : i32" in text

@@ -7,7 +7,17 @@ namespace jax_ep {
 // Error codes the kernels leave in host-mapped memory (read by the next call).
 // kErrLlOrder: a low-latency send of an op before its previous receive
 // finished on this rank (low_latency/kernels.cu, ll_send_in_order).
-enum KernelError : int { kErrNone = 0, kErrTimeout = 1, kErrLlOrder = 2 };
+// kErrRaggedBounds: a ragged_all_to_all slice of this rank ran past its
+// operand or its receiver's output (not sent); kErrRaggedSizes: a slice this
+// rank received does not have its recv_sizes size, or its sender's ran past a
+// buffer (not written). Both: ragged/kernels.cu.
+enum KernelError : int {
+  kErrNone = 0,
+  kErrTimeout = 1,
+  kErrLlOrder = 2,
+  kErrRaggedBounds = 3,
+  kErrRaggedSizes = 4,
+};
 
 // Host-mapped error word the kernels write on timeout (one per process).
 int* device_error_word();  // device pointer of the mapped word

@@ -127,6 +127,56 @@ inline ffi::Error GetPeerTable(ffi::Span<const int32_t> ep_groups, int32_t num_r
                                    " is in none of the EP groups passed to the call");
 }
 
+// Bit r set in *mask: rank r of the group is reached by NVSHMEM puts under
+// `transport` (an LlTransport code, the attribute `attr` of op `op`): "auto"
+// puts exactly where NVSHMEM gave no P2P mapping (a PE across a network),
+// "p2p" none (every rank must be mapped), "put" every rank, this one too (a
+// put to the own PE is valid; needs the NVSHMEM transport).
+inline ffi::Error TransportPutMask(const char* op, const char* attr, int32_t transport,
+                                   const PeerTable& p, unsigned int* mask) {
+  *mask = 0;
+  switch (transport) {
+    case kLlTransportAuto:
+      for (int r = 0; r < p.num_ranks; ++r)
+        if (!p.peers[r]) *mask |= 1u << r;
+      return ffi::Error::Success();
+    case kLlTransportP2p:
+      for (int r = 0; r < p.num_ranks; ++r)
+        if (!p.peers[r])
+          return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                            std::string("jax_ep: ") + op + ", " + attr + "='p2p': rank " +
+                                std::to_string(r) +
+                                " of the EP group is not mapped into this process (NVSHMEM gave "
+                                "no P2P pointer: a PE across a network); use 'auto' or 'put'");
+      return ffi::Error::Success();
+    case kLlTransportPut:
+      if (runtime()->transport != Transport::kNvshmem)
+        return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                          std::string("jax_ep: ") + op + ", " + attr +
+                              "='put' needs the NVSHMEM transport (the peer-memory transport "
+                              "has no PEs to put to); use 'auto' or 'p2p'");
+      *mask = (1u << p.num_ranks) - 1u;
+      return ffi::Error::Success();
+    default:
+      return InvalidArgument(std::string(op) + ": " + attr + " must be 0 (auto), 1 (p2p) or 2 "
+                             "(put), got " + std::to_string(transport));
+  }
+}
+
+// The ragged_all_to_all's bad-slice errors (the host reads them after the call).
+inline std::string RaggedErrorMessage(int e) {
+  const std::string what =
+      e == kErrRaggedBounds
+          ? "a slice of this rank ran past its operand (input_offsets + send_sizes > its rows) or "
+            "past the receiver's output (output_offsets + send_sizes > its rows), or had a "
+            "negative offset or size; it was not sent"
+          : "a slice this rank received has a size other than its recv_sizes entry (each "
+            "recv_sizes[s * S + k] must equal send_sizes[r * S + k] of sender s), or its sender's "
+            "slice ran past a buffer; it was not written";
+  return "jax_ep.ragged_all_to_all: " + what + ". The call's result is incomplete; fix the "
+         "offsets and sizes (the next calls run normally)";
+}
+
 // Surfaces a spin timeout a previous kernel of this process left behind.
 inline ffi::Error CheckDeviceError() {
   // One process per GPU: the word is this rank's, read once. One process
@@ -136,6 +186,12 @@ inline ffi::Error CheckDeviceError() {
   const Runtime* rt = runtime();
   const bool sticky = rt && rt->transport == Transport::kPeerMemory;
   if (int e = sticky ? peek_device_error() : take_device_error()) {
+    if (e == kErrRaggedBounds || e == kErrRaggedSizes) {
+      // a bad argument, not a lost peer: the ranks stay in step, so the word
+      // is cleared (with peer memory too) and later calls run
+      if (sticky) take_device_error();
+      return ffi::Error(ffi::ErrorCode::kInvalidArgument, RaggedErrorMessage(e));
+    }
     if (e == kErrLlOrder)
       return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                         "jax_ep: a low-latency send ran before the previous receive of the same "

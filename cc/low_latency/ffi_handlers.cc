@@ -88,35 +88,6 @@ ffi::Error ExpertRows(const char* what, ffi::Span<const int64_t> d, int R, int* 
   return ffi::Error::Success();
 }
 
-// Bit r set: rank r is reached by puts, under transport (see the top).
-ffi::Error LlPutMask(int32_t transport, const PeerTable& p, unsigned int* mask) {
-  *mask = 0;
-  switch (transport) {
-    case kLlTransportAuto:
-      for (int r = 0; r < p.num_ranks; ++r)
-        if (!p.peers[r]) *mask |= 1u << r;
-      return ffi::Error::Success();
-    case kLlTransportP2p:
-      for (int r = 0; r < p.num_ranks; ++r)
-        if (!p.peers[r])
-          return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                            "jax_ep: low-latency, ll_transport='p2p': rank " + std::to_string(r) +
-                                " of the EP group is not mapped into this process (NVSHMEM gave "
-                                "no P2P pointer: a PE across a network); use 'auto' or 'put'");
-      return ffi::Error::Success();
-    case kLlTransportPut:
-      if (runtime()->transport != Transport::kNvshmem)
-        return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                          "jax_ep: low-latency, ll_transport='put' needs the NVSHMEM transport "
-                          "(the peer-memory transport has no PEs to put to); use 'auto' or 'p2p'");
-      *mask = (1u << p.num_ranks) - 1u;
-      return ffi::Error::Success();
-    default:
-      return InvalidArgument("low-latency: ll_transport must be an LlTransport (0 auto, 1 p2p, "
-                             "2 put), got " + std::to_string(transport));
-  }
-}
-
 // What every low-latency handler does first: surface an earlier kernel error,
 // count a graph capture, find the caller's EP group, how to reach each rank
 // (put_mask) and pick the grid (the SM budget num_sms, 0: every SM, capped by
@@ -129,7 +100,8 @@ ffi::Error LlBegin(cudaStream_t stream, int32_t device, ffi::Span<const int32_t>
   // unmapped members are kept (null peers[]) unless every rank must be by P2P
   JAX_EP_RETURN_IF_ERROR(
       GetPeerTable(ep_groups, num_ranks, device, peers, transport != kLlTransportP2p));
-  JAX_EP_RETURN_IF_ERROR(LlPutMask(transport, *peers, put_mask));
+  JAX_EP_RETURN_IF_ERROR(TransportPutMask("low-latency", "ll_transport", transport, *peers,
+                                          put_mask));
   if (num_sms < 0) return InvalidArgument("low-latency: num_sms must be >= 0 (0: every SM)");
   g->num_blocks = sm_budget(num_sms, runtime()->sms_of(device));
   g->warps = kLlWarps;

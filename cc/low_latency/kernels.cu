@@ -51,6 +51,7 @@
 #include <type_traits>
 
 #include "common/fp8_cast.cuh"
+#include "common/grid_work.cuh"
 #include "common/launch.h"
 #include "common/row_copy.cuh"
 #include "common/sync.cuh"
@@ -102,22 +103,6 @@ __device__ __forceinline__ bool ll_send_in_order(const LlOpCtrl* ctrl, int* host
   return false;
 }
 
-// Every block calls this once, after its stores; true (block-uniform) in the
-// last block to arrive, which is then ordered after every block's stores
-// (fence before each arrival, fence after the last). *done is back at 0 after.
-__device__ __forceinline__ bool last_block(unsigned int* done) {
-  __shared__ int last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();
-    last = atomicAdd(done, 1u) == gridDim.x - 1;
-    if (last) *done = 0u;
-  }
-  __syncthreads();
-  if (last) __threadfence_system();
-  return last;
-}
-
 // Every block of a send kernel calls this once, after its stores and puts:
 // true (block-uniform) in the last block, which may then raise the signals.
 // With puts, thread 0's quiet (after the barrier: every warp's puts issued)
@@ -131,64 +116,13 @@ __device__ __forceinline__ bool ll_send_finished(unsigned int* done) {
   return last_block(done);
 }
 
-// In place over sm[0..n): sm[i] = sum of the inputs before i, sm[n] = total.
-// One warp scans (n = L*R is a few hundred); the block waits at the barriers.
-__device__ __forceinline__ void block_exclusive_scan(int* sm, int n) {
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    int carry = 0;
-    for (int base = 0; base < n; base += 32) {
-      const int i = base + lane;
-      const int v = i < n ? sm[i] : 0;
-      int incl = v;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int u = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += u;
-      }
-      if (i < n) sm[i] = carry + incl - v;
-      carry += __shfl_sync(0xffffffffu, incl, 31);
-    }
-    if (lane == 0) sm[n] = carry;
-  }
-  __syncthreads();
-}
-
-// The block b with pre[b] <= v < pre[b + 1] (pre[0] = 0 <= v < pre[n]).
-__device__ __forceinline__ int locate(const int* pre, int n, int v) {
-  int lo = 0, hi = n;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (pre[mid] <= v) lo = mid;
-    else hi = mid;
-  }
-  return lo;
-}
-
-__device__ __forceinline__ int global_warp() {
-  return blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-}
-__device__ __forceinline__ int num_warps() { return gridDim.x * (blockDim.x / 32); }
-
 // ------------------------------------------------------------------ dispatch
 
-// Column slices per row so that n rows fill the grid's warps (decode has
-// fewer rows than warps: 1024 pairs, 128 tokens against 2112 warps on an
-// H200), in units of 4 fp8 groups (one warp step of the cast: 32 lanes x 16
-// elements) or of 128 vectors (one unrolled step of the row copy).
-__device__ __forceinline__ int warp_slices(int n, long long units) {
-  return static_cast<int>(max(1LL, min(static_cast<long long>(num_warps() / max(n, 1)), units)));
-}
-
-// Bytes [*b0, *b1) of slice sl of `slices` of a row of nvec vectors of v
-// bytes, cut at multiples of 128 vectors.
-__device__ __forceinline__ void vec_slice(long long nvec, int v, int sl, int slices, long long* b0,
-                                          long long* b1) {
-  const long long units = (nvec + 127) / 128;
-  *b0 = 128 * (units * sl / slices) * v;
-  *b1 = min(128 * (units * (sl + 1) / slices), nvec) * v;
-}
+// Column slices per row (warp_slices, common/grid_work.cuh) fill the grid's
+// warps when there are fewer rows than warps (decode: 1024 pairs, 128 tokens
+// against 2112 warps on an H200), in units of 4 fp8 groups (one warp step of
+// the cast: 32 lanes x 16 elements) or of 128 vectors (one unrolled step of
+// the row copy).
 
 // MODE: kDispatchCopy, kDispatchCastBf16, kDispatchCastF32; PUT: some rank by puts.
 // Work item (t, slice): the warp's lane k holds pair (t, k); the token's row

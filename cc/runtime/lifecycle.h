@@ -20,15 +20,18 @@ std::string nvshmem_unique_id();
 bool nvshmem_init(const std::string& uid, int rank, int nranks, int device);
 // Collective: allocate the symmetric buffer (bytes for the normal mode, then
 // the low-latency region for `ll` when ll.E > 0, then the internode region
-// for `inter` when inter.nodes > 1) and publish the Runtime.
+// for `inter` when inter.nodes > 1, then the ragged region for `ragged` when
+// ragged.area_kib > 0) and publish the Runtime.
 struct LlShape;
 struct InterShape;
-void runtime_attach(int device, size_t bytes, const LlShape& ll, const InterShape& inter);
+struct RaggedShape;
+void runtime_attach(int device, size_t bytes, const LlShape& ll, const InterShape& inter,
+                    const RaggedShape& ragged);
 // Peer-memory transport (one process, several GPUs): a zeroed buffer of
 // `bytes` on every CUDA device in `ordinals`, peer access between all pairs,
 // and the Runtime published. No NVSHMEM.
 void peer_memory_attach(const std::vector<int>& ordinals, size_t bytes, const LlShape& ll,
-                        const InterShape& inter);
+                        const InterShape& inter, const RaggedShape& ragged);
 // Collective (NVSHMEM) / local (peer memory): free the buffer(s); runtime()
 // becomes nullptr.
 void runtime_detach();

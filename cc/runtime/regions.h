@@ -19,11 +19,12 @@ enum RegionKind : int {
   kRegionNormal = 0,      // intranode ring staging + control words
   kRegionLowLatency = 1,  // low_latency/region_layout.h (LlShape)
   kRegionInternode = 2,   // internode/region_layout.h (InterShape)
-  kNumRegionKinds = 3,
+  kRegionRagged = 3,      // ragged/region_layout.h (RaggedShape)
+  kNumRegionKinds = 4,
 };
 
 // The numbers a region is laid out for, in its family's order (LlShape,
-// InterShape); all zero for the normal region.
+// InterShape, RaggedShape); all zero for the normal region.
 using RegionShape = std::array<int, 4>;
 
 struct BufferRegion {

@@ -9,6 +9,8 @@
 #include "intranode/ring_layout.h"
 #include "low_latency/kernels.h"
 #include "low_latency/region_layout.h"
+#include "ragged/kernels.h"
+#include "ragged/region_layout.h"
 #include "runtime/regions.h"
 
 #include <cuda_runtime.h>
@@ -154,10 +156,10 @@ static void check_buffer_bytes(size_t bytes) {
 
 // The allocation's regions (runtime/regions.h): the normal region of `bytes`,
 // then the low-latency region (ll.E > 0), then the internode region
-// (inter.nodes > 1), each at the next kRegionAlign boundary. Returns the
-// allocation's size.
+// (inter.nodes > 1), then the ragged region (ragged.area_kib > 0), each at the
+// next kRegionAlign boundary. Returns the allocation's size.
 static size_t lay_out_regions(size_t bytes, const LlShape& ll, const InterShape& inter,
-                              Runtime* rt) {
+                              const RaggedShape& ragged, Runtime* rt) {
   BufferRegion* r = rt->regions;
   r[kRegionNormal].bytes = bytes;
   size_t end = bytes;
@@ -176,14 +178,31 @@ static size_t lay_out_regions(size_t bytes, const LlShape& ll, const InterShape&
     ir.off = align_up(end);
     end = ir.off + ir.bytes;
   }
+  BufferRegion& gr = r[kRegionRagged];
+  gr.bytes = ragged_region_size(ragged);
+  if (gr.bytes) {
+    gr.shape = ragged.dims();
+    gr.off = align_up(end);
+    end = gr.off + gr.bytes;
+  }
   return end;
 }
 
-void runtime_attach(int device, size_t bytes, const LlShape& ll, const InterShape& inter) {
+// Before any kernel of ours can spin (and outside any graph capture): load
+// the kernels of the regions laid out (CUDA loads lazily; low_latency/kernels.cu).
+static void preload_kernels(const Runtime& rt) {
+  if (rt.region(kRegionLowLatency).bytes)
+    cuda_check(preload_ll_kernels(), "loading the low-latency kernels");
+  if (rt.region(kRegionRagged).bytes)
+    cuda_check(preload_ragged_kernels(), "loading the ragged all-to-all kernel");
+}
+
+void runtime_attach(int device, size_t bytes, const LlShape& ll, const InterShape& inter,
+                    const RaggedShape& ragged) {
   if (g_live) throw std::runtime_error("jax_ep: runtime already attached");
   check_buffer_bytes(bytes);
   Runtime rt;
-  const size_t total = lay_out_regions(bytes, ll, inter, &rt);
+  const size_t total = lay_out_regions(bytes, ll, inter, ragged, &rt);
   cuda_check(cudaSetDevice(device), "cudaSetDevice");
   void* base = nvshmem_malloc(total);  // collective
   if (!base)
@@ -203,16 +222,14 @@ void runtime_attach(int device, size_t bytes, const LlShape& ll, const InterShap
   g_pe_base.assign(rt.n_pes, nullptr);
   for (int pe = 0; pe < rt.n_pes; ++pe)
     g_pe_base[pe] = pe == rt.my_pe ? base : nvshmem_ptr(base, pe);
-  // before any kernel of ours can spin (and outside any graph capture)
-  if (rt.region(kRegionLowLatency).bytes)
-    cuda_check(preload_ll_kernels(), "loading the low-latency kernels");
+  preload_kernels(rt);
   nvshmem_barrier_all();  // every PE has zeroed its buffer before anyone uses it
   g_runtime = rt;
   g_live = &g_runtime;
 }
 
 void peer_memory_attach(const std::vector<int>& ordinals, size_t bytes, const LlShape& ll,
-                        const InterShape& inter) {
+                        const InterShape& inter, const RaggedShape& ragged) {
   if (g_live) throw std::runtime_error("jax_ep: runtime already attached");
   check_buffer_bytes(bytes);
   const int n = static_cast<int>(ordinals.size());
@@ -225,7 +242,7 @@ void peer_memory_attach(const std::vector<int>& ordinals, size_t bytes, const Ll
   rt.transport = Transport::kPeerMemory;
   rt.my_pe = 0;
   rt.n_pes = 1;
-  const size_t total = lay_out_regions(bytes, ll, inter, &rt);
+  const size_t total = lay_out_regions(bytes, ll, inter, ragged, &rt);
   rt.num_devices = n;
   try {
     for (int i = 0; i < n; ++i) {
@@ -261,8 +278,7 @@ void peer_memory_attach(const std::vector<int>& ordinals, size_t bytes, const Ll
     for (int i = 0; i < n; ++i) {
       cuda_check(cudaSetDevice(rt.ordinals[i]), "cudaSetDevice");
       cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // zeroed before any use
-      if (rt.region(kRegionLowLatency).bytes)
-    cuda_check(preload_ll_kernels(), "loading the low-latency kernels");
+      preload_kernels(rt);
       // every rank must pick the same grid (ring layout): same SM count
       if (rt.dev_sms[i] != rt.dev_sms[0])
         throw std::runtime_error("jax_ep: the peer-memory transport needs GPUs with one SM "
