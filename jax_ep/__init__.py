@@ -10,7 +10,7 @@ backend (CUDA kernels over NVSHMEM, one GPU per process) is used after
 """
 from .api import combine, dispatch, get_dispatch_layout
 from .config import EpConfig, KernelTuning
-from .fp8 import fp8_cast
+from .fp8 import fp8_cast, quantize_activations, quantize_weights
 from .gmm import GroupedMatmulConfig, grouped_matmul
 from .low_latency.api import (low_latency_combine, low_latency_combine_recv,
                               low_latency_combine_send, low_latency_dispatch,
@@ -29,7 +29,8 @@ __all__ = [
     "low_latency_dispatch_send", "low_latency_dispatch_recv", "low_latency_combine_send",
     "low_latency_combine_recv", "LowLatencyPending", "low_latency_region_bytes",
     "check_device_error",
-    "initialize", "finalize", "is_initialized", "fp8_cast",
+    "initialize", "finalize", "is_initialized", "fp8_cast", "quantize_activations",
+    "quantize_weights",
 ]
 __version__ = "0.1.0"
 

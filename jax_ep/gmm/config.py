@@ -55,6 +55,15 @@ class GroupedMatmulConfig:
         small-group tiles), as tuned for the device.
       interpret: run the Pallas kernels in Mosaic-GPU interpret mode (for
         testing the kernels on CPU; jax >= 0.11; very slow).
+      fp8_dx: the fp8 path's ``dx = dy @ (w * ws)^T``: True (default) in fp8
+        (``dy`` cast per row and 128 columns as dispatch casts, f32 scales,
+        then the fp8 kernel against ``w`` as stored: twice the tensor-core rate
+        of bf16, at the cost of ``dy``'s rounding to 3 mantissa bits, about
+        2% relative error per product on random data); False in bf16 (``w``
+        dequantized to bf16, then the bf16 kernel: ``dy`` keeps 8 bits). A
+        switch so both can be measured; dw always runs in bf16 (``x``'s
+        per-row scales vary along dw's contraction, so they cannot be applied
+        after an fp8 product).
     """
 
     impl: str = "auto"
@@ -66,12 +75,15 @@ class GroupedMatmulConfig:
     fwd_warpgroups: int = 2
     dw_cluster: int = 2
     dw_pipeline: Optional[str] = None
+    fp8_dx: bool = True
 
     def __post_init__(self):
         if self.dw_pipeline is not None and self.dw_pipeline not in DW_PIPELINES:
             raise ValueError(f"dw_pipeline must be one of {DW_PIPELINES}, got {self.dw_pipeline!r}")
         if self.impl not in _IMPLS:
             raise ValueError(f"impl must be one of {_IMPLS}, got {self.impl!r}")
+        if not isinstance(self.fp8_dx, bool):
+            raise ValueError(f"fp8_dx must be a bool, got {self.fp8_dx!r}")
         for name in ("dw_warpgroups", "fwd_warpgroups", "dw_cluster"):
             if isinstance(getattr(self, name), bool) or getattr(self, name) not in (1, 2):
                 raise ValueError(f"{name} must be 1 or 2, got {getattr(self, name)!r}")
