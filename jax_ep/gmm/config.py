@@ -55,15 +55,18 @@ class GroupedMatmulConfig:
         small-group tiles), as tuned for the device.
       interpret: run the Pallas kernels in Mosaic-GPU interpret mode (for
         testing the kernels on CPU; jax >= 0.11; very slow).
-      fp8_dx: the fp8 path's ``dx = dy @ (w * ws)^T``: True (default) in fp8
-        (``dy`` cast per row and 128 columns as dispatch casts, f32 scales,
-        then the fp8 kernel against ``w`` as stored: twice the tensor-core rate
-        of bf16, at the cost of ``dy``'s rounding to 3 mantissa bits, about
-        2% relative error per product on random data); False in bf16 (``w``
-        dequantized to bf16, then the bf16 kernel: ``dy`` keeps 8 bits). A
-        switch so both can be measured; dw always runs in bf16 (``x``'s
-        per-row scales vary along dw's contraction, so they cannot be applied
-        after an fp8 product).
+      fp8_dx: the fp8 path's ``dx = dy @ (w * ws)^T``. True (default): in
+        fp8 (``dy`` cast per row and 128 columns as dispatch casts, f32
+        scales, then the fp8 kernel against ``w`` as stored), at Hopper's fp8
+        tensor-core rate, twice bf16's; ``dy`` rounded to e4m3's 3 mantissa
+        bits costs accuracy: 2.6% normwise relative error of dx on random
+        data against 0.23% in bf16 (CPU reference, 1024 x 512 x 512, normal
+        and 2^±8-outlier data alike; per entry at most 2.1% of the sum of
+        its products' magnitudes). False: in bf16 (``w`` dequantized to
+        bf16, then the bf16 kernel). A switch so the speed side can be
+        measured. dw always runs in bf16: ``x``'s per-row scales vary along
+        dw's contraction (the rows), so they cannot be applied after an fp8
+        product.
     """
 
     impl: str = "auto"

@@ -117,14 +117,16 @@ def ops_nt(cfg: GroupedMatmulConfig, op: str, x, xs, v, vs, group_sizes, out_dty
     return to_vma(out, axes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _fp8_vjp(x, xs, w, ws, group_sizes, cfg, out_dtype, w_layout):
+def _forward(x, xs, w, ws, group_sizes, cfg, out_dtype, w_layout):
     v, vs = _nt_weights(w, ws, w_layout, "fwd")
     return ops_nt(cfg, "fwd", x, xs, v, vs, group_sizes, out_dtype)
 
 
+_fp8_vjp = functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))(_forward)
+
+
 def _fp8_vjp_fwd(x, xs, w, ws, group_sizes, cfg, out_dtype, w_layout):
-    return (_fp8_vjp(x, xs, w, ws, group_sizes, cfg, out_dtype, w_layout),
+    return (_forward(x, xs, w, ws, group_sizes, cfg, out_dtype, w_layout),
             (x, xs, w, ws, group_sizes))
 
 
