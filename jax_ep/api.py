@@ -158,14 +158,11 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, config:
       rank_major, ``num_valid [1]``, ``num_dropped [1]``, ``handle``). Each
       token crosses the link at most once per destination rank. With
       ``config.fp8_dispatch`` a bf16/f32 ``x`` is sent as fp8 and ``x_scales``
-      is filled. ``fp8_dispatch`` is differentiable straight-through: the
-      cotangent of the fp8 rows is taken as that of the dequantized rows
-      ``x * x_scales`` (what ``jax_ep.grouped_matmul`` returns for an fp8
-      ``x``), any float dtype, and reaches ``x`` as the bf16/f32 dispatch's
-      row gradient does (cast to ``x.dtype``); a cotangent of ``x_scales`` is
-      ignored (docs/semantics.md §8). An fp8 ``x`` given with its scales gets
-      no gradient. Differentiable in reverse mode only (``jax.grad`` /
-      ``jax.vjp``).
+      is filled; its gradient is straight-through: the rows' cotangent, taken
+      as that of the dequantized rows (what ``jax_ep.grouped_matmul`` returns
+      for fp8 rows), reaches ``x`` as the bf16/f32 dispatch's does; one of
+      ``x_scales`` is ignored (docs/semantics.md §8). An fp8 ``x`` given with
+      its scales gets no gradient. Reverse mode only (``jax.grad``, ``jax.vjp``).
 
     With ``config.check_overflow`` the drop count is summed over every device
     of the mesh first and a host callback raises one ``OverflowError`` on all of

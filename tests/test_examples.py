@@ -271,6 +271,31 @@ def test_layer_bench_smoke(tmp_path):
     assert "## Expert breakdown" in table
 
 
+@pytest.mark.slow
+def test_layer_bench_fp8_smoke(tmp_path):
+    """bench/moe_layer_step.py's fp8 row beside the bf16 jax_ep row: both run,
+    the same layer's losses agree to fp8's precision, the summary compares them."""
+    import json
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_EP_")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "moe_layer_step.py"), "--smoke",
+           "--tokens", "16", "--impls", "jax_ep,jax_ep_fp8", "--hidden", "128", "--d-ff", "128",
+           "--steps", "1,2", "--comm-steps", "1,2", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / "moe_layer_step.json") as f:
+        res = json.load(f)
+    rows = {r["impl"]: r for r in res["results"]}
+    assert set(rows) == {"jax_ep", "jax_ep_fp8"}
+    for r in rows.values():
+        assert not r.get("error") and not r.get("stage_error"), r
+        assert all(k in r for k in ("layer_s", "comm_s", "experts_s")), r
+    np.testing.assert_allclose(rows["jax_ep_fp8"]["loss"], rows["jax_ep"]["loss"], rtol=5e-2)
+    assert "x** jax_ep's bf16 layer" in (tmp_path / "moe_layer_step.md").read_text()
+
+
 def test_multinode_model_smoke(tmp_path):
     """bench/multinode_model.py runs and its routing model keeps DeepSeek-V3's
     group limit: at 8 nodes a group-limited token reaches at most 4 nodes."""
