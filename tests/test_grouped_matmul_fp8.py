@@ -34,7 +34,8 @@ def outliers(rng, shape):
 
 
 def make(sizes, seed=0, scale_format="f32", layout="gkn"):
-    """Quantized operands (x's tail rows NaN, its tail scales Inf) and a cotangent with an Inf tail."""
+    """Quantized operands (x's tail rows NaN, its tail scales Inf) and a
+    cotangent with an Inf tail."""
     rng = np.random.default_rng(seed)
     xq, xs = jax_ep.quantize_activations(jnp.asarray(outliers(rng, (M, K))), scale_format)
     wq, ws = jax_ep.quantize_weights(jnp.asarray(outliers(rng, (G, K, N))), layout=layout,
@@ -146,7 +147,8 @@ def _model_grads(x, xs, w, ws, sizes, dy):
     ct = jnp.asarray(clean(np.asarray(dy, np.float32), sizes), jnp.float32)
     model = lambda a, b: jnp.sum(jax.lax.ragged_dot(a, b, gs, precision="highest") * ct)
     dx, dw = jax.grad(model, argnums=(0, 1))(xd, wd)
-    return np.asarray(dx, np.float64), np.asarray(dw, np.float64), np.asarray(xd), np.asarray(wd), ct
+    f64 = functools.partial(np.asarray, dtype=np.float64)
+    return f64(dx), f64(dw), np.asarray(xd), np.asarray(wd), ct
 
 
 @pytest.mark.parametrize("fp8_dx", [True, False], ids=["dx_fp8", "dx_bf16"])
@@ -274,7 +276,8 @@ def test_quantize_activations_is_dispatch_cast_bit_for_bit(scale_format):
         np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.asarray(q2).view(np.uint8))
         np.testing.assert_array_equal(np.asarray(s), np.asarray(s2))
         nq, ns = np_cast(np.asarray(xj, np.float32).reshape(64, 4, 128), (2,), scale_format)
-        np.testing.assert_array_equal(np.asarray(q).view(np.uint8), nq.reshape(64, 512).view(np.uint8))
+        np.testing.assert_array_equal(np.asarray(q).view(np.uint8),
+                                      nq.reshape(64, 512).view(np.uint8))
         np.testing.assert_array_equal(np.asarray(s), ns.reshape(64, 4))
 
 
@@ -305,7 +308,8 @@ def test_quantize_weights_blocks_and_round_trip(scale_format):
 
 @jax.custom_vjp
 def _dequantized(q, s):
-    """Rows ``q * s``, with the fp8 cotangent convention (q's cotangent is the dequantized one's)."""
+    """Rows ``q * s``, with the fp8 cotangent convention (q's cotangent is the
+    dequantized rows')."""
     return (q.astype(jnp.float32).reshape(q.shape[0], -1, 128) * s[..., None]).reshape(q.shape)
 
 
@@ -350,7 +354,8 @@ BAD = {
                "w must be float8_e4m3fn"),
     "scales bf16": (lambda o: dict(xs=o["xs"].astype(jnp.bfloat16)), TypeError,
                     "x_scales must be float32"),
-    "x_scales shape": (lambda o: dict(xs=o["xs"][:, :1]), ValueError, r"x_scales must be \[384, 2\]"),
+    "x_scales shape": (lambda o: dict(xs=o["xs"][:, :1]), ValueError,
+                       r"x_scales must be \[384, 2\]"),
     "w_scales layout": (lambda o: dict(ws=jnp.swapaxes(o["ws"], 1, 2)), ValueError,
                         r"w_scales must be \[5, 2, 3\]"),
     "K not 128": (lambda o: dict(x=o["x"][:, :200], w=o["w"][:, :200]), ValueError,
@@ -440,7 +445,8 @@ def test_auto_plan_on_hopper(monkeypatch):
     ops = (sds((256, 256), E4M3), sds((256, 2), jnp.float32), sds((4, 384, 256), E4M3),
            sds((4, 3, 2), jnp.float32))
     auto, bf = GroupedMatmulConfig(), jnp.dtype(jnp.bfloat16)
-    assert select.plan_fp8(GroupedMatmulConfig(impl="xla"), "fwd", *ops, bf, h200) is registry.FP8_XLA
+    xla = GroupedMatmulConfig(impl="xla")
+    assert select.plan_fp8(xla, "fwd", *ops, bf, h200) is registry.FP8_XLA
     host = jax.devices()[0]
     if host.platform != "gpu":
         assert select.plan_fp8(auto, "fwd", *ops, bf) is registry.FP8_XLA

@@ -55,8 +55,9 @@ def check_operands(x, x_scales, w, w_scales, w_layout: str, out_dtype):
     m, k = x.shape
     g, kw, n = w.shape if w_layout == "gkn" else (w.shape[0], w.shape[2], w.shape[1])
     if k != kw:
+        want = "[G, K, N]" if w_layout == "gkn" else "[G, N, K]"
         raise ValueError(f"{fn}: contracting dims differ: x {x.shape}, w {w.shape} "
-                         f"(w_layout={w_layout!r}: w is {'[G, K, N]' if w_layout == 'gkn' else '[G, N, K]'})")
+                         f"(w_layout={w_layout!r}: w is {want})")
     if k % FP8_BLOCK or n % FP8_BLOCK:
         raise ValueError(f"{fn}: K and N must be multiples of {FP8_BLOCK} (the scale blocks), "
                          f"got K={k}, N={n}; pad the widths, or use the bf16 path")

@@ -20,15 +20,15 @@ def gmm_xla(x, w, offsets, transpose_rhs, out_dtype, precision=None):
     keep = _row_mask(offsets, m)
     xm = jnp.where(keep, x, jnp.zeros((), x.dtype))
     sizes = jnp.diff(offsets)
+    kw = {} if precision is None else {"precision": precision}
     if transpose_rhs:
         dn = lax.RaggedDotDimensionNumbers(
             dot_dimension_numbers=(([1], [2]), ([], [])),
             lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-        y = lax.ragged_dot_general(xm, w, sizes, dn, precision=precision,
-                                   preferred_element_type=_acc_type(out_dtype))
+        y = lax.ragged_dot_general(xm, w, sizes, dn, preferred_element_type=_acc_type(out_dtype),
+                                   **kw)
     else:
-        y = lax.ragged_dot(xm, w, sizes, precision=precision,
-                           preferred_element_type=_acc_type(out_dtype))
+        y = lax.ragged_dot(xm, w, sizes, preferred_element_type=_acc_type(out_dtype), **kw)
     return jnp.where(keep, y, jnp.zeros((), y.dtype)).astype(out_dtype)
 
 
