@@ -7,6 +7,8 @@ and their send / receive halves, the hook (configured by a
 :class:`LowLatencyConfig` or an :class:`EpConfig`). The native
 backend (CUDA kernels over NVSHMEM, one GPU per process) is used after
 :func:`initialize`; otherwise the pure-JAX reference backend runs anywhere.
+The experts' grouped matmul: :func:`grouped_matmul` (bf16, or fp8 with
+:func:`quantize_activations` / :func:`quantize_weights` scales).
 """
 from .api import combine, dispatch, get_dispatch_layout
 from .config import EpConfig, KernelTuning
