@@ -157,8 +157,10 @@ def _dx(cfg, w_layout, w, ws, group_sizes, dy):
 
 
 def _dw(cfg, w_layout, x, xs, group_sizes, dy):
-    """``(x * xs)[rows of g]^T @ dy[rows of g]`` in bf16 (f32 accumulation), as an
-    f32 cotangent of the dequantized weight in ``w_layout``."""
+    """``(x * xs)[rows of g]^T @ dy[rows of g]`` on bf16 operands (f32
+    accumulation, the result rounded to bf16 as the bf16 path's dw is: the
+    Pallas dw kernels write their input dtype), returned as an f32 cotangent of
+    the dequantized weight in ``w_layout``."""
     xd = dequantize_rows(x, xs).astype(BF16)
     dw = tgmm(xd, dy.astype(BF16), group_sizes, config=cfg, out_dtype=BF16).astype(jnp.float32)
     return dw if w_layout == "gkn" else jnp.swapaxes(dw, 1, 2)
