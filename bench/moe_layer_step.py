@@ -16,6 +16,14 @@ fused gate_up weight ``[E, H, 2F]`` (shared: ``[H, 2S]``). Implementations (``--
   ``--ragged-max-tokens`` (V3: 1024), under ``--ragged-timeout``; "OOM" /
   "timeout" go into the table instead of stopping the run.
 * ``jax_ep_padded`` (optional): jax_ep dispatch/combine + padded experts.
+* ``jax_ep_fp8`` (optional; ``--impls jax_ep,jax_ep_fp8,xla_padded``): the
+  layer as DeepSeek-V3 runs it: fp8 dispatch -> fp8 grouped matmul experts
+  (``expert_impl="grouped_fp8"``: the weights quantized to 128 x 128 blocks
+  inside the step, in the same jit) -> bf16 combine. Needs hidden and d_ff
+  divisible by 128 (the tiny preset: ``--hidden 128 --d-ff 128``). Its
+  experts run the fp8 kernel on Hopper where it compiles, else the
+  dequantizing reference (a warning says so). The summary gives its layer
+  time against jax_ep's bf16 layer.
 
 The faster XLA layer of each (config, T) is the baseline.
 
@@ -112,6 +120,9 @@ PRESETS = {
 IMPLS = {  # name -> (jax_ep backend on GPUs, expert_impl, label)
     "jax_ep": ("native", "grouped", "jax_ep: dispatch/combine + grouped matmul"),
     "jax_ep_padded": ("native", "padded", "jax_ep: dispatch/combine + padded matmul"),
+    "jax_ep_fp8": ("native", "grouped_fp8",
+                   "jax_ep: fp8 dispatch + fp8 grouped matmul (weights quantized in the step) "
+                   "+ bf16 combine"),
     "xla_padded": ("reference", "padded", "XLA: all_to_all + padded batched matmul"),
     "xla_ragged": ("reference", "ragged_dot", "XLA: all_to_all + ragged_dot"),
 }
@@ -246,6 +257,8 @@ def plan_jobs(args, platform):
                        "experts_impl": experts, "model": model}
                 if impl == "xla_ragged" and T > rmax:
                     job["skipped"] = f"T > {rmax} (--ragged-max-tokens)"
+                if experts == "grouped_fp8" and (model["hidden"] % 128 or model["d_ff"] % 128):
+                    job["skipped"] = "fp8 needs hidden and d_ff divisible by 128"
                 if impl == "xla_ragged" and "xla_padded" in impls:
                     job["comm_from"] = f"{cname}/T{T}/xla_padded"  # the same XLA dispatch
                 (ragged if impl == "xla_ragged" else jobs).append(job)
@@ -306,6 +319,7 @@ def _kill_group(proc, term_wait=8.0):
 
 INT_GMM_FIELDS = ("dw_warpgroups", "fwd_warpgroups", "dw_cluster")   # GroupedMatmulConfig ints
 STR_GMM_FIELDS = ("dw_pipeline",)                                      # and strings
+BOOL_GMM_FIELDS = ("fp8_dx",)                                          # and bools (0/1)
 
 
 def _parse_gmm_tiles(text):
@@ -325,11 +339,14 @@ def _parse_gmm_tiles(text):
             out[op] = vals.strip()
         elif op in INT_GMM_FIELDS and len(nums) == 1:
             out[op] = nums[0]
+        elif op in BOOL_GMM_FIELDS and nums in ([0], [1]):
+            out[op] = bool(nums[0])
         elif op in ("fwd", "dx", "dw") and len(nums) == 5:
             out[op] = nums
         else:
             raise SystemExit(f"--gmm-tiles: bad entry {part!r} (op=bm,bn,bk,stages,band "
-                             f"for fwd/dx/dw, one of {', '.join(INT_GMM_FIELDS)}=int, or "
+                             f"for fwd/dx/dw, one of {', '.join(INT_GMM_FIELDS)}=int, "
+                             f"{', '.join(BOOL_GMM_FIELDS)}=0|1, or "
                              f"{', '.join(STR_GMM_FIELDS)}=name)")
     return out
 
@@ -502,6 +519,10 @@ def make_table(results, meta):
                 if r["impl"] == "jax_ep":
                     s["jax_ep_ms"] = _ms(r["layer_s"])
                     s["speedup"] = speed
+            if r["impl"] == "jax_ep_fp8" and r.get("layer_s") and not r.get("error"):
+                s["fp8_ms"] = _ms(r["layer_s"])
+                if ok.get("jax_ep"):   # the issue's measure: fp8 layer vs our bf16 layer
+                    s["fp8_vs_bf16"] = ok["jax_ep"]["layer_s"] / r["layer_s"]
             peak = r.get("peak_bytes_layer")
             L.append(
                 f"| {cname} | {T} | {r['impl']} | {_fmt(_ms(r.get('layer_s')))} "
@@ -513,18 +534,29 @@ def make_table(results, meta):
                 f"| {r.get('dropped', '—') if r.get('layer_s') else '—'} | {'; '.join(notes)} |")
         summary.append(s)
     L.append("")
-    for s in summary:
-        if s.get("speedup"):
-            L.append(f"- {s['config']} T={s['T']}: jax_ep {s['jax_ep_ms']:.2f} ms vs best XLA "
-                     f"({s['baseline']}) {s['baseline_ms']:.2f} ms: **{s['speedup']:.2f}x**"
-                     + (f"; step-1 loss max rel. diff across impls {s['loss_rel_diff']:.1e}"
-                        if s.get("loss_rel_diff") is not None else ""))
+    L += _summary_md(summary)
     labels = "; ".join(f"{k} = {v[2]}" for k, v in IMPLS.items())
     L += ["", f"impls: {labels}. xla_ragged runs with `{RAGGED_XLA_FLAG}` on GPUs.",
           "Peak memory excludes jax_ep's NVSHMEM symmetric heap (outside JAX's allocator)."]
     L += _breakdown_md(results)
     L += _profile_md(results)
     return "\n".join(L) + "\n", summary
+
+
+def _summary_md(summary):
+    """One line per (config, T): jax_ep against the best XLA layer, and the fp8
+    layer against jax_ep's bf16 one."""
+    L = []
+    for s in summary:
+        if s.get("speedup"):
+            L.append(f"- {s['config']} T={s['T']}: jax_ep {s['jax_ep_ms']:.2f} ms vs best XLA "
+                     f"({s['baseline']}) {s['baseline_ms']:.2f} ms: **{s['speedup']:.2f}x**"
+                     + (f"; step-1 loss max rel. diff across impls {s['loss_rel_diff']:.1e}"
+                        if s.get("loss_rel_diff") is not None else ""))
+        if s.get("fp8_vs_bf16"):
+            L.append(f"- {s['config']} T={s['T']}: jax_ep_fp8 {s['fp8_ms']:.2f} ms: "
+                     f"**{s['fp8_vs_bf16']:.2f}x** jax_ep's bf16 layer")
+    return L
 
 
 def _stats_md(g):
@@ -993,7 +1025,7 @@ def _start_native(job, R):
 def _gmm_config(job):
     """--gmm-tiles as a GroupedMatmulConfig (grouped experts only), else None."""
     spec = job.spec
-    if not (spec.get("gmm_tiles") and job.impl == "grouped"):
+    if not (spec.get("gmm_tiles") and job.impl in ("grouped", "grouped_fp8")):
         return None
     from jax_ep.gmm import GroupedMatmulConfig
 
@@ -1159,7 +1191,9 @@ def _comm_stage(job, x, idx, w, ct):
 
     def per_rank_dc(x, idx, w):
         d = jax_ep.dispatch(x, idx, w, ep_cfg)
-        return jax_ep.combine(d.x, d, ep_cfg)
+        # fp8 dispatch: the rows return through a bf16 combine, as in the layer
+        y = d.x if d.x_scales is None else d.x.astype(jnp.bfloat16)
+        return jax_ep.combine(y, d, ep_cfg)
 
     comm = jax.shard_map(per_rank_dc, mesh=job.mesh, in_specs=(spec_t,) * 3,
                          out_specs=spec_t, check_vma=True)
@@ -1187,8 +1221,9 @@ def _comm_stage(job, x, idx, w, ct):
 
 
 def _dispatched_rows(job, x, idx, w):
-    """The rows and group sizes this routing dispatches, the valid rows over all
-    ranks and a random cotangent of the rows' shape."""
+    """The rows and group sizes this routing dispatches (fp8 dispatch: the rows
+    and their scales), the valid rows over all ranks and a random cotangent of
+    the rows' shape."""
     import jax
     import numpy as np
     from jax.experimental import multihost_utils
@@ -1200,14 +1235,15 @@ def _dispatched_rows(job, x, idx, w):
 
     def per_rank_rows(x, idx, w):
         d = jax_ep.dispatch(x, idx, w, job.ep_cfg)
-        return d.x, d.group_sizes
+        return (d.x if d.x_scales is None else (d.x, d.x_scales)), d.group_sizes
 
     rows, gs = jax.jit(jax.shard_map(per_rank_rows, mesh=job.mesh, in_specs=(spec_t,) * 3,
                                      out_specs=(spec_t, spec_t), check_vma=True))(x, idx, w)
     valid_rows = int(np.sum(np.asarray(multihost_utils.process_allgather(gs, tiled=True)))
                      if job.multi else np.sum(np.asarray(gs)))
-    ct_rows = jax.jit(lambda: jax.random.normal(jax.random.key(3), rows.shape, job.dtype),
-                      out_shardings=rows.sharding)()
+    q = jax.tree.leaves(rows)[0]
+    ct_rows = jax.jit(lambda: jax.random.normal(jax.random.key(3), q.shape, job.dtype),
+                      out_shardings=q.sharding)()
     return rows, gs, valid_rows, ct_rows
 
 
@@ -1225,7 +1261,8 @@ def _experts_stage(job, rows, gs, ew, ct_rows, valid_rows):
     impl, cap, gcfg = job.impl, job.cap, job.gcfg
 
     def per_rank_experts(rows, gs, gate_up, down, ct):
-        y, _ = ml.routed_experts(rows, gate_up, down, gs, impl, cap, gcfg)
+        rows, scales = rows if isinstance(rows, tuple) else (rows, None)   # fp8: with scales
+        y, _ = ml.routed_experts(rows, gate_up, down, gs, impl, cap, gcfg, scales)
         return jnp.sum(y.astype(F32) * ct.astype(F32)).reshape(1)
 
     ex_loss = jax.shard_map(per_rank_experts, mesh=job.mesh,
@@ -1244,9 +1281,11 @@ def _experts_stage(job, rows, gs, ew, ct_rows, valid_rows):
                                                (rr, ew, gr, gew, jnp.zeros((), F32)))
         return (rr, ew, gr, gew), l
 
-    zeros = jax.jit(lambda t: jax.tree.map(jnp.zeros_like, t),
-                    out_shardings=jax.tree.map(lambda a: a.sharding, (rows, ew)))
-    gr0, gw0 = zeros((rows, ew))
+    # zero gradients of the gradients' types (fp8 rows get a bf16 cotangent)
+    grad_types = jax.eval_shape(lambda rr, ew: jax.grad(
+        lambda rr, ew: jnp.sum(ex_loss(rr, gs, *ew, ct_rows)), argnums=(0, 1))(rr, ew), rows, ew)
+    gr0, gw0 = jax.jit(lambda: jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), grad_types),
+                       out_shardings=jax.tree.map(lambda a: a.sharding, (rows, ew)))()
     ex_fn = jax.jit(ex_chain, static_argnums=(0,) if job.static_all else (),
                     donate_argnums=(1,))
     med, p10, p90, comp, reps, _, ex_state = job.measure(

@@ -17,6 +17,13 @@ Pieces (all functional; parameters are plain dict pytrees):
   weights on the expert side and sums over ranks in f32). Rows of ``d.x``
   past ``sum(d.group_sizes)`` are never read (they may hold garbage) except by
   the grouped matmul and combine, which skip them.
+  ``expert_impl="grouped_fp8"`` runs the same layer in fp8 as DeepSeek-V3
+  does: fp8 dispatch (``EpConfig.fp8_dispatch``: e4m3 rows with per-128
+  scales), both expert matmuls as fp8 grouped matmuls (the weights quantized
+  to 128 x 128 blocks inside the step, ``jax_ep.quantize_weights``; the SwiGLU
+  output cast with ``jax_ep.quantize_activations``), the expert output in
+  bf16 into combine. Gradients pass the casts straight through. Needs
+  ``d_model`` and ``d_ff`` divisible by 128.
   ``expert_impl="padded"`` runs the experts as batched einsums over a fixed
   number of rows per local expert instead (rows past that capacity are dropped
   and counted); ``expert_impl="ragged_dot"`` calls ``jax.lax.ragged_dot``
@@ -53,7 +60,8 @@ import jax_ep
 from jax_ep.gmm import GROUP_ALIGNMENT, grouped_matmul  # Pallas Mosaic-GPU; ragged_dot off Hopper
 
 F32 = jnp.float32
-EXPERT_IMPLS = ("grouped", "padded", "ragged_dot")
+EXPERT_IMPLS = ("grouped", "grouped_fp8", "padded", "ragged_dot")
+GROUPED = ("grouped", "grouped_fp8")   # jax_ep.grouped_matmul experts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +229,22 @@ def routed_experts_grouped(x, gate_up, down, group_sizes, gmm_config=None):
     return grouped_matmul(h.astype(down.dtype), down, group_sizes, config=gmm_config)
 
 
+def routed_experts_fp8(x, x_scales, gate_up, down, group_sizes, gmm_config=None):
+    """The SwiGLU experts in fp8: ``x [C, H]`` e4m3 with ``x_scales [C, H/128]``
+    (fp8 dispatch's rows), ``gate_up [L, H, 2F]`` and ``down [L, F, H]`` (bf16 /
+    f32, quantized here to 128 x 128 blocks: under ``jit`` XLA fuses that with
+    the transpose the fp8 kernel wants) -> bf16 ``[C, H]`` (zero past
+    ``sum(group_sizes)``). The SwiGLU output is cast per row and 128 columns
+    (dispatch's cast) for the down projection."""
+    gu_q, gu_s = jax_ep.quantize_weights(gate_up)
+    dn_q, dn_s = jax_ep.quantize_weights(down)
+    h = silu_mul(grouped_matmul(x, gu_q, group_sizes, x_scales=x_scales, w_scales=gu_s,
+                                config=gmm_config))
+    h_q, h_s = jax_ep.quantize_activations(h)
+    return grouped_matmul(h_q, dn_q, group_sizes, x_scales=h_s, w_scales=dn_s,
+                          config=gmm_config)
+
+
 def routed_experts_local(x, gate_up, down, group_sizes):
     """The same SwiGLU through ``jax.lax.ragged_dot`` (XLA's own lowering); the
     tail rows are masked to zero first, so garbage there cannot leak in."""
@@ -230,11 +254,15 @@ def routed_experts_local(x, gate_up, down, group_sizes):
 
 
 def routed_experts(x, gate_up, down, group_sizes, expert_impl: str = "grouped",
-                   expert_capacity: Optional[int] = None, gmm_config=None):
+                   expert_capacity: Optional[int] = None, gmm_config=None, x_scales=None):
     """Routed SwiGLU experts on one rank's ``expert_major`` rows: ``x [C, H]``,
     ``gate_up [L, H, 2F]``, ``down [L, F, H]``, ``group_sizes [L]`` -> (y
     ``[C, H]``, rows dropped by a padded capacity, int32). ``gmm_config``: the
-    ``GroupedMatmulConfig`` of ``"grouped"``."""
+    ``GroupedMatmulConfig`` of ``"grouped"`` / ``"grouped_fp8"``; ``x_scales``:
+    the scales of an fp8 ``x`` (``"grouped_fp8"``)."""
+    if expert_impl == "grouped_fp8":
+        return (routed_experts_fp8(x, x_scales, gate_up, down, group_sizes, gmm_config),
+                jnp.int32(0))
     if expert_impl == "grouped":
         return (routed_experts_grouped(x, gate_up, down, group_sizes, gmm_config),
                 jnp.int32(0))
@@ -276,9 +304,12 @@ def make_ep_config(cfg: MoEConfig, tokens_per_rank: int, ep_axis: str = "ep",
     ``jax_ep.gmm.GROUP_ALIGNMENT`` (64) rows unless ``overrides`` says
     otherwise: the dw kernel then never zeroes foreign rows (12% faster V3
     layer step at EP 1); the padding rows are zeros and cost up to
-    63 rows per local expert of capacity."""
-    if expert_impl == "grouped":
+    63 rows per local expert of capacity. ``"grouped_fp8"`` also sets
+    ``fp8_dispatch``."""
+    if expert_impl in GROUPED:
         overrides = dict({"expert_alignment": GROUP_ALIGNMENT}, **overrides)
+    if expert_impl == "grouped_fp8":
+        overrides = dict({"fp8_dispatch": True}, **overrides)
     return jax_ep.EpConfig(num_experts=cfg.num_experts, topk=cfg.topk,
                            max_tokens_per_rank=tokens_per_rank, hidden=cfg.d_model,
                            axis_name=ep_axis, backend=backend, **overrides)
@@ -306,9 +337,11 @@ def routed_ep(experts: dict, x: jax.Array, topk_idx: jax.Array, topk_w: jax.Arra
             R = jax.lax.axis_size(ep_cfg.axis_name)
             cap = min(d.x.shape[0], R * x.shape[0])
         y, over = routed_experts(d.x, gate_up, down, d.group_sizes, expert_impl, cap,
-                                 gmm_config)
+                                 gmm_config, d.x_scales)
         dropped = d.num_dropped + over
-        out = jax_ep.combine(y.astype(x.dtype), d, ep_cfg)
+        # fp8 experts: their bf16 output goes into combine as is
+        y = y if expert_impl == "grouped_fp8" else y.astype(x.dtype)
+        out = jax_ep.combine(y, d, ep_cfg)
         return out, dropped.reshape(1)
 
     fn = jax.shard_map(per_rank, mesh=mesh,
@@ -361,13 +394,14 @@ def moe_block(params: dict, bias: jax.Array, x: jax.Array, cfg: MoEConfig, mesh:
       ep_overrides: extra :class:`jax_ep.EpConfig` fields (capacity,
         expert_alignment, ...).
       expert_impl: ``"grouped"`` (default; ``jax_ep.grouped_matmul`` on the
-        grouped rows), ``"padded"``
+        grouped rows), ``"grouped_fp8"`` (fp8 dispatch, fp8 grouped matmuls,
+        bf16 combine; ``d_model``, ``d_ff`` divisible by 128), ``"padded"``
         (:func:`routed_experts_padded`, batched matmuls over
         ``expert_capacity`` rows per local expert; default capacity R*T =
         dropless) or ``"ragged_dot"`` (``jax.lax.ragged_dot``).
       expert_capacity: rows per local expert of ``"padded"``.
-      gmm_config: ``jax_ep.gmm.GroupedMatmulConfig`` of ``"grouped"`` (None:
-        the defaults).
+      gmm_config: ``jax_ep.gmm.GroupedMatmulConfig`` of ``"grouped"`` /
+        ``"grouped_fp8"`` (None: the defaults).
 
     Returns:
       ``(out [..., H], aux)`` with ``aux = {"load": [E] int32 tokens per expert,

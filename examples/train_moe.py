@@ -26,6 +26,20 @@ yet run on GPUs)::
 
     python examples/train_moe.py --backend native --symmetric-memory peer_memory
 
+``--fp8``: the routed experts as DeepSeek-V3 runs them: fp8 dispatch (e4m3
+rows, per-128 scales), fp8 grouped matmuls (expert weights quantized to
+128 x 128 blocks inside the step; on CPU the dequantizing reference) and a
+bf16 combine; gradients pass the fp8 casts straight through. It needs
+``--d-model`` and ``--d-ff`` divisible by 128 (their default becomes 128).
+Its loss curve stays within 3% (relative, at each of the first 12 steps;
+1.8% measured, where bf16 and f32 runs differ by up to 0.9%) of the same run
+without ``--fp8``, both at ``--dtype bfloat16`` with ``--d-model 128 --d-ff
+128 --batch 16`` on CPU (tests/test_examples.py checks it). Later the copy
+task's sharp drop in loss can come a few steps after bf16's (30 steps, seed 0:
+the last loss 0.40 against 0.19)::
+
+    python examples/train_moe.py --fp8
+
 The output reports the loss every ``--log-every`` steps, tokens/s, and the
 share of a training step spent in dispatch + combine, measured by timing a
 jitted forward+backward of dispatch -> combine alone (same shapes, random
@@ -60,14 +74,14 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
     p.add_argument("--copy-len", type=int, default=12, help="n: tokens to copy")
     p.add_argument("--vocab", type=int, default=16)
-    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=None, help="default 64 (128 with --fp8)")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--topk", type=int, default=2)
     p.add_argument("--n-groups", type=int, default=4)
     p.add_argument("--topk-groups", type=int, default=2)
-    p.add_argument("--d-ff", type=int, default=64)
+    p.add_argument("--d-ff", type=int, default=None, help="default 64 (128 with --fp8)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--bias-rate", type=float, default=1e-2,
                    help="aux-loss-free bias update rate (DeepSeek-V3 uses 1e-3 over long runs)")
@@ -77,11 +91,30 @@ def parse_args(argv=None):
                    help="routed-expert matmuls (examples/moe_layer.py expert_impl): grouped = "
                         "jax_ep.grouped_matmul (default), padded = batched einsums over "
                         "R*T rows per expert, ragged_dot = jax.lax.ragged_dot")
+    p.add_argument("--fp8", action="store_true",
+                   help="fp8 dispatch -> fp8 grouped matmul experts -> bf16 combine "
+                        "(expert_impl grouped_fp8; d-model and d-ff divisible by 128)")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-comm-timing", action="store_true",
                    help="skip the dispatch+combine share measurement")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    return _fp8_args(p, args)
+
+
+def _fp8_args(p, args):
+    """--fp8: the grouped experts in fp8, widths defaulting to 128 (the scale block)."""
+    width = 128 if args.fp8 else 64
+    args.d_model = width if args.d_model is None else args.d_model
+    args.d_ff = width if args.d_ff is None else args.d_ff
+    if args.fp8:
+        if args.experts_impl != "grouped":
+            p.error("--fp8 runs the grouped experts (--experts-impl grouped)")
+        if args.d_model % 128 or args.d_ff % 128:
+            p.error(f"--fp8 needs --d-model and --d-ff divisible by 128 (the fp8 scale "
+                    f"blocks), got {args.d_model} and {args.d_ff}")
+        args.experts_impl = "grouped_fp8"
+    return args
 
 
 def _want_gpu(args) -> bool:
@@ -278,7 +311,9 @@ def time_dispatch_combine(mesh, ep_cfg, tokens_total, moe_cfg, dtype, reps=20, s
 
     def per_rank(x, idx, w):
         d = jax_ep.dispatch(x, idx, w, ep_cfg)
-        return jax_ep.combine(d.x, d, ep_cfg)
+        # fp8 dispatch (--fp8): the rows come back through a bf16 combine
+        y = d.x if d.x_scales is None else d.x.astype(jnp.bfloat16)
+        return jax_ep.combine(y, d, ep_cfg)
 
     comm = jax.shard_map(per_rank, mesh=mesh, in_specs=(tok, tok, tok), out_specs=tok,
                          check_vma=True)

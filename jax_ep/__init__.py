@@ -8,10 +8,12 @@ and their send / receive halves, the hook (configured by a
 :func:`ragged_all_to_all`, a drop-in for ``jax.lax.ragged_all_to_all``. The native
 backend (CUDA kernels over NVSHMEM, one GPU per process) is used after
 :func:`initialize`; otherwise the pure-JAX reference backend runs anywhere.
+The experts' grouped matmul: :func:`grouped_matmul` (bf16, or fp8 with
+:func:`quantize_activations` / :func:`quantize_weights` scales).
 """
 from .api import combine, dispatch, get_dispatch_layout
 from .config import EpConfig, KernelTuning
-from .fp8 import fp8_cast
+from .fp8 import fp8_cast, quantize_activations, quantize_weights
 from .gmm import GroupedMatmulConfig, grouped_matmul
 from .low_latency.api import (low_latency_combine, low_latency_combine_recv,
                               low_latency_combine_send, low_latency_dispatch,
@@ -34,7 +36,8 @@ __all__ = [
     "low_latency_combine_recv", "LowLatencyPending", "low_latency_region_bytes",
     "ragged_all_to_all", "RaggedConfig", "ragged_region_bytes",
     "check_device_error",
-    "initialize", "finalize", "is_initialized", "fp8_cast",
+    "initialize", "finalize", "is_initialized", "fp8_cast", "quantize_activations",
+    "quantize_weights",
 ]
 __version__ = "0.1.0"
 

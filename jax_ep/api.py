@@ -103,20 +103,21 @@ def _combine_bwd(be, cfg, res, g):
 _combine.defvjp(_combine_fwd, _combine_bwd)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _fp8_rows(be, cfg, x, handle):
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fp8_rows(be, cfg, x_dtype, x, handle):
     return be.dispatch_rows_fp8(x, handle, cfg)
 
 
-def _fp8_rows_fwd(be, cfg, x, handle):
-    return _fp8_rows(be, cfg, x, handle), None
+def _fp8_rows_fwd(be, cfg, x_dtype, x, handle):
+    return _fp8_rows(be, cfg, x_dtype, x, handle), handle
 
 
-def _fp8_rows_bwd(be, cfg, res, g):
-    raise TypeError(
-        "jax_ep.dispatch with EpConfig.fp8_dispatch=True is forward-only: a gradient "
-        "through the fp8 cast would be silently wrong. Dispatch bf16/f32 where x needs a "
-        "gradient (e.g. training), or stop_gradient(x) if none is wanted.")
+def _fp8_rows_bwd(be, cfg, x_dtype, handle, g):
+    # Straight-through: the rows' cotangent is that of the dequantized rows (the
+    # fp8 grouped matmul's convention), any float dtype; it returns to x as the
+    # bf16/f32 dispatch's does. A cotangent of the scales is ignored.
+    g_rows, _ = g
+    return _move_rows_bwd(be, cfg, handle, g_rows.astype(x_dtype))
 
 
 _fp8_rows.defvjp(_fp8_rows_fwd, _fp8_rows_bwd)
@@ -157,9 +158,11 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, config:
       rank_major, ``num_valid [1]``, ``num_dropped [1]``, ``handle``). Each
       token crosses the link at most once per destination rank. With
       ``config.fp8_dispatch`` a bf16/f32 ``x`` is sent as fp8 and ``x_scales``
-      is filled. fp8 dispatch is forward-only: differentiating through
-      ``fp8_dispatch`` raises a TypeError; an fp8 ``x`` gets no gradient.
-      Differentiable in reverse mode only (``jax.grad`` / ``jax.vjp``).
+      is filled; its gradient is straight-through: the rows' cotangent, taken
+      as that of the dequantized rows (what ``jax_ep.grouped_matmul`` returns
+      for fp8 rows), reaches ``x`` as the bf16/f32 dispatch's does; one of
+      ``x_scales`` is ignored (docs/semantics.md §8). An fp8 ``x`` given with
+      its scales gets no gradient. Reverse mode only (``jax.grad``, ``jax.vjp``).
 
     With ``config.check_overflow`` the drop count is summed over every device
     of the mesh first and a host callback raises one ``OverflowError`` on all of
@@ -189,7 +192,7 @@ def dispatch(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, config:
     num_dropped = jnp.reshape(num_dropped, (1,))
 
     if config.fp8_dispatch and x.dtype != jnp.float8_e4m3fn:
-        recv_x, recv_scales = _fp8_rows(be, config, x, handle)
+        recv_x, recv_scales = _fp8_rows(be, config, jnp.dtype(x.dtype), x, handle)
     elif x.dtype == jnp.float8_e4m3fn:  # forward-only: fp8 data carries no gradient
         recv_x, recv_scales = be.dispatch_rows(
             jax.lax.stop_gradient(x), jax.lax.stop_gradient(x_scales), handle, config)

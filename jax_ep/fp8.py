@@ -1,6 +1,10 @@
-"""The fp8-e4m3 cast with per-token, per-128-channel scales: the bits every
-backend's fp8 path (normal and low-latency dispatch) must give."""
+"""The fp8-e4m3 casts: per-token, per-128-channel scales (``fp8_cast``: the bits
+every backend's fp8 path, normal and low-latency dispatch, must give; and
+:func:`quantize_activations`, the same cast with a straight-through gradient)
+and 128 x 128 block scales for expert weights (:func:`quantize_weights`)."""
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +15,28 @@ F32 = jnp.float32
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
 FP8_BLOCK = 128
+WEIGHT_LAYOUTS = ("gkn", "gnk")
+_SOURCE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _scale_and_multiplier(amax, scale_format: str):
+    """(scale, multiplier) of blocks whose largest magnitude is ``amax`` (already
+    floored at 1e-4): ``x ≈ e4m3(clip(x * multiplier, ±448)) * scale``."""
+    if scale_format == "ue8m0":
+        m, p = jnp.frexp(amax)   # amax = m 2^p, m in [0.5, 1); 448 = 1.75 2^8
+        k = jnp.where(m <= F32(0.875), p - 9, p - 8)
+        return jnp.ldexp(jnp.ones_like(amax), k), jnp.ldexp(jnp.ones_like(amax), -k)
+    return amax * F32(1.0 / FP8_MAX), F32(FP8_MAX) / amax
+
+
+def _to_e4m3(x, multiplier):
+    return jnp.clip(x * multiplier, -FP8_MAX, FP8_MAX).astype(FP8)
+
+
+def _check_format(fn: str, scale_format: str):
+    if scale_format not in FP8_SCALE_FORMATS:
+        raise ValueError(f"{fn}: scale_format must be one of {FP8_SCALE_FORMATS}, got "
+                         f"{scale_format!r}")
 
 
 def fp8_cast(x: jax.Array, scale_format: str = "f32"):
@@ -32,19 +58,126 @@ def fp8_cast(x: jax.Array, scale_format: str = "f32"):
     so the bits of q differ between platforms in rare last-ulp cases. The native
     kernel follows XLA:GPU (``KernelTuning(fp8_ieee_division=True)`` switches it to IEEE), so
     native and reference agree bit for bit when both run on the GPU."""
-    if scale_format not in FP8_SCALE_FORMATS:
-        raise ValueError(f"fp8_cast: scale_format must be one of {FP8_SCALE_FORMATS}, got "
-                         f"{scale_format!r}")
+    _check_format("fp8_cast", scale_format)
     T, H = x.shape
     xf = x.astype(F32).reshape(T, H // FP8_BLOCK, FP8_BLOCK)
     amax = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1), F32(1e-4))
-    if scale_format == "ue8m0":
-        m, p = jnp.frexp(amax)   # amax = m 2^p, m in [0.5, 1); 448 = 1.75 2^8
-        k = jnp.where(m <= F32(0.875), p - 9, p - 8)
-        inv_pow2 = jnp.ldexp(jnp.ones_like(amax), -k)
-        q = jnp.clip(xf * inv_pow2[..., None], -FP8_MAX, FP8_MAX).astype(FP8)
-        return q.reshape(T, H), jnp.ldexp(jnp.ones_like(amax), k)
-    scale = amax * F32(1.0 / FP8_MAX)
-    inv = F32(FP8_MAX) / amax
-    q = jnp.clip(xf * inv[..., None], -FP8_MAX, FP8_MAX).astype(FP8)
-    return q.reshape(T, H), scale
+    scale, mult = _scale_and_multiplier(amax, scale_format)
+    return _to_e4m3(xf, mult[..., None]).reshape(T, H), scale
+
+
+def _check_source(fn: str, x, ndim: int, shape_text: str, block_dims):
+    if not hasattr(x, "dtype") or x.ndim != ndim:
+        raise ValueError(f"{fn}: expected {shape_text}, got shape {getattr(x, 'shape', None)}")
+    if jnp.dtype(x.dtype).name not in _SOURCE_DTYPES:
+        raise TypeError(f"{fn}: quantizes {'/'.join(_SOURCE_DTYPES)} values, got {x.dtype} "
+                        "(an fp8 array is already quantized)")
+    for d in block_dims:
+        if x.shape[d] % FP8_BLOCK:
+            raise ValueError(f"{fn}: {shape_text} needs dims {list(block_dims)} divisible by "
+                             f"{FP8_BLOCK} (the scale blocks), got {x.shape}; pad the "
+                             "model width to a multiple of 128")
+
+
+def quantize_activations(x: jax.Array, scale_format: str = "f32"):
+    """The fp8 cast of dispatch (:func:`fp8_cast`, bit for bit), differentiable
+    straight-through.
+
+    Args:
+      x: ``[T, H]`` bf16 / f16 / f32, ``H % 128 == 0``.
+      scale_format: ``"f32"`` (``amax / 448``) or ``"ue8m0"`` (powers of two).
+
+    Returns:
+      ``(q [T, H] float8_e4m3fn, scales [T, H/128] float32)``, ``x ≈ q * scales``
+      per row and 128 columns: what ``jax_ep.grouped_matmul(x_scales=...)``
+      takes.
+
+    Gradient: the cotangent arriving for ``q`` is taken as the cotangent of the
+    dequantized ``q * scales`` (the convention of the fp8 grouped matmul, which
+    returns exactly that) and passed to ``x`` unchanged, cast to ``x.dtype``
+    (straight-through); a cotangent of ``scales`` is ignored.
+    """
+    _check_format("quantize_activations", scale_format)
+    _check_source("quantize_activations", x, 2, "x [T, H]", (1,))
+    return _activations_st(x, scale_format)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _activations_st(x, scale_format):
+    return fp8_cast(x, scale_format)
+
+
+def _activations_st_fwd(x, scale_format):
+    return fp8_cast(x, scale_format), jnp.zeros((0,), x.dtype)
+
+
+def _activations_st_bwd(scale_format, like, g):
+    return (g[0].astype(like.dtype),)
+
+
+_activations_st.defvjp(_activations_st_fwd, _activations_st_bwd)
+
+
+def weight_blocks_cast(w, scale_format: str = "f32"):
+    """``w [G, K, N]`` -> (``q [G, K, N]`` e4m3, ``scales [G, K/128, N/128]`` f32),
+    one scale per 128 x 128 block with :func:`fp8_cast`'s rounding rules."""
+    G, K, N = w.shape
+    wf = w.astype(F32).reshape(G, K // FP8_BLOCK, FP8_BLOCK, N // FP8_BLOCK, FP8_BLOCK)
+    amax = jnp.maximum(jnp.max(jnp.abs(wf), axis=(2, 4)), F32(1e-4))
+    scale, mult = _scale_and_multiplier(amax, scale_format)
+    return _to_e4m3(wf, mult[:, :, None, :, None]).reshape(G, K, N), scale
+
+
+def quantize_weights(w: jax.Array, *, layout: str = "gkn", scale_format: str = "f32"):
+    """Expert weights to fp8-e4m3 with one scale per 128 x 128 block.
+
+    Per block: ``amax = max(max|w|, 1e-4)``, ``scale = amax * f32(1/448)``,
+    ``q = e4m3(clip(w * (448 / amax), ±448))`` (``"f32"``), or the power-of-two
+    scale of :func:`fp8_cast`'s ``"ue8m0"`` (an exact cast).
+
+    Args:
+      w: ``[G, K, N]`` bf16 / f16 / f32 (one ``[K, N]`` matrix per group, as
+        ``jax_ep.grouped_matmul`` takes it), ``K % 128 == N % 128 == 0``.
+      layout: ``"gkn"`` -> ``q [G, K, N]``, ``scales [G, K/128, N/128]``;
+        ``"gnk"`` -> the same values transposed, ``q [G, N, K]``, ``scales
+        [G, N/128, K/128]`` (the contraction contiguous, as DeepGEMM and torch
+        store expert weights); pass the same ``w_layout`` to the matmul.
+      scale_format: ``"f32"`` or ``"ue8m0"``.
+
+    Returns:
+      ``(q float8_e4m3fn, scales float32)`` in ``layout``.
+
+    Gradient: straight-through, as :func:`quantize_activations` (the cotangent
+    of ``q`` is that of the dequantized weight; it reaches ``w`` cast to
+    ``w.dtype``, transposed back for ``"gnk"``).
+    """
+    _check_format("quantize_weights", scale_format)
+    if layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"quantize_weights: layout must be one of {WEIGHT_LAYOUTS}, got "
+                         f"{layout!r}")
+    _check_source("quantize_weights", w, 3, "w [G, K, N]", (1, 2))
+    return _weights_st(w, layout, scale_format)
+
+
+def _weights(w, layout, scale_format):
+    q, s = weight_blocks_cast(w, scale_format)
+    if layout == "gnk":
+        return jnp.swapaxes(q, 1, 2), jnp.swapaxes(s, 1, 2)
+    return q, s
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _weights_st(w, layout, scale_format):
+    return _weights(w, layout, scale_format)
+
+
+def _weights_st_fwd(w, layout, scale_format):
+    return _weights(w, layout, scale_format), jnp.zeros((0,), w.dtype)
+
+
+def _weights_st_bwd(layout, scale_format, like, g):
+    dq = g[0] if layout == "gkn" else jnp.swapaxes(g[0], 1, 2)
+    return (dq.astype(like.dtype),)
+
+
+_weights_st.defvjp(_weights_st_fwd, _weights_st_bwd)

@@ -218,25 +218,43 @@ def test_layout_matches_model():
         np.testing.assert_array_equal(np.asarray(g).reshape(w_.shape), w_)
 
 
+@jax.custom_vjp
+def _dequantized(q, s):
+    """``q * s`` per 128 columns, with the fp8 cotangent convention: the
+    cotangent of ``q`` is that of the dequantized rows (f32), ``s`` gets none."""
+    rows = q.astype(jnp.float32).reshape(q.shape[0], -1, 128) * s[..., None]
+    return rows.reshape(q.shape)
+
+
+_dequantized.defvjp(lambda q, s: (_dequantized(q, s), None), lambda _, g: (g, None))
+
+
 @pytest.mark.slow
-def test_fp8_dispatch_is_forward_only():
-    """Differentiating through the fp8 cast is a clear error, not a silent zero."""
-    R, T, H, K, E = 8, 4, 128, 2, 8
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+def test_fp8_dispatch_gradient_is_straight_through(dtype):
+    """The fp8 rows' cotangent (that of the dequantized rows) reaches x exactly
+    as the bf16/f32 dispatch's row cotangent does; one for the scales is ignored."""
+    R, T, H, K, E = 8, 4, 256, 2, 8
     mesh = make_mesh((R,), ("ep",))
-    cfg = jax_ep.EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, fp8_dispatch=True,
-                          backend="reference")
     rng = np.random.default_rng(0)
-    x, idx, w = _inputs(rng, R, T, H, K, E)
+    x, idx, w = _inputs(rng, R, T, H, K, E, dtype=dtype)
     spec = jax.sharding.PartitionSpec("ep")
 
-    def loss(x):
+    def loss(x, fp8):
+        cfg = jax_ep.EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H,
+                              fp8_dispatch=fp8, backend="reference")
+
         def f(x, i, w):
             d = jax_ep.dispatch(x, i, w, cfg)
-            return jnp.sum(d.x.astype(jnp.float32) * d.x_scales.repeat(128, axis=1))[None]
+            c = jnp.sin(jnp.arange(d.x.size, dtype=jnp.float32)).reshape(d.x.shape)
+            if not fp8:
+                return jnp.sum(d.x.astype(jnp.float32) * c)[None]
+            return (jnp.sum(_dequantized(d.x, d.x_scales) * c) + jnp.sum(d.x_scales))[None]
         return jnp.sum(jax.shard_map(f, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(
             x, idx.reshape(R * T, K), w.reshape(R * T, K)))
 
     xs = jnp.asarray(x.reshape(R * T, H))
-    assert np.isfinite(float(jax.jit(loss)(xs)))
-    with pytest.raises(TypeError, match="forward-only"):
-        jax.grad(loss)(xs)
+    g8 = jax.jit(jax.grad(lambda x: loss(x, True)))(xs)
+    g = jax.jit(jax.grad(lambda x: loss(x, False)))(xs)
+    assert g8.dtype == xs.dtype and float(jnp.max(jnp.abs(g.astype(jnp.float32)))) > 0
+    np.testing.assert_array_equal(np.asarray(g8), np.asarray(g))

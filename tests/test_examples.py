@@ -110,6 +110,38 @@ def test_moe_block_matches_dense(case, nan_tail, monkeypatch):
 
 
 @pytest.mark.slow
+def test_moe_block_fp8_near_dense():
+    """expert_impl="grouped_fp8" (fp8 dispatch, fp8 grouped matmuls with the
+    weights quantized in the step, bf16 combine) stays near the dense f32
+    layer in value and gradient, and every parameter gets a gradient."""
+    cfg = ml.MoEConfig(d_model=128, d_ff=128, num_experts=8, topk=3, n_groups=4, topk_groups=2,
+                       score_func="sigmoid", route_scale=2.5, n_shared=1)
+    mesh = ml.make_mesh((2, 4), ("data", "ep"))
+    params = ml.init_moe_params(jax.random.key(0), cfg)
+    bias = ml.init_routing_bias(cfg)
+    x = jax.random.normal(jax.random.key(1), (4, 16, 128), jnp.float32)
+    ct = jax.random.normal(jax.random.key(3), x.shape, jnp.float32)
+
+    def loss(p, x, fp8):
+        out, _ = (ml.moe_block(p, bias, x, cfg, mesh, backend="reference",
+                               expert_impl="grouped_fp8") if fp8
+                  else ml.moe_block_dense(p, bias, x, cfg))
+        return jnp.sum(out * ct), out
+
+    (_, o8), g8 = jax.jit(jax.value_and_grad(lambda p, x: loss(p, x, True), (0, 1),
+                                             has_aux=True))(ml.shard_params(params, mesh), x)
+    (_, o), g = jax.jit(jax.value_and_grad(lambda p, x: loss(p, x, False), (0, 1),
+                                           has_aux=True))(params, x)
+    rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+    # e4m3 keeps 3 mantissa bits (~2.5% RMS per cast) and the routed path casts
+    # four times (x, gate_up, h, down): ~5% normwise measured, in value and gradient
+    assert rel(o8, o) < 0.08, rel(o8, o)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g8), jax.tree.leaves(g)):
+        assert float(jnp.abs(a).max()) > 0, jax.tree_util.keystr(path)
+        assert rel(a, b) < 0.1, (jax.tree_util.keystr(path), rel(a, b))
+
+
+@pytest.mark.slow
 def test_fused_gate_up(monkeypatch):
     """gate_up [E, H, 2F] holds gate | up; the grouped path runs ONE grouped matmul for both."""
     cfg = ml.MoEConfig(d_model=6, d_ff=4, num_experts=4, topk=2, n_shared=2)
@@ -175,6 +207,34 @@ def test_training_example_learns():
 
 
 @pytest.mark.slow
+def test_training_example_fp8_tracks_bf16():
+    """--fp8 (fp8 dispatch -> fp8 grouped matmuls -> bf16 combine, the reference
+    path on CPU) trains, its loss within 3% of the bf16 run's at each of the
+    first 12 steps (the tolerance examples/train_moe.py states)."""
+    import train_moe
+
+    base = ["--steps", "12", "--batch", "16", "--no-comm-timing", "--dtype", "bfloat16",
+            "--d-model", "128", "--d-ff", "128"]
+    bf16 = train_moe.train(train_moe.parse_args(base), verbose=False)
+    fp8 = train_moe.train(train_moe.parse_args(base + ["--fp8"]), verbose=False)
+    assert bf16["finite"] and fp8["finite"]
+    a, b = np.asarray(bf16["losses"]), np.asarray(fp8["losses"])
+    assert np.all(np.abs(b - a) <= 0.03 * a), np.abs(b - a) / a
+    assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(fp8["params"]))
+
+
+def test_training_example_fp8_arguments():
+    import train_moe
+
+    args = train_moe.parse_args(["--fp8"])
+    assert (args.experts_impl, args.d_model, args.d_ff) == ("grouped_fp8", 128, 128)
+    assert (train_moe.parse_args([]).d_model, train_moe.parse_args([]).d_ff) == (64, 64)
+    for bad in (["--fp8", "--d-model", "64"], ["--fp8", "--experts-impl", "padded"]):
+        with pytest.raises(SystemExit):
+            train_moe.parse_args(bad)
+
+
+@pytest.mark.slow
 def test_layer_bench_smoke(tmp_path):
     """bench/moe_layer_step.py on CPU with tiny shapes: one job per impl, one table."""
     import json
@@ -209,6 +269,31 @@ def test_layer_bench_smoke(tmp_path):
     # R * T * K routed rows plus the padding of groups aligned to 64 (grouped default)
     assert sum(g["valid_rows"] for g in bd["group_stats"]) >= 2 * 16 * 2
     assert "## Expert breakdown" in table
+
+
+@pytest.mark.slow
+def test_layer_bench_fp8_smoke(tmp_path):
+    """bench/moe_layer_step.py's fp8 row beside the bf16 jax_ep row: both run,
+    the same layer's losses agree to fp8's precision, the summary compares them."""
+    import json
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_EP_")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "moe_layer_step.py"), "--smoke",
+           "--tokens", "16", "--impls", "jax_ep,jax_ep_fp8", "--hidden", "128", "--d-ff", "128",
+           "--steps", "1,2", "--comm-steps", "1,2", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / "moe_layer_step.json") as f:
+        res = json.load(f)
+    rows = {r["impl"]: r for r in res["results"]}
+    assert set(rows) == {"jax_ep", "jax_ep_fp8"}
+    for r in rows.values():
+        assert not r.get("error") and not r.get("stage_error"), r
+        assert all(k in r for k in ("layer_s", "comm_s", "experts_s")), r
+    np.testing.assert_allclose(rows["jax_ep_fp8"]["loss"], rows["jax_ep"]["loss"], rtol=5e-2)
+    assert "x** jax_ep's bf16 layer" in (tmp_path / "moe_layer_step.md").read_text()
 
 
 def test_multinode_model_smoke(tmp_path):

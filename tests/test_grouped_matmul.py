@@ -201,6 +201,23 @@ def test_shard_map_check_vma_grad_remat():
     np.testing.assert_allclose(dwr, dwr_ref, rtol=1e-4, atol=1e-3)
 
 
+def test_gnk_weight_layout():
+    """w_layout="gnk" (w [G, N, K]) is the same matmul on the transposed weight,
+    its gradient transposed back."""
+    sizes = SIZES["partial_tail"]
+    x, w, dy, gs = make(sizes)
+    wt = np.swapaxes(w, 1, 2)
+    y, (dx, dw) = jax.jit(xla_grads)(x, w, gs, dy)
+    yt, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, gs, w_layout="gnk"), x, wt)
+    dxt, dwt = vjp(jnp.asarray(dy))
+    np.testing.assert_allclose(np.asarray(yt), np.asarray(y), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(dxt), np.asarray(dx), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(dwt), np.swapaxes(np.asarray(dw), 1, 2),
+                               rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="w_layout"):
+        grouped_matmul(x, w, gs, w_layout="nk")
+
+
 def test_sum_larger_than_m_is_clipped():
     x, w, _, _ = make([10, 10, 10, 10], poison=False)
     gs = np.array([30, 30, 30, 30], np.int32)                 # sum 120 > M = 64

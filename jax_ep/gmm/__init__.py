@@ -39,15 +39,36 @@ Implementations (``GroupedMatmulConfig.impl``):
   once per configuration), else ``"xla"``. The choice is made per operation
   (forward, dx, dw).
 
-Layout of the package: ``api`` (``grouped_matmul``, ``gmm``, ``tgmm``),
+fp8 (``x_scales`` / ``w_scales``; module ``fp8``): ``x`` float8_e4m3fn
+``[M, K]`` with f32 scales ``[M, K/128]`` (per row and 128 columns: fp8
+dispatch's output, f32 or UE8M0 values; ``jax_ep.quantize_activations``),
+``w`` e4m3 ``[G, K, N]`` with one f32 scale per 128 x 128 block ``[G, K/128,
+N/128]`` (``jax_ep.quantize_weights``), or ``w_layout="gnk"``: ``[G, N, K]``
+and ``[G, N/128, K/128]``. Output ``Σ_k (x·xs)(w·ws)`` accumulated in f32,
+bf16 unless ``preferred_element_type``. The fp8 kernel (``pallas_fp8``,
+Hopper) takes both operands K-major: the forward runs it on ``w^T`` for
+``"gkn"`` (a transpose XLA fuses into the quantization when both are in one
+jit) and on ``w`` for ``"gnk"``; dx (``GroupedMatmulConfig.fp8_dx``, default
+in fp8: ``dy`` cast as dispatch casts it) on ``w`` for ``"gkn"`` and ``w^T``
+for ``"gnk"``; dw in bf16 through ``tgmm`` on ``x·xs`` rounded to bf16,
+because ``x``'s per-row scales vary along dw's contraction and cannot be
+applied after an fp8 product. Cotangents of fp8 operands are those of their
+dequantized values (``w``: f32, ``x``: ``dy``'s dtype); the scales get none.
+``"auto"`` runs the kernel on Hopper where it applies and a small instance
+compiles (once), else the reference: dequantize to f32, ``ragged_dot`` at
+HIGHEST precision (``"xla"``).
+
+Layout of the package: ``api`` (``grouped_matmul``), ``ops`` (``gmm``,
+``tgmm``: the operations without a VJP rule), ``fp8`` (the fp8 path),
 ``config`` (``GroupedMatmulConfig``), ``tiles`` (``FwdTiles``, ``DwTiles``:
 the typed tile configs), ``registry`` (the kernel variants and what each
 supports: ops, dtypes, devices, shapes, shared memory), ``devices`` (SM count
 and shared memory per device kind), ``tuned_tiles.json`` + ``tuning`` (tuned
 tiles per device kind), ``heuristic`` (which tuned tiles an operation asks
 for), ``select`` (the plan: variant, tiles, cluster), ``probe`` (the
-one-time compile check), ``xla`` (the ragged_dot fallback),
-``pallas_common``, ``pallas_fwd``, ``pallas_dw`` (the kernels).
+one-time compile check), ``xla`` (the ragged_dot fallback and the fp8
+reference), ``pallas_common``, ``pallas_fwd``, ``pallas_dw``, ``pallas_fp8``
+(the kernels).
 
 Pallas kernels
 --------------

@@ -1,4 +1,5 @@
-"""The public grouped matmul (``custom_vjp``) and its three operations."""
+"""The public grouped matmul (``custom_vjp``): the bf16/f16/f32 path here, the
+fp8 path in ``fp8``; the operations without a VJP rule live in ``ops``."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,11 +10,15 @@ import jax
 import jax.numpy as jnp
 
 from .._ffi import to_vma, vma_of
+from . import fp8 as _fp8
 from .config import GroupedMatmulConfig
-from .select import plan
+from .ops import gmm, offsets as _offsets, tgmm
+
+__all__ = ["grouped_matmul", "gmm", "tgmm", "_offsets"]
 
 
-def grouped_matmul(x, w, group_sizes, *, preferred_element_type=None,
+def grouped_matmul(x, w, group_sizes, *, x_scales=None, w_scales=None, w_layout: str = "gkn",
+                   preferred_element_type=None,
                    config: Optional[GroupedMatmulConfig] = None,
                    impl: Optional[str] = None):
     """Grouped matmul ``out[rows of g] = x[rows of g] @ w[g]``; tail rows zero.
@@ -22,44 +27,78 @@ def grouped_matmul(x, w, group_sizes, *, preferred_element_type=None,
       x: ``[M, K]`` rows grouped contiguously by group, starting at row 0.
         Rows at or past ``sum(group_sizes)`` may hold anything (NaN/Inf
         included); they never influence any result or gradient.
-      w: ``[G, K, N]`` one matrix per group.
+        bf16/f16/f32, or float8_e4m3fn with ``x_scales``.
+      w: ``[G, K, N]`` one matrix per group (``w_layout="gkn"``), or ``[G, N,
+        K]`` (``"gnk"``). bf16/f16/f32, or float8_e4m3fn with ``w_scales``.
       group_sizes: ``[G]`` integer, on the device (never read on the host),
         non-negative; ``sum(group_sizes) <= M`` (groups running past row ``M``
         are cut at ``M``).
-      preferred_element_type: output dtype (default ``x.dtype``); accumulation
-        is always f32.
+      x_scales: fp8 path: ``[M, K/128]`` float32, ``x[r, c] * x_scales[r, c //
+        128]`` is the value (f32 or UE8M0 power-of-two values: exactly what
+        ``jax_ep.dispatch`` with ``fp8_dispatch`` and
+        ``jax_ep.quantize_activations`` give).
+      w_scales: fp8 path: float32 ``[G, K/128, N/128]`` (``"gkn"``) or ``[G,
+        N/128, K/128]`` (``"gnk"``), one per 128 x 128 block
+        (``jax_ep.quantize_weights``). Give both scales or neither.
+      w_layout: ``"gkn"`` (default) or ``"gnk"``, the contraction contiguous
+        (DeepGEMM's and torch's expert weights). The fp8 kernel takes the
+        weight K-major: with ``"gkn"`` the forward transposes ``w`` (XLA fuses
+        that into the quantization when both are in one jit), with ``"gnk"``
+        dx does. The bf16 path transposes a ``"gnk"`` weight.
+      preferred_element_type: output dtype (default ``x.dtype``; fp8: bf16);
+        accumulation is always f32.
       config: a :class:`GroupedMatmulConfig` (default ``GroupedMatmulConfig()``).
-      impl: shorthand overriding ``config.impl`` (``"auto"|"pallas"|"xla"``).
+      impl: shorthand overriding ``config.impl`` (``"auto"|"pallas"|"xla"``;
+        for fp8 ``"xla"`` is the dequantizing reference).
 
     Returns:
-      ``[M, N]`` in ``preferred_element_type or x.dtype``; rows past
-      ``sum(group_sizes)`` are zero.
+      ``[M, N]`` in ``preferred_element_type`` (else ``x.dtype``; fp8: bf16);
+      rows past ``sum(group_sizes)`` are zero. fp8: ``Σ_k (x·xs)(w·ws)`` in f32.
+
+    Gradients (``jax.custom_vjp``): ``dx``, ``dw``; for fp8 operands the
+    cotangent of the dequantized value (f32 for ``w``, ``dy``'s dtype for
+    ``x``), none for the scales (``jax_ep.gmm`` docstring, "fp8").
     """
     cfg = config if config is not None else GroupedMatmulConfig()
     if impl is not None:
         cfg = dataclasses.replace(cfg, impl=impl)
-    x = jnp.asarray(x)
-    w = jnp.asarray(w)
-    group_sizes = jnp.asarray(group_sizes)
+    x, w, group_sizes = jnp.asarray(x), jnp.asarray(w), jnp.asarray(group_sizes)
+    if _fp8.is_fp8_call(x, w, x_scales, w_scales):
+        x_scales = None if x_scales is None else jnp.asarray(x_scales)
+        w_scales = None if w_scales is None else jnp.asarray(w_scales)
+        out_dtype = jnp.dtype(preferred_element_type or jnp.bfloat16)
+        _fp8.check_operands(x, x_scales, w, w_scales, w_layout, out_dtype)
+        return _fp8.grouped_matmul_fp8(x, x_scales, w, w_scales,
+                                       _check_groups(group_sizes, w.shape[0]),
+                                       w_layout=w_layout, out_dtype=out_dtype, cfg=cfg)
+    if w_layout not in ("gkn", "gnk"):
+        raise ValueError(f"grouped_matmul: w_layout must be 'gkn' or 'gnk', got {w_layout!r}")
+    if w_layout == "gnk" and w.ndim == 3:
+        w = jnp.swapaxes(w, 1, 2)
     if x.ndim != 2 or w.ndim != 3:
         raise ValueError(f"expected x [M, K] and w [G, K, N], got {x.shape} and {w.shape}")
     if x.shape[1] != w.shape[1]:
         raise ValueError(f"contracting dims differ: x {x.shape}, w {w.shape}")
-    if group_sizes.shape != (w.shape[0],):
-        raise ValueError(
-            f"grouped_matmul: group_sizes has shape {group_sizes.shape} but w has "
-            f"{w.shape[0]} groups (w [G, K, N], group_sizes [G]). Under jax_ep.dispatch the groups are "
-            "the local experts of EpConfig.axis_name: that axis must be the one w's experts "
-            "are sharded over (E / its size experts per device)")
-    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise TypeError(f"group_sizes must be integer, got {group_sizes.dtype}")
+    group_sizes = _check_groups(group_sizes, w.shape[0])
     out_dtype = jnp.dtype(preferred_element_type or x.dtype)
-    group_sizes = group_sizes.astype(jnp.int32)
     # shard_map(check_vma=True): every operand varies over the union of axes;
     # pcast's transpose (a psum) then reduces dw for a replicated w.
     axes = vma_of(x) | vma_of(w) | vma_of(group_sizes)
     x, w, group_sizes = (to_vma(a, axes) for a in (x, w, group_sizes))
     return _gmm_vjp(x, w, group_sizes, cfg, out_dtype)
+
+
+def _check_groups(group_sizes, groups: int):
+    """``group_sizes`` checked against the weight's ``groups``, as int32."""
+    if group_sizes.shape != (groups,):
+        raise ValueError(
+            f"grouped_matmul: group_sizes has shape {group_sizes.shape} but w has "
+            f"{groups} groups (w [G, K, N], group_sizes [G]). Under jax_ep.dispatch the groups are "
+            "the local experts of EpConfig.axis_name: that axis must be the one w's experts "
+            "are sharded over (E / its size experts per device)")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(f"group_sizes must be integer, got {group_sizes.dtype}")
+    return group_sizes.astype(jnp.int32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -81,43 +120,3 @@ def _gmm_vjp_bwd(cfg, out_dtype, res, dy):
 
 
 _gmm_vjp.defvjp(_gmm_vjp_fwd, _gmm_vjp_bwd)
-
-
-def gmm(x, w, group_sizes, *, transpose_rhs: bool = False,
-        config: Optional[GroupedMatmulConfig] = None, out_dtype=None):
-    """Forward grouped matmul without a VJP rule.
-
-    ``transpose_rhs=False``: ``x [M, K]``, ``w [G, K, N]`` -> ``[M, N]``.
-    ``transpose_rhs=True``: ``x [M, N]``, ``w [G, K, N]`` -> ``[M, K]``
-    (``x[rows of g] @ w[g]^T``; used for dx). Rows past ``sum(group_sizes)``
-    are zero and their input is never used.
-    """
-    cfg = config if config is not None else GroupedMatmulConfig()
-    out_dtype = jnp.dtype(out_dtype or x.dtype)
-    op = "dx" if transpose_rhs else "fwd"
-    offsets = _offsets(group_sizes, x.shape[0])
-    out = plan(cfg, op, x, w, w.shape[0], out_dtype).run(x, w, offsets, op, out_dtype,
-                                                         cfg.interpret)
-    return to_vma(out, vma_of(x) | vma_of(w) | vma_of(group_sizes))
-
-
-def tgmm(x, dy, group_sizes, *, config: Optional[GroupedMatmulConfig] = None,
-         out_dtype=None):
-    """Ragged-contraction grouped matmul: ``out[g] = x[rows of g]^T @ dy[rows of g]``.
-
-    ``x [M, K]``, ``dy [M, N]``, ``group_sizes [G]`` -> ``[G, K, N]`` (zero for
-    empty groups); rows past ``sum(group_sizes)`` are never used.
-    """
-    cfg = config if config is not None else GroupedMatmulConfig()
-    out_dtype = jnp.dtype(out_dtype or x.dtype)
-    offsets = _offsets(group_sizes, x.shape[0])
-    out = plan(cfg, "dw", x, dy, group_sizes.shape[0], out_dtype).run(
-        x, dy, offsets, "dw", out_dtype, cfg.interpret)
-    return to_vma(out, vma_of(x) | vma_of(dy) | vma_of(group_sizes))
-
-
-def _offsets(group_sizes, m):
-    """int32 ``[G+1]``: group g is rows ``[off[g], off[g+1])``, clipped to ``[0, m]``."""
-    gs = jnp.clip(group_sizes.astype(jnp.int32), 0, m)   # clip first: no int32 overflow
-    ends = jnp.minimum(jnp.cumsum(gs), m)
-    return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends]).astype(jnp.int32)

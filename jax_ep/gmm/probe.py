@@ -21,7 +21,8 @@ def compiles(variant: str, op: str, tiles, dtype_name: str, cluster: int = 1) ->
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             f, shapes = v.probe(op, tiles, dt, cluster)
-            args = [jax.ShapeDtypeStruct(s, dt) for s in shapes[:-1]]
+            args = [s if isinstance(s, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(s, dt)
+                    for s in shapes[:-1]]
             args.append(jax.ShapeDtypeStruct(shapes[-1], jnp.int32))
             jax.jit(f).lower(*args).compile()
         return True

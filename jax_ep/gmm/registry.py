@@ -4,20 +4,26 @@ A variant states the operations it runs (``fwd``: ``x @ w[g]``, ``dx``:
 ``dy @ w[g]^T``, ``dw``: ``x[g]^T @ dy[g]``), its tile family, the input
 dtypes and devices it runs on, the shapes and alignments it needs and the
 shared memory it uses; ``select`` asks these questions and nothing else.
+
+The fp8 variants (:class:`Fp8Variant`) run the fp8 path's forward and dx in
+the fp8 kernel's form ``(x * xs) @ ((v * vs)[g])^T`` (both operands K-major,
+``pallas_fp8``); its dw runs on the bf16 variants above.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Callable, Optional, Tuple
 
+import jax
 import jax.numpy as jnp
 
+from . import pallas_fp8
 from .devices import DeviceInfo
 from .pallas_common import EPILOGUE_ROWS
 from .pallas_dw import tgmm_pallas, tgmm_pallas_ring, tgmm_pallas_ws
 from .pallas_fwd import gmm_pallas, gmm_pallas_ws
 from .tiles import DwTiles, FwdTiles
-from .xla import gmm_xla, tgmm_xla
+from .xla import FP8_BLOCK, gmm_fp8_nt_xla, gmm_xla, tgmm_xla
 
 # Beside the staged tiles: the pipeline's barriers and buffer alignment (Mosaic
 # counts 64 bytes at the default tiles; the kernels have no reductions, so no
@@ -50,9 +56,7 @@ class Variant:
     fallback: str = ""                 # what runs instead when it does not compile (warning text)
 
     def runs_on(self, dev: DeviceInfo) -> bool:
-        if not self.archs:
-            return True
-        return dev.platform == "gpu" and dev.compute_capability.split(".")[0] in self.archs
+        return _runs_on(self.archs, dev)
 
     def supports(self, op, tiles, x, w, out_dtype, dev: DeviceInfo) -> bool:
         """Whether this variant runs ``op`` with ``tiles`` on these operands
@@ -106,6 +110,12 @@ class Variant:
         if fit < 2:
             return None
         return dataclasses.replace(tiles, stages=int(min(tiles.stages, fit)))
+
+
+def _runs_on(archs, dev: DeviceInfo) -> bool:
+    if not archs:
+        return True
+    return dev.platform == "gpu" and dev.compute_capability.split(".")[0] in archs
 
 
 def _two_consumer_bytes(bm, bn, bk, split, item):
@@ -192,7 +202,69 @@ def _xla_launch(x, w, off, op, tiles, cluster, out_dtype, interpret):
 
 XLA = Variant("xla", ("fwd", "dx", "dw"), None, None, (), None, _xla_launch)
 
-VARIANTS = {v.name: v for v in (GMM, GMM_WS, TGMM, TGMM_WS, TGMM_RING, XLA)}
+
+# ------------------------------------------------------------- the fp8 variants
+
+_E4M3 = "float8_e4m3fn"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Variant:
+    """An fp8 grouped matmul in the kernel's NT form: ``x [M, Kc]`` e4m3 with
+    ``xs [M, Kc/128]`` f32, ``v [G, Nout, Kc]`` e4m3 with ``vs [G, Nout/128,
+    Kc/128]`` f32 -> ``[M, Nout]`` (forward: ``v = w^T``; dx: ``v = w``)."""
+    name: str
+    ops: Tuple[str, ...]
+    archs: Tuple[str, ...]             # compute capability majors; (): any
+    out_dtypes: Optional[Tuple[str, ...]]   # None: any float
+    launch: Callable                   # (x, xs, v, vs, offsets, out_dtype, interpret)
+    probe: Optional[Callable] = None   # (op, tiles, dtype, cluster) -> (fn, args)
+    fallback: str = ""
+
+    def runs_on(self, dev: DeviceInfo) -> bool:
+        return _runs_on(self.archs, dev)
+
+    def check(self, op, x, xs, v, vs, out_dtype) -> Optional[str]:
+        """Why this variant cannot run ``op`` on these operands (None: it can)."""
+        if op not in self.ops:
+            return f"{self.name} does not run {op}"
+        if not (jnp.dtype(x.dtype).name == _E4M3 and jnp.dtype(v.dtype).name == _E4M3):
+            return f"needs {_E4M3} operands, got {x.dtype}/{v.dtype}"
+        if xs.dtype != jnp.float32 or vs.dtype != jnp.float32:
+            return f"needs float32 scales, got {xs.dtype}/{vs.dtype}"
+        (m, kc), (g, nout, kc2) = x.shape, v.shape
+        if kc != kc2 or kc % FP8_BLOCK or nout % FP8_BLOCK:
+            return (f"needs x [M, Kc] and v [G, Nout, Kc] with Kc, Nout multiples of "
+                    f"{FP8_BLOCK}, got {x.shape} and {v.shape}")
+        if xs.shape != (m, kc // FP8_BLOCK) or vs.shape != (g, nout // FP8_BLOCK, kc // FP8_BLOCK):
+            return f"scales {xs.shape}/{vs.shape} do not match x {x.shape} / v {v.shape}"
+        if self.out_dtypes is not None and jnp.dtype(out_dtype).name not in self.out_dtypes:
+            return f"writes {'/'.join(self.out_dtypes)}, not {jnp.dtype(out_dtype).name}"
+        return None
+
+
+def _fp8_probe(op, tiles, dt, cluster):
+    m, kc, nout = 2 * FP8_BLOCK + 8, 2 * FP8_BLOCK, 2 * FP8_BLOCK
+    f32, e4 = jnp.float32, jnp.dtype(_E4M3)
+    sds = jax.ShapeDtypeStruct
+    return ((lambda x, xs, v, vs, o: pallas_fp8.gmm_fp8_nt(x, xs, v, vs, o, tiles=tiles,
+                                                           out_dtype=jnp.bfloat16)),
+            (sds((m, kc), e4), sds((m, kc // FP8_BLOCK), f32), sds((_G, nout, kc), e4),
+             sds((_G, nout // FP8_BLOCK, kc // FP8_BLOCK), f32), (_G + 1,)))
+
+
+# pallas_fp8.gmm_fp8_nt is looked up at each call (not bound here), so a test
+# can stand a reference implementation of its contract in for it.
+FP8_PALLAS = Fp8Variant(
+    "gmm_fp8", ("fwd", "dx"), _HOPPER, ("bfloat16", "float32"),
+    lambda x, xs, v, vs, off, od, i: pallas_fp8.gmm_fp8_nt(x, xs, v, vs, off, tiles=None,
+                                                           out_dtype=od, interpret=i),
+    _fp8_probe, "the dequantizing XLA reference")
+FP8_XLA = Fp8Variant(
+    "fp8_xla", ("fwd", "dx"), (), None,
+    lambda x, xs, v, vs, off, od, i: gmm_fp8_nt_xla(x, xs, v, vs, off, od))
+
+VARIANTS = {v.name: v for v in (GMM, GMM_WS, TGMM, TGMM_WS, TGMM_RING, XLA, FP8_PALLAS)}
 
 # The 1-warpgroup kernel of each op: its constraints decide whether the op
 # runs on Pallas at all; the 2-consumer kernels are preferred where they fit.

@@ -9,7 +9,8 @@ from typing import Optional
 from . import heuristic, probe
 from .config import GroupedMatmulConfig
 from .devices import DeviceInfo, device_info
-from .registry import BASE, DW_PIPELINE_VARIANT, TWO_CONSUMER, XLA, Variant
+from .registry import (BASE, DW_PIPELINE_VARIANT, FP8_PALLAS, FP8_XLA, TWO_CONSUMER, XLA,
+                       Fp8Variant, Variant)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,3 +99,26 @@ def _dw_cluster(cfg, v: Variant, ws, n: int, dtype, checked: bool) -> int:
     if checked and not probe.compiles(v.name, "dw", ws, dtype.name, c):
         return 1
     return c
+
+
+def plan_fp8(cfg: GroupedMatmulConfig, op: str, x, xs, v, vs, out_dtype,
+             dev: Optional[DeviceInfo] = None) -> Fp8Variant:
+    """The variant of the fp8 path's ``op`` (``"fwd"`` or ``"dx"``, in the
+    kernel's NT form): ``"xla"`` the dequantizing reference; ``"pallas"`` the
+    fp8 kernel (raises where it cannot run the operands); ``"auto"`` the kernel
+    on a device it is written for, where the operands fit it and a small
+    instance compiles (checked once), else the reference."""
+    if cfg.impl == "xla":
+        return FP8_XLA
+    err = FP8_PALLAS.check(op, x, xs, v, vs, out_dtype)
+    if cfg.impl == "pallas":
+        if err is not None:
+            raise ValueError(f"grouped_matmul impl='pallas' (fp8): {err}; use impl='auto' "
+                             "or 'xla' for the dequantizing reference")
+        return FP8_PALLAS
+    dev = dev or device_info()
+    if err is not None or not (cfg.interpret or FP8_PALLAS.runs_on(dev)):
+        return FP8_XLA
+    if not cfg.interpret and not probe.compiles(FP8_PALLAS.name, "fwd+dx", None, "float8_e4m3fn"):
+        return FP8_XLA
+    return FP8_PALLAS

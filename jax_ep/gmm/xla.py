@@ -1,4 +1,6 @@
-"""The XLA fallback of the grouped matmul: ``jax.lax.ragged_dot`` (tail rows masked)."""
+"""The XLA fallbacks of the grouped matmul: ``jax.lax.ragged_dot`` (tail rows
+masked), and the fp8 reference (dequantize to f32, then the same at HIGHEST
+precision)."""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -13,19 +15,20 @@ def _acc_type(dtype):
     return jnp.float32 if jnp.issubdtype(dtype, jnp.floating) else None
 
 
-def gmm_xla(x, w, offsets, transpose_rhs, out_dtype):
+def gmm_xla(x, w, offsets, transpose_rhs, out_dtype, precision=None):
     m = x.shape[0]
     keep = _row_mask(offsets, m)
     xm = jnp.where(keep, x, jnp.zeros((), x.dtype))
     sizes = jnp.diff(offsets)
+    kw = {} if precision is None else {"precision": precision}
     if transpose_rhs:
         dn = lax.RaggedDotDimensionNumbers(
             dot_dimension_numbers=(([1], [2]), ([], [])),
             lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-        y = lax.ragged_dot_general(xm, w, sizes, dn,
-                                   preferred_element_type=_acc_type(out_dtype))
+        y = lax.ragged_dot_general(xm, w, sizes, dn, preferred_element_type=_acc_type(out_dtype),
+                                   **kw)
     else:
-        y = lax.ragged_dot(xm, w, sizes, preferred_element_type=_acc_type(out_dtype))
+        y = lax.ragged_dot(xm, w, sizes, preferred_element_type=_acc_type(out_dtype), **kw)
     return jnp.where(keep, y, jnp.zeros((), y.dtype)).astype(out_dtype)
 
 
@@ -41,3 +44,30 @@ def tgmm_xla(x, dy, offsets, num_groups, out_dtype):
                                  preferred_element_type=_acc_type(out_dtype))
     assert out.shape[0] == num_groups
     return out.astype(out_dtype)
+
+
+FP8_BLOCK = 128
+
+
+def dequantize_rows(x, scales):
+    """``x [M, K]`` fp8, ``scales [M, K/128]`` -> f32 ``x * scales`` (per row, per 128 columns)."""
+    m, k = x.shape
+    xf = x.astype(jnp.float32).reshape(m, k // FP8_BLOCK, FP8_BLOCK)
+    return (xf * scales.astype(jnp.float32)[..., None]).reshape(m, k)
+
+
+def dequantize_blocks(w, scales):
+    """``w [G, A, B]`` fp8, ``scales [G, A/128, B/128]`` -> f32 ``w * scales``
+    (one scale per 128 x 128 block)."""
+    g, a, b = w.shape
+    wf = w.astype(jnp.float32).reshape(g, a // FP8_BLOCK, FP8_BLOCK, b // FP8_BLOCK, FP8_BLOCK)
+    return (wf * scales.astype(jnp.float32)[:, :, None, :, None]).reshape(g, a, b)
+
+
+def gmm_fp8_nt_xla(x, xs, v, vs, offsets, out_dtype):
+    """The fp8 kernel's contract (``pallas_fp8.gmm_fp8_nt``) in XLA:
+    ``out[rows of g] = (x * xs)[rows of g] @ ((v * vs)[g])^T``, dequantized to
+    f32 and multiplied at HIGHEST precision; ``x [M, Kc]``, ``v [G, Nout, Kc]``
+    -> ``[M, Nout]``, rows past ``offsets[-1]`` zero (their input never used)."""
+    return gmm_xla(dequantize_rows(x, xs), dequantize_blocks(v, vs), offsets, True, out_dtype,
+                   precision=lax.Precision.HIGHEST)

@@ -1,0 +1,166 @@
+"""The fp8 grouped matmul: ``x`` e4m3 with per-row, per-128-column scales (what
+dispatch sends) times ``w`` e4m3 with 128 x 128 block scales, f32
+accumulation, under a ``custom_vjp``.
+
+Cotangent convention: the cotangent of an fp8 operand is the cotangent of its
+*dequantized* value (``x * x_scales``, ``w * w_scales``), in a wider float
+dtype (JAX lets a ``custom_vjp`` return a wider float cotangent for an fp8
+primal); the scales get none. ``jax_ep.quantize_activations`` /
+``quantize_weights`` and fp8 dispatch pass such a cotangent straight through
+to the bf16/f32 values they cast.
+
+The forward and dx run in the fp8 kernel's NT form (``ops_nt``): forward
+``(x * xs) @ ((v * vs)[g])^T`` with ``v = w^T`` (``w_layout="gkn"``) or ``w``
+as stored (``"gnk"``); dx ``(dy_q * dys) @ ((w * ws)[g])`` with ``dy`` cast
+as dispatch casts (``GroupedMatmulConfig.fp8_dx``; else in bf16) against
+``w`` as stored (``"gkn"``) or ``w^T`` (``"gnk"``). dw runs in bf16 (``tgmm``
+on ``x * xs`` rounded to bf16): ``x``'s per-row scales vary along dw's
+contraction (the rows), so they cannot be applied after an fp8 product.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from .._ffi import to_vma, vma_of
+from ..fp8 import FP8_BLOCK, WEIGHT_LAYOUTS, fp8_cast
+from .config import GroupedMatmulConfig
+from .ops import gmm, offsets, tgmm
+from .select import plan_fp8
+from .xla import dequantize_blocks, dequantize_rows
+
+E4M3 = jnp.float8_e4m3fn
+BF16 = jnp.bfloat16
+
+
+def is_fp8_call(x, w, x_scales, w_scales) -> bool:
+    """Whether these operands ask for the fp8 path (a scale, or an fp8 operand)."""
+    return (x_scales is not None or w_scales is not None
+            or jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits == 8
+            or jnp.issubdtype(w.dtype, jnp.floating) and jnp.finfo(w.dtype).bits == 8)
+
+
+def check_operands(x, x_scales, w, w_scales, w_layout: str, out_dtype):
+    """Trace-time checks of the fp8 path: one clear error naming cause and remedy."""
+    fn = "jax_ep.grouped_matmul (fp8)"
+    if w_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"{fn}: w_layout must be one of {WEIGHT_LAYOUTS}, got {w_layout!r}")
+    _check_pairing(fn, x, x_scales, w, w_scales)
+    if x.ndim != 2 or w.ndim != 3:
+        want = "[G, K, N]" if w_layout == "gkn" else "[G, N, K]"
+        raise ValueError(f"{fn}: expected x [M, K] and w {want} (w_layout={w_layout!r}), got "
+                         f"{x.shape} and {w.shape}")
+    m, k = x.shape
+    g, kw, n = w.shape if w_layout == "gkn" else (w.shape[0], w.shape[2], w.shape[1])
+    if k != kw:
+        want = "[G, K, N]" if w_layout == "gkn" else "[G, N, K]"
+        raise ValueError(f"{fn}: contracting dims differ: x {x.shape}, w {w.shape} "
+                         f"(w_layout={w_layout!r}: w is {want})")
+    if k % FP8_BLOCK or n % FP8_BLOCK:
+        raise ValueError(f"{fn}: K and N must be multiples of {FP8_BLOCK} (the scale blocks), "
+                         f"got K={k}, N={n}; pad the widths, or use the bf16 path")
+    ws_want = ((g, k // FP8_BLOCK, n // FP8_BLOCK) if w_layout == "gkn"
+               else (g, n // FP8_BLOCK, k // FP8_BLOCK))
+    for name, s, want, src in (("x_scales", x_scales, (m, k // FP8_BLOCK),
+                                "Dispatched.x_scales or jax_ep.quantize_activations"),
+                               ("w_scales", w_scales, ws_want,
+                                f"jax_ep.quantize_weights(layout={w_layout!r})")):
+        if s.dtype != jnp.float32:
+            raise TypeError(f"{fn}: {name} must be float32 (UE8M0 scales as their f32 powers "
+                            f"of two), got {s.dtype}")
+        if s.shape != want:
+            raise ValueError(f"{fn}: {name} must be {list(want)} for x {x.shape}, w {w.shape} "
+                             f"(w_layout={w_layout!r}), got {s.shape}; take it from {src}")
+    if not jnp.issubdtype(out_dtype, jnp.floating):
+        raise TypeError(f"{fn}: preferred_element_type must be a float dtype, got {out_dtype}")
+
+
+def _check_pairing(fn, x, x_scales, w, w_scales):
+    """Both operands fp8-e4m3, each with its scales."""
+    for name, a, s, sname, quant in (("x", x, x_scales, "x_scales", "jax_ep.quantize_activations"),
+                                     ("w", w, w_scales, "w_scales", "jax_ep.quantize_weights")):
+        if s is None:
+            raise ValueError(
+                f"{fn}: {sname} is missing. An fp8 operand or a scale selects the fp8 path, "
+                f"which needs both x with x_scales and w with w_scales: quantize {name} with "
+                f"{quant}, or pass bf16/f32 x and w without scales for the bf16 path")
+        if a.dtype != E4M3:
+            raise TypeError(f"{fn}: {name} must be float8_e4m3fn when {sname} is given, got "
+                            f"{a.dtype}; quantize it with {quant}, or drop the scales")
+
+
+def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, w_layout: str,
+                       out_dtype, cfg: GroupedMatmulConfig):
+    """The fp8 path of :func:`jax_ep.grouped_matmul` (operands checked by
+    :func:`check_operands`, ``group_sizes`` int32 ``[G]``) -> ``[M, N]``."""
+    axes = vma_of(x) | vma_of(x_scales) | vma_of(w) | vma_of(w_scales) | vma_of(group_sizes)
+    ops = tuple(to_vma(a, axes) for a in (x, x_scales, w, w_scales, group_sizes))
+    return _fp8_vjp(*ops, cfg, jnp.dtype(out_dtype), w_layout)
+
+
+def _nt_weights(w, ws, w_layout: str, op: str):
+    """``(v [G, Nout, Kc], vs)`` of ``op`` in the kernel's NT form: the forward
+    contracts K (``v = w^T`` for ``"gkn"``), dx contracts N (``v = w`` for ``"gkn"``)."""
+    if (w_layout == "gkn") == (op == "fwd"):
+        return jnp.swapaxes(w, 1, 2), jnp.swapaxes(ws, 1, 2)
+    return w, ws
+
+
+def ops_nt(cfg: GroupedMatmulConfig, op: str, x, xs, v, vs, group_sizes, out_dtype):
+    """``out[rows of g] = (x * xs)[rows of g] @ ((v * vs)[g])^T`` on the variant
+    ``select.plan_fp8`` picks; ``x [M, Kc]``, ``v [G, Nout, Kc]`` -> ``[M, Nout]``."""
+    off = offsets(group_sizes, x.shape[0])
+    out = plan_fp8(cfg, op, x, xs, v, vs, out_dtype).launch(x, xs, v, vs, off, out_dtype,
+                                                            cfg.interpret)
+    axes = vma_of(x) | vma_of(xs) | vma_of(v) | vma_of(vs) | vma_of(group_sizes)
+    return to_vma(out, axes)
+
+
+def _forward(x, xs, w, ws, group_sizes, cfg, out_dtype, w_layout):
+    v, vs = _nt_weights(w, ws, w_layout, "fwd")
+    return ops_nt(cfg, "fwd", x, xs, v, vs, group_sizes, out_dtype)
+
+
+_fp8_vjp = functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))(_forward)
+
+
+def _fp8_vjp_fwd(x, xs, w, ws, group_sizes, cfg, out_dtype, w_layout):
+    return (_forward(x, xs, w, ws, group_sizes, cfg, out_dtype, w_layout),
+            (x, xs, w, ws, group_sizes))
+
+
+def _fp8_vjp_bwd(cfg, out_dtype, w_layout, res, dy):
+    x, xs, w, ws, group_sizes = res
+    dx = _dx(cfg, w_layout, w, ws, group_sizes, dy)
+    dw = _dw(cfg, w_layout, x, xs, group_sizes, dy)
+    axes = vma_of(x) | vma_of(xs) | vma_of(w) | vma_of(ws) | vma_of(group_sizes)
+    return to_vma(dx, axes), None, to_vma(dw, axes), None, None
+
+
+_fp8_vjp.defvjp(_fp8_vjp_fwd, _fp8_vjp_bwd)
+
+
+def _dx(cfg, w_layout, w, ws, group_sizes, dy):
+    """``dy @ (w * ws)[g]^T`` in dy's dtype: in fp8 (``cfg.fp8_dx``) or bf16."""
+    if cfg.fp8_dx:
+        # rows past the groups' end may hold anything; each row is cast on its own
+        # and those rows are never read
+        dq, ds = fp8_cast(dy)
+        v, vs = _nt_weights(w, ws, w_layout, "dx")
+        return ops_nt(cfg, "dx", dq, ds, v, vs, group_sizes, dy.dtype)
+    wd = dequantize_blocks(w, ws).astype(BF16)
+    dx = gmm(dy.astype(BF16), wd, group_sizes, transpose_rhs=w_layout == "gkn", config=cfg,
+             out_dtype=BF16)
+    return dx.astype(dy.dtype)
+
+
+def _dw(cfg, w_layout, x, xs, group_sizes, dy):
+    """``(x * xs)[rows of g]^T @ dy[rows of g]`` on bf16 operands (f32
+    accumulation, the result rounded to bf16 as the bf16 path's dw is: the
+    Pallas dw kernels write their input dtype), returned as an f32 cotangent of
+    the dequantized weight in ``w_layout``."""
+    xd = dequantize_rows(x, xs).astype(BF16)
+    dw = tgmm(xd, dy.astype(BF16), group_sizes, config=cfg, out_dtype=BF16).astype(jnp.float32)
+    return dw if w_layout == "gkn" else jnp.swapaxes(dw, 1, 2)

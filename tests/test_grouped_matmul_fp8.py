@@ -1,0 +1,468 @@
+"""CPU tests of the fp8 grouped matmul (jax_ep.grouped_matmul with x_scales /
+w_scales), the quantizers and the glue around the fp8 kernel (its contract
+stood in by the XLA reference)."""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jax_ep
+from jax_ep.gmm import GroupedMatmulConfig, pallas_fp8, probe, registry, select
+from jax_ep.gmm import fp8 as gm_fp8
+from jax_ep.gmm.devices import DEVICES
+from jax_ep.gmm.xla import gmm_fp8_nt_xla
+
+E4M3 = jnp.float8_e4m3fn
+M, K, N, G = 384, 256, 384, 5
+SIZES = {
+    "skew_empty_nan_tail": [0, 200, 7, 0, 90],      # 297 of 384 rows: NaN tail
+    "uniform_full": [77, 77, 77, 77, 76],
+    "all_empty": [0, 0, 0, 0, 0],
+}
+
+
+# ------------------------------------------------------------------ helpers
+
+def outliers(rng, shape):
+    """Normal values times 2^U(-8, 8): magnitudes spanning 2^±8 inside every 128-block."""
+    return (rng.standard_normal(shape) * np.exp2(rng.uniform(-8, 8, shape))).astype(np.float32)
+
+
+def make(sizes, seed=0, scale_format="f32", layout="gkn"):
+    """Quantized operands (x's tail rows NaN, its tail scales Inf) and a
+    cotangent with an Inf tail."""
+    rng = np.random.default_rng(seed)
+    xq, xs = jax_ep.quantize_activations(jnp.asarray(outliers(rng, (M, K))), scale_format)
+    wq, ws = jax_ep.quantize_weights(jnp.asarray(outliers(rng, (G, K, N))), layout=layout,
+                                     scale_format=scale_format)
+    tot = int(np.sum(sizes))
+    xq, xs = np.array(xq), np.array(xs)
+    xq[tot:] = np.nan
+    xs[tot:] = np.inf
+    dy = rng.standard_normal((M, N)).astype(np.float32)
+    dy[tot:] = np.inf
+    return (jnp.asarray(xq), jnp.asarray(xs), wq, ws, np.asarray(sizes, np.int32),
+            jnp.asarray(dy, jnp.bfloat16))
+
+
+def np_rows(q, s):
+    q = np.asarray(q).astype(np.float64)
+    return (q.reshape(q.shape[0], -1, 128) * np.asarray(s, np.float64)[..., None]).reshape(q.shape)
+
+
+def np_blocks(q, s):
+    q = np.asarray(q).astype(np.float64)
+    g, a, b = q.shape
+    s = np.asarray(s, np.float64)[:, :, None, :, None]
+    return (q.reshape(g, a // 128, 128, b // 128, 128) * s).reshape(g, a, b)
+
+
+def np_gmm(xd, wd, sizes):
+    """float64: out[rows of g] = xd[rows of g] @ wd[g]; tail rows zero, never read."""
+    off = np.concatenate([[0], np.cumsum(sizes)])
+    out = np.zeros((xd.shape[0], wd.shape[2]))
+    for g in range(len(sizes)):
+        out[off[g]:off[g + 1]] = xd[off[g]:off[g + 1]] @ wd[g]
+    return out
+
+
+def clean(a, sizes):
+    a = np.array(a, np.float64)
+    a[int(np.sum(sizes)):] = 0
+    return a
+
+
+def assert_per_product(got, want, bound, tol, what=""):
+    """|got - want| <= tol * bound, bound = the sum of |products| of each entry."""
+    got = np.asarray(got, np.float64)
+    assert np.all(np.isfinite(got)), what
+    err = np.abs(got - want) - tol * bound - 1e-30
+    assert np.all(err <= 0), f"{what}: worst excess {err.max():.3g} (tol {tol})"
+
+
+def gmm8(x, xs, w, ws, gs, **kw):
+    return jax_ep.grouped_matmul(x, w, gs, x_scales=xs, w_scales=ws, **kw)
+
+
+def vjp8(x, xs, w, ws, gs, dy, **kw):
+    y, f = jax.vjp(lambda a, b: gmm8(a, xs, b, ws, gs, **kw), x, w)
+    return (y,) + f(dy)
+
+
+# ------------------------------------------------------------------ forward
+
+@pytest.mark.parametrize("case", sorted(SIZES))
+def test_reference_matches_numpy_per_product(case):
+    sizes = SIZES[case]
+    x, xs, w, ws, gs, _ = make(sizes)
+    y = jax.jit(functools.partial(gmm8, impl="xla"))(x, xs, w, ws, gs)
+    y32 = jax.jit(functools.partial(gmm8, preferred_element_type=jnp.float32))(x, xs, w, ws, gs)
+    assert y.dtype == jnp.bfloat16 and y.shape == (M, N) and y32.dtype == jnp.float32
+    xd, wd = clean(np_rows(x, xs), sizes), np_blocks(w, ws)
+    want, bound = np_gmm(xd, wd, sizes), np_gmm(np.abs(xd), np.abs(wd), sizes)
+    assert_per_product(y, want, bound, 1e-2, "bf16 out")
+    assert_per_product(y32, want, bound, 1e-5, "f32 out")
+    tot = int(np.sum(sizes))
+    assert np.all(np.asarray(y32)[tot:] == 0) and np.all(np.asarray(y, np.float32)[tot:] == 0)
+
+
+def test_both_layouts_give_identical_bits():
+    sizes = SIZES["skew_empty_nan_tail"]
+    x, xs, w, ws, gs, dy = make(sizes)
+    _, _, wt, wst, _, _ = make(sizes, layout="gnk")
+    np.testing.assert_array_equal(np.asarray(wt), np.swapaxes(np.asarray(w), 1, 2))
+    np.testing.assert_array_equal(np.asarray(wst), np.swapaxes(np.asarray(ws), 1, 2))
+    for fp8_dx in (True, False):
+        cfg = GroupedMatmulConfig(fp8_dx=fp8_dx)
+        a = jax.jit(functools.partial(vjp8, config=cfg))(x, xs, w, ws, gs, dy)
+        b = jax.jit(functools.partial(vjp8, config=cfg, w_layout="gnk"))(x, xs, wt, wst, gs, dy)
+        for u, v in zip(a[:2], b[:2]):
+            np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+        np.testing.assert_array_equal(np.asarray(a[2]), np.swapaxes(np.asarray(b[2]), 1, 2))
+
+
+def test_ue8m0_scales():
+    sizes = SIZES["skew_empty_nan_tail"]
+    x, xs, w, ws, gs, _ = make(sizes, scale_format="ue8m0")
+    tot = int(np.sum(sizes))
+    for s in (np.asarray(xs)[:tot], np.asarray(ws)):
+        assert np.all(np.exp2(np.round(np.log2(s))) == s)
+    y = np.asarray(jax.jit(gmm8)(x, xs, w, ws, gs), np.float64)
+    xd, wd = clean(np_rows(x, xs), sizes), np_blocks(w, ws)
+    assert_per_product(y, np_gmm(xd, wd, sizes), np_gmm(np.abs(xd), np.abs(wd), sizes), 1e-2)
+
+
+# ------------------------------------------------------------------ gradients
+
+def _model_grads(x, xs, w, ws, sizes, dy):
+    """jax.grad of the dequantized f32 model (rows past the groups masked)."""
+    gs = np.asarray(sizes, np.int32)
+    xd = jnp.asarray(clean(np_rows(x, xs), sizes), jnp.float32)
+    wd = jnp.asarray(np_blocks(w, ws), jnp.float32)
+    ct = jnp.asarray(clean(np.asarray(dy, np.float32), sizes), jnp.float32)
+    model = lambda a, b: jnp.sum(jax.lax.ragged_dot(a, b, gs, precision="highest") * ct)
+    dx, dw = jax.grad(model, argnums=(0, 1))(xd, wd)
+    f64 = functools.partial(np.asarray, dtype=np.float64)
+    return f64(dx), f64(dw), np.asarray(xd), np.asarray(wd), ct
+
+
+@pytest.mark.parametrize("fp8_dx", [True, False], ids=["dx_fp8", "dx_bf16"])
+@pytest.mark.parametrize("case", ["skew_empty_nan_tail", "uniform_full"])
+def test_gradients_match_the_dequantized_model(case, fp8_dx):
+    sizes = SIZES[case]
+    x, xs, w, ws, gs, dy = make(sizes, seed=3)
+    cfg = GroupedMatmulConfig(fp8_dx=fp8_dx)
+    _, dx, dw = jax.jit(functools.partial(vjp8, config=cfg))(x, xs, w, ws, gs, dy)
+    assert dx.dtype == jnp.bfloat16 and dx.shape == x.shape
+    assert dw.dtype == jnp.float32 and dw.shape == w.shape
+    mdx, mdw, xd, wd, ct = _model_grads(x, xs, w, ws, sizes, dy)
+    ct = np.asarray(ct, np.float64)
+    off = np.concatenate([[0], np.cumsum(sizes)])
+    dx_bound = np_gmm(np.abs(ct), np.abs(np.swapaxes(wd, 1, 2)), sizes)
+    dw_bound = np.stack([np.abs(xd[off[g]:off[g + 1]]).T @ np.abs(ct[off[g]:off[g + 1]])
+                         for g in range(G)])
+    assert_per_product(dw, mdw, dw_bound, 1e-2, "dw (bf16)")
+    if not fp8_dx:
+        assert_per_product(dx, mdx, dx_bound, 1e-2, "dx (bf16)")
+    else:
+        # exactly the model of dy cast as dispatch casts it; e4m3's rounding
+        # (at most 2^-4 of each element) from the unrounded model
+        dq, ds = jax_ep.fp8_cast(jnp.asarray(dy, jnp.float32))
+        ctq = clean(np_rows(dq, ds), sizes)
+        assert_per_product(dx, np_gmm(ctq, np.swapaxes(wd, 1, 2), sizes), dx_bound, 1e-2,
+                           "dx (fp8) vs the model of fp8 dy")
+        assert_per_product(dx, mdx, dx_bound, 2 ** -4 + 1e-2, "dx (fp8)")
+    tot = int(np.sum(sizes))
+    assert np.all(np.asarray(dx, np.float32)[tot:] == 0)
+
+
+def test_gradient_through_the_quantizers_is_straight_through():
+    """jax.grad of a loss of bf16/f32 x and w through quantize_* and the fp8
+    matmul: the cotangents of the dequantized values, in x's and w's dtypes."""
+    sizes = [40, 0, 100, 3, 90]
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((G, K, N)), jnp.float32)
+    gs = np.asarray(sizes, np.int32)
+
+    def loss(x, w):
+        xq, xs = jax_ep.quantize_activations(x)
+        wq, ws = jax_ep.quantize_weights(w)
+        return jnp.sum(gmm8(xq, xs, wq, ws, gs, preferred_element_type=jnp.float32))
+
+    dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+    assert dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+    xq, xs = jax_ep.quantize_activations(x)
+    wq, ws = jax_ep.quantize_weights(w)
+    _, vdx, vdw = vjp8(xq, xs, wq, ws, gs, jnp.ones((M, N), jnp.float32),
+                       preferred_element_type=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(dx), np.asarray(vdx.astype(jnp.bfloat16)))
+    np.testing.assert_array_equal(np.asarray(dw), np.asarray(vdw))
+
+
+def test_jit_shard_map_check_vma():
+    devs = jax.devices()
+    if len(devs) < 8:
+        pytest.skip("needs 8 (fake) devices")
+    R, m = 8, 128
+    mesh = Mesh(np.array(devs[:R]), ("ep",))
+    rng = np.random.default_rng(1)
+    sizes = rng.integers(0, 40, size=(R, G)).astype(np.int32)
+    sizes[0] = 0                                             # a rank with nothing
+    xq, xs = jax_ep.quantize_activations(jnp.asarray(outliers(rng, (R * m, K))))
+    wq, ws = jax_ep.quantize_weights(jnp.asarray(outliers(rng, (R * G, K, N))))   # per rank
+    rq, rs = jax_ep.quantize_weights(jnp.asarray(outliers(rng, (G, K, N))))        # replicated
+    dy = jnp.asarray(rng.standard_normal((R * m, N)), jnp.bfloat16)
+
+    def per_rank(x, s, w, sw, r, sr, gs, dy):
+        f = jax.checkpoint(lambda a, b, c: gmm8(a, s, b, sw, gs[0]) + gmm8(a, s, c, sr, gs[0]))
+        y, vjp = jax.vjp(f, x, w, r)
+        return (y,) + vjp(dy)
+
+    spec = P("ep")
+    fn = jax.jit(jax.shard_map(per_rank, mesh=mesh, check_vma=True,
+                               in_specs=(spec,) * 4 + (P(), P(), spec, spec),
+                               out_specs=(spec, spec, spec, P())))
+    y, dx, dw, dr = fn(xq, xs, wq, ws, rq, rs, sizes, dy)
+    dr_want = 0
+    for k in range(R):
+        rows, grp = slice(k * m, (k + 1) * m), slice(k * G, (k + 1) * G)
+        a = vjp8(xq[rows], xs[rows], wq[grp], ws[grp], sizes[k], dy[rows])
+        b = vjp8(xq[rows], xs[rows], rq, rs, sizes[k], dy[rows])
+        want_y = a[0].astype(jnp.float32) + b[0].astype(jnp.float32)
+        np.testing.assert_allclose(np.asarray(y[rows], np.float32), np.asarray(want_y),
+                                   rtol=1e-2, atol=1e-2 * float(jnp.max(jnp.abs(want_y))))
+        np.testing.assert_allclose(np.asarray(dx[rows], np.float32),
+                                   np.asarray(a[1], np.float32) + np.asarray(b[1], np.float32),
+                                   rtol=2e-2, atol=1e-2 * float(jnp.max(jnp.abs(dx[rows]))))
+        np.testing.assert_array_equal(np.asarray(dw[grp]), np.asarray(a[2]))
+        dr_want = dr_want + np.asarray(b[2], np.float64)
+    # the replicated weight's gradient is summed over ranks (pcast's transpose)
+    np.testing.assert_allclose(np.asarray(dr), dr_want, rtol=1e-5,
+                               atol=1e-6 * np.abs(dr_want).max())
+
+
+# ------------------------------------------------------------------ quantizers
+
+def np_cast(blocks, amax_axes, scale_format):
+    """NumPy model of the per-block cast: blocks f32, amax over ``amax_axes``."""
+    amax = np.maximum(np.abs(blocks).max(amax_axes, keepdims=True), np.float32(1e-4))
+    if scale_format == "ue8m0":
+        k = np.ceil(np.log2(amax.astype(np.float64) / 448.0))
+        return ((blocks * np.exp2(-k).astype(np.float32)).astype(ml_dtypes.float8_e4m3fn),
+                np.exp2(k).astype(np.float32))
+    inv = (np.float32(448.0) / amax).astype(np.float32)
+    q = np.clip(blocks * inv, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    return q, (amax * np.float32(1.0 / 448.0)).astype(np.float32)
+
+
+@pytest.mark.parametrize("scale_format", ["f32", "ue8m0"])
+def test_quantize_activations_is_dispatch_cast_bit_for_bit(scale_format):
+    rng = np.random.default_rng(7)
+    x = outliers(rng, (64, 512))
+    x[3, :128] = 0                                           # the 1e-4 floor
+    x[5, 200] = 448.0 * 2 ** 8                               # a power-of-two amax
+    for dtype in (jnp.float32, jnp.bfloat16):
+        xj = jnp.asarray(x, dtype)
+        q, s = jax.jit(functools.partial(jax_ep.quantize_activations,
+                                         scale_format=scale_format))(xj)
+        q2, s2 = jax_ep.fp8_cast(xj, scale_format)
+        assert q.dtype == E4M3 and s.dtype == jnp.float32 and s.shape == (64, 4)
+        np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.asarray(q2).view(np.uint8))
+        np.testing.assert_array_equal(np.asarray(s), np.asarray(s2))
+        nq, ns = np_cast(np.asarray(xj, np.float32).reshape(64, 4, 128), (2,), scale_format)
+        np.testing.assert_array_equal(np.asarray(q).view(np.uint8),
+                                      nq.reshape(64, 512).view(np.uint8))
+        np.testing.assert_array_equal(np.asarray(s), ns.reshape(64, 4))
+
+
+@pytest.mark.parametrize("scale_format", ["f32", "ue8m0"])
+def test_quantize_weights_blocks_and_round_trip(scale_format):
+    rng = np.random.default_rng(8)
+    w = outliers(rng, (3, 256, 384))
+    w[1, :128, 128:256] = 0                                  # the 1e-4 floor
+    q, s = jax.jit(functools.partial(jax_ep.quantize_weights,
+                                     scale_format=scale_format))(jnp.asarray(w))
+    assert q.shape == w.shape and q.dtype == E4M3 and s.shape == (3, 2, 3)
+    blocks = w.reshape(3, 2, 128, 3, 128)
+    nq, ns = np_cast(blocks, (2, 4), scale_format)
+    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), nq.reshape(w.shape).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(s), ns.reshape(3, 2, 3))
+    amax = np.maximum(np.abs(blocks).max((2, 4)), 1e-4)
+    if scale_format == "ue8m0":
+        assert np.all(448 * np.asarray(s) >= amax) and np.all(224 * np.asarray(s) < amax)
+    # round trip: e4m3's half ulp (2^-4 relative), subnormals' absolute 2^-10 of the scale
+    deq = np_blocks(q, s)
+    sfull = np.asarray(s, np.float64).repeat(128, 1).repeat(128, 2)
+    assert np.all(np.abs(deq - w) <= np.maximum(2 ** -4 * np.abs(w), 2 ** -10 * sfull) * 1.0001)
+    qt, st = jax_ep.quantize_weights(jnp.asarray(w), layout="gnk", scale_format=scale_format)
+    np.testing.assert_array_equal(np.asarray(qt).view(np.uint8),
+                                  np.swapaxes(np.asarray(q), 1, 2).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(st), np.swapaxes(np.asarray(s), 1, 2))
+
+
+@jax.custom_vjp
+def _dequantized(q, s):
+    """Rows ``q * s``, with the fp8 cotangent convention (q's cotangent is the
+    dequantized rows')."""
+    return (q.astype(jnp.float32).reshape(q.shape[0], -1, 128) * s[..., None]).reshape(q.shape)
+
+
+_dequantized.defvjp(lambda q, s: (_dequantized(q, s), None), lambda _, g: (g, None))
+
+
+def test_quantizer_gradients_are_straight_through():
+    rng = np.random.default_rng(9)
+    c = jnp.asarray(rng.standard_normal((8, 256)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((8, 256)), jnp.bfloat16)
+    g = jax.grad(lambda x: jnp.sum(_dequantized(*jax_ep.quantize_activations(x)) * c))(x)
+    assert g.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(c.astype(jnp.bfloat16)))
+    cw = jnp.asarray(rng.standard_normal((2, 384, 256)), jnp.float32)
+    for layout, ct in (("gkn", jnp.swapaxes(cw, 1, 2)), ("gnk", cw)):
+        def loss(w):
+            q, s = jax_ep.quantize_weights(w, layout=layout)
+            deq = _dequantized(q.reshape(-1, q.shape[2]),
+                               jnp.repeat(s, 128, axis=1).reshape(-1, s.shape[2]))
+            return jnp.sum(deq.reshape(q.shape) * ct)
+        gw = jax.grad(loss)(jnp.ones((2, 256, 384), jnp.float32))
+        np.testing.assert_array_equal(np.asarray(gw), np.swapaxes(np.asarray(cw), 1, 2))
+
+
+# ------------------------------------------------------------------ validation
+
+def _ops():
+    x, xs, w, ws, gs, _ = make([10, 0, 5, 0, 1])
+    return dict(x=x, xs=xs, w=w, ws=ws, gs=gs)
+
+
+def _call(x, xs, w, ws, gs, **kw):
+    return jax.eval_shape(lambda: jax_ep.grouped_matmul(x, w, gs, x_scales=xs, w_scales=ws, **kw))
+
+
+BAD = {
+    "w_scales missing": (dict(ws=None), ValueError, "w_scales is missing"),
+    "x_scales missing": (dict(xs=None), ValueError, "x_scales is missing"),
+    "x not fp8": (lambda o: dict(x=o["x"].astype(jnp.bfloat16)), TypeError,
+                  "x must be float8_e4m3fn.*quantize_activations"),
+    "w e5m2": (lambda o: dict(w=o["w"].astype(jnp.float8_e5m2)), TypeError,
+               "w must be float8_e4m3fn"),
+    "scales bf16": (lambda o: dict(xs=o["xs"].astype(jnp.bfloat16)), TypeError,
+                    "x_scales must be float32"),
+    "x_scales shape": (lambda o: dict(xs=o["xs"][:, :1]), ValueError,
+                       r"x_scales must be \[384, 2\]"),
+    "w_scales layout": (lambda o: dict(ws=jnp.swapaxes(o["ws"], 1, 2)), ValueError,
+                        r"w_scales must be \[5, 2, 3\]"),
+    "K not 128": (lambda o: dict(x=o["x"][:, :200], w=o["w"][:, :200]), ValueError,
+                  "multiples of 128"),
+    "K differs": (lambda o: dict(x=o["x"][:, :128]), ValueError, "contracting dims differ"),
+    "groups": (lambda o: dict(gs=o["gs"][:3]), ValueError, "group_sizes has shape"),
+    "float groups": (lambda o: dict(gs=o["gs"].astype(np.float32)), TypeError, "integer"),
+    "layout": (dict(w_layout="kn"), ValueError, "w_layout must be one of"),
+    "out dtype": (dict(preferred_element_type=jnp.int32), TypeError, "float dtype"),
+    "pallas out dtype": (dict(preferred_element_type=jnp.float16, impl="pallas"), ValueError,
+                         "impl='pallas' \\(fp8\\).*float16"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_validation_errors(name):
+    ops = _ops()
+    change, exc, match = BAD[name]
+    change = change(ops) if callable(change) else dict(change)
+    kw = {k: change.pop(k) for k in list(change) if k not in ops}
+    ops.update(change)
+    with pytest.raises(exc, match=match):
+        _call(**ops, **kw)
+
+
+def test_quantizer_and_config_errors():
+    with pytest.raises(ValueError, match="divisible by 128"):
+        jax_ep.quantize_activations(jnp.zeros((4, 100)))
+    with pytest.raises(TypeError, match="already quantized"):
+        jax_ep.quantize_activations(jnp.zeros((4, 128), E4M3))
+    with pytest.raises(ValueError, match="divisible by 128"):
+        jax_ep.quantize_weights(jnp.zeros((2, 128, 64)))
+    with pytest.raises(ValueError, match="layout"):
+        jax_ep.quantize_weights(jnp.zeros((2, 128, 128)), layout="nk")
+    with pytest.raises(ValueError, match="scale_format"):
+        jax_ep.quantize_weights(jnp.zeros((2, 128, 128)), scale_format="e8m0")
+    with pytest.raises(ValueError, match=r"w \[G, K, N\]"):
+        jax_ep.quantize_weights(jnp.zeros((128, 128)))
+    with pytest.raises(ValueError, match="fp8_dx"):
+        GroupedMatmulConfig(fp8_dx=1)
+
+
+# ------------------------------------------------------------------ the kernel's glue
+
+def _nt_reference(calls):
+    """A stand-in for pallas_fp8.gmm_fp8_nt: the XLA reference of its contract,
+    recording what it was called with."""
+    def kernel(x, xs, v, vs, offsets, *, tiles=None, out_dtype=None, interpret=False):
+        calls.append(dict(x=(x.shape, x.dtype), xs=(xs.shape, xs.dtype), v=(v.shape, v.dtype),
+                          vs=(vs.shape, vs.dtype), offsets=(offsets.shape, offsets.dtype),
+                          tiles=tiles, out_dtype=jnp.dtype(out_dtype), interpret=interpret))
+        return gmm_fp8_nt_xla(x, xs, v, vs, offsets, out_dtype)
+    return kernel
+
+
+@pytest.mark.parametrize("layout", ["gkn", "gnk"])
+def test_pallas_path_calls_the_kernel_with_k_major_operands(monkeypatch, layout):
+    calls = []
+    monkeypatch.setattr(pallas_fp8, "gmm_fp8_nt", _nt_reference(calls))
+    # dw runs the bf16 tgmm, whose Pallas kernels cannot run on a CPU: XLA there
+    tgmm = gm_fp8.tgmm
+    monkeypatch.setattr(gm_fp8, "tgmm", lambda *a, config, **k: tgmm(
+        *a, config=dataclasses.replace(config, impl="xla"), **k))
+    sizes = SIZES["skew_empty_nan_tail"]
+    x, xs, w, ws, gs, dy = make(sizes, layout=layout)
+    f = functools.partial(vjp8, w_layout=layout)
+    got = jax.jit(functools.partial(f, impl="pallas"))(x, xs, w, ws, gs, dy)
+    e4, f32, i32 = jnp.dtype(E4M3), jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)
+    common = dict(offsets=((G + 1,), i32), tiles=None, out_dtype=jnp.dtype(jnp.bfloat16),
+                  interpret=False)
+    fwd = dict(x=((M, K), e4), xs=((M, K // 128), f32), v=((G, N, K), e4),
+               vs=((G, N // 128, K // 128), f32), **common)       # v = w^T ("gkn"): K-major
+    dx = dict(x=((M, N), e4), xs=((M, N // 128), f32), v=((G, K, N), e4),
+              vs=((G, K // 128, N // 128), f32), **common)        # v = w ("gkn"): N-major
+    assert calls == [fwd, dx]
+    want = jax.jit(functools.partial(f, impl="xla"))(x, xs, w, ws, gs, dy)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    calls.clear()
+    jax.jit(functools.partial(f, impl="auto"))(x, xs, w, ws, gs, dy)   # CPU: the reference
+    assert calls == []
+
+
+def test_auto_plan_on_hopper(monkeypatch):
+    h200 = DEVICES["NVIDIA H200"]
+    sds = jax.ShapeDtypeStruct
+    ops = (sds((256, 256), E4M3), sds((256, 2), jnp.float32), sds((4, 384, 256), E4M3),
+           sds((4, 3, 2), jnp.float32))
+    auto, bf = GroupedMatmulConfig(), jnp.dtype(jnp.bfloat16)
+    xla = GroupedMatmulConfig(impl="xla")
+    assert select.plan_fp8(xla, "fwd", *ops, bf, h200) is registry.FP8_XLA
+    host = jax.devices()[0]
+    if host.platform != "gpu":
+        assert select.plan_fp8(auto, "fwd", *ops, bf) is registry.FP8_XLA
+    monkeypatch.setattr(probe, "compiles", lambda *a, **k: True)
+    assert select.plan_fp8(auto, "fwd", *ops, bf, h200) is registry.FP8_PALLAS
+    assert select.plan_fp8(auto, "dx", *ops, jnp.dtype(jnp.float16), h200) is registry.FP8_XLA
+    monkeypatch.setattr(probe, "compiles", lambda *a, **k: False)   # e.g. does not compile
+    assert select.plan_fp8(auto, "fwd", *ops, bf, h200) is registry.FP8_XLA
+
+
+def test_probe_of_the_kernel_fails_softly():
+    """The fp8 kernel's compile check: a failure (here: no GPU, or the kernel
+    missing) is a warning naming the fallback, and False."""
+    if jax.devices()[0].platform == "gpu":
+        pytest.skip("CPU only: on a Hopper GPU the kernel may compile")
+    probe.compiles.cache_clear()
+    with pytest.warns(UserWarning, match="gmm_fp8.*dequantizing XLA reference"):
+        ok = probe.compiles(registry.FP8_PALLAS.name, "fwd+dx", None, "float8_e4m3fn")
+    assert ok is False
