@@ -220,6 +220,7 @@ class Fp8Variant:
     launch: Callable                   # (x, xs, v, vs, offsets, out_dtype, interpret)
     probe: Optional[Callable] = None   # (op, tiles, dtype, cluster) -> (fn, args)
     fallback: str = ""
+    kernel_check: Optional[Callable] = None   # (x, xs, v, vs) -> why the kernel cannot run them
 
     def runs_on(self, dev: DeviceInfo) -> bool:
         return _runs_on(self.archs, dev)
@@ -240,7 +241,7 @@ class Fp8Variant:
             return f"scales {xs.shape}/{vs.shape} do not match x {x.shape} / v {v.shape}"
         if self.out_dtypes is not None and jnp.dtype(out_dtype).name not in self.out_dtypes:
             return f"writes {'/'.join(self.out_dtypes)}, not {jnp.dtype(out_dtype).name}"
-        return None
+        return self.kernel_check(x, xs, v, vs) if self.kernel_check else None
 
 
 def _fp8_probe(op, tiles, dt, cluster):
@@ -259,7 +260,7 @@ FP8_PALLAS = Fp8Variant(
     "gmm_fp8", ("fwd", "dx"), _HOPPER, ("bfloat16", "float32"),
     lambda x, xs, v, vs, off, od, i: pallas_fp8.gmm_fp8_nt(x, xs, v, vs, off, tiles=None,
                                                            out_dtype=od, interpret=i),
-    _fp8_probe, "the dequantizing XLA reference")
+    _fp8_probe, "the dequantizing XLA reference", pallas_fp8.check_fp8_nt)
 FP8_XLA = Fp8Variant(
     "fp8_xla", ("fwd", "dx"), (), None,
     lambda x, xs, v, vs, off, od, i: gmm_fp8_nt_xla(x, xs, v, vs, off, od))
