@@ -35,6 +35,8 @@ def attrs(call: RaggedCall) -> dict:
 
 def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
                       call: RaggedCall):
+    if call.in_rows == 0 or call.out_rows == 0 or call.row_bytes == 0:
+        return output   # no row can move (the same shapes on every rank): no kernel
     out, = _ffi.call(TARGET, [(output.shape, output.dtype)], operand, output, input_offsets,
                      send_sizes, output_offsets, recv_sizes, ep_axis=call.axis_name,
                      ep_index_groups=call.groups, operand_output_aliases={1: 0},
