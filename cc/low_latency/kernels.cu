@@ -47,12 +47,12 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <mutex>
 #include <type_traits>
 
 #include "common/fp8_cast.cuh"
 #include "common/grid_work.cuh"
 #include "common/launch.h"
+#include "common/preload.h"
 #include "common/row_copy.cuh"
 #include "common/sync.cuh"
 #include "low_latency/kernels.h"
@@ -464,25 +464,12 @@ cudaError_t dispatch_send(const LlDispatchSendArgs& a, const KernelLaunch& k) {
 
 }  // namespace
 
-// CUDA loads kernels lazily (CUDA_MODULE_LOADING=LAZY, the default since
-// 12.2) at their first launch, and that load can wait for kernels already
-// running on the device. A receive kernel spins on a peer's send: when one
-// host thread drives several ranks (the loopback harness, the peer-memory
-// transport) and blocks loading, say, the combine send behind a spinning
-// dispatch receive, the peer's send is never launched until the receive
-// times out (seen in the loopback round trip's first call). So whoever
-// starts the low-latency kernels on a device (the runtime at attach, the
-// loopback harness) loads all of them first (cudaFuncGetAttributes forces
-// the load), before anything of ours spins; the launches stay free of it.
+// Receives spin on peers' sends: whoever starts the low-latency kernels on a
+// device (the runtime at attach, the loopback harness) loads all of them
+// first (common/preload.h says why).
 cudaError_t preload_ll_kernels() {
-  static std::mutex mu;
-  static unsigned long long loaded = 0;   // bit d: device d done
-  int dev = 0;
-  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
-  std::lock_guard<std::mutex> lock(mu);
-  if (dev < 64 && (loaded >> dev) & 1ull) return cudaSuccess;
-  cudaFuncAttributes at;
-  const void* fns[] = {
+  static KernelPreload preload;
+  return preload.once({
       reinterpret_cast<const void*>(ll_dispatch_send_kernel<kDispatchCopy, false>),
       reinterpret_cast<const void*>(ll_dispatch_send_kernel<kDispatchCastBf16, false>),
       reinterpret_cast<const void*>(ll_dispatch_send_kernel<kDispatchCastF32, false>),
@@ -494,11 +481,7 @@ cudaError_t preload_ll_kernels() {
       reinterpret_cast<const void*>(ll_combine_send_kernel<true>),
       reinterpret_cast<const void*>(ll_combine_recv_kernel<__nv_bfloat16>),
       reinterpret_cast<const void*>(ll_combine_recv_kernel<__half>),
-      reinterpret_cast<const void*>(ll_combine_recv_kernel<float>)};
-  for (const void* f : fns)
-    if (cudaError_t e = cudaFuncGetAttributes(&at, f); e != cudaSuccess) return e;
-  if (dev < 64) loaded |= 1ull << dev;
-  return cudaSuccess;
+      reinterpret_cast<const void*>(ll_combine_recv_kernel<float>)});
 }
 
 cudaError_t launch_ll_dispatch_send(const LlDispatchSendArgs& a, const LlGrid& g, cudaStream_t s) {

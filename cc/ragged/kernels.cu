@@ -29,9 +29,9 @@
 // Every block of the grid must be resident at once (its receive phase spins
 // until the last block of the send phase signals): the grid is at most one
 // block per SM.
-#include <mutex>
 
 #include "common/grid_work.cuh"
+#include "common/preload.h"
 #include "common/row_copy.cuh"
 #include "common/sync.cuh"
 #include "ragged/kernels.h"
@@ -176,19 +176,10 @@ size_t smem_bytes(int K) { return (static_cast<size_t>(K) + 1) * sizeof(long lon
 
 }  // namespace
 
-cudaError_t preload_ragged_kernels() {
-  static std::mutex mu;
-  static unsigned long long loaded = 0;   // bit d: device d done
-  int dev = 0;
-  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
-  std::lock_guard<std::mutex> lock(mu);
-  if (dev < 64 && (loaded >> dev) & 1ull) return cudaSuccess;
-  cudaFuncAttributes at;
-  for (const void* f : {reinterpret_cast<const void*>(ragged_kernel<false>),
-                        reinterpret_cast<const void*>(ragged_kernel<true>)})
-    if (cudaError_t e = cudaFuncGetAttributes(&at, f); e != cudaSuccess) return e;
-  if (dev < 64) loaded |= 1ull << dev;
-  return cudaSuccess;
+cudaError_t preload_ragged_kernels() {   // common/preload.h says why
+  static KernelPreload preload;
+  return preload.once({reinterpret_cast<const void*>(ragged_kernel<false>),
+                       reinterpret_cast<const void*>(ragged_kernel<true>)});
 }
 
 cudaError_t launch_ragged_all_to_all(const RaggedArgs& a, int num_blocks, cudaStream_t s) {

@@ -179,3 +179,17 @@ def store_rows(pl, plgpu, src_smem, dst, lo, hi, row0, top):
             plgpu.copy_smem_to_gmem(src_smem.at[pl.ds(src, p)], dst.at[pl.ds(row0 + src, p)])
         src = src + bit
         p //= 2
+
+
+def store_tail_tiles(pl, plgpu, cnt_ref, n_grp, store, sm, nsm: int, grid_n: int, shape):
+    """The forward kernels' tail tiles (rows past the ``n_grp`` group tiles;
+    ``cnt_ref[1]`` row tiles of them) dealt round-robin to the SMs:
+    ``store(row tile, column tile, zeros of shape)``, no matmul; then wait for
+    this consumer's stores."""
+    @pl.loop(0, round_robin_count(cnt_ref[1] * grid_n, sm, nsm))
+    def _(j):
+        t = sm + j * nsm
+        store(n_grp + lax.div(t, jnp.int32(grid_n)), lax.rem(t, jnp.int32(grid_n)),
+              jnp.zeros(shape, jnp.float32))
+
+    plgpu.wait_smem_to_gmem(0)

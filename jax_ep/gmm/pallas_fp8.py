@@ -38,7 +38,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from .pallas_common import (dw_transforms, kernel_params, num_sms, pallas_modules,
-                            round_robin_count, row_tiles, store_rows, transposed)
+                            round_robin_count, row_tiles, store_rows, store_tail_tiles,
+                            transposed)
 from .devices import device_info
 from .tiles import FwdTiles
 
@@ -152,14 +153,8 @@ def _kernel(m, kc, n, tiles, out_dtype, interpret):
                 )(x_ref, v_ref, xs_ref, vs_ref)
 
             @pl.when(wg < 2)
-            def _():   # tail tiles (rows past the groups): zeros, no matmul
-                @pl.loop(0, round_robin_count(cnt_ref[1] * grid_n, sm, nsm))
-                def _(j):
-                    t = sm + j * nsm
-                    store(n_grp + lax.div(t, jnp.int32(grid_n)), lax.rem(t, jnp.int32(grid_n)),
-                          jnp.zeros((half, bn), jnp.float32))
-
-                plgpu.wait_smem_to_gmem(0)
+            def _():
+                store_tail_tiles(pl, plgpu, cnt_ref, n_grp, store, sm, nsm, grid_n, (half, bn))
 
         pl.run_scoped(scoped, plgpu.SMEM((2, half, bn), out_dtype), collective_axes="wg")
 

@@ -11,7 +11,8 @@ from jax import lax
 
 from .pallas_common import (EPILOGUE_ROWS, carried_acc_context, dw_transforms,
                             flush_on_last_step, kernel_params, num_sms, pallas_modules,
-                            round_robin_count, row_tiles, store_rows, transposed)
+                            round_robin_count, row_tiles, store_rows, store_tail_tiles,
+                            transposed)
 
 
 def gmm_pallas(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
@@ -133,18 +134,6 @@ def _ws_step(pl, plgpu, wg, tile, store, ksteps, bm, bn, transpose_rhs, interpre
     return step
 
 
-def _ws_tail(pl, plgpu, cnt_ref, n_grp, store, sm, nsm, grid_n, bm, bn):
-    """The tail tiles (rows past the ``n_grp`` group tiles) dealt round-robin
-    to the SMs: zeros, no matmul; then wait for this consumer's stores."""
-    @pl.loop(0, round_robin_count(cnt_ref[1] * grid_n, sm, nsm))
-    def _(j):
-        t = sm + j * nsm
-        store(n_grp + lax.div(t, jnp.int32(grid_n)), lax.rem(t, jnp.int32(grid_n)),
-              jnp.zeros((bm, bn), jnp.float32))
-
-    plgpu.wait_smem_to_gmem(0)
-
-
 def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
     """Forward / dx with two consumer warpgroups and a producer warpgroup,
     ONE pipeline per SM across all of its tiles.
@@ -208,7 +197,7 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
 
             @pl.when(wg < 2)
             def _():
-                _ws_tail(pl, plgpu, cnt_ref, n_grp, store, sm, nsm, grid_n, bm, bn)
+                store_tail_tiles(pl, plgpu, cnt_ref, n_grp, store, sm, nsm, grid_n, (bm, bn))
 
         pl.run_scoped(scoped, plgpu.SMEM((2, EPILOGUE_ROWS, bn), out_dtype),
                       collective_axes="wg")
