@@ -2,7 +2,8 @@
 # The grouped matmul's Pallas Mosaic-GPU kernels in interpret mode, on a machine
 # without a GPU (CI runs this after the README's test command). Interpret mode
 # needs jax >= 0.11, so Python >= 3.12, which CI's default python3 (3.11, jax
-# 0.10.2) lacks: this runs tests/test_grouped_matmul.py (and the lowering
+# 0.10.2) lacks: this runs tests/test_grouped_matmul.py and the fp8 kernel's
+# test_grouped_matmul_fp8.py (and the lowering
 # tests' remat cases, which jax 0.10 refuses) under the first Python
 # >= 3.12 it finds, in a throwaway venv with the jax the GPU machine runs.
 # No such Python, or a venv that cannot be installed, fails (with the remedy):
@@ -37,4 +38,5 @@ echo "ci_pallas_interpret: $("$VENV/bin/python" -c 'import sys, jax; print(sys.v
 # the source tree's jax_ep (pure Python here: no extension is built for this Python)
 # + the FFI lowering tests, whose remat cases jax 0.10 refuses (they skip there)
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --full tests/test_grouped_matmul.py \
+  tests/test_grouped_matmul_fp8.py \
   tests/test_native_lowering.py
