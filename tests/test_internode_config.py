@@ -160,7 +160,7 @@ def test_second_initialize_checks_the_internode_region(monkeypatch):
     def check(live, config):   # initialize on a runtime that is up with region `live`
         monkeypatch.setitem(runtime._state, "initialized", True)
         monkeypatch.setitem(runtime._state, "regions", (Region("internode", live, 1),))
-        runtime._check_live(config, None)
+        runtime._check_live(config, None, None)
 
     live = (2, 8, 64, 512)
     check(live, None)
