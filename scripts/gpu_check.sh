@@ -22,7 +22,9 @@
 #                  families (low latency, internode, ragged, examples); default both
 #   SUITE_TESTS    the multi-process test files or node ids (overrides SUITE_PART)
 #   ONE_GPU_TESTS  single-GPU test files run after (loopback kernels, grouped
-#                  matmul; default none)
+#                  matmul bf16 and fp8; default none)
+#   ONE_GPU_WORKERS  pytest-xdist workers for them (compile-bound: the grouped
+#                  matmul files' 31 cases took 190 s with 3; default 1)
 #   REHEARSAL=1    two launchers on this machine as two hosts (--host-id):
 #                  the training example and the internode workers (tests/gpu/rehearsal.py);
 #                  REHEARSAL=internode: the workers only
@@ -120,7 +122,8 @@ fi
 one_rc=skipped
 if [ -n "${ONE_GPU_TESTS:-}" ] && [ "$build_rc" = 0 ]; then
   echo "== one-GPU tests" >&2
-  timeout -k 30 "${TEST_TIMEOUT:-540}" "$PY" -m pytest -m gpu $ONE_GPU_TESTS -v -rs \
+  workers=(); [ "${ONE_GPU_WORKERS:-1}" -gt 1 ] && workers=(-n "$ONE_GPU_WORKERS")
+  timeout -k 30 "${TEST_TIMEOUT:-540}" "$PY" -m pytest -m gpu "${workers[@]}" $ONE_GPU_TESTS -v -rs \
     -p no:cacheprovider > "$OUT/one_gpu.log" 2>&1
   one_rc=$?
 fi
