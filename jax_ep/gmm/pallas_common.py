@@ -3,6 +3,7 @@ imported modules, kernel parameters, the forward's row-tile table, shared-memory
 transforms and row stores."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -193,3 +194,14 @@ def store_tail_tiles(pl, plgpu, cnt_ref, n_grp, store, sm, nsm: int, grid_n: int
               jnp.zeros(shape, jnp.float32))
 
     plgpu.wait_smem_to_gmem(0)
+
+
+def two_consumer_kernel(plgpu, body, out_shape, out_dtype, nsm: int, cluster: int, interpret,
+                        **kw):
+    """The 2-consumer kernels' launch: ``nsm`` CTAs (or clusters of
+    ``cluster``), a producer and two consumer warpgroups each."""
+    if cluster > 1:
+        kw.update(cluster=(cluster,), cluster_names=("cluster",))
+    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+                        grid=(nsm,), grid_names=("sm",), num_threads=3, thread_name="wg",
+                        **kw, **kernel_params(plgpu, interpret))

@@ -12,7 +12,7 @@ from jax import lax
 from .pallas_common import (EPILOGUE_ROWS, carried_acc_context, dw_transforms,
                             flush_on_last_step, kernel_params, num_sms, pallas_modules,
                             round_robin_count, step_has_outside_rows, transposed,
-                            zero_rows_outside)
+                            two_consumer_kernel, zero_rows_outside)
 
 
 def tgmm_pallas(x, dy, offsets, tiles, out_dtype, interpret):
@@ -261,16 +261,6 @@ def _ws_pipeline(pl, plgpu, sh, step, grid, t0):
     )
 
 
-def _ws_launch(plgpu, body, out_shape, out_dtype, nsm, cluster, interpret, **kw):
-    """The 2-consumer dw kernels' launch: ``nsm`` CTAs (or clusters of
-    ``cluster``), a producer and two consumer warpgroups each."""
-    if cluster > 1:
-        kw.update(cluster=(cluster,), cluster_names=("cluster",))
-    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
-                        grid=(nsm,), grid_names=("sm",), num_threads=3, thread_name="wg",
-                        **kw, **kernel_params(plgpu, interpret))
-
-
 def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, cluster=1):
     """dw with two consumer warpgroups and a producer warpgroup (warp-specialized).
 
@@ -336,7 +326,7 @@ def tgmm_pallas_ws(x, dy, offsets, tiles, out_dtype, interpret, cluster=1):
         else:
             pl.run_scoped(scoped, out_smem, collective_axes="wg")
 
-    kernel = _ws_launch(plgpu, body, (g_count, k, n), out_dtype, sh.nsm, cluster, interpret)
+    kernel = two_consumer_kernel(plgpu, body, (g_count, k, n), out_dtype, sh.nsm, cluster, interpret)
     return kernel(offsets.astype(jnp.int32), x, dy)
 
 
@@ -472,7 +462,7 @@ def tgmm_pallas_ring(x, dy, offsets, tiles, out_dtype, interpret, cluster=1):
 
     barrier = (functools.partial(plgpu.ClusterBarrier, **sh.x_axes) if cluster > 1
                else plgpu.Barrier)
-    kernel = _ws_launch(
+    kernel = two_consumer_kernel(
         plgpu, body, (g_count, k, n), out_dtype, sh.nsm, cluster, interpret,
         scratch_types=(
             _out_slots(plgpu, sh, out_dtype),

@@ -33,13 +33,12 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .pallas_common import (dw_transforms, kernel_params, num_sms, pallas_modules,
+from .pallas_common import (dw_transforms, num_sms, pallas_modules,
                             round_robin_count, row_tiles, store_rows, store_tail_tiles,
-                            transposed)
+                            transposed, two_consumer_kernel)
 from .devices import device_info
 from .tiles import FwdTiles
 
@@ -158,15 +157,7 @@ def _kernel(m, kc, n, tiles, out_dtype, interpret):
 
         pl.run_scoped(scoped, plgpu.SMEM((2, half, bn), out_dtype), collective_axes="wg")
 
-    return plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-        grid=(nsm,),
-        grid_names=("sm",),
-        num_threads=3,
-        thread_name="wg",
-        **kernel_params(plgpu, interpret),
-    )
+    return two_consumer_kernel(plgpu, body, (m, n), out_dtype, nsm, 1, interpret)
 
 
 def _zero_carry(plgpu, half, bn):

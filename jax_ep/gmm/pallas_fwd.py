@@ -12,7 +12,7 @@ from jax import lax
 from .pallas_common import (EPILOGUE_ROWS, carried_acc_context, dw_transforms,
                             flush_on_last_step, kernel_params, num_sms, pallas_modules,
                             round_robin_count, row_tiles, store_rows, store_tail_tiles,
-                            transposed)
+                            transposed, two_consumer_kernel)
 
 
 def gmm_pallas(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
@@ -202,13 +202,5 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
         pl.run_scoped(scoped, plgpu.SMEM((2, EPILOGUE_ROWS, bn), out_dtype),
                       collective_axes="wg")
 
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-        grid=(nsm,),
-        grid_names=("sm",),
-        num_threads=3,
-        thread_name="wg",
-        **kernel_params(plgpu, interpret),
-    )
+    kernel = two_consumer_kernel(plgpu, body, (m, n), out_dtype, nsm, 1, interpret)
     return kernel(*tables, x, w)
