@@ -34,33 +34,17 @@ import jax.numpy as jnp  # noqa: E402
 
 import jax_ep  # noqa: E402
 from grouped_matmul_bench import G, M, PROJ, group_sizes, per_call_ms  # noqa: E402
-from jax_ep.gmm.api import _offsets  # noqa: E402
+from jax_ep.gmm.ops import offsets  # noqa: E402
 from jax_ep.gmm.pallas_fp8 import gmm_fp8_nt  # noqa: E402
 from jax_ep.gmm.tiles import FwdTiles  # noqa: E402
-
-FP8 = jnp.float8_e4m3fn
-
-
-def quant_rows(a):
-    b = a.reshape(a.shape[0], -1, 128)
-    s = jnp.maximum(jnp.max(jnp.abs(b), -1), 1e-4) / 448.0
-    return (b / s[..., None]).astype(FP8).reshape(a.shape), s
-
-
-def quant_blocks(w):   # [G, R, C] -> 128 x 128 block scales [G, R/128, C/128]
-    g, r, c = w.shape
-    b = w.reshape(g, r // 128, 128, c // 128, 128)
-    s = jnp.maximum(jnp.max(jnp.abs(b), (2, 4)), 1e-4) / 448.0
-    return (b / s[:, :, None, :, None]).astype(FP8).reshape(w.shape), s
-
 
 def operands(k, n, seed=0):
     kx, kw = jax.random.split(jax.random.key(seed))
     x = jax.random.normal(kx, (M, k), jnp.float32).astype(jnp.bfloat16)
     w = (jax.random.normal(kw, (G, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
-    xq, xs = quant_rows(x.astype(jnp.float32))
-    wq, ws = quant_blocks(w.astype(jnp.float32))              # [G, K, N], [G, K/128, N/128]
-    vq, vs = jnp.swapaxes(wq, 1, 2), jnp.swapaxes(ws, 1, 2)  # K-major copy
+    xq, xs = jax_ep.quantize_activations(x)
+    wq, ws = jax_ep.quantize_weights(w)                       # [G, K, N], [G, K/128, N/128]
+    vq, vs = jax_ep.quantize_weights(w, layout="gnk")         # the K-major copy
     return x, w, xq, xs, wq, ws, vq, vs
 
 
@@ -70,7 +54,7 @@ def rows_for(proj, kind, reps):
     gs = jnp.asarray(group_sizes(kind))
     flops = 2.0 * float(np.sum(group_sizes(kind))) * k * n
     t = {}
-    t["fp8 nt"] = per_call_ms(lambda a, s, v, vsc, g: gmm_fp8_nt(a, s, v, vsc, _offsets(g, M)),
+    t["fp8 nt"] = per_call_ms(lambda a, s, v, vsc, g: gmm_fp8_nt(a, s, v, vsc, offsets(g, M)),
                               (xq, xs, vq, vs, gs), 2, 6, reps)
     try:
         t["fp8 api"] = per_call_ms(
@@ -101,7 +85,7 @@ def sweep_rows(reps):
     rows = []
     for t in SWEEP:
         tiles = FwdTiles(*t)
-        ms = per_call_ms(lambda a, s, v, vsc, g: gmm_fp8_nt(a, s, v, vsc, _offsets(g, M), tiles=tiles),
+        ms = per_call_ms(lambda a, s, v, vsc, g: gmm_fp8_nt(a, s, v, vsc, offsets(g, M), tiles=tiles),
                          (xq, xs, vq, vs, gs), 2, 6, reps)
         rows.append(("up", "uniform", f"fp8 nt {t}", ms, flops / ms / 1e9))
         print(*rows[-1], flush=True)

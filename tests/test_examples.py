@@ -234,22 +234,28 @@ def test_training_example_fp8_arguments():
             train_moe.parse_args(bad)
 
 
-@pytest.mark.slow
-def test_layer_bench_smoke(tmp_path):
-    """bench/moe_layer_step.py on CPU with tiny shapes: one job per impl, one table."""
+def _layer_bench(tmp_path, *args):
+    """bench/moe_layer_step.py --smoke on CPU with tiny shapes and ``args``:
+    its JSON result and the rows by impl."""
     import json
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_EP_")}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, os.path.join(ROOT, "bench", "moe_layer_step.py"), "--smoke",
-           "--tokens", "16", "--impls", "jax_ep,xla_padded", "--steps", "1,2",
-           "--comm-steps", "1,2", "--expert-breakdown", "--out", str(tmp_path)]
+           "--tokens", "16", *args, "--steps", "1,2", "--comm-steps", "1,2",
+           "--out", str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(tmp_path / "moe_layer_step.json") as f:
         res = json.load(f)
-    rows = {r["impl"]: r for r in res["results"]}
+    return res, {r["impl"]: r for r in res["results"]}
+
+
+@pytest.mark.slow
+def test_layer_bench_smoke(tmp_path):
+    """bench/moe_layer_step.py on CPU with tiny shapes: one job per impl, one table."""
+    res, rows = _layer_bench(tmp_path, "--impls", "jax_ep,xla_padded", "--expert-breakdown")
     assert set(rows) == {"jax_ep", "xla_padded"}
     for r in rows.values():
         assert not r.get("error") and not r.get("stage_error"), r
@@ -275,19 +281,8 @@ def test_layer_bench_smoke(tmp_path):
 def test_layer_bench_fp8_smoke(tmp_path):
     """bench/moe_layer_step.py's fp8 row beside the bf16 jax_ep row: both run,
     the same layer's losses agree to fp8's precision, the summary compares them."""
-    import json
-    import subprocess
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_EP_")}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "moe_layer_step.py"), "--smoke",
-           "--tokens", "16", "--impls", "jax_ep,jax_ep_fp8", "--hidden", "128", "--d-ff", "128",
-           "--steps", "1,2", "--comm-steps", "1,2", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    with open(tmp_path / "moe_layer_step.json") as f:
-        res = json.load(f)
-    rows = {r["impl"]: r for r in res["results"]}
+    _, rows = _layer_bench(tmp_path, "--impls", "jax_ep,jax_ep_fp8", "--hidden", "128",
+                           "--d-ff", "128")
     assert set(rows) == {"jax_ep", "jax_ep_fp8"}
     for r in rows.values():
         assert not r.get("error") and not r.get("stage_error"), r

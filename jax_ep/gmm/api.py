@@ -12,9 +12,9 @@ import jax.numpy as jnp
 from .._ffi import to_vma, vma_of
 from . import fp8 as _fp8
 from .config import GroupedMatmulConfig
-from .ops import gmm, offsets as _offsets, tgmm
+from .ops import gmm, tgmm
 
-__all__ = ["grouped_matmul", "gmm", "tgmm", "_offsets"]
+__all__ = ["grouped_matmul", "gmm", "tgmm"]
 
 
 def grouped_matmul(x, w, group_sizes, *, x_scales=None, w_scales=None, w_layout: str = "gkn",

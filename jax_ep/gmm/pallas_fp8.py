@@ -6,7 +6,7 @@ fp8-e4m3 and K-major, per-128 scales, f32 accumulation.
 - ``x`` ``[M, Kc]`` e4m3, ``xs`` ``[M, Kc/128]`` f32 (per row, per 128 of the contraction);
 - ``v`` ``[G, Nout, Kc]`` e4m3 (the contraction contiguous: fp8 WGMMA takes
   K-major operands only), ``vs`` ``[G, Nout/128, Kc/128]`` f32 (128 x 128 blocks);
-- ``offsets`` int32 ``[G+1]`` (``api._offsets``); rows past ``offsets[-1]`` are zero.
+- ``offsets`` int32 ``[G+1]`` (``ops.offsets``); rows past ``offsets[-1]`` are zero.
 
 The forward of ``x @ w`` with ``w [G, K, N]`` calls it with ``v = w^T``
 (``[G, N, K]``); dx = ``dy @ w[g]^T`` calls it with ``v = w`` as stored.
@@ -36,13 +36,13 @@ import inspect
 import jax.numpy as jnp
 from jax import lax
 
+from ..fp8 import FP8_BLOCK
 from .pallas_common import (dw_transforms, num_sms, pallas_modules,
                             round_robin_count, row_tiles, store_rows, store_tail_tiles,
                             transposed, two_consumer_kernel)
 from .devices import device_info
 from .tiles import FwdTiles
 
-SCALE_BLOCK = 128
 # 128 x 128 tiles, 128 of the contraction per stage (one scale block), 33 KB a
 # stage: 5 stages and a bf16 epilogue buffer fit in shared memory (f32: 4).
 FP8_TILES = FwdTiles(block_m=128, block_n=128, block_k=128, stages=5, band=4)
@@ -54,7 +54,7 @@ def fp8_stages(tiles, kc: int, out_dtype, smem_bytes: int) -> int:
     """The most pipeline stages (at most ``tiles.stages``) that fit beside the
     epilogue buffer (a consumer's rows of the tile). A stage: the x and v
     tiles, the rows' scales and the tile's weight scales."""
-    kbp = -(-kc // SCALE_BLOCK // SCALE_ROW) * SCALE_ROW
+    kbp = -(-kc // FP8_BLOCK // SCALE_ROW) * SCALE_ROW
     stage = (tiles.block_m * tiles.block_k + tiles.block_n * tiles.block_k + 4 * tiles.block_m
              + 4 * kbp)
     epilogue = tiles.block_m * tiles.block_n * jnp.dtype(out_dtype).itemsize
@@ -71,11 +71,11 @@ def check_fp8_nt(x, xs, v, vs, tiles=FP8_TILES):
     n = v.shape[1]
     if (tiles.block_m, tiles.block_n, tiles.block_k) != (128, 128, 128):
         return f"fp8 tiles are 128 x 128 x 128, got {tiles}"
-    if kc % SCALE_BLOCK or n % tiles.block_n or n % SCALE_BLOCK:
+    if kc % FP8_BLOCK or n % tiles.block_n or n % FP8_BLOCK:
         return f"Kc ({kc}) must be a multiple of 128 and Nout ({n}) of {tiles.block_n}"
     if m % 8 or m < tiles.block_m:
         return f"M ({m}) must be a multiple of 8 and at least {tiles.block_m}"
-    if xs.shape != (m, kc // SCALE_BLOCK) or vs.shape != (v.shape[0], n // SCALE_BLOCK, kc // SCALE_BLOCK):
+    if xs.shape != (m, kc // FP8_BLOCK) or vs.shape != (v.shape[0], n // FP8_BLOCK, kc // FP8_BLOCK):
         return f"scales {xs.shape} / {vs.shape} do not match x {x.shape} / v {v.shape}"
     return None
 
@@ -95,7 +95,7 @@ def gmm_fp8_nt(x, xs, v, vs, offsets, *, tiles=None, out_dtype=None, interpret=F
     xs_flat = xs.astype(jnp.float32).T.reshape(-1)
     # a tile's weight scales come with each stage, padded to SCALE_ROW: rows
     # of 128 bytes keep the stage buffers aligned
-    kb = kc // SCALE_BLOCK
+    kb = kc // FP8_BLOCK
     vs = jnp.pad(vs.astype(jnp.float32), ((0, 0), (0, 0), (0, -kb % SCALE_ROW))).reshape(-1)
     stages = fp8_stages(tiles, kc, out_dtype, device_info().smem_per_block)
     kernel = _kernel(m, kc, v.shape[1], dataclasses.replace(tiles, stages=stages), out_dtype,

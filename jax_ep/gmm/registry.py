@@ -17,13 +17,14 @@ from typing import Callable, Optional, Tuple
 import jax
 import jax.numpy as jnp
 
+from ..fp8 import FP8_BLOCK
 from . import pallas_fp8
 from .devices import DeviceInfo
 from .pallas_common import EPILOGUE_ROWS
 from .pallas_dw import tgmm_pallas, tgmm_pallas_ring, tgmm_pallas_ws
 from .pallas_fwd import gmm_pallas, gmm_pallas_ws
 from .tiles import DwTiles, FwdTiles
-from .xla import FP8_BLOCK, gmm_fp8_nt_xla, gmm_xla, tgmm_xla
+from .xla import gmm_fp8_nt_xla, gmm_xla, tgmm_xla
 
 # Beside the staged tiles: the pipeline's barriers and buffer alignment (Mosaic
 # counts 64 bytes at the default tiles; the kernels have no reductions, so no
@@ -220,7 +221,9 @@ class Fp8Variant:
     launch: Callable                   # (x, xs, v, vs, offsets, out_dtype, interpret)
     probe: Optional[Callable] = None   # (op, tiles, dtype, cluster) -> (fn, args)
     fallback: str = ""
-    kernel_check: Optional[Callable] = None   # (x, xs, v, vs) -> why the kernel cannot run them
+    # (x, xs, v, vs) -> why the kernel cannot run them: shapes, alignment, the
+    # operands' agreement with their scales (the API checked them for the user)
+    kernel_check: Optional[Callable] = None
 
     def runs_on(self, dev: DeviceInfo) -> bool:
         return _runs_on(self.archs, dev)
@@ -233,12 +236,6 @@ class Fp8Variant:
             return f"needs {_E4M3} operands, got {x.dtype}/{v.dtype}"
         if xs.dtype != jnp.float32 or vs.dtype != jnp.float32:
             return f"needs float32 scales, got {xs.dtype}/{vs.dtype}"
-        (m, kc), (g, nout, kc2) = x.shape, v.shape
-        if kc != kc2 or kc % FP8_BLOCK or nout % FP8_BLOCK:
-            return (f"needs x [M, Kc] and v [G, Nout, Kc] with Kc, Nout multiples of "
-                    f"{FP8_BLOCK}, got {x.shape} and {v.shape}")
-        if xs.shape != (m, kc // FP8_BLOCK) or vs.shape != (g, nout // FP8_BLOCK, kc // FP8_BLOCK):
-            return f"scales {xs.shape}/{vs.shape} do not match x {x.shape} / v {v.shape}"
         if self.out_dtypes is not None and jnp.dtype(out_dtype).name not in self.out_dtypes:
             return f"writes {'/'.join(self.out_dtypes)}, not {jnp.dtype(out_dtype).name}"
         return self.kernel_check(x, xs, v, vs) if self.kernel_check else None

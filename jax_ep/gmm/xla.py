@@ -6,6 +6,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from ..fp8 import FP8_BLOCK
+
 
 def _row_mask(offsets, m):
     return (jnp.arange(m, dtype=jnp.int32) < offsets[-1])[:, None]
@@ -45,8 +47,6 @@ def tgmm_xla(x, dy, offsets, num_groups, out_dtype):
     assert out.shape[0] == num_groups
     return out.astype(out_dtype)
 
-
-FP8_BLOCK = 128
 
 
 def dequantize_rows(x, scales):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ep.gmm.api import _offsets
+from jax_ep.gmm.ops import offsets
 from jax_ep.gmm.pallas_fp8 import gmm_fp8_nt
 from test_grouped_matmul_gpu import _hopper, sizes_for
 
@@ -68,7 +68,7 @@ def reference(x, xs, v, vs, sizes):
 
 
 def check(x, xs, v, vs, gs, out_dtype=jnp.bfloat16):
-    out = jax.jit(lambda *a: gmm_fp8_nt(*a, _offsets(gs, x.shape[0]), out_dtype=out_dtype))(
+    out = jax.jit(lambda *a: gmm_fp8_nt(*a, offsets(gs, x.shape[0]), out_dtype=out_dtype))(
         x, xs, v, vs)
     ref, mag = reference(x, xs, v, vs, np.asarray(gs))
     o = np.asarray(out, np.float64)
