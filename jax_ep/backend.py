@@ -13,7 +13,8 @@ Four kernel families, each with a reference and a native backend:
 here); ``"auto"``: native when it can run here (:meth:`Backend.unavailable`
 is None), else the reference, with a one-line notice when the extension is
 built but the runtime is down. ``cfg`` is the family's config (the ragged
-family: the call's ``RaggedCall``, whose ``backend`` is its config's). Normal mode's family is :func:`normal_family`.
+family: the call's ``RaggedCall``, whose ``backend`` is its config's).
+Normal mode's family is :func:`normal_family`.
 
 All row methods run per rank inside ``jax.shard_map`` over ``cfg.axis_name``
 and see per-rank shapes. ``R`` = size of the EP axis, ``T`` = tokens per rank,
