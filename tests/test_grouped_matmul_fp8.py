@@ -14,6 +14,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jax_ep
 from jax_ep.gmm import GroupedMatmulConfig, pallas_fp8, probe, registry, select
 from jax_ep.gmm import fp8 as gm_fp8
+from jax_ep.gmm import ops as gm_ops
 from jax_ep.gmm.devices import DEVICES
 from jax_ep.gmm.xla import gmm_fp8_nt_xla
 
@@ -396,6 +397,13 @@ def test_quantizer_and_config_errors():
         jax_ep.quantize_weights(jnp.zeros((128, 128)))
     with pytest.raises(ValueError, match="fp8_dx"):
         GroupedMatmulConfig(fp8_dx=1)
+    for bad in (3, 0, True):
+        with pytest.raises(ValueError, match="fp8_cluster"):
+            GroupedMatmulConfig(fp8_cluster=bad)
+    assert GroupedMatmulConfig().fp8_cluster == 1
+    with pytest.raises(ValueError, match="cluster must be one of"):
+        pallas_fp8.fp8_cluster(256, 4)
+    assert [pallas_fp8.fp8_cluster(n, 2) for n in (256, 384, 7168)] == [2, 1, 2]
 
 
 # ------------------------------------------------------------------ the kernel's glue
@@ -403,16 +411,21 @@ def test_quantizer_and_config_errors():
 def _nt_reference(calls):
     """A stand-in for pallas_fp8.gmm_fp8_nt: the XLA reference of its contract,
     recording what it was called with."""
-    def kernel(x, xs, v, vs, offsets, *, tiles=None, out_dtype=None, interpret=False):
+    def kernel(x, xs, v, vs, offsets, *, tiles=None, out_dtype=None, cluster=1,
+               interpret=False):
         calls.append(dict(x=(x.shape, x.dtype), xs=(xs.shape, xs.dtype), v=(v.shape, v.dtype),
                           vs=(vs.shape, vs.dtype), offsets=(offsets.shape, offsets.dtype),
-                          tiles=tiles, out_dtype=jnp.dtype(out_dtype), interpret=interpret))
+                          tiles=tiles, out_dtype=jnp.dtype(out_dtype), cluster=cluster,
+                          interpret=interpret))
         return gmm_fp8_nt_xla(x, xs, v, vs, offsets, out_dtype)
     return kernel
 
 
+@pytest.mark.parametrize("cluster", [1, 2])
 @pytest.mark.parametrize("layout", ["gkn", "gnk"])
-def test_pallas_path_calls_the_kernel_with_k_major_operands(monkeypatch, layout):
+def test_pallas_path_calls_the_kernel_with_k_major_operands(monkeypatch, layout, cluster):
+    """... on ``fp8_cluster`` CTA pairs where ``Nout % 256 == 0``: the
+    forward's Nout (N = 384) falls back to 1, dx's (K = 256) takes 2."""
     calls = []
     monkeypatch.setattr(pallas_fp8, "gmm_fp8_nt", _nt_reference(calls))
     # dw runs the bf16 tgmm, whose Pallas kernels cannot run on a CPU: XLA there
@@ -422,20 +435,22 @@ def test_pallas_path_calls_the_kernel_with_k_major_operands(monkeypatch, layout)
     sizes = SIZES["skew_empty_nan_tail"]
     x, xs, w, ws, gs, dy = make(sizes, layout=layout)
     f = functools.partial(vjp8, w_layout=layout)
-    got = jax.jit(functools.partial(f, impl="pallas"))(x, xs, w, ws, gs, dy)
+    cfg = GroupedMatmulConfig(impl="pallas", fp8_cluster=cluster)
+    got = jax.jit(functools.partial(f, config=cfg))(x, xs, w, ws, gs, dy)
     e4, f32, i32 = jnp.dtype(E4M3), jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)
     common = dict(offsets=((G + 1,), i32), tiles=None, out_dtype=jnp.dtype(jnp.bfloat16),
                   interpret=False)
     fwd = dict(x=((M, K), e4), xs=((M, K // 128), f32), v=((G, N, K), e4),
-               vs=((G, N // 128, K // 128), f32), **common)       # v = w^T ("gkn"): K-major
+               vs=((G, N // 128, K // 128), f32), cluster=1, **common)   # v = w^T ("gkn"): K-major
     dx = dict(x=((M, N), e4), xs=((M, N // 128), f32), v=((G, K, N), e4),
-              vs=((G, K // 128, N // 128), f32), **common)        # v = w ("gkn"): N-major
+              vs=((G, K // 128, N // 128), f32), cluster=cluster, **common)  # v = w ("gkn")
     assert calls == [fwd, dx]
     want = jax.jit(functools.partial(f, impl="xla"))(x, xs, w, ws, gs, dy)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     calls.clear()
-    jax.jit(functools.partial(f, impl="auto"))(x, xs, w, ws, gs, dy)   # CPU: the reference
+    auto = GroupedMatmulConfig(fp8_cluster=cluster)
+    jax.jit(functools.partial(f, config=auto))(x, xs, w, ws, gs, dy)   # CPU: the reference
     assert calls == []
 
 
@@ -457,6 +472,23 @@ def test_auto_plan_on_hopper(monkeypatch):
     assert select.plan_fp8(auto, "fwd", *ops, bf, h200) is registry.FP8_XLA
 
 
+def test_fp8_cluster_plan(monkeypatch):
+    """``fp8_cluster``: the config's where ``Nout % 256 == 0``; ``"auto"`` on a
+    device only where the clustered kernel compiles; 1 for the reference."""
+    v256, v384 = (jax.ShapeDtypeStruct((4, n, 256), E4M3) for n in (256, 384))
+    pallas, auto = (GroupedMatmulConfig(impl=i, fp8_cluster=2) for i in ("pallas", "auto"))
+    seen = []
+    monkeypatch.setattr(probe, "compiles", lambda *a: seen.append(a) or True)
+    assert select.fp8_cluster(auto, registry.FP8_PALLAS, v256) == 2
+    assert seen == [(registry.FP8_PALLAS.name, "fwd+dx", None, "float8_e4m3fn", 2)]
+    assert select.fp8_cluster(auto, registry.FP8_PALLAS, v384) == 1
+    assert select.fp8_cluster(GroupedMatmulConfig(), registry.FP8_PALLAS, v256) == 1
+    assert select.fp8_cluster(auto, registry.FP8_XLA, v256) == 1
+    monkeypatch.setattr(probe, "compiles", lambda *a: False)   # e.g. does not compile
+    assert select.fp8_cluster(auto, registry.FP8_PALLAS, v256) == 1
+    assert select.fp8_cluster(pallas, registry.FP8_PALLAS, v256) == 2
+
+
 def test_probe_of_the_kernel_fails_softly():
     """The fp8 kernel's compile check: a failure (here: no GPU, or the kernel
     missing) is a warning naming the fallback, and False."""
@@ -476,10 +508,12 @@ except Exception:  # pragma: no cover
 
 
 @pytest.mark.skipif(not _HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
-def test_fp8_kernel_interpret_matches_reference():
+@pytest.mark.parametrize("cluster", [1, 2])
+def test_fp8_kernel_interpret_matches_reference(cluster):
     """The fp8 kernel itself (Mosaic-GPU interpreter), through the public call:
     forward and both gradients against the dequantizing reference; skewed
-    groups with an empty one, NaN tail rows; 4 row tiles, 2 column tiles."""
+    groups with an empty one, NaN tail rows; 4 row tiles, 2 column tiles (one
+    CTA pair's at ``fp8_cluster=2``)."""
     m, g, k, n = 512, 4, 256, 256
     rng = np.random.default_rng(5)
     sizes = jnp.asarray([100, 0, 250, 90], jnp.int32)
@@ -494,7 +528,7 @@ def test_fp8_kernel_interpret_matches_reference():
         y, vjp = jax.vjp(lambda a, b: jax_ep.grouped_matmul(a, b, sizes, x_scales=xs, w_scales=ws,
                                                             config=cfg), xq, wq)
         return (y, *vjp(dy))
-    got = run(GroupedMatmulConfig(impl="pallas", interpret=True))
+    got = run(GroupedMatmulConfig(impl="pallas", interpret=True, fp8_cluster=cluster))
     want = run(GroupedMatmulConfig(impl="xla"))
     for name, a, b in zip(("y", "dx", "dw"), got, want):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
@@ -502,3 +536,27 @@ def test_fp8_kernel_interpret_matches_reference():
         rel = np.linalg.norm(a - b) / np.linalg.norm(b)
         assert rel < 1e-2, (name, rel)
     assert np.all(np.asarray(got[0][440:], np.float32) == 0)
+
+
+@pytest.mark.skipif(not _HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
+@pytest.mark.parametrize("n", [512, 384])
+def test_fp8_kernel_cluster_interpret_bitwise(n):
+    """``gmm_fp8_nt(cluster=2)`` (Mosaic-GPU interpreter): CTA pairs with the x
+    tile and its row scales multicast give the 1-CTA kernel's bits (same tiles,
+    same k order), skewed groups with an empty one and NaN tail rows; N = 512:
+    2 pairs of column tiles; N = 384 falls back to 1 CTA."""
+    m, g, k = 512, 4, 256
+    rng = np.random.default_rng(7)
+    sizes = jnp.asarray([100, 0, 250, 90], jnp.int32)
+    x = jnp.asarray(rng.normal(size=(m, k)) * np.exp2(rng.uniform(-8, 8, (m, k))), jnp.float32)
+    xq, xs = jax_ep.quantize_activations(x)
+    xq, xs = xq.at[440:].set(jnp.nan), xs.at[440:].set(jnp.nan)
+    vq, vs = jax_ep.quantize_weights(jnp.asarray(rng.normal(size=(g, k, n)), jnp.float32),
+                                     layout="gnk")        # [G, N, K]: the kernel's v
+    off = gm_ops.offsets(sizes, m)
+    one, two = (np.asarray(pallas_fp8.gmm_fp8_nt(xq, xs, vq, vs, off, cluster=c, interpret=True),
+                           np.float32) for c in (1, 2))
+    np.testing.assert_array_equal(two, one)
+    want = np.asarray(gmm_fp8_nt_xla(xq, xs, vq, vs, off, jnp.bfloat16), np.float32)
+    assert np.all(two[440:] == 0) and np.all(np.isfinite(two))
+    assert np.linalg.norm(two - want) / np.linalg.norm(want) < 1e-2

@@ -67,6 +67,11 @@ class GroupedMatmulConfig:
         measured. dw always runs in bf16: ``x``'s per-row scales vary along
         dw's contraction (the rows), so they cannot be applied after an fp8
         product.
+      fp8_cluster: CTAs per cluster of the fp8 kernel (forward and fp8 dx):
+        1 (default) or 2 (CTA pairs own adjacent ``128``-column tiles of one
+        row tile and share the x tile and its row scales by TMA multicast:
+        L2 reads per pair and k-step 64 -> 48 KB; used where ``Nout % 256 ==
+        0``, else 1; ``"auto"`` on a GPU: where it compiles, else 1).
     """
 
     impl: str = "auto"
@@ -79,6 +84,7 @@ class GroupedMatmulConfig:
     dw_cluster: int = 2
     dw_pipeline: Optional[str] = None
     fp8_dx: bool = True
+    fp8_cluster: int = 1
 
     def __post_init__(self):
         if self.dw_pipeline is not None and self.dw_pipeline not in DW_PIPELINES:
@@ -87,7 +93,7 @@ class GroupedMatmulConfig:
             raise ValueError(f"impl must be one of {_IMPLS}, got {self.impl!r}")
         if not isinstance(self.fp8_dx, bool):
             raise ValueError(f"fp8_dx must be a bool, got {self.fp8_dx!r}")
-        for name in ("dw_warpgroups", "fwd_warpgroups", "dw_cluster"):
+        for name in ("dw_warpgroups", "fwd_warpgroups", "dw_cluster", "fp8_cluster"):
             if isinstance(getattr(self, name), bool) or getattr(self, name) not in (1, 2):
                 raise ValueError(f"{name} must be 1 or 2, got {getattr(self, name)!r}")
         for name, cls in (("fwd", FwdTiles), ("dx", FwdTiles), ("dw", DwTiles)):

@@ -28,7 +28,7 @@ from .._ffi import to_vma, vma_of
 from ..fp8 import FP8_BLOCK, WEIGHT_LAYOUTS, fp8_cast
 from .config import GroupedMatmulConfig
 from .ops import gmm, offsets, tgmm
-from .select import plan_fp8
+from .select import fp8_cluster, plan_fp8
 from .xla import dequantize_blocks, dequantize_rows
 
 E4M3 = jnp.float8_e4m3fn
@@ -110,10 +110,12 @@ def _nt_weights(w, ws, w_layout: str, op: str):
 
 def ops_nt(cfg: GroupedMatmulConfig, op: str, x, xs, v, vs, group_sizes, out_dtype):
     """``out[rows of g] = (x * xs)[rows of g] @ ((v * vs)[g])^T`` on the variant
-    ``select.plan_fp8`` picks; ``x [M, Kc]``, ``v [G, Nout, Kc]`` -> ``[M, Nout]``."""
+    ``select.plan_fp8`` picks, on ``select.fp8_cluster``'s clusters; ``x [M,
+    Kc]``, ``v [G, Nout, Kc]`` -> ``[M, Nout]``."""
     off = offsets(group_sizes, x.shape[0])
-    out = plan_fp8(cfg, op, x, xs, v, vs, out_dtype).launch(x, xs, v, vs, off, out_dtype,
-                                                            cfg.interpret)
+    variant = plan_fp8(cfg, op, x, xs, v, vs, out_dtype)
+    out = variant.launch(x, xs, v, vs, off, out_dtype, cfg.interpret,
+                         fp8_cluster(cfg, variant, v))
     axes = vma_of(x) | vma_of(xs) | vma_of(v) | vma_of(vs) | vma_of(group_sizes)
     return to_vma(out, axes)
 

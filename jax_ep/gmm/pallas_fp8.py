@@ -27,6 +27,16 @@ tiles a thread (the sum, the carried product, the WGMMA's accumulator; 64
 registers each). Each stage brings the x and v tiles, the rows' scales and the
 tile's weight scales (a scalar load from HBM per k-step stalls the consumer
 for its latency). Variants measured slower and deleted: docs/decisions.md.
+
+``cluster=2``: CTAs run in pairs (2-CTA clusters) that own the column tiles
+``2 nc`` and ``2 nc + 1`` of one row tile (the same rows of one group, so the
+same row-tile table and masking as one CTA): each CTA loads half of the x tile
+and of its rows' scales and multicasts it to both, and loads its own v tile
+and weight scales. L2 reads per pair and k-step: 64 -> 48 KB. The
+pipeline's "stage released" barriers are then cluster barriers (a multicast
+never lands in a stage the partner still reads), and both CTAs of a pair run
+the same steps. Shared memory per CTA is unchanged. ``Nout % (2 block_n) != 0``
+runs on single CTAs (:func:`fp8_cluster`).
 """
 from __future__ import annotations
 
@@ -48,6 +58,7 @@ from .tiles import FwdTiles
 FP8_TILES = FwdTiles(block_m=128, block_n=128, block_k=128, stages=5, band=4)
 SCALE_ROW = 32       # f32 weight scales staged per tile: a multiple of 128 bytes
 SMEM_SLACK = 2048    # the pipeline's barriers and alignment (measured: about 1.2 KB)
+CLUSTERS = (1, 2)    # CTAs per cluster
 
 
 def fp8_stages(tiles, kc: int, out_dtype, smem_bytes: int) -> int:
@@ -80,12 +91,25 @@ def check_fp8_nt(x, xs, v, vs, tiles=FP8_TILES):
     return None
 
 
-def gmm_fp8_nt(x, xs, v, vs, offsets, *, tiles=None, out_dtype=None, interpret=False):
-    """``[M, Nout]`` in ``out_dtype`` (default bfloat16; see the module docstring)."""
+def fp8_cluster(n: int, cluster: int, tiles=FP8_TILES) -> int:
+    """The CTAs per cluster the kernel runs for ``cluster``: ``cluster`` where
+    ``Nout % (cluster block_n) == 0`` (a pair owns two adjacent column tiles),
+    else 1."""
+    if isinstance(cluster, bool) or cluster not in CLUSTERS:
+        raise ValueError(f"gmm_fp8_nt: cluster must be one of {CLUSTERS}, got {cluster!r}")
+    return cluster if n % (cluster * tiles.block_n) == 0 else 1
+
+
+def gmm_fp8_nt(x, xs, v, vs, offsets, *, tiles=None, out_dtype=None, cluster=1,
+               interpret=False):
+    """``[M, Nout]`` in ``out_dtype`` (default bfloat16; see the module
+    docstring). ``cluster``: 1, or 2 for CTA pairs sharing the x tile (falls
+    back to 1 where ``Nout % (2 block_n) != 0``: :func:`fp8_cluster`)."""
     tiles = tiles or FP8_TILES
     err = check_fp8_nt(x, xs, v, vs, tiles)
     if err is not None:
         raise ValueError(f"gmm_fp8_nt: {err}")
+    cluster = fp8_cluster(v.shape[1], cluster, tiles)
     out_dtype = jnp.dtype(out_dtype or jnp.bfloat16)
     m, kc = x.shape
     rs, r0, r1, grp = row_tiles(offsets, m, tiles.block_m)
@@ -99,65 +123,90 @@ def gmm_fp8_nt(x, xs, v, vs, offsets, *, tiles=None, out_dtype=None, interpret=F
     vs = jnp.pad(vs.astype(jnp.float32), ((0, 0), (0, 0), (0, -kb % SCALE_ROW))).reshape(-1)
     stages = fp8_stages(tiles, kc, out_dtype, device_info().smem_per_block)
     kernel = _kernel(m, kc, v.shape[1], dataclasses.replace(tiles, stages=stages), out_dtype,
-                     interpret)
+                     cluster, interpret)
     return kernel(counts, rs, r0, r1, grp, x, v, xs_flat, vs)
 
 
-def _kernel(m, kc, n, tiles, out_dtype, interpret):
+def _kernel(m, kc, n, tiles, out_dtype, cluster, interpret):
     pl, plgpu = pallas_modules()
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     half = bm // 2                      # rows of one consumer warpgroup
     grid_n, ksteps = n // bn, kc // bk
     nsm = num_sms(interpret)
-    tr, _ = dw_transforms(plgpu, jnp.float8_e4m3fn, bk, bn)
-
-    kbp = ksteps + (-ksteps % SCALE_ROW)
-    nb = n // bn
+    units = nsm // cluster              # the CTAs, or CTA pairs, the tiles are dealt to
 
     def body(cnt_ref, rs_ref, r0_ref, r1_ref, g_ref, x_ref, v_ref, xs_ref, vs_ref, o_ref):
-        sm = lax.axis_index("sm")
+        unit = lax.axis_index("sm")
         n_grp = cnt_ref[0]
-
-        def tile(j):   # this SM's j-th tile -> (row tile, column tile)
-            return plgpu.planar_snake(sm + j * nsm, (n_grp, grid_n), 0, tiles.band)
-
-        def row0(j):
-            return pl.multiple_of(rs_ref[tile(j)[0]], 8)
-
-        def v_index(j, kk):
-            fi, ni = tile(j)
-            return jnp.maximum(g_ref[fi], 0), ni, kk
-
-        def vs_index(j, kk):   # element offset of the tile's first scale row
-            g, ni, _ = v_index(j, kk)
-            return ((g * nb + ni) * kbp,)
+        tile = _tile_of(plgpu, unit, units, n_grp, grid_n, tiles.band, cluster)
+        specs = _in_specs(pl, plgpu, tile, rs_ref, g_ref, (m, kc, n), tiles, cluster)
 
         def scoped(o_smem):
             wg = lax.axis_index("wg")
             store = _tile_store(pl, plgpu, o_smem, o_ref, rs_ref, r0_ref, r1_ref, wg, half, bn)
             step = _promoting_step(pl, plgpu, tile, store, wg, half, ksteps)
-            mine = round_robin_count(n_grp * grid_n, sm, nsm)
+            # both CTAs of a pair run the same steps (each stage's x tile needs both)
+            mine = round_robin_count(n_grp * (grid_n // cluster), unit, units)
 
             @pl.when(mine > 0)
             def _():
                 plgpu.emit_pipeline_warp_specialized(
-                    step, grid=(mine, ksteps), memory_registers=40,
-                    in_specs=[plgpu.BlockSpec((pl.Element(bm), bk), lambda j, kk: (row0(j), kk),
-                                              transforms=tr),
-                              plgpu.BlockSpec((None, bn, bk), v_index, transforms=tr),
-                              plgpu.BlockSpec((pl.Element(bm),), lambda j, kk: (kk * m + row0(j),)),
-                              plgpu.BlockSpec((pl.Element(kbp),), vs_index)],
+                    step, grid=(mine, ksteps), memory_registers=40, in_specs=specs,
                     wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=tiles.stages,
                     compute_context=lambda run: run(_zero_carry(plgpu, half, bn)),
                 )(x_ref, v_ref, xs_ref, vs_ref)
 
             @pl.when(wg < 2)
             def _():
-                store_tail_tiles(pl, plgpu, cnt_ref, n_grp, store, sm, nsm, grid_n, (half, bn))
+                # the tail's zero tiles dealt over every CTA, no pairs
+                cta = unit * cluster + lax.axis_index("cluster") if cluster > 1 else unit
+                store_tail_tiles(pl, plgpu, cnt_ref, n_grp, store, cta, units * cluster, grid_n,
+                                 (half, bn))
 
         pl.run_scoped(scoped, plgpu.SMEM((2, half, bn), out_dtype), collective_axes="wg")
 
-    return two_consumer_kernel(plgpu, body, (m, n), out_dtype, nsm, 1, interpret)
+    return two_consumer_kernel(plgpu, body, (m, n), out_dtype, units, cluster, interpret)
+
+
+def _tile_of(plgpu, unit, units, n_grp, grid_n, band, cluster):
+    """``tile(j) -> (row tile, column tile)``: this CTA's ``j``-th tile. The
+    tiles (or, on clusters, pairs of adjacent column tiles) go to ``units``
+    CTAs (pairs) along a snake of ``band`` row tiles; a pair's CTAs take
+    columns ``2 nc`` and ``2 nc + 1`` of the same row tile."""
+    def tile(j):
+        fi, nc = plgpu.planar_snake(unit + j * units, (n_grp, grid_n // cluster), 0, band)
+        return fi, (nc * cluster + lax.axis_index("cluster") if cluster > 1 else nc)
+    return tile
+
+
+def _in_specs(pl, plgpu, tile, rs_ref, g_ref, dims, tiles, cluster):
+    """The pipeline's inputs per (tile ``j``, k-step ``kk``): the x tile and
+    its rows' scales (multicast to both CTAs of a pair: each loads half), the
+    v tile and the tile's weight scales (each CTA its own)."""
+    m, kc, n = dims
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    ksteps = kc // bk
+    kbp = ksteps + (-ksteps % SCALE_ROW)
+    tr, _ = dw_transforms(plgpu, jnp.float8_e4m3fn, bk, bn)
+    # jax 0.10's BlockSpec takes no collective_axes=None
+    shared = dict(collective_axes=("cluster",)) if cluster > 1 else {}
+
+    def row0(j):
+        return pl.multiple_of(rs_ref[tile(j)[0]], 8)
+
+    def v_index(j, kk):
+        fi, ni = tile(j)
+        return jnp.maximum(g_ref[fi], 0), ni, kk
+
+    def vs_index(j, kk):   # element offset of the tile's first scale row
+        g, ni, _ = v_index(j, kk)
+        return ((g * (n // bn) + ni) * kbp,)
+
+    return [plgpu.BlockSpec((pl.Element(bm), bk), lambda j, kk: (row0(j), kk), transforms=tr,
+                            **shared),
+            plgpu.BlockSpec((None, bn, bk), v_index, transforms=tr),
+            plgpu.BlockSpec((pl.Element(bm),), lambda j, kk: (kk * m + row0(j),), **shared),
+            plgpu.BlockSpec((pl.Element(kbp),), vs_index)]
 
 
 def _zero_carry(plgpu, half, bn):

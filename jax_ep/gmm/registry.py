@@ -218,7 +218,7 @@ class Fp8Variant:
     ops: Tuple[str, ...]
     archs: Tuple[str, ...]             # compute capability majors; (): any
     out_dtypes: Optional[Tuple[str, ...]]   # None: any float
-    launch: Callable                   # (x, xs, v, vs, offsets, out_dtype, interpret)
+    launch: Callable                   # (x, xs, v, vs, offsets, out_dtype, interpret, cluster)
     probe: Optional[Callable] = None   # (op, tiles, dtype, cluster) -> (fn, args)
     fallback: str = ""
     # (x, xs, v, vs) -> why the kernel cannot run them: shapes, alignment, the
@@ -246,7 +246,8 @@ def _fp8_probe(op, tiles, dt, cluster):
     f32, e4 = jnp.float32, jnp.dtype(_E4M3)
     sds = jax.ShapeDtypeStruct
     return ((lambda x, xs, v, vs, o: pallas_fp8.gmm_fp8_nt(x, xs, v, vs, o, tiles=tiles,
-                                                           out_dtype=jnp.bfloat16)),
+                                                           out_dtype=jnp.bfloat16,
+                                                           cluster=cluster)),
             (sds((m, kc), e4), sds((m, kc // FP8_BLOCK), f32), sds((_G, nout, kc), e4),
              sds((_G, nout // FP8_BLOCK, kc // FP8_BLOCK), f32), (_G + 1,)))
 
@@ -255,12 +256,13 @@ def _fp8_probe(op, tiles, dt, cluster):
 # can stand a reference implementation of its contract in for it.
 FP8_PALLAS = Fp8Variant(
     "gmm_fp8", ("fwd", "dx"), _HOPPER, ("bfloat16", "float32"),
-    lambda x, xs, v, vs, off, od, i: pallas_fp8.gmm_fp8_nt(x, xs, v, vs, off, tiles=None,
-                                                           out_dtype=od, interpret=i),
+    lambda x, xs, v, vs, off, od, i, c: pallas_fp8.gmm_fp8_nt(x, xs, v, vs, off, tiles=None,
+                                                              out_dtype=od, cluster=c,
+                                                              interpret=i),
     _fp8_probe, "the dequantizing XLA reference", pallas_fp8.check_fp8_nt)
 FP8_XLA = Fp8Variant(
     "fp8_xla", ("fwd", "dx"), (), None,
-    lambda x, xs, v, vs, off, od, i: gmm_fp8_nt_xla(x, xs, v, vs, off, od))
+    lambda x, xs, v, vs, off, od, i, c: gmm_fp8_nt_xla(x, xs, v, vs, off, od))
 
 VARIANTS = {v.name: v for v in (GMM, GMM_WS, TGMM, TGMM_WS, TGMM_RING, XLA, FP8_PALLAS)}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from . import heuristic, probe
+from . import heuristic, pallas_fp8, probe
 from .config import GroupedMatmulConfig
 from .devices import DeviceInfo, device_info
 from .registry import (BASE, DW_PIPELINE_VARIANT, FP8_PALLAS, FP8_XLA, TWO_CONSUMER, XLA,
@@ -122,3 +122,17 @@ def plan_fp8(cfg: GroupedMatmulConfig, op: str, x, xs, v, vs, out_dtype,
     if not cfg.interpret and not probe.compiles(FP8_PALLAS.name, "fwd+dx", None, "float8_e4m3fn"):
         return FP8_XLA
     return FP8_PALLAS
+
+
+def fp8_cluster(cfg: GroupedMatmulConfig, variant: Fp8Variant, v) -> int:
+    """CTAs per cluster of the fp8 kernel for ``v [G, Nout, Kc]``: the
+    config's where ``Nout % (cluster 128) == 0`` (``pallas_fp8.fp8_cluster``)
+    and, in ``"auto"`` mode on a device, a small instance compiles on
+    clusters (checked once), else 1; 1 for the XLA reference."""
+    if variant is not FP8_PALLAS:
+        return 1
+    c = pallas_fp8.fp8_cluster(v.shape[1], cfg.fp8_cluster)
+    if c > 1 and cfg.impl == "auto" and not cfg.interpret and not probe.compiles(
+            FP8_PALLAS.name, "fwd+dx", None, "float8_e4m3fn", c):
+        return 1
+    return c

@@ -5,7 +5,9 @@
 The kernel against dequantize-then-f32-matmul: every output element within
 1e-2 of the sum of its products' magnitudes (``|x·xs| @ |v·vs|^T``), on data
 with outliers (values spanning 2^±8 inside one 128-block), f32 and UE8M0
-scales, empty and skewed groups, unaligned totals, NaN tail rows.
+scales, empty and skewed groups, unaligned totals, NaN tail rows; on 1-CTA
+clusters and CTA pairs (``cluster=2``: the x tile multicast; ``Nout % 256 != 0``
+falls back to 1), whose output is the 1-CTA kernel's, bit for bit.
 """
 import jax
 import jax.numpy as jnp
@@ -67,9 +69,13 @@ def reference(x, xs, v, vs, sizes):
     return out, mag
 
 
-def check(x, xs, v, vs, gs, out_dtype=jnp.bfloat16):
-    out = jax.jit(lambda *a: gmm_fp8_nt(*a, offsets(gs, x.shape[0]), out_dtype=out_dtype))(
-        x, xs, v, vs)
+def run(x, xs, v, vs, gs, out_dtype=jnp.bfloat16, cluster=1):
+    return jax.jit(lambda *a: gmm_fp8_nt(*a, offsets(gs, x.shape[0]), out_dtype=out_dtype,
+                                         cluster=cluster))(x, xs, v, vs)
+
+
+def check(x, xs, v, vs, gs, out_dtype=jnp.bfloat16, cluster=1):
+    out = run(x, xs, v, vs, gs, out_dtype, cluster)
     ref, mag = reference(x, xs, v, vs, np.asarray(gs))
     o = np.asarray(out, np.float64)
     tot = int(np.sum(gs))
@@ -83,23 +89,42 @@ def check(x, xs, v, vs, gs, out_dtype=jnp.bfloat16):
     return out
 
 
+# (cluster, Nout): 1 CTA; pairs on 2 pairs of column tiles; pairs asked for on
+# 3 column tiles (falls back to 1 CTA)
+CLUSTER_N = [(1, 384), (2, 512), (2, 384)]
+
+
 @pytest.mark.parametrize("kind,total", [("uniform", 2048), ("skew", 2048), ("unaligned", 1901)])
 @pytest.mark.parametrize("pow2", [False, True])
-def test_fp8_kernel_small(kind, total, pow2):
+@pytest.mark.parametrize("cluster,n", CLUSTER_N)
+def test_fp8_kernel_small(kind, total, pow2, cluster, n):
     sizes = sizes_for(kind, 8, total)
-    check(*case(2048, 8, 512, 384, sizes, pow2))
+    check(*case(2048, 8, 512, n, sizes, pow2), cluster=cluster)
 
 
-def test_fp8_kernel_f32_out_and_empty():
+@pytest.mark.parametrize("cluster", [1, 2])
+def test_fp8_kernel_f32_out_and_empty(cluster):
     sizes = np.array([0, 300, 0, 0, 129, 7, 0, 1], np.int32)
-    check(*case(1024, 8, 256, 256, sizes, False, seed=3), out_dtype=jnp.float32)
-    check(*case(1024, 8, 256, 256, np.zeros(8, np.int32), False, seed=4))
+    check(*case(1024, 8, 256, 256, sizes, False, seed=3), out_dtype=jnp.float32, cluster=cluster)
+    check(*case(1024, 8, 256, 256, np.zeros(8, np.int32), False, seed=4), cluster=cluster)
 
 
-def test_fp8_kernel_v3_down():
+@pytest.mark.parametrize("cluster", [1, 2])
+def test_fp8_kernel_v3_down(cluster):
     g, m = 32, 8192       # V3 down projection, a quarter of the experts
     sizes = sizes_for("skew", g, m)
-    check(*case(m, g, 2048, 7168, sizes, True, seed=5))
+    check(*case(m, g, 2048, 7168, sizes, True, seed=5), cluster=cluster)
+
+
+@pytest.mark.parametrize("kind,n", [("skew", 512), ("unaligned", 768), ("skew", 384)])
+def test_fp8_kernel_cluster_is_bitwise_the_1cta_kernel(kind, n):
+    """CTA pairs compute each tile as one CTA does (same WGMMAs, same k
+    order): the same bits, also where the pair falls back (N = 384)."""
+    sizes = sizes_for(kind, 8, 1901)
+    sizes[3] = 0
+    ops = case(2048, 8, 1024, n, sizes, False, seed=6)
+    np.testing.assert_array_equal(np.asarray(run(*ops, cluster=2), np.float32),
+                                  np.asarray(run(*ops, cluster=1), np.float32))
 
 
 
@@ -113,10 +138,12 @@ def _api_operands(m, g, k, n, sizes, seed):
 
 @pytest.mark.parametrize("w_layout", ["gkn", "gnk"])
 @pytest.mark.parametrize("fp8_dx", [True, False])
-def test_api_pallas_matches_reference_with_grads(w_layout, fp8_dx):
+@pytest.mark.parametrize("fp8_cluster", [1, 2])
+def test_api_pallas_matches_reference_with_grads(w_layout, fp8_dx, fp8_cluster):
     """``jax_ep.grouped_matmul`` on fp8 operands: the kernel path (forward and
     dx in fp8) against the dequantizing XLA reference, forward and both
-    gradients, skewed groups with an empty one and a tail."""
+    gradients, skewed groups with an empty one and a tail (``fp8_cluster=2``:
+    the forward's N = 384 falls back to 1 CTA, dx's K = 512 runs on pairs)."""
     import jax_ep
     from jax_ep.gmm import GroupedMatmulConfig
 
@@ -126,7 +153,7 @@ def test_api_pallas_matches_reference_with_grads(w_layout, fp8_dx):
     wq, ws = jax_ep.quantize_weights(w, layout=w_layout)
 
     def run(impl):
-        cfg = GroupedMatmulConfig(impl=impl, fp8_dx=fp8_dx)
+        cfg = GroupedMatmulConfig(impl=impl, fp8_dx=fp8_dx, fp8_cluster=fp8_cluster)
 
         def f(a, b):
             return jax_ep.grouped_matmul(a, b, gs, x_scales=xs, w_scales=ws, w_layout=w_layout,
