@@ -1,13 +1,14 @@
 """Benchmark the fp8 grouped matmul on one GPU beside the bf16 one and dense matmuls.
 
-    python bench/grouped_matmul_fp8_bench.py [--reps 10]
+    python bench/grouped_matmul_fp8_bench.py [--reps 10] [--clusters 1,2]
 
 DeepSeek-V3 per-rank shapes (G = 128 experts, M = 32768 rows, ~256 per
 expert): up x [M, 7168] @ w [G, 7168, 4096], down x [M, 2048] @ w [G, 2048, 7168];
 uniform and skewed group sizes (``grouped_matmul_bench.group_sizes``). Rows
 of one table, one run:
 
-- ``fp8 nt``: ``pallas_fp8.gmm_fp8_nt`` on a weight stored K-major ``[G, N, K]``;
+- ``fp8 nt``: ``pallas_fp8.gmm_fp8_nt`` on a weight stored K-major ``[G, N, K]``
+  (``fp8 nt c2``: on 2-CTA clusters, ``cluster=2``; one row per ``--clusters`` entry);
 - ``fp8 api``: ``jax_ep.grouped_matmul(x, w, gs, x_scales=, w_scales=)`` on
   ``w [G, K, N]`` (the forward transposes the fp8 weight first), when the API has it;
 - ``bf16``: ``jax_ep.grouped_matmul`` on bf16 operands;
@@ -48,14 +49,20 @@ def operands(k, n, seed=0):
     return x, w, xq, xs, wq, ws, vq, vs
 
 
-def rows_for(proj, kind, reps):
+def nt_name(cluster):
+    return "fp8 nt" if cluster == 1 else f"fp8 nt c{cluster}"
+
+
+def rows_for(proj, kind, reps, clusters=(1,)):
     k, n = PROJ[proj]
     x, w, xq, xs, wq, ws, vq, vs = jax.block_until_ready(operands(k, n))
     gs = jnp.asarray(group_sizes(kind))
     flops = 2.0 * float(np.sum(group_sizes(kind))) * k * n
     t = {}
-    t["fp8 nt"] = per_call_ms(lambda a, s, v, vsc, g: gmm_fp8_nt(a, s, v, vsc, offsets(g, M)),
-                              (xq, xs, vq, vs, gs), 2, 6, reps)
+    for c in clusters:
+        t[nt_name(c)] = per_call_ms(
+            lambda a, s, v, vsc, g, c=c: gmm_fp8_nt(a, s, v, vsc, offsets(g, M), cluster=c),
+            (xq, xs, vq, vs, gs), 2, 6, reps)
     try:
         t["fp8 api"] = per_call_ms(
             lambda a, s, w_, wsc, g: jax_ep.grouped_matmul(a, w_, g, x_scales=s, w_scales=wsc),
@@ -76,19 +83,21 @@ def rows_for(proj, kind, reps):
 SWEEP = [(128, 128, 128, 5, 1), (128, 128, 128, 5, 8), (128, 128, 128, 4, 4)]
 
 
-def sweep_rows(reps):
-    """``fp8 nt`` at the up projection, uniform sizes, over SWEEP's tiles."""
+def sweep_rows(reps, clusters=(1,)):
+    """``fp8 nt`` at the up projection, uniform sizes, over SWEEP's tiles (and ``clusters``)."""
     k, n = PROJ["up"]
     _, _, xq, xs, _, _, vq, vs = jax.block_until_ready(operands(k, n))
     gs = jnp.asarray(group_sizes("uniform"))
     flops = 2.0 * M * k * n
     rows = []
     for t in SWEEP:
-        tiles = FwdTiles(*t)
-        ms = per_call_ms(lambda a, s, v, vsc, g: gmm_fp8_nt(a, s, v, vsc, offsets(g, M), tiles=tiles),
-                         (xq, xs, vq, vs, gs), 2, 6, reps)
-        rows.append(("up", "uniform", f"fp8 nt {t}", ms, flops / ms / 1e9))
-        print(*rows[-1], flush=True)
+        for c in clusters:
+            tiles = FwdTiles(*t)
+            ms = per_call_ms(lambda a, s, v, vsc, g: gmm_fp8_nt(a, s, v, vsc, offsets(g, M),
+                                                                tiles=tiles, cluster=c),
+                             (xq, xs, vq, vs, gs), 2, 6, reps)
+            rows.append(("up", "uniform", f"{nt_name(c)} {t}", ms, flops / ms / 1e9))
+            print(*rows[-1], flush=True)
     return rows
 
 
@@ -98,15 +107,18 @@ def main():
     ap.add_argument("--proj", default="up,down")
     ap.add_argument("--kinds", default="uniform,skew")
     ap.add_argument("--sweep", action="store_true", help="also time SWEEP's tiles")
+    ap.add_argument("--clusters", default="1",
+                    help="CTAs per cluster of the fp8 nt rows, e.g. 1,2 (2: rows 'fp8 nt c2')")
     args = ap.parse_args()
+    clusters = [int(c) for c in args.clusters.split(",")]
     print(jax.devices()[0].device_kind, jax.__version__)
     rows = []
     for proj in args.proj.split(","):
         for kind in args.kinds.split(","):
-            rows += rows_for(proj, kind, args.reps)
+            rows += rows_for(proj, kind, args.reps, clusters)
             print(*rows[-1], flush=True)
     if args.sweep:
-        rows += sweep_rows(args.reps)
+        rows += sweep_rows(args.reps, clusters)
     dense = {(p, n): tf for p, _, n, _, tf in rows if n.startswith("dense")}
     bf16 = {(p, k): tf for p, k, n, _, tf in rows if n == "bf16"}
     lines = ["| proj | sizes | op | ms | TF/s | vs bf16 grouped | vs dense fp8 |",

@@ -317,7 +317,8 @@ def _kill_group(proc, term_wait=8.0):
             continue
 
 
-INT_GMM_FIELDS = ("dw_warpgroups", "fwd_warpgroups", "dw_cluster")   # GroupedMatmulConfig ints
+INT_GMM_FIELDS = ("dw_warpgroups", "fwd_warpgroups", "dw_cluster",   # GroupedMatmulConfig ints
+                  "fp8_cluster")
 STR_GMM_FIELDS = ("dw_pipeline",)                                      # and strings
 BOOL_GMM_FIELDS = ("fp8_dx",)                                          # and bools (0/1)
 
