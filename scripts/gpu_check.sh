@@ -7,12 +7,13 @@
 # With fewer GPUs than N the N processes of a job share them (tests/gpu/harness.py,
 # jax_ep.shared_gpu): every multi-process path runs and is checked; no timing
 # from that mode means anything. Warm jobs (JAX_EP_TEST_WARM=1, the default
-# here) keep a job's processes between tests of one shape. On one H200 with
-# N = 2, 4, 8 side by side, the core half took 410 s at N = 2 and about 560 s
-# at N = 4; N = 8 needs about 700 s per half, so on a machine whose calls last
-# 10 minutes run N = 8 in calls of its own, e.g.
-#   SUITE_N="2 4" SUITE_PART=core bash scripts/gpu_check.sh
-#   SUITE_N=8 SUITE_TESTS="tests/gpu/test_native_dispatch.py" bash scripts/gpu_check.sh
+# here) keep a job's processes between tests of one shape. On one H200 the
+# whole suite at N = 2, 4 and 8 side by side takes about 25 minutes, so on
+# a machine whose calls last 10 minutes split it and give each N what is
+# left for it, e.g.
+#   SUITE_PART=families bash scripts/gpu_check.sh
+#   SUITE_N="2 4 8" SUITE_PART=core SUITE_TESTS_N8="tests/gpu/test_native_dispatch.py" \
+#     SKIP_BUILD=1 bash scripts/gpu_check.sh
 # bench/results/gpu-suite-shared-gpu.md: what passed, per N.
 #
 # Knobs:
@@ -21,6 +22,9 @@
 #   SUITE_PART     core (runtime, mesh, hardening, timeout, dispatch) or
 #                  families (low latency, internode, ragged, examples); default both
 #   SUITE_TESTS    the multi-process test files or node ids (overrides SUITE_PART)
+#   SUITE_TESTS_N<n>  the same for the session of N = <n> alone (e.g. the tests
+#                  a previous call did not reach at that N); one run keeps the
+#                  fair memory fraction, two runs side by side would not
 #   ONE_GPU_TESTS  single-GPU test files run after (loopback kernels, grouped
 #                  matmul bf16 and fp8; default none)
 #   ONE_GPU_WORKERS  pytest-xdist workers for them (compile-bound: the grouped
@@ -85,9 +89,10 @@ if [ "$build_rc" = 0 ] && [ "${SUITE_TESTS:-}" != none ]; then
   echo "== multi-process suite at N = $SUITE_N ($NGPU GPU(s), memory fraction $frac each)" >&2
   pids=()
   for n in $SUITE_N; do
+    per_n="SUITE_TESTS_N$n"
     JAX_EP_TEST_NPROCS=$n XLA_PYTHON_CLIENT_MEM_FRACTION=$frac \
       JAX_EP_GPU_TEST_TIMEOUT=${JOB_TIMEOUT:-240} \
-      timeout -k 30 "${TEST_TIMEOUT:-540}" "$PY" -m pytest -m gpu ${SUITE_TESTS:-$MP_TESTS} -v -rs \
+      timeout -k 30 "${TEST_TIMEOUT:-540}" "$PY" -m pytest -m gpu ${!per_n:-${SUITE_TESTS:-$MP_TESTS}} -v -rs \
       -p no:cacheprovider --durations=15 > "$OUT/suite_n$n.log" 2>&1 &
     pids+=("$n:$!")
   done

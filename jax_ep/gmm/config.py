@@ -68,10 +68,12 @@ class GroupedMatmulConfig:
         dw's contraction (the rows), so they cannot be applied after an fp8
         product.
       fp8_cluster: CTAs per cluster of the fp8 kernel (forward and fp8 dx):
-        1 (default) or 2 (CTA pairs own adjacent ``128``-column tiles of one
-        row tile and share the x tile and its row scales by TMA multicast:
-        L2 reads per pair and k-step 64 -> 48 KB; used where ``Nout % 256 ==
-        0``, else 1; ``"auto"`` on a GPU: where it compiles, else 1).
+        None (default: the device's tuned choice, ``heuristic.fp8_cluster``:
+        2 on an H200 where the contraction has at least 48 steps of 128), 1,
+        or 2 (CTA pairs own adjacent ``128``-column tiles of one row tile and
+        share the x tile and its row scales by TMA multicast: L2 reads per
+        pair and k-step 64 -> 48 KB). 2 applies where ``Nout % 256 == 0``,
+        else 1; ``"auto"`` on a GPU: where it compiles, else 1.
     """
 
     impl: str = "auto"
@@ -84,7 +86,7 @@ class GroupedMatmulConfig:
     dw_cluster: int = 2
     dw_pipeline: Optional[str] = None
     fp8_dx: bool = True
-    fp8_cluster: int = 1
+    fp8_cluster: Optional[int] = None
 
     def __post_init__(self):
         if self.dw_pipeline is not None and self.dw_pipeline not in DW_PIPELINES:
@@ -94,6 +96,8 @@ class GroupedMatmulConfig:
         if not isinstance(self.fp8_dx, bool):
             raise ValueError(f"fp8_dx must be a bool, got {self.fp8_dx!r}")
         for name in ("dw_warpgroups", "fwd_warpgroups", "dw_cluster", "fp8_cluster"):
+            if name == "fp8_cluster" and self.fp8_cluster is None:
+                continue
             if isinstance(getattr(self, name), bool) or getattr(self, name) not in (1, 2):
                 raise ValueError(f"{name} must be 1 or 2, got {getattr(self, name)!r}")
         for name, cls in (("fwd", FwdTiles), ("dx", FwdTiles), ("dw", DwTiles)):

@@ -29,3 +29,11 @@ def suggest(op: str, rows: int, groups: int, device_kind: str) -> Suggestion:
     if small_groups(rows, groups, device_kind):
         return Suggestion((t.small.tiles(op), t.default.tiles(op)), t.small.dw_pipeline)
     return Suggestion((t.default.tiles(op),), t.default.dw_pipeline)
+
+
+def fp8_cluster(k_steps: int, device_kind: str) -> int:
+    """CTAs per cluster for the fp8 kernel over a contraction of ``k_steps``
+    128-wide steps: 2 where the device's table says pairs win (long
+    contractions), else 1."""
+    least = tuning_for(device_kind).fp8_cluster_min_k_steps
+    return 2 if least and k_steps >= least else 1

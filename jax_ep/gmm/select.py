@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from ..fp8 import FP8_BLOCK
 from . import heuristic, pallas_fp8, probe
 from .config import GroupedMatmulConfig
 from .devices import DeviceInfo, device_info
@@ -124,14 +125,19 @@ def plan_fp8(cfg: GroupedMatmulConfig, op: str, x, xs, v, vs, out_dtype,
     return FP8_PALLAS
 
 
-def fp8_cluster(cfg: GroupedMatmulConfig, variant: Fp8Variant, v) -> int:
+def fp8_cluster(cfg: GroupedMatmulConfig, variant: Fp8Variant, v,
+                dev: Optional[DeviceInfo] = None) -> int:
     """CTAs per cluster of the fp8 kernel for ``v [G, Nout, Kc]``: the
-    config's where ``Nout % (cluster 128) == 0`` (``pallas_fp8.fp8_cluster``)
-    and, in ``"auto"`` mode on a device, a small instance compiles on
-    clusters (checked once), else 1; 1 for the XLA reference."""
+    config's (else the device's tuned choice by ``Kc``, ``heuristic``) where
+    ``Nout % (cluster 128) == 0`` (``pallas_fp8.fp8_cluster``) and, in
+    ``"auto"`` mode on a device, a small instance compiles on clusters
+    (checked once), else 1; 1 for the XLA reference."""
     if variant is not FP8_PALLAS:
         return 1
-    c = pallas_fp8.fp8_cluster(v.shape[1], cfg.fp8_cluster)
+    want = cfg.fp8_cluster
+    if want is None:
+        want = heuristic.fp8_cluster(v.shape[2] // FP8_BLOCK, (dev or device_info()).kind)
+    c = pallas_fp8.fp8_cluster(v.shape[1], want)
     if c > 1 and cfg.impl == "auto" and not cfg.interpret and not probe.compiles(
             FP8_PALLAS.name, "fwd+dx", None, "float8_e4m3fn", c):
         return 1

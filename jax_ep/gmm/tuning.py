@@ -34,6 +34,14 @@ file):
   1.910; V3 layer at T 4096 20.660 against 20.919 ms. With small groups (one
   k-step per tile) the ring loses (layer 9.251 / 9.274 against 9.116): the
   per-group pipeline there.
+
+* fp8 clusters (bench/results/2026-12-04-h200x1-fp8-grouped-matmul.md, one
+  run): 2-CTA clusters sharing the x tile won at V3 up (K 7168, 56 k-steps of
+  128: 767 TF/s against 712 and 752 for the 1-CTA kernel in two rows of the
+  run) and lost at V3 down (K 2048, 16 steps: 754 against 801 and 799). The
+  pairs' saving grows with the steps per tile and their lock-step cost does
+  not; ``fp8_cluster_min_k_steps`` = 48 keeps them to contractions near the
+  measured win (32 to 48 steps, e.g. dx of up at 32, are unmeasured).
 """
 from __future__ import annotations
 
@@ -69,6 +77,7 @@ class DeviceTuning:
     small_group_rows: int
     default: TileSet
     small: TileSet
+    fp8_cluster_min_k_steps: int = 0   # 0: the fp8 kernel never runs on clusters
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,7 +92,8 @@ def load_tuned(text: Optional[str] = None):
     for kind, e in raw.items():
         src = raw[e["same_as"]] if "same_as" in e else e
         entries[kind] = DeviceTuning(kind, int(src["small_group_rows"]),
-                                     _tile_set(src["default"]), _tile_set(src["small"]))
+                                     _tile_set(src["default"]), _tile_set(src["small"]),
+                                     int(src.get("fp8_cluster_min_k_steps", 0)))
     fallback = data["fallback"]
     if fallback not in entries:
         raise ValueError(f"tuned_tiles.json: fallback {fallback!r} is not an entry")
