@@ -29,3 +29,12 @@ class Region:
 def heap_bytes(regions) -> int:
     """Bytes of the regions laid out one after another, each ``ALIGN``-aligned."""
     return sum(r.nbytes for r in regions) + ALIGN * (len(regions) - 1)
+
+
+def check_live_shape(option: str, asked, want: tuple, live: tuple, have: str) -> None:
+    """Raise unless a later ``initialize(option=asked)`` on a live runtime asks
+    for the region shape ``live`` it has (``want``), or leaves it (None): the
+    region is laid out once. ``have``: the live region, in the user's words."""
+    if asked is not None and tuple(want) != tuple(live):
+        raise ValueError(f"jax_ep.initialize({option}): the runtime is already up with {have}; "
+                         f"this call asks for another. Call jax_ep.finalize() first")

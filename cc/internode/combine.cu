@@ -39,16 +39,14 @@ template <typename T, int V, bool PUT>
 __global__ void __launch_bounds__(512, 1)
 inter_combine_kernel(InterCombineArgs ia, InterLaunch lc) {
   const CombineArgs& a = ia.a;
-  const int me = a.peers.rank, R = a.peers.num_ranks, N = ia.nodes, G = R / N;
-  const int my_node = me / G, my_g = me % G;
-  const int NT = ia.tw, t0 = ia.t0, chunk = lc.chunk, NC = (NT + chunk - 1) / chunk;
-  const InterLayout lay = inter_layout(ia.sym_bytes, N, G, NT, ia.layout_T);
-  const int LT = lay.T;  // token stride of every flag and data area (>= NT)
-  InterCtrl* ctrl = inter_ctrl(a.peers, lay, kInterCombine);
-  const unsigned int epoch = ld_volatile(&ctrl->epoch) + 1u;
+  const InterFrame fr = inter_frame(ia, a.peers, lc.chunk, kInterCombine);
+  const int me = fr.me, R = fr.R, N = fr.N, G = fr.G, my_node = fr.my_node, my_g = fr.my_g;
+  const int NT = fr.T, t0 = fr.t0, chunk = fr.chunk, NC = fr.NC;
+  const int LT = fr.lay.T;  // token stride of every flag and data area (>= NT)
+  const InterLayout& lay = fr.lay;
   const InterCombineAreas ar =
-      inter_combine_areas(lay.op_base(kInterCombine, epoch & 1u), N, G, LT, a.row_bytes);
-  const unsigned long long tag = chunk_tag(epoch, 0);
+      inter_combine_areas(lay.op_base(kInterCombine, fr.epoch & 1u), N, G, LT, a.row_bytes);
+  const unsigned long long tag = chunk_tag(fr.epoch, 0);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const char* y = static_cast<const char*>(a.y);
   const bool weighted = a.row_weights != nullptr && !a.rank_major;
@@ -144,7 +142,7 @@ inter_combine_kernel(InterCombineArgs ia, InterLaunch lc) {
       }
     }
   }
-  inter_finish<PUT>(ctrl, epoch);
+  inter_finish<PUT>(fr.ctrl, fr.epoch);
 }
 
 template <typename T, int V>

@@ -72,16 +72,14 @@ __global__ void __launch_bounds__(512, 1)
 inter_dispatch_kernel(InterDispatchArgs ia, InterLaunch lc) {
   const DispatchArgs& a = ia.a;
   __shared__ float sm_scales[16][kSmScales];
-  const int me = a.peers.rank, R = a.peers.num_ranks, N = ia.nodes, G = R / N;
-  const int my_node = me / G, my_g = me % G;
-  const int T = ia.tw, t0 = ia.t0, chunk = lc.chunk, NC = (T + chunk - 1) / chunk;
-  const InterLayout lay = inter_layout(ia.sym_bytes, N, G, T, ia.layout_T);
-  const int LT = lay.T;  // token stride of every flag and data area (>= T)
-  InterCtrl* ctrl = inter_ctrl(a.peers, lay, kInterDispatch);
-  const unsigned int epoch = ld_volatile(&ctrl->epoch) + 1u;
-  const InterDispatchAreas ar = inter_dispatch_areas(lay.op_base(kInterDispatch, epoch & 1u), N,
-                                                     G, LT, a.row_bytes, a.s_row_bytes);
-  const unsigned long long tag = chunk_tag(epoch, 0);
+  const InterFrame fr = inter_frame(ia, a.peers, lc.chunk, kInterDispatch);
+  const int me = fr.me, R = fr.R, N = fr.N, G = fr.G, my_node = fr.my_node, my_g = fr.my_g;
+  const int T = fr.T, t0 = fr.t0, chunk = fr.chunk, NC = fr.NC;
+  const int LT = fr.lay.T;  // token stride of every flag and data area (>= T)
+  const InterLayout& lay = fr.lay;
+  const InterDispatchAreas ar = inter_dispatch_areas(
+      lay.op_base(kInterDispatch, fr.epoch & 1u), N, G, LT, a.row_bytes, a.s_row_bytes);
+  const unsigned long long tag = chunk_tag(fr.epoch, 0);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int v = row_vec_bytes(a.row_bytes);
   const int sv = a.s_row_bytes ? row_vec_bytes(a.s_row_bytes) : 1;
@@ -217,7 +215,7 @@ inter_dispatch_kernel(InterDispatchArgs ia, InterLaunch lc) {
       it += nrw;
     }
   }
-  inter_finish<PUT>(ctrl, epoch);
+  inter_finish<PUT>(fr.ctrl, fr.epoch);
 }
 
 template <int EPL>

@@ -43,6 +43,38 @@ __device__ __forceinline__ InterCtrl* inter_ctrl(const PeerTable& p, const Inter
   return reinterpret_cast<InterCtrl*>(peer_ptr(p, p.rank, lay.ctrl)) + op;
 }
 
+// What both kernels start from: where this rank sits in the N x G grid of
+// ranks (node my_node, local index my_g), the token window of this launch
+// (ia.t0, ia.tw) in chunks, the region's layout for it, this op's control
+// words and the call's epoch (read once: every block starts the same call).
+struct InterFrame {
+  int me, R, N, G, my_node, my_g;
+  int T, t0, chunk, NC;  // the window's tokens, its first token, tokens per chunk, chunks
+  InterLayout lay;
+  InterCtrl* ctrl;
+  unsigned int epoch;
+};
+
+template <typename InterArgs>
+__device__ __forceinline__ InterFrame inter_frame(const InterArgs& ia, const PeerTable& p,
+                                                  int chunk, int op) {
+  InterFrame f;
+  f.me = p.rank;
+  f.R = p.num_ranks;
+  f.N = ia.nodes;
+  f.G = f.R / f.N;
+  f.my_node = f.me / f.G;
+  f.my_g = f.me % f.G;
+  f.T = ia.tw;
+  f.t0 = ia.t0;
+  f.chunk = chunk;
+  f.NC = (f.T + chunk - 1) / chunk;
+  f.lay = inter_layout(ia.sym_bytes, f.N, f.G, f.T, ia.layout_T);
+  f.ctrl = inter_ctrl(p, f.lay, op);
+  f.epoch = ld_volatile(&f.ctrl->epoch) + 1u;
+  return f;
+}
+
 // As transport/ring.cuh's finish_call, for the internode control words. PUT: thread
 // 0's quiet (after the barrier: every warp's puts issued) completes the
 // block's puts first, so the staging rows are free for the next call.

@@ -91,6 +91,32 @@ __device__ __forceinline__ void set_epoch(unsigned int* w, unsigned int epoch) {
   *reinterpret_cast<volatile unsigned int*>(w) = epoch;
 }
 
+// A receive kernel's call: its op's control words, the call's epoch (one past
+// the last received here) and parity, and that parity's n signal words at
+// byte off of this rank's region (what this call's senders write).
+struct LlRecvCall {
+  LlOpCtrl* ctrl;
+  unsigned int epoch;
+  int par;
+  const unsigned long long* words;
+};
+
+__device__ __forceinline__ LlRecvCall ll_recv_call(LlOpCtrl* ctrl, const PeerTable& p, int me,
+                                                   size_t off, int n) {
+  LlRecvCall c;
+  c.ctrl = ctrl;
+  c.epoch = ld_volatile(&ctrl->recv_epoch) + 1u;
+  c.par = c.epoch & 1u;
+  c.words = reinterpret_cast<const unsigned long long*>(peer_ptr(p, me, off)) +
+            static_cast<size_t>(c.par) * n;
+  return c;
+}
+
+// The last block of a receive kernel to finish records the call as received.
+__device__ __forceinline__ void ll_recv_finish(const LlRecvCall& c) {
+  if (last_block(&c.ctrl->recv_done) && threadIdx.x == 0) set_epoch(&c.ctrl->recv_epoch, c.epoch);
+}
+
 // The two-parity rule (top of file) needs send(e+1) after recv(e) on this
 // rank: a send of an op whose previous receive has not finished raises
 // kErrLlOrder and sends nothing (its peers then time out: a clear error, not
@@ -238,12 +264,11 @@ ll_dispatch_recv_kernel(LlDispatchRecvArgs a) {
   extern __shared__ int sm_pre[];  // [L*R + 1]: counts, then their exclusive prefix
   const int lane = threadIdx.x % 32;
   const int me = a.peers.rank, R = a.peers.num_ranks, LR = a.lay.L * R;
-  LlOpCtrl* ctrl = ll_ctrl(a.peers, a.lay, kLlDispatch);
-  const unsigned int epoch = ld_volatile(&ctrl->recv_epoch) + 1u;
-  const int par = epoch & 1u;
-  const auto* words =
-      reinterpret_cast<const unsigned long long*>(peer_ptr(a.peers, me, a.lay.disp_count)) +
-      static_cast<size_t>(par) * LR;
+  const LlRecvCall call =
+      ll_recv_call(ll_ctrl(a.peers, a.lay, kLlDispatch), a.peers, me, a.lay.disp_count, LR);
+  const unsigned int epoch = call.epoch;
+  const int par = call.par;
+  const auto* words = call.words;
   // Word b = l*R + s; each thread acquires its words, the barrier in the scan
   // then orders the row reads of every warp after them.
   for (int b = threadIdx.x; b < LR; b += blockDim.x) {
@@ -291,7 +316,7 @@ ll_dispatch_recv_kernel(LlDispatchRecvArgs a) {
       warp_copy_row_any(srows + src * srs, &dsts, 1, 0, srb, sv, lane);
     }
   }
-  if (last_block(&ctrl->recv_done) && threadIdx.x == 0) set_epoch(&ctrl->recv_epoch, epoch);
+  ll_recv_finish(call);
 }
 
 // ------------------------------------------------------------------- combine
@@ -399,17 +424,13 @@ __global__ void __launch_bounds__(32 * kLlMaxWarps)
 ll_combine_recv_kernel(LlCombineRecvArgs a) {
   const int lane = threadIdx.x % 32;
   const int me = a.peers.rank, R = a.peers.num_ranks;
-  LlOpCtrl* ctrl = ll_ctrl(a.peers, a.lay, kLlCombine);
-  const unsigned int epoch = ld_volatile(&ctrl->recv_epoch) + 1u;
-  const int par = epoch & 1u;
-  const auto* flags =
-      reinterpret_cast<const unsigned long long*>(peer_ptr(a.peers, me, a.lay.comb_flag)) +
-      static_cast<size_t>(par) * R;
+  const LlRecvCall call =
+      ll_recv_call(ll_ctrl(a.peers, a.lay, kLlCombine), a.peers, me, a.lay.comb_flag, R);
   for (int s = threadIdx.x; s < R; s += blockDim.x)
-    wait_tag(flags + s, chunk_tag(epoch, -1), a.host_err, a.timeout_ns);
+    wait_tag(call.words + s, chunk_tag(call.epoch, -1), a.host_err, a.timeout_ns);
   __syncthreads();
-  puts_visible_block(a.put_mask, flags);
-  const char* area = peer_ptr(a.peers, me, a.lay.comb_rows[par]);
+  puts_visible_block(a.put_mask, call.words);
+  const char* area = peer_ptr(a.peers, me, a.lay.comb_rows[call.par]);
   const long long rb = a.lay.comb_row_bytes;
   const int K = a.lay.K;
   const bool v16 = rb % 16 == 0;
@@ -428,7 +449,7 @@ ll_combine_recv_kernel(LlCombineRecvArgs a) {
     if (v16) reduce_slice<T, 16>(area, rs, t, K, slot_l, w_l, out, off, len, lane);
     else reduce_slice<T, sizeof(T)>(area, rs, t, K, slot_l, w_l, out, off, len, lane);
   }
-  if (last_block(&ctrl->recv_done) && threadIdx.x == 0) set_epoch(&ctrl->recv_epoch, epoch);
+  ll_recv_finish(call);
 }
 
 bool grid_ok(const LlGrid& g) {

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .. import extension
 from ..config import EpConfig
-from ..region import Region
+from ..region import Region, check_live_shape
 from . import config as ll_config
 from .config import LowLatencyConfig
 
@@ -47,9 +47,6 @@ def plan(C, config) -> Region:
 def check_live(live_shape: tuple, config) -> None:
     """A later ``initialize(low_latency=config)`` on a live runtime must ask for
     the region it has (or None)."""
-    want = shape_of(config)
-    if config is not None and want != tuple(live_shape):
-        raise ValueError(
-            f"jax_ep.initialize(low_latency=...): the runtime is already up with a "
-            f"low-latency region for (E, Tmax, K, H) = {tuple(live_shape)} (zeros: none); this "
-            f"call asks for {want}. Call jax_ep.finalize() first")
+    check_live_shape("low_latency=...", config, shape_of(config), live_shape,
+                     f"a low-latency region for (E, Tmax, K, H) = {tuple(live_shape)} "
+                     "(zeros: none)")

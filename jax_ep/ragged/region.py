@@ -13,7 +13,7 @@ from __future__ import annotations
 import operator
 
 from .. import extension
-from ..region import Region
+from ..region import Region, check_live_shape
 
 NONE = (0, 0, 0, 0)   # the region shape of no region
 KIB = 1024            # the shape counts the areas' bytes in KiB (an int32 each)
@@ -60,9 +60,6 @@ def plan(C, ragged_bytes) -> Region:
 def check_live(live_shape: tuple, ragged_bytes) -> None:
     """A later ``initialize(ragged_bytes=...)`` on a live runtime must ask for
     the region it has (or None)."""
-    want = shape_of(ragged_bytes)
-    if ragged_bytes is not None and want != tuple(live_shape):
-        raise ValueError(
-            f"jax_ep.initialize(ragged_bytes={ragged_bytes}): the runtime is already up with a "
-            f"ragged region of {capacity(live_shape)} bytes per area (0: none); call "
-            "jax_ep.finalize() first")
+    check_live_shape(f"ragged_bytes={ragged_bytes}", ragged_bytes, shape_of(ragged_bytes),
+                     live_shape, f"a ragged region of {capacity(live_shape)} bytes per area "
+                     "(0: none)")
