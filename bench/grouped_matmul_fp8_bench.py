@@ -9,7 +9,8 @@ of one table, one run:
 
 - ``fp8 nt``: ``pallas_fp8.gmm_fp8_nt`` on a weight stored K-major ``[G, N, K]``
   (``fp8 nt c2``: on 2-CTA clusters, ``cluster=2``; one row per ``--clusters`` entry);
-- ``fp8 api``: ``jax_ep.grouped_matmul(x, w, gs, x_scales=, w_scales=)`` on
+- ``fp8 api``: ``jax_ep.grouped_matmul(x, w, gs, x_scales=, w_scales=)`` (the
+  default config: the device's tuned clusters) on
   ``w [G, K, N]`` (the forward transposes the fp8 weight first), when the API has it;
 - ``bf16``: ``jax_ep.grouped_matmul`` on bf16 operands;
 - ``dense fp8`` / ``dense bf16``: XLA's ``x @ w[0]`` over the same rows (fp8:

@@ -32,9 +32,10 @@ def heap_bytes(regions) -> int:
 
 
 def check_live_shape(option: str, asked, want: tuple, live: tuple, have: str) -> None:
-    """Raise unless a later ``initialize(option=asked)`` on a live runtime asks
-    for the region shape ``live`` it has (``want``), or leaves it (None): the
-    region is laid out once. ``have``: the live region, in the user's words."""
+    """Raise unless a later ``initialize(option=asked)`` on a live runtime leaves
+    the region as it is (``asked`` None) or asks for the shape ``want`` equal to
+    the live one, ``live``: a region is laid out once. ``have``: the live
+    region in the user's words."""
     if asked is not None and tuple(want) != tuple(live):
         raise ValueError(f"jax_ep.initialize({option}): the runtime is already up with {have}; "
-                         f"this call asks for another. Call jax_ep.finalize() first")
+                         f"this call asks for {tuple(want)}. Call jax_ep.finalize() first")

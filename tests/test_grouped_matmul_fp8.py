@@ -398,7 +398,7 @@ def test_quantizer_and_config_errors():
     with pytest.raises(ValueError, match="fp8_dx"):
         GroupedMatmulConfig(fp8_dx=1)
     for bad in (3, 0, True):
-        with pytest.raises(ValueError, match="fp8_cluster"):
+        with pytest.raises(ValueError, match="fp8_cluster must be None, 1 or 2"):
             GroupedMatmulConfig(fp8_cluster=bad)
     assert GroupedMatmulConfig().fp8_cluster is None   # the device's tuned choice
     with pytest.raises(ValueError, match="cluster must be one of"):
@@ -490,27 +490,28 @@ def test_fp8_cluster_plan(monkeypatch):
 
 
 def test_fp8_cluster_tuned_by_contraction_length(monkeypatch):
-    """``fp8_cluster=None``: pairs where the H200's table says they win, a
-    contraction of at least ``fp8_cluster_min_k_steps`` steps of 128 (V3 up,
-    K 7168: pairs; V3 down, K 2048: single CTAs); a kind without the entry
-    never clusters."""
+    """``fp8_cluster=None``: pairs where the device's table says they win, a
+    contraction of at least ``fp8_cluster_min_k_steps`` steps of 128, and only
+    where ``Nout % 256 == 0``; the H200's table (and the H100's, the same)
+    keeps single CTAs until pairs are measured ahead; 1 or 2 in the config
+    override the table."""
     monkeypatch.setattr(probe, "compiles", lambda *a: True)
     h200 = DEVICES["NVIDIA H200"]
-    least = tuning.tuning_for(h200.kind).fp8_cluster_min_k_steps
-    assert least == 48
     v = lambda n, kc: jax.ShapeDtypeStruct((4, n, kc), E4M3)   # noqa: E731
     cfg = GroupedMatmulConfig()
+    assert tuning.tuning_for(h200.kind).fp8_cluster_min_k_steps == 0
+    assert select.fp8_cluster(cfg, registry.FP8_PALLAS, v(4096, 7168), h200) == 1
+    assert heuristic.fp8_cluster(56, "NVIDIA H100 80GB HBM3") == 1
+    assert select.fp8_cluster(GroupedMatmulConfig(fp8_cluster=2), registry.FP8_PALLAS,
+                              v(4096, 7168), h200) == 2
+    entries, _ = tuning.load_tuned()
+    tuned = dataclasses.replace(entries["NVIDIA H200"], fp8_cluster_min_k_steps=48)
+    monkeypatch.setattr(heuristic, "tuning_for", lambda kind: tuned)
     got = [select.fp8_cluster(cfg, registry.FP8_PALLAS, v(n, kc), h200)
            for n, kc in ((4096, 7168), (7168, 2048), (2048, 6144), (7168, 4096), (384, 7168))]
     assert got == [2, 1, 2, 1, 1]   # the last: Nout % 256 != 0
     assert select.fp8_cluster(GroupedMatmulConfig(fp8_cluster=1), registry.FP8_PALLAS,
                               v(4096, 7168), h200) == 1
-    assert heuristic.fp8_cluster(56, "NVIDIA H100 80GB HBM3") == 2   # same_as the H200
-    entries, _ = tuning.load_tuned()
-    bare = dataclasses.replace(entries["NVIDIA H200"], fp8_cluster_min_k_steps=0)
-    monkeypatch.setattr(tuning, "tuning_for", lambda kind: bare)
-    monkeypatch.setattr(heuristic, "tuning_for", lambda kind: bare)
-    assert select.fp8_cluster(cfg, registry.FP8_PALLAS, v(4096, 7168), h200) == 1
 
 
 def test_probe_of_the_kernel_fails_softly():

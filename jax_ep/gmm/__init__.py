@@ -52,10 +52,10 @@ jit) and on ``w`` for ``"gnk"``; dx (``GroupedMatmulConfig.fp8_dx``, default
 in fp8: ``dy`` cast as dispatch casts it) on ``w`` for ``"gkn"`` and ``w^T``
 for ``"gnk"``; dw in bf16 through ``tgmm`` on ``x·xs`` rounded to bf16,
 because ``x``'s per-row scales vary along dw's contraction and cannot be
-applied after an fp8 product. The fp8 kernel runs on CTA pairs that share the
-x tile by TMA multicast where the device's table says they win (on an H200:
-contractions of at least 48 steps of 128) and the output width is a multiple
-of 256 (``GroupedMatmulConfig.fp8_cluster`` forces 1 or 2). Cotangents of fp8 operands are those of their
+applied after an fp8 product. The fp8 kernel can run on CTA pairs that share
+the x tile by TMA multicast where the output width is a multiple of 256
+(``GroupedMatmulConfig.fp8_cluster=2``; by default where the device's table
+says pairs win: on an H200, nowhere yet). Cotangents of fp8 operands are those of their
 dequantized values (``w``: f32, ``x``: ``dy``'s dtype); the scales get none.
 ``"auto"`` runs the kernel on Hopper where it applies and a small instance
 compiles (once), else the reference: dequantize to f32, ``ragged_dot`` at

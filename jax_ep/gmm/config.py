@@ -68,8 +68,8 @@ class GroupedMatmulConfig:
         dw's contraction (the rows), so they cannot be applied after an fp8
         product.
       fp8_cluster: CTAs per cluster of the fp8 kernel (forward and fp8 dx):
-        None (default: the device's tuned choice, ``heuristic.fp8_cluster``:
-        2 on an H200 where the contraction has at least 48 steps of 128), 1,
+        None (default: the device's tuned choice, ``heuristic.fp8_cluster``;
+        on an H200 single CTAs, pairs not yet measured ahead), 1,
         or 2 (CTA pairs own adjacent ``128``-column tiles of one row tile and
         share the x tile and its row scales by TMA multicast: L2 reads per
         pair and k-step 64 -> 48 KB). 2 applies where ``Nout % 256 == 0``,
@@ -99,7 +99,8 @@ class GroupedMatmulConfig:
             if name == "fp8_cluster" and self.fp8_cluster is None:
                 continue
             if isinstance(getattr(self, name), bool) or getattr(self, name) not in (1, 2):
-                raise ValueError(f"{name} must be 1 or 2, got {getattr(self, name)!r}")
+                also = "None, " if name == "fp8_cluster" else ""
+                raise ValueError(f"{name} must be {also}1 or 2, got {getattr(self, name)!r}")
         for name, cls in (("fwd", FwdTiles), ("dx", FwdTiles), ("dw", DwTiles)):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, as_tiles(cls, getattr(self, name)))

@@ -36,12 +36,12 @@ file):
   per-group pipeline there.
 
 * fp8 clusters (bench/results/2026-12-04-h200x1-fp8-grouped-matmul.md, one
-  run): 2-CTA clusters sharing the x tile won at V3 up (K 7168, 56 k-steps of
-  128: 767 TF/s against 712 and 752 for the 1-CTA kernel in two rows of the
-  run) and lost at V3 down (K 2048, 16 steps: 754 against 801 and 799). The
-  pairs' saving grows with the steps per tile and their lock-step cost does
-  not; ``fp8_cluster_min_k_steps`` = 48 keeps them to contractions near the
-  measured win (32 to 48 steps, e.g. dx of up at 32, are unmeasured).
+  run, uniform sizes): 2-CTA clusters sharing the x tile reached 767 TF/s at
+  V3 up (K 7168, 56 k-steps of 128) against 712 and 752 for two rows of the
+  1-CTA kernel in the same run (a spread as large as the gain), and lost at
+  V3 down (K 2048, 16 steps: 754 against 801 and 799).
+  ``fp8_cluster_min_k_steps`` = 0 keeps the fp8 kernel on single CTAs until
+  pairs are measured ahead beyond the spread (skewed sizes, dx included).
 """
 from __future__ import annotations
 

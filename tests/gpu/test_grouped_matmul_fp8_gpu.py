@@ -144,6 +144,8 @@ def test_api_pallas_matches_reference_with_grads(w_layout, fp8_dx, fp8_cluster):
     dx in fp8) against the dequantizing XLA reference, forward and both
     gradients, skewed groups with an empty one and a tail (``fp8_cluster=2``:
     the forward's N = 384 falls back to 1 CTA, dx's K = 512 runs on pairs)."""
+    if fp8_cluster == 2 and not fp8_dx:
+        pytest.skip("no pairs run: the forward falls back to 1 CTA and dx runs in bf16")
     import jax_ep
     from jax_ep.gmm import GroupedMatmulConfig
 
