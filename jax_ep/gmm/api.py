@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from .._ffi import to_vma, vma_of
+from ..fp8 import WEIGHT_LAYOUTS
 from . import fp8 as _fp8
 from .config import GroupedMatmulConfig
 from .ops import gmm, tgmm
@@ -71,7 +72,7 @@ def grouped_matmul(x, w, group_sizes, *, x_scales=None, w_scales=None, w_layout:
         return _fp8.grouped_matmul_fp8(x, x_scales, w, w_scales,
                                        _check_groups(group_sizes, w.shape[0]),
                                        w_layout=w_layout, out_dtype=out_dtype, cfg=cfg)
-    if w_layout not in ("gkn", "gnk"):
+    if w_layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"grouped_matmul: w_layout must be 'gkn' or 'gnk', got {w_layout!r}")
     if w_layout == "gnk" and w.ndim == 3:
         w = jnp.swapaxes(w, 1, 2)

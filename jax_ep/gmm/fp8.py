@@ -48,16 +48,15 @@ def check_operands(x, x_scales, w, w_scales, w_layout: str, out_dtype):
     if w_layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"{fn}: w_layout must be one of {WEIGHT_LAYOUTS}, got {w_layout!r}")
     _check_pairing(fn, x, x_scales, w, w_scales)
+    w_dims = "[G, K, N]" if w_layout == "gkn" else "[G, N, K]"
     if x.ndim != 2 or w.ndim != 3:
-        want = "[G, K, N]" if w_layout == "gkn" else "[G, N, K]"
-        raise ValueError(f"{fn}: expected x [M, K] and w {want} (w_layout={w_layout!r}), got "
+        raise ValueError(f"{fn}: expected x [M, K] and w {w_dims} (w_layout={w_layout!r}), got "
                          f"{x.shape} and {w.shape}")
     m, k = x.shape
     g, kw, n = w.shape if w_layout == "gkn" else (w.shape[0], w.shape[2], w.shape[1])
     if k != kw:
-        want = "[G, K, N]" if w_layout == "gkn" else "[G, N, K]"
         raise ValueError(f"{fn}: contracting dims differ: x {x.shape}, w {w.shape} "
-                         f"(w_layout={w_layout!r}: w is {want})")
+                         f"(w_layout={w_layout!r}: w is {w_dims})")
     if k % FP8_BLOCK or n % FP8_BLOCK:
         raise ValueError(f"{fn}: K and N must be multiples of {FP8_BLOCK} (the scale blocks), "
                          f"got K={k}, N={n}; pad the widths, or use the bf16 path")

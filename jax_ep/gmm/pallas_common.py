@@ -196,6 +196,20 @@ def store_tail_tiles(pl, plgpu, cnt_ref, n_grp, store, sm, nsm: int, grid_n: int
     plgpu.wait_smem_to_gmem(0)
 
 
+def cluster_member(i, cluster: int):
+    """This CTA's share of cluster-level index ``i`` (a pair's column tile, a
+    cluster among the grid's): ``i * cluster`` + its index in the cluster;
+    ``i`` without clusters."""
+    return i * cluster + lax.axis_index("cluster") if cluster > 1 else i
+
+
+def multicast_axes(cluster: int) -> dict:
+    """The keyword arguments that multicast a pipeline input to every CTA of a
+    cluster (none without clusters: jax 0.10's BlockSpec takes no
+    ``collective_axes=None``)."""
+    return dict(collective_axes=("cluster",)) if cluster > 1 else {}
+
+
 def two_consumer_kernel(plgpu, body, out_shape, out_dtype, nsm: int, cluster: int, interpret,
                         **kw):
     """The 2-consumer kernels' launch: ``nsm`` CTAs (or clusters of

@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .pallas_common import (EPILOGUE_ROWS, carried_acc_context, dw_transforms,
-                            flush_on_last_step, kernel_params, num_sms, pallas_modules,
-                            round_robin_count, step_has_outside_rows, transposed,
-                            two_consumer_kernel, zero_rows_outside)
+from .pallas_common import (EPILOGUE_ROWS, carried_acc_context, cluster_member, dw_transforms,
+                            flush_on_last_step, kernel_params, multicast_axes, num_sms,
+                            pallas_modules, round_robin_count, step_has_outside_rows,
+                            transposed, two_consumer_kernel, zero_rows_outside)
 
 
 def tgmm_pallas(x, dy, offsets, tiles, out_dtype, interpret):
@@ -112,15 +112,11 @@ def _cluster_tiles(plgpu, grid_m, grid_n, band, cluster):
     """``tile_of(t) -> (mi, ni)``: the ``t``-th (cluster) tile of a group's
     ``grid_m x grid_n`` tiles; ``col_tile(ni)``: this CTA's ``block_n`` column
     tile of cluster column tile ``ni`` (adjacent tiles for the CTAs of a pair);
-    ``x_axes``: the keyword arguments that multicast an x tile to the pair
-    (none without clusters: jax 0.10's BlockSpec takes no collective_axes=None)."""
+    ``x_axes``: the keyword arguments that multicast an x tile to the pair."""
     def tile_of(t):
         return plgpu.planar_snake(t, (grid_m, grid_n), 0, band)
 
-    def col_tile(ni):
-        return ni * cluster + lax.axis_index("cluster") if cluster > 1 else ni
-    x_axes = dict(collective_axes=("cluster",)) if cluster > 1 else {}
-    return tile_of, col_tile, x_axes
+    return tile_of, lambda ni: cluster_member(ni, cluster), multicast_axes(cluster)
 
 
 def _ws_static(plgpu, x, dy, tiles, cluster, interpret):

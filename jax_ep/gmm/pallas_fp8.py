@@ -47,9 +47,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..fp8 import FP8_BLOCK
-from .pallas_common import (dw_transforms, num_sms, pallas_modules,
-                            round_robin_count, row_tiles, store_rows, store_tail_tiles,
-                            transposed, two_consumer_kernel)
+from .pallas_common import (cluster_member, dw_transforms, multicast_axes, num_sms,
+                            pallas_modules, round_robin_count, row_tiles, store_rows,
+                            store_tail_tiles, transposed, two_consumer_kernel)
 from .devices import device_info
 from .tiles import FwdTiles
 
@@ -61,11 +61,16 @@ SMEM_SLACK = 2048    # the pipeline's barriers and alignment (measured: about 1.
 CLUSTERS = (1, 2)    # CTAs per cluster
 
 
+def _scale_row(ksteps: int) -> int:
+    """f32 weight scales staged per tile for ``ksteps`` k-steps (padded to ``SCALE_ROW``)."""
+    return ksteps + (-ksteps % SCALE_ROW)
+
+
 def fp8_stages(tiles, kc: int, out_dtype, smem_bytes: int) -> int:
     """The most pipeline stages (at most ``tiles.stages``) that fit beside the
     epilogue buffer (a consumer's rows of the tile). A stage: the x and v
     tiles, the rows' scales and the tile's weight scales."""
-    kbp = -(-kc // FP8_BLOCK // SCALE_ROW) * SCALE_ROW
+    kbp = _scale_row(-(-kc // FP8_BLOCK))
     stage = (tiles.block_m * tiles.block_k + tiles.block_n * tiles.block_k + 4 * tiles.block_m
              + 4 * kbp)
     epilogue = tiles.block_m * tiles.block_n * jnp.dtype(out_dtype).itemsize
@@ -120,7 +125,7 @@ def gmm_fp8_nt(x, xs, v, vs, offsets, *, tiles=None, out_dtype=None, cluster=1,
     # a tile's weight scales come with each stage, padded to SCALE_ROW: rows
     # of 128 bytes keep the stage buffers aligned
     kb = kc // FP8_BLOCK
-    vs = jnp.pad(vs.astype(jnp.float32), ((0, 0), (0, 0), (0, -kb % SCALE_ROW))).reshape(-1)
+    vs = jnp.pad(vs.astype(jnp.float32), ((0, 0), (0, 0), (0, _scale_row(kb) - kb))).reshape(-1)
     stages = fp8_stages(tiles, kc, out_dtype, device_info().smem_per_block)
     kernel = _kernel(m, kc, v.shape[1], dataclasses.replace(tiles, stages=stages), out_dtype,
                      cluster, interpret)
@@ -159,9 +164,8 @@ def _kernel(m, kc, n, tiles, out_dtype, cluster, interpret):
             @pl.when(wg < 2)
             def _():
                 # the tail's zero tiles dealt over every CTA, no pairs
-                cta = unit * cluster + lax.axis_index("cluster") if cluster > 1 else unit
-                store_tail_tiles(pl, plgpu, cnt_ref, n_grp, store, cta, units * cluster, grid_n,
-                                 (half, bn))
+                store_tail_tiles(pl, plgpu, cnt_ref, n_grp, store, cluster_member(unit, cluster),
+                                 units * cluster, grid_n, (half, bn))
 
         pl.run_scoped(scoped, plgpu.SMEM((2, half, bn), out_dtype), collective_axes="wg")
 
@@ -175,7 +179,7 @@ def _tile_of(plgpu, unit, units, n_grp, grid_n, band, cluster):
     columns ``2 nc`` and ``2 nc + 1`` of the same row tile."""
     def tile(j):
         fi, nc = plgpu.planar_snake(unit + j * units, (n_grp, grid_n // cluster), 0, band)
-        return fi, (nc * cluster + lax.axis_index("cluster") if cluster > 1 else nc)
+        return fi, cluster_member(nc, cluster)
     return tile
 
 
@@ -186,10 +190,9 @@ def _in_specs(pl, plgpu, tile, rs_ref, g_ref, dims, tiles, cluster):
     m, kc, n = dims
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     ksteps = kc // bk
-    kbp = ksteps + (-ksteps % SCALE_ROW)
+    kbp = _scale_row(ksteps)
     tr, _ = dw_transforms(plgpu, jnp.float8_e4m3fn, bk, bn)
-    # jax 0.10's BlockSpec takes no collective_axes=None
-    shared = dict(collective_axes=("cluster",)) if cluster > 1 else {}
+    shared = multicast_axes(cluster)
 
     def row0(j):
         return pl.multiple_of(rs_ref[tile(j)[0]], 8)

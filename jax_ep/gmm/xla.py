@@ -48,7 +48,6 @@ def tgmm_xla(x, dy, offsets, num_groups, out_dtype):
     return out.astype(out_dtype)
 
 
-
 def dequantize_rows(x, scales):
     """``x [M, K]`` fp8, ``scales [M, K/128]`` -> f32 ``x * scales`` (per row, per 128 columns)."""
     m, k = x.shape
