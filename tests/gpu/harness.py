@@ -210,13 +210,15 @@ class _Job:
 _warm = {"key": None, "job": None}
 
 
-def _close_warm() -> None:
+def close_warm_job() -> None:
+    """End the warm job, if any: its processes hold GPU memory and NVSHMEM
+    heaps that a job started outside :func:`run` (an example) needs."""
     if _warm["job"] is not None:
         _warm["job"].close()
     _warm.update(key=None, job=None)
 
 
-atexit.register(_close_warm)
+atexit.register(close_warm_job)
 
 
 def run(worker: str, n: Optional[int] = None, *, kwargs: Optional[dict] = None,
@@ -237,7 +239,7 @@ def run(worker: str, n: Optional[int] = None, *, kwargs: Optional[dict] = None,
     if warm and _warm["key"] == key and _warm["job"].alive():
         job = _warm["job"]
     else:
-        _close_warm()
+        close_warm_job()
         job = _Job(n, env, init_native, distributed)
         if warm:
             _warm.update(key=key, job=job)
@@ -248,7 +250,7 @@ def run(worker: str, n: Optional[int] = None, *, kwargs: Optional[dict] = None,
         # turns it into KeyboardInterrupt): the ranks run in sessions of their
         # own and would outlive us holding GPU memory and NVSHMEM heaps.
         if warm:
-            _close_warm()
+            close_warm_job()
         else:
             job.close()
         raise
@@ -256,7 +258,7 @@ def run(worker: str, n: Optional[int] = None, *, kwargs: Optional[dict] = None,
         job.close()
     if failure is not None:
         if warm:
-            _close_warm()
+            close_warm_job()
         failed, detail = failure
         pytest.fail(f"GPU job {worker} on {n} process(es): {failed}\n{detail}", pytrace=False)
     if os.environ.get("JAX_EP_TEST_SHOW_OUTPUT"):

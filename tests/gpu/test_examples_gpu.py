@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=_R
 
 
 def _launch(script, *args, timeout=420):
+    harness.close_warm_job()  # a previous test's ranks would keep their share of the GPU
     n = harness.nprocs()
     gpus = min(n, max(1, harness.gpu_count()))
     env = harness.launch_env()

@@ -32,7 +32,7 @@ def test_warm_jobs_serve_several_requests(monkeypatch):
         (e,) = _run()                    # a new job after the failure
         assert e not in (a, c, d)
     finally:
-        harness._close_warm()
+        harness.close_warm_job()
     monkeypatch.setenv("JAX_EP_TEST_WARM", "0")
     (f,), (g,) = _run(), _run()
     assert f != g                        # one job per run
