@@ -127,7 +127,8 @@ fi
 one_rc=skipped
 if [ -n "${ONE_GPU_TESTS:-}" ] && [ "$build_rc" = 0 ]; then
   echo "== one-GPU tests" >&2
-  workers=(); [ "${ONE_GPU_WORKERS:-1}" -gt 1 ] && workers=(-n "$ONE_GPU_WORKERS")
+  # Several workers: no preallocation, or the first would take 75% of the GPU.
+  workers=(); [ "${ONE_GPU_WORKERS:-1}" -gt 1 ] && { workers=(-n "$ONE_GPU_WORKERS"); export XLA_PYTHON_CLIENT_PREALLOCATE=false; }
   timeout -k 30 "${TEST_TIMEOUT:-540}" "$PY" -m pytest -m gpu "${workers[@]}" $ONE_GPU_TESTS -v -rs \
     -p no:cacheprovider > "$OUT/one_gpu.log" 2>&1
   one_rc=$?
