@@ -12,6 +12,9 @@ of one table, one run:
 - ``fp8 api``: ``jax_ep.grouped_matmul(x, w, gs, x_scales=, w_scales=)`` (the
   default config: the device's tuned clusters) on
   ``w [G, K, N]`` (the forward transposes the fp8 weight first), when the API has it;
+- ``fp8 nt [name]``: a kernel variant's ``gmm_fp8_nt`` (``--variants
+  name=module``, e.g. a copy of ``pallas_fp8.py`` as ``jax_ep.gmm.pallas_fp8_x``)
+  in the same run, its output compared bit for bit with ``fp8 nt``'s;
 - ``bf16``: ``jax_ep.grouped_matmul`` on bf16 operands;
 - ``dense fp8`` / ``dense bf16``: XLA's ``x @ w[0]`` over the same rows (fp8:
   e4m3 operands, bf16 out; XLA:GPU calls cuBLASLt), the roofs.
@@ -54,7 +57,24 @@ def nt_name(cluster):
     return "fp8 nt" if cluster == 1 else f"fp8 nt c{cluster}"
 
 
-def rows_for(proj, kind, reps, clusters=(1,)):
+def variant_kernels(spec):
+    """``name=module,...`` -> {name: that module's gmm_fp8_nt}."""
+    import importlib
+    out = {}
+    for item in filter(None, spec.split(",")):
+        name, _, module = item.partition("=")
+        out[name] = importlib.import_module(module).gmm_fp8_nt
+    return out
+
+
+def _same_bits(kernel, args, g):
+    ref = gmm_fp8_nt(*args, offsets(g, M))
+    got = kernel(*args, offsets(g, M))
+    rows = int(jnp.sum(g))
+    return bool(jnp.array_equal(ref[:rows].view(jnp.uint16), got[:rows].view(jnp.uint16)))
+
+
+def rows_for(proj, kind, reps, clusters=(1,), variants=None):
     k, n = PROJ[proj]
     x, w, xq, xs, wq, ws, vq, vs = jax.block_until_ready(operands(k, n))
     gs = jnp.asarray(group_sizes(kind))
@@ -63,6 +83,12 @@ def rows_for(proj, kind, reps, clusters=(1,)):
     for c in clusters:
         t[nt_name(c)] = per_call_ms(
             lambda a, s, v, vsc, g, c=c: gmm_fp8_nt(a, s, v, vsc, offsets(g, M), cluster=c),
+            (xq, xs, vq, vs, gs), 2, 6, reps)
+    for name, kernel in (variants or {}).items():
+        same = _same_bits(kernel, (xq, xs, vq, vs), gs)
+        print(f"fp8 nt [{name}] ({proj}, {kind}): bits equal to fp8 nt: {same}", flush=True)
+        t[f"fp8 nt [{name}]" + ("" if same else " (bits differ)")] = per_call_ms(
+            lambda a, s, v, vsc, g, f=kernel: f(a, s, v, vsc, offsets(g, M)),
             (xq, xs, vq, vs, gs), 2, 6, reps)
     try:
         t["fp8 api"] = per_call_ms(
@@ -110,13 +136,16 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time SWEEP's tiles")
     ap.add_argument("--clusters", default="1",
                     help="CTAs per cluster of the fp8 nt rows, e.g. 1,2 (2: rows 'fp8 nt c2')")
+    ap.add_argument("--variants", default="",
+                    help="name=module,...: kernel variants timed beside 'fp8 nt' (rows 'fp8 nt [name]')")
     args = ap.parse_args()
+    variants = variant_kernels(args.variants)
     clusters = [int(c) for c in args.clusters.split(",")]
     print(jax.devices()[0].device_kind, jax.__version__)
     rows = []
     for proj in args.proj.split(","):
         for kind in args.kinds.split(","):
-            rows += rows_for(proj, kind, args.reps, clusters)
+            rows += rows_for(proj, kind, args.reps, clusters, variants)
             print(*rows[-1], flush=True)
     if args.sweep:
         rows += sweep_rows(args.reps, clusters)
