@@ -144,8 +144,8 @@ def _measure(args, mesh, ins, recv_rows):
     for name, a2a in impls.items():
         try:
             got = np.asarray(_chain(mesh, a2a, 1)(*ins).addressable_shards[0].data)
-            same = None if want is None or name.startswith("roof") else bool(np.array_equal(got.view(np.uint16),
-                                                                 want.view(np.uint16)))
+            same = None if want is None or name.startswith("roof") else bool(
+                np.array_equal(got.view(np.uint16), want.view(np.uint16)))
             if same is False:   # every rank says so (the table shows rank 0's)
                 print(f"{name}: rank {jax.process_index()} differs from the reference",
                       flush=True)

@@ -67,6 +67,7 @@ def test_ragged_moe_native_learns():
 
 
 def test_ragged_moe_one_gpu_equals_lax():
+    harness.close_warm_job()
     cmd = [sys.executable, os.path.join(harness.ROOT, "examples", "ragged_moe.py"), "--platform",
            "gpu", "--backend", "native", "--compare-lax", "--steps", "3"]
     r = subprocess.run(cmd, cwd=harness.ROOT, env=harness.launch_env(), capture_output=True,
