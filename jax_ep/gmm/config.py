@@ -95,12 +95,15 @@ class GroupedMatmulConfig:
             raise ValueError(f"impl must be one of {_IMPLS}, got {self.impl!r}")
         if not isinstance(self.fp8_dx, bool):
             raise ValueError(f"fp8_dx must be a bool, got {self.fp8_dx!r}")
-        for name in ("dw_warpgroups", "fwd_warpgroups", "dw_cluster", "fp8_cluster"):
-            if name == "fp8_cluster" and self.fp8_cluster is None:
-                continue
-            if isinstance(getattr(self, name), bool) or getattr(self, name) not in (1, 2):
-                also = "None, " if name == "fp8_cluster" else ""
-                raise ValueError(f"{name} must be {also}1 or 2, got {getattr(self, name)!r}")
+        for name in ("dw_warpgroups", "fwd_warpgroups", "dw_cluster"):
+            _check_one_or_two(name, getattr(self, name), "1 or 2")
+        if self.fp8_cluster is not None:   # None: the device's tuned choice
+            _check_one_or_two("fp8_cluster", self.fp8_cluster, "None, 1 or 2")
         for name, cls in (("fwd", FwdTiles), ("dx", FwdTiles), ("dw", DwTiles)):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, as_tiles(cls, getattr(self, name)))
+
+
+def _check_one_or_two(name: str, value, allowed: str) -> None:
+    if isinstance(value, bool) or value not in (1, 2):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
