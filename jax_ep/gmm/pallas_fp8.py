@@ -16,17 +16,21 @@ which is then scaled by ``xs[row, k] * vs[g, n, k]`` and added to the tile's
 f32 sum in registers. The tensor core's fp8 accumulator keeps fewer mantissa
 bits than f32 (DeepSeek-V3 measured about 14), so promoting every 128 of the
 contraction (4 WGMMA instructions) keeps the error at the bf16 output's level;
-the scales cannot be applied later anyway, since they change along k. A
-step's product joins the sum during the next step's WGMMA (the carry holds it
-and its row scales), so the promotion runs under the tensor cores' work.
+the scales cannot be applied later anyway, since they change along k. The
+kernel is bound by instruction issue, not by the tensor cores (ncu at V3 up:
+issue slots 66% busy, tensor pipe 44%), so a step does the fewest
+instructions per register: the WGMMA starts from zero (ptxas clears the
+accumulator by the instruction's own flag), the tile's first step drops the
+carried sum by a select while the WGMMA runs, and one FMA per register adds
+the scaled product once it lands.
 
 Structure as :func:`pallas_fwd.gmm_pallas_ws`: a producer warpgroup and two
 consumers, one warp-specialized pipeline per SM across its tiles. A CTA owns a
-``128 x 128`` output tile, each consumer 64 of its rows: three f32 register
-tiles a thread (the sum, the carried product, the WGMMA's accumulator; 64
-registers each). Each stage brings the x and v tiles, the rows' scales and the
-tile's weight scales (a scalar load from HBM per k-step stalls the consumer
-for its latency). Variants measured slower and deleted: docs/decisions.md.
+``128 x 128`` output tile, each consumer 64 of its rows: two f32 register
+tiles a thread (the sum and the WGMMA's accumulator; 64 registers each).
+Each stage brings the x and v tiles, the rows' scales and the tile's weight
+scales (a scalar load from HBM per k-step stalls the consumer for its
+latency). Variants measured slower and deleted: docs/decisions.md.
 
 ``cluster=2``: CTAs run in pairs (2-CTA clusters) that own the column tiles
 ``2 nc`` and ``2 nc + 1`` of one row tile (the same rows of one group, so the
@@ -213,39 +217,37 @@ def _in_specs(pl, plgpu, tile, rs_ref, g_ref, dims, tiles, cluster):
 
 
 def _zero_carry(plgpu, half, bn):
-    """The consumer's carry: (sum, previous k-step's product, its row scales)."""
-    def zeros(shape, layout):
-        return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), layout)
-    return (zeros((half, bn), plgpu.Layout.WGMMA), zeros((half, bn), plgpu.Layout.WGMMA),
-            zeros((half,), plgpu.Layout.WGMMA.reduce(1)))
+    """The consumer's carry: the tile's f32 sum."""
+    return plgpu.layout_cast(jnp.zeros((half, bn), jnp.float32), plgpu.Layout.WGMMA)
 
 
 def _promoting_step(pl, plgpu, tile, store, wg, half, ksteps):
     """The consumer's pipeline step: this k-step's product of its ``half`` rows
-    into a fresh accumulator; while the WGMMA runs, the previous step's
-    product, scaled, joins the carried f32 sum (a tile's first step drops it:
-    it was the previous tile's, already stored). On the tile's last k-step the
-    sum with this step's product is stored."""
-    def step(idx, x_smem, v_smem, xs_smem, vs_smem, carry):
-        acc, prev, prev_scale = carry
+    into a fresh accumulator (ptxas starts it from zero: no register
+    clearing); while the WGMMA runs, a tile's first step drops the carried
+    sum (the previous tile's, already stored); once it lands, the product,
+    scaled, is added to the sum, one FMA per register. On the tile's last
+    k-step the sum is stored."""
+    def step(idx, x_smem, v_smem, xs_smem, vs_smem, acc):
         j, kk = idx
         fi, ni = tile(j)
         scale = _load_rows(plgpu, xs_smem.at[pl.ds(wg * half, half)]) * vs_smem[kk]
-        shape = prev.shape
+        shape = acc.shape
         # a select, never a multiply by zero: rows outside the tile's groups may hold NaN
         first = plgpu.layout_cast(lax.broadcast(kk == 0, shape), plgpu.Layout.WGMMA)
 
         def mma(acc_ref):
             plgpu.wgmma(acc_ref, x_smem.at[pl.ds(wg * half, half)], transposed(plgpu, v_smem))
-            folded = acc + prev * lax.broadcast_in_dim(prev_scale, shape, [0])
-            return acc_ref[...], jnp.where(first, jnp.zeros_like(acc), folded)
+            kept = jnp.where(first, jnp.zeros_like(acc), acc)   # under the WGMMA
+            return acc_ref[...], kept
 
-        prod, acc = pl.run_scoped(mma, plgpu.ACC(shape))
+        prod, kept = pl.run_scoped(mma, plgpu.ACC(shape))
+        acc = kept + prod * lax.broadcast_in_dim(scale, shape, [0])
 
         @pl.when(kk == ksteps - 1)
         def _():
-            store(fi, ni, acc + prod * lax.broadcast_in_dim(scale, shape, [0]))
-        return acc, prod, scale
+            store(fi, ni, acc)
+        return acc
     return step
 
 
