@@ -17,9 +17,9 @@ f32 sum in registers. The tensor core's fp8 accumulator keeps fewer mantissa
 bits than f32 (DeepSeek-V3 measured about 14), so promoting every 128 of the
 contraction (4 WGMMA instructions) keeps the error at the bf16 output's level;
 the scales cannot be applied later anyway, since they change along k. The
-kernel is bound by instruction issue, not by the tensor cores (ncu at V3 up:
-issue slots 66% busy, tensor pipe 44%), so a step does the fewest
-instructions per register: the WGMMA starts from zero (ptxas clears the
+kernel is bound by instruction issue, not by the tensor cores (Nsight
+Compute: bench/results/2026-12-04-h200x1-fp8-grouped-matmul.md), so a step
+does the fewest instructions per register: the WGMMA starts from zero (ptxas clears the
 accumulator by the instruction's own flag), the tile's first step drops the
 carried sum by a select while the WGMMA runs, and one FMA per register adds
 the scaled product once it lands.
