@@ -19,10 +19,10 @@ contraction (4 WGMMA instructions) keeps the error at the bf16 output's level;
 the scales cannot be applied later anyway, since they change along k. The
 kernel is bound by instruction issue, not by the tensor cores (Nsight
 Compute: bench/results/2026-12-04-h200x1-fp8-grouped-matmul.md), so a step
-does the fewest instructions per register: the WGMMA starts from zero (ptxas clears the
-accumulator by the instruction's own flag), the tile's first step drops the
-carried sum by a select while the WGMMA runs, and one FMA per register adds
-the scaled product once it lands.
+does the fewest instructions per register: the WGMMA starts from zero
+(ptxas clears the accumulator by the instruction's own flag), the tile's
+first step drops the carried sum by a select while the WGMMA runs, and one
+FMA per register adds the scaled product once it lands.
 
 Structure as :func:`pallas_fwd.gmm_pallas_ws`: a producer warpgroup and two
 consumers, one warp-specialized pipeline per SM across its tiles. A CTA owns a
