@@ -93,14 +93,15 @@ def real_row_mask(sizes, real):
 
 
 def chained(fn):
-    """jit of: n sequential calls of fn(a) (a = the first operand), returns the last output.
+    """jit of: n sequential calls of fn(a) (a = the first operand), returns the last output
+    (an array or a pytree of them).
 
     ``n`` is a traced argument, so t(n1) and t(n2) run the SAME executable (a
     while loop): with a static trip count XLA inlines a 1-trip loop, which made
     the old (1, 3) sweep rows incomparable with the (2, 6) main rows.
     """
     def run(n, a, *rest):
-        out0 = jnp.zeros_like(jax.eval_shape(fn, a, *rest))
+        out0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, a, *rest))
 
         def body(_, carry):
             a, out = carry

@@ -19,6 +19,22 @@ of one table, one run:
 - ``dense fp8`` / ``dense bf16``: XLA's ``x @ w[0]`` over the same rows (fp8:
   e4m3 operands, bf16 out; XLA:GPU calls cuBLASLt), the roofs.
 
+``--steps``: a second table per projection (uniform sizes), what the fp8
+layer pays beside the bf16 one:
+
+- ``bf16 fwd+bwd``: ``grouped_matmul`` and its gradients (dx, dw) in bf16;
+- ``fp8 fwd+bwd, w quantized in the call``: the fp8 layer's expert matmul as
+  the layer runs it (``x`` cast as dispatch casts it, ``w`` quantized to
+  128 x 128 blocks, the forward and dx in fp8, dw in bf16), ``x`` and ``w``
+  chained so both casts run in every call;
+- ``fp8 fwd+bwd, w quantized once``: the same with only ``x`` chained, so XLA
+  hoists the loop-invariant weight quantization out of the chain (weights
+  quantized less often than used: inference, gradient accumulation);
+- ``quantize w gkn`` / ``gnk`` / ``both``: ``quantize_weights`` alone, the
+  forward's K-major copy, and both layouts in one call (what the layer needs);
+- ``roof: cast``: ``w.astype(float8_e4m3fn)``, one read of the bf16 weight and
+  one write of an fp8 copy, the fewest bytes a quantization per layout moves.
+
 Timing as ``grouped_matmul_bench.per_call_ms``: calls chained in one jit,
 (t(n2) - t(n1)) / (n2 - n1), median of --reps. TF/s = 2 * rows * K * N / t.
 Writes the table to $OUT/grouped_matmul_fp8.md when OUT is set.
@@ -105,6 +121,54 @@ def rows_for(proj, kind, reps, clusters=(1,), variants=None):
     return [(proj, kind, name, ms, flops / ms / 1e9) for name, ms in t.items()]
 
 
+def step_rows(proj, reps):
+    """``--steps``: (proj, op, ms, GB/s or None) for one projection, uniform sizes."""
+    k, n = PROJ[proj]
+    x, w, *_ = jax.block_until_ready(operands(k, n))
+    gs = jnp.asarray(group_sizes("uniform"))
+    dy = jax.random.normal(jax.random.key(2), (M, n), jnp.float32).astype(jnp.bfloat16)
+
+    def grads(y_of):   # (dx, dw) of sum(y * dy)
+        return lambda x_, w_, d: jax.vjp(y_of, x_, w_)[1](d)
+
+    def fp8_y(x_, w_):   # the default config: fp8 dx, bf16 dw
+        xq, xs = jax_ep.quantize_activations(x_)
+        wq, ws = jax_ep.quantize_weights(w_)
+        return jax_ep.grouped_matmul(xq, wq, gs, x_scales=xs, w_scales=ws)
+
+    bf16 = grads(lambda x_, w_: jax_ep.grouped_matmul(x_, w_, gs))
+    fp8 = grads(fp8_y)
+    t, gbs = {}, {}
+    # the chained operand (first) is recomputed from in every call; the others are
+    # loop-invariant, and XLA hoists what depends on them alone
+    t["bf16 fwd+bwd"] = per_call_ms(lambda xw, d: bf16(*xw, d), ((x, w), dy), 2, 6, reps)
+    t["fp8 fwd+bwd, w quantized in the call"] = per_call_ms(
+        lambda xw, d: fp8(*xw, d), ((x, w), dy), 2, 6, reps)
+    t["fp8 fwd+bwd, w quantized once"] = per_call_ms(
+        lambda x_, w_, d: fp8(x_, w_, d), (x, w, dy), 2, 6, reps)
+    one_layout = w.size * (w.dtype.itemsize + 1)   # bytes: read bf16, write fp8
+    quant = {"quantize w gkn": (lambda w_: jax_ep.quantize_weights(w_), 1),
+             "quantize w gnk": (lambda w_: jax_ep.quantize_weights(w_, layout="gnk"), 1),
+             "quantize w both": (lambda w_: (jax_ep.quantize_weights(w_),
+                                             jax_ep.quantize_weights(w_, layout="gnk")), 2),
+             "roof: cast": (lambda w_: w_.astype(jnp.float8_e4m3fn), 1)}
+    for name, (fn, layouts) in quant.items():
+        t[name] = per_call_ms(fn, (w,), 2, 6, reps)
+        # both layouts at best read w once: one read, two writes
+        gbs[name] = (one_layout + (layouts - 1) * w.size) / t[name] / 1e6
+    return [(proj, name, ms, gbs.get(name)) for name, ms in t.items()]
+
+
+def step_table(rows):
+    lines = ["| proj | op | ms | vs bf16 fwd+bwd | GB/s (fewest bytes) |", "|---|---|---|---|---|"]
+    base = {p: ms for p, name, ms, _ in rows if name == "bf16 fwd+bwd"}
+    for p, name, ms, gbs in rows:
+        ratio = f"{base[p] / ms:.2f}×" if "fwd+bwd" in name else "—"
+        lines.append(f"| {p} | {name} | {ms:.3f} | {ratio} | "
+                     + (f"{gbs:.0f} |" if gbs else "— |"))
+    return "\n".join(lines)
+
+
 # tiles to time with --sweep (variants measured slower and deleted: docs/decisions.md)
 SWEEP = [(128, 128, 128, 5, 1), (128, 128, 128, 5, 8), (128, 128, 128, 4, 4)]
 
@@ -135,6 +199,8 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time SWEEP's tiles")
     ap.add_argument("--clusters", default="1",
                     help="CTAs per cluster of the fp8 nt rows, e.g. 1,2 (2: rows 'fp8 nt c2')")
+    ap.add_argument("--steps", action="store_true",
+                    help="also time fp8 vs bf16 fwd+bwd per projection and the weight quantization")
     ap.add_argument("--variants", default="",
                     help="name=module,...: kernel variants timed beside 'fp8 nt' (rows 'fp8 nt [name]')")
     args = ap.parse_args()
@@ -157,6 +223,9 @@ def main():
         lines.append(f"| {p} | {k} | {n} | {ms:.3f} | {tf:.0f} | {tf / bf16[(p, k)]:.2f}× | "
                      + (f"{tf / df:.2f} |" if df else "— |"))
     table = "\n".join(lines)
+    if args.steps:
+        steps = [r for proj in args.proj.split(",") for r in step_rows(proj, args.reps)]
+        table += "\n\n" + step_table(steps)
     print(table)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "grouped_matmul_fp8.md"), "w") as f:
