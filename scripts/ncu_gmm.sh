@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Hardware counters of the grouped-matmul kernels (scripts/profile_gmm.py) with
-# Nsight Compute, clocks untouched. Writes $OUT/ncu_*.txt. One-GPU machines
+# Nsight Compute, clocks untouched. Writes $OUT/ncu_*.txt. OPS=fp8_up SASS=1:
+# the fp8 kernel and the SASS blocks its instructions go to. One-GPU machines
 # with counters (Firecracker runtime, .library/device/KINDS.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,3 +53,12 @@ timeout ${NCU_TIMEOUT:-240} ncu --clock-control none -k "$name" --launch-skip 1 
   python3 scripts/profile_gmm.py "$OPS1" > "$OUT/ncu_sections.txt" 2>&1
 echo "ncu sections rc=$?"
 grep -E "Duration|Throughput|Hit Rate|Stall|stall|Warp Cycles|Issued|Achieved|Busy|Bandwidth|Registers|Shared Memory|Location|0x" "$OUT/ncu_sections.txt" | head -90
+# SASS=1: where the longest kernel's instructions go, per loop body
+# (scripts/sass_counts.py; an issue-bound kernel showed it: the fp8 forward).
+if [ "${SASS:-0}" = 1 ]; then
+  timeout ${NCU_TIMEOUT:-240} ncu --clock-control none -o "$OUT/sass" -f -k "$name" --launch-skip 1 \
+    --launch-count 1 --section SourceCounters --section InstructionStats \
+    python3 scripts/profile_gmm.py "$OPS1" > /dev/null 2>&1
+  ncu -i "$OUT/sass.ncu-rep" --page source --print-source sass --csv > "$OUT/sass.csv" 2>/dev/null
+  python3 scripts/sass_counts.py "$OUT/sass.csv" | tee -a "$OUT/ncu_summary.txt"
+fi

@@ -4,7 +4,9 @@
 
 ops (comma list, default "dw_up,fwd_up,dense_dw_up"): dw_up / dw_down (x[g]^T @ dy[g]),
 fwd_up / fwd_down, dx_up, dense_dw_up (x^T @ dy over all rows, cuBLAS), bmm_up /
-bmm_down (XLA's batched matmul of the padded layer, x [G, M/G, K] @ w [G, K, N]);
+bmm_down (XLA's batched matmul of the padded layer, x [G, M/G, K] @ w [G, K, N]),
+fp8_up / fp8_down (the fp8 kernel ``gmm_fp8_nt`` of the module $FP8_MODULE,
+default ``jax_ep.gmm.pallas_fp8``: a variant can be profiled beside it);
 an op may end in ``:rows`` (e.g. ``fwd_up:8192``, 64 rows per group: the V3
 layer at T 128), default 32768. Each op
 runs once to compile and once more, then the device is synchronised: the
@@ -15,6 +17,7 @@ its whole time limit on them).
 """
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -26,9 +29,27 @@ import numpy as np  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jax_ep.gmm import gmm, tgmm  # noqa: E402
+from jax_ep.gmm.ops import offsets  # noqa: E402
 
 G, M = 128, 32768
 PROJ = {"up": (7168, 4096), "down": (2048, 7168)}
+
+
+def fp8_operands(rng, m, k, n, gs):
+    """((x e4m3 [m, k], its scales [m, k/128]), (v e4m3 [G, n, k], scales, group
+    offsets)): random values and positive scales, made on the host."""
+    def e4m3(shape):
+        return jax.device_put(rng.standard_normal(shape, np.float32).astype(ml_dtypes.float8_e4m3fn))
+
+    def scales(shape):
+        return jax.device_put(rng.uniform(0.5, 2.0, shape).astype(np.float32))
+    return ((e4m3((m, k)), scales((m, k // 128))),
+            (e4m3((G, n, k)), scales((G, n // 128, k // 128)), offsets(gs, m)))
+
+
+def fp8_kernel():
+    mod = importlib.import_module(os.environ.get("FP8_MODULE", "jax_ep.gmm.pallas_fp8"))
+    return lambda a, b: mod.gmm_fp8_nt(a[0], a[1], *b)
 
 
 def main(ops):
@@ -52,6 +73,9 @@ def main(ops):
         elif kind in ("fwd", "dx"):
             a, b = normal((m, k if kind == "fwd" else n)), normal((G, k, n))
             fn = jax.jit(lambda a, b, t=(kind == "dx"), gs=gs: gmm(a, b, gs, transpose_rhs=t))
+        elif kind == "fp8":
+            a, b = fp8_operands(rng, m, k, n, gs)
+            fn = jax.jit(fp8_kernel())
         elif kind == "bmm":
             a, b = normal((G, m // G, k)), normal((G, k, n))
             fn = jax.jit(lambda a, b: jnp.einsum("gmk,gkn->gmn", a, b))
