@@ -26,22 +26,27 @@ _REASON = harness.skip_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
 
 
-def _launch(script, *args, timeout=420):
-    harness.close_warm_job()  # a previous test's ranks would keep their share of the GPU
-    n = harness.nprocs()
-    gpus = min(n, max(1, harness.gpu_count()))
-    env = harness.launch_env()
-    cmd = [sys.executable, "-m", "jax_ep.launch", "-n", str(n), "--gpus", str(gpus),
-           os.path.join(harness.ROOT, "examples", script), *args]
+def _run(cmd, timeout):
+    """Run an example's command line to its end; its output. A warm job of the
+    tests before it is ended first: its ranks would keep their share of the GPU."""
+    harness.close_warm_job()
     try:
-        r = subprocess.run(cmd, cwd=harness.ROOT, env=env, capture_output=True, text=True,
-                           timeout=timeout)
+        r = subprocess.run(cmd, cwd=harness.ROOT, env=harness.launch_env(), capture_output=True,
+                           text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{script} timed out after {timeout} s:\n{(e.stdout or '')[-4000:]}"
+        pytest.fail(f"{' '.join(cmd)} timed out after {timeout} s:\n{(e.stdout or '')[-4000:]}"
                     f"{(e.stderr or '')[-4000:]}")
     out = r.stdout + r.stderr
     assert r.returncode == 0, f"{' '.join(cmd)} exited {r.returncode}:\n{out[-8000:]}"
     return out
+
+
+def _launch(script, *args, timeout=420):
+    """An example on ``harness.nprocs()`` processes through ``jax_ep.launch``."""
+    n = harness.nprocs()
+    gpus = min(n, max(1, harness.gpu_count()))
+    return _run([sys.executable, "-m", "jax_ep.launch", "-n", str(n), "--gpus", str(gpus),
+                 os.path.join(harness.ROOT, "examples", script), *args], timeout)
 
 
 def test_decode_overlap_native():
@@ -67,13 +72,8 @@ def test_ragged_moe_native_learns():
 
 
 def test_ragged_moe_one_gpu_equals_lax():
-    harness.close_warm_job()
-    cmd = [sys.executable, os.path.join(harness.ROOT, "examples", "ragged_moe.py"), "--platform",
-           "gpu", "--backend", "native", "--compare-lax", "--steps", "3"]
-    r = subprocess.run(cmd, cwd=harness.ROOT, env=harness.launch_env(), capture_output=True,
-                       text=True, timeout=300)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-6000:]
+    out = _run([sys.executable, os.path.join(harness.ROOT, "examples", "ragged_moe.py"),
+                "--platform", "gpu", "--backend", "native", "--compare-lax", "--steps", "3"], 300)
     m = re.search(r"losses equal to lax's: (\w+) \(largest relative difference ([\d.e+-]+)\)",
                   out)
     assert m and float(m.group(2)) < 1e-6, out[-6000:]
