@@ -42,6 +42,7 @@ Writes the table to $OUT/grouped_matmul_fp8.md when OUT is set.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
@@ -75,7 +76,6 @@ def nt_name(cluster):
 
 def variant_kernels(spec):
     """``name=module,...`` -> {name: that module's gmm_fp8_nt}."""
-    import importlib
     out = {}
     for item in filter(None, spec.split(",")):
         name, _, module = item.partition("=")
