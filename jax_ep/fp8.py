@@ -128,6 +128,17 @@ def weight_blocks_cast(w, scale_format: str = "f32"):
     return _to_e4m3(wf, mult[:, :, None, :, None]).reshape(G, K, N), scale
 
 
+def column_blocks_cast(x, scale_format: str = "f32"):
+    """``x [R, C]`` -> (``q [R, C]`` e4m3, ``scales [R/128, C]`` f32): one scale
+    per 128 rows of each column, :func:`fp8_cast`'s rounding rules (the fp8
+    path's dw operands, whose contraction runs along the rows)."""
+    R, C = x.shape
+    xf = x.astype(F32).reshape(R // FP8_BLOCK, FP8_BLOCK, C)
+    amax = jnp.maximum(jnp.max(jnp.abs(xf), axis=1), F32(1e-4))
+    scale, mult = _scale_and_multiplier(amax, scale_format)
+    return _to_e4m3(xf, mult[:, None, :]).reshape(R, C), scale
+
+
 def quantize_weights(w: jax.Array, *, layout: str = "gkn", scale_format: str = "f32"):
     """Expert weights to fp8-e4m3 with one scale per 128 x 128 block.
 

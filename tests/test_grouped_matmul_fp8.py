@@ -12,11 +12,12 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_ep
-from jax_ep.gmm import GroupedMatmulConfig, heuristic, pallas_fp8, probe, registry, select, tuning
+from jax_ep.gmm import (GroupedMatmulConfig, fp8_columns, heuristic, pallas_fp8, pallas_fp8_dw,
+                        probe, registry, select, tuning)
 from jax_ep.gmm import fp8 as gm_fp8
 from jax_ep.gmm import ops as gm_ops
 from jax_ep.gmm.devices import DEVICES
-from jax_ep.gmm.xla import gmm_fp8_nt_xla
+from jax_ep.gmm.xla import dequantize_columns, gmm_fp8_nt_xla, tgmm_fp8_nt_xla
 
 E4M3 = jnp.float8_e4m3fn
 M, K, N, G = 384, 256, 384, 5
@@ -152,12 +153,13 @@ def _model_grads(x, xs, w, ws, sizes, dy):
     return f64(dx), f64(dw), np.asarray(xd), np.asarray(wd), ct
 
 
-@pytest.mark.parametrize("fp8_dx", [True, False], ids=["dx_fp8", "dx_bf16"])
+@pytest.mark.parametrize("fp8_dx,fp8_dw", [(True, False), (False, False), (True, True)],
+                         ids=["dx_fp8", "dx_bf16", "dx_dw_fp8"])
 @pytest.mark.parametrize("case", ["skew_empty_nan_tail", "uniform_full"])
-def test_gradients_match_the_dequantized_model(case, fp8_dx):
+def test_gradients_match_the_dequantized_model(case, fp8_dx, fp8_dw):
     sizes = SIZES[case]
     x, xs, w, ws, gs, dy = make(sizes, seed=3)
-    cfg = GroupedMatmulConfig(fp8_dx=fp8_dx)
+    cfg = GroupedMatmulConfig(fp8_dx=fp8_dx, fp8_dw=fp8_dw)
     _, dx, dw = jax.jit(functools.partial(vjp8, config=cfg))(x, xs, w, ws, gs, dy)
     assert dx.dtype == jnp.bfloat16 and dx.shape == x.shape
     assert dw.dtype == jnp.float32 and dw.shape == w.shape
@@ -167,7 +169,10 @@ def test_gradients_match_the_dequantized_model(case, fp8_dx):
     dx_bound = np_gmm(np.abs(ct), np.abs(np.swapaxes(wd, 1, 2)), sizes)
     dw_bound = np.stack([np.abs(xd[off[g]:off[g + 1]]).T @ np.abs(ct[off[g]:off[g + 1]])
                          for g in range(G)])
-    assert_per_product(dw, mdw, dw_bound, 1e-2, "dw (bf16)")
+    if fp8_dw:
+        _check_fp8_dw(dw, mdw, dw_bound, xd, ct, sizes)
+    else:
+        assert_per_product(dw, mdw, dw_bound, 1e-2, "dw (bf16)")
     if not fp8_dx:
         assert_per_product(dx, mdx, dx_bound, 1e-2, "dx (bf16)")
     else:
@@ -180,6 +185,23 @@ def test_gradients_match_the_dequantized_model(case, fp8_dx):
         assert_per_product(dx, mdx, dx_bound, 2 ** -4 + 1e-2, "dx (fp8)")
     tot = int(np.sum(sizes))
     assert np.all(np.asarray(dx, np.float32)[tot:] == 0)
+
+
+def _check_fp8_dw(dw, mdw, dw_bound, xd, ct, sizes):
+    """fp8 dw: exactly the model of the operands recast per column and 128
+    rows of their group (``fp8_columns``); e4m3's rounding of both (at most
+    2^-4 of each element) from the unrounded model."""
+    m = xd.shape[0]
+    off = gm_ops.offsets(jnp.asarray(sizes, jnp.int32), m)
+    seg = fp8_columns.segments(off)
+    p = fp8_columns.padded_length(m, len(sizes))
+    cols = [np.asarray(dequantize_columns(*fp8_columns.cast_columns_t(
+        jnp.asarray(v, jnp.float32), off, seg, p)), np.float64) for v in (xd, ct)]
+    s = np.asarray(seg)
+    model = np.stack([cols[0][:, s[g]:s[g + 1]] @ cols[1][:, s[g]:s[g + 1]].T
+                      for g in range(len(sizes))])
+    assert_per_product(dw, model, dw_bound, 1e-2, "dw (fp8) vs the model of recast operands")
+    assert_per_product(dw, mdw, dw_bound, 2 ** -3 + 2 ** -8 + 1e-2, "dw (fp8)")
 
 
 def test_gradient_through_the_quantizers_is_straight_through():
@@ -367,7 +389,7 @@ BAD = {
     "layout": (dict(w_layout="kn"), ValueError, "w_layout must be one of"),
     "out dtype": (dict(preferred_element_type=jnp.int32), TypeError, "float dtype"),
     "pallas out dtype": (dict(preferred_element_type=jnp.float16, impl="pallas"), ValueError,
-                         "impl='pallas' \\(fp8\\).*float16"),
+                         "impl='pallas' \\(fp8 fwd\\).*float16"),
 }
 
 
@@ -533,8 +555,9 @@ except Exception:  # pragma: no cover
 
 
 @pytest.mark.skipif(not _HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
-@pytest.mark.parametrize("cluster", [1, 2])
-def test_fp8_kernel_interpret_matches_reference(cluster):
+@pytest.mark.parametrize("cluster,fp8_dw", [(1, False), (2, False), (1, True)],
+                         ids=["cluster1", "cluster2", "fp8_dw"])
+def test_fp8_kernel_interpret_matches_reference(cluster, fp8_dw):
     """The fp8 kernel itself (Mosaic-GPU interpreter), through the public call:
     forward and both gradients against the dequantizing reference; skewed
     groups with an empty one, NaN tail rows; 4 row tiles, 2 column tiles (one
@@ -553,8 +576,9 @@ def test_fp8_kernel_interpret_matches_reference(cluster):
         y, vjp = jax.vjp(lambda a, b: jax_ep.grouped_matmul(a, b, sizes, x_scales=xs, w_scales=ws,
                                                             config=cfg), xq, wq)
         return (y, *vjp(dy))
-    got = run(GroupedMatmulConfig(impl="pallas", interpret=True, fp8_cluster=cluster))
-    want = run(GroupedMatmulConfig(impl="xla"))
+    got = run(GroupedMatmulConfig(impl="pallas", interpret=True, fp8_cluster=cluster,
+                                  fp8_dw=fp8_dw))
+    want = run(GroupedMatmulConfig(impl="xla", fp8_dw=fp8_dw))
     for name, a, b in zip(("y", "dx", "dw"), got, want):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.all(np.isfinite(a)), name
@@ -585,3 +609,27 @@ def test_fp8_kernel_cluster_interpret_bitwise(n):
     want = np.asarray(gmm_fp8_nt_xla(xq, xs, vq, vs, off, jnp.bfloat16), np.float32)
     assert np.all(two[440:] == 0) and np.all(np.isfinite(two))
     assert np.linalg.norm(two - want) / np.linalg.norm(want) < 1e-2
+
+
+@pytest.mark.skipif(not _HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
+def test_fp8_dw_kernel_interpret_matches_reference():
+    """``tgmm_fp8_nt`` (Mosaic-GPU interpreter) against its XLA contract, f32
+    out: groups of 128 (one block), 250 (two, the second part gap), empty,
+    and 90, x's tail rows NaN and dy's Inf (never read); 3 x 2 tiles of each
+    dw[g] dealt over 4 CTAs, rotated per group; an empty group's dw zero."""
+    m, k, n = 640, 384, 256
+    sizes = jnp.asarray([128, 250, 0, 90], jnp.int32)
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(outliers(rng, (m, k))).at[468:].set(jnp.nan)
+    dy = jnp.asarray(rng.standard_normal((m, n)), jnp.float32).at[468:].set(jnp.inf)
+    off = gm_ops.offsets(sizes, m)
+    seg = fp8_columns.segments(off)
+    p = fp8_columns.padded_length(m, 4)
+    a, a_s = fp8_columns.cast_columns_t(x, off, seg, p)
+    c, c_s = fp8_columns.cast_columns_t(dy, off, seg, p)
+    got = np.asarray(pallas_fp8_dw.tgmm_fp8_nt(a, a_s, c, c_s, seg, out_dtype=jnp.float32,
+                                               interpret=True))
+    want = np.asarray(tgmm_fp8_nt_xla(a, a_s, c, c_s, seg, jnp.float32))
+    assert got.shape == (4, k, n) and np.all(np.isfinite(got))
+    assert np.all(got[2] == 0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

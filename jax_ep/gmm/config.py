@@ -64,9 +64,16 @@ class GroupedMatmulConfig:
         and 2^±8-outlier data alike; per entry at most 2.1% of the sum of
         its products' magnitudes). False: in bf16 (``w`` dequantized to
         bf16, then the bf16 kernel). A switch so the speed side can be
-        measured. dw always runs in bf16: ``x``'s per-row scales vary along
-        dw's contraction (the rows), so they cannot be applied after an fp8
-        product.
+        measured.
+      fp8_dw: the fp8 path's ``dw = (x * xs)[rows of g]^T @ dy[rows of g]``.
+        False (default): in bf16 (``x * xs`` and ``dy`` rounded to bf16, the
+        bf16 dw kernel). True: in fp8 at the fp8 tensor-core rate: ``x``'s
+        per-row scales vary along dw's contraction (the rows), so ``x * xs``
+        and ``dy`` are recast per column and 128 rows of their group, with
+        the rows regrouped to start each group on a block and transposed
+        (``fp8_columns``), then the fp8 dw kernel (``pallas_fp8_dw``).
+        Accuracy (CPU reference, docs/decisions.md): about 3% normwise
+        relative error of dw against 0.3% in bf16.
       fp8_cluster: CTAs per cluster of the fp8 kernel (forward and fp8 dx):
         None (default: the device's tuned choice, ``heuristic.fp8_cluster``;
         on an H200 single CTAs, pairs not yet measured ahead), 1,
@@ -86,6 +93,7 @@ class GroupedMatmulConfig:
     dw_cluster: int = 2
     dw_pipeline: Optional[str] = None
     fp8_dx: bool = True
+    fp8_dw: bool = False
     fp8_cluster: Optional[int] = None
 
     def __post_init__(self):
@@ -93,8 +101,9 @@ class GroupedMatmulConfig:
             raise ValueError(f"dw_pipeline must be one of {DW_PIPELINES}, got {self.dw_pipeline!r}")
         if self.impl not in _IMPLS:
             raise ValueError(f"impl must be one of {_IMPLS}, got {self.impl!r}")
-        if not isinstance(self.fp8_dx, bool):
-            raise ValueError(f"fp8_dx must be a bool, got {self.fp8_dx!r}")
+        for name in ("fp8_dx", "fp8_dw"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("dw_warpgroups", "fwd_warpgroups", "dw_cluster"):
             _check_one_or_two(name, getattr(self, name), "1 or 2")
         if self.fp8_cluster is not None:   # None: the device's tuned choice

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from .._ffi import to_vma, vma_of
 from ..fp8 import FP8_BLOCK, WEIGHT_LAYOUTS, fp8_cast
+from . import fp8_columns
 from .config import GroupedMatmulConfig
 from .ops import gmm, offsets, tgmm
 from .select import fp8_cluster, plan_fp8
@@ -158,10 +159,28 @@ def _dx(cfg, w_layout, w, ws, group_sizes, dy):
 
 
 def _dw(cfg, w_layout, x, xs, group_sizes, dy):
-    """``(x * xs)[rows of g]^T @ dy[rows of g]`` on bf16 operands (f32
-    accumulation, the result rounded to bf16 as the bf16 path's dw is: the
-    Pallas dw kernels write their input dtype), returned as an f32 cotangent of
-    the dequantized weight in ``w_layout``."""
-    xd = dequantize_rows(x, xs).astype(BF16)
-    dw = tgmm(xd, dy.astype(BF16), group_sizes, config=cfg, out_dtype=BF16).astype(jnp.float32)
+    """``(x * xs)[rows of g]^T @ dy[rows of g]`` (f32 accumulation, the result
+    rounded to bf16 as the bf16 path's dw is: the Pallas dw kernels write
+    their input dtype), returned as an f32 cotangent of the dequantized weight
+    in ``w_layout``: on bf16 operands, or (``cfg.fp8_dw``) on both recast to
+    fp8 per column and 128 rows of their group."""
+    if cfg.fp8_dw:
+        dw = _dw_fp8(cfg, x, xs, group_sizes, dy)
+    else:
+        xd = dequantize_rows(x, xs).astype(BF16)
+        dw = tgmm(xd, dy.astype(BF16), group_sizes, config=cfg, out_dtype=BF16)
+    dw = dw.astype(jnp.float32)
     return dw if w_layout == "gkn" else jnp.swapaxes(dw, 1, 2)
+
+
+def _dw_fp8(cfg, x, xs, group_sizes, dy):
+    """dw on the fp8 dw kernel (``pallas_fp8_dw``): rows regrouped onto
+    128-row blocks, transposed and cast per column (``fp8_columns``)."""
+    m = x.shape[0]
+    off = offsets(group_sizes, m)
+    seg = fp8_columns.segments(off)
+    p = fp8_columns.padded_length(m, group_sizes.shape[0])
+    a, a_s = fp8_columns.cast_columns_t(dequantize_rows(x, xs), off, seg, p)
+    c, c_s = fp8_columns.cast_columns_t(dy, off, seg, p)
+    variant = plan_fp8(cfg, "dw", a, a_s, c, c_s, BF16)
+    return variant.launch(a, a_s, c, c_s, seg, BF16, cfg.interpret, 1)

@@ -231,7 +231,7 @@ def _promoting_step(pl, plgpu, tile, store, wg, half, ksteps):
     def step(idx, x_smem, v_smem, xs_smem, vs_smem, acc):
         j, kk = idx
         fi, ni = tile(j)
-        scale = _load_rows(plgpu, xs_smem.at[pl.ds(wg * half, half)]) * vs_smem[kk]
+        scale = load_vector(plgpu, xs_smem.at[pl.ds(wg * half, half)], 0) * vs_smem[kk]
         shape = acc.shape
         # a select, never a multiply by zero: rows outside the tile's groups may hold NaN
         first = plgpu.layout_cast(lax.broadcast(kk == 0, shape), plgpu.Layout.WGMMA)
@@ -251,10 +251,11 @@ def _promoting_step(pl, plgpu, tile, store, wg, half, ksteps):
     return step
 
 
-def _load_rows(plgpu, ref):
-    """A per-row vector in the WGMMA accumulator's row layout (jax 0.10's
-    ``load`` takes an index; 0.11 deprecates it)."""
-    layout = plgpu.Layout.WGMMA.reduce(1)
+def load_vector(plgpu, ref, along: int):
+    """A vector along dim ``along`` of a WGMMA accumulator tile (0: one value
+    per row, 1: per column) in that tile's layout (jax 0.10's ``load`` takes
+    an index; 0.11 deprecates it)."""
+    layout = plgpu.Layout.WGMMA.reduce(1 - along)
     if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
         return plgpu.load(ref, (), layout=layout)
     return plgpu.load(ref, layout=layout)

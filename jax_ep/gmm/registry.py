@@ -7,7 +7,8 @@ shared memory it uses; ``select`` asks these questions and nothing else.
 
 The fp8 variants (:class:`Fp8Variant`) run the fp8 path's forward and dx in
 the fp8 kernel's form ``(x * xs) @ ((v * vs)[g])^T`` (both operands K-major,
-``pallas_fp8``); its dw runs on the bf16 variants above.
+``pallas_fp8``), and its dw either on the bf16 variants above or, with
+``fp8_dw``, in the fp8 dw kernel's form (``pallas_fp8_dw``).
 """
 from __future__ import annotations
 
@@ -18,13 +19,13 @@ import jax
 import jax.numpy as jnp
 
 from ..fp8 import FP8_BLOCK
-from . import pallas_fp8
+from . import pallas_fp8, pallas_fp8_dw
 from .devices import DeviceInfo
 from .pallas_common import EPILOGUE_ROWS
 from .pallas_dw import tgmm_pallas, tgmm_pallas_ring, tgmm_pallas_ws
 from .pallas_fwd import gmm_pallas, gmm_pallas_ws
 from .tiles import DwTiles, FwdTiles
-from .xla import gmm_fp8_nt_xla, gmm_xla, tgmm_xla
+from .xla import gmm_fp8_nt_xla, gmm_xla, tgmm_fp8_nt_xla, tgmm_xla
 
 # Beside the staged tiles: the pipeline's barriers and buffer alignment (Mosaic
 # counts 64 bytes at the default tiles; the kernels have no reductions, so no
@@ -211,9 +212,13 @@ _E4M3 = "float8_e4m3fn"
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Variant:
-    """An fp8 grouped matmul in the kernel's NT form: ``x [M, Kc]`` e4m3 with
-    ``xs [M, Kc/128]`` f32, ``v [G, Nout, Kc]`` e4m3 with ``vs [G, Nout/128,
-    Kc/128]`` f32 -> ``[M, Nout]`` (forward: ``v = w^T``; dx: ``v = w``)."""
+    """An fp8 grouped matmul in a kernel's NT form. Forward and dx: ``x [M,
+    Kc]`` e4m3 with ``xs [M, Kc/128]`` f32, ``v [G, Nout, Kc]`` e4m3 with ``vs
+    [G, Nout/128, Kc/128]`` f32 -> ``[M, Nout]`` (forward: ``v = w^T``; dx:
+    ``v = w``), ``launch`` taking row offsets. dw: ``x`` is ``a [Ka, P]``
+    with ``as [P/128, Ka]``, ``v`` is ``c [Nc, P]`` with ``cs [P/128, Nc]``
+    -> ``[G, Ka, Nc]``, ``launch`` taking segment starts
+    (``pallas_fp8_dw``)."""
     name: str
     ops: Tuple[str, ...]
     archs: Tuple[str, ...]             # compute capability majors; (): any
@@ -264,7 +269,28 @@ FP8_XLA = Fp8Variant(
     "fp8_xla", ("fwd", "dx"), (), None,
     lambda x, xs, v, vs, off, od, i, c: gmm_fp8_nt_xla(x, xs, v, vs, off, od))
 
-VARIANTS = {v.name: v for v in (GMM, GMM_WS, TGMM, TGMM_WS, TGMM_RING, XLA, FP8_PALLAS)}
+
+def _fp8_dw_probe(op, tiles, dt, cluster):
+    ka, nc, p = FP8_BLOCK, 2 * FP8_BLOCK, 3 * FP8_BLOCK
+    f32, e4 = jnp.float32, jnp.dtype(_E4M3)
+    sds = jax.ShapeDtypeStruct
+    return ((lambda a, a_s, c, c_s, seg: pallas_fp8_dw.tgmm_fp8_nt(a, a_s, c, c_s, seg,
+                                                                  out_dtype=jnp.bfloat16)),
+            (sds((ka, p), e4), sds((p // FP8_BLOCK, ka), f32), sds((nc, p), e4),
+             sds((p // FP8_BLOCK, nc), f32), (_G + 1,)))
+
+
+FP8_DW_PALLAS = Fp8Variant(
+    "tgmm_fp8", ("dw",), _HOPPER, ("bfloat16", "float32"),
+    lambda a, a_s, c, c_s, seg, od, i, cl: pallas_fp8_dw.tgmm_fp8_nt(a, a_s, c, c_s, seg,
+                                                                     out_dtype=od, interpret=i),
+    _fp8_dw_probe, "the dequantizing XLA reference", pallas_fp8_dw.check_fp8_dw)
+FP8_DW_XLA = Fp8Variant(
+    "fp8_dw_xla", ("dw",), (), None,
+    lambda a, a_s, c, c_s, seg, od, i, cl: tgmm_fp8_nt_xla(a, a_s, c, c_s, seg, od))
+
+VARIANTS = {v.name: v for v in (GMM, GMM_WS, TGMM, TGMM_WS, TGMM_RING, XLA, FP8_PALLAS,
+                                FP8_DW_PALLAS)}
 
 # The 1-warpgroup kernel of each op: its constraints decide whether the op
 # runs on Pallas at all; the 2-consumer kernels are preferred where they fit.

@@ -10,8 +10,8 @@ from ..fp8 import FP8_BLOCK
 from . import heuristic, pallas_fp8, probe
 from .config import GroupedMatmulConfig
 from .devices import DeviceInfo, device_info
-from .registry import (BASE, DW_PIPELINE_VARIANT, FP8_PALLAS, FP8_XLA, TWO_CONSUMER, XLA,
-                       Fp8Variant, Variant)
+from .registry import (BASE, DW_PIPELINE_VARIANT, FP8_DW_PALLAS, FP8_DW_XLA, FP8_PALLAS,
+                       FP8_XLA, TWO_CONSUMER, XLA, Fp8Variant, Variant)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,25 +104,29 @@ def _dw_cluster(cfg, v: Variant, ws, n: int, dtype, checked: bool) -> int:
 
 def plan_fp8(cfg: GroupedMatmulConfig, op: str, x, xs, v, vs, out_dtype,
              dev: Optional[DeviceInfo] = None) -> Fp8Variant:
-    """The variant of the fp8 path's ``op`` (``"fwd"`` or ``"dx"``, in the
-    kernel's NT form): ``"xla"`` the dequantizing reference; ``"pallas"`` the
-    fp8 kernel (raises where it cannot run the operands); ``"auto"`` the kernel
-    on a device it is written for, where the operands fit it and a small
-    instance compiles (checked once), else the reference."""
+    """The variant of the fp8 path's ``op`` in its kernel's NT form
+    (``"fwd"`` / ``"dx"``: ``pallas_fp8``; ``"dw"``: ``pallas_fp8_dw``, with
+    ``x, xs, v, vs`` its ``a, as, c, cs``): ``"xla"`` the dequantizing
+    reference; ``"pallas"`` the fp8 kernel (raises where it cannot run the
+    operands); ``"auto"`` the kernel on a device it is written for, where the
+    operands fit it and a small instance compiles (checked once), else the
+    reference."""
+    kernel, reference, probe_op = ((FP8_DW_PALLAS, FP8_DW_XLA, "dw") if op == "dw"
+                                   else (FP8_PALLAS, FP8_XLA, "fwd+dx"))
     if cfg.impl == "xla":
-        return FP8_XLA
-    err = FP8_PALLAS.check(op, x, xs, v, vs, out_dtype)
+        return reference
+    err = kernel.check(op, x, xs, v, vs, out_dtype)
     if cfg.impl == "pallas":
         if err is not None:
-            raise ValueError(f"grouped_matmul impl='pallas' (fp8): {err}; use impl='auto' "
+            raise ValueError(f"grouped_matmul impl='pallas' (fp8 {op}): {err}; use impl='auto' "
                              "or 'xla' for the dequantizing reference")
-        return FP8_PALLAS
+        return kernel
     dev = dev or device_info()
-    if err is not None or not (cfg.interpret or FP8_PALLAS.runs_on(dev)):
-        return FP8_XLA
-    if not cfg.interpret and not probe.compiles(FP8_PALLAS.name, "fwd+dx", None, "float8_e4m3fn"):
-        return FP8_XLA
-    return FP8_PALLAS
+    if err is not None or not (cfg.interpret or kernel.runs_on(dev)):
+        return reference
+    if not cfg.interpret and not probe.compiles(kernel.name, probe_op, None, "float8_e4m3fn"):
+        return reference
+    return kernel
 
 
 def fp8_cluster(cfg: GroupedMatmulConfig, variant: Fp8Variant, v,

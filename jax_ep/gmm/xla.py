@@ -1,6 +1,6 @@
 """The XLA fallbacks of the grouped matmul: ``jax.lax.ragged_dot`` (tail rows
 masked), and the fp8 reference (dequantize to f32, then the same at HIGHEST
-precision)."""
+precision), forward/dx and dw."""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -34,7 +34,7 @@ def gmm_xla(x, w, offsets, transpose_rhs, out_dtype, precision=None):
     return jnp.where(keep, y, jnp.zeros((), y.dtype)).astype(out_dtype)
 
 
-def tgmm_xla(x, dy, offsets, num_groups, out_dtype):
+def tgmm_xla(x, dy, offsets, num_groups, out_dtype, precision=None):
     m = x.shape[0]
     keep = _row_mask(offsets, m)
     xm = jnp.where(keep, x, jnp.zeros((), x.dtype))
@@ -42,8 +42,9 @@ def tgmm_xla(x, dy, offsets, num_groups, out_dtype):
     dn = lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(([0], [0]), ([], [])),
         lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    kw = {} if precision is None else {"precision": precision}
     out = lax.ragged_dot_general(xm, dym, jnp.diff(offsets), dn,
-                                 preferred_element_type=_acc_type(out_dtype))
+                                 preferred_element_type=_acc_type(out_dtype), **kw)
     assert out.shape[0] == num_groups
     return out.astype(out_dtype)
 
@@ -70,3 +71,20 @@ def gmm_fp8_nt_xla(x, xs, v, vs, offsets, out_dtype):
     -> ``[M, Nout]``, rows past ``offsets[-1]`` zero (their input never used)."""
     return gmm_xla(dequantize_rows(x, xs), dequantize_blocks(v, vs), offsets, True, out_dtype,
                    precision=lax.Precision.HIGHEST)
+
+
+def dequantize_columns(a, scales):
+    """``a [R, P]`` fp8, ``scales [P/128, R]`` -> f32 ``a * scales`` (per row, per
+    128 columns; the scales stored block-major, as ``pallas_fp8_dw`` stages them)."""
+    r, p = a.shape
+    af = a.astype(jnp.float32).reshape(r, p // FP8_BLOCK, FP8_BLOCK)
+    return (af * scales.astype(jnp.float32).T[..., None]).reshape(r, p)
+
+
+def tgmm_fp8_nt_xla(a, a_s, c, c_s, segments, out_dtype):
+    """The fp8 dw kernel's contract (``pallas_fp8_dw.tgmm_fp8_nt``) in XLA:
+    ``out[g] = (a * as)[:, segment g] @ ((c * cs)[:, segment g])^T``,
+    dequantized to f32 and multiplied at HIGHEST precision; ``a [Ka, P]``,
+    ``c [Nc, P]`` -> ``[G, Ka, Nc]``."""
+    return tgmm_xla(dequantize_columns(a, a_s).T, dequantize_columns(c, c_s).T, segments,
+                    segments.shape[0] - 1, out_dtype, precision=lax.Precision.HIGHEST)
