@@ -7,7 +7,9 @@ The kernel against dequantize-then-f32-matmul: every output element within
 with outliers (values spanning 2^±8 inside one 128-block), f32 and UE8M0
 scales, empty and skewed groups, unaligned totals, NaN tail rows; on 1-CTA
 clusters and CTA pairs (``cluster=2``: the x tile multicast; ``Nout % 256 != 0``
-falls back to 1), whose output is the 1-CTA kernel's, bit for bit.
+falls back to 1), whose output is the 1-CTA kernel's, bit for bit. The fp8
+dw kernel (``jax_ep.gmm.pallas_fp8_dw``) against its XLA contract, and the
+public call with ``fp8_dw``.
 """
 import jax
 import jax.numpy as jnp
@@ -174,3 +176,53 @@ def test_api_pallas_matches_reference_with_grads(w_layout, fp8_dx, fp8_cluster):
         # both paths cast dy the same way for an fp8 dx: what differs is the
         # accumulation order and the bf16 rounding of the outputs
         assert rel < 1e-2, (name, rel)
+
+
+@pytest.mark.parametrize("kind,total", [("uniform", 2048), ("skew", 2048), ("unaligned", 1901)])
+def test_fp8_dw_kernel_matches_reference(kind, total):
+    """``tgmm_fp8_nt`` (f32 out) against ``tgmm_fp8_nt_xla`` on operands
+    regrouped and recast by ``fp8_columns``, x's tail NaN, dy's Inf; an empty
+    group's dw is zero."""
+    from jax_ep.gmm import fp8_columns
+    from jax_ep.gmm.pallas_fp8_dw import tgmm_fp8_nt
+    from jax_ep.gmm.xla import tgmm_fp8_nt_xla
+
+    m, g, k, n = 2048, 8, 512, 384
+    sizes = sizes_for(kind, g, total)
+    kx, kd = jax.random.split(jax.random.key(21))
+    x = outliers(kx, (m, k)).at[total:].set(jnp.nan)
+    dy = jax.random.normal(kd, (m, n)).at[total:].set(jnp.inf)
+    off = offsets(jnp.asarray(sizes, jnp.int32), m)
+    seg = fp8_columns.segments(off)
+    p = fp8_columns.padded_length(m, g)
+    a, a_s = fp8_columns.cast_columns_t(x, off, seg, p)
+    c, c_s = fp8_columns.cast_columns_t(dy, off, seg, p)
+    got = np.asarray(jax.jit(lambda *o: tgmm_fp8_nt(*o, out_dtype=jnp.float32))(a, a_s, c, c_s,
+                                                                                 seg))
+    want = np.asarray(jax.jit(lambda *o: tgmm_fp8_nt_xla(*o, jnp.float32))(a, a_s, c, c_s, seg))
+    assert np.all(np.isfinite(got))
+    for e in np.flatnonzero(np.asarray(sizes) == 0):
+        assert np.all(got[e] == 0)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+
+
+def test_api_fp8_dw_matches_reference():
+    """``jax_ep.grouped_matmul`` with ``fp8_dw``: the fp8 dw kernel against the
+    dequantizing reference of the same recast, skewed groups with an empty one."""
+    import jax_ep
+    from jax_ep.gmm import GroupedMatmulConfig
+
+    sizes = sizes_for("skew", 8, 1901)
+    x, w, dy, gs = _api_operands(2048, 8, 512, 384, sizes, seed=12)
+    xq, xs = jax_ep.quantize_activations(x)
+    wq, ws = jax_ep.quantize_weights(w)
+
+    def dw(impl):
+        cfg = GroupedMatmulConfig(impl=impl, fp8_dw=True)
+        _, vjp = jax.vjp(lambda b: jax_ep.grouped_matmul(xq, b, gs, x_scales=xs, w_scales=ws,
+                                                         config=cfg), wq)
+        return vjp(dy)[0]
+    got = np.asarray(jax.jit(lambda: dw("pallas"))(), np.float32)
+    want = np.asarray(jax.jit(lambda: dw("xla"))(), np.float32)
+    assert np.all(np.isfinite(got))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
