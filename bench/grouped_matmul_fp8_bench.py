@@ -30,6 +30,11 @@ layer pays beside the bf16 one:
 - ``fp8 fwd+bwd, w quantized once``: the same with only ``x`` chained, so XLA
   hoists the loop-invariant weight quantization out of the chain (weights
   quantized less often than used: inference, gradient accumulation);
+- ``..., dw fp8``: the same two with ``GroupedMatmulConfig(fp8_dw=True)``;
+- ``dw bf16`` / ``dw fp8`` / ``dw fp8 kernel``: dw alone: the bf16 kernel on
+  ``x * xs`` and ``dy`` rounded to bf16 (what the default fp8 path runs); the
+  fp8 path's dw with ``fp8_dw`` (the recast of both operands per column,
+  ``fp8_columns``, then the kernel); the fp8 dw kernel alone on recast operands;
 - ``quantize w gkn`` / ``gnk`` / ``both``: ``quantize_weights`` alone, the
   forward's K-major copy, and both layouts in one call (what the layer needs);
 - ``roof: cast``: ``w.astype(float8_e4m3fn)``, one read of the bf16 weight and
@@ -56,9 +61,13 @@ import jax.numpy as jnp  # noqa: E402
 
 import jax_ep  # noqa: E402
 from grouped_matmul_bench import G, M, PROJ, group_sizes, per_call_ms  # noqa: E402
-from jax_ep.gmm.ops import offsets  # noqa: E402
+from jax_ep.gmm import GroupedMatmulConfig, fp8_columns  # noqa: E402
+from jax_ep.gmm.ops import offsets, tgmm  # noqa: E402
 from jax_ep.gmm.pallas_fp8 import gmm_fp8_nt  # noqa: E402
+from jax_ep.gmm.pallas_fp8_dw import tgmm_fp8_nt  # noqa: E402
 from jax_ep.gmm.tiles import FwdTiles  # noqa: E402
+from jax_ep.gmm.xla import dequantize_rows  # noqa: E402
+
 
 def operands(k, n, seed=0):
     kx, kw = jax.random.split(jax.random.key(seed))
@@ -131,21 +140,25 @@ def step_rows(proj, reps):
     def grads(y_of):   # (dx, dw) of sum(y * dy)
         return lambda x_, w_, d: jax.vjp(y_of, x_, w_)[1](d)
 
-    def fp8_y(x_, w_):   # the default config: fp8 dx, bf16 dw
-        xq, xs = jax_ep.quantize_activations(x_)
-        wq, ws = jax_ep.quantize_weights(w_)
-        return jax_ep.grouped_matmul(xq, wq, gs, x_scales=xs, w_scales=ws)
+    def fp8_y(cfg):   # the default config: fp8 dx, bf16 dw
+        def y(x_, w_):
+            xq, xs = jax_ep.quantize_activations(x_)
+            wq, ws = jax_ep.quantize_weights(w_)
+            return jax_ep.grouped_matmul(xq, wq, gs, x_scales=xs, w_scales=ws, config=cfg)
+        return y
 
     bf16 = grads(lambda x_, w_: jax_ep.grouped_matmul(x_, w_, gs))
-    fp8 = grads(fp8_y)
     t, gbs = {}, {}
     # the chained operand (first) is recomputed from in every call; the others are
     # loop-invariant, and XLA hoists what depends on them alone
     t["bf16 fwd+bwd"] = per_call_ms(lambda xw, d: bf16(*xw, d), ((x, w), dy), 2, 6, reps)
-    t["fp8 fwd+bwd, w quantized in the call"] = per_call_ms(
-        lambda xw, d: fp8(*xw, d), ((x, w), dy), 2, 6, reps)
-    t["fp8 fwd+bwd, w quantized once"] = per_call_ms(
-        lambda x_, w_, d: fp8(x_, w_, d), (x, w, dy), 2, 6, reps)
+    for tag, cfg in (("", GroupedMatmulConfig()), (", dw fp8", GroupedMatmulConfig(fp8_dw=True))):
+        fp8 = grads(fp8_y(cfg))
+        t[f"fp8 fwd+bwd{tag}, w quantized in the call"] = per_call_ms(
+            lambda xw, d, f=fp8: f(*xw, d), ((x, w), dy), 2, 6, reps)
+        t[f"fp8 fwd+bwd{tag}, w quantized once"] = per_call_ms(
+            lambda x_, w_, d, f=fp8: f(x_, w_, d), (x, w, dy), 2, 6, reps)
+    t.update(dw_rows(x, gs, dy, reps))
     one_layout = w.size * (w.dtype.itemsize + 1)   # bytes: read bf16, write fp8
     quant = {"quantize w gkn": (lambda w_: jax_ep.quantize_weights(w_), 1),
              "quantize w gnk": (lambda w_: jax_ep.quantize_weights(w_, layout="gnk"), 1),
@@ -157,6 +170,31 @@ def step_rows(proj, reps):
         # both layouts at best read w once: one read, two writes
         gbs[name] = (one_layout + (layouts - 1) * w.size) / t[name] / 1e6
     return [(proj, name, ms, gbs.get(name)) for name, ms in t.items()]
+
+
+def dw_rows(x, gs, dy, reps):
+    """dw alone: bf16 (the default fp8 path's), fp8 with its recast, the fp8 kernel alone."""
+    xq, xs = jax_ep.quantize_activations(x)
+    m = x.shape[0]
+    off = offsets(gs, m)
+    seg = fp8_columns.segments(off)
+    p = fp8_columns.padded_length(m, gs.shape[0])
+
+    def dw_bf16(x_, d):
+        return tgmm(dequantize_rows(x_, xs).astype(jnp.bfloat16), d, gs)
+
+    def dw_fp8(x_, d):
+        a, a_s = fp8_columns.cast_columns_t(dequantize_rows(x_, xs), off, seg, p)
+        c, c_s = fp8_columns.cast_columns_t(d, off, seg, p)
+        return tgmm_fp8_nt(a, a_s, c, c_s, seg)
+
+    a, a_s = fp8_columns.cast_columns_t(dequantize_rows(xq, xs), off, seg, p)
+    c, c_s = fp8_columns.cast_columns_t(dy, off, seg, p)
+    # both operands chained: each call recasts both
+    return {"dw bf16": per_call_ms(lambda xd: dw_bf16(*xd), ((xq, dy),), 2, 6, reps),
+            "dw fp8": per_call_ms(lambda xd: dw_fp8(*xd), ((xq, dy),), 2, 6, reps),
+            "dw fp8 kernel": per_call_ms(lambda ac: tgmm_fp8_nt(ac[0], a_s, ac[1], c_s, seg),
+                                         ((a, c),), 2, 6, reps)}
 
 
 def step_table(rows):
