@@ -139,7 +139,8 @@ def column_blocks_cast(x, scale_format: str = "f32"):
     return _to_e4m3(xf, mult[:, None, :]).reshape(R, C), scale
 
 
-def quantize_weights(w: jax.Array, *, layout: str = "gkn", scale_format: str = "f32"):
+def quantize_weights(w: jax.Array, *, layout: str = "gkn", scale_format: str = "f32",
+                     quantized=None):
     """Expert weights to fp8-e4m3 with one scale per 128 x 128 block.
 
     Per block: ``amax = max(max|w|, 1e-4)``, ``scale = amax * f32(1/448)``,
@@ -154,6 +155,10 @@ def quantize_weights(w: jax.Array, *, layout: str = "gkn", scale_format: str = "
         [G, N/128, K/128]`` (the contraction contiguous, as DeepGEMM and torch
         store expert weights); pass the same ``w_layout`` to the matmul.
       scale_format: ``"f32"`` or ``"ue8m0"``.
+      quantized: ``(q, scales)`` of ``w`` in ``layout`` from an earlier call
+        (made once per optimizer step and shared by its micro-batches, or
+        once for inference): returned as they are, nothing recomputed, with
+        the same gradient to ``w``. None (default): quantize here.
 
     Returns:
       ``(q float8_e4m3fn, scales float32)`` in ``layout``.
@@ -167,7 +172,27 @@ def quantize_weights(w: jax.Array, *, layout: str = "gkn", scale_format: str = "
         raise ValueError(f"quantize_weights: layout must be one of {WEIGHT_LAYOUTS}, got "
                          f"{layout!r}")
     _check_source("quantize_weights", w, 3, "w [G, K, N]", (1, 2))
-    return _weights_st(w, layout, scale_format)
+    if quantized is None:
+        return _weights_st(w, layout, scale_format)
+    _check_quantized(w, layout, quantized)
+    return _reused_st(w, *quantized, layout)
+
+
+def _check_quantized(w, layout, quantized):
+    g, k, n = w.shape
+    q_dims = [g, k, n] if layout == "gkn" else [g, n, k]
+    s_dims = [g, q_dims[1] // FP8_BLOCK, q_dims[2] // FP8_BLOCK]
+    try:
+        (q, s), ok = quantized, True
+        got = f"q {list(q.shape)} {q.dtype}, scales {list(s.shape)} {s.dtype}"
+        ok = (list(q.shape), list(s.shape), q.dtype, s.dtype) == (q_dims, s_dims, FP8, F32)
+    except (TypeError, ValueError, AttributeError):
+        got, ok = repr(type(quantized)), False
+    if not ok:
+        raise ValueError(
+            f"quantize_weights: quantized must be (q {q_dims} float8_e4m3fn, scales {s_dims} "
+            f"float32) for w {list(w.shape)} in layout {layout!r}, got {got}; make it with "
+            f"jax_ep.quantize_weights(w, layout={layout!r})")
 
 
 def _weights(w, layout, scale_format):
@@ -192,3 +217,19 @@ def _weights_st_bwd(layout, scale_format, like, g):
 
 
 _weights_st.defvjp(_weights_st_fwd, _weights_st_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _reused_st(w, q, s, layout):
+    return q, s
+
+
+def _reused_st_fwd(w, q, s, layout):
+    return (q, s), jnp.zeros((0,), w.dtype)
+
+
+def _reused_st_bwd(layout, like, g):
+    return _weights_st_bwd(layout, None, like, g) + (None, None)
+
+
+_reused_st.defvjp(_reused_st_fwd, _reused_st_bwd)

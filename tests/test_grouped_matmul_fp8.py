@@ -228,6 +228,31 @@ def test_gradient_through_the_quantizers_is_straight_through():
     np.testing.assert_array_equal(np.asarray(dw), np.asarray(vdw))
 
 
+@pytest.mark.parametrize("layout", ["gkn", "gnk"])
+def test_quantize_weights_reuses_an_earlier_quantization(layout):
+    """``quantized=`` returns the given (q, scales) and the gradient to w is
+    the one of quantizing in place, bit for bit; a mismatched pair is one
+    error naming the shapes and the remedy."""
+    rng = np.random.default_rng(8)
+    w = jnp.asarray(rng.standard_normal((G, K, N)), jnp.float32)
+    x, xs, *_ = make(SIZES["uniform_full"], seed=8)
+    gs = np.asarray(SIZES["uniform_full"], np.int32)
+    cache = jax_ep.quantize_weights(w, layout=layout)
+
+    def loss(w, quantized):
+        q, s = jax_ep.quantize_weights(w, layout=layout, quantized=quantized)
+        y = gmm8(x, xs, q, s, gs, w_layout=layout, preferred_element_type=jnp.float32)
+        return jnp.sum(y * y), (q, s)
+
+    (_, here), g_here = jax.value_and_grad(loss, has_aux=True)(w, None)
+    (_, reused), g_reused = jax.jit(jax.value_and_grad(loss, has_aux=True))(w, cache)
+    for a, b in zip(here + (g_here,), reused + (g_reused,)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    other = jax_ep.quantize_weights(w, layout="gnk" if layout == "gkn" else "gkn")
+    with pytest.raises(ValueError, match=r"quantized must be .*make it with"):
+        jax_ep.quantize_weights(w, layout=layout, quantized=other)
+
+
 def test_jit_shard_map_check_vma():
     devs = jax.devices()
     if len(devs) < 8:
