@@ -24,6 +24,10 @@ fused gate_up weight ``[E, H, 2F]`` (shared: ``[H, 2S]``). Implementations (``--
   experts run the fp8 kernel on Hopper where it compiles, else the
   dequantizing reference (a warning says so). The summary gives its layer
   time against jax_ep's bf16 layer.
+* ``jax_ep_fp8_wq`` (optional): the same with the expert weights quantized
+  once, outside the timed steps (``moe_layer.quantize_experts`` ->
+  ``moe_block(experts_fp8=...)``): what a step pays when one quantization
+  serves several micro-batches (the gradients still reach the bf16 weights).
 
 The faster XLA layer of each (config, T) is the baseline.
 
@@ -123,6 +127,8 @@ IMPLS = {  # name -> (jax_ep backend on GPUs, expert_impl, label)
     "jax_ep_fp8": ("native", "grouped_fp8",
                    "jax_ep: fp8 dispatch + fp8 grouped matmul (weights quantized in the step) "
                    "+ bf16 combine"),
+    "jax_ep_fp8_wq": ("native", "grouped_fp8",
+                      "jax_ep_fp8 with the weights quantized once, outside the step"),
     "xla_padded": ("reference", "padded", "XLA: all_to_all + padded batched matmul"),
     "xla_ragged": ("reference", "ragged_dot", "XLA: all_to_all + ragged_dot"),
 }
@@ -520,10 +526,11 @@ def make_table(results, meta):
                 if r["impl"] == "jax_ep":
                     s["jax_ep_ms"] = _ms(r["layer_s"])
                     s["speedup"] = speed
-            if r["impl"] == "jax_ep_fp8" and r.get("layer_s") and not r.get("error"):
-                s["fp8_ms"] = _ms(r["layer_s"])
+            fp8_key = {"jax_ep_fp8": "fp8", "jax_ep_fp8_wq": "fp8_wq"}.get(r["impl"])
+            if fp8_key and r.get("layer_s") and not r.get("error"):
+                s[f"{fp8_key}_ms"] = _ms(r["layer_s"])
                 if ok.get("jax_ep"):   # the issue's measure: fp8 layer vs our bf16 layer
-                    s["fp8_vs_bf16"] = ok["jax_ep"]["layer_s"] / r["layer_s"]
+                    s[f"{fp8_key}_vs_bf16"] = ok["jax_ep"]["layer_s"] / r["layer_s"]
             peak = r.get("peak_bytes_layer")
             L.append(
                 f"| {cname} | {T} | {r['impl']} | {_fmt(_ms(r.get('layer_s')))} "
@@ -554,9 +561,10 @@ def _summary_md(summary):
                      f"({s['baseline']}) {s['baseline_ms']:.2f} ms: **{s['speedup']:.2f}x**"
                      + (f"; step-1 loss max rel. diff across impls {s['loss_rel_diff']:.1e}"
                         if s.get("loss_rel_diff") is not None else ""))
-        if s.get("fp8_vs_bf16"):
-            L.append(f"- {s['config']} T={s['T']}: jax_ep_fp8 {s['fp8_ms']:.2f} ms: "
-                     f"**{s['fp8_vs_bf16']:.2f}x** jax_ep's bf16 layer")
+        for key, impl in (("fp8", "jax_ep_fp8"), ("fp8_wq", "jax_ep_fp8_wq")):
+            if s.get(f"{key}_vs_bf16"):
+                L.append(f"- {s['config']} T={s['T']}: {impl} {s[f'{key}_ms']:.2f} ms: "
+                         f"**{s[f'{key}_vs_bf16']:.2f}x** jax_ep's bf16 layer")
     return L
 
 
@@ -1117,11 +1125,12 @@ def _layer_stage(job, params, grads0, bias, x, ct):
     F32 = jnp.float32
     cfg, mesh = job.cfg, job.mesh
 
-    def layer_chain(n, state, x, bias, ct):
+    def layer_chain(n, state, x, bias, ct, experts_fp8):
         def loss(p, xx):
             o, aux = ml.moe_block(p, bias, xx, cfg, mesh, backend=job.backend,
                                   ep_overrides=job.overrides, expert_impl=job.impl,
-                                  expert_capacity=job.cap, gmm_config=job.gcfg)
+                                  expert_capacity=job.cap, gmm_config=job.gcfg,
+                                  experts_fp8=experts_fp8)
             return jnp.sum(o.astype(F32) * ct.astype(F32)), aux["num_dropped"]
 
         vg = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
@@ -1138,8 +1147,14 @@ def _layer_stage(job, params, grads0, bias, x, ct):
         return (p, g), (l, dr)
 
     static_all = job.static_all
-    layer_fn = jax.jit(layer_chain, static_argnums=(0,) if static_all else (),
-                       donate_argnums=(1,))
+    chain = jax.jit(layer_chain, static_argnums=(0,) if static_all else (), donate_argnums=(1,))
+    # jax_ep_fp8_wq: the expert weights quantized once, before the timed steps
+    experts_fp8 = (jax.jit(ml.quantize_experts)(params["experts"])
+                   if job.spec["impl"] == "jax_ep_fp8_wq" else None)
+
+    def layer_fn(n, state, x, bias, ct):
+        return chain(n, state, x, bias, ct, experts_fp8)
+
     med, p10, p90, comp, reps, first, state = job.measure(
         layer_fn, (params, grads0), (x, bias, ct), job.spec["steps"], static_all)
     job.out.update(layer_s=med, layer_p10_s=p10, layer_p90_s=p90, layer_compile_s=comp,
@@ -1261,21 +1276,26 @@ def _experts_stage(job, rows, gs, ew, ct_rows, valid_rows):
     spec_t, ep_spec = P(("data", "ep")), P("ep")
     impl, cap, gcfg = job.impl, job.cap, job.gcfg
 
-    def per_rank_experts(rows, gs, gate_up, down, ct):
+    # jax_ep_fp8_wq: the expert weights quantized once, before the timed steps
+    q0 = (jax.jit(ml.quantize_experts)({"gate_up": ew[0], "down": ew[1]})
+          if job.spec["impl"] == "jax_ep_fp8_wq" else None)
+
+    def per_rank_experts(rows, gs, gate_up, down, ct, quantized):
         rows, scales = rows if isinstance(rows, tuple) else (rows, None)   # fp8: with scales
-        y, _ = ml.routed_experts(rows, gate_up, down, gs, impl, cap, gcfg, scales)
+        y, _ = ml.routed_experts(rows, gate_up, down, gs, impl, cap, gcfg, scales, quantized)
         return jnp.sum(y.astype(F32) * ct.astype(F32)).reshape(1)
 
     ex_loss = jax.shard_map(per_rank_experts, mesh=job.mesh,
-                            in_specs=(spec_t, spec_t, ep_spec, ep_spec, spec_t),
+                            in_specs=(spec_t, spec_t, ep_spec, ep_spec, spec_t,
+                                      jax.tree.map(lambda _: ep_spec, q0)),
                             out_specs=spec_t, check_vma=True)
 
-    def ex_chain(n, state, gs, ct):
+    def ex_chain(n, state, gs, ct, q):
         def body(i, c):
             rr, ew, _, _, l_prev = c
             g_s = jnp.where(l_prev > -3e38, gs, 0)
             l, (gr, gew) = jax.value_and_grad(
-                lambda rr, ew: jnp.sum(ex_loss(rr, g_s, *ew, ct)), argnums=(0, 1))(rr, ew)
+                lambda rr, ew: jnp.sum(ex_loss(rr, g_s, *ew, ct, q)), argnums=(0, 1))(rr, ew)
             return _touch(rr, l), _touch(ew, l), gr, gew, l
         rr, ew, gr, gew = state
         rr, ew, gr, gew, l = jax.lax.fori_loop(0, n, body,
@@ -1284,13 +1304,14 @@ def _experts_stage(job, rows, gs, ew, ct_rows, valid_rows):
 
     # zero gradients of the gradients' types (fp8 rows get a bf16 cotangent)
     grad_types = jax.eval_shape(lambda rr, ew: jax.grad(
-        lambda rr, ew: jnp.sum(ex_loss(rr, gs, *ew, ct_rows)), argnums=(0, 1))(rr, ew), rows, ew)
+        lambda rr, ew: jnp.sum(ex_loss(rr, gs, *ew, ct_rows, q0)), argnums=(0, 1))(rr, ew),
+        rows, ew)
     gr0, gw0 = jax.jit(lambda: jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), grad_types),
                        out_shardings=jax.tree.map(lambda a: a.sharding, (rows, ew)))()
     ex_fn = jax.jit(ex_chain, static_argnums=(0,) if job.static_all else (),
                     donate_argnums=(1,))
     med, p10, p90, comp, reps, _, ex_state = job.measure(
-        ex_fn, (rows, ew, gr0, gw0), (gs, ct_rows), job.spec["steps"], job.static_all)
+        ex_fn, (rows, ew, gr0, gw0), (gs, ct_rows, q0), job.spec["steps"], job.static_all)
     # useful FLOPs: the routed (token, expert) pairs (N * K, the router picks K
     # distinct experts), not the rows in groups, which include the
     # expert_alignment padding rows

@@ -229,20 +229,32 @@ def routed_experts_grouped(x, gate_up, down, group_sizes, gmm_config=None):
     return grouped_matmul(h.astype(down.dtype), down, group_sizes, config=gmm_config)
 
 
-def routed_experts_fp8(x, x_scales, gate_up, down, group_sizes, gmm_config=None):
+def routed_experts_fp8(x, x_scales, gate_up, down, group_sizes, gmm_config=None,
+                       quantized=None):
     """The SwiGLU experts in fp8: ``x [C, H]`` e4m3 with ``x_scales [C, H/128]``
     (fp8 dispatch's rows), ``gate_up [L, H, 2F]`` and ``down [L, F, H]`` (bf16 /
     f32, quantized here to 128 x 128 blocks: under ``jit`` XLA fuses that with
     the transpose the fp8 kernel wants) -> bf16 ``[C, H]`` (zero past
     ``sum(group_sizes)``). The SwiGLU output is cast per row and 128 columns
-    (dispatch's cast) for the down projection."""
-    gu_q, gu_s = jax_ep.quantize_weights(gate_up)
-    dn_q, dn_s = jax_ep.quantize_weights(down)
+    (dispatch's cast) for the down projection. ``quantized``: this rank's
+    ``{"gate_up": (q, s), "down": (q, s)}`` made earlier
+    (:func:`quantize_experts`), used instead of quantizing here."""
+    quantized = quantized or {}
+    gu_q, gu_s = jax_ep.quantize_weights(gate_up, quantized=quantized.get("gate_up"))
+    dn_q, dn_s = jax_ep.quantize_weights(down, quantized=quantized.get("down"))
     h = silu_mul(grouped_matmul(x, gu_q, group_sizes, x_scales=x_scales, w_scales=gu_s,
                                 config=gmm_config))
     h_q, h_s = jax_ep.quantize_activations(h)
     return grouped_matmul(h_q, dn_q, group_sizes, x_scales=h_s, w_scales=dn_s,
                           config=gmm_config)
+
+
+def quantize_experts(experts: dict) -> dict:
+    """``{"gate_up": (q, s), "down": (q, s)}``: the routed experts' weights
+    (``params["experts"]``) quantized to fp8 with 128 x 128 block scales, for
+    ``moe_block(experts_fp8=...)``; under ``jit`` the results keep the
+    weights' expert sharding."""
+    return {k: jax_ep.quantize_weights(experts[k]) for k in ("gate_up", "down")}
 
 
 def routed_experts_local(x, gate_up, down, group_sizes):
@@ -254,15 +266,17 @@ def routed_experts_local(x, gate_up, down, group_sizes):
 
 
 def routed_experts(x, gate_up, down, group_sizes, expert_impl: str = "grouped",
-                   expert_capacity: Optional[int] = None, gmm_config=None, x_scales=None):
+                   expert_capacity: Optional[int] = None, gmm_config=None, x_scales=None,
+                   quantized=None):
     """Routed SwiGLU experts on one rank's ``expert_major`` rows: ``x [C, H]``,
     ``gate_up [L, H, 2F]``, ``down [L, F, H]``, ``group_sizes [L]`` -> (y
     ``[C, H]``, rows dropped by a padded capacity, int32). ``gmm_config``: the
     ``GroupedMatmulConfig`` of ``"grouped"`` / ``"grouped_fp8"``; ``x_scales``:
-    the scales of an fp8 ``x`` (``"grouped_fp8"``)."""
+    the scales of an fp8 ``x`` and ``quantized`` the weights quantized earlier
+    (``"grouped_fp8"``: :func:`routed_experts_fp8`)."""
     if expert_impl == "grouped_fp8":
-        return (routed_experts_fp8(x, x_scales, gate_up, down, group_sizes, gmm_config),
-                jnp.int32(0))
+        return (routed_experts_fp8(x, x_scales, gate_up, down, group_sizes, gmm_config,
+                                   quantized), jnp.int32(0))
     if expert_impl == "grouped":
         return (routed_experts_grouped(x, gate_up, down, group_sizes, gmm_config),
                 jnp.int32(0))
@@ -318,10 +332,11 @@ def make_ep_config(cfg: MoEConfig, tokens_per_rank: int, ep_axis: str = "ep",
 def routed_ep(experts: dict, x: jax.Array, topk_idx: jax.Array, topk_w: jax.Array,
               mesh: Mesh, ep_cfg: jax_ep.EpConfig, token_axes: Sequence[str],
               expert_impl: str = "grouped", expert_capacity: Optional[int] = None,
-              gmm_config=None):
+              gmm_config=None, experts_fp8=None):
     """The routed part: ``shard_map`` over ``token_axes`` with dispatch ->
     SwiGLU experts -> combine. Global ``x [N, H]`` -> (``[N, H]``, dropped
-    pairs ``[num_devices]`` int32, one count per device)."""
+    pairs ``[num_devices]`` int32, one count per device). ``experts_fp8``:
+    :func:`quantize_experts` of ``experts`` (``"grouped_fp8"``), sharded as they are."""
     tok = P(tuple(token_axes))
     ep = P(ep_cfg.axis_name)
     if expert_impl not in EXPERT_IMPLS:
@@ -329,7 +344,7 @@ def routed_ep(experts: dict, x: jax.Array, topk_idx: jax.Array, topk_w: jax.Arra
     if ep_cfg.layout != "expert_major":
         raise ValueError("the MoE block needs EpConfig.layout='expert_major'")
 
-    def per_rank(x, idx, w, gate_up, down):
+    def per_rank(x, idx, w, gate_up, down, quantized):
         d = jax_ep.dispatch(x, idx, w, ep_cfg)
         cap = expert_capacity
         if expert_impl == "padded" and cap is None:
@@ -337,25 +352,26 @@ def routed_ep(experts: dict, x: jax.Array, topk_idx: jax.Array, topk_w: jax.Arra
             R = jax.lax.axis_size(ep_cfg.axis_name)
             cap = min(d.x.shape[0], R * x.shape[0])
         y, over = routed_experts(d.x, gate_up, down, d.group_sizes, expert_impl, cap,
-                                 gmm_config, d.x_scales)
+                                 gmm_config, d.x_scales, quantized)
         dropped = d.num_dropped + over
         # fp8 experts: their bf16 output goes into combine as is
         y = y if expert_impl == "grouped_fp8" else y.astype(x.dtype)
         out = jax_ep.combine(y, d, ep_cfg)
         return out, dropped.reshape(1)
 
+    fp8_specs = jax.tree.map(lambda _: ep, experts_fp8)
     fn = jax.shard_map(per_rank, mesh=mesh,
-                       in_specs=(tok, tok, tok, ep, ep),
+                       in_specs=(tok, tok, tok, ep, ep, fp8_specs),
                        out_specs=(tok, tok), check_vma=True)
-    args = (x, topk_idx, topk_w, experts["gate_up"], experts["down"])
+    args = (x, topk_idx, topk_w, experts["gate_up"], experts["down"], experts_fp8)
     explicit = _explicit_axes(mesh)
     if not explicit:  # Auto axes: shard_map moves the operands where they must be
         return fn(*args)
     # Explicit-sharding mesh: move the operands ourselves and put the result back
     # where x was, so the caller sees no change of sharding.
     x_spec = jax.typeof(x).sharding.spec
-    args = tuple(jax.sharding.reshard(a, NamedSharding(mesh, s))
-                 for a, s in zip(args, (tok, tok, tok, ep, ep)))
+    args = jax.tree.map(lambda a, s: jax.sharding.reshard(a, NamedSharding(mesh, s)), args,
+                        (tok, tok, tok, ep, ep, fp8_specs))
     out, dropped = fn(*args)
     return jax.sharding.reshard(out, NamedSharding(mesh, x_spec)), dropped
 
@@ -379,7 +395,7 @@ def moe_block(params: dict, bias: jax.Array, x: jax.Array, cfg: MoEConfig, mesh:
               *, ep_axis: str = "ep", token_axes: Optional[Sequence[str]] = None,
               backend: str = "auto", ep_overrides: Optional[dict] = None,
               expert_impl: str = "grouped", expert_capacity: Optional[int] = None,
-              gmm_config=None):
+              gmm_config=None, experts_fp8=None):
     """The MoE FFN block through jax_ep. Call under ``jax.jit``.
 
     Args:
@@ -402,6 +418,10 @@ def moe_block(params: dict, bias: jax.Array, x: jax.Array, cfg: MoEConfig, mesh:
       expert_capacity: rows per local expert of ``"padded"``.
       gmm_config: ``jax_ep.gmm.GroupedMatmulConfig`` of ``"grouped"`` /
         ``"grouped_fp8"`` (None: the defaults).
+      experts_fp8: ``"grouped_fp8"``: :func:`quantize_experts` of
+        ``params["experts"]`` made earlier (once per optimizer step for its
+        micro-batches, or for inference), used instead of quantizing the
+        expert weights in every call; gradients still reach ``params``.
 
     Returns:
       ``(out [..., H], aux)`` with ``aux = {"load": [E] int32 tokens per expert,
@@ -418,7 +438,8 @@ def moe_block(params: dict, bias: jax.Array, x: jax.Array, cfg: MoEConfig, mesh:
     ep_cfg = make_ep_config(cfg, N // n_dev, ep_axis, backend, expert_impl,
                             **(ep_overrides or {}))
     routed, dropped = routed_ep(params["experts"], xf.astype(cfg.dtype), idx, w, mesh, ep_cfg,
-                                token_axes, expert_impl, expert_capacity, gmm_config)
+                                token_axes, expert_impl, expert_capacity, gmm_config,
+                                experts_fp8)
     out = routed.astype(F32)
     if "shared" in params:
         s = params["shared"]

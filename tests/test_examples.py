@@ -141,6 +141,28 @@ def test_moe_block_fp8_near_dense():
         assert rel(a, b) < 0.1, (jax.tree_util.keystr(path), rel(a, b))
 
 
+def test_moe_block_fp8_with_experts_quantized_earlier():
+    """moe_block(experts_fp8=quantize_experts(...)) on an (data, ep) mesh: the
+    same value and gradients, bit for bit, as quantizing in the step."""
+    cfg = ml.MoEConfig(d_model=128, d_ff=128, num_experts=8, topk=3, n_groups=4, topk_groups=2,
+                       score_func="sigmoid", route_scale=2.5, n_shared=0)
+    mesh = ml.make_mesh((2, 4), ("data", "ep"))
+    params = ml.shard_params(ml.init_moe_params(jax.random.key(0), cfg), mesh)
+    bias = ml.init_routing_bias(cfg)
+    x = jax.random.normal(jax.random.key(1), (4, 16, 128), jnp.float32)
+
+    def loss(p, fp8):
+        out, _ = ml.moe_block(p, bias, x, cfg, mesh, backend="reference",
+                              expert_impl="grouped_fp8", experts_fp8=fp8)
+        return jnp.sum(out * out)
+
+    grad = jax.jit(jax.value_and_grad(loss))
+    here = grad(params, None)
+    earlier = grad(params, jax.jit(ml.quantize_experts)(params["experts"]))
+    for a, b in zip(jax.tree.leaves(here), jax.tree.leaves(earlier)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.slow
 def test_fused_gate_up(monkeypatch):
     """gate_up [E, H, 2F] holds gate | up; the grouped path runs ONE grouped matmul for both."""
@@ -279,16 +301,21 @@ def test_layer_bench_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_layer_bench_fp8_smoke(tmp_path):
-    """bench/moe_layer_step.py's fp8 row beside the bf16 jax_ep row: both run,
-    the same layer's losses agree to fp8's precision, the summary compares them."""
-    _, rows = _layer_bench(tmp_path, "--impls", "jax_ep,jax_ep_fp8", "--hidden", "128",
-                           "--d-ff", "128")
-    assert set(rows) == {"jax_ep", "jax_ep_fp8"}
+    """bench/moe_layer_step.py's fp8 rows (weights quantized in the step, and
+    once outside it) beside the bf16 jax_ep row: all run, the same layer's
+    losses agree to fp8's precision (the two fp8 rows exactly), the summary
+    compares both with bf16."""
+    _, rows = _layer_bench(tmp_path, "--impls", "jax_ep,jax_ep_fp8,jax_ep_fp8_wq", "--hidden",
+                           "128", "--d-ff", "128")
+    assert set(rows) == {"jax_ep", "jax_ep_fp8", "jax_ep_fp8_wq"}
     for r in rows.values():
         assert not r.get("error") and not r.get("stage_error"), r
         assert all(k in r for k in ("layer_s", "comm_s", "experts_s")), r
     np.testing.assert_allclose(rows["jax_ep_fp8"]["loss"], rows["jax_ep"]["loss"], rtol=5e-2)
-    assert "x** jax_ep's bf16 layer" in (tmp_path / "moe_layer_step.md").read_text()
+    assert rows["jax_ep_fp8_wq"]["loss"] == rows["jax_ep_fp8"]["loss"]
+    table = (tmp_path / "moe_layer_step.md").read_text()
+    assert "jax_ep_fp8 " in table and "jax_ep_fp8_wq " in table
+    assert table.count("x** jax_ep's bf16 layer") == 2
 
 
 def test_multinode_model_smoke(tmp_path):
