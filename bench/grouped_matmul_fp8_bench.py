@@ -25,11 +25,11 @@ layer pays beside the bf16 one:
 - ``bf16 fwd+bwd``: ``grouped_matmul`` and its gradients (dx, dw) in bf16;
 - ``fp8 fwd+bwd, w quantized in the call``: the fp8 layer's expert matmul as
   the layer runs it (``x`` cast as dispatch casts it, ``w`` quantized to
-  128 x 128 blocks, the forward and dx in fp8, dw in bf16), ``x`` and ``w``
-  chained so both casts run in every call;
-- ``fp8 fwd+bwd, w quantized once``: the same with only ``x`` chained, so XLA
-  hoists the loop-invariant weight quantization out of the chain (weights
-  quantized less often than used: inference, gradient accumulation);
+  128 x 128 blocks, the forward and dx in fp8, dw in bf16), ``x``, ``w`` and
+  ``dy`` chained so every cast runs in every call;
+- ``fp8 fwd+bwd, w quantized once``: the same with ``w`` left out of the
+  chain, so XLA hoists the loop-invariant weight quantization out of it
+  (weights quantized less often than used: inference, gradient accumulation);
 - ``..., dw fp8``: the same two with ``GroupedMatmulConfig(fp8_dw=True)``;
 - ``dw bf16`` / ``dw fp8`` / ``dw fp8 kernel``: dw alone: the bf16 kernel on
   ``x * xs`` and ``dy`` rounded to bf16 (what the default fp8 path runs); the
@@ -62,6 +62,7 @@ import jax.numpy as jnp  # noqa: E402
 import jax_ep  # noqa: E402
 from grouped_matmul_bench import G, M, PROJ, group_sizes, per_call_ms  # noqa: E402
 from jax_ep.gmm import GroupedMatmulConfig, fp8_columns  # noqa: E402
+from jax_ep.gmm import fp8 as gm_fp8  # noqa: E402
 from jax_ep.gmm.ops import offsets, tgmm  # noqa: E402
 from jax_ep.gmm.pallas_fp8 import gmm_fp8_nt  # noqa: E402
 from jax_ep.gmm.pallas_fp8_dw import tgmm_fp8_nt  # noqa: E402
@@ -151,13 +152,14 @@ def step_rows(proj, reps):
     t, gbs = {}, {}
     # the chained operand (first) is recomputed from in every call; the others are
     # loop-invariant, and XLA hoists what depends on them alone
-    t["bf16 fwd+bwd"] = per_call_ms(lambda xw, d: bf16(*xw, d), ((x, w), dy), 2, 6, reps)
+    # dy is chained too: its casts (dx's, and dw's with fp8_dw) run in every call
+    t["bf16 fwd+bwd"] = per_call_ms(lambda xwd: bf16(*xwd), ((x, w, dy),), 2, 6, reps)
     for tag, cfg in (("", GroupedMatmulConfig()), (", dw fp8", GroupedMatmulConfig(fp8_dw=True))):
         fp8 = grads(fp8_y(cfg))
         t[f"fp8 fwd+bwd{tag}, w quantized in the call"] = per_call_ms(
-            lambda xw, d, f=fp8: f(*xw, d), ((x, w), dy), 2, 6, reps)
+            lambda xwd, f=fp8: f(*xwd), ((x, w, dy),), 2, 6, reps)
         t[f"fp8 fwd+bwd{tag}, w quantized once"] = per_call_ms(
-            lambda x_, w_, d, f=fp8: f(x_, w_, d), (x, w, dy), 2, 6, reps)
+            lambda xd, w_, f=fp8: f(xd[0], w_, xd[1]), ((x, dy), w), 2, 6, reps)
     t.update(dw_rows(x, gs, dy, reps))
     one_layout = w.size * (w.dtype.itemsize + 1)   # bytes: read bf16, write fp8
     quant = {"quantize w gkn": (lambda w_: jax_ep.quantize_weights(w_), 1),
@@ -175,24 +177,16 @@ def step_rows(proj, reps):
 def dw_rows(x, gs, dy, reps):
     """dw alone: bf16 (the default fp8 path's), fp8 with its recast, the fp8 kernel alone."""
     xq, xs = jax_ep.quantize_activations(x)
-    m = x.shape[0]
-    off = offsets(gs, m)
-    seg = fp8_columns.segments(off)
-    p = fp8_columns.padded_length(m, gs.shape[0])
+    fp8_dw = GroupedMatmulConfig(fp8_dw=True)
 
     def dw_bf16(x_, d):
         return tgmm(dequantize_rows(x_, xs).astype(jnp.bfloat16), d, gs)
 
-    def dw_fp8(x_, d):
-        a, a_s = fp8_columns.cast_columns_t(dequantize_rows(x_, xs), off, seg, p)
-        c, c_s = fp8_columns.cast_columns_t(d, off, seg, p)
-        return tgmm_fp8_nt(a, a_s, c, c_s, seg)
-
-    a, a_s = fp8_columns.cast_columns_t(dequantize_rows(xq, xs), off, seg, p)
-    c, c_s = fp8_columns.cast_columns_t(dy, off, seg, p)
-    # both operands chained: each call recasts both
+    a, a_s, c, c_s, seg = fp8_columns.dw_operands(xq, xs, dy, gs)
+    # x and dy chained: each call recasts both (the kernel alone: none)
     return {"dw bf16": per_call_ms(lambda xd: dw_bf16(*xd), ((xq, dy),), 2, 6, reps),
-            "dw fp8": per_call_ms(lambda xd: dw_fp8(*xd), ((xq, dy),), 2, 6, reps),
+            "dw fp8": per_call_ms(lambda xd: gm_fp8.dw_fp8(fp8_dw, xd[0], xs, gs, xd[1]),
+                                  ((xq, dy),), 2, 6, reps),
             "dw fp8 kernel": per_call_ms(lambda ac: tgmm_fp8_nt(ac[0], a_s, ac[1], c_s, seg),
                                          ((a, c),), 2, 6, reps)}
 

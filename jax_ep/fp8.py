@@ -132,6 +132,7 @@ def column_blocks_cast(x, scale_format: str = "f32"):
     """``x [R, C]`` -> (``q [R, C]`` e4m3, ``scales [R/128, C]`` f32): one scale
     per 128 rows of each column, :func:`fp8_cast`'s rounding rules (the fp8
     path's dw operands, whose contraction runs along the rows)."""
+    _check_format("column_blocks_cast", scale_format)
     R, C = x.shape
     xf = x.astype(F32).reshape(R // FP8_BLOCK, FP8_BLOCK, C)
     amax = jnp.maximum(jnp.max(jnp.abs(xf), axis=1), F32(1e-4))

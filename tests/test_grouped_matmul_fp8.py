@@ -170,7 +170,7 @@ def test_gradients_match_the_dequantized_model(case, fp8_dx, fp8_dw):
     dw_bound = np.stack([np.abs(xd[off[g]:off[g + 1]]).T @ np.abs(ct[off[g]:off[g + 1]])
                          for g in range(G)])
     if fp8_dw:
-        _check_fp8_dw(dw, mdw, dw_bound, xd, ct, sizes)
+        _check_fp8_dw(dw, mdw, dw_bound, (x, xs, dy), sizes)
     else:
         assert_per_product(dw, mdw, dw_bound, 1e-2, "dw (bf16)")
     if not fp8_dx:
@@ -187,16 +187,13 @@ def test_gradients_match_the_dequantized_model(case, fp8_dx, fp8_dw):
     assert np.all(np.asarray(dx, np.float32)[tot:] == 0)
 
 
-def _check_fp8_dw(dw, mdw, dw_bound, xd, ct, sizes):
-    """fp8 dw: exactly the model of the operands recast per column and 128
-    rows of their group (``fp8_columns``); e4m3's rounding of both (at most
-    2^-4 of each element) from the unrounded model."""
-    m = xd.shape[0]
-    off = gm_ops.offsets(jnp.asarray(sizes, jnp.int32), m)
-    seg = fp8_columns.segments(off)
-    p = fp8_columns.padded_length(m, len(sizes))
-    cols = [np.asarray(dequantize_columns(*fp8_columns.cast_columns_t(
-        jnp.asarray(v, jnp.float32), off, seg, p)), np.float64) for v in (xd, ct)]
+def _check_fp8_dw(dw, mdw, dw_bound, operands, sizes):
+    """fp8 dw: exactly the model of the operands (x, xs, dy) recast per column
+    and 128 rows of their group (``fp8_columns``); e4m3's rounding of both (at
+    most 2^-4 of each element) from the unrounded model."""
+    a, a_s, c, c_s, seg = fp8_columns.dw_operands(*operands[:2], operands[2],
+                                                  jnp.asarray(sizes, jnp.int32))
+    cols = [np.asarray(dequantize_columns(q, s), np.float64) for q, s in ((a, a_s), (c, c_s))]
     s = np.asarray(seg)
     model = np.stack([cols[0][:, s[g]:s[g + 1]] @ cols[1][:, s[g]:s[g + 1]].T
                       for g in range(len(sizes))])
@@ -645,13 +642,10 @@ def test_fp8_dw_kernel_interpret_matches_reference():
     m, k, n = 640, 384, 256
     sizes = jnp.asarray([128, 250, 0, 90], jnp.int32)
     rng = np.random.default_rng(11)
-    x = jnp.asarray(outliers(rng, (m, k))).at[468:].set(jnp.nan)
+    xq, xs = jax_ep.quantize_activations(jnp.asarray(outliers(rng, (m, k))))
+    xq, xs = xq.at[468:].set(jnp.nan), xs.at[468:].set(jnp.nan)
     dy = jnp.asarray(rng.standard_normal((m, n)), jnp.float32).at[468:].set(jnp.inf)
-    off = gm_ops.offsets(sizes, m)
-    seg = fp8_columns.segments(off)
-    p = fp8_columns.padded_length(m, 4)
-    a, a_s = fp8_columns.cast_columns_t(x, off, seg, p)
-    c, c_s = fp8_columns.cast_columns_t(dy, off, seg, p)
+    a, a_s, c, c_s, seg = fp8_columns.dw_operands(xq, xs, dy, sizes)
     got = np.asarray(pallas_fp8_dw.tgmm_fp8_nt(a, a_s, c, c_s, seg, out_dtype=jnp.float32,
                                                interpret=True))
     want = np.asarray(tgmm_fp8_nt_xla(a, a_s, c, c_s, seg, jnp.float32))

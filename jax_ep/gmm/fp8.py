@@ -14,8 +14,10 @@ The forward and dx run in the fp8 kernel's NT form (``ops_nt``): forward
 as stored (``"gnk"``); dx ``(dy_q * dys) @ ((w * ws)[g])`` with ``dy`` cast
 as dispatch casts (``GroupedMatmulConfig.fp8_dx``; else in bf16) against
 ``w`` as stored (``"gkn"``) or ``w^T`` (``"gnk"``). dw runs in bf16 (``tgmm``
-on ``x * xs`` rounded to bf16): ``x``'s per-row scales vary along dw's
-contraction (the rows), so they cannot be applied after an fp8 product.
+on ``x * xs`` rounded to bf16), or with ``GroupedMatmulConfig.fp8_dw`` in the
+fp8 dw kernel's form: ``x``'s per-row scales vary along dw's contraction (the
+rows), so they cannot be applied after an fp8 product; ``x * xs`` and ``dy``
+are recast per column and 128 rows of their group (``fp8_columns``).
 """
 from __future__ import annotations
 
@@ -165,7 +167,7 @@ def _dw(cfg, w_layout, x, xs, group_sizes, dy):
     in ``w_layout``: on bf16 operands, or (``cfg.fp8_dw``) on both recast to
     fp8 per column and 128 rows of their group."""
     if cfg.fp8_dw:
-        dw = _dw_fp8(cfg, x, xs, group_sizes, dy)
+        dw = dw_fp8(cfg, x, xs, group_sizes, dy)
     else:
         xd = dequantize_rows(x, xs).astype(BF16)
         dw = tgmm(xd, dy.astype(BF16), group_sizes, config=cfg, out_dtype=BF16)
@@ -173,14 +175,10 @@ def _dw(cfg, w_layout, x, xs, group_sizes, dy):
     return dw if w_layout == "gkn" else jnp.swapaxes(dw, 1, 2)
 
 
-def _dw_fp8(cfg, x, xs, group_sizes, dy):
-    """dw on the fp8 dw kernel (``pallas_fp8_dw``): rows regrouped onto
-    128-row blocks, transposed and cast per column (``fp8_columns``)."""
-    m = x.shape[0]
-    off = offsets(group_sizes, m)
-    seg = fp8_columns.segments(off)
-    p = fp8_columns.padded_length(m, group_sizes.shape[0])
-    a, a_s = fp8_columns.cast_columns_t(dequantize_rows(x, xs), off, seg, p)
-    c, c_s = fp8_columns.cast_columns_t(dy, off, seg, p)
+def dw_fp8(cfg, x, xs, group_sizes, dy):
+    """dw on the fp8 dw kernel (``pallas_fp8_dw``, or its XLA contract): rows
+    regrouped onto 128-row blocks, transposed and cast per column
+    (``fp8_columns``) -> ``[G, K, N]`` bf16."""
+    a, a_s, c, c_s, seg = fp8_columns.dw_operands(x, xs, dy, group_sizes)
     variant = plan_fp8(cfg, "dw", a, a_s, c, c_s, BF16)
     return variant.launch(a, a_s, c, c_s, seg, BF16, cfg.interpret, 1)

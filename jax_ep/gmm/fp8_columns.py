@@ -1,4 +1,4 @@
-"""The fp8 dw kernel's operands: the rows of ``x`` (or ``dy``) regrouped so
+"""The fp8 dw kernel's operands: the rows of ``x`` and ``dy`` regrouped so
 that each group starts on a 128-row block (the gaps zero), cast per column
 per 128 rows, and transposed (dw contracts the rows; fp8 WGMMA reads K-major
 operands only). ``pallas_fp8_dw`` multiplies them."""
@@ -7,6 +7,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from ..fp8 import FP8_BLOCK, column_blocks_cast
+from .ops import offsets as row_offsets
+from .xla import dequantize_rows
 
 
 def padded_length(m: int, groups: int) -> int:
@@ -24,10 +26,9 @@ def segments(offsets):
     return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(padded)]).astype(jnp.int32)
 
 
-def regroup_rows(x, offsets, seg, p: int):
-    """``[P, C]``: regrouped row ``seg[g] + i`` is ``x[offsets[g] + i]`` for ``i
-    < size of g``; every other row is zero (a select: rows past the groups'
-    end may hold NaN and are never read)."""
+def regroup_index(offsets, seg, p: int):
+    """(``src [P]``, ``valid [P]``): regrouped row ``seg[g] + i`` is source row
+    ``offsets[g] + i`` for ``i < size of g``; the others are not valid."""
     g_count = offsets.shape[0] - 1
     pos = jnp.arange(p, dtype=jnp.int32)
     # compare_all: one fused elementwise kernel ([P, G] compares), not a loop
@@ -35,13 +36,32 @@ def regroup_rows(x, offsets, seg, p: int):
     gc = jnp.minimum(g, g_count - 1)
     i = pos - seg[gc]
     valid = (g < g_count) & (i < offsets[gc + 1] - offsets[gc])
-    src = jnp.clip(offsets[gc] + i, 0, x.shape[0] - 1)
-    return jnp.where(valid[:, None], x[src], jnp.zeros((), x.dtype))
+    return jnp.clip(offsets[gc] + i, 0, offsets[-1] - 1), valid
 
 
-def cast_columns_t(x, offsets, seg, p: int, scale_format: str = "f32"):
-    """``x [M, C]`` -> (``q [C, P]`` e4m3, ``scales [P/128, C]`` f32): the rows
-    regrouped (:func:`regroup_rows`), cast per column per 128 rows, ``q``
-    transposed."""
-    q, s = column_blocks_cast(regroup_rows(x, offsets, seg, p), scale_format)
+def regroup(x, index):
+    """``x``'s rows at ``index`` (:func:`regroup_index`), zero where not valid
+    (a select: rows past the groups' end may hold NaN and are never read)."""
+    src, valid = index
+    return jnp.where(valid[:, None], x[jnp.maximum(src, 0)], jnp.zeros((), x.dtype))
+
+
+def cast_columns_t(rows, scale_format: str = "f32"):
+    """Regrouped ``rows [P, C]`` -> (``q [C, P]`` e4m3, ``scales [P/128, C]``
+    f32): cast per column per 128 rows, ``q`` transposed."""
+    q, s = column_blocks_cast(rows, scale_format)
     return q.T, s
+
+
+def dw_operands(x, xs, dy, group_sizes):
+    """dw's operands for ``pallas_fp8_dw.tgmm_fp8_nt``: ``x [M, K]`` e4m3 with
+    its row scales ``xs [M, K/128]`` (regrouped as fp8 and dequantized inside
+    the cast: one byte per element moves), ``dy [M, N]`` -> ``(a [K, P], as
+    [P/128, K], c [N, P], cs [P/128, N], segments [G+1])``."""
+    m = x.shape[0]
+    off = row_offsets(group_sizes, m)
+    seg = segments(off)
+    index = regroup_index(off, seg, padded_length(m, group_sizes.shape[0]))
+    a, a_s = cast_columns_t(dequantize_rows(regroup(x, index), regroup(xs, index)))
+    c, c_s = cast_columns_t(regroup(dy, index))
+    return a, a_s, c, c_s, seg

@@ -123,6 +123,15 @@ def zero_rows_outside(plgpu, ref, width, s, bk, lead, size):
     ref[...] = jnp.where((r >= lead) & (r < lead + size), v, jnp.zeros_like(v))
 
 
+def dealt_tiles(g, n_tiles: int, units: int):
+    """(``t0``, ``cnt``): this unit's first tile of group ``g``'s ``n_tiles``
+    and how many it gets, the tiles dealt round-robin over ``units`` SMs (or
+    clusters), the deal rotated per group so the remainders spread."""
+    rot = lax.rem(g * jnp.int32(n_tiles % units), jnp.int32(units))
+    t0 = lax.rem(lax.axis_index("sm") - rot + units, jnp.int32(units))
+    return t0, round_robin_count(n_tiles, t0, units)
+
+
 def round_robin_count(n, first, nsm: int):
     """int32: how many of ``n`` items dealt round-robin over ``nsm`` SMs fall to
     the SM whose first item is ``first`` (items ``first, first + nsm, ...``)."""

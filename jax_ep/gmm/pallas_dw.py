@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .pallas_common import (EPILOGUE_ROWS, carried_acc_context, cluster_member, dw_transforms,
-                            flush_on_last_step, kernel_params, multicast_axes, num_sms,
-                            pallas_modules, round_robin_count, step_has_outside_rows,
-                            transposed, two_consumer_kernel, zero_rows_outside)
+from .pallas_common import (EPILOGUE_ROWS, carried_acc_context, cluster_member, dealt_tiles,
+                            dw_transforms, flush_on_last_step, kernel_params, multicast_axes,
+                            num_sms, pallas_modules, step_has_outside_rows, transposed,
+                            two_consumer_kernel, zero_rows_outside)
 
 
 def tgmm_pallas(x, dy, offsets, tiles, out_dtype, interpret):
@@ -203,9 +203,7 @@ def _group_geometry(pl, off_ref, g, sh):
     nsm, bk = sh.nsm, sh.bk
     start = off_ref[g]
     size = off_ref[g + 1] - start
-    rot = lax.rem(g * jnp.int32(sh.n_tiles % nsm), jnp.int32(nsm))
-    t0 = lax.rem(lax.axis_index("sm") - rot + nsm, jnp.int32(nsm))
-    cnt = round_robin_count(sh.n_tiles, t0, nsm)
+    t0, cnt = dealt_tiles(g, sh.n_tiles, nsm)
     astart = pl.multiple_of(lax.div(start, jnp.int32(8)) * 8, 8)
     lead = start - astart
     nsteps = lax.div(size + lead + (bk - 1), jnp.int32(bk))

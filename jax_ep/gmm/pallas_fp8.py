@@ -162,7 +162,7 @@ def _kernel(m, kc, n, tiles, out_dtype, cluster, interpret):
                 plgpu.emit_pipeline_warp_specialized(
                     step, grid=(mine, ksteps), memory_registers=40, in_specs=specs,
                     wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=tiles.stages,
-                    compute_context=lambda run: run(_zero_carry(plgpu, half, bn)),
+                    compute_context=lambda run: run(zero_sum(plgpu, half, bn)),
                 )(x_ref, v_ref, xs_ref, vs_ref)
 
             @pl.when(wg < 2)
@@ -216,8 +216,8 @@ def _in_specs(pl, plgpu, tile, rs_ref, g_ref, dims, tiles, cluster):
             plgpu.BlockSpec((pl.Element(kbp),), vs_index)]
 
 
-def _zero_carry(plgpu, half, bn):
-    """The consumer's carry: the tile's f32 sum."""
+def zero_sum(plgpu, half, bn):
+    """The consumer's carry: the tile's f32 sum, in the WGMMA layout."""
     return plgpu.layout_cast(jnp.zeros((half, bn), jnp.float32), plgpu.Layout.WGMMA)
 
 

@@ -37,9 +37,9 @@ from jax import lax
 
 from ..fp8 import FP8_BLOCK
 from .devices import device_info
-from .pallas_common import (dw_transforms, num_sms, pallas_modules, round_robin_count,
-                            transposed, two_consumer_kernel)
-from .pallas_fp8 import SMEM_SLACK, load_vector
+from .pallas_common import (dealt_tiles, dw_transforms, num_sms, pallas_modules, transposed,
+                            two_consumer_kernel)
+from .pallas_fp8 import SMEM_SLACK, load_vector, zero_sum
 from .tiles import FwdTiles
 
 # 128 x 128 tiles, one scale block of the contraction per stage: 33 KB a stage
@@ -139,9 +139,7 @@ def _group(pl, plgpu, st, g, seg_ref, gmem, store, wg):
     zeros for an empty group."""
     blk0 = lax.div(seg_ref[g], jnp.int32(FP8_BLOCK))
     nsteps = lax.div(seg_ref[g + 1], jnp.int32(FP8_BLOCK)) - blk0
-    rot = lax.rem(g * jnp.int32(st.n_tiles % st.units), jnp.int32(st.units))
-    t0 = lax.rem(lax.axis_index("sm") - rot + st.units, jnp.int32(st.units))
-    cnt = round_robin_count(st.n_tiles, t0, st.units)
+    t0, cnt = dealt_tiles(g, st.n_tiles, st.units)
     tile_of = _tile_of(plgpu, st)
 
     def tile(j):
@@ -154,8 +152,7 @@ def _group(pl, plgpu, st, g, seg_ref, gmem, store, wg):
             step, grid=(cnt, nsteps), memory_registers=40, in_specs=_in_specs(pl, plgpu, st, tile,
                                                                              blk0),
             wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=st.stages,
-            compute_context=lambda run: run(plgpu.layout_cast(
-                jnp.zeros((st.half, st.bn), jnp.float32), plgpu.Layout.WGMMA)),
+            compute_context=lambda run: run(zero_sum(plgpu, st.half, st.bn)),
         )(*gmem)
 
     @pl.when((nsteps <= 0) & (cnt > 0) & (wg < 2))

@@ -181,8 +181,8 @@ def test_api_pallas_matches_reference_with_grads(w_layout, fp8_dx, fp8_cluster):
 @pytest.mark.parametrize("kind,total", [("uniform", 2048), ("skew", 2048), ("unaligned", 1901)])
 def test_fp8_dw_kernel_matches_reference(kind, total):
     """``tgmm_fp8_nt`` (f32 out) against ``tgmm_fp8_nt_xla`` on operands
-    regrouped and recast by ``fp8_columns``, x's tail NaN, dy's Inf; an empty
-    group's dw is zero."""
+    regrouped and recast by ``fp8_columns``, x's tail scales NaN, dy's tail
+    Inf; an empty group's dw is zero."""
     from jax_ep.gmm import fp8_columns
     from jax_ep.gmm.pallas_fp8_dw import tgmm_fp8_nt
     from jax_ep.gmm.xla import tgmm_fp8_nt_xla
@@ -190,13 +190,10 @@ def test_fp8_dw_kernel_matches_reference(kind, total):
     m, g, k, n = 2048, 8, 512, 384
     sizes = sizes_for(kind, g, total)
     kx, kd = jax.random.split(jax.random.key(21))
-    x = outliers(kx, (m, k)).at[total:].set(jnp.nan)
+    xq, xs = block_quant(outliers(kx, (m, k)), 1, False)
+    xs = xs.at[total:].set(jnp.nan)
     dy = jax.random.normal(kd, (m, n)).at[total:].set(jnp.inf)
-    off = offsets(jnp.asarray(sizes, jnp.int32), m)
-    seg = fp8_columns.segments(off)
-    p = fp8_columns.padded_length(m, g)
-    a, a_s = fp8_columns.cast_columns_t(x, off, seg, p)
-    c, c_s = fp8_columns.cast_columns_t(dy, off, seg, p)
+    a, a_s, c, c_s, seg = fp8_columns.dw_operands(xq, xs, dy, jnp.asarray(sizes, jnp.int32))
     got = np.asarray(jax.jit(lambda *o: tgmm_fp8_nt(*o, out_dtype=jnp.float32))(a, a_s, c, c_s,
                                                                                  seg))
     want = np.asarray(jax.jit(lambda *o: tgmm_fp8_nt_xla(*o, jnp.float32))(a, a_s, c, c_s, seg))
