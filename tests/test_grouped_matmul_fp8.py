@@ -441,6 +441,10 @@ def test_quantizer_and_config_errors():
         jax_ep.quantize_weights(jnp.zeros((128, 128)))
     with pytest.raises(ValueError, match="fp8_dx"):
         GroupedMatmulConfig(fp8_dx=1)
+    with pytest.raises(ValueError, match="fp8_dw must be a bool"):
+        GroupedMatmulConfig(fp8_dw="yes")
+    with pytest.raises(ValueError, match=r"fp8_kernel must be one of \('pallas', 'cuda'\)"):
+        GroupedMatmulConfig(fp8_kernel="triton")
     for bad in (3, 0, True):
         with pytest.raises(ValueError, match="fp8_cluster must be None, 1 or 2"):
             GroupedMatmulConfig(fp8_cluster=bad)
@@ -451,6 +455,39 @@ def test_quantizer_and_config_errors():
 
 
 # ------------------------------------------------------------------ the kernel's glue
+
+def test_cuda_kernel_plan_and_its_ffi_call(monkeypatch):
+    """``fp8_kernel="cuda"``: without the native extension ``"pallas"`` mode is
+    one error naming it and ``"auto"`` runs the reference; with it, the forward
+    and dx plan the CUDA variant, whose call lowers (for CUDA) to one custom
+    call of ``jax_ep_gmm_fp8_nt`` on the row scales block-major, the weight
+    scales padded to 4 and the forward's row-tile table."""
+    from jax_ep import extension
+    from jax_ep.gmm import cuda_fp8
+
+    x, xs, w, ws, gs, _ = make(SIZES["skew_empty_nan_tail"], layout="gnk")
+    cfg = GroupedMatmulConfig(impl="pallas", fp8_kernel="cuda")
+    monkeypatch.setattr(extension, "load", lambda: None)
+    with pytest.raises(ValueError, match="needs the native extension"):
+        select.plan_fp8(cfg, "fwd", x, xs, w, ws, jnp.bfloat16)
+    assert select.plan_fp8(dataclasses.replace(cfg, impl="auto"), "fwd", x, xs, w, ws,
+                           jnp.bfloat16) is registry.FP8_XLA
+    monkeypatch.setattr(extension, "load", lambda: object())
+    for op in ("fwd", "dx"):
+        assert select.plan_fp8(cfg, op, x, xs, w, ws, jnp.bfloat16) is registry.FP8_CUDA
+    assert "writes bfloat16/float32" in registry.FP8_CUDA.check("fwd", x, xs, w, ws, jnp.float16)
+    off = gm_ops.offsets(jnp.asarray(gs), M)
+    text = jax.jit(lambda *a: cuda_fp8.gmm_fp8_nt_cuda(*a)).trace(
+        x, xs, w, ws, off).lower(lowering_platforms=("cuda",)).as_text()
+    call = [ln for ln in text.splitlines() if "jax_ep_gmm_fp8_nt" in ln]
+    assert len(call) == 1, call
+    kb = K // 128
+    for operand in (f"tensor<{M}x{K}xf8E4M3FN>", f"tensor<{kb}x{M}xf32>",
+                    f"tensor<{G}x{N}x{K}xf8E4M3FN>", f"tensor<{G}x{N // 128}x4xf32>",
+                    "tensor<2xi32>", f"tensor<{M}x{N}xbf16>"):
+        assert operand in call[0], (operand, call[0])
+
+
 
 def _nt_reference(calls):
     """A stand-in for pallas_fp8.gmm_fp8_nt: the XLA reference of its contract,

@@ -16,6 +16,7 @@ from .tuning import DW_PIPELINES
 GROUP_ALIGNMENT = 64
 
 _IMPLS = ("auto", "pallas", "xla")
+FP8_KERNELS = ("pallas", "cuda")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +79,11 @@ class GroupedMatmulConfig:
         products' magnitudes); the training example's ``--fp8`` loss stays
         within 1.6% of bf16's over the first 12 steps (1.4% with dw in bf16).
         Off by default until its speed is measured.
-      fp8_cluster: CTAs per cluster of the fp8 kernel (forward and fp8 dx):
+      fp8_kernel: which kernel runs the fp8 path's forward and fp8 dx:
+        ``"pallas"`` (default; ``pallas_fp8``, Mosaic GPU) or ``"cuda"``
+        (``cuda_fp8``: the native extension's kernel, one producer thread and
+        the tile's sum zeroed once per tile; same contract and tiles).
+      fp8_cluster: CTAs per cluster of the Pallas fp8 kernel (forward and fp8 dx):
         None (default: the device's tuned choice, ``heuristic.fp8_cluster``;
         on an H200 single CTAs, pairs not yet measured ahead), 1,
         or 2 (CTA pairs own adjacent ``128``-column tiles of one row tile and
@@ -98,6 +103,7 @@ class GroupedMatmulConfig:
     dw_pipeline: Optional[str] = None
     fp8_dx: bool = True
     fp8_dw: bool = False
+    fp8_kernel: str = "pallas"
     fp8_cluster: Optional[int] = None
 
     def __post_init__(self):
@@ -105,6 +111,8 @@ class GroupedMatmulConfig:
             raise ValueError(f"dw_pipeline must be one of {DW_PIPELINES}, got {self.dw_pipeline!r}")
         if self.impl not in _IMPLS:
             raise ValueError(f"impl must be one of {_IMPLS}, got {self.impl!r}")
+        if self.fp8_kernel not in FP8_KERNELS:
+            raise ValueError(f"fp8_kernel must be one of {FP8_KERNELS}, got {self.fp8_kernel!r}")
         for name in ("fp8_dx", "fp8_dw"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from ..fp8 import FP8_BLOCK
-from . import pallas_fp8, pallas_fp8_dw
+from . import cuda_fp8, pallas_fp8, pallas_fp8_dw
 from .devices import DeviceInfo
 from .pallas_common import EPILOGUE_ROWS
 from .pallas_dw import tgmm_pallas, tgmm_pallas_ring, tgmm_pallas_ws
@@ -265,6 +265,16 @@ FP8_PALLAS = Fp8Variant(
                                                               out_dtype=od, cluster=c,
                                                               interpret=i),
     _fp8_probe, "the dequantizing XLA reference", pallas_fp8.check_fp8_nt)
+def _fp8_cuda_probe(op, tiles, dt, cluster):
+    fn, shapes = _fp8_probe(op, tiles, dt, cluster)
+    return ((lambda x, xs, v, vs, o: cuda_fp8.gmm_fp8_nt_cuda(x, xs, v, vs, o)), shapes)
+
+
+# the same contract as FP8_PALLAS, run by the CUDA kernel of the native extension
+FP8_CUDA = Fp8Variant(
+    "gmm_fp8_cuda", ("fwd", "dx"), _HOPPER, ("bfloat16", "float32"),
+    lambda x, xs, v, vs, off, od, i, c: cuda_fp8.gmm_fp8_nt_cuda(x, xs, v, vs, off, out_dtype=od),
+    _fp8_cuda_probe, "the dequantizing XLA reference", cuda_fp8.check_fp8_nt_cuda)
 FP8_XLA = Fp8Variant(
     "fp8_xla", ("fwd", "dx"), (), None,
     lambda x, xs, v, vs, off, od, i, c: gmm_fp8_nt_xla(x, xs, v, vs, off, od))
@@ -290,7 +300,7 @@ FP8_DW_XLA = Fp8Variant(
     lambda a, a_s, c, c_s, seg, od, i, cl: tgmm_fp8_nt_xla(a, a_s, c, c_s, seg, od))
 
 VARIANTS = {v.name: v for v in (GMM, GMM_WS, TGMM, TGMM_WS, TGMM_RING, XLA, FP8_PALLAS,
-                                FP8_DW_PALLAS)}
+                                FP8_CUDA, FP8_DW_PALLAS)}
 
 # The 1-warpgroup kernel of each op: its constraints decide whether the op
 # runs on Pallas at all; the 2-consumer kernels are preferred where they fit.

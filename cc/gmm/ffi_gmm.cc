@@ -1,0 +1,92 @@
+// XLA FFI target of the fp8 grouped matmul's CUDA kernel
+// (jax_ep/gmm/cuda_fp8.py): jax_ep_gmm_fp8_nt, one kernel (gmm/fp8_nt.cu) on
+// XLA's stream. It needs no runtime (no jax_ep.initialize()).
+//
+// Operands: x [M, Kc] e4m3, xs_t [Kc/128, M] f32, v [G, N, Kc] e4m3, vs [G,
+// N/128, KBp] f32 (KBp: Kc/128 rounded up to 4), and the int32 row-tile table
+// row_start, lo, hi, group [T] with counts [2] (gmm/kernels.h). Attribute:
+// num_sms (CTAs; 0: one per SM). Result: out [M, N] bf16 or f32.
+#include <string>
+
+#include "common/ffi_common.h"
+#include "gmm/kernels.h"
+
+namespace jax_ep {
+
+namespace {
+
+constexpr const char* kOp = "gmm_fp8_nt";
+
+ffi::Error Shapes(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& xs_t,
+                  const ffi::AnyBuffer& v, const ffi::Buffer<ffi::F32>& vs,
+                  const ffi::AnyBuffer& out, GmmFp8Args* a) {
+  auto xd = x.dimensions(), sd = xs_t.dimensions(), vd = v.dimensions(), wd = vs.dimensions(),
+       od = out.dimensions();
+  if (x.element_type() != ffi::F8E4M3FN || v.element_type() != ffi::F8E4M3FN)
+    return InvalidArgument(std::string(kOp) + ": x and v must be float8_e4m3fn");
+  if (out.element_type() != ffi::BF16 && out.element_type() != ffi::F32)
+    return InvalidArgument(std::string(kOp) + ": the result must be bfloat16 or float32");
+  if (xd.size() != 2 || vd.size() != 3 || sd.size() != 2 || wd.size() != 3 || od.size() != 2)
+    return InvalidArgument(std::string(kOp) + ": expected x [M, Kc], xs_t [Kc/128, M], "
+                           "v [G, N, Kc], vs [G, N/128, KBp], out [M, N]");
+  a->m = static_cast<int>(xd[0]);
+  a->kc = static_cast<int>(xd[1]);
+  a->groups = static_cast<int>(vd[0]);
+  a->n = static_cast<int>(vd[1]);
+  a->kb_pad = static_cast<int>(wd[2]);
+  if (vd[2] != xd[1] || sd[0] * 128 != xd[1] || sd[1] != xd[0] || wd[0] != vd[0] ||
+      wd[1] * 128 != vd[1] || od[0] != xd[0] || od[1] != vd[1])
+    return InvalidArgument(std::string(kOp) + ": operand shapes disagree (x [M, Kc], "
+                           "xs_t [Kc/128, M], v [G, N, Kc], vs [G, N/128, KBp], out [M, N])");
+  const std::string why = gmm_fp8_shape_error(*a);
+  if (!why.empty()) return InvalidArgument(std::string(kOp) + ": " + why);
+  return ffi::Error::Success();
+}
+
+ffi::Error GmmFp8NtImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> xs_t,
+                        ffi::AnyBuffer v, ffi::Buffer<ffi::F32> vs,
+                        ffi::Buffer<ffi::S32> row_start, ffi::Buffer<ffi::S32> lo,
+                        ffi::Buffer<ffi::S32> hi, ffi::Buffer<ffi::S32> group,
+                        ffi::Buffer<ffi::S32> counts, int32_t num_sms,
+                        ffi::Result<ffi::AnyBuffer> out) {
+  GmmFp8Args a;
+  JAX_EP_RETURN_IF_ERROR(Shapes(x, xs_t, v, vs, *out, &a));
+  if (counts.element_count() != 2 || lo.element_count() != row_start.element_count() ||
+      hi.element_count() != row_start.element_count() ||
+      group.element_count() != row_start.element_count())
+    return InvalidArgument(std::string(kOp) + ": the row-tile table must be four int32 [T] "
+                           "arrays and counts [2]");
+  a.x = x.untyped_data();
+  a.xs_t = xs_t.typed_data();
+  a.v = v.untyped_data();
+  a.vs = vs.typed_data();
+  a.row_start = row_start.typed_data();
+  a.lo = lo.typed_data();
+  a.hi = hi.typed_data();
+  a.group = group.typed_data();
+  a.counts = counts.typed_data();
+  a.out = out->untyped_data();
+  a.out_f32 = out->element_type() == ffi::F32;
+  a.num_sms = num_sms;
+  JAX_EP_CUDA_RETURN(launch_gmm_fp8_nt(a, stream));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+}  // namespace jax_ep
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGmmFp8Nt, jax_ep::GmmFp8NtImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<jax_ep::Stream>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // x [M, Kc] e4m3
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // xs_t [Kc/128, M]
+                                  .Arg<xla::ffi::AnyBuffer>()              // v [G, N, Kc] e4m3
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // vs [G, N/128, KBp]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // row_start [T]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // lo [T]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // hi [T]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // group [T]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // counts [2]
+                                  .Attr<int32_t>("num_sms")  // CTAs (0: one per SM)
+                                  .Ret<xla::ffi::AnyBuffer>());  // out [M, N] bf16 / f32

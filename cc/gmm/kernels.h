@@ -1,0 +1,41 @@
+// Host interface of the grouped-matmul kernels (jax_ep.gmm, CUDA backend).
+//
+// fp8 NT grouped matmul, the contract of jax_ep/gmm/pallas_fp8.py:
+//   out[rows of g] = (x * xs)[rows of g] @ ((v * vs)[g])^T
+// x [M, Kc] e4m3, xs [M, Kc/128] f32 (per row, per 128 of the contraction), v
+// [G, N, Kc] e4m3, vs [G, N/128, Kc/128] f32 (128 x 128 blocks), f32
+// accumulation promoted every 128 of the contraction, out [M, N] bf16 or f32.
+// The rows come as the forward's row-tile table (jax_ep/gmm/pallas_common.py
+// row_tiles): tile f loads rows [row_start[f], +128) and stores [lo[f], hi[f])
+// of group group[f]; group -1: zeros (rows past the groups' end).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace jax_ep {
+
+struct GmmFp8Args {
+  const void* x = nullptr;          // [m, kc] e4m3
+  const float* xs_t = nullptr;      // [kc/128, m]: the row scales, block-major
+  const void* v = nullptr;          // [groups, n, kc] e4m3
+  const float* vs = nullptr;        // [groups, n/128, kb_pad]: kb_pad = kc/128 rounded up to 4
+  const int32_t* row_start = nullptr;   // the row-tile table, [tiles]
+  const int32_t* lo = nullptr;
+  const int32_t* hi = nullptr;
+  const int32_t* group = nullptr;
+  const int32_t* counts = nullptr;  // [2]: group tiles, then tail tiles, first in the table
+  void* out = nullptr;              // [m, n]
+  bool out_f32 = false;             // else bf16
+  int m = 0, kc = 0, n = 0, groups = 0, kb_pad = 0;
+  int num_sms = 0;                  // CTAs (persistent); 0: one per SM
+};
+
+// Why the kernel cannot run these shapes ("" if it can): multiples of 128,
+// m % 8 == 0 and m >= 128, kb_pad % 4 == 0.
+const char* gmm_fp8_shape_error(const GmmFp8Args& a);
+
+cudaError_t launch_gmm_fp8_nt(const GmmFp8Args& a, cudaStream_t stream);
+
+}  // namespace jax_ep

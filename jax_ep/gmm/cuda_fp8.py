@@ -1,0 +1,63 @@
+"""The fp8 grouped matmul's CUDA kernel (``cc/gmm/fp8_nt.cu``, XLA FFI target
+``jax_ep_gmm_fp8_nt``): the contract of :func:`pallas_fp8.gmm_fp8_nt`,
+
+``out[rows of g] = (x · xs)[rows of g] @ ((v · vs)[g])^T``
+
+built the way DeepGEMM builds its SM90 fp8 GEMMs rather than through Pallas: one
+producer thread issues the TMA loads, two consumer warpgroups zero the tile's
+f32 sum once per tile and promote each 128-wide k-step's WGMMA product with one
+FMA per register (the Pallas kernel's producer runs its index maps on four
+warps and its consumers select the sum away on every tile's first step: that
+kernel is bound by instruction issue). Same row-tile table, same tiles
+(128 x 128 x 128), same promotion, so the same bits up to the order of the
+WGMMA's internal sums. Needs the native extension (``jax_ep._C``) and a Hopper GPU.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import extension
+from .._ffi import result_type
+from ..fp8 import FP8_BLOCK
+from ..mesh_axes import to_vma, vma_of
+from .pallas_common import row_tiles
+from .pallas_fp8 import check_fp8_nt
+
+TARGET = "jax_ep_gmm_fp8_nt"
+VS_BOX = 4   # weight scales per TMA box: the last dim padded to a multiple
+
+
+def check_fp8_nt_cuda(x, xs, v, vs) -> Optional[str]:
+    """None if the CUDA kernel runs these operands, else why not."""
+    if extension.load() is None:
+        return f"the CUDA kernel needs the native extension: {extension.error()}"
+    return check_fp8_nt(x, xs, v, vs)
+
+
+def gmm_fp8_nt_cuda(x, xs, v, vs, offsets, *, out_dtype=None, num_sms: int = 0):
+    """``[M, Nout]`` in ``out_dtype`` (bfloat16 default, or float32); ``x [M,
+    Kc]`` e4m3, ``xs [M, Kc/128]`` f32, ``v [G, Nout, Kc]`` e4m3, ``vs [G,
+    Nout/128, Kc/128]`` f32, ``offsets`` int32 ``[G+1]`` (``ops.offsets``);
+    rows past ``offsets[-1]`` are zero. ``num_sms``: CTAs (0: one per SM)."""
+    err = check_fp8_nt_cuda(x, xs, v, vs)
+    if err is not None:
+        raise ValueError(f"gmm_fp8_nt_cuda: {err}")
+    out_dtype = jnp.dtype(out_dtype or jnp.bfloat16)
+    if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise ValueError(f"gmm_fp8_nt_cuda: writes bfloat16 or float32, not {out_dtype}")
+    m, kc = x.shape
+    kb = kc // FP8_BLOCK
+    rs, lo, hi, grp = row_tiles(offsets, m, 128)
+    used = hi > lo
+    counts = jnp.stack([jnp.sum(used & (grp >= 0)), jnp.sum(used & (grp < 0))]).astype(jnp.int32)
+    xs_t = xs.astype(jnp.float32).T                                  # a tile's scales: one run
+    vs = jnp.pad(vs.astype(jnp.float32), ((0, 0), (0, 0), (0, -kb % VS_BOX)))
+    ops = (x, xs_t, v, vs, rs, lo, hi, grp, counts)
+    axes = frozenset().union(*(vma_of(a) for a in ops))
+    ops = tuple(to_vma(a, axes) for a in ops)
+    out = result_type((m, v.shape[1]), out_dtype, vma=axes)
+    return jax.ffi.ffi_call(TARGET, out)(*ops, num_sms=np.int32(num_sms))
