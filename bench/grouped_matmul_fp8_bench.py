@@ -14,7 +14,8 @@ of one table, one run:
   ``w [G, K, N]`` (the forward transposes the fp8 weight first), when the API has it;
 - ``fp8 nt [name]``: a kernel variant's ``gmm_fp8_nt`` (``--variants
   name=module``, e.g. a copy of ``pallas_fp8.py`` as ``jax_ep.gmm.pallas_fp8_x``)
-  in the same run, its output compared bit for bit with ``fp8 nt``'s;
+  in the same run, its output compared bit for bit with ``fp8 nt``'s; ``fp8
+  nt [cuda]``: the native extension's kernel (``cuda_fp8``) where it is built;
 - ``bf16``: ``jax_ep.grouped_matmul`` on bf16 operands;
 - ``dense fp8`` / ``dense bf16``: XLA's ``x @ w[0]`` over the same rows (fp8:
   e4m3 operands, bf16 out; XLA:GPU calls cuBLASLt), the roofs.
@@ -61,9 +62,11 @@ import jax.numpy as jnp  # noqa: E402
 
 import jax_ep  # noqa: E402
 from grouped_matmul_bench import G, M, PROJ, group_sizes, per_call_ms  # noqa: E402
+from jax_ep import extension  # noqa: E402
 from jax_ep.gmm import GroupedMatmulConfig, fp8_columns  # noqa: E402
 from jax_ep.gmm import fp8 as gm_fp8  # noqa: E402
 from jax_ep.gmm.ops import offsets, tgmm  # noqa: E402
+from jax_ep.gmm.cuda_fp8 import gmm_fp8_nt_cuda  # noqa: E402
 from jax_ep.gmm.pallas_fp8 import gmm_fp8_nt  # noqa: E402
 from jax_ep.gmm.pallas_fp8_dw import tgmm_fp8_nt  # noqa: E402
 from jax_ep.gmm.tiles import FwdTiles  # noqa: E402
@@ -108,8 +111,11 @@ def rows_for(proj, kind, reps, clusters=(1,), variants=None):
         t[nt_name(c)] = per_call_ms(
             lambda a, s, v, vsc, g, c=c: gmm_fp8_nt(a, s, v, vsc, offsets(g, M), cluster=c),
             (xq, xs, vq, vs, gs), 2, 6, reps)
-    ref = gmm_fp8_nt(xq, xs, vq, vs, offsets(gs, M)) if variants else None
-    for name, kernel in (variants or {}).items():
+    kernels = dict(variants or {})
+    if extension.load() is not None:   # the native extension's kernel: row "fp8 nt [cuda]"
+        kernels["cuda"] = gmm_fp8_nt_cuda
+    ref = gmm_fp8_nt(xq, xs, vq, vs, offsets(gs, M)) if kernels else None
+    for name, kernel in kernels.items():
         same = _same_bits(ref, kernel(xq, xs, vq, vs, offsets(gs, M)), int(jnp.sum(gs)))
         print(f"fp8 nt [{name}] ({proj}, {kind}): bits equal to fp8 nt: {same}", flush=True)
         t[f"fp8 nt [{name}]" + ("" if same else " (bits differ)")] = per_call_ms(

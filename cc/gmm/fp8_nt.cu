@@ -27,6 +27,7 @@ constexpr int kConsumers = 2;                       // warpgroups, 64 rows each
 constexpr int kThreads = 128 * (kConsumers + 1);    // + the producer warpgroup
 constexpr uint32_t kTileBytes = kBM * kBK;          // an x or v tile: 16 KB of e4m3
 constexpr int kVsBox = 4;                           // weight scales per TMA box (16 bytes)
+constexpr int kVsSlot = 32;                         // floats: a TMA destination is 128-byte aligned
 constexpr uint32_t kStageTx = 2 * kTileBytes + kBM * 4 + kVsBox * 4;
 
 // The stage ring in dynamic shared memory (1024-byte aligned: the swizzle).
@@ -34,7 +35,7 @@ struct Ring {
   uint8_t* x;        // [kStages][kTileBytes]
   uint8_t* v;        // [kStages][kTileBytes]
   float* xs;         // [kStages][kBM]
-  float* vs;         // [kStages][kVsBox]
+  float* vs;         // [kStages][kVsSlot], the first kVsBox used
   uint64_t* full;    // [kStages]: loaded
   uint64_t* empty;   // [kStages]: released by both consumers
 
@@ -44,13 +45,13 @@ struct Ring {
     r.v = r.x + kStages * kTileBytes;
     r.xs = reinterpret_cast<float*>(r.v + kStages * kTileBytes);
     r.vs = r.xs + kStages * kBM;
-    r.full = reinterpret_cast<uint64_t*>(r.vs + kStages * kVsBox);
+    r.full = reinterpret_cast<uint64_t*>(r.vs + kStages * kVsSlot);
     r.empty = r.full + kStages;
     return r;
   }
 };
 constexpr size_t kSmemBytes =
-    1024 + 2 * kStages * kTileBytes + kStages * (kBM + kVsBox) * 4 + 2 * kStages * 8;
+    1024 + 2 * kStages * kTileBytes + kStages * (kBM + kVsSlot) * 4 + 2 * kStages * 8;
 
 struct Maps {
   CUtensorMap x, v, xs, vs;
@@ -82,7 +83,7 @@ __device__ void produce(const GmmFp8Args& a, const Maps& maps, const Ring& ring,
       sm90::tma_load_2d(ring.x + s * kTileBytes, &maps.x, &ring.full[s], k * kBK, tl.row_start);
       sm90::tma_load_2d(ring.v + s * kTileBytes, &maps.v, &ring.full[s], k * kBK, v_row);
       sm90::tma_load_2d(ring.xs + s * kBM, &maps.xs, &ring.full[s], tl.row_start, k);
-      sm90::tma_load_2d(ring.vs + s * kVsBox, &maps.vs, &ring.full[s], k, vs_row);
+      sm90::tma_load_2d(ring.vs + s * kVsSlot, &maps.vs, &ring.full[s], k, vs_row);
     }
   }
 }
@@ -125,7 +126,7 @@ __device__ void consume(const GmmFp8Args& a, const Ring& ring, int tiles, int gr
         sm90::wgmma_m64n128k32_e4m3(prod, da + 2 * kk, db + 2 * kk, kk > 0);
       sm90::wgmma_commit();
       // the scales while the tensor core runs
-      const float w_scale = ring.vs[s * kVsBox];
+      const float w_scale = ring.vs[s * kVsSlot];
       const float s0 = ring.xs[s * kBM + row] * w_scale;
       const float s1 = ring.xs[s * kBM + row + 8] * w_scale;
       sm90::wgmma_wait<0>();

@@ -9,7 +9,9 @@ scales, empty and skewed groups, unaligned totals, NaN tail rows; on 1-CTA
 clusters and CTA pairs (``cluster=2``: the x tile multicast; ``Nout % 256 != 0``
 falls back to 1), whose output is the 1-CTA kernel's, bit for bit. The fp8
 dw kernel (``jax_ep.gmm.pallas_fp8_dw``) against its XLA contract, and the
-public call with ``fp8_dw``.
+public call with ``fp8_dw``. The native extension's fp8 kernel
+(``jax_ep.gmm.cuda_fp8``) under the forward kernel's checks, and bit for bit
+against it.
 """
 import jax
 import jax.numpy as jnp
@@ -71,13 +73,18 @@ def reference(x, xs, v, vs, sizes):
     return out, mag
 
 
-def run(x, xs, v, vs, gs, out_dtype=jnp.bfloat16, cluster=1):
+def run(x, xs, v, vs, gs, out_dtype=jnp.bfloat16, cluster=1, kernel="pallas"):
+    """The Pallas kernel, or (``kernel="cuda"``) the native extension's."""
+    if kernel == "cuda":
+        from jax_ep.gmm.cuda_fp8 import gmm_fp8_nt_cuda
+        return jax.jit(lambda *a: gmm_fp8_nt_cuda(*a, offsets(gs, x.shape[0]),
+                                                  out_dtype=out_dtype))(x, xs, v, vs)
     return jax.jit(lambda *a: gmm_fp8_nt(*a, offsets(gs, x.shape[0]), out_dtype=out_dtype,
                                          cluster=cluster))(x, xs, v, vs)
 
 
-def check(x, xs, v, vs, gs, out_dtype=jnp.bfloat16, cluster=1):
-    out = run(x, xs, v, vs, gs, out_dtype, cluster)
+def check(x, xs, v, vs, gs, out_dtype=jnp.bfloat16, cluster=1, kernel="pallas"):
+    out = run(x, xs, v, vs, gs, out_dtype, cluster, kernel)
     ref, mag = reference(x, xs, v, vs, np.asarray(gs))
     o = np.asarray(out, np.float64)
     tot = int(np.sum(gs))
@@ -223,3 +230,37 @@ def test_api_fp8_dw_matches_reference():
     want = np.asarray(jax.jit(lambda: dw("xla"))(), np.float32)
     assert np.all(np.isfinite(got))
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+
+
+def _native():
+    from jax_ep import extension
+    if extension.load() is None:
+        pytest.skip(f"needs the native extension: {extension.error()}")
+
+
+@pytest.mark.parametrize("kind,total", [("uniform", 2048), ("skew", 2048), ("unaligned", 1901)])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_cuda_fp8_kernel_small(kind, total, pow2):
+    """The native extension's fp8 kernel (``cuda_fp8``) under the same checks."""
+    _native()
+    check(*case(2048, 8, 512, 384, sizes_for(kind, 8, total), pow2), kernel="cuda")
+
+
+def test_cuda_fp8_kernel_f32_out_empty_and_v3_down():
+    _native()
+    sizes = np.array([0, 300, 0, 0, 129, 7, 0, 1], np.int32)
+    check(*case(1024, 8, 256, 256, sizes, False, seed=3), out_dtype=jnp.float32, kernel="cuda")
+    check(*case(1024, 8, 256, 256, np.zeros(8, np.int32), False, seed=4), kernel="cuda")
+    g, m = 32, 8192
+    check(*case(m, g, 2048, 7168, sizes_for("skew", g, m), True, seed=5), kernel="cuda")
+
+
+@pytest.mark.parametrize("kind,n", [("skew", 512), ("unaligned", 768)])
+def test_cuda_fp8_kernel_is_bitwise_the_pallas_kernel(kind, n):
+    """Same tiles, the same four 64 x 128 x 32 WGMMAs per k-step, the same
+    promotion (one FMA of the product and xs * vs into the sum, from zero):
+    the same bits as the Pallas kernel."""
+    _native()
+    ops = case(2048, 8, 1024, n, sizes_for(kind, 8, 1901), False, seed=9)
+    np.testing.assert_array_equal(np.asarray(run(*ops, kernel="cuda"), np.float32),
+                                  np.asarray(run(*ops), np.float32))
