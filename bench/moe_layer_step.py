@@ -25,9 +25,11 @@ fused gate_up weight ``[E, H, 2F]`` (shared: ``[H, 2S]``). Implementations (``--
   dequantizing reference (a warning says so). The summary gives its layer
   time against jax_ep's bf16 layer.
 * ``jax_ep_fp8_wq`` (optional): the same with the expert weights quantized
-  once, outside the timed steps (``moe_layer.quantize_experts`` ->
-  ``moe_block(experts_fp8=...)``): what a step pays when one quantization
-  serves several micro-batches (the gradients still reach the bf16 weights).
+  once in both layouts, outside the timed steps (``moe_layer.quantize_experts``
+  -> ``moe_block(experts_fp8=...)``, the forward reading the K-major copy
+  through ``grouped_matmul(w_transposed=...)``): what a step pays when one
+  quantization serves several micro-batches (the gradients still reach the
+  bf16 weights).
 
 The faster XLA layer of each (config, T) is the baseline.
 

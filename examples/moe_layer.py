@@ -237,24 +237,31 @@ def routed_experts_fp8(x, x_scales, gate_up, down, group_sizes, gmm_config=None,
     the transpose the fp8 kernel wants) -> bf16 ``[C, H]`` (zero past
     ``sum(group_sizes)``). The SwiGLU output is cast per row and 128 columns
     (dispatch's cast) for the down projection. ``quantized``: this rank's
-    ``{"gate_up": (q, s), "down": (q, s)}`` made earlier
-    (:func:`quantize_experts`), used instead of quantizing here."""
-    quantized = quantized or {}
-    gu_q, gu_s = jax_ep.quantize_weights(gate_up, quantized=quantized.get("gate_up"))
-    dn_q, dn_s = jax_ep.quantize_weights(down, quantized=quantized.get("down"))
+    :func:`quantize_experts` made earlier, used instead of quantizing here
+    (both layouts: no transpose in the step either)."""
+    def weights(name, w):
+        if quantized is None:
+            return jax_ep.quantize_weights(w), None
+        q = quantized[name]
+        return jax_ep.quantize_weights(w, quantized=q["gkn"]), q["gnk"]
+
+    (gu_q, gu_s), gu_t = weights("gate_up", gate_up)
+    (dn_q, dn_s), dn_t = weights("down", down)
     h = silu_mul(grouped_matmul(x, gu_q, group_sizes, x_scales=x_scales, w_scales=gu_s,
-                                config=gmm_config))
+                                w_transposed=gu_t, config=gmm_config))
     h_q, h_s = jax_ep.quantize_activations(h)
     return grouped_matmul(h_q, dn_q, group_sizes, x_scales=h_s, w_scales=dn_s,
-                          config=gmm_config)
+                          w_transposed=dn_t, config=gmm_config)
 
 
 def quantize_experts(experts: dict) -> dict:
-    """``{"gate_up": (q, s), "down": (q, s)}``: the routed experts' weights
-    (``params["experts"]``) quantized to fp8 with 128 x 128 block scales, for
-    ``moe_block(experts_fp8=...)``; under ``jit`` the results keep the
+    """``{"gate_up": {"gkn": (q, s), "gnk": (q, s)}, "down": ...}``: the routed
+    experts' weights (``params["experts"]``) quantized to fp8 with 128 x 128
+    block scales in both layouts (the forward reads ``"gnk"``, dx ``"gkn"``),
+    for ``moe_block(experts_fp8=...)``; under ``jit`` the results keep the
     weights' expert sharding."""
-    return {k: jax_ep.quantize_weights(experts[k]) for k in ("gate_up", "down")}
+    return {k: {layout: jax_ep.quantize_weights(experts[k], layout=layout)
+                for layout in ("gkn", "gnk")} for k in ("gate_up", "down")}
 
 
 def routed_experts_local(x, gate_up, down, group_sizes):

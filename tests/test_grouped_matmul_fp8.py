@@ -250,6 +250,40 @@ def test_quantize_weights_reuses_an_earlier_quantization(layout):
         jax_ep.quantize_weights(w, layout=layout, quantized=other)
 
 
+@pytest.mark.parametrize("layout", ["gkn", "gnk"])
+def test_w_transposed_gives_the_same_bits(layout):
+    """``w_transposed`` (the weights quantized in the other layout) stands in
+    for the transpose: the same value and gradients, bit for bit, with fp8 dx
+    (which reads it for ``"gnk"``) and bf16 dx; no gradient reaches it; a
+    mismatched pair, or one given to the bf16 path, is one error."""
+    rng = np.random.default_rng(9)
+    wf = jnp.asarray(rng.standard_normal((G, K, N)), jnp.float32)
+    x, xs, *_ = make(SIZES["skew_empty_nan_tail"], seed=9)
+    gs = np.asarray(SIZES["skew_empty_nan_tail"], np.int32)
+    dy = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
+    other = "gnk" if layout == "gkn" else "gkn"
+
+    def run(w, fp8_dx, transposed):
+        cfg = GroupedMatmulConfig(fp8_dx=fp8_dx)
+        def f(x_, w_):
+            q, s = jax_ep.quantize_weights(w_, layout=layout)
+            wt = jax_ep.quantize_weights(w_, layout=other) if transposed else None
+            return gmm8(x_, xs, q, s, gs, w_layout=layout, w_transposed=wt, config=cfg,
+                        preferred_element_type=jnp.float32)
+        y, vjp = jax.vjp(f, x, w)
+        return (y,) + vjp(dy)
+
+    for fp8_dx in (True, False):
+        want, got = run(wf, fp8_dx, False), jax.jit(run, static_argnums=(1, 2))(wf, fp8_dx, True)
+        for a, b in zip(want, got):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    q, s = jax_ep.quantize_weights(wf, layout=layout)
+    with pytest.raises(ValueError, match=rf"w_transposed must be .*layout={other!r}"):
+        gmm8(x, xs, q, s, gs, w_layout=layout, w_transposed=(q, s))
+    with pytest.raises(ValueError, match="w_transposed is the fp8 path's"):
+        jax_ep.grouped_matmul(jnp.ones((M, K)), wf, gs, w_transposed=(q, s))
+
+
 def test_jit_shard_map_check_vma():
     devs = jax.devices()
     if len(devs) < 8:

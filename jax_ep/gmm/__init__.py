@@ -48,7 +48,8 @@ and ``[G, N/128, K/128]``. Output ``Σ_k (x·xs)(w·ws)`` accumulated in f32,
 bf16 unless ``preferred_element_type``. The fp8 kernel (``pallas_fp8``,
 Hopper) takes both operands K-major: the forward runs it on ``w^T`` for
 ``"gkn"`` (a transpose XLA fuses into the quantization when both are in one
-jit) and on ``w`` for ``"gnk"``; dx (``GroupedMatmulConfig.fp8_dx``, default
+jit; ``w_transposed=`` hands it the K-major copy made earlier) and on ``w``
+for ``"gnk"``; dx (``GroupedMatmulConfig.fp8_dx``, default
 in fp8: ``dy`` cast as dispatch casts it) on ``w`` for ``"gkn"`` and ``w^T``
 for ``"gnk"``; dw in bf16 through ``tgmm`` on ``x·xs`` rounded to bf16
 (``x``'s per-row scales vary along dw's contraction and cannot be applied

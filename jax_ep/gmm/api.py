@@ -19,7 +19,7 @@ __all__ = ["grouped_matmul", "gmm", "tgmm"]
 
 
 def grouped_matmul(x, w, group_sizes, *, x_scales=None, w_scales=None, w_layout: str = "gkn",
-                   preferred_element_type=None,
+                   w_transposed=None, preferred_element_type=None,
                    config: Optional[GroupedMatmulConfig] = None,
                    impl: Optional[str] = None):
     """Grouped matmul ``out[rows of g] = x[rows of g] @ w[g]``; tail rows zero.
@@ -46,6 +46,11 @@ def grouped_matmul(x, w, group_sizes, *, x_scales=None, w_scales=None, w_layout:
         weight K-major: with ``"gkn"`` the forward transposes ``w`` (XLA fuses
         that into the quantization when both are in one jit), with ``"gnk"``
         dx does. The bf16 path transposes a ``"gnk"`` weight.
+      w_transposed: fp8 path: ``(q, scales)``, the same weights in the other
+        layout (``jax_ep.quantize_weights(w_master, layout=<the other>)``,
+        e.g. made once per optimizer step), used where the kernel wants that
+        layout instead of transposing ``w`` in every call. No gradient flows
+        into it (the gradient reaches the weights through ``w``).
       preferred_element_type: output dtype (default ``x.dtype``; fp8: bf16);
         accumulation is always f32.
       config: a :class:`GroupedMatmulConfig` (default ``GroupedMatmulConfig()``).
@@ -69,9 +74,13 @@ def grouped_matmul(x, w, group_sizes, *, x_scales=None, w_scales=None, w_layout:
         w_scales = None if w_scales is None else jnp.asarray(w_scales)
         out_dtype = jnp.dtype(preferred_element_type or jnp.bfloat16)
         _fp8.check_operands(x, x_scales, w, w_scales, w_layout, out_dtype)
+        w_t = _fp8.check_transposed(w, w_layout, w_transposed)
         return _fp8.grouped_matmul_fp8(x, x_scales, w, w_scales,
                                        _check_groups(group_sizes, w.shape[0]),
-                                       w_layout=w_layout, out_dtype=out_dtype, cfg=cfg)
+                                       w_layout=w_layout, out_dtype=out_dtype, cfg=cfg, w_t=w_t)
+    if w_transposed is not None:
+        raise ValueError("grouped_matmul: w_transposed is the fp8 path's (an fp8 w with "
+                         "w_scales); drop it for bf16/f16/f32 weights")
     if w_layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"grouped_matmul: w_layout must be 'gkn' or 'gnk', got {w_layout!r}")
     if w_layout == "gnk" and w.ndim == 3:

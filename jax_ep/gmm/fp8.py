@@ -93,20 +93,44 @@ def _check_pairing(fn, x, x_scales, w, w_scales):
                             f"{a.dtype}; quantize it with {quant}, or drop the scales")
 
 
+def check_transposed(w, w_layout: str, w_transposed):
+    """``w_transposed`` (``(q, scales)`` of ``w`` in the other layout) checked
+    against ``w``, with no gradient: ``(q, scales)``, or None."""
+    if w_transposed is None:
+        return None
+    other = "gnk" if w_layout == "gkn" else "gkn"
+    g, a, b = w.shape
+    want = [([g, b, a], E4M3), ([g, b // FP8_BLOCK, a // FP8_BLOCK], jnp.float32)]
+    try:
+        q, s = (jnp.asarray(t) for t in w_transposed)
+        got = [(list(q.shape), q.dtype), (list(s.shape), s.dtype)]
+    except (TypeError, ValueError):
+        got = repr(type(w_transposed))
+    if got != want:
+        raise ValueError(
+            f"jax_ep.grouped_matmul (fp8): w_transposed must be (q {want[0][0]} float8_e4m3fn, "
+            f"scales {want[1][0]} float32): w {list(w.shape)} in layout {other!r}; got {got}; "
+            f"make it with jax_ep.quantize_weights(w_master, layout={other!r})")
+    return jax.lax.stop_gradient(q), jax.lax.stop_gradient(s)
+
+
 def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, w_layout: str,
-                       out_dtype, cfg: GroupedMatmulConfig):
+                       out_dtype, cfg: GroupedMatmulConfig, w_t=None):
     """The fp8 path of :func:`jax_ep.grouped_matmul` (operands checked by
-    :func:`check_operands`, ``group_sizes`` int32 ``[G]``) -> ``[M, N]``."""
-    axes = vma_of(x) | vma_of(x_scales) | vma_of(w) | vma_of(w_scales) | vma_of(group_sizes)
-    ops = tuple(to_vma(a, axes) for a in (x, x_scales, w, w_scales, group_sizes))
-    return _fp8_vjp(*ops, cfg, jnp.dtype(out_dtype), w_layout)
+    :func:`check_operands`, ``group_sizes`` int32 ``[G]``; ``w_t``: ``w`` in
+    the other layout, :func:`check_transposed`) -> ``[M, N]``."""
+    ops = (x, x_scales, w, w_scales, group_sizes) + (w_t or ())
+    axes = frozenset().union(*(vma_of(a) for a in ops))
+    ops = tuple(to_vma(a, axes) for a in ops)
+    return _fp8_vjp(*ops[:5], ops[5:] or None, cfg, jnp.dtype(out_dtype), w_layout)
 
 
-def _nt_weights(w, ws, w_layout: str, op: str):
+def _nt_weights(w, ws, w_layout: str, op: str, w_t=None):
     """``(v [G, Nout, Kc], vs)`` of ``op`` in the kernel's NT form: the forward
-    contracts K (``v = w^T`` for ``"gkn"``), dx contracts N (``v = w`` for ``"gkn"``)."""
+    contracts K (``v = w^T`` for ``"gkn"``), dx contracts N (``v = w`` for
+    ``"gkn"``); ``w^T`` is ``w_t`` where given, else a transpose."""
     if (w_layout == "gkn") == (op == "fwd"):
-        return jnp.swapaxes(w, 1, 2), jnp.swapaxes(ws, 1, 2)
+        return w_t if w_t is not None else (jnp.swapaxes(w, 1, 2), jnp.swapaxes(ws, 1, 2))
     return w, ws
 
 
@@ -122,37 +146,37 @@ def ops_nt(cfg: GroupedMatmulConfig, op: str, x, xs, v, vs, group_sizes, out_dty
     return to_vma(out, axes)
 
 
-def _forward(x, xs, w, ws, group_sizes, cfg, out_dtype, w_layout):
-    v, vs = _nt_weights(w, ws, w_layout, "fwd")
+def _forward(x, xs, w, ws, group_sizes, w_t, cfg, out_dtype, w_layout):
+    v, vs = _nt_weights(w, ws, w_layout, "fwd", w_t)
     return ops_nt(cfg, "fwd", x, xs, v, vs, group_sizes, out_dtype)
 
 
-_fp8_vjp = functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))(_forward)
+_fp8_vjp = functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))(_forward)
 
 
-def _fp8_vjp_fwd(x, xs, w, ws, group_sizes, cfg, out_dtype, w_layout):
-    return (_forward(x, xs, w, ws, group_sizes, cfg, out_dtype, w_layout),
-            (x, xs, w, ws, group_sizes))
+def _fp8_vjp_fwd(x, xs, w, ws, group_sizes, w_t, cfg, out_dtype, w_layout):
+    return (_forward(x, xs, w, ws, group_sizes, w_t, cfg, out_dtype, w_layout),
+            (x, xs, w, ws, group_sizes, w_t))
 
 
 def _fp8_vjp_bwd(cfg, out_dtype, w_layout, res, dy):
-    x, xs, w, ws, group_sizes = res
-    dx = _dx(cfg, w_layout, w, ws, group_sizes, dy)
+    x, xs, w, ws, group_sizes, w_t = res
+    dx = _dx(cfg, w_layout, w, ws, group_sizes, dy, w_t)
     dw = _dw(cfg, w_layout, x, xs, group_sizes, dy)
     axes = vma_of(x) | vma_of(xs) | vma_of(w) | vma_of(ws) | vma_of(group_sizes)
-    return to_vma(dx, axes), None, to_vma(dw, axes), None, None
+    return to_vma(dx, axes), None, to_vma(dw, axes), None, None, None
 
 
 _fp8_vjp.defvjp(_fp8_vjp_fwd, _fp8_vjp_bwd)
 
 
-def _dx(cfg, w_layout, w, ws, group_sizes, dy):
+def _dx(cfg, w_layout, w, ws, group_sizes, dy, w_t=None):
     """``dy @ (w * ws)[g]^T`` in dy's dtype: in fp8 (``cfg.fp8_dx``) or bf16."""
     if cfg.fp8_dx:
         # rows past the groups' end may hold anything; each row is cast on its own
         # and those rows are never read
         dq, ds = fp8_cast(dy)
-        v, vs = _nt_weights(w, ws, w_layout, "dx")
+        v, vs = _nt_weights(w, ws, w_layout, "dx", w_t)
         return ops_nt(cfg, "dx", dq, ds, v, vs, group_sizes, dy.dtype)
     wd = dequantize_blocks(w, ws).astype(BF16)
     dx = gmm(dy.astype(BF16), wd, group_sizes, transpose_rhs=w_layout == "gkn", config=cfg,
