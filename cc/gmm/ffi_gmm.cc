@@ -43,7 +43,8 @@ ffi::Error Shapes(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& xs_t,
   return ffi::Error::Success();
 }
 
-ffi::Error GmmFp8NtImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> xs_t,
+ffi::Error GmmFp8NtImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                        ffi::Buffer<ffi::F32> xs_t,
                         ffi::AnyBuffer v, ffi::Buffer<ffi::F32> vs,
                         ffi::Buffer<ffi::S32> row_start, ffi::Buffer<ffi::S32> lo,
                         ffi::Buffer<ffi::S32> hi, ffi::Buffer<ffi::S32> group,
@@ -68,6 +69,7 @@ ffi::Error GmmFp8NtImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   a.out = out->untyped_data();
   a.out_f32 = out->element_type() == ffi::F32;
   a.num_sms = num_sms;
+  a.device = device;
   JAX_EP_CUDA_RETURN(launch_gmm_fp8_nt(a, stream));
   return ffi::Error::Success();
 }
@@ -79,6 +81,7 @@ ffi::Error GmmFp8NtImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGmmFp8Nt, jax_ep::GmmFp8NtImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<jax_ep::Stream>()
+                                  .Ctx<jax_ep::Device>()
                                   .Arg<xla::ffi::AnyBuffer>()              // x [M, Kc] e4m3
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // xs_t [Kc/128, M]
                                   .Arg<xla::ffi::AnyBuffer>()              // v [G, N, Kc] e4m3

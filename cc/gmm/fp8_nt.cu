@@ -160,8 +160,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     gmm_fp8_nt_kernel(const __grid_constant__ Maps maps, const __grid_constant__ GmmFp8Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* base = reinterpret_cast<uint8_t*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // aligned by an offset from the shared-space address: the compiler keeps
+  // seeing a shared-memory pointer (ld.shared for the scales)
+  uint8_t* base = smem_raw + ((1024 - (sm90::smem_addr(smem_raw) & 1023)) & 1023);
   const Ring ring = Ring::at(base);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -216,13 +217,11 @@ bool encode_2d(CUtensorMap* map, CUtensorMapDataType type, const void* ptr, uint
 
 template <typename Out>
 cudaError_t launch_typed(const GmmFp8Args& a, const Maps& maps, int blocks, cudaStream_t stream) {
-  static std::once_flag once;
-  static cudaError_t attr = cudaSuccess;
-  std::call_once(once, [] {
-    attr = cudaFuncSetAttribute(gmm_fp8_nt_kernel<Out>,
-                                cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                static_cast<int>(kSmemBytes));
-  });
+  // per launch: the attribute belongs to the current device's context (one
+  // process may drive several GPUs), and setting it is cheap
+  const cudaError_t attr = cudaFuncSetAttribute(
+      gmm_fp8_nt_kernel<Out>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      static_cast<int>(kSmemBytes));
   if (attr != cudaSuccess) return attr;
   gmm_fp8_nt_kernel<Out><<<blocks, kThreads, kSmemBytes, stream>>>(maps, a);
   return cudaGetLastError();
@@ -256,9 +255,8 @@ cudaError_t launch_gmm_fp8_nt(const GmmFp8Args& a, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   int blocks = a.num_sms;
   if (blocks <= 0) {
-    int dev = 0;
-    cudaError_t e = cudaGetDevice(&dev);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&blocks, cudaDevAttrMultiProcessorCount, dev);
+    const cudaError_t e =
+        cudaDeviceGetAttribute(&blocks, cudaDevAttrMultiProcessorCount, a.device);
     if (e != cudaSuccess) return e;
   }
   return a.out_f32 ? launch_typed<float>(a, maps, blocks, stream)

@@ -29,7 +29,8 @@ struct GmmFp8Args {
   void* out = nullptr;              // [m, n]
   bool out_f32 = false;             // else bf16
   int m = 0, kc = 0, n = 0, groups = 0, kb_pad = 0;
-  int num_sms = 0;                  // CTAs (persistent); 0: one per SM
+  int num_sms = 0;                  // CTAs (persistent); 0: one per SM of `device`
+  int device = 0;                   // XLA's (= CUDA's) ordinal of the call
 };
 
 // Why the kernel cannot run these shapes ("" if it can): multiples of 128,
