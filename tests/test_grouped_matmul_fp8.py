@@ -495,7 +495,8 @@ def test_cuda_kernel_plan_and_its_ffi_call(monkeypatch):
     one error naming it and ``"auto"`` runs the reference; with it, the forward
     and dx plan the CUDA variant, whose call lowers (for CUDA) to one custom
     call of ``jax_ep_gmm_fp8_nt`` on the row scales block-major, the weight
-    scales padded to 4 and the forward's row-tile table."""
+    scales padded to 4 and the forward's row-tile table; dw plans the CUDA dw
+    kernel (``jax_ep_gmm_fp8_dw``) on the regrouped operands."""
     from jax_ep import extension
     from jax_ep.gmm import cuda_fp8
 
@@ -511,14 +512,25 @@ def test_cuda_kernel_plan_and_its_ffi_call(monkeypatch):
         assert select.plan_fp8(cfg, op, x, xs, w, ws, jnp.bfloat16) is registry.FP8_CUDA
     assert "writes bfloat16/float32" in registry.FP8_CUDA.check("fwd", x, xs, w, ws, jnp.float16)
     off = gm_ops.offsets(jnp.asarray(gs), M)
-    text = jax.jit(lambda *a: cuda_fp8.gmm_fp8_nt_cuda(*a)).trace(
-        x, xs, w, ws, off).lower(lowering_platforms=("cuda",)).as_text()
-    call = [ln for ln in text.splitlines() if "jax_ep_gmm_fp8_nt" in ln]
-    assert len(call) == 1, call
     kb = K // 128
-    for operand in (f"tensor<{M}x{K}xf8E4M3FN>", f"tensor<{kb}x{M}xf32>",
-                    f"tensor<{G}x{N}x{K}xf8E4M3FN>", f"tensor<{G}x{N // 128}x4xf32>",
-                    "tensor<2xi32>", f"tensor<{M}x{N}xbf16>"):
+    _assert_one_call(cuda_fp8.gmm_fp8_nt_cuda, (x, xs, w, ws, off), "jax_ep_gmm_fp8_nt", (
+        f"tensor<{M}x{K}xf8E4M3FN>", f"tensor<{kb}x{M}xf32>", f"tensor<{G}x{N}x{K}xf8E4M3FN>",
+        f"tensor<{G}x{N // 128}x4xf32>", "tensor<2xi32>", f"tensor<{M}x{N}xbf16>"))
+    # dw: the regrouped, transposed operands (fp8_columns)
+    dw_ops = fp8_columns.dw_operands(x, xs, jnp.ones((M, N), jnp.bfloat16), jnp.asarray(gs))
+    assert select.plan_fp8(cfg, "dw", *dw_ops[:4], jnp.bfloat16) is registry.FP8_DW_CUDA
+    p = dw_ops[0].shape[1]
+    _assert_one_call(cuda_fp8.tgmm_fp8_nt_cuda, dw_ops, "jax_ep_gmm_fp8_dw", (
+        f"tensor<{K}x{p}xf8E4M3FN>", f"tensor<{p // 128}x{K}xf32>", f"tensor<{N}x{p}xf8E4M3FN>",
+        f"tensor<{G + 1}xi32>", f"tensor<{G}x{K}x{N}xbf16>"))
+
+
+def _assert_one_call(fn, args, target, operands):
+    """``fn(*args)`` lowers (for CUDA) to one custom call of ``target`` with these operand types."""
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    call = [ln for ln in text.splitlines() if target in ln]
+    assert len(call) == 1, call
+    for operand in operands:
         assert operand in call[0], (operand, call[0])
 
 

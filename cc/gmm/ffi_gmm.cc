@@ -1,11 +1,15 @@
-// XLA FFI target of the fp8 grouped matmul's CUDA kernel
-// (jax_ep/gmm/cuda_fp8.py): jax_ep_gmm_fp8_nt, one kernel (gmm/fp8_nt.cu) on
-// XLA's stream. It needs no runtime (no jax_ep.initialize()).
+// XLA FFI targets of the fp8 grouped matmul's CUDA kernels
+// (jax_ep/gmm/cuda_fp8.py), each one kernel on XLA's stream; they need no
+// runtime (no jax_ep.initialize()). Attribute num_sms: CTAs (0: one per SM).
 //
-// Operands: x [M, Kc] e4m3, xs_t [Kc/128, M] f32, v [G, N, Kc] e4m3, vs [G,
-// N/128, KBp] f32 (KBp: Kc/128 rounded up to 4), and the int32 row-tile table
-// row_start, lo, hi, group [T] with counts [2] (gmm/kernels.h). Attribute:
-// num_sms (CTAs; 0: one per SM). Result: out [M, N] bf16 or f32.
+// jax_ep_gmm_fp8_nt (gmm/fp8_nt.cu): x [M, Kc] e4m3, xs_t [Kc/128, M] f32, v
+// [G, N, Kc] e4m3, vs [G, N/128, KBp] f32 (KBp: Kc/128 rounded up to 4), and
+// the int32 row-tile table row_start, lo, hi, group [T] with counts [2]
+// (gmm/kernels.h) -> out [M, N] bf16 or f32.
+//
+// jax_ep_gmm_fp8_dw (gmm/fp8_dw.cu): a [Ka, P] e4m3, as [P/128, Ka] f32, c
+// [Nc, P] e4m3, cs [P/128, Nc] f32, segments [G+1] int32 -> out [G, Ka, Nc]
+// bf16 or f32.
 #include <string>
 
 #include "common/ffi_common.h"
@@ -74,6 +78,54 @@ ffi::Error GmmFp8NtImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
   return ffi::Error::Success();
 }
 
+ffi::Error DwShapes(const ffi::AnyBuffer& a, const ffi::Buffer<ffi::F32>& as,
+                    const ffi::AnyBuffer& c, const ffi::Buffer<ffi::F32>& cs,
+                    const ffi::Buffer<ffi::S32>& seg, const ffi::AnyBuffer& out,
+                    GmmFp8DwArgs* d) {
+  const std::string op = "gmm_fp8_dw";
+  auto ad = a.dimensions(), sd = as.dimensions(), cd = c.dimensions(), td = cs.dimensions(),
+       od = out.dimensions();
+  if (a.element_type() != ffi::F8E4M3FN || c.element_type() != ffi::F8E4M3FN)
+    return InvalidArgument(op + ": a and c must be float8_e4m3fn");
+  if (out.element_type() != ffi::BF16 && out.element_type() != ffi::F32)
+    return InvalidArgument(op + ": the result must be bfloat16 or float32");
+  if (ad.size() != 2 || cd.size() != 2 || sd.size() != 2 || td.size() != 2 || od.size() != 3 ||
+      seg.element_count() < 2)
+    return InvalidArgument(op + ": expected a [Ka, P], as [P/128, Ka], c [Nc, P], "
+                           "cs [P/128, Nc], segments [G+1], out [G, Ka, Nc]");
+  d->ka = static_cast<int>(ad[0]);
+  d->p = static_cast<int>(ad[1]);
+  d->nc = static_cast<int>(cd[0]);
+  d->groups = static_cast<int>(seg.element_count() - 1);
+  if (cd[1] != ad[1] || sd[0] * 128 != ad[1] || sd[1] != ad[0] || td[0] != sd[0] ||
+      td[1] != cd[0] || od[0] != d->groups || od[1] != ad[0] || od[2] != cd[0] ||
+      ad[1] >= (int64_t(1) << 31))
+    return InvalidArgument(op + ": operand shapes disagree (a [Ka, P], as [P/128, Ka], "
+                           "c [Nc, P], cs [P/128, Nc], segments [G+1], out [G, Ka, Nc])");
+  const std::string why = gmm_fp8_dw_shape_error(*d);
+  if (!why.empty()) return InvalidArgument(op + ": " + why);
+  return ffi::Error::Success();
+}
+
+ffi::Error GmmFp8DwImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
+                        ffi::Buffer<ffi::F32> as, ffi::AnyBuffer c, ffi::Buffer<ffi::F32> cs,
+                        ffi::Buffer<ffi::S32> segments, int32_t num_sms,
+                        ffi::Result<ffi::AnyBuffer> out) {
+  GmmFp8DwArgs d;
+  JAX_EP_RETURN_IF_ERROR(DwShapes(a, as, c, cs, segments, *out, &d));
+  d.a = a.untyped_data();
+  d.a_scales = as.typed_data();
+  d.c = c.untyped_data();
+  d.c_scales = cs.typed_data();
+  d.segments = segments.typed_data();
+  d.out = out->untyped_data();
+  d.out_f32 = out->element_type() == ffi::F32;
+  d.num_sms = num_sms;
+  d.device = device;
+  JAX_EP_CUDA_RETURN(launch_gmm_fp8_dw(d, stream));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 }  // namespace jax_ep
@@ -93,3 +145,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGmmFp8Nt, jax_ep::GmmFp8NtImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // counts [2]
                                   .Attr<int32_t>("num_sms")  // CTAs (0: one per SM)
                                   .Ret<xla::ffi::AnyBuffer>());  // out [M, N] bf16 / f32
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGmmFp8Dw, jax_ep::GmmFp8DwImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<jax_ep::Stream>()
+                                  .Ctx<jax_ep::Device>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // a [Ka, P] e4m3
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // as [P/128, Ka]
+                                  .Arg<xla::ffi::AnyBuffer>()              // c [Nc, P] e4m3
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // cs [P/128, Nc]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // segments [G+1]
+                                  .Attr<int32_t>("num_sms")  // CTAs (0: one per SM)
+                                  .Ret<xla::ffi::AnyBuffer>());  // out [G, Ka, Nc] bf16 / f32

@@ -1,4 +1,5 @@
-// Host interface of the grouped-matmul kernels (jax_ep.gmm, CUDA backend).
+// Host interface of the grouped-matmul kernels (jax_ep.gmm, CUDA backend):
+// the fp8 forward / dx (fp8_nt.cu) and the fp8 dw (fp8_dw.cu).
 //
 // fp8 NT grouped matmul, the contract of jax_ep/gmm/pallas_fp8.py:
 //   out[rows of g] = (x * xs)[rows of g] @ ((v * vs)[g])^T
@@ -38,5 +39,27 @@ struct GmmFp8Args {
 const char* gmm_fp8_shape_error(const GmmFp8Args& a);
 
 cudaError_t launch_gmm_fp8_nt(const GmmFp8Args& a, cudaStream_t stream);
+
+// fp8 dw, the contract of jax_ep/gmm/pallas_fp8_dw.py:
+//   out[g] = Σ_{128-blocks b of segment g} (a[:, b] * as[b]) @ (c[:, b] * cs[b])^T
+// a [Ka, P] e4m3, as [P/128, Ka] f32 (per row, per block), c [Nc, P] e4m3, cs
+// [P/128, Nc] f32, segments [G+1] int32 (multiples of 128: group g owns
+// columns [segments[g], segments[g+1]) of P); out [G, Ka, Nc] bf16 or f32, an
+// empty group's zero.
+struct GmmFp8DwArgs {
+  const void* a = nullptr;
+  const float* a_scales = nullptr;
+  const void* c = nullptr;
+  const float* c_scales = nullptr;
+  const int32_t* segments = nullptr;
+  void* out = nullptr;
+  bool out_f32 = false;
+  int ka = 0, nc = 0, p = 0, groups = 0;
+  int num_sms = 0, device = 0;
+};
+
+const char* gmm_fp8_dw_shape_error(const GmmFp8DwArgs& a);
+
+cudaError_t launch_gmm_fp8_dw(const GmmFp8DwArgs& a, cudaStream_t stream);
 
 }  // namespace jax_ep

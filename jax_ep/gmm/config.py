@@ -79,10 +79,11 @@ class GroupedMatmulConfig:
         products' magnitudes); the training example's ``--fp8`` loss stays
         within 1.6% of bf16's over the first 12 steps (1.4% with dw in bf16).
         Off by default until its speed is measured.
-      fp8_kernel: which kernel runs the fp8 path's forward and fp8 dx:
-        ``"pallas"`` (default; ``pallas_fp8``, Mosaic GPU) or ``"cuda"``
-        (``cuda_fp8``: the native extension's kernel, one producer thread and
-        the tile's sum zeroed once per tile; same contract and tiles).
+      fp8_kernel: which kernels run the fp8 path's forward, fp8 dx and fp8
+        dw: ``"pallas"`` (default; ``pallas_fp8``, ``pallas_fp8_dw``, Mosaic
+        GPU) or ``"cuda"`` (``cuda_fp8``: the native extension's kernels, one
+        producer thread and the tile's sum zeroed once per tile; same
+        contracts and tiles).
       fp8_cluster: CTAs per cluster of the Pallas fp8 kernel (forward and fp8 dx):
         None (default: the device's tuned choice, ``heuristic.fp8_cluster``;
         on an H200 single CTAs, pairs not yet measured ahead), 1,

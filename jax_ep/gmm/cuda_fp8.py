@@ -1,7 +1,11 @@
-"""The fp8 grouped matmul's CUDA kernel (``cc/gmm/fp8_nt.cu``, XLA FFI target
-``jax_ep_gmm_fp8_nt``): the contract of :func:`pallas_fp8.gmm_fp8_nt`,
+"""The fp8 grouped matmul's CUDA kernels (``cc/gmm/``): the forward / dx
+(``fp8_nt.cu``, XLA FFI target ``jax_ep_gmm_fp8_nt``), the contract of
+:func:`pallas_fp8.gmm_fp8_nt`,
 
 ``out[rows of g] = (x · xs)[rows of g] @ ((v · vs)[g])^T``
+
+and dw (``fp8_dw.cu``, ``jax_ep_gmm_fp8_dw``), the contract of
+:func:`pallas_fp8_dw.tgmm_fp8_nt`. Both are
 
 built the way DeepGEMM builds its SM90 fp8 GEMMs rather than through Pallas: one
 producer thread issues the TMA loads, two consumer warpgroups zero the tile's
@@ -26,8 +30,10 @@ from ..fp8 import FP8_BLOCK
 from ..mesh_axes import to_vma, vma_of
 from .pallas_common import row_tiles
 from .pallas_fp8 import check_fp8_nt
+from .pallas_fp8_dw import check_fp8_dw
 
 TARGET = "jax_ep_gmm_fp8_nt"
+DW_TARGET = "jax_ep_gmm_fp8_dw"
 VS_BOX = 4   # weight scales per TMA box: the last dim padded to a multiple
 
 
@@ -46,9 +52,7 @@ def gmm_fp8_nt_cuda(x, xs, v, vs, offsets, *, out_dtype=None, num_sms: int = 0):
     err = check_fp8_nt_cuda(x, xs, v, vs)
     if err is not None:
         raise ValueError(f"gmm_fp8_nt_cuda: {err}")
-    out_dtype = jnp.dtype(out_dtype or jnp.bfloat16)
-    if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
-        raise ValueError(f"gmm_fp8_nt_cuda: writes bfloat16 or float32, not {out_dtype}")
+    out_dtype = _out_dtype("gmm_fp8_nt_cuda", out_dtype)
     m, kc = x.shape
     kb = kc // FP8_BLOCK
     rs, lo, hi, grp = row_tiles(offsets, m, 128)
@@ -56,8 +60,43 @@ def gmm_fp8_nt_cuda(x, xs, v, vs, offsets, *, out_dtype=None, num_sms: int = 0):
     counts = jnp.stack([jnp.sum(used & (grp >= 0)), jnp.sum(used & (grp < 0))]).astype(jnp.int32)
     xs_t = xs.astype(jnp.float32).T                                  # a tile's scales: one run
     vs = jnp.pad(vs.astype(jnp.float32), ((0, 0), (0, 0), (0, -kb % VS_BOX)))
-    ops = (x, xs_t, v, vs, rs, lo, hi, grp, counts)
+    return _call(TARGET, (m, v.shape[1]), out_dtype, (x, xs_t, v, vs, rs, lo, hi, grp, counts),
+                 num_sms)
+
+
+def check_fp8_dw_cuda(a, a_s, c, c_s, segments=None) -> Optional[str]:
+    """None if the CUDA dw kernel runs these operands, else why not."""
+    if extension.load() is None:
+        return f"the CUDA kernel needs the native extension: {extension.error()}"
+    return check_fp8_dw(a, a_s, c, c_s, segments)
+
+
+def tgmm_fp8_nt_cuda(a, a_s, c, c_s, segments, *, out_dtype=None, num_sms: int = 0):
+    """``[G, Ka, Nc]`` in ``out_dtype`` (bfloat16 default, or float32): dw in
+    the form of :func:`pallas_fp8_dw.tgmm_fp8_nt` (``a [Ka, P]``, ``as [P/128,
+    Ka]``, ``c [Nc, P]``, ``cs [P/128, Nc]``, ``segments`` int32 ``[G+1]``,
+    multiples of 128: ``fp8_columns.dw_operands``)."""
+    err = check_fp8_dw_cuda(a, a_s, c, c_s, segments)
+    if err is not None:
+        raise ValueError(f"tgmm_fp8_nt_cuda: {err}")
+    out_dtype = _out_dtype("tgmm_fp8_nt_cuda", out_dtype)
+    shape = (segments.shape[0] - 1, a.shape[0], c.shape[0])
+    return _call(DW_TARGET, shape, out_dtype,
+                 (a, a_s.astype(jnp.float32), c, c_s.astype(jnp.float32),
+                  segments.astype(jnp.int32)), num_sms)
+
+
+def _out_dtype(fn, out_dtype):
+    out_dtype = jnp.dtype(out_dtype or jnp.bfloat16)
+    if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise ValueError(f"{fn}: writes bfloat16 or float32, not {out_dtype}")
+    return out_dtype
+
+
+def _call(target, shape, out_dtype, ops, num_sms):
+    """The FFI call, its operands and result varying over the union of their
+    mesh axes (inside ``shard_map(check_vma=True)``)."""
     axes = frozenset().union(*(vma_of(a) for a in ops))
     ops = tuple(to_vma(a, axes) for a in ops)
-    out = result_type((m, v.shape[1]), out_dtype, vma=axes)
-    return jax.ffi.ffi_call(TARGET, out)(*ops, num_sms=np.int32(num_sms))
+    out = result_type(shape, out_dtype, vma=axes)
+    return jax.ffi.ffi_call(target, out)(*ops, num_sms=np.int32(num_sms))

@@ -295,12 +295,19 @@ FP8_DW_PALLAS = Fp8Variant(
     lambda a, a_s, c, c_s, seg, od, i, cl: pallas_fp8_dw.tgmm_fp8_nt(a, a_s, c, c_s, seg,
                                                                      out_dtype=od, interpret=i),
     _fp8_dw_probe, "the dequantizing XLA reference", pallas_fp8_dw.check_fp8_dw)
+FP8_DW_CUDA = Fp8Variant(
+    "tgmm_fp8_cuda", ("dw",), _HOPPER, ("bfloat16", "float32"),
+    lambda a, a_s, c, c_s, seg, od, i, cl: cuda_fp8.tgmm_fp8_nt_cuda(a, a_s, c, c_s, seg,
+                                                                     out_dtype=od),
+    lambda op, tiles, dt, cluster: (
+        (lambda *o: cuda_fp8.tgmm_fp8_nt_cuda(*o)), _fp8_dw_probe(op, tiles, dt, cluster)[1]),
+    "the dequantizing XLA reference", cuda_fp8.check_fp8_dw_cuda)
 FP8_DW_XLA = Fp8Variant(
     "fp8_dw_xla", ("dw",), (), None,
     lambda a, a_s, c, c_s, seg, od, i, cl: tgmm_fp8_nt_xla(a, a_s, c, c_s, seg, od))
 
 VARIANTS = {v.name: v for v in (GMM, GMM_WS, TGMM, TGMM_WS, TGMM_RING, XLA, FP8_PALLAS,
-                                FP8_CUDA, FP8_DW_PALLAS)}
+                                FP8_CUDA, FP8_DW_PALLAS, FP8_DW_CUDA)}
 
 # The 1-warpgroup kernel of each op: its constraints decide whether the op
 # runs on Pallas at all; the 2-consumer kernels are preferred where they fit.

@@ -10,8 +10,8 @@ from ..fp8 import FP8_BLOCK
 from . import heuristic, pallas_fp8, probe
 from .config import GroupedMatmulConfig
 from .devices import DeviceInfo, device_info
-from .registry import (BASE, DW_PIPELINE_VARIANT, FP8_CUDA, FP8_DW_PALLAS, FP8_DW_XLA,
-                       FP8_PALLAS, FP8_XLA, TWO_CONSUMER, XLA, Fp8Variant, Variant)
+from .registry import (BASE, DW_PIPELINE_VARIANT, FP8_CUDA, FP8_DW_CUDA, FP8_DW_PALLAS,
+                       FP8_DW_XLA, FP8_PALLAS, FP8_XLA, TWO_CONSUMER, XLA, Fp8Variant, Variant)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,17 +105,17 @@ def _dw_cluster(cfg, v: Variant, ws, n: int, dtype, checked: bool) -> int:
 def plan_fp8(cfg: GroupedMatmulConfig, op: str, x, xs, v, vs, out_dtype,
              dev: Optional[DeviceInfo] = None) -> Fp8Variant:
     """The variant of the fp8 path's ``op`` in its kernel's NT form
-    (``"fwd"`` / ``"dx"``: ``pallas_fp8``, or with ``cfg.fp8_kernel="cuda"``
-    ``cuda_fp8``; ``"dw"``: ``pallas_fp8_dw``, with ``x, xs, v, vs`` its ``a,
-    as, c, cs``): ``"xla"`` the dequantizing reference; ``"pallas"`` the fp8
+    (``"fwd"`` / ``"dx"``: ``pallas_fp8``; ``"dw"``: ``pallas_fp8_dw``, with
+    ``x, xs, v, vs`` its ``a, as, c, cs``; with ``cfg.fp8_kernel="cuda"`` the
+    ``cuda_fp8`` kernels): ``"xla"`` the dequantizing reference; ``"pallas"`` the fp8
     kernel (raises where it cannot run the operands); ``"auto"`` the kernel on
     a device it is written for, where the operands fit it and a small instance
     compiles (checked once), else the reference."""
+    cuda = cfg.fp8_kernel == "cuda"
     if op == "dw":
-        kernel, reference, probe_op = FP8_DW_PALLAS, FP8_DW_XLA, "dw"
+        kernel, reference, probe_op = FP8_DW_CUDA if cuda else FP8_DW_PALLAS, FP8_DW_XLA, "dw"
     else:
-        kernel = FP8_CUDA if cfg.fp8_kernel == "cuda" else FP8_PALLAS
-        reference, probe_op = FP8_XLA, "fwd+dx"
+        kernel, reference, probe_op = FP8_CUDA if cuda else FP8_PALLAS, FP8_XLA, "fwd+dx"
     if cfg.impl == "xla":
         return reference
     err = kernel.check(op, x, xs, v, vs, out_dtype)

@@ -185,51 +185,80 @@ def test_api_pallas_matches_reference_with_grads(w_layout, fp8_dx, fp8_cluster):
         assert rel < 1e-2, (name, rel)
 
 
-@pytest.mark.parametrize("kind,total", [("uniform", 2048), ("skew", 2048), ("unaligned", 1901)])
-def test_fp8_dw_kernel_matches_reference(kind, total):
-    """``tgmm_fp8_nt`` (f32 out) against ``tgmm_fp8_nt_xla`` on operands
-    regrouped and recast by ``fp8_columns``, x's tail scales NaN, dy's tail
-    Inf; an empty group's dw is zero."""
+def _dw_operands(kind, total, seed=21):
     from jax_ep.gmm import fp8_columns
-    from jax_ep.gmm.pallas_fp8_dw import tgmm_fp8_nt
-    from jax_ep.gmm.xla import tgmm_fp8_nt_xla
 
     m, g, k, n = 2048, 8, 512, 384
     sizes = sizes_for(kind, g, total)
-    kx, kd = jax.random.split(jax.random.key(21))
+    kx, kd = jax.random.split(jax.random.key(seed))
     xq, xs = block_quant(outliers(kx, (m, k)), 1, False)
     xs = xs.at[total:].set(jnp.nan)
     dy = jax.random.normal(kd, (m, n)).at[total:].set(jnp.inf)
-    a, a_s, c, c_s, seg = fp8_columns.dw_operands(xq, xs, dy, jnp.asarray(sizes, jnp.int32))
-    got = np.asarray(jax.jit(lambda *o: tgmm_fp8_nt(*o, out_dtype=jnp.float32))(a, a_s, c, c_s,
-                                                                                 seg))
-    want = np.asarray(jax.jit(lambda *o: tgmm_fp8_nt_xla(*o, jnp.float32))(a, a_s, c, c_s, seg))
+    return sizes, fp8_columns.dw_operands(xq, xs, dy, jnp.asarray(sizes, jnp.int32))
+
+
+def _dw_kernel(kernel):
+    if kernel == "cuda":
+        _native()
+        from jax_ep.gmm.cuda_fp8 import tgmm_fp8_nt_cuda
+        return tgmm_fp8_nt_cuda
+    from jax_ep.gmm.pallas_fp8_dw import tgmm_fp8_nt
+    return tgmm_fp8_nt
+
+
+@pytest.mark.parametrize("kernel", ["pallas", "cuda"])
+@pytest.mark.parametrize("kind,total", [("uniform", 2048), ("skew", 2048), ("unaligned", 1901)])
+def test_fp8_dw_kernel_matches_reference(kind, total, kernel):
+    """The fp8 dw kernel (Pallas, or the native extension's: f32 out) against
+    ``tgmm_fp8_nt_xla`` on operands regrouped and recast by ``fp8_columns``,
+    x's tail scales NaN, dy's tail Inf; an empty group's dw is zero."""
+    from jax_ep.gmm.xla import tgmm_fp8_nt_xla
+
+    fn = _dw_kernel(kernel)
+    sizes, ops = _dw_operands(kind, total)
+    got = np.asarray(jax.jit(lambda *o: fn(*o, out_dtype=jnp.float32))(*ops))
+    want = np.asarray(jax.jit(lambda *o: tgmm_fp8_nt_xla(*o, jnp.float32))(*ops))
     assert np.all(np.isfinite(got))
     for e in np.flatnonzero(np.asarray(sizes) == 0):
         assert np.all(got[e] == 0)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
 
 
-def test_api_fp8_dw_matches_reference():
-    """``jax_ep.grouped_matmul`` with ``fp8_dw``: the fp8 dw kernel against the
-    dequantizing reference of the same recast, skewed groups with an empty one."""
+def test_cuda_fp8_dw_kernel_is_bitwise_the_pallas_kernel():
+    """Same tiles, WGMMAs, block order and promotion ((product * row scale) *
+    column scale + sum, from zero): the same bits, bf16 out."""
+    sizes, ops = _dw_operands("skew", 2048, seed=22)
+    got = np.asarray(jax.jit(_dw_kernel("cuda"))(*ops), np.float32)
+    np.testing.assert_array_equal(got, np.asarray(jax.jit(_dw_kernel("pallas"))(*ops),
+                                                  np.float32))
+
+
+@pytest.mark.parametrize("kernel", ["pallas", "cuda"])
+def test_api_fp8_dw_matches_reference(kernel):
+    """``jax_ep.grouped_matmul`` with ``fp8_dw`` on the Pallas or the CUDA
+    kernels (``fp8_kernel``): forward, dx and dw against the dequantizing
+    reference of the same casts, skewed groups with an empty one and a tail."""
     import jax_ep
     from jax_ep.gmm import GroupedMatmulConfig
 
+    if kernel == "cuda":
+        _native()
     sizes = sizes_for("skew", 8, 1901)
     x, w, dy, gs = _api_operands(2048, 8, 512, 384, sizes, seed=12)
     xq, xs = jax_ep.quantize_activations(x)
     wq, ws = jax_ep.quantize_weights(w)
 
-    def dw(impl):
-        cfg = GroupedMatmulConfig(impl=impl, fp8_dw=True)
-        _, vjp = jax.vjp(lambda b: jax_ep.grouped_matmul(xq, b, gs, x_scales=xs, w_scales=ws,
-                                                         config=cfg), wq)
-        return vjp(dy)[0]
-    got = np.asarray(jax.jit(lambda: dw("pallas"))(), np.float32)
-    want = np.asarray(jax.jit(lambda: dw("xla"))(), np.float32)
-    assert np.all(np.isfinite(got))
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+    def run(impl):
+        cfg = GroupedMatmulConfig(impl=impl, fp8_dw=True, fp8_kernel=kernel)
+        y, vjp = jax.vjp(lambda a, b: jax_ep.grouped_matmul(a, b, gs, x_scales=xs, w_scales=ws,
+                                                            config=cfg), xq, wq)
+        return (y, *vjp(dy))
+    got = jax.jit(lambda: run("pallas"))()
+    want = jax.jit(lambda: run("xla"))()
+    for name, a, b in zip(("y", "dx", "dw"), got, want):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.all(np.isfinite(a)), name
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2, name
 
 
 def _native():
