@@ -32,6 +32,8 @@ layer pays beside the bf16 one:
   chain, so XLA hoists the loop-invariant weight quantization out of it
   (weights quantized less often than used: inference, gradient accumulation);
 - ``..., dw fp8``: the same two with ``GroupedMatmulConfig(fp8_dw=True)``;
+  ``..., cuda...``: the same on the native extension's kernels
+  (``fp8_kernel="cuda"``) where it is built;
 - ``dw bf16`` / ``dw fp8`` / ``dw fp8 kernel``: dw alone: the bf16 kernel on
   ``x * xs`` and ``dy`` rounded to bf16 (what the default fp8 path runs); the
   fp8 path's dw with ``fp8_dw`` (the recast of both operands per column,
@@ -66,7 +68,7 @@ from jax_ep import extension  # noqa: E402
 from jax_ep.gmm import GroupedMatmulConfig, fp8_columns  # noqa: E402
 from jax_ep.gmm import fp8 as gm_fp8  # noqa: E402
 from jax_ep.gmm.ops import offsets, tgmm  # noqa: E402
-from jax_ep.gmm.cuda_fp8 import gmm_fp8_nt_cuda  # noqa: E402
+from jax_ep.gmm.cuda_fp8 import gmm_fp8_nt_cuda, tgmm_fp8_nt_cuda  # noqa: E402
 from jax_ep.gmm.pallas_fp8 import gmm_fp8_nt  # noqa: E402
 from jax_ep.gmm.pallas_fp8_dw import tgmm_fp8_nt  # noqa: E402
 from jax_ep.gmm.tiles import FwdTiles  # noqa: E402
@@ -137,7 +139,7 @@ def rows_for(proj, kind, reps, clusters=(1,), variants=None):
     return [(proj, kind, name, ms, flops / ms / 1e9) for name, ms in t.items()]
 
 
-def step_rows(proj, reps):
+def step_rows(proj, reps, kernels=("pallas",)):
     """``--steps``: (proj, op, ms, GB/s or None) for one projection, uniform sizes."""
     k, n = PROJ[proj]
     x, w, *_ = jax.block_until_ready(operands(k, n))
@@ -160,13 +162,16 @@ def step_rows(proj, reps):
     # loop-invariant, and XLA hoists what depends on them alone
     # dy is chained too: its casts (dx's, and dw's with fp8_dw) run in every call
     t["bf16 fwd+bwd"] = per_call_ms(lambda xwd: bf16(*xwd), ((x, w, dy),), 2, 6, reps)
-    for tag, cfg in (("", GroupedMatmulConfig()), (", dw fp8", GroupedMatmulConfig(fp8_dw=True))):
+    configs = [(f"{', ' + k if k != 'pallas' else ''}{dw}",
+                GroupedMatmulConfig(fp8_kernel=k, fp8_dw=bool(dw)))
+               for k in kernels for dw in ("", ", dw fp8")]
+    for tag, cfg in configs:
         fp8 = grads(fp8_y(cfg))
         t[f"fp8 fwd+bwd{tag}, w quantized in the call"] = per_call_ms(
             lambda xwd, f=fp8: f(*xwd), ((x, w, dy),), 2, 6, reps)
         t[f"fp8 fwd+bwd{tag}, w quantized once"] = per_call_ms(
             lambda xd, w_, f=fp8: f(xd[0], w_, xd[1]), ((x, dy), w), 2, 6, reps)
-    t.update(dw_rows(x, gs, dy, reps))
+    t.update(dw_rows(x, gs, dy, reps, kernels))
     one_layout = w.size * (w.dtype.itemsize + 1)   # bytes: read bf16, write fp8
     quant = {"quantize w gkn": (lambda w_: jax_ep.quantize_weights(w_), 1),
              "quantize w gnk": (lambda w_: jax_ep.quantize_weights(w_, layout="gnk"), 1),
@@ -180,21 +185,26 @@ def step_rows(proj, reps):
     return [(proj, name, ms, gbs.get(name)) for name, ms in t.items()]
 
 
-def dw_rows(x, gs, dy, reps):
-    """dw alone: bf16 (the default fp8 path's), fp8 with its recast, the fp8 kernel alone."""
+def dw_rows(x, gs, dy, reps, kernels=("pallas",)):
+    """dw alone: bf16 (the default fp8 path's), fp8 with its recast, the fp8 dw
+    kernel alone (per kernel family: ``pallas``, ``cuda``)."""
     xq, xs = jax_ep.quantize_activations(x)
-    fp8_dw = GroupedMatmulConfig(fp8_dw=True)
 
     def dw_bf16(x_, d):
         return tgmm(dequantize_rows(x_, xs).astype(jnp.bfloat16), d, gs)
 
     a, a_s, c, c_s, seg = fp8_columns.dw_operands(xq, xs, dy, gs)
     # x and dy chained: each call recasts both (the kernel alone: none)
-    return {"dw bf16": per_call_ms(lambda xd: dw_bf16(*xd), ((xq, dy),), 2, 6, reps),
-            "dw fp8": per_call_ms(lambda xd: gm_fp8.dw_fp8(fp8_dw, xd[0], xs, gs, xd[1]),
-                                  ((xq, dy),), 2, 6, reps),
-            "dw fp8 kernel": per_call_ms(lambda ac: tgmm_fp8_nt(ac[0], a_s, ac[1], c_s, seg),
-                                         ((a, c),), 2, 6, reps)}
+    t = {"dw bf16": per_call_ms(lambda xd: dw_bf16(*xd), ((xq, dy),), 2, 6, reps)}
+    for k in kernels:
+        tag = "" if k == "pallas" else f" [{k}]"
+        cfg = GroupedMatmulConfig(fp8_dw=True, fp8_kernel=k)
+        kernel = tgmm_fp8_nt if k == "pallas" else tgmm_fp8_nt_cuda
+        t["dw fp8" + tag] = per_call_ms(
+            lambda xd, c_=cfg: gm_fp8.dw_fp8(c_, xd[0], xs, gs, xd[1]), ((xq, dy),), 2, 6, reps)
+        t["dw fp8 kernel" + tag] = per_call_ms(
+            lambda ac, f=kernel: f(ac[0], a_s, ac[1], c_s, seg), ((a, c),), 2, 6, reps)
+    return t
 
 
 def step_table(rows):
@@ -262,7 +272,8 @@ def main():
                      + (f"{tf / df:.2f} |" if df else "— |"))
     table = "\n".join(lines)
     if args.steps:
-        steps = [r for proj in args.proj.split(",") for r in step_rows(proj, args.reps)]
+        kernels = ("pallas", "cuda") if extension.load() is not None else ("pallas",)
+        steps = [r for proj in args.proj.split(",") for r in step_rows(proj, args.reps, kernels)]
         table += "\n\n" + step_table(steps)
     print(table)
     if os.environ.get("OUT"):
