@@ -232,17 +232,20 @@ def test_training_example_learns():
 def test_training_example_fp8_tracks_bf16():
     """--fp8 (fp8 dispatch -> fp8 grouped matmuls -> bf16 combine, the reference
     path on CPU) trains, its loss within 3% of the bf16 run's at each of the
-    first 12 steps (the tolerance examples/train_moe.py states)."""
+    first 12 steps (the tolerance examples/train_moe.py states), with the
+    weight gradients in bf16 and in fp8 (--fp8-dw)."""
     import train_moe
 
     base = ["--steps", "12", "--batch", "16", "--no-comm-timing", "--dtype", "bfloat16",
             "--d-model", "128", "--d-ff", "128"]
     bf16 = train_moe.train(train_moe.parse_args(base), verbose=False)
-    fp8 = train_moe.train(train_moe.parse_args(base + ["--fp8"]), verbose=False)
-    assert bf16["finite"] and fp8["finite"]
-    a, b = np.asarray(bf16["losses"]), np.asarray(fp8["losses"])
-    assert np.all(np.abs(b - a) <= 0.03 * a), np.abs(b - a) / a
-    assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(fp8["params"]))
+    a = np.asarray(bf16["losses"])
+    for extra in ([], ["--fp8-dw"]):
+        fp8 = train_moe.train(train_moe.parse_args(base + ["--fp8"] + extra), verbose=False)
+        assert bf16["finite"] and fp8["finite"]
+        b = np.asarray(fp8["losses"])
+        assert np.all(np.abs(b - a) <= 0.03 * a), (extra, np.abs(b - a) / a)
+        assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(fp8["params"]))
 
 
 def test_training_example_fp8_arguments():
@@ -251,9 +254,13 @@ def test_training_example_fp8_arguments():
     args = train_moe.parse_args(["--fp8"])
     assert (args.experts_impl, args.d_model, args.d_ff) == ("grouped_fp8", 128, 128)
     assert (train_moe.parse_args([]).d_model, train_moe.parse_args([]).d_ff) == (64, 64)
-    for bad in (["--fp8", "--d-model", "64"], ["--fp8", "--experts-impl", "padded"]):
+    for bad in (["--fp8", "--d-model", "64"], ["--fp8", "--experts-impl", "padded"],
+                ["--fp8-dw"], ["--fp8-kernel", "cuda"]):
         with pytest.raises(SystemExit):
             train_moe.parse_args(bad)
+    cfg = train_moe.gmm_config(train_moe.parse_args(["--fp8", "--fp8-dw", "--fp8-kernel", "cuda"]))
+    assert (cfg.fp8_dw, cfg.fp8_kernel) == (True, "cuda")
+    assert train_moe.gmm_config(train_moe.parse_args([])) is None
 
 
 def _layer_bench(tmp_path, *args):
