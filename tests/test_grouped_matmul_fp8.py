@@ -522,7 +522,10 @@ def test_cuda_kernel_plan_and_its_ffi_call(monkeypatch):
     p = dw_ops[0].shape[1]
     _assert_one_call(cuda_fp8.tgmm_fp8_nt_cuda, dw_ops, "jax_ep_gmm_fp8_dw", (
         f"tensor<{K}x{p}xf8E4M3FN>", f"tensor<{p // 128}x{K}xf32>", f"tensor<{N}x{p}xf8E4M3FN>",
-        f"tensor<{G + 1}xi32>", f"tensor<{G}x{K}x{N}xbf16>"))
+        f"tensor<{p // 128}x{N}xf32>", f"tensor<{G + 1}xi32>", f"tensor<{G}x{K}x{N}xbf16>"))
+    with pytest.raises(ValueError, match="no interpret mode"):
+        select.plan_fp8(dataclasses.replace(cfg, interpret=True), "fwd", x, xs, w, ws,
+                        jnp.bfloat16)
 
 
 def _assert_one_call(fn, args, target, operands):

@@ -33,6 +33,9 @@ ffi::Error Shapes(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& xs_t,
   if (xd.size() != 2 || vd.size() != 3 || sd.size() != 2 || wd.size() != 3 || od.size() != 2)
     return InvalidArgument(std::string(kOp) + ": expected x [M, Kc], xs_t [Kc/128, M], "
                            "v [G, N, Kc], vs [G, N/128, KBp], out [M, N]");
+  const int64_t kMax = int64_t(1) << 30;
+  if (xd[0] >= kMax || xd[1] >= kMax || vd[0] >= kMax || vd[1] >= kMax || wd[2] >= kMax)
+    return InvalidArgument(std::string(kOp) + ": M, Kc, G and N must each be below 2^30");
   a->m = static_cast<int>(xd[0]);
   a->kc = static_cast<int>(xd[1]);
   a->groups = static_cast<int>(vd[0]);
@@ -90,16 +93,18 @@ ffi::Error DwShapes(const ffi::AnyBuffer& a, const ffi::Buffer<ffi::F32>& as,
   if (out.element_type() != ffi::BF16 && out.element_type() != ffi::F32)
     return InvalidArgument(op + ": the result must be bfloat16 or float32");
   if (ad.size() != 2 || cd.size() != 2 || sd.size() != 2 || td.size() != 2 || od.size() != 3 ||
-      seg.element_count() < 2)
+      seg.dimensions().size() != 1 || seg.element_count() < 2)
     return InvalidArgument(op + ": expected a [Ka, P], as [P/128, Ka], c [Nc, P], "
                            "cs [P/128, Nc], segments [G+1], out [G, Ka, Nc]");
+  const int64_t kMax = int64_t(1) << 30;
+  if (ad[0] >= kMax || ad[1] >= kMax || cd[0] >= kMax)
+    return InvalidArgument(op + ": Ka, Nc and P must each be below 2^30");
   d->ka = static_cast<int>(ad[0]);
   d->p = static_cast<int>(ad[1]);
   d->nc = static_cast<int>(cd[0]);
   d->groups = static_cast<int>(seg.element_count() - 1);
   if (cd[1] != ad[1] || sd[0] * 128 != ad[1] || sd[1] != ad[0] || td[0] != sd[0] ||
-      td[1] != cd[0] || od[0] != d->groups || od[1] != ad[0] || od[2] != cd[0] ||
-      ad[1] >= (int64_t(1) << 31))
+      td[1] != cd[0] || od[0] != d->groups || od[1] != ad[0] || od[2] != cd[0])
     return InvalidArgument(op + ": operand shapes disagree (a [Ka, P], as [P/128, Ka], "
                            "c [Nc, P], cs [P/128, Nc], segments [G+1], out [G, Ka, Nc])");
   const std::string why = gmm_fp8_dw_shape_error(*d);

@@ -31,8 +31,7 @@ __device__ __forceinline__ Tile tile_at(const GmmFp8Args& a, int t, int grid_n) 
 
 __device__ void produce(const GmmFp8Args& a, const Maps& m, const Ring& r, int tiles,
                         int grid_n, int ksteps) {
-  sm90::tma_prefetch(&m.a);
-  sm90::tma_prefetch(&m.b);
+  for (const CUtensorMap* map : {&m.a, &m.b, &m.a_scales, &m.b_scales}) sm90::tma_prefetch(map);
   uint32_t i = 0;
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
     const Tile tl = tile_at(a, t, grid_n);
@@ -125,6 +124,7 @@ const char* gmm_fp8_shape_error(const GmmFp8Args& a) {
 }
 
 cudaError_t launch_gmm_fp8_nt(const GmmFp8Args& a, cudaStream_t stream) {
+  if (!has_tensor_map_encoder()) return cudaErrorSymbolNotFound;
   Maps maps;
   const auto e4m3 = CU_TENSOR_MAP_DATA_TYPE_UINT8, f32 = CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
   const auto sw128 = CU_TENSOR_MAP_SWIZZLE_128B, plain = CU_TENSOR_MAP_SWIZZLE_NONE;

@@ -8,7 +8,8 @@
 // first one: its weight block's). A consumer waits for the stage's "full"
 // barrier, runs four 64 x 128 x 32 WGMMAs of its 64 rows into a fresh
 // accumulator, waits for them, and releases the stage on its "empty" barrier
-// (one arrival per consumer warp) before promoting the product.
+// (one arrival per consumer warp): the forward before promoting the product
+// (finish_kstep), dw after (its column scales are read from the stage then).
 #pragma once
 
 #include <cuda.h>
@@ -103,7 +104,8 @@ __device__ __forceinline__ void start_kstep(float (&prod)[64], const Ring& r, ui
   sm90::wgmma_commit();
 }
 
-// Wait for the product, then release the stage (its scales already read).
+// Wait for the product, then release the stage (its scales already read):
+// the forward's order; dw waits and releases around its promotion itself.
 __device__ __forceinline__ void finish_kstep(float (&prod)[64], const Ring& r, uint32_t i) {
   sm90::wgmma_wait<0>();
 #pragma unroll

@@ -25,6 +25,8 @@ PFN_cuTensorMapEncodeTiled_v12000 encoder() {
 
 }  // namespace
 
+bool has_tensor_map_encoder() { return encoder() != nullptr; }
+
 bool encode_2d(CUtensorMap* map, CUtensorMapDataType type, const void* ptr, uint64_t rows,
                uint64_t cols, uint32_t elem_bytes, uint32_t box_rows, uint32_t box_cols,
                CUtensorMapSwizzle swizzle) {

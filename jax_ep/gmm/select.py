@@ -119,6 +119,8 @@ def plan_fp8(cfg: GroupedMatmulConfig, op: str, x, xs, v, vs, out_dtype,
     if cfg.impl == "xla":
         return reference
     err = kernel.check(op, x, xs, v, vs, out_dtype)
+    if err is None and cuda and cfg.interpret:
+        err = "the CUDA kernels have no interpret mode (fp8_kernel='pallas' has)"
     if cfg.impl == "pallas":
         if err is not None:
             raise ValueError(f"grouped_matmul impl='pallas' (fp8 {op}): {err}; use impl='auto' "
