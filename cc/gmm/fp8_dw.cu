@@ -87,33 +87,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     gmm_fp8_dw_kernel(const __grid_constant__ Maps maps, const __grid_constant__ GmmFp8DwArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem[];
-  const Ring ring = Ring::at(smem);
-  if (threadIdx.x == 0) ring.init();
-  __syncthreads();
   const int grid_n = a.nc / kBN, per_group = (a.ka / kBM) * grid_n;
   const int tiles = a.groups * per_group;
-  const int wg = threadIdx.x / 128;
-  if (wg == kConsumers) {
-    sm90::regs_decrease<40>();
-    if (threadIdx.x == 128 * kConsumers) produce(a, maps, ring, tiles, grid_n, per_group);
-  } else {
-    sm90::regs_increase<232>();
-    consume<Out>(a, ring, tiles, grid_n, per_group, wg);
-  }
+  run(smem, [&](const Ring& r) { produce(a, maps, r, tiles, grid_n, per_group); },
+      [&](const Ring& r, int wg) { consume<Out>(a, r, tiles, grid_n, per_group, wg); });
 #else
   __trap();   // built for sm_90a only (CMakeLists.txt)
 #endif
-}
-
-template <typename Out>
-cudaError_t launch_typed(const GmmFp8DwArgs& a, const Maps& maps, int blocks,
-                         cudaStream_t stream) {
-  const cudaError_t attr = cudaFuncSetAttribute(
-      gmm_fp8_dw_kernel<Out>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-      static_cast<int>(kSmemBytes));
-  if (attr != cudaSuccess) return attr;
-  gmm_fp8_dw_kernel<Out><<<blocks, kThreads, kSmemBytes, stream>>>(maps, a);
-  return cudaGetLastError();
 }
 
 }  // namespace
@@ -138,14 +118,9 @@ cudaError_t launch_gmm_fp8_dw(const GmmFp8DwArgs& a, cudaStream_t stream) {
       !encode_2d(&maps.a_scales, f32, a.a_scales, a.p / kBK, a.ka, 4, 1, kScales, plain) ||
       !encode_2d(&maps.b_scales, f32, a.c_scales, a.p / kBK, a.nc, 4, 1, kScales, plain))
     return cudaErrorInvalidValue;
-  int blocks = a.num_sms;
-  if (blocks <= 0) {
-    const cudaError_t e =
-        cudaDeviceGetAttribute(&blocks, cudaDevAttrMultiProcessorCount, a.device);
-    if (e != cudaSuccess) return e;
-  }
-  return a.out_f32 ? launch_typed<float>(a, maps, blocks, stream)
-                   : launch_typed<__nv_bfloat16>(a, maps, blocks, stream);
+  return a.out_f32
+             ? launch(gmm_fp8_dw_kernel<float>, maps, a, a.num_sms, a.device, stream)
+             : launch(gmm_fp8_dw_kernel<__nv_bfloat16>, maps, a, a.num_sms, a.device, stream);
 }
 
 }  // namespace jax_ep

@@ -80,34 +80,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     gmm_fp8_nt_kernel(const __grid_constant__ Maps maps, const __grid_constant__ GmmFp8Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem[];
-  const Ring ring = Ring::at(smem);
-  if (threadIdx.x == 0) ring.init();
-  __syncthreads();
   const int grid_n = a.n / kBN, ksteps = a.kc / kBK;
   const int tiles = (a.counts[0] + a.counts[1]) * grid_n;
-  const int wg = threadIdx.x / 128;
-  if (wg == kConsumers) {
-    sm90::regs_decrease<40>();
-    if (threadIdx.x == 128 * kConsumers) produce(a, maps, ring, tiles, grid_n, ksteps);
-  } else {
-    sm90::regs_increase<232>();
-    consume<Out>(a, ring, tiles, grid_n, ksteps, wg);
-  }
+  run(smem, [&](const Ring& r) { produce(a, maps, r, tiles, grid_n, ksteps); },
+      [&](const Ring& r, int wg) { consume<Out>(a, r, tiles, grid_n, ksteps, wg); });
 #else
   __trap();   // built for sm_90a only (CMakeLists.txt)
 #endif
-}
-
-template <typename Out>
-cudaError_t launch_typed(const GmmFp8Args& a, const Maps& maps, int blocks, cudaStream_t stream) {
-  // per launch: the attribute belongs to the current device's context (one
-  // process may drive several GPUs), and setting it is cheap
-  const cudaError_t attr = cudaFuncSetAttribute(
-      gmm_fp8_nt_kernel<Out>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-      static_cast<int>(kSmemBytes));
-  if (attr != cudaSuccess) return attr;
-  gmm_fp8_nt_kernel<Out><<<blocks, kThreads, kSmemBytes, stream>>>(maps, a);
-  return cudaGetLastError();
 }
 
 }  // namespace
@@ -134,14 +113,9 @@ cudaError_t launch_gmm_fp8_nt(const GmmFp8Args& a, cudaStream_t stream) {
       !encode_2d(&maps.b_scales, f32, a.vs, uint64_t(a.groups) * (a.n / kBN), a.kb_pad, 4, 1,
                  kVsBox, plain))
     return cudaErrorInvalidValue;
-  int blocks = a.num_sms;
-  if (blocks <= 0) {
-    const cudaError_t e =
-        cudaDeviceGetAttribute(&blocks, cudaDevAttrMultiProcessorCount, a.device);
-    if (e != cudaSuccess) return e;
-  }
-  return a.out_f32 ? launch_typed<float>(a, maps, blocks, stream)
-                   : launch_typed<__nv_bfloat16>(a, maps, blocks, stream);
+  return a.out_f32
+             ? launch(gmm_fp8_nt_kernel<float>, maps, a, a.num_sms, a.device, stream)
+             : launch(gmm_fp8_nt_kernel<__nv_bfloat16>, maps, a, a.num_sms, a.device, stream);
 }
 
 }  // namespace jax_ep

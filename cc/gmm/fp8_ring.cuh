@@ -148,5 +148,42 @@ __device__ __forceinline__ void store_tile(const float (&sum)[64], Out* out, lon
   }
 }
 
+// The kernels' body: the ring, then one thread of the producer warpgroup runs
+// produce(ring) and each consumer warpgroup consume(ring, wg), registers
+// handed from the producer warpgroup to the consumers.
+template <typename Produce, typename Consume>
+__device__ __forceinline__ void run(uint8_t* smem, Produce produce, Consume consume) {
+  const Ring ring = Ring::at(smem);
+  if (threadIdx.x == 0) ring.init();
+  __syncthreads();
+  const int wg = threadIdx.x / 128;
+  if (wg == kConsumers) {
+    sm90::regs_decrease<40>();
+    if (threadIdx.x == 128 * kConsumers) produce(ring);
+  } else {
+    sm90::regs_increase<232>();
+    consume(ring, wg);
+  }
+}
+
+// Host: kernel(maps, args) on `num_sms` CTAs (0: one per SM of `device`) with
+// the ring's shared memory.
+template <typename Args>
+cudaError_t launch(void (*kernel)(Maps, Args), const Maps& maps, const Args& args, int num_sms,
+                   int device, cudaStream_t stream) {
+  int blocks = num_sms;
+  if (blocks <= 0) {
+    const cudaError_t e = cudaDeviceGetAttribute(&blocks, cudaDevAttrMultiProcessorCount, device);
+    if (e != cudaSuccess) return e;
+  }
+  // per launch: the attribute belongs to the current device's context (one
+  // process may drive several GPUs), and setting it is cheap
+  const cudaError_t attr = cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBytes));
+  if (attr != cudaSuccess) return attr;
+  kernel<<<blocks, kThreads, kSmemBytes, stream>>>(maps, args);
+  return cudaGetLastError();
+}
+
 }  // namespace fp8_ring
 }  // namespace jax_ep
