@@ -8,7 +8,9 @@ shared memory it uses; ``select`` asks these questions and nothing else.
 The fp8 variants (:class:`Fp8Variant`) run the fp8 path's forward and dx in
 the fp8 kernel's form ``(x * xs) @ ((v * vs)[g])^T`` (both operands K-major,
 ``pallas_fp8``), and its dw either on the bf16 variants above or, with
-``fp8_dw``, in the fp8 dw kernel's form (``pallas_fp8_dw``).
+``fp8_dw``, in the fp8 dw kernel's form (``pallas_fp8_dw``); with
+``fp8_kernel="cuda"`` the native extension's kernels of the same contracts
+(``cuda_fp8``) run them.
 """
 from __future__ import annotations
 
@@ -265,6 +267,8 @@ FP8_PALLAS = Fp8Variant(
                                                               out_dtype=od, cluster=c,
                                                               interpret=i),
     _fp8_probe, "the dequantizing XLA reference", pallas_fp8.check_fp8_nt)
+
+
 def _fp8_cuda_probe(op, tiles, dt, cluster):
     fn, shapes = _fp8_probe(op, tiles, dt, cluster)
     return ((lambda x, xs, v, vs, o: cuda_fp8.gmm_fp8_nt_cuda(x, xs, v, vs, o)), shapes)
@@ -295,13 +299,18 @@ FP8_DW_PALLAS = Fp8Variant(
     lambda a, a_s, c, c_s, seg, od, i, cl: pallas_fp8_dw.tgmm_fp8_nt(a, a_s, c, c_s, seg,
                                                                      out_dtype=od, interpret=i),
     _fp8_dw_probe, "the dequantizing XLA reference", pallas_fp8_dw.check_fp8_dw)
+
+
+def _fp8_dw_cuda_probe(op, tiles, dt, cluster):
+    fn, shapes = _fp8_dw_probe(op, tiles, dt, cluster)
+    return ((lambda a, a_s, c, c_s, seg: cuda_fp8.tgmm_fp8_nt_cuda(a, a_s, c, c_s, seg)), shapes)
+
+
 FP8_DW_CUDA = Fp8Variant(
     "tgmm_fp8_cuda", ("dw",), _HOPPER, ("bfloat16", "float32"),
     lambda a, a_s, c, c_s, seg, od, i, cl: cuda_fp8.tgmm_fp8_nt_cuda(a, a_s, c, c_s, seg,
                                                                      out_dtype=od),
-    lambda op, tiles, dt, cluster: (
-        (lambda *o: cuda_fp8.tgmm_fp8_nt_cuda(*o)), _fp8_dw_probe(op, tiles, dt, cluster)[1]),
-    "the dequantizing XLA reference", cuda_fp8.check_fp8_dw_cuda)
+    _fp8_dw_cuda_probe, "the dequantizing XLA reference", cuda_fp8.check_fp8_dw_cuda)
 FP8_DW_XLA = Fp8Variant(
     "fp8_dw_xla", ("dw",), (), None,
     lambda a, a_s, c, c_s, seg, od, i, cl: tgmm_fp8_nt_xla(a, a_s, c, c_s, seg, od))
