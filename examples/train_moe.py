@@ -98,9 +98,10 @@ def parse_args(argv=None):
                         "(expert_impl grouped_fp8; d-model and d-ff divisible by 128)")
     p.add_argument("--fp8-dw", action="store_true",
                    help="with --fp8: the weight gradients in fp8 too (GroupedMatmulConfig.fp8_dw)")
-    p.add_argument("--fp8-kernel", choices=("pallas", "cuda"), default="pallas",
+    p.add_argument("--fp8-kernel", choices=("pallas", "cuda"), default=None,
                    help="with --fp8: the fp8 matmul kernels on a Hopper GPU "
-                        "(GroupedMatmulConfig.fp8_kernel; cuda: the native extension's)")
+                        "(GroupedMatmulConfig.fp8_kernel; cuda: the native extension's; "
+                        "default: the device's tuned choice)")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-comm-timing", action="store_true",
@@ -121,7 +122,7 @@ def _fp8_args(p, args):
             p.error(f"--fp8 needs --d-model and --d-ff divisible by 128 (the fp8 scale "
                     f"blocks), got {args.d_model} and {args.d_ff}")
         args.experts_impl = "grouped_fp8"
-    elif args.fp8_dw or args.fp8_kernel != "pallas":
+    elif args.fp8_dw or args.fp8_kernel is not None:
         p.error("--fp8-dw and --fp8-kernel choose how --fp8 runs: add --fp8")
     return args
 

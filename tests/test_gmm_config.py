@@ -88,6 +88,17 @@ def test_table_loader_rejects_a_missing_fallback():
         tuning.load_tuned(text)
 
 
+def test_table_fp8_kernel_family():
+    """The table's fp8 kernel family: "pallas" on the H200 until the CUDA
+    kernels are measured; a name outside FP8_KERNELS is rejected."""
+    entries, _ = tuning.load_tuned()
+    assert entries["NVIDIA H200"].fp8_kernel == "pallas"
+    raw = json.loads(tuning.resources.files("jax_ep.gmm").joinpath("tuned_tiles.json").read_text())
+    raw["devices"]["NVIDIA H200"]["fp8_kernel"] = "triton"
+    with pytest.raises(ValueError, match="fp8_kernel must be one of"):
+        tuning.load_tuned(json.dumps(raw))
+
+
 # ----------------------------------------------- today's choices, reproduced
 
 @pytest.mark.parametrize("name", sorted(recorded.CHOICES))

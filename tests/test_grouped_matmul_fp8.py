@@ -477,7 +477,7 @@ def test_quantizer_and_config_errors():
         GroupedMatmulConfig(fp8_dx=1)
     with pytest.raises(ValueError, match="fp8_dw must be a bool"):
         GroupedMatmulConfig(fp8_dw="yes")
-    with pytest.raises(ValueError, match=r"fp8_kernel must be one of \('pallas', 'cuda'\)"):
+    with pytest.raises(ValueError, match=r"fp8_kernel must be None or one of \('pallas', 'cuda'\)"):
         GroupedMatmulConfig(fp8_kernel="triton")
     for bad in (3, 0, True):
         with pytest.raises(ValueError, match="fp8_cluster must be None, 1 or 2"):
@@ -510,6 +510,11 @@ def test_cuda_kernel_plan_and_its_ffi_call(monkeypatch):
     monkeypatch.setattr(extension, "load", lambda: object())
     for op in ("fwd", "dx"):
         assert select.plan_fp8(cfg, op, x, xs, w, ws, jnp.bfloat16) is registry.FP8_CUDA
+    # fp8_kernel=None: the device's tuned choice (the H200 table: pallas)
+    tuned = GroupedMatmulConfig(impl="pallas")
+    assert select.plan_fp8(tuned, "fwd", x, xs, w, ws, jnp.bfloat16) is registry.FP8_PALLAS
+    monkeypatch.setattr(heuristic, "fp8_kernel", lambda kind: "cuda")
+    assert select.plan_fp8(tuned, "fwd", x, xs, w, ws, jnp.bfloat16) is registry.FP8_CUDA
     assert "writes bfloat16/float32" in registry.FP8_CUDA.check("fwd", x, xs, w, ws, jnp.float16)
     off = gm_ops.offsets(jnp.asarray(gs), M)
     kb = K // 128

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Optional, Sequence, Union
 
 from .tiles import DwTiles, FwdTiles, as_tiles
-from .tuning import DW_PIPELINES
+from .tuning import DW_PIPELINES, FP8_KERNELS
 
 # The expert alignment (EpConfig.expert_alignment) that suits these kernels:
 # the default dw block_k. Groups that start and end on a k-step boundary need
@@ -16,7 +16,6 @@ from .tuning import DW_PIPELINES
 GROUP_ALIGNMENT = 64
 
 _IMPLS = ("auto", "pallas", "xla")
-FP8_KERNELS = ("pallas", "cuda")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,10 +79,12 @@ class GroupedMatmulConfig:
         within 1.6% of bf16's over the first 12 steps (1.4% with dw in bf16).
         Off by default until its speed is measured.
       fp8_kernel: which kernels run the fp8 path's forward, fp8 dx and fp8
-        dw: ``"pallas"`` (default; ``pallas_fp8``, ``pallas_fp8_dw``, Mosaic
-        GPU) or ``"cuda"`` (``cuda_fp8``: the native extension's kernels, one
+        dw: ``"pallas"`` (``pallas_fp8``, ``pallas_fp8_dw``, Mosaic GPU),
+        ``"cuda"`` (``cuda_fp8``: the native extension's kernels, one
         producer thread and the tile's sum zeroed once per tile; same
-        contracts and tiles).
+        contracts and tiles), or None (default: the device's tuned choice,
+        ``tuned_tiles.json``; on an H200 ``"pallas"`` until the CUDA kernels
+        are measured).
       fp8_cluster: CTAs per cluster of the Pallas fp8 kernel (forward and fp8 dx):
         None (default: the device's tuned choice, ``heuristic.fp8_cluster``;
         on an H200 single CTAs, pairs not yet measured ahead), 1,
@@ -104,7 +105,7 @@ class GroupedMatmulConfig:
     dw_pipeline: Optional[str] = None
     fp8_dx: bool = True
     fp8_dw: bool = False
-    fp8_kernel: str = "pallas"
+    fp8_kernel: Optional[str] = None
     fp8_cluster: Optional[int] = None
 
     def __post_init__(self):
@@ -112,8 +113,9 @@ class GroupedMatmulConfig:
             raise ValueError(f"dw_pipeline must be one of {DW_PIPELINES}, got {self.dw_pipeline!r}")
         if self.impl not in _IMPLS:
             raise ValueError(f"impl must be one of {_IMPLS}, got {self.impl!r}")
-        if self.fp8_kernel not in FP8_KERNELS:
-            raise ValueError(f"fp8_kernel must be one of {FP8_KERNELS}, got {self.fp8_kernel!r}")
+        if self.fp8_kernel is not None and self.fp8_kernel not in FP8_KERNELS:
+            raise ValueError(f"fp8_kernel must be None or one of {FP8_KERNELS}, got "
+                             f"{self.fp8_kernel!r}")
         for name in ("fp8_dx", "fp8_dw"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -31,6 +31,11 @@ def suggest(op: str, rows: int, groups: int, device_kind: str) -> Suggestion:
     return Suggestion((t.default.tiles(op),), t.default.dw_pipeline)
 
 
+def fp8_kernel(device_kind: str) -> str:
+    """The fp8 kernel family (``"pallas"`` or ``"cuda"``) the device's table picks."""
+    return tuning_for(device_kind).fp8_kernel
+
+
 def fp8_cluster(k_steps: int, device_kind: str) -> int:
     """CTAs per cluster for the fp8 kernel over a contraction of ``k_steps``
     128-wide steps: 2 where the device's table says pairs win (long

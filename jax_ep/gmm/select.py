@@ -111,13 +111,14 @@ def plan_fp8(cfg: GroupedMatmulConfig, op: str, x, xs, v, vs, out_dtype,
     kernel (raises where it cannot run the operands); ``"auto"`` the kernel on
     a device it is written for, where the operands fit it and a small instance
     compiles (checked once), else the reference."""
-    cuda = cfg.fp8_kernel == "cuda"
+    if cfg.impl == "xla":
+        return FP8_DW_XLA if op == "dw" else FP8_XLA
+    dev = dev or device_info()
+    cuda = (cfg.fp8_kernel or heuristic.fp8_kernel(dev.kind)) == "cuda"
     if op == "dw":
         kernel, reference, probe_op = FP8_DW_CUDA if cuda else FP8_DW_PALLAS, FP8_DW_XLA, "dw"
     else:
         kernel, reference, probe_op = FP8_CUDA if cuda else FP8_PALLAS, FP8_XLA, "fwd+dx"
-    if cfg.impl == "xla":
-        return reference
     err = kernel.check(op, x, xs, v, vs, out_dtype)
     if err is None and cuda and cfg.interpret:
         err = "the CUDA kernels have no interpret mode (fp8_kernel='pallas' has)"
@@ -126,7 +127,6 @@ def plan_fp8(cfg: GroupedMatmulConfig, op: str, x, xs, v, vs, out_dtype,
             raise ValueError(f"grouped_matmul impl='pallas' (fp8 {op}): {err}; use impl='auto' "
                              "or 'xla' for the dequantizing reference")
         return kernel
-    dev = dev or device_info()
     if err is not None or not (cfg.interpret or kernel.runs_on(dev)):
         return reference
     if not cfg.interpret and not probe.compiles(kernel.name, probe_op, None, "float8_e4m3fn"):

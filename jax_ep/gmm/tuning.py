@@ -42,6 +42,9 @@ file):
   V3 down (K 2048, 16 steps: 754 against 801 and 799).
   ``fp8_cluster_min_k_steps`` = 0 keeps the fp8 kernel on single CTAs until
   pairs are measured ahead beyond the spread (skewed sizes, dx included).
+
+* fp8 kernel family: ``fp8_kernel`` = "pallas" until the native extension's
+  CUDA kernels (``cuda_fp8``) are measured on the device.
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ from typing import Dict, Optional
 from .tiles import DwTiles, FwdTiles
 
 DW_PIPELINES = ("per_group", "ring")
+FP8_KERNELS = ("pallas", "cuda")   # the fp8 path's kernel families (GroupedMatmulConfig.fp8_kernel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +82,11 @@ class DeviceTuning:
     default: TileSet
     small: TileSet
     fp8_cluster_min_k_steps: int = 0   # 0: the fp8 kernel never runs on clusters
+    fp8_kernel: str = "pallas"         # the fp8 kernel family that wins here
+
+    def __post_init__(self):
+        if self.fp8_kernel not in FP8_KERNELS:
+            raise ValueError(f"fp8_kernel must be one of {FP8_KERNELS}, got {self.fp8_kernel!r}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,7 +102,8 @@ def load_tuned(text: Optional[str] = None):
         src = raw[e["same_as"]] if "same_as" in e else e
         entries[kind] = DeviceTuning(kind, int(src["small_group_rows"]),
                                      _tile_set(src["default"]), _tile_set(src["small"]),
-                                     int(src.get("fp8_cluster_min_k_steps", 0)))
+                                     int(src.get("fp8_cluster_min_k_steps", 0)),
+                                     src.get("fp8_kernel", "pallas"))
     fallback = data["fallback"]
     if fallback not in entries:
         raise ValueError(f"tuned_tiles.json: fallback {fallback!r} is not an entry")
