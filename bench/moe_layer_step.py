@@ -1118,7 +1118,8 @@ def _layer_inputs(job):
 
 
 def _layer_stage(job, params, grads0, bias, x, ct):
-    """The layer's chained fwd+bwd steps, timed. -> (its jit, the carried (params, grads))."""
+    """The layer's chained fwd+bwd steps, timed. -> (a call of its jit, the carried
+    (params, grads))."""
     import jax
     import jax.numpy as jnp
 

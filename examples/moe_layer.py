@@ -350,6 +350,10 @@ def routed_ep(experts: dict, x: jax.Array, topk_idx: jax.Array, topk_w: jax.Arra
         raise ValueError(f"expert_impl must be one of {EXPERT_IMPLS}, got {expert_impl!r}")
     if ep_cfg.layout != "expert_major":
         raise ValueError("the MoE block needs EpConfig.layout='expert_major'")
+    if experts_fp8 is not None and expert_impl != "grouped_fp8":
+        raise ValueError(f"experts_fp8 (weights quantized earlier) is for "
+                         f"expert_impl='grouped_fp8', got expert_impl={expert_impl!r}; drop it "
+                         "or run the fp8 experts")
 
     def per_rank(x, idx, w, gate_up, down, quantized):
         d = jax_ep.dispatch(x, idx, w, ep_cfg)

@@ -158,8 +158,9 @@ def quantize_weights(w: jax.Array, *, layout: str = "gkn", scale_format: str = "
       scale_format: ``"f32"`` or ``"ue8m0"``.
       quantized: ``(q, scales)`` of ``w`` in ``layout`` from an earlier call
         (made once per optimizer step and shared by its micro-batches, or
-        once for inference): returned as they are, nothing recomputed, with
-        the same gradient to ``w``. None (default): quantize here.
+        once for inference): returned as they are, nothing recomputed (their
+        own scale format, whatever ``scale_format`` says), with the same
+        gradient to ``w``. None (default): quantize here.
 
     Returns:
       ``(q float8_e4m3fn, scales float32)`` in ``layout``.
@@ -184,11 +185,13 @@ def _check_quantized(w, layout, quantized):
     q_dims = [g, k, n] if layout == "gkn" else [g, n, k]
     s_dims = [g, q_dims[1] // FP8_BLOCK, q_dims[2] // FP8_BLOCK]
     try:
-        (q, s), ok = quantized, True
+        if not isinstance(quantized, (tuple, list)) or len(quantized) != 2:
+            raise TypeError
+        q, s = quantized
         got = f"q {list(q.shape)} {q.dtype}, scales {list(s.shape)} {s.dtype}"
         ok = (list(q.shape), list(s.shape), q.dtype, s.dtype) == (q_dims, s_dims, FP8, F32)
     except (TypeError, ValueError, AttributeError):
-        got, ok = repr(type(quantized)), False
+        got, ok = f"{type(quantized).__name__}, not a (q, scales) pair", False
     if not ok:
         raise ValueError(
             f"quantize_weights: quantized must be (q {q_dims} float8_e4m3fn, scales {s_dims} "

@@ -158,9 +158,13 @@ def test_moe_block_fp8_with_experts_quantized_earlier():
 
     grad = jax.jit(jax.value_and_grad(loss))
     here = grad(params, None)
-    earlier = grad(params, jax.jit(ml.quantize_experts)(params["experts"]))
+    cache = jax.jit(ml.quantize_experts)(params["experts"])
+    earlier = grad(params, cache)
     for a, b in zip(jax.tree.leaves(here), jax.tree.leaves(earlier)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="experts_fp8 .* is for expert_impl='grouped_fp8'"):
+        ml.moe_block(params, bias, x, cfg, mesh, backend="reference", expert_impl="grouped",
+                     experts_fp8=cache)
 
 
 @pytest.mark.slow

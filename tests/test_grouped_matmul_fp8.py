@@ -248,6 +248,8 @@ def test_quantize_weights_reuses_an_earlier_quantization(layout):
     other = jax_ep.quantize_weights(w, layout="gnk" if layout == "gkn" else "gkn")
     with pytest.raises(ValueError, match=r"quantized must be .*make it with"):
         jax_ep.quantize_weights(w, layout=layout, quantized=other)
+    with pytest.raises(ValueError, match=r"got ArrayImpl, not a \(q, scales\) pair"):
+        jax_ep.quantize_weights(w, layout=layout, quantized=cache[0])
 
 
 @pytest.mark.parametrize("layout", ["gkn", "gnk"])
@@ -280,6 +282,8 @@ def test_w_transposed_gives_the_same_bits(layout):
     q, s = jax_ep.quantize_weights(wf, layout=layout)
     with pytest.raises(ValueError, match=rf"w_transposed must be .*layout={other!r}"):
         gmm8(x, xs, q, s, gs, w_layout=layout, w_transposed=(q, s))
+    with pytest.raises(ValueError, match=r"not a \(q, scales\) pair"):
+        gmm8(x, xs, q, s, gs, w_layout=layout, w_transposed=q)
     with pytest.raises(ValueError, match="w_transposed is the fp8 path's"):
         jax_ep.grouped_matmul(jnp.ones((M, K)), wf, gs, w_transposed=(q, s))
 
@@ -505,8 +509,9 @@ def test_cuda_kernel_plan_and_its_ffi_call(monkeypatch):
     monkeypatch.setattr(extension, "load", lambda: None)
     with pytest.raises(ValueError, match="needs the native extension"):
         select.plan_fp8(cfg, "fwd", x, xs, w, ws, jnp.bfloat16)
-    assert select.plan_fp8(dataclasses.replace(cfg, impl="auto"), "fwd", x, xs, w, ws,
-                           jnp.bfloat16) is registry.FP8_XLA
+    with pytest.warns(UserWarning, match="fp8_kernel='cuda' cannot run.*needs the native"):
+        assert select.plan_fp8(dataclasses.replace(cfg, impl="auto"), "fwd", x, xs, w, ws,
+                               jnp.bfloat16) is registry.FP8_XLA
     monkeypatch.setattr(extension, "load", lambda: object())
     for op in ("fwd", "dx"):
         assert select.plan_fp8(cfg, op, x, xs, w, ws, jnp.bfloat16) is registry.FP8_CUDA
@@ -515,6 +520,12 @@ def test_cuda_kernel_plan_and_its_ffi_call(monkeypatch):
     assert select.plan_fp8(tuned, "fwd", x, xs, w, ws, jnp.bfloat16) is registry.FP8_PALLAS
     monkeypatch.setattr(heuristic, "fp8_kernel", lambda kind: "cuda")
     assert select.plan_fp8(tuned, "fwd", x, xs, w, ws, jnp.bfloat16) is registry.FP8_CUDA
+    # a tuned "cuda" gives way to Pallas where it cannot run: interpret mode, no extension
+    interp = dataclasses.replace(tuned, interpret=True)
+    assert select.plan_fp8(interp, "fwd", x, xs, w, ws, jnp.bfloat16) is registry.FP8_PALLAS
+    monkeypatch.setattr(extension, "load", lambda: None)
+    assert select.plan_fp8(tuned, "fwd", x, xs, w, ws, jnp.bfloat16) is registry.FP8_PALLAS
+    monkeypatch.setattr(extension, "load", lambda: object())
     assert "writes bfloat16/float32" in registry.FP8_CUDA.check("fwd", x, xs, w, ws, jnp.float16)
     off = gm_ops.offsets(jnp.asarray(gs), M)
     kb = K // 128

@@ -76,7 +76,8 @@ class GroupedMatmulConfig:
         against 0.24% in bf16 (CPU reference, 1024 x 512 x 512, normal and
         2^±8-outlier data; per entry at most 4.2% of the sum of its
         products' magnitudes); the training example's ``--fp8`` loss stays
-        within 1.6% of bf16's over the first 12 steps (1.4% with dw in bf16).
+        within 1.5-1.6% of bf16's over the first 12 steps (1.4-1.8% with dw in
+        bf16; two runs of different lengths).
         Off by default until its speed is measured.
       fp8_kernel: which kernels run the fp8 path's forward, fp8 dx and fp8
         dw: ``"pallas"`` (``pallas_fp8``, ``pallas_fp8_dw``, Mosaic GPU),

@@ -101,17 +101,16 @@ def check_transposed(w, w_layout: str, w_transposed):
     other = "gnk" if w_layout == "gkn" else "gkn"
     g, a, b = w.shape
     want = [([g, b, a], E4M3), ([g, b // FP8_BLOCK, a // FP8_BLOCK], jnp.float32)]
-    try:
+    got = f"{type(w_transposed).__name__}, not a (q, scales) pair"
+    if isinstance(w_transposed, (tuple, list)) and len(w_transposed) == 2:
         q, s = (jnp.asarray(t) for t in w_transposed)
-        got = [(list(q.shape), q.dtype), (list(s.shape), s.dtype)]
-    except (TypeError, ValueError):
-        got = repr(type(w_transposed))
-    if got != want:
-        raise ValueError(
-            f"jax_ep.grouped_matmul (fp8): w_transposed must be (q {want[0][0]} float8_e4m3fn, "
-            f"scales {want[1][0]} float32): w {list(w.shape)} in layout {other!r}; got {got}; "
-            f"make it with jax_ep.quantize_weights(w_master, layout={other!r})")
-    return jax.lax.stop_gradient(q), jax.lax.stop_gradient(s)
+        if [(list(q.shape), q.dtype), (list(s.shape), s.dtype)] == want:
+            return jax.lax.stop_gradient(q), jax.lax.stop_gradient(s)
+        got = f"q {list(q.shape)} {q.dtype}, scales {list(s.shape)} {s.dtype}"
+    raise ValueError(
+        f"jax_ep.grouped_matmul (fp8): w_transposed must be (q {want[0][0]} float8_e4m3fn, "
+        f"scales {want[1][0]} float32): the values of w {list(w.shape)} in layout {other!r}; "
+        f"got {got}; make it with jax_ep.quantize_weights(w_master, layout={other!r})")
 
 
 def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, w_layout: str,

@@ -28,7 +28,7 @@ def compiles(variant: str, op: str, tiles, dtype_name: str, cluster: int = 1) ->
         return True
     except Exception as e:  # noqa: BLE001 -- any failure means "use what runs instead"
         instead = "a 1-CTA cluster" if cluster > 1 else v.fallback
-        warnings.warn(f"jax_ep.grouped_matmul: Pallas {variant} {op} kernel with tiles {tiles} "
+        warnings.warn(f"jax_ep.grouped_matmul: the {variant} {op} kernel with tiles {tiles} "
                       f"(cluster {cluster}) does not compile here ({type(e).__name__}: "
                       f"{str(e)[:200]}); using {instead} instead")
         return False

@@ -4,8 +4,10 @@ tuned tiles (``heuristic``), the variants' constraints (``registry``) and, in
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Optional
 
+from .. import extension
 from ..fp8 import FP8_BLOCK
 from . import heuristic, pallas_fp8, probe
 from .config import GroupedMatmulConfig
@@ -114,7 +116,7 @@ def plan_fp8(cfg: GroupedMatmulConfig, op: str, x, xs, v, vs, out_dtype,
     if cfg.impl == "xla":
         return FP8_DW_XLA if op == "dw" else FP8_XLA
     dev = dev or device_info()
-    cuda = (cfg.fp8_kernel or heuristic.fp8_kernel(dev.kind)) == "cuda"
+    cuda = _fp8_family(cfg, dev) == "cuda"
     if op == "dw":
         kernel, reference, probe_op = FP8_DW_CUDA if cuda else FP8_DW_PALLAS, FP8_DW_XLA, "dw"
     else:
@@ -128,10 +130,26 @@ def plan_fp8(cfg: GroupedMatmulConfig, op: str, x, xs, v, vs, out_dtype,
                              "or 'xla' for the dequantizing reference")
         return kernel
     if err is not None or not (cfg.interpret or kernel.runs_on(dev)):
+        if cfg.fp8_kernel == "cuda":   # asked for by name: say why it does not run
+            warnings.warn(f"jax_ep.grouped_matmul: fp8_kernel='cuda' cannot run the fp8 {op} "
+                          f"here ({err or 'it needs a Hopper GPU'}); using the dequantizing "
+                          "XLA reference")
         return reference
     if not cfg.interpret and not probe.compiles(kernel.name, probe_op, None, "float8_e4m3fn"):
         return reference
     return kernel
+
+
+def _fp8_family(cfg: GroupedMatmulConfig, dev: DeviceInfo) -> str:
+    """The fp8 kernel family: the config's, else the device's tuned choice —
+    "pallas" where the tuned "cuda" cannot run (interpret mode, no native
+    extension)."""
+    if cfg.fp8_kernel is not None:
+        return cfg.fp8_kernel
+    family = heuristic.fp8_kernel(dev.kind)
+    if family == "cuda" and (cfg.interpret or extension.load() is None):
+        return "pallas"
+    return family
 
 
 def fp8_cluster(cfg: GroupedMatmulConfig, variant: Fp8Variant, v,
