@@ -28,7 +28,7 @@ from .. import extension
 from .._ffi import result_type
 from ..fp8 import FP8_BLOCK
 from ..mesh_axes import to_vma, vma_of
-from .pallas_common import row_tiles
+from .pallas_common import row_tile_table
 from .pallas_fp8 import check_fp8_nt
 from .pallas_fp8_dw import check_fp8_dw
 
@@ -55,9 +55,7 @@ def gmm_fp8_nt_cuda(x, xs, v, vs, offsets, *, out_dtype=None, num_sms: int = 0):
     out_dtype = _out_dtype("gmm_fp8_nt_cuda", out_dtype)
     m, kc = x.shape
     kb = kc // FP8_BLOCK
-    rs, lo, hi, grp = row_tiles(offsets, m, 128)
-    used = hi > lo
-    counts = jnp.stack([jnp.sum(used & (grp >= 0)), jnp.sum(used & (grp < 0))]).astype(jnp.int32)
+    counts, rs, lo, hi, grp = row_tile_table(offsets, m, 128)
     xs_t = xs.astype(jnp.float32).T                                  # a tile's scales: one run
     vs = jnp.pad(vs.astype(jnp.float32), ((0, 0), (0, 0), (0, -kb % VS_BOX)))
     return _call(TARGET, (m, v.shape[1]), out_dtype, (x, xs_t, v, vs, rs, lo, hi, grp, counts),

@@ -90,6 +90,16 @@ def row_tiles(offsets, m, bm):
     return row.astype(jnp.int32), lo.astype(jnp.int32), hi.astype(jnp.int32), g.astype(jnp.int32)
 
 
+def row_tile_table(offsets, m, bm):
+    """The persistent forward kernels' row-tile table (:func:`row_tiles`) and
+    its int32 ``[group tiles, tail tiles]`` counts (the tiles in use, group
+    tiles first) -> ``(counts, start, lo, hi, group)``."""
+    rs, r0, r1, grp = row_tiles(offsets, m, bm)
+    used = r1 > r0
+    counts = jnp.stack([jnp.sum(used & (grp >= 0)), jnp.sum(used & (grp < 0))]).astype(jnp.int32)
+    return counts, rs, r0, r1, grp
+
+
 def dw_transforms(plgpu, dtype, bk, bn):
     """Shared-memory transforms of the dw kernels: the staged ``[bk, *]`` input
     tiles (swizzled along ``bk`` rows of 8) and the ``[*, bn]`` output tile."""

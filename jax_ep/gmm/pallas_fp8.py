@@ -52,7 +52,7 @@ from jax import lax
 
 from ..fp8 import FP8_BLOCK
 from .pallas_common import (cluster_member, dw_transforms, multicast_axes, num_sms,
-                            pallas_modules, round_robin_count, row_tiles, store_rows,
+                            pallas_modules, round_robin_count, row_tile_table, store_rows,
                             store_tail_tiles, transposed, two_consumer_kernel)
 from .devices import device_info
 from .tiles import FwdTiles
@@ -121,9 +121,7 @@ def gmm_fp8_nt(x, xs, v, vs, offsets, *, tiles=None, out_dtype=None, cluster=1,
     cluster = fp8_cluster(v.shape[1], cluster, tiles)
     out_dtype = jnp.dtype(out_dtype or jnp.bfloat16)
     m, kc = x.shape
-    rs, r0, r1, grp = row_tiles(offsets, m, tiles.block_m)
-    used = r1 > r0
-    counts = jnp.stack([jnp.sum(used & (grp >= 0)), jnp.sum(used & (grp < 0))]).astype(jnp.int32)
+    counts, rs, r0, r1, grp = row_tile_table(offsets, m, tiles.block_m)
     # step k's scales of the rows r at k * M + r: one contiguous run per tile and step
     xs_flat = xs.astype(jnp.float32).T.reshape(-1)
     # a tile's weight scales come with each stage, padded to SCALE_ROW: rows

@@ -11,8 +11,8 @@ from jax import lax
 
 from .pallas_common import (EPILOGUE_ROWS, carried_acc_context, dw_transforms,
                             flush_on_last_step, kernel_params, num_sms, pallas_modules,
-                            round_robin_count, row_tiles, store_rows, store_tail_tiles,
-                            transposed, two_consumer_kernel)
+                            round_robin_count, row_tile_table, row_tiles, store_rows,
+                            store_tail_tiles, transposed, two_consumer_kernel)
 
 
 def gmm_pallas(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
@@ -82,15 +82,6 @@ def gmm_pallas(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
     return kernel(rs, r0, r1, grp, x, w)
 
 
-def _ws_tables(offsets, m, bm):
-    """The 2-consumer kernel's row-tile table (:func:`row_tiles`) and its int32
-    ``[group tiles, tail tiles]`` counts (tiles in use, group tiles first)."""
-    rs, r0, r1, grp = row_tiles(offsets, m, bm)
-    used = r1 > r0
-    counts = jnp.stack([jnp.sum(used & (grp >= 0)), jnp.sum(used & (grp < 0))]).astype(jnp.int32)
-    return counts, rs, r0, r1, grp
-
-
 def _ws_store(pl, plgpu, o_smem, o_ref, row_refs, wg, bm, bn):
     """``store(fi, ni, val)``: consumer ``wg``'s ``bm x bn`` f32 half of the
     output tile (row tile ``fi``, column tile ``ni``) to HBM through its one
@@ -157,7 +148,7 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
     steps, band = tiles.stages, tiles.band
     m, k = x.shape
     n = w.shape[1] if transpose_rhs else w.shape[2]
-    tables = _ws_tables(offsets, m, bm)
+    tables = row_tile_table(offsets, m, bm)
     grid_n, ksteps = n // (2 * bn), k // bk
     nsm = num_sms(interpret)
     tr, _ = dw_transforms(plgpu, x.dtype, bk, bn)
