@@ -5,16 +5,15 @@
 ``out[rows of g] = (x · xs)[rows of g] @ ((v · vs)[g])^T``
 
 and dw (``fp8_dw.cu``, ``jax_ep_gmm_fp8_dw``), the contract of
-:func:`pallas_fp8_dw.tgmm_fp8_nt`. Both are
-
-built the way DeepGEMM builds its SM90 fp8 GEMMs rather than through Pallas: one
-producer thread issues the TMA loads, two consumer warpgroups zero the tile's
-f32 sum once per tile and promote each 128-wide k-step's WGMMA product with one
-FMA per register (the Pallas kernel's producer runs its index maps on four
-warps and its consumers select the sum away on every tile's first step: that
-kernel is bound by instruction issue). Same row-tile table, same tiles
-(128 x 128 x 128), same promotion, so the same bits up to the order of the
-WGMMA's internal sums. Needs the native extension (``jax_ep._C``) and a Hopper GPU.
+:func:`pallas_fp8_dw.tgmm_fp8_nt`. Both are built the way DeepGEMM builds its
+SM90 fp8 GEMMs rather than through Pallas: one producer thread issues the TMA
+loads, two consumer warpgroups zero the tile's f32 sum once per tile and
+promote each 128-wide k-step's WGMMA product with one FMA per register (the
+Pallas kernel's producer runs its index maps on four warps and its consumers
+select the sum away on every tile's first step: that kernel is bound by
+instruction issue). Same tables, tiles, WGMMAs and promotion as the Pallas
+kernels, so the same bits (the GPU tests compare them). Needs the native
+extension (``jax_ep._C``) and a Hopper GPU.
 """
 from __future__ import annotations
 
@@ -37,11 +36,16 @@ DW_TARGET = "jax_ep_gmm_fp8_dw"
 VS_BOX = 4   # weight scales per TMA box: the last dim padded to a multiple
 
 
-def check_fp8_nt_cuda(x, xs, v, vs) -> Optional[str]:
-    """None if the CUDA kernel runs these operands, else why not."""
+def _no_extension() -> Optional[str]:
+    """Why the CUDA kernels cannot run here at all (None: the extension is loaded)."""
     if extension.load() is None:
         return f"the CUDA kernel needs the native extension: {extension.error()}"
-    return check_fp8_nt(x, xs, v, vs)
+    return None
+
+
+def check_fp8_nt_cuda(x, xs, v, vs) -> Optional[str]:
+    """None if the CUDA kernel runs these operands, else why not."""
+    return _no_extension() or check_fp8_nt(x, xs, v, vs)
 
 
 def gmm_fp8_nt_cuda(x, xs, v, vs, offsets, *, out_dtype=None, num_sms: int = 0):
@@ -64,9 +68,7 @@ def gmm_fp8_nt_cuda(x, xs, v, vs, offsets, *, out_dtype=None, num_sms: int = 0):
 
 def check_fp8_dw_cuda(a, a_s, c, c_s, segments=None) -> Optional[str]:
     """None if the CUDA dw kernel runs these operands, else why not."""
-    if extension.load() is None:
-        return f"the CUDA kernel needs the native extension: {extension.error()}"
-    return check_fp8_dw(a, a_s, c, c_s, segments)
+    return _no_extension() or check_fp8_dw(a, a_s, c, c_s, segments)
 
 
 def tgmm_fp8_nt_cuda(a, a_s, c, c_s, segments, *, out_dtype=None, num_sms: int = 0):
