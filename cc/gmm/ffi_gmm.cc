@@ -20,16 +20,24 @@ namespace jax_ep {
 namespace {
 
 constexpr const char* kOp = "gmm_fp8_nt";
+constexpr const char* kDwOp = "gmm_fp8_dw";
+
+// Both operands e4m3 (`names`: theirs, for the message), the result bf16 or f32.
+ffi::Error CheckTypes(const std::string& op, const char* names, const ffi::AnyBuffer& a,
+                      const ffi::AnyBuffer& b, const ffi::AnyBuffer& out) {
+  if (a.element_type() != ffi::F8E4M3FN || b.element_type() != ffi::F8E4M3FN)
+    return InvalidArgument(op + ": " + names + " must be float8_e4m3fn");
+  if (out.element_type() != ffi::BF16 && out.element_type() != ffi::F32)
+    return InvalidArgument(op + ": the result must be bfloat16 or float32");
+  return ffi::Error::Success();
+}
 
 ffi::Error Shapes(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& xs_t,
                   const ffi::AnyBuffer& v, const ffi::Buffer<ffi::F32>& vs,
                   const ffi::AnyBuffer& out, GmmFp8Args* a) {
   auto xd = x.dimensions(), sd = xs_t.dimensions(), vd = v.dimensions(), wd = vs.dimensions(),
        od = out.dimensions();
-  if (x.element_type() != ffi::F8E4M3FN || v.element_type() != ffi::F8E4M3FN)
-    return InvalidArgument(std::string(kOp) + ": x and v must be float8_e4m3fn");
-  if (out.element_type() != ffi::BF16 && out.element_type() != ffi::F32)
-    return InvalidArgument(std::string(kOp) + ": the result must be bfloat16 or float32");
+  JAX_EP_RETURN_IF_ERROR(CheckTypes(kOp, "x and v", x, v, out));
   if (xd.size() != 2 || vd.size() != 3 || sd.size() != 2 || wd.size() != 3 || od.size() != 2)
     return InvalidArgument(std::string(kOp) + ": expected x [M, Kc], xs_t [Kc/128, M], "
                            "v [G, N, Kc], vs [G, N/128, KBp], out [M, N]");
@@ -85,13 +93,10 @@ ffi::Error DwShapes(const ffi::AnyBuffer& a, const ffi::Buffer<ffi::F32>& as,
                     const ffi::AnyBuffer& c, const ffi::Buffer<ffi::F32>& cs,
                     const ffi::Buffer<ffi::S32>& seg, const ffi::AnyBuffer& out,
                     GmmFp8DwArgs* d) {
-  const std::string op = "gmm_fp8_dw";
+  const std::string op = kDwOp;
   auto ad = a.dimensions(), sd = as.dimensions(), cd = c.dimensions(), td = cs.dimensions(),
        od = out.dimensions();
-  if (a.element_type() != ffi::F8E4M3FN || c.element_type() != ffi::F8E4M3FN)
-    return InvalidArgument(op + ": a and c must be float8_e4m3fn");
-  if (out.element_type() != ffi::BF16 && out.element_type() != ffi::F32)
-    return InvalidArgument(op + ": the result must be bfloat16 or float32");
+  JAX_EP_RETURN_IF_ERROR(CheckTypes(op, "a and c", a, c, out));
   if (ad.size() != 2 || cd.size() != 2 || sd.size() != 2 || td.size() != 2 || od.size() != 3 ||
       seg.dimensions().size() != 1 || seg.element_count() < 2)
     return InvalidArgument(op + ": expected a [Ka, P], as [P/128, Ka], c [Nc, P], "

@@ -118,9 +118,8 @@ cudaError_t launch_gmm_fp8_dw(const GmmFp8DwArgs& a, cudaStream_t stream) {
       !encode_2d(&maps.a_scales, f32, a.a_scales, a.p / kBK, a.ka, 4, 1, kScales, plain) ||
       !encode_2d(&maps.b_scales, f32, a.c_scales, a.p / kBK, a.nc, 4, 1, kScales, plain))
     return cudaErrorInvalidValue;
-  return a.out_f32
-             ? launch(gmm_fp8_dw_kernel<float>, maps, a, a.num_sms, a.device, stream)
-             : launch(gmm_fp8_dw_kernel<__nv_bfloat16>, maps, a, a.num_sms, a.device, stream);
+  return launch(a.out_f32 ? gmm_fp8_dw_kernel<float> : gmm_fp8_dw_kernel<__nv_bfloat16>, maps, a, a.num_sms,
+                a.device, stream);
 }
 
 }  // namespace jax_ep

@@ -113,9 +113,8 @@ cudaError_t launch_gmm_fp8_nt(const GmmFp8Args& a, cudaStream_t stream) {
       !encode_2d(&maps.b_scales, f32, a.vs, uint64_t(a.groups) * (a.n / kBN), a.kb_pad, 4, 1,
                  kVsBox, plain))
     return cudaErrorInvalidValue;
-  return a.out_f32
-             ? launch(gmm_fp8_nt_kernel<float>, maps, a, a.num_sms, a.device, stream)
-             : launch(gmm_fp8_nt_kernel<__nv_bfloat16>, maps, a, a.num_sms, a.device, stream);
+  return launch(a.out_f32 ? gmm_fp8_nt_kernel<float> : gmm_fp8_nt_kernel<__nv_bfloat16>, maps, a, a.num_sms,
+                a.device, stream);
 }
 
 }  // namespace jax_ep
