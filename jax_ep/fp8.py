@@ -33,6 +33,14 @@ def _to_e4m3(x, multiplier):
     return jnp.clip(x * multiplier, -FP8_MAX, FP8_MAX).astype(FP8)
 
 
+def _cast_blocks(xf, axes, scale_format: str):
+    """f32 ``xf`` with each block's elements along ``axes`` -> (q e4m3 of
+    ``xf``'s shape, one scale per block: ``xf``'s shape without ``axes``)."""
+    amax = jnp.maximum(jnp.max(jnp.abs(xf), axis=axes, keepdims=True), F32(1e-4))
+    scale, mult = _scale_and_multiplier(amax, scale_format)
+    return _to_e4m3(xf, mult), jnp.squeeze(scale, axis=axes)
+
+
 def _check_format(fn: str, scale_format: str):
     if scale_format not in FP8_SCALE_FORMATS:
         raise ValueError(f"{fn}: scale_format must be one of {FP8_SCALE_FORMATS}, got "
@@ -60,10 +68,8 @@ def fp8_cast(x: jax.Array, scale_format: str = "f32"):
     native and reference agree bit for bit when both run on the GPU."""
     _check_format("fp8_cast", scale_format)
     T, H = x.shape
-    xf = x.astype(F32).reshape(T, H // FP8_BLOCK, FP8_BLOCK)
-    amax = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1), F32(1e-4))
-    scale, mult = _scale_and_multiplier(amax, scale_format)
-    return _to_e4m3(xf, mult[..., None]).reshape(T, H), scale
+    q, scale = _cast_blocks(x.astype(F32).reshape(T, H // FP8_BLOCK, FP8_BLOCK), 2, scale_format)
+    return q.reshape(T, H), scale
 
 
 def _check_source(fn: str, x, ndim: int, shape_text: str, block_dims):
@@ -123,9 +129,8 @@ def weight_blocks_cast(w, scale_format: str = "f32"):
     one scale per 128 x 128 block with :func:`fp8_cast`'s rounding rules."""
     G, K, N = w.shape
     wf = w.astype(F32).reshape(G, K // FP8_BLOCK, FP8_BLOCK, N // FP8_BLOCK, FP8_BLOCK)
-    amax = jnp.maximum(jnp.max(jnp.abs(wf), axis=(2, 4)), F32(1e-4))
-    scale, mult = _scale_and_multiplier(amax, scale_format)
-    return _to_e4m3(wf, mult[:, :, None, :, None]).reshape(G, K, N), scale
+    q, scale = _cast_blocks(wf, (2, 4), scale_format)
+    return q.reshape(G, K, N), scale
 
 
 def column_blocks_cast(x, scale_format: str = "f32"):
@@ -134,10 +139,8 @@ def column_blocks_cast(x, scale_format: str = "f32"):
     path's dw operands, whose contraction runs along the rows)."""
     _check_format("column_blocks_cast", scale_format)
     R, C = x.shape
-    xf = x.astype(F32).reshape(R // FP8_BLOCK, FP8_BLOCK, C)
-    amax = jnp.maximum(jnp.max(jnp.abs(xf), axis=1), F32(1e-4))
-    scale, mult = _scale_and_multiplier(amax, scale_format)
-    return _to_e4m3(xf, mult[:, None, :]).reshape(R, C), scale
+    q, scale = _cast_blocks(x.astype(F32).reshape(R // FP8_BLOCK, FP8_BLOCK, C), 1, scale_format)
+    return q.reshape(R, C), scale
 
 
 def quantize_weights(w: jax.Array, *, layout: str = "gkn", scale_format: str = "f32",
@@ -176,27 +179,27 @@ def quantize_weights(w: jax.Array, *, layout: str = "gkn", scale_format: str = "
     _check_source("quantize_weights", w, 3, "w [G, K, N]", (1, 2))
     if quantized is None:
         return _weights_st(w, layout, scale_format)
-    _check_quantized(w, layout, quantized)
-    return _reused_st(w, *quantized, layout)
+    q, s = check_quantized_pair("quantize_weights", "quantized", w.shape, layout, quantized)
+    return _reused_st(w, q, s, layout)
 
 
-def _check_quantized(w, layout, quantized):
-    g, k, n = w.shape
+def check_quantized_pair(fn: str, arg: str, gkn_shape, layout: str, pair):
+    """``pair`` as ``(q, scales)`` of the weights ``[G, K, N]`` (``gkn_shape``)
+    quantized in ``layout`` (what :func:`quantize_weights` returns) -> ``(q,
+    scales)``; else one error naming the shapes wanted and the remedy."""
+    g, k, n = gkn_shape
     q_dims = [g, k, n] if layout == "gkn" else [g, n, k]
     s_dims = [g, q_dims[1] // FP8_BLOCK, q_dims[2] // FP8_BLOCK]
-    try:
-        if not isinstance(quantized, (tuple, list)) or len(quantized) != 2:
-            raise TypeError
-        q, s = quantized
+    got = f"{type(pair).__name__}, not a (q, scales) pair"
+    if isinstance(pair, (tuple, list)) and len(pair) == 2:
+        q, s = (jnp.asarray(a) for a in pair)
+        if (list(q.shape), list(s.shape), q.dtype, s.dtype) == (q_dims, s_dims, FP8, F32):
+            return q, s
         got = f"q {list(q.shape)} {q.dtype}, scales {list(s.shape)} {s.dtype}"
-        ok = (list(q.shape), list(s.shape), q.dtype, s.dtype) == (q_dims, s_dims, FP8, F32)
-    except (TypeError, ValueError, AttributeError):
-        got, ok = f"{type(quantized).__name__}, not a (q, scales) pair", False
-    if not ok:
-        raise ValueError(
-            f"quantize_weights: quantized must be (q {q_dims} float8_e4m3fn, scales {s_dims} "
-            f"float32) for w {list(w.shape)} in layout {layout!r}, got {got}; make it with "
-            f"jax_ep.quantize_weights(w, layout={layout!r})")
+    raise ValueError(
+        f"{fn}: {arg} must be (q {q_dims} float8_e4m3fn, scales {s_dims} float32): the "
+        f"weights [G, K, N] = {[g, k, n]} in layout {layout!r}; got {got}; make it with "
+        f"jax_ep.quantize_weights(w, layout={layout!r})")
 
 
 def _weights(w, layout, scale_format):

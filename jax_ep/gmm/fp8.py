@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from .._ffi import to_vma, vma_of
-from ..fp8 import FP8_BLOCK, WEIGHT_LAYOUTS, fp8_cast
+from ..fp8 import FP8_BLOCK, WEIGHT_LAYOUTS, check_quantized_pair, fp8_cast
 from . import fp8_columns
 from .config import GroupedMatmulConfig
 from .ops import gmm, offsets, tgmm
@@ -99,18 +99,10 @@ def check_transposed(w, w_layout: str, w_transposed):
     if w_transposed is None:
         return None
     other = "gnk" if w_layout == "gkn" else "gkn"
-    g, a, b = w.shape
-    want = [([g, b, a], E4M3), ([g, b // FP8_BLOCK, a // FP8_BLOCK], jnp.float32)]
-    got = f"{type(w_transposed).__name__}, not a (q, scales) pair"
-    if isinstance(w_transposed, (tuple, list)) and len(w_transposed) == 2:
-        q, s = (jnp.asarray(t) for t in w_transposed)
-        if [(list(q.shape), q.dtype), (list(s.shape), s.dtype)] == want:
-            return jax.lax.stop_gradient(q), jax.lax.stop_gradient(s)
-        got = f"q {list(q.shape)} {q.dtype}, scales {list(s.shape)} {s.dtype}"
-    raise ValueError(
-        f"jax_ep.grouped_matmul (fp8): w_transposed must be (q {want[0][0]} float8_e4m3fn, "
-        f"scales {want[1][0]} float32): the values of w {list(w.shape)} in layout {other!r}; "
-        f"got {got}; make it with jax_ep.quantize_weights(w_master, layout={other!r})")
+    gkn = w.shape if w_layout == "gkn" else (w.shape[0], w.shape[2], w.shape[1])
+    q, s = check_quantized_pair("jax_ep.grouped_matmul (fp8)", "w_transposed", gkn, other,
+                                w_transposed)
+    return jax.lax.stop_gradient(q), jax.lax.stop_gradient(s)
 
 
 def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, w_layout: str,
