@@ -76,9 +76,7 @@ def gmm_fp8_nt_xla(x, xs, v, vs, offsets, out_dtype):
 def dequantize_columns(a, scales):
     """``a [R, P]`` fp8, ``scales [P/128, R]`` -> f32 ``a * scales`` (per row, per
     128 columns; the scales stored block-major, as ``pallas_fp8_dw`` stages them)."""
-    r, p = a.shape
-    af = a.astype(jnp.float32).reshape(r, p // FP8_BLOCK, FP8_BLOCK)
-    return (af * scales.astype(jnp.float32).T[..., None]).reshape(r, p)
+    return dequantize_rows(a, scales.T)
 
 
 def tgmm_fp8_nt_xla(a, a_s, c, c_s, segments, out_dtype):
