@@ -1054,8 +1054,12 @@ def _worker_body(spec, out, save):
 
     job = _make_job(spec, out, save)
     params, grads0, bias, x, ct = _layer_inputs(job)
+    # jax_ep_fp8_wq: the expert weights quantized once, before any timed step
+    # (the layer's and the experts' stages read the same cache)
+    experts_fp8 = (jax.jit(ml.quantize_experts)(params["experts"])
+                   if spec["impl"] == "jax_ep_fp8_wq" else None)
     out["stage"] = "layer"
-    layer_fn, (params, grads) = _layer_stage(job, params, grads0, bias, x, ct)
+    layer_fn, (params, grads) = _layer_stage(job, params, grads0, bias, x, ct, experts_fp8)
     del grads0
     if spec.get("profile"):
         out["stage"] = "profile"
@@ -1075,7 +1079,7 @@ def _worker_body(spec, out, save):
         ex = params["experts"]
         del params, grads
         ex_state = _experts_stage(job, rows, gs, (ex["gate_up"], ex["down"]), ct_rows,
-                                  valid_rows)
+                                  valid_rows, experts_fp8)
         if spec.get("expert_breakdown") and job.impl == "grouped":
             save()
             out["stage"] = "expert breakdown"
@@ -1117,9 +1121,10 @@ def _layer_inputs(job):
     return params, grads0, bias, x, ct
 
 
-def _layer_stage(job, params, grads0, bias, x, ct):
-    """The layer's chained fwd+bwd steps, timed. -> (a call of its jit, the carried
-    (params, grads))."""
+def _layer_stage(job, params, grads0, bias, x, ct, experts_fp8=None):
+    """The layer's chained fwd+bwd steps, timed (``experts_fp8``: the fp8 experts'
+    weights quantized earlier, ``moe_layer.quantize_experts``). -> (a call of
+    its jit, the carried (params, grads))."""
     import jax
     import jax.numpy as jnp
 
@@ -1151,9 +1156,6 @@ def _layer_stage(job, params, grads0, bias, x, ct):
 
     static_all = job.static_all
     chain = jax.jit(layer_chain, static_argnums=(0,) if static_all else (), donate_argnums=(1,))
-    # jax_ep_fp8_wq: the expert weights quantized once, before the timed steps
-    experts_fp8 = (jax.jit(ml.quantize_experts)(params["experts"])
-                   if job.spec["impl"] == "jax_ep_fp8_wq" else None)
 
     def layer_fn(n, state, x, bias, ct):
         return chain(n, state, x, bias, ct, experts_fp8)
@@ -1266,9 +1268,9 @@ def _dispatched_rows(job, x, idx, w):
     return rows, gs, valid_rows, ct_rows
 
 
-def _experts_stage(job, rows, gs, ew, ct_rows, valid_rows):
-    """The routed expert matmuls fwd+bwd alone, chained and timed. -> the carried
-    (rows, ew, grad rows, grad ew)."""
+def _experts_stage(job, rows, gs, ew, ct_rows, valid_rows, q0=None):
+    """The routed expert matmuls fwd+bwd alone, chained and timed (``q0``: the
+    layer's ``experts_fp8``). -> the carried (rows, ew, grad rows, grad ew)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
@@ -1278,10 +1280,6 @@ def _experts_stage(job, rows, gs, ew, ct_rows, valid_rows):
     F32 = jnp.float32
     spec_t, ep_spec = P(("data", "ep")), P("ep")
     impl, cap, gcfg = job.impl, job.cap, job.gcfg
-
-    # jax_ep_fp8_wq: the expert weights quantized once, before the timed steps
-    q0 = (jax.jit(ml.quantize_experts)({"gate_up": ew[0], "down": ew[1]})
-          if job.spec["impl"] == "jax_ep_fp8_wq" else None)
 
     def per_rank_experts(rows, gs, gate_up, down, ct, quantized):
         rows, scales = rows if isinstance(rows, tuple) else (rows, None)   # fp8: with scales
