@@ -67,12 +67,11 @@ from grouped_matmul_bench import G, M, PROJ, group_sizes, per_call_ms  # noqa: E
 from jax_ep import extension  # noqa: E402
 from jax_ep.gmm import GroupedMatmulConfig, fp8_columns  # noqa: E402
 from jax_ep.gmm import fp8 as gm_fp8  # noqa: E402
-from jax_ep.gmm.ops import offsets, tgmm  # noqa: E402
+from jax_ep.gmm.ops import offsets  # noqa: E402
 from jax_ep.gmm.cuda_fp8 import gmm_fp8_nt_cuda, tgmm_fp8_nt_cuda  # noqa: E402
 from jax_ep.gmm.pallas_fp8 import gmm_fp8_nt  # noqa: E402
 from jax_ep.gmm.pallas_fp8_dw import tgmm_fp8_nt  # noqa: E402
 from jax_ep.gmm.tiles import FwdTiles  # noqa: E402
-from jax_ep.gmm.xla import dequantize_rows  # noqa: E402
 
 
 def operands(k, n, seed=0):
@@ -189,13 +188,11 @@ def dw_rows(x, gs, dy, reps, kernels=("pallas",)):
     """dw alone: bf16 (the default fp8 path's), fp8 with its recast, the fp8 dw
     kernel alone (per kernel family: ``pallas``, ``cuda``)."""
     xq, xs = jax_ep.quantize_activations(x)
-
-    def dw_bf16(x_, d):
-        return tgmm(dequantize_rows(x_, xs).astype(jnp.bfloat16), d, gs)
-
     a, a_s, c, c_s, seg = fp8_columns.dw_operands(xq, xs, dy, gs)
     # x and dy chained: each call recasts both (the kernel alone: none)
-    t = {"dw bf16": per_call_ms(lambda xd: dw_bf16(*xd), ((xq, dy),), 2, 6, reps)}
+    t = {"dw bf16": per_call_ms(
+        lambda xd: gm_fp8.dw_bf16(GroupedMatmulConfig(), xd[0], xs, gs, xd[1]), ((xq, dy),),
+        2, 6, reps)}
     for k in kernels:
         tag = "" if k == "pallas" else f" [{k}]"
         cfg = GroupedMatmulConfig(fp8_dw=True, fp8_kernel=k)

@@ -181,13 +181,15 @@ def _dw(cfg, w_layout, x, xs, group_sizes, dy):
     their input dtype), returned as an f32 cotangent of the dequantized weight
     in ``w_layout``: on bf16 operands, or (``cfg.fp8_dw``) on both recast to
     fp8 per column and 128 rows of their group."""
-    if cfg.fp8_dw:
-        dw = dw_fp8(cfg, x, xs, group_sizes, dy)
-    else:
-        xd = dequantize_rows(x, xs).astype(BF16)
-        dw = tgmm(xd, dy.astype(BF16), group_sizes, config=cfg, out_dtype=BF16)
-    dw = dw.astype(jnp.float32)
+    dw = (dw_fp8 if cfg.fp8_dw else dw_bf16)(cfg, x, xs, group_sizes, dy).astype(jnp.float32)
     return dw if w_layout == "gkn" else jnp.swapaxes(dw, 1, 2)
+
+
+def dw_bf16(cfg, x, xs, group_sizes, dy):
+    """dw on the bf16 dw kernels (``tgmm``) on ``x * xs`` and ``dy`` rounded to
+    bf16 -> ``[G, K, N]`` bf16."""
+    xd = dequantize_rows(x, xs).astype(BF16)
+    return tgmm(xd, dy.astype(BF16), group_sizes, config=cfg, out_dtype=BF16)
 
 
 def dw_fp8(cfg, x, xs, group_sizes, dy):
