@@ -75,8 +75,14 @@ def fp8_stages(tiles, kc: int, out_dtype, smem_bytes: int) -> int:
     epilogue buffer (a consumer's rows of the tile). A stage: the x and v
     tiles, the rows' scales and the tile's weight scales."""
     kbp = _scale_row(-(-kc // FP8_BLOCK))
-    stage = (tiles.block_m * tiles.block_k + tiles.block_n * tiles.block_k + 4 * tiles.block_m
-             + 4 * kbp)
+    return stages_that_fit(tiles, 4 * tiles.block_m + 4 * kbp, out_dtype, smem_bytes)
+
+
+def stages_that_fit(tiles, scale_bytes: int, out_dtype, smem_bytes: int) -> int:
+    """The most stages (at most ``tiles.stages``, at least 1) of the fp8
+    kernels that fit beside their output tile in ``out_dtype``: a stage holds
+    an fp8 tile of each operand and ``scale_bytes`` of scales."""
+    stage = (tiles.block_m + tiles.block_n) * tiles.block_k + scale_bytes
     epilogue = tiles.block_m * tiles.block_n * jnp.dtype(out_dtype).itemsize
     return max(1, min(tiles.stages, (smem_bytes - SMEM_SLACK - epilogue) // stage))
 

@@ -39,7 +39,7 @@ from ..fp8 import FP8_BLOCK
 from .devices import device_info
 from .pallas_common import (dealt_tiles, dw_transforms, num_sms, pallas_modules, transposed,
                             two_consumer_kernel)
-from .pallas_fp8 import SMEM_SLACK, load_vector, zero_sum
+from .pallas_fp8 import load_vector, stages_that_fit, zero_sum
 from .tiles import FwdTiles
 
 # 128 x 128 tiles, one scale block of the contraction per stage: 33 KB a stage
@@ -50,10 +50,7 @@ def dw8_stages(tiles, out_dtype, smem_bytes: int) -> int:
     """The most stages (at most ``tiles.stages``) beside the output slots
     (each consumer's rows of the tile): a stage holds both tiles and a row of
     scales for each."""
-    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
-    stage = bm * bk + bn * bk + 4 * (bm + bn)
-    slots = bm * bn * jnp.dtype(out_dtype).itemsize
-    return max(1, min(tiles.stages, (smem_bytes - SMEM_SLACK - slots) // stage))
+    return stages_that_fit(tiles, 4 * (tiles.block_m + tiles.block_n), out_dtype, smem_bytes)
 
 
 def check_fp8_dw(a, a_s, c, c_s, segments=None, tiles=DW8_TILES):
