@@ -10,6 +10,11 @@
 // accumulator, waits for them, and releases the stage on its "empty" barrier
 // (one arrival per consumer warp): the forward before promoting the product
 // (finish_kstep), dw after (its column scales are read from the stage then).
+//
+// Issue budget (cuobjdump of the sm_90a build): a forward k-step is 154
+// instructions per consumer warp (4 WGMMAs, 64 promoting FMAs, the rest
+// barrier, descriptor and scale work) and about 75 for the producer thread:
+// ~1,300 per CTA against the Pallas kernel's 2,525 (ncu), which is issue-bound.
 #pragma once
 
 #include <cuda.h>

@@ -39,14 +39,30 @@ __device__ __forceinline__ void bar_arrive_tx(uint64_t* b, uint32_t bytes) {
                : "memory");
 }
 
-// Wait until the phase of parity `parity` has completed.
+// A pipeline wait longer than this is a bug (a stage never loaded or never
+// released): the kernel traps, so the call fails with a launch error within
+// seconds instead of hanging its stream. A correct wait lasts microseconds.
+constexpr unsigned long long kHangNs = 10ull * 1000 * 1000 * 1000;
+
+// Wait until the phase of parity `parity` has completed. One PTX block, so the
+// fast path stays a try and a branch; the clock is read only once a try fails
+// (the hardware suspends the thread a while before a try answers false).
 __device__ __forceinline__ void bar_wait(uint64_t* b, uint32_t parity) {
   asm volatile(
-      "{\n\t.reg .pred done;\n"
-      "WAIT:\n\t"
+      "{\n\t.reg .pred done, hung;\n\t.reg .u64 t0, t;\n\t"
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
-      "@!done bra WAIT;\n}" ::"r"(smem_addr(b)),
-      "r"(parity)
+      "@done bra.uni DONE;\n\t"
+      "mov.u64 t0, %%globaltimer;\n"
+      "RETRY:\n\t"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
+      "@done bra.uni DONE;\n\t"
+      "mov.u64 t, %%globaltimer;\n\t"
+      "sub.u64 t, t, t0;\n\t"
+      "setp.gt.u64 hung, t, %2;\n\t"
+      "@hung trap;\n\t"
+      "bra.uni RETRY;\n"
+      "DONE:\n}" ::"r"(smem_addr(b)),
+      "r"(parity), "l"(kHangNs)
       : "memory");
 }
 
