@@ -38,5 +38,5 @@ echo "ci_pallas_interpret: $("$VENV/bin/python" -c 'import sys, jax; print(sys.v
 # the source tree's jax_ep (pure Python here: no extension is built for this Python)
 # + the FFI lowering tests, whose remat cases jax 0.10 refuses (they skip there)
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --full tests/test_grouped_matmul.py \
-  tests/test_grouped_matmul_fp8.py \
+  tests/test_grouped_matmul_fp8.py tests/test_grouped_matmul_masked.py \
   tests/test_native_lowering.py

@@ -12,6 +12,17 @@ backward. Group sizes live on the device; nothing is synchronised to the host.
 Sizes are clipped so that ``off`` never exceeds ``M`` (a group that runs past
 row ``M`` is cut at ``M``); negative sizes are not allowed.
 
+The masked layout (DeepGEMM's "masked" grouped GEMM): ``x [G, C, K]`` (fp8:
+``x_scales [G, C, K/128]``), group ``g`` its first ``group_sizes[g]`` rows
+(clipped to ``C``), ``-> [G, C, N]``: a per-expert receive buffer of fixed
+capacity, used as it is. The kernels run on ``x`` flattened to ``[G·C, K]``
+with the groups at fixed starts (``rows.FixedStarts``): the same tile table
+without tail tiles, so a group costs its own rows' tiles whatever ``C``.
+Output rows at or past a group's size are not written by the kernels
+(unspecified; zero on the XLA path); their input rows may hold anything and
+get zero gradient. The backward's dx runs at fixed starts too; dw runs on
+the flattened rows with those rows zeroed (``C`` rows per group of work).
+
 Differentiable (``jax.custom_vjp``), with
 
 * ``dx = grouped_matmul(dy, w^T)`` -- computed against ``w [G, K, N]`` in place
@@ -67,6 +78,7 @@ HIGHEST precision (``"xla"``).
 
 Layout of the package: ``api`` (``grouped_matmul``), ``ops`` (``gmm``,
 ``tgmm``: the operations without a VJP rule), ``fp8`` (the fp8 path),
+``rows`` (where the groups' rows lie: offsets, or fixed starts),
 ``config`` (``GroupedMatmulConfig``), ``tiles`` (``FwdTiles``, ``DwTiles``:
 the typed tile configs), ``registry`` (the kernel variants and what each
 supports: ops, dtypes, devices, shapes, shared memory), ``devices`` (SM count

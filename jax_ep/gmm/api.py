@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from .._ffi import to_vma, vma_of
 from ..fp8 import WEIGHT_LAYOUTS
 from . import fp8 as _fp8
+from . import rows
 from .config import GroupedMatmulConfig
 from .ops import gmm, tgmm
 
@@ -28,14 +29,16 @@ def grouped_matmul(x, w, group_sizes, *, x_scales=None, w_scales=None, w_layout:
       x: ``[M, K]`` rows grouped contiguously by group, starting at row 0.
         Rows at or past ``sum(group_sizes)`` may hold anything (NaN/Inf
         included); they never influence any result or gradient.
-        bf16/f16/f32, or float8_e4m3fn with ``x_scales``.
+        Or ``[G, C, K]``, the masked layout: group ``g`` is ``x[g,
+        :group_sizes[g]]`` (sizes clipped to ``C``); its other rows may hold
+        anything. bf16/f16/f32, or float8_e4m3fn with ``x_scales``.
       w: ``[G, K, N]`` one matrix per group (``w_layout="gkn"``), or ``[G, N,
         K]`` (``"gnk"``). bf16/f16/f32, or float8_e4m3fn with ``w_scales``.
       group_sizes: ``[G]`` integer, on the device (never read on the host),
         non-negative; ``sum(group_sizes) <= M`` (groups running past row ``M``
         are cut at ``M``).
-      x_scales: fp8 path: ``[M, K/128]`` float32, ``x[r, c] * x_scales[r, c //
-        128]`` is the value (f32 or UE8M0 power-of-two values: exactly what
+      x_scales: fp8 path: ``[M, K/128]`` (masked layout: ``[G, C, K/128]``)
+        float32, ``x[r, c] * x_scales[r, c // 128]`` is the value (f32 or UE8M0 power-of-two values: exactly what
         ``jax_ep.dispatch`` with ``fp8_dispatch`` and
         ``jax_ep.quantize_activations`` give).
       w_scales: fp8 path: float32 ``[G, K/128, N/128]`` (``"gkn"``) or ``[G,
@@ -60,6 +63,9 @@ def grouped_matmul(x, w, group_sizes, *, x_scales=None, w_scales=None, w_layout:
     Returns:
       ``[M, N]`` in ``preferred_element_type`` (else ``x.dtype``; fp8: bf16);
       rows past ``sum(group_sizes)`` are zero. fp8: ``Σ_k (x·xs)(w·ws)`` in f32.
+      Masked layout: ``[G, C, N]``; rows at or past ``group_sizes[g]`` are not
+      written by the kernels (unspecified; zero on the XLA path) and their
+      input rows get zero gradient.
 
     Gradients (``jax.custom_vjp``): ``dx``, ``dw``; for fp8 operands the
     cotangent of the dequantized value (f32 for ``w``, ``dy``'s dtype for
@@ -73,11 +79,13 @@ def grouped_matmul(x, w, group_sizes, *, x_scales=None, w_scales=None, w_layout:
         x_scales = None if x_scales is None else jnp.asarray(x_scales)
         w_scales = None if w_scales is None else jnp.asarray(w_scales)
         out_dtype = jnp.dtype(preferred_element_type or jnp.bfloat16)
+        x, x_scales, c = _fp8.flatten_masked(x, x_scales, w)
         _fp8.check_operands(x, x_scales, w, w_scales, w_layout, out_dtype)
         w_t = _fp8.check_transposed(w, w_layout, w_transposed)
-        return _fp8.grouped_matmul_fp8(x, x_scales, w, w_scales,
-                                       _check_groups(group_sizes, w.shape[0]),
-                                       w_layout=w_layout, out_dtype=out_dtype, cfg=cfg, w_t=w_t)
+        y = _fp8.grouped_matmul_fp8(x, x_scales, w, w_scales,
+                                    _check_groups(group_sizes, w.shape[0]),
+                                    w_layout=w_layout, out_dtype=out_dtype, cfg=cfg, w_t=w_t, c=c)
+        return rows.unflatten(y, c)
     if w_transposed is not None:
         raise ValueError("grouped_matmul: w_transposed is the fp8 path's (an fp8 w with "
                          "w_scales); drop it for bf16/f16/f32 weights")
@@ -85,17 +93,19 @@ def grouped_matmul(x, w, group_sizes, *, x_scales=None, w_scales=None, w_layout:
         raise ValueError(f"grouped_matmul: w_layout must be 'gkn' or 'gnk', got {w_layout!r}")
     if w_layout == "gnk" and w.ndim == 3:
         w = jnp.swapaxes(w, 1, 2)
-    if x.ndim != 2 or w.ndim != 3:
-        raise ValueError(f"expected x [M, K] and w [G, K, N], got {x.shape} and {w.shape}")
-    if x.shape[1] != w.shape[1]:
+    if x.ndim not in (2, 3) or w.ndim != 3:
+        raise ValueError(f"expected x [M, K] (or [G, C, K], the masked layout) and w [G, K, N], "
+                         f"got {x.shape} and {w.shape}")
+    if x.shape[-1] != w.shape[1]:
         raise ValueError(f"contracting dims differ: x {x.shape}, w {w.shape}")
     group_sizes = _check_groups(group_sizes, w.shape[0])
     out_dtype = jnp.dtype(preferred_element_type or x.dtype)
+    x, c = rows.flatten_masked(x, w.shape[0])
     # shard_map(check_vma=True): every operand varies over the union of axes;
     # pcast's transpose (a psum) then reduces dw for a replicated w.
     axes = vma_of(x) | vma_of(w) | vma_of(group_sizes)
     x, w, group_sizes = (to_vma(a, axes) for a in (x, w, group_sizes))
-    return _gmm_vjp(x, w, group_sizes, cfg, out_dtype)
+    return rows.unflatten(_gmm_vjp(x, w, group_sizes, cfg, out_dtype, c), c)
 
 
 def _check_groups(group_sizes, groups: int):
@@ -111,20 +121,32 @@ def _check_groups(group_sizes, groups: int):
     return group_sizes.astype(jnp.int32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _gmm_vjp(x, w, group_sizes, cfg, out_dtype):
-    return gmm(x, w, group_sizes, config=cfg, out_dtype=out_dtype)
+# c: None (contiguous groups), or the masked layout's C rows per group (x
+# flattened to [G·C, K]).
+def _forward(x, w, group_sizes, cfg, out_dtype, c):
+    return gmm(x, w, group_sizes, config=cfg, out_dtype=out_dtype,
+               rows=rows.of_layout(group_sizes, c))
 
 
-def _gmm_vjp_fwd(x, w, group_sizes, cfg, out_dtype):
-    return gmm(x, w, group_sizes, config=cfg, out_dtype=out_dtype), (x, w, group_sizes)
+_gmm_vjp = functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))(_forward)
 
 
-def _gmm_vjp_bwd(cfg, out_dtype, res, dy):
+def _gmm_vjp_fwd(x, w, group_sizes, cfg, out_dtype, c):
+    return _forward(x, w, group_sizes, cfg, out_dtype, c), (x, w, group_sizes)
+
+
+def _gmm_vjp_bwd(cfg, out_dtype, c, res, dy):
     x, w, group_sizes = res
     dy = dy.astype(x.dtype)   # cotangent in the compute dtype (f32 accumulation inside)
-    dx = gmm(dy, w, group_sizes, transpose_rhs=True, config=cfg, out_dtype=x.dtype)
-    dw = tgmm(x, dy, group_sizes, config=cfg, out_dtype=w.dtype)
+    if c is None:
+        dx = gmm(dy, w, group_sizes, transpose_rhs=True, config=cfg, out_dtype=x.dtype)
+        dw = tgmm(x, dy, group_sizes, config=cfg, out_dtype=w.dtype)
+    else:   # rows outside the groups: no gradient in, none out
+        keep, spans, xm, dy = rows.masked_operands(group_sizes, c, x, dy)
+        dx = gmm(dy, w, group_sizes, transpose_rhs=True, config=cfg, out_dtype=x.dtype,
+                 rows=rows.masked(group_sizes, c))
+        dx = jnp.where(keep, dx, jnp.zeros((), dx.dtype))
+        dw = tgmm(xm, dy, spans, config=cfg, out_dtype=w.dtype)
     axes = vma_of(x) | vma_of(w)
     return to_vma(dx, axes), to_vma(dw, axes), None
 

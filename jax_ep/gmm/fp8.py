@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from .._ffi import to_vma, vma_of
 from ..fp8 import FP8_BLOCK, WEIGHT_LAYOUTS, check_quantized_pair, fp8_cast
-from . import fp8_columns
+from . import fp8_columns, rows
 from .config import GroupedMatmulConfig
 from .ops import gmm, offsets, tgmm
 from .select import fp8_cluster, plan_fp8
@@ -53,8 +53,8 @@ def check_operands(x, x_scales, w, w_scales, w_layout: str, out_dtype):
     _check_pairing(fn, x, x_scales, w, w_scales)
     w_dims = "[G, K, N]" if w_layout == "gkn" else "[G, N, K]"
     if x.ndim != 2 or w.ndim != 3:
-        raise ValueError(f"{fn}: expected x [M, K] and w {w_dims} (w_layout={w_layout!r}), got "
-                         f"{x.shape} and {w.shape}")
+        raise ValueError(f"{fn}: expected x [M, K] (or [G, C, K], the masked layout) and w "
+                         f"{w_dims} (w_layout={w_layout!r}), got {x.shape} and {w.shape}")
     m, k = x.shape
     g, kw, n = w.shape if w_layout == "gkn" else (w.shape[0], w.shape[2], w.shape[1])
     if k != kw:
@@ -77,6 +77,19 @@ def check_operands(x, x_scales, w, w_scales, w_layout: str, out_dtype):
                              f"(w_layout={w_layout!r}), got {s.shape}; take it from {src}")
     if not jnp.issubdtype(out_dtype, jnp.floating):
         raise TypeError(f"{fn}: preferred_element_type must be a float dtype, got {out_dtype}")
+
+
+def flatten_masked(x, x_scales, w):
+    """``(x, x_scales, C)``: the masked layout ``x [G, C, K]`` with ``x_scales
+    [G, C, K/128]`` flattened to ``[G·C, *]`` (``C`` None for ``x [M, K]``,
+    returned as is); the flat operands then go through :func:`check_operands`."""
+    x2, c = rows.flatten_masked(x, w.shape[0] if w.ndim == 3 else -1)
+    if c is None or x_scales is None:
+        return x2, x_scales, c
+    if x_scales.ndim != 3 or x_scales.shape[:2] != x.shape[:2]:
+        raise ValueError(f"jax_ep.grouped_matmul (fp8): the masked layout x {x.shape} takes "
+                         f"x_scales [G, C, K/128], got {x_scales.shape}")
+    return x2, x_scales.reshape(x2.shape[0], x_scales.shape[2]), c
 
 
 def _check_pairing(fn, x, x_scales, w, w_scales):
@@ -106,14 +119,15 @@ def check_transposed(w, w_layout: str, w_transposed):
 
 
 def grouped_matmul_fp8(x, x_scales, w, w_scales, group_sizes, *, w_layout: str,
-                       out_dtype, cfg: GroupedMatmulConfig, w_t=None):
+                       out_dtype, cfg: GroupedMatmulConfig, w_t=None, c=None):
     """The fp8 path of :func:`jax_ep.grouped_matmul` (operands checked by
     :func:`check_operands`, ``group_sizes`` int32 ``[G]``; ``w_t``: ``w`` in
-    the other layout, :func:`check_transposed`) -> ``[M, N]``."""
+    the other layout, :func:`check_transposed`; ``c``: the masked layout's
+    rows per group, ``x`` flattened to ``[G·C, K]``) -> ``[M, N]``."""
     ops = (x, x_scales, w, w_scales, group_sizes) + (w_t or ())
     axes = frozenset().union(*(vma_of(a) for a in ops))
     ops = tuple(to_vma(a, axes) for a in ops)
-    return _fp8_vjp(*ops[:5], ops[5:] or None, cfg, jnp.dtype(out_dtype), w_layout)
+    return _fp8_vjp(*ops[:5], ops[5:] or None, cfg, jnp.dtype(out_dtype), w_layout, c)
 
 
 def _nt_weights(w, ws, w_layout: str, op: str, w_t=None):
@@ -125,11 +139,11 @@ def _nt_weights(w, ws, w_layout: str, op: str, w_t=None):
     return w, ws
 
 
-def ops_nt(cfg: GroupedMatmulConfig, op: str, x, xs, v, vs, group_sizes, out_dtype):
+def ops_nt(cfg: GroupedMatmulConfig, op: str, x, xs, v, vs, group_sizes, out_dtype, rows=None):
     """``out[rows of g] = (x * xs)[rows of g] @ ((v * vs)[g])^T`` on the variant
     ``select.plan_fp8`` picks, on ``select.fp8_cluster``'s clusters; ``x [M,
-    Kc]``, ``v [G, Nout, Kc]`` -> ``[M, Nout]``."""
-    off = offsets(group_sizes, x.shape[0])
+    Kc]``, ``v [G, Nout, Kc]`` -> ``[M, Nout]``; ``rows``: as ``ops.gmm``'s."""
+    off = offsets(group_sizes, x.shape[0]) if rows is None else rows
     variant = plan_fp8(cfg, op, x, xs, v, vs, out_dtype)
     out = variant.launch(x, xs, v, vs, off, out_dtype, cfg.interpret,
                          fp8_cluster(cfg, variant, v))
@@ -137,23 +151,30 @@ def ops_nt(cfg: GroupedMatmulConfig, op: str, x, xs, v, vs, group_sizes, out_dty
     return to_vma(out, axes)
 
 
-def _forward(x, xs, w, ws, group_sizes, w_t, cfg, out_dtype, w_layout):
+def _forward(x, xs, w, ws, group_sizes, w_t, cfg, out_dtype, w_layout, c):
     v, vs = _nt_weights(w, ws, w_layout, "fwd", w_t)
-    return ops_nt(cfg, "fwd", x, xs, v, vs, group_sizes, out_dtype)
+    return ops_nt(cfg, "fwd", x, xs, v, vs, group_sizes, out_dtype,
+                  rows.of_layout(group_sizes, c))
 
 
-_fp8_vjp = functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))(_forward)
+_fp8_vjp = functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))(_forward)
 
 
-def _fp8_vjp_fwd(x, xs, w, ws, group_sizes, w_t, cfg, out_dtype, w_layout):
-    return (_forward(x, xs, w, ws, group_sizes, w_t, cfg, out_dtype, w_layout),
+def _fp8_vjp_fwd(x, xs, w, ws, group_sizes, w_t, cfg, out_dtype, w_layout, c):
+    return (_forward(x, xs, w, ws, group_sizes, w_t, cfg, out_dtype, w_layout, c),
             (x, xs, w, ws, group_sizes, w_t))
 
 
-def _fp8_vjp_bwd(cfg, out_dtype, w_layout, res, dy):
+def _fp8_vjp_bwd(cfg, out_dtype, w_layout, c, res, dy):
     x, xs, w, ws, group_sizes, w_t = res
-    dx = _dx(cfg, w_layout, w, ws, group_sizes, dy, w_t)
-    dw = _dw(cfg, w_layout, x, xs, group_sizes, dy)
+    if c is None:
+        dx = _dx(cfg, w_layout, w, ws, group_sizes, dy, w_t)
+        dw = _dw(cfg, w_layout, x, xs, group_sizes, dy)
+    else:   # rows outside the groups: no gradient in, none out
+        keep, spans, xm, xsm, dy = rows.masked_operands(group_sizes, c, x, xs, dy)
+        dx = _dx(cfg, w_layout, w, ws, group_sizes, dy, w_t, rows.masked(group_sizes, c))
+        dx = jnp.where(keep, dx, jnp.zeros((), dx.dtype))
+        dw = _dw(cfg, w_layout, xm, xsm, spans, dy)
     axes = vma_of(x) | vma_of(xs) | vma_of(w) | vma_of(ws) | vma_of(group_sizes)
     return to_vma(dx, axes), None, to_vma(dw, axes), None, None, None
 
@@ -161,17 +182,18 @@ def _fp8_vjp_bwd(cfg, out_dtype, w_layout, res, dy):
 _fp8_vjp.defvjp(_fp8_vjp_fwd, _fp8_vjp_bwd)
 
 
-def _dx(cfg, w_layout, w, ws, group_sizes, dy, w_t=None):
-    """``dy @ (w * ws)[g]^T`` in dy's dtype: in fp8 (``cfg.fp8_dx``) or bf16."""
+def _dx(cfg, w_layout, w, ws, group_sizes, dy, w_t=None, rows=None):
+    """``dy @ (w * ws)[g]^T`` in dy's dtype: in fp8 (``cfg.fp8_dx``) or bf16;
+    ``rows``: as ``ops.gmm``'s."""
     if cfg.fp8_dx:
         # rows past the groups' end may hold anything; each row is cast on its own
         # and those rows are never read
         dq, ds = fp8_cast(dy)
         v, vs = _nt_weights(w, ws, w_layout, "dx", w_t)
-        return ops_nt(cfg, "dx", dq, ds, v, vs, group_sizes, dy.dtype)
+        return ops_nt(cfg, "dx", dq, ds, v, vs, group_sizes, dy.dtype, rows)
     wd = dequantize_blocks(w, ws).astype(BF16)
     dx = gmm(dy.astype(BF16), wd, group_sizes, transpose_rhs=w_layout == "gkn", config=cfg,
-             out_dtype=BF16)
+             out_dtype=BF16, rows=rows)
     return dx.astype(dy.dtype)
 
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .devices import device_info
+from .rows import FixedStarts
 
 
 def pallas_modules():
@@ -52,6 +53,9 @@ def num_sms(interpret) -> int:
 def row_tiles(offsets, m, bm):
     """Row tiles of the forward/dx kernel: int32 ``start, lo, hi, group`` of static length.
 
+    ``offsets``: int32 ``[G+1]`` row offsets (``ops.offsets``), or
+    :class:`FixedStarts` (then groups start where it says and there is no tail).
+
     Each non-empty group ``g`` is cut into ``cdiv(size + lead, bm)`` tiles of
     ``bm`` rows starting at ``off[g]`` rounded down to 8 (``lead`` rows of the
     previous group are computed and not stored: 8-aligned TMA row offsets); the
@@ -61,14 +65,18 @@ def row_tiles(offsets, m, bm):
     (``lo == hi``) come last. Per-group tiles waste < ``bm + 7`` rows per
     group, against up to ``2 bm`` for blocks cut at fixed ``bm`` boundaries.
     """
-    g_count = offsets.shape[0] - 1
-    off = offsets.astype(jnp.int32)
-    start, end = off[:-1], off[1:]
-    total = off[-1]
+    if isinstance(offsets, FixedStarts):   # no tail: rows between groups get no tile
+        start = offsets.start.astype(jnp.int32)
+        end = start + offsets.size.astype(jnp.int32)
+        g_count, total = start.shape[0], jnp.int32(m)
+    else:
+        off = offsets.astype(jnp.int32)
+        start, end, total = off[:-1], off[1:], off[-1]
+        g_count = off.shape[0] - 1
     a8 = (start // 8) * 8
     n_g = jnp.where(end > start, (end - a8 + (bm - 1)) // bm, 0)
     t8 = (total // 8) * 8
-    n_tail = (m - t8 + (bm - 1)) // bm
+    n_tail = jnp.int32(0) if isinstance(offsets, FixedStarts) else (m - t8 + (bm - 1)) // bm
     counts = jnp.concatenate([n_g, n_tail[None]])
     cum = jnp.cumsum(counts)
     first = cum - counts

@@ -7,10 +7,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..fp8 import FP8_BLOCK
-
-
-def _row_mask(offsets, m):
-    return (jnp.arange(m, dtype=jnp.int32) < offsets[-1])[:, None]
+from .rows import spans_and_mask
 
 
 def _acc_type(dtype):
@@ -18,10 +15,10 @@ def _acc_type(dtype):
 
 
 def gmm_xla(x, w, offsets, transpose_rhs, out_dtype, precision=None):
-    m = x.shape[0]
-    keep = _row_mask(offsets, m)
+    """``offsets``: row offsets or ``rows.FixedStarts``; rows outside every
+    group are zero and their input is never used."""
+    sizes, keep = spans_and_mask(offsets, x.shape[0])
     xm = jnp.where(keep, x, jnp.zeros((), x.dtype))
-    sizes = jnp.diff(offsets)
     kw = {} if precision is None else {"precision": precision}
     if transpose_rhs:
         dn = lax.RaggedDotDimensionNumbers(
@@ -35,15 +32,14 @@ def gmm_xla(x, w, offsets, transpose_rhs, out_dtype, precision=None):
 
 
 def tgmm_xla(x, dy, offsets, num_groups, out_dtype, precision=None):
-    m = x.shape[0]
-    keep = _row_mask(offsets, m)
+    sizes, keep = spans_and_mask(offsets, x.shape[0])
     xm = jnp.where(keep, x, jnp.zeros((), x.dtype))
     dym = jnp.where(keep, dy, jnp.zeros((), dy.dtype))
     dn = lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(([0], [0]), ([], [])),
         lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
     kw = {} if precision is None else {"precision": precision}
-    out = lax.ragged_dot_general(xm, dym, jnp.diff(offsets), dn,
+    out = lax.ragged_dot_general(xm, dym, sizes, dn,
                                  preferred_element_type=_acc_type(out_dtype), **kw)
     assert out.shape[0] == num_groups
     return out.astype(out_dtype)
