@@ -354,8 +354,8 @@ def test_combine_rejects_a_layout_other_than_dispatch(d_layout, c_layout):
 # -- low-latency counts and valid rows, fast (the model test is marked slow) ------------
 def test_low_latency_counts_and_valid_rows_fast():
     """count [L] = sum over sources of src_count [L, R]; valid_rows marks exactly
-    the first src_count[l, s] rows of each source block (§12). L == R here, so
-    a count summed over the wrong axis keeps its shape and must show in values."""
+    the first count[l] rows of each expert (§12: packed). L == R here, so a
+    count summed over the wrong axis keeps its shape and must show in values."""
     from jax_ep import low_latency_dispatch
 
     R, T, Tmax, H, K, E = 4, 6, 8, 128, 3, 16
@@ -380,5 +380,5 @@ def test_low_latency_counts_and_valid_rows_fast():
                     n[e // L, e % L, s] += 1
     assert np.array_equal(src_count.reshape(n.shape), n)
     assert np.array_equal(count.reshape(R, L), n.sum(-1))
-    want_valid = (np.arange(R * Tmax) % Tmax)[None, None, :] < np.repeat(n, Tmax, axis=2)
+    want_valid = np.arange(R * Tmax)[None, None, :] < n.sum(-1)[..., None]
     assert np.array_equal(valid.reshape(want_valid.shape), want_valid)

@@ -1,5 +1,5 @@
 """Low-latency (decode) mode, reference backend, against a NumPy model of
-docs/semantics.md §12: layout [L, R*Tmax, H] with per-source blocks, counts,
+docs/semantics.md §12: layout [L, R*Tmax, H] packed per expert, counts,
 fp8 with f32 / UE8M0 scales, combine (k ascending, f32), repeated ids, -1 and
 out-of-range slots, T < Tmax, skewed routing; clear errors; forward-only."""
 from __future__ import annotations
@@ -28,31 +28,44 @@ def _cfg(R, T, Tmax, H, K, E):
                     backend="reference")
 
 
+def _pairs(idx, s, t, E):
+    """The experts token (s, t) is sent to: valid ids, each once (first slot)."""
+    seen = []
+    for e in idx[s, t]:
+        if 0 <= e < E and int(e) not in seen:
+            seen.append(int(e))
+    return seen
+
+
 def np_dispatch(x, idx, R, Tmax, E):
-    """The model: per destination rank [L, R*Tmax, W] (unused rows NaN), src_count [L, R]."""
+    """The model: per destination rank [L, R*Tmax, W], expert l's rows packed
+    from row 0 by source then token (unused rows NaN), src_count [L, R]."""
     L, W = E // R, x.shape[-1]
     out = np.full((R, L, R * Tmax, W), np.nan, np.float32)
     n = np.zeros((R, L, R), np.int64)
     for s in range(R):
         for t in range(x.shape[1]):
-            seen = set()
-            for e in idx[s, t]:
-                if not 0 <= e < E or e in seen:
-                    continue
-                seen.add(e)
-                r, l = divmod(int(e), L)
-                out[r, l, s * Tmax + n[r, l, s]] = x[s, t]
+            for e in _pairs(idx, s, t, E):
+                r, l = divmod(e, L)
+                out[r, l, n[r, l].sum()] = x[s, t]
                 n[r, l, s] += 1
     return out, n
 
 
 def np_combine(y, idx, w, R, Tmax, E):
-    """out[s, t] = sum_k w'_k y[rank of e][l, s*Tmax + slot], k ascending, in f32."""
+    """out[s, t] = sum_k w'_k y[rank of e][l, row of the pair], k ascending, in
+    f32; the pair's row: the rows of e's earlier sources, then its slot."""
     L = E // R
     T = idx.shape[1]
+    cnt = np.zeros((R, E), np.int64)
+    for s in range(R):
+        for t in range(T):
+            for e in _pairs(idx, s, t, E):
+                cnt[s, e] += 1
+    pre = np.cumsum(cnt, axis=0) - cnt            # [s, e]: rows of e's earlier sources
     out = np.zeros((R, T, y.shape[-1]), np.float32)
     for s in range(R):
-        n = np.zeros(E, np.int64)
+        n = pre[s].copy()
         for t in range(T):
             firsts = {}
             for k, e in enumerate(idx[s, t]):
@@ -63,7 +76,7 @@ def np_combine(y, idx, w, R, Tmax, E):
             acc = np.zeros(y.shape[-1], np.float32)
             for e, k in sorted(firsts.items(), key=lambda kv: kv[1]):
                 r, l = divmod(e, L)
-                acc = acc + np.float32(merged[e]) * y[r, l, s * Tmax + n[e]].astype(np.float32)
+                acc = acc + np.float32(merged[e]) * y[r, l, n[e]].astype(np.float32)
                 n[e] += 1
             out[s, t] = acc
     return out
@@ -117,11 +130,11 @@ def test_low_latency_matches_model(case):
     # combine of an expert output y (per destination rank, in the dispatch layout)
     y = (rng.standard_normal((R, E // R, R * Tmax, H))).astype(np.float32).astype(jnp.bfloat16)
 
-    def comb(y, i, w, sl):
+    def comb(y, i, w, sl, sc):
         from jax_ep import LowLatencyHandle
-        h = LowLatencyHandle(slot=sl, num_ranks=R, max_tokens=Tmax)
+        h = LowLatencyHandle(slot=sl, src_count=sc, num_ranks=R, max_tokens=Tmax)
         return low_latency_combine(y, i, w, h, cfg)
-    out = run_per_rank(comb, mesh, "ep", y, idx, w, slot)
+    out = run_per_rank(comb, mesh, "ep", y, idx, w, slot, src_count)
     ref = np_combine(np.asarray(y).astype(np.float32), idx, w, R, Tmax, E)
     np.testing.assert_allclose(out.astype(np.float32), ref, rtol=1e-2, atol=1e-2)
     assert np.array_equal(out, ref.astype(jnp.bfloat16)) or \
@@ -370,8 +383,10 @@ def test_low_latency_combine_is_k_ascending_bit_for_bit(values):
          else np.ones((R, T, K))).astype(np.float32)
     x = rng.standard_normal((R, T, H)).astype(jnp.bfloat16)
     mesh = make_mesh((R,), ("ep",))
-    slot = run_per_rank(lambda x, i: low_latency_dispatch(x, i, cfg, fp8=False).handle.slot,
-                        mesh, "ep", x, idx)
+    slot, src_count = run_per_rank(
+        lambda x, i: (lambda h: (h.slot, h.src_count))(low_latency_dispatch(x, i, cfg,
+                                                                            fp8=False).handle),
+        mesh, "ep", x, idx)
     shape = (R, E // R, R * Tmax, H)
     if values == "spread":
         y = rng.standard_normal(shape) * 2.0 ** rng.integers(-8, 9, shape)
@@ -380,11 +395,11 @@ def test_low_latency_combine_is_k_ascending_bit_for_bit(values):
         y = np.where(rng.random(shape) < 0.5, big, rng.standard_normal(shape))
     y = y.astype(jnp.bfloat16)
 
-    def comb(y, i, w, sl):
+    def comb(y, i, w, sl, sc):
         from jax_ep import LowLatencyHandle
-        h = LowLatencyHandle(slot=sl, num_ranks=R, max_tokens=Tmax)
+        h = LowLatencyHandle(slot=sl, src_count=sc, num_ranks=R, max_tokens=Tmax)
         return low_latency_combine(y, i, w, h, cfg)
-    out = np.asarray(run_per_rank(comb, mesh, "ep", y, idx, w, slot))
+    out = np.asarray(run_per_rank(comb, mesh, "ep", y, idx, w, slot, src_count))
     want = np_combine(y.astype(np.float32), idx, w, R, Tmax, E).astype(jnp.bfloat16)
     diff = out.view(np.uint16) != want.view(np.uint16)
     assert not diff.any(), f"{int(diff.sum())} of {diff.size} elements differ"

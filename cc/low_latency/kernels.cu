@@ -11,10 +11,11 @@
 //
 // Receive areas (LlLayout, low_latency/region_layout.h):
 //  - dispatch: [max_ranks][Tmax] token rows on the expert's rank (source s's token t
-//    at row s*Tmax + t) and an int32 info word t*K + k per output row (l, s,
-//    slot) (the pair at its source, DeepEP's src_info): the receive kernel
-//    copies token row (s, info / K) to output row (l, s, slot), and the info
-//    word is an output of the dispatch that the combine takes back.
+//    at row s*Tmax + t) and an int32 info word t*K + k per pair (l, s, slot)
+//    (the pair at its source, DeepEP's src_info): the receive kernel copies
+//    token row (s, info / K) to the pair's output row, expert l's rows packed
+//    by source (packed_row), and the info word, at that row, is an output of
+//    the dispatch that the combine takes back.
 //  - combine: [Tmax][K] rows on the source, row t*K + k for pair (t, k). The
 //    alternative, an [E][Tmax] area indexed (expert, slot) as the reference
 //    indexes its dense all_to_all, needs no info word but is E*Tmax rows per
@@ -259,6 +260,14 @@ ll_dispatch_send_kernel(LlDispatchSendArgs a) {
   }
 }
 
+// Output row of valid row i (block b = l*R + s of the exclusive prefix `pre`
+// over blocks): expert l's rows start at l*R*Tmax, its sources' rows one
+// after the other from there (pre[l*R] rows belong to earlier experts).
+__device__ __forceinline__ long long packed_row(const int* pre, int b, int R, int Tmax, int i) {
+  const int l = b / R;
+  return static_cast<long long>(l) * R * Tmax + (i - pre[l * R]);
+}
+
 __global__ void __launch_bounds__(32 * kLlMaxWarps)
 ll_dispatch_recv_kernel(LlDispatchRecvArgs a) {
   extern __shared__ int sm_pre[];  // [L*R + 1]: counts, then their exclusive prefix
@@ -300,19 +309,21 @@ ll_dispatch_recv_kernel(LlDispatchRecvArgs a) {
   for (int it = global_warp(); it < n_rows * slices; it += num_warps()) {
     const int i = it / slices, sl = it % slices;
     const int b = locate(sm_pre, LR, i);
-    const long long row = static_cast<long long>(b) * a.lay.Tmax + (i - sm_pre[b]);  // same in out
-    // Output row (l, s, j) takes source s's token row t = info / K: one row
-    // per (token, rank) in the area, one copy per expert here.
+    const long long row = static_cast<long long>(b) * a.lay.Tmax + (i - sm_pre[b]);  // in the area
+    const long long orow = packed_row(sm_pre, b, R, a.lay.Tmax, i);
+    // Output row orow (expert l's rows packed by source) takes source s's
+    // token row t = info / K: one row per (token, rank) in the area, one copy
+    // per expert here.
     const int tk = info[row];
-    if (sl == 0 && lane == 0) a.out_info[row] = tk;
+    if (sl == 0 && lane == 0) a.out_info[orow] = tk;
     if (tk < 0 || tk >= TK) continue;  // never for a peer's own send
     const long long src = static_cast<long long>(b % R) * a.lay.Tmax + tk / a.lay.K;
-    void* dst = static_cast<char*>(a.out) + row * rb;
+    void* dst = static_cast<char*>(a.out) + orow * rb;
     long long b0, b1;
     vec_slice(nvec, v, sl, slices, &b0, &b1);
     warp_copy_row_any(rows + src * rs, &dst, 1, b0, b1 - b0, v, lane);
     if (srb && sl == 0) {
-      void* dsts = static_cast<char*>(a.out_scales) + row * srb;
+      void* dsts = static_cast<char*>(a.out_scales) + orow * srb;
       warp_copy_row_any(srows + src * srs, &dsts, 1, 0, srb, sv, lane);
     }
   }
@@ -341,7 +352,7 @@ ll_combine_send_kernel(LlCombineSendArgs a) {
   for (int it = global_warp(); it < n_rows * slices; it += num_warps()) {
     const int i = it / slices, sl = it % slices;
     const int b = locate(sm_pre, LR, i), s = b % R;
-    const long long row = static_cast<long long>(b) * a.lay.Tmax + (i - sm_pre[b]);
+    const long long row = packed_row(sm_pre, b, R, a.lay.Tmax, i);   // in y and info
     const int tk = __ldg(a.info + row);
     if (tk < 0 || tk >= a.lay.Tmax * a.lay.K) continue;  // never for a dispatch's own info
     const size_t off = a.lay.comb_rows[par] + tk * a.lay.comb_row_stride;

@@ -6,14 +6,17 @@ tokens, H hidden, K top-k). Every (token, expert) pair gets its own row of
 one static layout, with no CPU-visible size (the native kernels send a token
 once per destination rank and replicate it there):
 
-- ``x [L, R * Tmax, H]``: rows ``s * Tmax ... s * Tmax + n[l, s] - 1`` of
-  expert ``l`` are the tokens of source rank ``s`` that picked it, in token
-  order (packed; rows past ``n[l, s]`` in each block are unspecified);
+- ``x [L, R * Tmax, H]``: expert ``l``'s first ``count[l]`` rows hold the
+  tokens that picked it, by source rank, then in token order: ``n[l, s]``
+  rows from source ``s`` after those of sources ``< s`` (packed, DeepEP's
+  layout in a fixed order; rows past ``count[l]`` are unspecified). It is
+  the masked layout ``jax_ep.grouped_matmul(x, w, count)`` takes;
 - ``src_count [L, R]`` = ``n``, ``count [L]`` = its sum over sources.
 
-The source knows where each of its pairs lands without asking anyone: the
-token's rank among its own tokens that picked the same expert. That index is
-the handle (``slot [T, K]``) combine reuses. fp8 sends e4m3 rows with
+The source knows where each of its pairs lands inside its own rows without
+asking anyone: the token's rank among its own tokens that picked the same
+expert. That index is the handle's ``slot [T, K]``; with ``src_count`` (the
+rows of earlier sources) it locates the pair's row for combine. fp8 sends e4m3 rows with
 per-token, per-128-channel scales, f32 (``jax_ep.fp8_cast``) or
 power-of-two "UE8M0" (exact on every platform). Combine brings each expert's
 output row back and sums ``out[t] = cast(sum_k w'_k f32(y_(t, k)))`` on the
@@ -235,6 +238,10 @@ def low_latency_combine_send(y: jax.Array, topk_idx: jax.Array, topk_weights: ja
                          f"(the dispatch's [T, K]), got {topk_idx.shape} / {topk_weights.shape}")
     if handle.num_ranks != R:
         raise ValueError(f"low_latency_combine: handle is for R={handle.num_ranks}, axis has {R}")
+    if handle.src_count is None:
+        raise ValueError("low_latency_combine: the handle has no src_count, which locates each "
+                         "source's rows in y; pass the handle of the low_latency_dispatch whose "
+                         "rows y holds")
     be = _backend.select(_backend.LOW_LATENCY, cfg)
     y, topk_weights = _forward_only("low_latency_combine", y, topk_weights)
     idx = topk_idx.astype(jnp.int32)

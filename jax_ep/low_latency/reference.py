@@ -42,20 +42,48 @@ def _dispatch(x, idx, slot, per_expert, cfg: LowLatencyConfig, R: int, fp8: bool
         recv = recv.reshape(R, L, Tm, *rows.shape[1:]).swapaxes(0, 1)   # [L, R, Tm, ...]
         return recv.reshape(L, R * Tm, *rows.shape[1:])
 
+    src_count = _exchange(per_expert.reshape(R, L), cfg).T          # [L, R]
+    block_row, valid = _block_rows(src_count, Tm)
+
+    def pack(blocks):   # [L, R * Tm, ...] per-source blocks -> packed, zero past count
+        rows = jnp.take_along_axis(blocks, block_row.reshape(block_row.shape + (1,) *
+                                                              (blocks.ndim - 2)), axis=1)
+        return jnp.where(valid.reshape(valid.shape + (1,) * (blocks.ndim - 2)), rows,
+                         jnp.zeros((), blocks.dtype))
+
     if fp8:
         q, s = fp8_cast(x, scale_format=scale_format)
-        recv_x, recv_s = place(q), place(s)
+        recv_x, recv_s = pack(place(q)), pack(place(s))
     else:
-        recv_x, recv_s = place(x), None
-    src_count = _exchange(per_expert.reshape(R, L), cfg).T          # [L, R]
+        recv_x, recv_s = pack(place(x)), None
     return LowLatencyDispatched(x=recv_x, x_scales=recv_s, count=jnp.sum(src_count, axis=1),
                                 src_count=src_count,
-                                handle=LowLatencyHandle(slot=slot, num_ranks=R, max_tokens=Tm))
+                                handle=LowLatencyHandle(slot=slot, src_count=src_count,
+                                                        num_ranks=R, max_tokens=Tm))
 
 
-def _combine(y, idx, w, slot, cfg: LowLatencyConfig, R: int, Tm: int):
+def _block_rows(src_count, Tm: int):
+    """For each packed row ``p`` of expert ``l`` (``[L, R * Tm]``): the row of
+    the per-source blocks ``[L, R * Tm]`` (source ``s``'s rows at ``s * Tm``)
+    it comes from, and whether ``p < count[l]``."""
+    L, R = src_count.shape
+    n = jnp.clip(src_count.astype(jnp.int32), 0, Tm)
+    end = jnp.cumsum(n, axis=1)                                      # [L, R]
+    p = jnp.arange(R * Tm, dtype=jnp.int32)
+    s = jax.vmap(lambda e: jnp.searchsorted(e, p, side="right"))(end)   # [L, R * Tm]
+    valid = s < R
+    s = jnp.minimum(s, R - 1)
+    start = jnp.take_along_axis(end - n, s, axis=1)
+    return jnp.where(valid, s * Tm + p[None, :] - start, 0), valid
+
+
+def _combine(y, idx, w, slot, src_count, cfg: LowLatencyConfig, R: int, Tm: int):
     E, L = cfg.num_experts, cfg.num_experts // R
     H = y.shape[2]
+    # packed rows back to per-source blocks (rows past a block's count: zero, never read)
+    block_row, valid = _block_rows(src_count, Tm)
+    y = jnp.zeros_like(y).at[jnp.arange(L)[:, None], jnp.where(valid, block_row, R * Tm)].set(
+        y, mode="drop")
     back = y.reshape(L, R, Tm, H).swapaxes(0, 1).reshape(R, L * Tm, H)
     back = _exchange(back, cfg).reshape(E * Tm, H)                  # [e * Tm + slot]
     out = jnp.zeros((idx.shape[0], H), F32)
@@ -84,7 +112,8 @@ class ReferenceBackend:
 
     def combine_send(self, y, idx, w, handle: LowLatencyHandle, cfg: LowLatencyConfig, R: int,
                      after=None) -> LowLatencyPending:
-        out = _combine(_after(y, after), idx, w, handle.slot, cfg, R, handle.max_tokens)
+        out = _combine(_after(y, after), idx, w, handle.slot, handle.src_count, cfg, R,
+                       handle.max_tokens)
         return LowLatencyPending(token=None, arrays=(), result=out, meta=("combine",))
 
     def combine_recv(self, pending: LowLatencyPending) -> jax.Array:

@@ -14,14 +14,16 @@ class LowLatencyHandle:
     """What :func:`low_latency_dispatch` leaves for :func:`low_latency_combine`.
 
     Attributes:
-      slot: ``[T, K]`` int32, the row inside its source block where pair
-        ``(t, topk_idx[t, k])`` landed on the expert's rank; -1 for unused
-        slots, invalid ids and repeats of an expert already named by the token.
+      slot: ``[T, K]`` int32, pair ``(t, topk_idx[t, k])``'s row among this
+        source's rows of that expert (its packed row on the expert's rank:
+        ``slot`` plus the rows of earlier sources, ``src_count``); -1 for
+        unused slots, invalid ids and repeats of an expert already named by
+        the token.
       info: ``[L, R * Tmax]`` int32 (native backend): ``t * K + k`` of each
         received row at its source, where combine sends the row back; None
         with the reference backend.
-      src_count: ``[L, R]`` int32 (native backend): valid rows per block; None
-        with the reference backend.
+      src_count: ``[L, R]`` int32: rows per (local expert, source rank), where
+        combine finds each source's rows in the packed layout.
       num_ranks, max_tokens: static R and Tmax.
     """
 
@@ -42,8 +44,10 @@ class LowLatencyDispatched:
 
     Attributes:
       x: ``[L, R * Tmax, H]`` received rows (fp8-e4m3 with ``fp8``, else the
-        input dtype); block ``s`` of expert ``l`` holds ``src_count[l, s]``
-        rows from source rank ``s`` in token order, the rest unspecified.
+        input dtype), packed per expert: expert ``l``'s first ``count[l]``
+        rows, by source rank then token (``src_count[l, s]`` rows from
+        source ``s``), the rest unspecified: the masked layout
+        ``jax_ep.grouped_matmul`` takes with ``group_sizes=count``.
       x_scales: ``[L, R * Tmax, H / 128]`` f32 dequantisation scales (fp8) or None.
       count: ``[L]`` int32 valid rows per local expert.
       src_count: ``[L, R]`` int32 valid rows per (local expert, source rank).
@@ -57,11 +61,10 @@ class LowLatencyDispatched:
     handle: LowLatencyHandle
 
     def valid_rows(self) -> jax.Array:
-        """``[L, R * Tmax]`` bool: the rows that hold a token."""
-        L, RT = self.x.shape[:2]
-        Tm = self.handle.max_tokens
-        j = jnp.arange(RT, dtype=jnp.int32)
-        return (j % Tm)[None, :] < jnp.repeat(self.src_count, Tm, axis=1)
+        """``[L, R * Tmax]`` bool: the rows that hold a token (each expert's
+        first ``count[l]``)."""
+        j = jnp.arange(self.x.shape[1], dtype=jnp.int32)
+        return j[None, :] < self.count[:, None]
 
 
 jax.tree_util.register_dataclass(

@@ -221,23 +221,26 @@ def _expected_dispatch(spec, x, idx, w):
     names = ("x", "scales", "count", "src_count", "handle_slot", "slot", "expert_count", "wm")
     e = dict(zip(names, out))
     e["valid"] = _valid_rows(spec, e["src_count"])
-    e["info"] = _expected_info(spec, idx, e["slot"])
+    e["info"] = _expected_info(spec, idx, e["slot"], e["src_count"])
     return e
 
 
 def _valid_rows(spec, src_count):
-    """[R, L, R*Tmax] bool: row s*Tmax + j of expert l holds a pair iff j < n[l, s]."""
-    j = np.arange(spec.R * spec.Tmax) % spec.Tmax
-    return j[None, None, :] < np.repeat(src_count, spec.Tmax, axis=2)
+    """[R, L, R*Tmax] bool: expert l's first count[l] = sum_s n[l, s] rows hold pairs (packed)."""
+    j = np.arange(spec.R * spec.Tmax)
+    return j[None, None, :] < src_count.sum(-1)[..., None]
 
 
-def _expected_info(spec, idx, slot):
-    """[R, L, R*Tmax] int32: t*K + k of each received pair at its source (-1: no pair)."""
+def _expected_info(spec, idx, slot, src_count):
+    """[R, L, R*Tmax] int32: t*K + k of each received pair at its source (-1: no
+    pair), at the pair's packed row: the rows of earlier sources, then its slot."""
     s = spec
     info = np.full((s.R, s.L, s.R * s.Tmax), -1, np.int32)
+    pre = np.cumsum(src_count, axis=2) - src_count         # [R, L, R(source)]
     src, t, k = np.nonzero(slot >= 0)
     e = idx[src, t, k]
-    info[e // s.L, e % s.L, src * s.Tmax + slot[src, t, k]] = t * s.K + k
+    r, l = e // s.L, e % s.L
+    info[r, l, pre[r, l, src] + slot[src, t, k]] = t * s.K + k
     return info
 
 
@@ -250,26 +253,27 @@ def _make_y(rng, spec, valid):
     return y.astype(jnp.bfloat16)
 
 
-def _expected_combine(spec, y, idx, w, slot):
+def _expected_combine(spec, y, idx, w, slot, src_count):
     from ep_testing import make_mesh, run_per_rank
     from jax_ep import low_latency_combine
     from jax_ep import LowLatencyHandle
 
     cfg = spec.cfg()
 
-    def comb(y, i, w, sl):
-        h = LowLatencyHandle(slot=sl, num_ranks=spec.R, max_tokens=spec.Tmax)
+    def comb(y, i, w, sl, sc):
+        h = LowLatencyHandle(slot=sl, src_count=sc, num_ranks=spec.R, max_tokens=spec.Tmax)
         return low_latency_combine(y, i, w, h, cfg)
-    return run_per_rank(comb, make_mesh((spec.R,), ("ep",)), "ep", y, idx, w, slot)
+    return run_per_rank(comb, make_mesh((spec.R,), ("ep",)), "ep", y, idx, w, slot, src_count)
 
 
-def _np_kernel_combine(spec, y, idx, slot, wm):
+def _np_kernel_combine(spec, y, idx, slot, wm, src_count):
     """The combine kernel's arithmetic in NumPy f32: sel_k = w'_k * f32(row) or
     +0, out = cast(((sel_0 + sel_1) + sel_2) + ...), one rounding per op."""
     import jax.numpy as jnp
 
     s = spec
     T = idx.shape[1]
+    pre = np.cumsum(src_count, axis=2) - src_count         # [R, L, R(source)]
     out = np.zeros((s.R, T, s.H), jnp.bfloat16)
     for src in range(s.R):
         acc = None
@@ -277,7 +281,8 @@ def _np_kernel_combine(spec, y, idx, slot, wm):
             j = slot[src, :, k]
             ok = j >= 0
             e = np.where(ok, idx[src, :, k], 0)
-            rows = y[e // s.L, e % s.L, src * s.Tmax + np.maximum(j, 0)].astype(np.float32)
+            r, l = e // s.L, e % s.L
+            rows = y[r, l, pre[r, l, src] + np.maximum(j, 0)].astype(np.float32)
             sel = np.where(ok[:, None], wm[src, :, k, None] * rows, np.float32(0))
             acc = sel if k == 0 else (acc + sel).astype(np.float32)
         out[src] = acc.astype(jnp.bfloat16)
@@ -404,8 +409,9 @@ def _case(lb, checks, rng, case, grid=None):
                              **kw)
         _check_dispatch(checks, tag, spec, err, got, e)
         y = _make_y(rng, spec, e["valid"])
-        expect = _expected_combine(spec, y, idx, w, e["slot"])
-        model = _np_kernel_combine(spec, np.asarray(y), idx, e["slot"], e["wm"])
+        expect = _expected_combine(spec, y, idx, w, e["slot"], e["src_count"])
+        model = _np_kernel_combine(spec, np.asarray(y), idx, e["slot"], e["wm"],
+                                   e["src_count"])
         err, gotc, _ = lb.run("combine", spec, x, idx, e["slot"], e["expert_count"], e["wm"],
                               y=y, cinfo=got["out_info"], csrc=got["src_count"], **kw)
         _check_combine(checks, tag, err, gotc, expect, model)
@@ -461,8 +467,9 @@ def _round_trip_worker(rank, n, put=False):
                 e = _expected_dispatch(spec, x, idx, w)
                 # y is fixed before the dispatch runs: from the reference's valid rows
                 y = _make_y(rng, spec, e["valid"])
-                expect = _expected_combine(spec, y, idx, w, e["slot"])
-                model = _np_kernel_combine(spec, np.asarray(y), idx, e["slot"], e["wm"])
+                expect = _expected_combine(spec, y, idx, w, e["slot"], e["src_count"])
+                model = _np_kernel_combine(spec, np.asarray(y), idx, e["slot"], e["wm"],
+                                   e["src_count"])
                 err, got, _ = lb.run("round_trip", spec, x, idx, e["slot"], e["expert_count"],
                                      e["wm"], y=y, iters=iters)
                 _check_dispatch(checks, tag, spec, err, got, e)
@@ -492,8 +499,9 @@ def _selfcheck_worker(rank, n):
                 e = _expected_dispatch(spec, x, idx, w)
                 placed = e["info"] >= 0
                 y = _make_y(rng, spec, e["valid"])
-                ref = _expected_combine(spec, y, idx, w, e["slot"])
-                mine = _np_kernel_combine(spec, np.asarray(y), idx, e["slot"], e["wm"])
+                ref = _expected_combine(spec, y, idx, w, e["slot"], e["src_count"])
+                mine = _np_kernel_combine(spec, np.asarray(y), idx, e["slot"], e["wm"],
+                                          e["src_count"])
                 # src_count [r, l, s] is source s's tokens for expert r*L + l
                 counts = np.array_equal(e["expert_count"].reshape(R, R, -1).transpose(1, 2, 0),
                                         e["src_count"])
