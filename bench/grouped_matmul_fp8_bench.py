@@ -43,6 +43,20 @@ layer pays beside the bf16 one:
 - ``roof: cast``: ``w.astype(float8_e4m3fn)``, one read of the bf16 weight and
   one write of an fp8 copy, the fewest bytes a quantization per layout moves.
 
+``--decode``: a third table, the experts' up projection at decode on the
+low-latency dispatch's packed layout (``DECODE``: V3-decode at EP 8, one
+rank: L = 32 experts, C = R·Tmax = 1024 rows each, ~32 of them tokens):
+
+- ``fp8 masked`` / ``fp8 masked [cuda]`` / ``bf16 masked``: ``grouped_matmul``
+  on the masked layout ``[L, C, K]`` with ``group_sizes=count``: each expert's
+  own rows;
+- ``fp8 all rows``: the contiguous layout over all ``L·C`` rows (what a
+  caller without the masked layout runs);
+- ``bf16 einsum``: a batched ``[L, C, K] @ [L, K, N]`` (the layout as a dense batch);
+- ``roof: read w fp8``: an XLA reduction over the fp8 weights, one read of
+  the bytes every form must stream at least once.
+The GB/s column is the fp8 weight bytes (``L·K·N``) over the time.
+
 Timing as ``grouped_matmul_bench.per_call_ms``: calls chained in one jit,
 (t(n2) - t(n1)) / (n2 - n1), median of --reps. TF/s = 2 * rows * K * N / t.
 Writes the table to $OUT/grouped_matmul_fp8.md when OUT is set.
@@ -236,6 +250,61 @@ def sweep_rows(reps, clusters=(1,)):
     return rows
 
 
+# V3-decode at EP 8, one rank: L local experts, C = R * Tmax rows each, up projection
+DECODE = dict(L=32, C=1024, K=7168, N=4096, mean_rows=32)
+
+
+def decode_counts(kind, seed=0):
+    """Rows per expert at decode: ``mean_rows`` each, or Zipf-like with a quarter empty."""
+    d = DECODE
+    if kind == "uniform":
+        return np.full(d["L"], d["mean_rows"], np.int32)
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, d["L"] + 1) ** 1.2
+    rng.shuffle(p)
+    p[rng.permutation(d["L"])[: d["L"] // 4]] = 0
+    total = d["L"] * d["mean_rows"]
+    return np.minimum(np.floor(p / p.sum() * total), d["C"]).astype(np.int32)
+
+
+def decode_rows(kind, reps):
+    d = DECODE
+    L, C, k, n = d["L"], d["C"], d["K"], d["N"]
+    kx, kw = jax.random.split(jax.random.key(3))
+    x = jax.random.normal(kx, (L, C, k), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (L, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+    xq, xs = jax_ep.quantize_activations(x.reshape(L * C, k))
+    xq, xs = xq.reshape(L, C, k), xs.reshape(L, C, -1)
+    wq, ws = jax_ep.quantize_weights(w)
+    cnt = jnp.asarray(decode_counts(kind))
+    full = jnp.full((L,), C, jnp.int32)
+    fp8 = lambda cfg: (lambda a, s, w_, wsc, g: jax_ep.grouped_matmul(
+        a, w_, g, x_scales=s, w_scales=wsc, config=cfg))
+    t = {"fp8 masked": per_call_ms(fp8(None), (xq, xs, wq, ws, cnt), 2, 6, reps)}
+    if extension.load() is not None:
+        t["fp8 masked [cuda]"] = per_call_ms(fp8(GroupedMatmulConfig(fp8_kernel="cuda")),
+                                             (xq, xs, wq, ws, cnt), 2, 6, reps)
+    t["bf16 masked"] = per_call_ms(lambda a, w_, g: jax_ep.grouped_matmul(a, w_, g),
+                                   (x, w, cnt), 2, 6, reps)
+    t["fp8 all rows"] = per_call_ms(
+        lambda a, s, w_, wsc, g: jax_ep.grouped_matmul(
+            a.reshape(L * C, k), w_, g, x_scales=s.reshape(L * C, -1), w_scales=wsc),
+        (xq, xs, wq, ws, full), 2, 6, reps)
+    t["bf16 einsum"] = per_call_ms(lambda a, w_: jnp.einsum("lck,lkn->lcn", a, w_), (x, w),
+                                   2, 6, reps)
+    t["roof: read w fp8"] = per_call_ms(
+        lambda w_: jnp.max(w_.astype(jnp.float32), axis=(1, 2)), (wq,), 2, 6, reps)
+    gb = L * k * n / 1e9
+    return [(kind, name, ms, gb / ms * 1e3) for name, ms in t.items()]
+
+
+def decode_table(rows):
+    lines = [f"decode, up projection: {DECODE}",
+             "| sizes | op | µs | fp8 weight GB/s |", "|---|---|---|---|"]
+    lines += [f"| {k} | {n} | {ms * 1e3:.1f} | {gbs:.0f} |" for k, n, ms, gbs in rows]
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=10)
@@ -246,6 +315,8 @@ def main():
                     help="CTAs per cluster of the fp8 nt rows, e.g. 1,2 (2: rows 'fp8 nt c2')")
     ap.add_argument("--steps", action="store_true",
                     help="also time fp8 vs bf16 fwd+bwd per projection and the weight quantization")
+    ap.add_argument("--decode", action="store_true",
+                    help="also time the decode table (the masked layout; DECODE)")
     ap.add_argument("--variants", default="",
                     help="name=module,...: kernel variants timed beside 'fp8 nt' (rows 'fp8 nt [name]')")
     args = ap.parse_args()
@@ -272,6 +343,9 @@ def main():
         kernels = ("pallas", "cuda") if extension.load() is not None else ("pallas",)
         steps = [r for proj in args.proj.split(",") for r in step_rows(proj, args.reps, kernels)]
         table += "\n\n" + step_table(steps)
+    if args.decode:
+        table += "\n\n" + decode_table([r for kind in args.kinds.split(",")
+                                         for r in decode_rows(kind, args.reps)])
     print(table)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "grouped_matmul_fp8.md"), "w") as f:
