@@ -101,14 +101,19 @@ def main(argv=None):
 
     def experts(d, p):
         """The local experts on the packed layout [L, R*Tmax, H]: the masked grouped
-        matmul, each expert over its own count[l] rows; fp8 rows go in as they
-        arrive, with their scales, against weights quantized once."""
-        if d.x_scales is not None:
-            hid = jax_ep.grouped_matmul(d.x, p["w_in_q"], d.count, x_scales=d.x_scales,
-                                        w_scales=p["w_in_s"])
+        matmul, each expert over its own count[l] rows. fp8: the rows go in as
+        they arrive, with their scales, the hidden activation is cast per row
+        and 128 columns (dispatch's cast), weights quantized once."""
+        if d.x_scales is None:
+            hid = jax.nn.silu(jax_ep.grouped_matmul(d.x, p["w_in"], d.count))
+            y = jax_ep.grouped_matmul(hid.astype(jnp.bfloat16), p["w_out"], d.count)
         else:
-            hid = jax_ep.grouped_matmul(d.x, p["w_in"], d.count)
-        y = jax_ep.grouped_matmul(jax.nn.silu(hid).astype(jnp.bfloat16), p["w_out"], d.count)
+            hid = jax.nn.silu(jax_ep.grouped_matmul(d.x, p["w_in_q"], d.count,
+                                                    x_scales=d.x_scales, w_scales=p["w_in_s"]))
+            hq, hs = jax_ep.quantize_activations(hid.reshape(-1, F))
+            y = jax_ep.grouped_matmul(hq.reshape(hid.shape), p["w_out_q"], d.count,
+                                      x_scales=hs.reshape(hid.shape[:2] + (F // 128,)),
+                                      w_scales=p["w_out_s"])
         return jnp.where(d.valid_rows()[..., None], y, 0).astype(jnp.bfloat16)
 
     fp8 = H % 128 == 0 and F % 128 == 0   # the fp8 grouped matmul's 128-wide scale blocks
@@ -142,10 +147,11 @@ def main(argv=None):
             outs.append(h + jax_ep.low_latency_combine(experts(d, p), i, w, d.handle, cfg))
         return jnp.concatenate(outs)
 
-    pspec = dict(attn=spec, router=spec, w_in=spec, w_out=spec, w_in_q=spec, w_in_s=spec)
     gp = {k: (glob(v) if k in ("attn", "router") else
               jax.device_put(v, NamedSharding(mesh, spec))) for k, v in params.items()}
-    gp["w_in_q"], gp["w_in_s"] = jax.jit(jax_ep.quantize_weights)(gp["w_in"])   # once, [E, ...]
+    for name in ("w_in", "w_out") if fp8 else ():   # fp8 copies, quantized once
+        gp[name + "_q"], gp[name + "_s"] = jax.jit(jax_ep.quantize_weights)(gp[name])
+    pspec = {k: spec for k in gp}
 
     def wrap(fn):
         return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(spec, pspec), out_specs=spec))
