@@ -76,16 +76,8 @@ def grouped_matmul(x, w, group_sizes, *, x_scales=None, w_scales=None, w_layout:
         cfg = dataclasses.replace(cfg, impl=impl)
     x, w, group_sizes = jnp.asarray(x), jnp.asarray(w), jnp.asarray(group_sizes)
     if _fp8.is_fp8_call(x, w, x_scales, w_scales):
-        x_scales = None if x_scales is None else jnp.asarray(x_scales)
-        w_scales = None if w_scales is None else jnp.asarray(w_scales)
-        out_dtype = jnp.dtype(preferred_element_type or jnp.bfloat16)
-        x, x_scales, c = _fp8.flatten_masked(x, x_scales, w)
-        _fp8.check_operands(x, x_scales, w, w_scales, w_layout, out_dtype)
-        w_t = _fp8.check_transposed(w, w_layout, w_transposed)
-        y = _fp8.grouped_matmul_fp8(x, x_scales, w, w_scales,
-                                    _check_groups(group_sizes, w.shape[0]),
-                                    w_layout=w_layout, out_dtype=out_dtype, cfg=cfg, w_t=w_t, c=c)
-        return rows.unflatten(y, c)
+        return _fp8_call(x, w, group_sizes, x_scales, w_scales, w_layout, w_transposed,
+                         preferred_element_type, cfg)
     if w_transposed is not None:
         raise ValueError("grouped_matmul: w_transposed is the fp8 path's (an fp8 w with "
                          "w_scales); drop it for bf16/f16/f32 weights")
@@ -106,6 +98,20 @@ def grouped_matmul(x, w, group_sizes, *, x_scales=None, w_scales=None, w_layout:
     axes = vma_of(x) | vma_of(w) | vma_of(group_sizes)
     x, w, group_sizes = (to_vma(a, axes) for a in (x, w, group_sizes))
     return rows.unflatten(_gmm_vjp(x, w, group_sizes, cfg, out_dtype, c), c)
+
+
+def _fp8_call(x, w, group_sizes, x_scales, w_scales, w_layout, w_transposed,
+              preferred_element_type, cfg):
+    """:func:`grouped_matmul`'s fp8 path: the operands checked, then ``fp8``."""
+    x_scales = None if x_scales is None else jnp.asarray(x_scales)
+    w_scales = None if w_scales is None else jnp.asarray(w_scales)
+    out_dtype = jnp.dtype(preferred_element_type or jnp.bfloat16)
+    x, x_scales, c = _fp8.flatten_masked(x, x_scales, w)
+    _fp8.check_operands(x, x_scales, w, w_scales, w_layout, out_dtype)
+    w_t = _fp8.check_transposed(w, w_layout, w_transposed)
+    y = _fp8.grouped_matmul_fp8(x, x_scales, w, w_scales, _check_groups(group_sizes, w.shape[0]),
+                                w_layout=w_layout, out_dtype=out_dtype, cfg=cfg, w_t=w_t, c=c)
+    return rows.unflatten(y, c)
 
 
 def _check_groups(group_sizes, groups: int):
