@@ -131,7 +131,7 @@ def _check_groups(group_sizes, groups: int):
 # flattened to [G·C, K]).
 def _forward(x, w, group_sizes, cfg, out_dtype, c):
     return gmm(x, w, group_sizes, config=cfg, out_dtype=out_dtype,
-               rows=rows.of_layout(group_sizes, c))
+               row_groups=rows.of_layout(group_sizes, c))
 
 
 _gmm_vjp = functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))(_forward)
@@ -150,7 +150,7 @@ def _gmm_vjp_bwd(cfg, out_dtype, c, res, dy):
     else:   # rows outside the groups: no gradient in, none out
         keep, spans, xm, dy = rows.masked_operands(group_sizes, c, x, dy)
         dx = gmm(dy, w, group_sizes, transpose_rhs=True, config=cfg, out_dtype=x.dtype,
-                 rows=rows.masked(group_sizes, c))
+                 row_groups=rows.masked(group_sizes, c))
         dx = jnp.where(keep, dx, jnp.zeros((), dx.dtype))
         dw = tgmm(xm, dy, spans, config=cfg, out_dtype=w.dtype)
     axes = vma_of(x) | vma_of(w)

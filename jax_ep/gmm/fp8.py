@@ -83,7 +83,9 @@ def flatten_masked(x, x_scales, w):
     """``(x, x_scales, C)``: the masked layout ``x [G, C, K]`` with ``x_scales
     [G, C, K/128]`` flattened to ``[G·C, *]`` (``C`` None for ``x [M, K]``,
     returned as is); the flat operands then go through :func:`check_operands`."""
-    x2, c = rows.flatten_masked(x, w.shape[0] if w.ndim == 3 else -1)
+    if w.ndim != 3:   # check_operands names the shapes
+        return x, x_scales, None
+    x2, c = rows.flatten_masked(x, w.shape[0])
     if c is None or x_scales is None:
         return x2, x_scales, c
     if x_scales.ndim != 3 or x_scales.shape[:2] != x.shape[:2]:
@@ -139,11 +141,12 @@ def _nt_weights(w, ws, w_layout: str, op: str, w_t=None):
     return w, ws
 
 
-def ops_nt(cfg: GroupedMatmulConfig, op: str, x, xs, v, vs, group_sizes, out_dtype, rows=None):
+def ops_nt(cfg: GroupedMatmulConfig, op: str, x, xs, v, vs, group_sizes, out_dtype,
+           row_groups=None):
     """``out[rows of g] = (x * xs)[rows of g] @ ((v * vs)[g])^T`` on the variant
     ``select.plan_fp8`` picks, on ``select.fp8_cluster``'s clusters; ``x [M,
-    Kc]``, ``v [G, Nout, Kc]`` -> ``[M, Nout]``; ``rows``: as ``ops.gmm``'s."""
-    off = offsets(group_sizes, x.shape[0]) if rows is None else rows
+    Kc]``, ``v [G, Nout, Kc]`` -> ``[M, Nout]``; ``row_groups``: as ``ops.gmm``'s."""
+    off = offsets(group_sizes, x.shape[0]) if row_groups is None else row_groups
     variant = plan_fp8(cfg, op, x, xs, v, vs, out_dtype)
     out = variant.launch(x, xs, v, vs, off, out_dtype, cfg.interpret,
                          fp8_cluster(cfg, variant, v))
@@ -182,18 +185,18 @@ def _fp8_vjp_bwd(cfg, out_dtype, w_layout, c, res, dy):
 _fp8_vjp.defvjp(_fp8_vjp_fwd, _fp8_vjp_bwd)
 
 
-def _dx(cfg, w_layout, w, ws, group_sizes, dy, w_t=None, rows=None):
+def _dx(cfg, w_layout, w, ws, group_sizes, dy, w_t=None, row_groups=None):
     """``dy @ (w * ws)[g]^T`` in dy's dtype: in fp8 (``cfg.fp8_dx``) or bf16;
-    ``rows``: as ``ops.gmm``'s."""
+    ``row_groups``: as ``ops.gmm``'s."""
     if cfg.fp8_dx:
         # rows past the groups' end may hold anything; each row is cast on its own
         # and those rows are never read
         dq, ds = fp8_cast(dy)
         v, vs = _nt_weights(w, ws, w_layout, "dx", w_t)
-        return ops_nt(cfg, "dx", dq, ds, v, vs, group_sizes, dy.dtype, rows)
+        return ops_nt(cfg, "dx", dq, ds, v, vs, group_sizes, dy.dtype, row_groups)
     wd = dequantize_blocks(w, ws).astype(BF16)
     dx = gmm(dy.astype(BF16), wd, group_sizes, transpose_rhs=w_layout == "gkn", config=cfg,
-             out_dtype=BF16, rows=rows)
+             out_dtype=BF16, row_groups=row_groups)
     return dx.astype(dy.dtype)
 
 

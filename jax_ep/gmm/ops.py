@@ -12,20 +12,20 @@ from .select import plan
 
 
 def gmm(x, w, group_sizes, *, transpose_rhs: bool = False,
-        config: Optional[GroupedMatmulConfig] = None, out_dtype=None, rows=None):
+        config: Optional[GroupedMatmulConfig] = None, out_dtype=None, row_groups=None):
     """Forward grouped matmul without a VJP rule.
 
     ``transpose_rhs=False``: ``x [M, K]``, ``w [G, K, N]`` -> ``[M, N]``.
     ``transpose_rhs=True``: ``x [M, N]``, ``w [G, K, N]`` -> ``[M, K]``
     (``x[rows of g] @ w[g]^T``; used for dx). Rows past ``sum(group_sizes)``
-    are zero and their input is never used. ``rows``: the groups at fixed
+    are zero and their input is never used. ``row_groups``: the groups at fixed
     starts instead (``rows.FixedStarts``, sizes its own); rows outside every
     group are then not written by the kernels (zero on XLA).
     """
     cfg = config if config is not None else GroupedMatmulConfig()
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     op = "dx" if transpose_rhs else "fwd"
-    off = offsets(group_sizes, x.shape[0]) if rows is None else rows
+    off = offsets(group_sizes, x.shape[0]) if row_groups is None else row_groups
     out = plan(cfg, op, x, w, w.shape[0], out_dtype).run(x, w, off, op, out_dtype,
                                                          cfg.interpret)
     return to_vma(out, vma_of(x) | vma_of(w) | vma_of(group_sizes))
