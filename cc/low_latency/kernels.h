@@ -39,8 +39,8 @@ constexpr int kLlMaxBlocksLR = 8192; // L * R bound (count words staged in share
 // Dispatch, send half: row t of x (cast to fp8 + scales, or as is) is stored
 // once per rank r that holds one of its pairs (t, k) with slot[t, k] >= 0, at
 // token row me*Tmax + t of r's receive area; each such pair writes t*K + k to
-// the info word of output row [l, me*Tmax + slot] on rank e / L (l = e % L,
-// e = topk_idx[t, k]). Then, after every block's stores, the last block raises
+// the area's info word (l, me, slot) on rank e / L (l = e % L, e =
+// topk_idx[t, k]). Then, after every block's stores, the last block raises
 // one tagged count word per expert on its rank.
 struct LlDispatchSendArgs {
   PeerTable peers;
@@ -59,9 +59,11 @@ struct LlDispatchSendArgs {
 };
 
 // Dispatch, receive half: waits for every (l, s) count word (device-side
-// timeout -> host_err), then fills each valid output row (l, s, j) with token
-// row (s, info / K) of the receive area (one copy per expert of a row that
-// crossed the link once); rows past n[l, s] are not written.
+// timeout -> host_err), then fills expert l's output rows packed by source
+// (row sum_{s'<s} n[l, s'] + j for pair (s, j), j < n[l, s]) with token row
+// (s, info / K) of the receive area (one copy per expert of a row that
+// crossed the link once) and copies the info word to out_info at that row;
+// rows past count[l] are not written.
 struct LlDispatchRecvArgs {
   PeerTable peers;
   LlLayout lay;
@@ -75,9 +77,10 @@ struct LlDispatchRecvArgs {
   unsigned long long timeout_ns = kDefaultTimeoutNs;
 };
 
-// Combine, send half (expert side): every valid row (l, s, j < src_count[l,
-// s]) of y goes to source s's combine area at row info[l, s*Tmax + j]; the
-// last block then raises one tagged word on every rank.
+// Combine, send half (expert side): every valid row of y (expert l's packed
+// row of pair (s, j), j < src_count[l, s]: the dispatch's layout) goes to
+// source s's combine area at row info[that row]; the last block then raises
+// one tagged word on every rank.
 struct LlCombineSendArgs {
   PeerTable peers;
   LlLayout lay;

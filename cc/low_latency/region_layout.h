@@ -34,9 +34,9 @@ inline LlShape ll_region_shape(const Runtime& rt) {
 //                token t at row s*Tmax + t, ONE copy per (token, rank) whatever
 //                the number of its experts there (the receive kernel replicates
 //                it to each expert's output row), disp_scales (s_row_stride
-//                each, same rows), disp_info int32 [L][R][Tmax] (t*K + k of the
-//                pair at output row (l, s, slot): which token row to copy, and
-//                the combine's handle), comb_rows [Tmax][K] rows of
+//                each, same rows), disp_info int32 [L][R][Tmax] (t*K + k of
+//                source s's pair in slot `slot` of expert l: which token row to
+//                copy, and the combine's handle), comb_rows [Tmax][K] rows of
 //                comb_row_stride (the source's pair (t, k) at row t*K + k).
 //   staging      (the runtime's region only) this rank's own source rows for
 //                NVSHMEM puts (a put to a network PE reads symmetric memory,

@@ -263,7 +263,7 @@ def low_latency_combine(y: jax.Array, topk_idx: jax.Array, topk_weights: jax.Arr
 
     Args:
       y: ``[L, R * Tmax, H]`` expert outputs in the dispatch layout (bf16 / f32;
-        rows outside the valid blocks are never read).
+        rows past ``count[l]`` are never read).
       topk_idx: ``[T, K]``, the ids given to :func:`low_latency_dispatch`.
       topk_weights: ``[T, K]`` routing weights (used as f32).
       handle: the dispatch's :class:`LowLatencyHandle`.

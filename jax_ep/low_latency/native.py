@@ -145,9 +145,9 @@ class NativeBackend:
     def combine_send(self, y, idx, w, handle: LowLatencyHandle, cfg: LowLatencyConfig, R: int,
                      after=None) -> LowLatencyPending:
         if handle.info is None:
-            raise ValueError("low_latency_combine (native): the handle comes from a reference "
-                             "low_latency_dispatch (no info / src_count); dispatch and combine "
-                             "must use one backend")
+            raise ValueError("low_latency_combine (native): the handle has no info words "
+                             "(it comes from a reference low_latency_dispatch); dispatch and "
+                             "combine must use one backend")
         return combine_send(y, w, handle, cfg, R, after=_after_operands(after))
 
     def combine_recv(self, pending: LowLatencyPending) -> jax.Array:
