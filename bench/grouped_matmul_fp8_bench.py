@@ -49,7 +49,8 @@ rank: L = 32 experts, C = R·Tmax = 1024 rows each, ~32 of them tokens):
 
 - ``fp8 masked`` / ``fp8 masked [cuda]`` / ``bf16 masked``: ``grouped_matmul``
   on the masked layout ``[L, C, K]`` with ``group_sizes=count``: each expert's
-  own rows;
+  own rows; ``bf16 masked, expected_rows``: the same with
+  ``GroupedMatmulConfig(expected_rows=32)``, the small-group tiles;
 - ``fp8 all rows``: the contiguous layout over all ``L·C`` rows (what a
   caller without the masked layout runs);
 - ``bf16 einsum``: a batched ``[L, C, K] @ [L, K, N]`` (the layout as a dense batch);
@@ -286,6 +287,9 @@ def decode_rows(kind, reps):
                                              (xq, xs, wq, ws, cnt), 2, 6, reps)
     t["bf16 masked"] = per_call_ms(lambda a, w_, g: jax_ep.grouped_matmul(a, w_, g),
                                    (x, w, cnt), 2, 6, reps)
+    small = GroupedMatmulConfig(expected_rows=d["mean_rows"])
+    t["bf16 masked, expected_rows"] = per_call_ms(
+        lambda a, w_, g: jax_ep.grouped_matmul(a, w_, g, config=small), (x, w, cnt), 2, 6, reps)
     t["fp8 all rows"] = per_call_ms(
         lambda a, s, w_, wsc, g: jax_ep.grouped_matmul(
             a.reshape(L * C, k), w_, g, x_scales=s.reshape(L * C, -1), w_scales=wsc),

@@ -99,21 +99,26 @@ def main(argv=None):
         w, idx = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), K)
         return idx.astype(jnp.int32), w
 
+    # the packed layout's capacity is R*Tmax rows per expert; a micro-batch
+    # brings about Tm*K/L: tiles sized for that
+    gcfg = jax_ep.GroupedMatmulConfig(expected_rows=max(1, Tm * K // L))
+
     def experts(d, p):
         """The local experts on the packed layout [L, R*Tmax, H]: the masked grouped
         matmul, each expert over its own count[l] rows. fp8: the rows go in as
         they arrive, with their scales, the hidden activation is cast per row
         and 128 columns (dispatch's cast), weights quantized once."""
         if d.x_scales is None:
-            hid = jax.nn.silu(jax_ep.grouped_matmul(d.x, p["w_in"], d.count))
-            y = jax_ep.grouped_matmul(hid.astype(jnp.bfloat16), p["w_out"], d.count)
+            hid = jax.nn.silu(jax_ep.grouped_matmul(d.x, p["w_in"], d.count, config=gcfg))
+            y = jax_ep.grouped_matmul(hid.astype(jnp.bfloat16), p["w_out"], d.count, config=gcfg)
         else:
             hid = jax.nn.silu(jax_ep.grouped_matmul(d.x, p["w_in_q"], d.count,
-                                                    x_scales=d.x_scales, w_scales=p["w_in_s"]))
+                                                    x_scales=d.x_scales, w_scales=p["w_in_s"],
+                                                    config=gcfg))
             hq, hs = jax_ep.quantize_activations(hid.reshape(-1, F))
             y = jax_ep.grouped_matmul(hq.reshape(hid.shape), p["w_out_q"], d.count,
                                       x_scales=hs.reshape(hid.shape[:2] + (F // 128,)),
-                                      w_scales=p["w_out_s"])
+                                      w_scales=p["w_out_s"], config=gcfg)
         return jnp.where(d.valid_rows()[..., None], y, 0).astype(jnp.bfloat16)
 
     fp8 = H % 128 == 0 and F % 128 == 0   # the fp8 grouped matmul's 128-wide scale blocks

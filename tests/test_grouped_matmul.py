@@ -412,6 +412,24 @@ def test_small_group_tiles():
     assert gm_registry.TGMM_WS.fit("dw", small_dw, x, dy, device_info()) == small_dw
 
 
+def test_expected_rows_sizes_the_tiles():
+    """``expected_rows`` replaces rows / groups in the tile choice: the masked
+    layout at decode (32 groups of capacity 1024 holding ~32 rows) gets the
+    small-group tiles and the per-group dw pipeline; a bad value is refused."""
+    tuned = tuning_for(device_info().kind)
+    sds, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    x, w = sds((32 * 1024, 7168), bf), sds((32, 7168, 4096), bf)
+    assert gm_select.op_tiles(GroupedMatmulConfig(), "fwd", x, w, 32) == tuned.default.fwd
+    hint = GroupedMatmulConfig(expected_rows=32)
+    assert gm_select.op_tiles(hint, "fwd", x, w, 32) == tuned.small.fwd
+    assert gm_select.dw_pipeline(hint, x, 32) == tuned.small.dw_pipeline
+    assert gm_select.op_tiles(GroupedMatmulConfig(expected_rows=4096), "fwd",
+                              sds((9088, 7168), bf), w, 128) == tuned.default.fwd
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="expected_rows must be None or a positive int"):
+            GroupedMatmulConfig(expected_rows=bad)
+
+
 def test_pallas_constraints_fall_back_to_xla():
     bf = jnp.bfloat16
     x = jax.ShapeDtypeStruct((260, 512), bf)          # M % 8 != 0

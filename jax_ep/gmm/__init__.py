@@ -22,6 +22,8 @@ Output rows at or past a group's size are not written by the kernels
 (unspecified; zero on the XLA path); their input rows may hold anything and
 get zero gradient. The backward's dx runs at fixed starts too; dw runs on
 the flattened rows with those rows zeroed (``C`` rows per group of work).
+Tiles are chosen for ``C`` rows per group unless
+``GroupedMatmulConfig(expected_rows=...)`` says how many the groups hold.
 
 Differentiable (``jax.custom_vjp``), with
 
@@ -114,7 +116,7 @@ inside a block: 1.5x the work at ~256 rows per group).
 
 Tiles: ``GroupedMatmulConfig``'s, else the device's tuned tiles
 (``tuned_tiles.json``, by ``jax.devices()[0].device_kind``; kinds not in it
-get the H200's); with small groups (``M / G`` at most the entry's
+get the H200's); with small groups (``M / G``, or the config's ``expected_rows``, at most the entry's
 ``small_group_rows``, 96, and the config's tiles for the op unset) the ops
 take the entry's small-group tiles where they fit the shape (forward: 64 x 256
 tiles with 2 stages, dx: block_m 64, block_k 128; dw: block_m 64 with 5

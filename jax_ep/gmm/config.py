@@ -93,6 +93,12 @@ class GroupedMatmulConfig:
         share the x tile and its row scales by TMA multicast: L2 reads per
         pair and k-step 64 -> 48 KB). 2 applies where ``Nout % 256 == 0``,
         else 1; ``"auto"`` on a GPU: where it compiles, else 1.
+      expected_rows: the mean rows per group the tuned tiles are chosen for
+        (DeepGEMM's ``expected_m``): None (default) takes x's rows / groups,
+        which for the masked layout is its capacity C, however few rows the
+        groups hold. Set it where C is a bound far above the groups' sizes
+        (low-latency decode: C = R * Tmax, a few rows per expert) so small
+        groups get the small-group tiles.
     """
 
     impl: str = "auto"
@@ -108,6 +114,7 @@ class GroupedMatmulConfig:
     fp8_dw: bool = False
     fp8_kernel: Optional[str] = None
     fp8_cluster: Optional[int] = None
+    expected_rows: Optional[int] = None
 
     def __post_init__(self):
         if self.dw_pipeline is not None and self.dw_pipeline not in DW_PIPELINES:
@@ -122,6 +129,11 @@ class GroupedMatmulConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("dw_warpgroups", "fwd_warpgroups", "dw_cluster"):
             _check_one_or_two(name, getattr(self, name), "1 or 2")
+        if self.expected_rows is not None and (isinstance(self.expected_rows, bool) or
+                                               not isinstance(self.expected_rows, int) or
+                                               self.expected_rows < 1):
+            raise ValueError(f"expected_rows must be None or a positive int, got "
+                             f"{self.expected_rows!r}")
         if self.fp8_cluster is not None:   # None: the device's tuned choice
             _check_one_or_two("fp8_cluster", self.fp8_cluster, "None, 1 or 2")
         for name, cls in (("fwd", FwdTiles), ("dx", FwdTiles), ("dw", DwTiles)):

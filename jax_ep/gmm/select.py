@@ -63,7 +63,7 @@ def op_tiles(cfg: GroupedMatmulConfig, op, x, w, groups: int, dev: Optional[Devi
     if t is not None:
         return t
     dev = dev or device_info()
-    cands = heuristic.suggest(op, x.shape[0], groups, dev.kind).tiles
+    cands = heuristic.suggest(op, _rows(cfg, x, groups), groups, dev.kind).tiles
     for c in cands[:-1]:
         if BASE[op].check(op, c, x, w, x.dtype, dev) is None:
             return c
@@ -75,7 +75,13 @@ def dw_pipeline(cfg: GroupedMatmulConfig, x, groups: int, dev: Optional[DeviceIn
     if cfg.dw_pipeline is not None:
         return cfg.dw_pipeline
     dev = dev or device_info()
-    return heuristic.suggest("dw", x.shape[0], groups, dev.kind).dw_pipeline
+    return heuristic.suggest("dw", _rows(cfg, x, groups), groups, dev.kind).dw_pipeline
+
+
+def _rows(cfg: GroupedMatmulConfig, x, groups: int) -> int:
+    """The rows the heuristic sizes tiles for: the config's expected rows per
+    group times ``groups``, else ``x``'s rows."""
+    return x.shape[0] if cfg.expected_rows is None else cfg.expected_rows * groups
 
 
 def _dw_plan(cfg, x, dy, groups, tiles, dev, checked) -> Plan:
