@@ -105,6 +105,61 @@ def test_masked_layout_under_jit_and_w_layout_gnk():
                                   np.asarray(jax_ep.grouped_matmul(x, w, gs)))
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["f32", "fp8"])
+def test_masked_layout_under_shard_map_check_vma(fp8):
+    """Each rank's experts on its own masked buffer inside shard_map(check_vma=
+    True), beside a replicated weight: the values and the gradients of x, of
+    the sharded w and of the replicated w (summed over ranks) equal the same
+    calls rank by rank outside shard_map."""
+    devs = jax.devices()
+    if len(devs) < 4:
+        pytest.skip("needs 4 (fake) devices")
+    from jax.sharding import Mesh, PartitionSpec as P
+    R = 4
+    mesh = Mesh(np.array(devs[:R]), ("ep",))
+    sizes = [np.roll(SIZES, r) for r in range(R)]
+    ops = [_operands(10 + r, sizes[r]) for r in range(R)]
+    x, w, dy, gs = (jnp.stack([o[i] for o in ops]) for i in range(4))
+    x = jnp.nan_to_num(x, nan=7.0)                      # finite garbage outside the groups
+    dy = jnp.where(jnp.isinf(dy), 3.0, dy)
+    w_rep = ops[0][1] * 0.5
+    if fp8:
+        xq, xs = jax_ep.quantize_activations(x.reshape(R * G * C, K))
+        x, xs = xq.reshape(R, G, C, K), xs.reshape(R, G, C, K // 128)
+        w, ws = jax_ep.quantize_weights(w.reshape(R * G, K, N))
+        w, ws = w.reshape(R, G, K, N), ws.reshape(R, G, K // 128, N // 128)
+        w_rep, wrs = jax_ep.quantize_weights(w_rep)
+        mm = lambda a, s, b, bs, g: jax_ep.grouped_matmul(a, b, g, x_scales=s, w_scales=bs)
+    else:
+        xs, ws, wrs = jnp.zeros((R, 1)), jnp.zeros((R, 1)), jnp.zeros(1)
+        mm = lambda a, s, b, bs, g: jax_ep.grouped_matmul(a, b, g)
+
+    def one(a, s, b, bs, br, brs, g, d):
+        f = lambda a_, b_, br_: mm(a_, s, b_, bs, g) + mm(a_, s, br_, brs, g)
+        y, vjp = jax.vjp(f, a, b, br)
+        return (y,) + vjp(d.astype(y.dtype))
+
+    def per_rank(a, s, b, bs, br, brs, g, d):
+        y, dx, dw, dwr = one(a[0], s[0], b[0], bs[0], br, brs, g[0], d[0])
+        return y[None], dx[None], dw[None], dwr
+
+    sh, rep = P("ep"), P()
+    fn = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(sh, sh, sh, sh, rep, rep, sh, sh),
+                               out_specs=(sh, sh, sh, rep), check_vma=True))
+    got = fn(x, xs, w, ws, w_rep, wrs, gs, dy)
+    dwr_ref = 0
+    for r in range(R):
+        want = one(x[r], xs[r], w[r], ws[r], w_rep, wrs, gs[r], dy[r])
+        valid = _valid(sizes[r])
+        for name, a, b in zip(("y", "dx", "dw"), got[:3], want[:3]):
+            a, b = np.asarray(a[r], np.float32), np.asarray(b, np.float32)
+            if name != "dw":
+                a, b = a[valid], b[valid]
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=f"{name} rank {r}")
+        dwr_ref = dwr_ref + np.asarray(want[3], np.float64)
+    np.testing.assert_allclose(np.asarray(got[3], np.float64), dwr_ref, rtol=1e-4, atol=1e-4)
+
+
 def test_masked_layout_errors():
     x, w, _, gs = _operands(3, SIZES)
     with pytest.raises(ValueError, match="masked layout x"):
