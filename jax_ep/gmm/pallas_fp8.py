@@ -100,7 +100,8 @@ def check_fp8_nt(x, xs, v, vs, tiles=FP8_TILES):
     if kc % FP8_BLOCK or n % tiles.block_n or n % FP8_BLOCK:
         return f"Kc ({kc}) must be a multiple of 128 and Nout ({n}) of {tiles.block_n}"
     if m % 8 or m < tiles.block_m:
-        return f"M ({m}) must be a multiple of 8 and at least {tiles.block_m}"
+        return (f"M ({m}; the masked layout: G * C) must be a multiple of 8 and at least "
+                f"{tiles.block_m}")
     if xs.shape != (m, kc // FP8_BLOCK) or vs.shape != (v.shape[0], n // FP8_BLOCK, kc // FP8_BLOCK):
         return f"scales {xs.shape} / {vs.shape} do not match x {x.shape} / v {v.shape}"
     return None

@@ -138,7 +138,7 @@ def _tile_error(op, tiles, x, w) -> Optional[str]:
         return f"bad tiles {tiles} (stages >= 2, band >= 1)"
     m, k, n = op_dims(op, x, w)
     if m % 8:
-        return f"needs M % 8 == 0 (tiled TMA layouts), got M={m}"
+        return f"needs M % 8 == 0 (tiled TMA layouts; the masked layout: G * C), got M={m}"
     if op == "dw":
         if k % bm or n % bn:
             return f"dw needs K % block_m == 0 and N % block_n == 0 (K={k}, N={n}, tiles {tiles})"
