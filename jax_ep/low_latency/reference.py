@@ -77,13 +77,26 @@ def _block_rows(src_count, Tm: int):
     return jnp.where(valid, s * Tm + p[None, :] - start, 0), valid
 
 
+def _packed_rows(src_count, Tm: int):
+    """For each row ``b = s * Tm + j`` of the per-source blocks ``[L, R * Tm]``:
+    its packed row (the rows of earlier sources, plus ``j``) and whether ``j <
+    src_count[l, s]``."""
+    L, R = src_count.shape
+    n = jnp.clip(src_count.astype(jnp.int32), 0, Tm)
+    j = jnp.arange(Tm, dtype=jnp.int32)
+    start = (jnp.cumsum(n, axis=1) - n)[:, :, None]                  # [L, R, 1]
+    valid = j[None, None, :] < n[:, :, None]
+    return (jnp.where(valid, start + j, 0).reshape(L, R * Tm),
+            valid.reshape(L, R * Tm))
+
+
 def _combine(y, idx, w, slot, src_count, cfg: LowLatencyConfig, R: int, Tm: int):
     E, L = cfg.num_experts, cfg.num_experts // R
     H = y.shape[2]
     # packed rows back to per-source blocks (rows past a block's count: zero, never read)
-    block_row, valid = _block_rows(src_count, Tm)
-    y = jnp.zeros_like(y).at[jnp.arange(L)[:, None], jnp.where(valid, block_row, R * Tm)].set(
-        y, mode="drop")
+    packed, valid = _packed_rows(src_count, Tm)
+    y = jnp.where(valid[..., None], jnp.take_along_axis(y, packed[..., None], axis=1),
+                  jnp.zeros((), y.dtype))
     back = y.reshape(L, R, Tm, H).swapaxes(0, 1).reshape(R, L * Tm, H)
     back = _exchange(back, cfg).reshape(E * Tm, H)                  # [e * Tm + slot]
     out = jnp.zeros((idx.shape[0], H), F32)
