@@ -144,15 +144,11 @@ def _gmm_vjp_fwd(x, w, group_sizes, cfg, out_dtype, c):
 def _gmm_vjp_bwd(cfg, out_dtype, c, res, dy):
     x, w, group_sizes = res
     dy = dy.astype(x.dtype)   # cotangent in the compute dtype (f32 accumulation inside)
-    if c is None:
-        dx = gmm(dy, w, group_sizes, transpose_rhs=True, config=cfg, out_dtype=x.dtype)
-        dw = tgmm(x, dy, group_sizes, config=cfg, out_dtype=w.dtype)
-    else:   # rows outside the groups: no gradient in, none out
-        keep, spans, xm, dy = rows.masked_operands(group_sizes, c, x, dy)
-        dx = gmm(dy, w, group_sizes, transpose_rhs=True, config=cfg, out_dtype=x.dtype,
-                 row_groups=rows.masked(group_sizes, c))
-        dx = jnp.where(keep, dx, jnp.zeros((), dx.dtype))
-        dw = tgmm(xm, dy, spans, config=cfg, out_dtype=w.dtype)
+    b = rows.backward_rows(group_sizes, c)   # masked: rows outside the groups get none
+    dy = b.clean(dy)
+    dx = b.clean(gmm(dy, w, group_sizes, transpose_rhs=True, config=cfg, out_dtype=x.dtype,
+                     row_groups=b.row_groups))
+    dw = tgmm(b.clean(x), dy, b.dw_groups, config=cfg, out_dtype=w.dtype)
     axes = vma_of(x) | vma_of(w)
     return to_vma(dx, axes), to_vma(dw, axes), None
 

@@ -170,14 +170,10 @@ def _fp8_vjp_fwd(x, xs, w, ws, group_sizes, w_t, cfg, out_dtype, w_layout, c):
 
 def _fp8_vjp_bwd(cfg, out_dtype, w_layout, c, res, dy):
     x, xs, w, ws, group_sizes, w_t = res
-    if c is None:
-        dx = _dx(cfg, w_layout, w, ws, group_sizes, dy, w_t)
-        dw = _dw(cfg, w_layout, x, xs, group_sizes, dy)
-    else:   # rows outside the groups: no gradient in, none out
-        keep, spans, xm, xsm, dy = rows.masked_operands(group_sizes, c, x, xs, dy)
-        dx = _dx(cfg, w_layout, w, ws, group_sizes, dy, w_t, rows.masked(group_sizes, c))
-        dx = jnp.where(keep, dx, jnp.zeros((), dx.dtype))
-        dw = _dw(cfg, w_layout, xm, xsm, spans, dy)
+    b = rows.backward_rows(group_sizes, c)   # masked: rows outside the groups get none
+    dy = b.clean(dy)
+    dx = b.clean(_dx(cfg, w_layout, w, ws, group_sizes, dy, w_t, b.row_groups))
+    dw = _dw(cfg, w_layout, b.clean(x), b.clean(xs), b.dw_groups, dy)
     axes = vma_of(x) | vma_of(xs) | vma_of(w) | vma_of(ws) | vma_of(group_sizes)
     return to_vma(dx, axes), None, to_vma(dw, axes), None, None, None
 

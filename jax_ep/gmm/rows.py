@@ -49,16 +49,31 @@ def of_layout(group_sizes, c):
     return None if c is None else masked(group_sizes, c)
 
 
-def masked_operands(group_sizes, c: int, *arrays):
-    """``(keep [G·C, 1], spans [G], *arrays)`` for a backward on the masked
-    layout: each ``[G·C, *]`` array with the rows outside its group zeroed
-    (they may hold anything, NaN included), and the spans (``C`` each) that
-    make the flattened layout contiguous groups, for ``tgmm``."""
+class BackwardRows(NamedTuple):
+    """How a backward on one layout sees its rows: ``row_groups``, dx's groups
+    (:func:`of_layout`); ``dw_groups``, the group sizes ``tgmm`` takes over
+    the same rows (the masked layout: ``C`` each, contiguous spans); ``keep``,
+    ``[G·C, 1]`` whether each row is in its group (None: contiguous, whose
+    rows past the groups the kernels never read nor write)."""
+    row_groups: object
+    dw_groups: jax.Array
+    keep: object
+
+    def clean(self, a):
+        """``a`` with the rows outside the groups zeroed (they may hold
+        anything, NaN included): a ``tgmm`` operand, or dx (no gradient out)."""
+        return a if self.keep is None else jnp.where(self.keep, a, jnp.zeros((), a.dtype))
+
+
+def backward_rows(group_sizes, c) -> BackwardRows:
+    """:class:`BackwardRows` of the contiguous layout (``c`` None) or of the
+    masked layout of ``c`` rows per group."""
+    if c is None:
+        return BackwardRows(None, group_sizes, None)
     g = group_sizes.shape[0]
     r = jnp.arange(g * c, dtype=jnp.int32)
     keep = (r % c < jnp.clip(group_sizes.astype(jnp.int32), 0, c)[r // c])[:, None]
-    spans = jnp.full((g,), c, jnp.int32)
-    return (keep, spans) + tuple(jnp.where(keep, a, jnp.zeros((), a.dtype)) for a in arrays)
+    return BackwardRows(masked(group_sizes, c), jnp.full((g,), c, jnp.int32), keep)
 
 
 def spans_and_mask(rows, m: int):
