@@ -77,10 +77,11 @@ def backward_rows(group_sizes, c) -> BackwardRows:
 
 
 def spans_and_mask(rows, m: int):
-    """``(spans [G], keep [m, 1])`` of row ``offsets`` or :class:`FixedStarts`:
-    contiguous spans covering ``[0, m)`` group by group (the last runs to row
-    ``m``; a fixed-starts group's span runs to the next start), as
-    ``jax.lax.ragged_dot`` takes groups, and whether each row is in its group."""
+    """``(spans [G], keep [m, 1])``: contiguous spans group by group, as
+    ``jax.lax.ragged_dot`` takes groups, and whether each row is in its group.
+    Of row ``offsets``: the groups' sizes (rows from ``offsets[-1]`` on are in
+    no span); of :class:`FixedStarts`: each span runs to the next start, the
+    last to row ``m``, so the spans cover ``[0, m)``."""
     r = jnp.arange(m, dtype=jnp.int32)
     if isinstance(rows, FixedStarts):
         start = rows.start.astype(jnp.int32)
