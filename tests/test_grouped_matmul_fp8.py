@@ -527,6 +527,9 @@ def test_cuda_kernel_plan_and_its_ffi_call(monkeypatch):
     assert select.plan_fp8(tuned, "fwd", x, xs, w, ws, jnp.bfloat16) is registry.FP8_PALLAS
     monkeypatch.setattr(extension, "load", lambda: object())
     assert "writes bfloat16/float32" in registry.FP8_CUDA.check("fwd", x, xs, w, ws, jnp.float16)
+    S, f8 = jax.ShapeDtypeStruct, jnp.float8_e4m3fn   # the kernel's int32 row indexing
+    assert "must fit in int32" in cuda_fp8.check_fp8_nt_cuda(
+        x, xs, S((2 ** 14, 2 ** 17, K), f8), S((2 ** 14, 2 ** 10, K // 128), jnp.float32))
     off = gm_ops.offsets(jnp.asarray(gs), M)
     kb = K // 128
     _assert_one_call(cuda_fp8.gmm_fp8_nt_cuda, (x, xs, w, ws, off), "jax_ep_gmm_fp8_nt", (

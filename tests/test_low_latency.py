@@ -4,6 +4,7 @@ fp8 with f32 / UE8M0 scales, combine (k ascending, f32), repeated ids, -1 and
 out-of-range slots, T < Tmax, skewed routing; clear errors; forward-only."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -188,6 +189,17 @@ def test_low_latency_errors_and_forward_only():
         run(lambda x, i: low_latency_dispatch(x, i, EpConfig(
             num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, backend="native")).count,
             x, idx)
+
+    def combine_with(handle_of):
+        def fn(x, i):
+            d = low_latency_dispatch(x, i, cfg, fp8=False)
+            w = jnp.ones(i.shape, jnp.float32)
+            return low_latency_combine(d.x, i, w, handle_of(d.handle), cfg)
+        return run(fn, x, idx)
+    with pytest.raises(ValueError, match="has no src_count"):
+        combine_with(lambda h: dataclasses.replace(h, src_count=None))
+    with pytest.raises(ValueError, match=r"src_count must be \[L, R\]"):   # L = 4, R = 2
+        combine_with(lambda h: dataclasses.replace(h, src_count=h.src_count.T))
 
     def loss(x, i):
         d = low_latency_dispatch(x, i, cfg, fp8=False)

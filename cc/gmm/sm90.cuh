@@ -40,8 +40,10 @@ __device__ __forceinline__ void bar_arrive_tx(uint64_t* b, uint32_t bytes) {
 }
 
 // A pipeline wait longer than this is a bug (a stage never loaded or never
-// released): the kernel traps, so the call fails with a launch error within
-// seconds instead of hanging its stream. A correct wait lasts microseconds.
+// released): the kernel traps, so the stream's next synchronization reports
+// an error within seconds instead of hanging (a trap poisons the CUDA context:
+// the process must restart). A correct wait lasts microseconds, far under
+// this even under compute-sanitizer.
 constexpr unsigned long long kHangNs = 10ull * 1000 * 1000 * 1000;
 
 // Wait until the phase of parity `parity` has completed. One PTX block, so the
@@ -51,11 +53,11 @@ __device__ __forceinline__ void bar_wait(uint64_t* b, uint32_t parity) {
   asm volatile(
       "{\n\t.reg .pred done, hung;\n\t.reg .u64 t0, t;\n\t"
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
-      "@done bra.uni DONE;\n\t"
+      "@done bra DONE;\n\t"
       "mov.u64 t0, %%globaltimer;\n"
       "RETRY:\n\t"
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
-      "@done bra.uni DONE;\n\t"
+      "@done bra DONE;\n\t"
       "mov.u64 t, %%globaltimer;\n\t"
       "sub.u64 t, t, t0;\n\t"
       "setp.gt.u64 hung, t, %2;\n\t"

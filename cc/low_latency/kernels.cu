@@ -157,8 +157,8 @@ __device__ __forceinline__ bool ll_send_finished(unsigned int* done) {
 // t of that rank's area, however many of its experts live there (the receive
 // kernel copies it to each expert's output row: one copy per (token, rank) on
 // the link, DeepEP's normal-mode rule, instead of one per pair). The info
-// words (one per pair, slice 0's warp) say which token row each output row
-// takes.
+// words (one per pair, slice 0's warp, at the area's (expert, source, slot)
+// word) say which token row each of the expert's rows takes.
 template <int MODE, bool PUT>
 __global__ void __launch_bounds__(32 * kLlMaxWarps)
 ll_dispatch_send_kernel(LlDispatchSendArgs a) {
@@ -239,7 +239,7 @@ ll_dispatch_send_kernel(LlDispatchSendArgs a) {
         }
       }
     }
-    if (sl == 0 && valid) {  // each pair's info word: t*K + k at its output row
+    if (sl == 0 && valid) {  // each pair's info word: t*K + k at the area's (l, me, slot) word
       const int l = e % a.lay.L;
       const size_t ioff =
           a.lay.disp_info[par] + ((static_cast<size_t>(l) * R + me) * a.lay.Tmax + j) * 4;

@@ -65,8 +65,8 @@ _PAIRWISE_SLOTS_MAX = 2048
 
 
 def _slots(topk_idx, E):
-    """Per pair, its row in the destination block (the token's rank among this
-    rank's tokens that picked the same expert), and tokens per expert ``[E]``.
+    """Per pair, its slot among this rank's rows of the expert (the token's
+    rank among this rank's tokens that picked the same expert), and tokens per expert ``[E]``.
     Invalid ids and repeats of an id the token already named get no slot
     (``sanitize_topk``, the normal mode's rule)."""
     idx, _ = sanitize_topk(topk_idx, E)
@@ -242,6 +242,9 @@ def low_latency_combine_send(y: jax.Array, topk_idx: jax.Array, topk_weights: ja
         raise ValueError("low_latency_combine: the handle has no src_count, which locates each "
                          "source's rows in y; pass the handle of the low_latency_dispatch whose "
                          "rows y holds")
+    if handle.src_count.shape != (L, R):
+        raise ValueError(f"low_latency_combine: handle.src_count must be [L, R] = [{L}, {R}], got "
+                         f"{handle.src_count.shape}; pass the dispatch's handle unchanged")
     be = _backend.select(_backend.LOW_LATENCY, cfg)
     y, topk_weights = _forward_only("low_latency_combine", y, topk_weights)
     idx = topk_idx.astype(jnp.int32)

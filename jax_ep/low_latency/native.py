@@ -8,7 +8,7 @@ Every call is marked side-effecting: a receive advances this rank's epoch even
 when its outputs are unused, so XLA must neither drop nor merge one.
 
 XLA computes the kernels' inputs (jax_ep/low_latency/api.py): ``slot [T, K]``
-(each pair's row in its source block), tokens per expert ``[E]`` and the
+(each pair's row among its source's rows of that expert), tokens per expert ``[E]`` and the
 merged weights, so the kernels never re-derive them and the reference's bits
 follow.
 

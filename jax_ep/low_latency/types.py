@@ -20,8 +20,8 @@ class LowLatencyHandle:
         unused slots, invalid ids and repeats of an expert already named by
         the token.
       info: ``[L, R * Tmax]`` int32 (native backend): ``t * K + k`` of each
-        received row at its source, where combine sends the row back; None
-        with the reference backend.
+        received row at its source, at the row's packed row (where combine
+        sends the row back); None with the reference backend.
       src_count: ``[L, R]`` int32: rows per (local expert, source rank), where
         combine finds each source's rows in the packed layout.
       num_ranks, max_tokens: static R and Tmax.
