@@ -40,6 +40,8 @@ layer pays beside the bf16 one:
   ``fp8_columns``, then the kernel); the fp8 dw kernel alone on recast operands;
 - ``quantize w gkn`` / ``gnk`` / ``both``: ``quantize_weights`` alone, the
   forward's K-major copy, and both layouts in one call (what the layer needs);
+  ``quantize w pair, one pass``: ``quantize_weights_pair`` (on a GPU with the
+  extension its kernel, ``cc/quant/``: one read of ``w`` for both copies);
 - ``roof: cast``: ``w.astype(float8_e4m3fn)``, one read of the bf16 weight and
   one write of an fp8 copy, the fewest bytes a quantization per layout moves.
 
@@ -191,6 +193,7 @@ def step_rows(proj, reps, kernels=("pallas",)):
              "quantize w gnk": (lambda w_: jax_ep.quantize_weights(w_, layout="gnk"), 1),
              "quantize w both": (lambda w_: (jax_ep.quantize_weights(w_),
                                              jax_ep.quantize_weights(w_, layout="gnk")), 2),
+             "quantize w pair, one pass": (lambda w_: jax_ep.quantize_weights_pair(w_), 2),
              "roof: cast": (lambda w_: w_.astype(jnp.float8_e4m3fn), 1)}
     for name, (fn, layouts) in quant.items():
         t[name] = per_call_ms(fn, (w,), 2, 6, reps)

@@ -20,7 +20,7 @@ Pieces (all functional; parameters are plain dict pytrees):
   ``expert_impl="grouped_fp8"`` runs the same layer in fp8 as DeepSeek-V3
   does: fp8 dispatch (``EpConfig.fp8_dispatch``: e4m3 rows with per-128
   scales), both expert matmuls as fp8 grouped matmuls (the weights quantized
-  to 128 x 128 blocks inside the step, ``jax_ep.quantize_weights``; the SwiGLU
+  to 128 x 128 blocks inside the step, ``jax_ep.quantize_weights_pair``; the SwiGLU
   output cast with ``jax_ep.quantize_activations``), the expert output in
   bf16 into combine. Gradients pass the casts straight through. Needs
   ``d_model`` and ``d_ff`` divisible by 128.
@@ -233,15 +233,16 @@ def routed_experts_fp8(x, x_scales, gate_up, down, group_sizes, gmm_config=None,
                        quantized=None):
     """The SwiGLU experts in fp8: ``x [C, H]`` e4m3 with ``x_scales [C, H/128]``
     (fp8 dispatch's rows), ``gate_up [L, H, 2F]`` and ``down [L, F, H]`` (bf16 /
-    f32, quantized here to 128 x 128 blocks: under ``jit`` XLA fuses that with
-    the transpose the fp8 kernel wants) -> bf16 ``[C, H]`` (zero past
+    f32, quantized here to 128 x 128 blocks in both layouts at once,
+    ``jax_ep.quantize_weights_pair``: one pass over each weight on a GPU, and
+    the fp8 kernel's K-major copy needs no transpose) -> bf16 ``[C, H]`` (zero past
     ``sum(group_sizes)``). The SwiGLU output is cast per row and 128 columns
     (dispatch's cast) for the down projection. ``quantized``: this rank's
     :func:`quantize_experts` made earlier, used instead of quantizing here
     (both layouts: no transpose in the step either)."""
     def weights(name, w):
         if quantized is None:
-            return jax_ep.quantize_weights(w), None
+            return jax_ep.quantize_weights_pair(w)
         q = quantized[name]
         return jax_ep.quantize_weights(w, quantized=q["gkn"]), q["gnk"]
 

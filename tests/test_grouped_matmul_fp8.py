@@ -389,6 +389,46 @@ def test_quantize_weights_blocks_and_round_trip(scale_format):
     np.testing.assert_array_equal(np.asarray(st), np.swapaxes(np.asarray(s), 1, 2))
 
 
+@pytest.mark.parametrize("scale_format", ["f32", "ue8m0"])
+def test_quantize_weights_pair(scale_format):
+    """quantize_weights_pair: quantize_weights in both layouts, bit for bit; as
+    the fp8 matmul's w and w_transposed, the same value and gradients as the
+    one-layout call; the gradient to w straight-through; impl errors."""
+    rng = np.random.default_rng(12)
+    w = jnp.asarray(outliers(rng, (3, 256, 384)), jnp.bfloat16)
+    (q, s), (qt, st) = jax.jit(functools.partial(jax_ep.quantize_weights_pair,
+                                                 scale_format=scale_format))(w)
+    for layout, (a, b) in (("gkn", (q, s)), ("gnk", (qt, st))):
+        wq, ws = jax_ep.quantize_weights(w, layout=layout, scale_format=scale_format)
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(wq).view(np.uint8))
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(ws))
+    x, xs, *_ = make(SIZES["skew_empty_nan_tail"], seed=12)
+    gs = np.asarray(SIZES["skew_empty_nan_tail"], np.int32)
+    wf = jnp.asarray(rng.standard_normal((G, K, N)), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
+
+    def run(pair):
+        def f(x_, w_):
+            if pair:
+                (a, b), wt = jax_ep.quantize_weights_pair(w_, scale_format=scale_format)
+            else:
+                (a, b), wt = jax_ep.quantize_weights(w_, scale_format=scale_format), None
+            return gmm8(x_, xs, a, b, gs, w_transposed=wt, preferred_element_type=jnp.float32)
+        y, vjp = jax.vjp(f, x, wf)
+        return (y,) + vjp(dy)
+    for a, b in zip(run(False), jax.jit(run, static_argnums=0)(True)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    # straight-through: both copies' cotangents reach w
+    g = jax.grad(lambda w_: sum(jnp.sum(c[0].astype(jnp.float32))
+                                for c in jax_ep.quantize_weights_pair(w_)))(wf)
+    assert g.dtype == jnp.float32 and np.all(np.asarray(g) == 2.0)
+    with pytest.raises(ValueError, match="impl must be"):
+        jax_ep.quantize_weights_pair(w, impl="cuda")
+    if jax.devices()[0].platform != "gpu":
+        with pytest.raises(ValueError, match="impl='native'"):
+            jax_ep.quantize_weights_pair(w, impl="native")
+
+
 @jax.custom_vjp
 def _dequantized(q, s):
     """Rows ``q * s``, with the fp8 cotangent convention (q's cotangent is the

@@ -47,6 +47,27 @@ __device__ __forceinline__ float fp8_inv(float amax, int scale_mode) {
   }
 }
 
+// The scale of a block whose largest magnitude is `am` (already floored at
+// 1e-4) and the multiplier its values are cast with, as the scale mode says:
+// UE8M0: the smallest 2^k with 448 * 2^k >= am (448 = 1.75 * 2^8; am = m *
+// 2^p, m in [0.5, 1)), exact like jax_ep.fp8_cast(scale_format="ue8m0");
+// else am * fl(1/448) (XLA turns the division by a constant into this
+// product) and 448 / am (fp8_inv).
+__device__ __forceinline__ void fp8_block_scale(float am, int scale_mode, float* scale,
+                                                float* inv) {
+  if (scale_mode == kFp8ScaleUe8m0) {
+    int p;
+    const float m = frexpf(am, &p);
+    const int k = m <= 0.875f ? p - 9 : p - 8;
+    *scale = ldexpf(1.0f, k);
+    *inv = ldexpf(1.0f, -k);
+  } else {
+    const float kInv448 = 1.0f / 448.0f;  // folded in f32 at compile time, = fl(1/448)
+    *scale = __fmul_rn(am, kInv448);
+    *inv = fp8_inv(am, scale_mode);
+  }
+}
+
 constexpr int kSmScales = 128;  // scales a warp collects before one coalesced store
 
 // Warp casts the 128-channel groups [g0, g1) of one row to fp8-e4m3 with one
@@ -67,7 +88,6 @@ __device__ __forceinline__ void warp_cast_row(const Tin* __restrict__ src, char*
   static_assert(EPL == 16, "the fp8 cast moves 16 elements per lane");
   constexpr int U = 2;  // steps in flight per lane (latency hiding)
   using Q = typename VecT<EPL>::type;  // EPL fp8 values
-  const float kInv448 = 1.0f / 448.0f;  // folded in f32 at compile time, = fl(1/448)
   const int e_end = 128 * g1;
   const bool gather = g1 - g0 <= kSmScales;
   for (int base = 128 * g0; base < e_end; base += STEP * U) {
@@ -94,20 +114,8 @@ __device__ __forceinline__ void warp_cast_row(const Tin* __restrict__ src, char*
     for (int u = 0; u < U; ++u) {
       const int e0 = base + STEP * u + EPL * lane;
       if (e0 >= e_end) continue;
-      const float am = fmaxf(amax[u], 1e-4f);
       float scale, inv;
-      if (scale_mode == kFp8ScaleUe8m0) {
-        // smallest 2^k with 448 * 2^k >= am (448 = 1.75 * 2^8; am = m * 2^p,
-        // m in [0.5, 1)), exact like jax_ep.fp8_cast(scale_format="ue8m0")
-        int p;
-        const float m = frexpf(am, &p);
-        const int k = m <= 0.875f ? p - 9 : p - 8;
-        scale = ldexpf(1.0f, k);
-        inv = ldexpf(1.0f, -k);
-      } else {
-        scale = __fmul_rn(am, kInv448);
-        inv = fp8_inv(am, scale_mode);
-      }
+      fp8_block_scale(fmaxf(amax[u], 1e-4f), scale_mode, &scale, &inv);
       Q q;
       unsigned short* qs = reinterpret_cast<unsigned short*>(&q);
 #pragma unroll

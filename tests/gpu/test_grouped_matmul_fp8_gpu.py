@@ -11,7 +11,8 @@ falls back to 1), whose output is the 1-CTA kernel's, bit for bit. The fp8
 dw kernel (``jax_ep.gmm.pallas_fp8_dw``) against its XLA contract, and the
 public call with ``fp8_dw``. The native extension's fp8 kernel
 (``jax_ep.gmm.cuda_fp8``) under the forward kernel's checks, and bit for bit
-against it. The masked layout through the public call on both families.
+against it. The masked layout through the public call on both families. The
+weight quantizer kernel (``quantize_weights_pair``) bit for bit against XLA.
 """
 import jax
 import jax.numpy as jnp
@@ -340,3 +341,31 @@ def test_masked_layout_matches_reference(path):
             a, b = a[np.broadcast_to(valid, a.shape)], b[np.broadcast_to(valid, b.shape)]
         assert np.all(np.isfinite(a)), name
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2, name
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("scale_format", ["f32", "ue8m0"])
+def test_native_weight_pair_is_bitwise_xla(dtype, scale_format):
+    """``quantize_weights_pair`` on the kernel (``cc/quant/``: one pass, both
+    layouts) against XLA's quantization on this GPU, bit for bit: data with
+    outliers, a zero block (the 1e-4 floor), G = 3 of 384 x 640 (blocks
+    along both axes), and under shard_map on one device."""
+    import jax_ep
+    _native()
+    w = outliers(jax.random.key(21), (3, 384, 640)).astype(dtype)
+    w = w.at[1, 128:256, :128].set(0)
+    native = jax.jit(lambda a: jax_ep.quantize_weights_pair(a, scale_format=scale_format,
+                                                            impl="native"))(w)
+    xla = jax.jit(lambda a: jax_ep.quantize_weights_pair(a, scale_format=scale_format,
+                                                         impl="xla"))(w)
+    for got, want in zip(jax.tree.leaves(native), jax.tree.leaves(xla)):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        if got.dtype == jnp.float8_e4m3fn:
+            got, want = got.view(jnp.uint8), want.view(jnp.uint8)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    mesh = jax.make_mesh((1,), ("ep",))
+    f = jax.jit(jax.shard_map(lambda a: jax_ep.quantize_weights_pair(a, scale_format=scale_format),
+                              mesh=mesh, in_specs=jax.sharding.PartitionSpec("ep"),
+                              out_specs=jax.sharding.PartitionSpec("ep")))
+    for got, want in zip(jax.tree.leaves(f(w)), jax.tree.leaves(native)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
