@@ -9,7 +9,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import fp8_native
 from .config import FP8_SCALE_FORMATS
 
 F32 = jnp.float32
@@ -173,78 +172,21 @@ def quantize_weights(w: jax.Array, *, layout: str = "gkn", scale_format: str = "
     of ``q`` is that of the dequantized weight; it reaches ``w`` cast to
     ``w.dtype``, transposed back for ``"gnk"``).
     """
-    _check_format("quantize_weights", scale_format)
     if layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"quantize_weights: layout must be one of {WEIGHT_LAYOUTS}, got "
                          f"{layout!r}")
-    _check_source("quantize_weights", w, 3, "w [G, K, N]", (1, 2))
+    check_weights("quantize_weights", w, scale_format)
     if quantized is None:
         return _weights_st(w, layout, scale_format)
     q, s = check_quantized_pair("quantize_weights", "quantized", w.shape, layout, quantized)
     return _reused_st(w, q, s, layout)
 
 
-def quantize_weights_pair(w: jax.Array, *, scale_format: str = "f32", impl: str = "auto"):
-    """Expert weights quantized in both layouts at once: what the fp8 grouped
-    matmul takes as ``w, w_scales`` and ``w_transposed`` when the weights
-    change every step (training), so neither layout is re-quantized or
-    transposed inside the matmul.
-
-    Args:
-      w: ``[G, K, N]`` bf16 / f16 / f32, ``K % 128 == N % 128 == 0``.
-      scale_format: ``"f32"`` or ``"ue8m0"``, as :func:`quantize_weights`.
-      impl: ``"auto"`` (the native kernel, ``cc/quant/``, on a CUDA device
-        where the extension is built and ``w`` is bf16 / f32: one pass over
-        ``w``; else XLA), ``"native"`` (raises where it cannot run) or
-        ``"xla"``. The kernel is a custom call XLA does not partition: call
-        it per rank (inside ``shard_map``, as the MoE layer's experts do) or
-        on unsharded weights; a sharded ``w`` under plain ``jit`` wants
-        ``"xla"``.
-
-    Returns:
-      ``((q [G, K, N], scales [G, K/128, N/128]), (q_t [G, N, K], scales_t
-      [G, N/128, K/128]))``: :func:`quantize_weights` in ``"gkn"`` and in
-      ``"gnk"``, bit for bit (the kernel divides as XLA:GPU does).
-      ``grouped_matmul(x, q, gs, x_scales=xs, w_scales=scales,
-      w_transposed=(q_t, scales_t))``.
-
-    Gradient: straight-through to ``w`` (the cotangents of ``q`` and of
-    ``q_t`` transposed back, summed; ``grouped_matmul`` sends none through
-    ``w_transposed``), cast to ``w.dtype``.
-    """
-    _check_format("quantize_weights_pair", scale_format)
-    if impl not in ("auto", "native", "xla"):
-        raise ValueError(f"quantize_weights_pair: impl must be 'auto', 'native' or 'xla', got "
-                         f"{impl!r}")
-    _check_source("quantize_weights_pair", w, 3, "w [G, K, N]", (1, 2))
-    why = fp8_native.unavailable(w) if impl != "xla" else "impl='xla'"
-    if impl == "native" and why is not None:
-        raise ValueError(f"quantize_weights_pair impl='native': {why}; use impl='auto' or 'xla'")
-    return _pair_st(w, scale_format, why is None)
-
-
-def _pair(w, scale_format, native):
-    if native:
-        return fp8_native.quantize_weights_pair(w, scale_format)
-    q, s = weight_blocks_cast(w, scale_format)
-    return (q, s), (jnp.swapaxes(q, 1, 2), jnp.swapaxes(s, 1, 2))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _pair_st(w, scale_format, native):
-    return _pair(w, scale_format, native)
-
-
-def _pair_st_fwd(w, scale_format, native):
-    return _pair(w, scale_format, native), jnp.zeros((0,), w.dtype)
-
-
-def _pair_st_bwd(scale_format, native, like, g):
-    (dq, _), (dq_t, _) = g
-    return ((dq.astype(F32) + jnp.swapaxes(dq_t, 1, 2).astype(F32)).astype(like.dtype),)
-
-
-_pair_st.defvjp(_pair_st_fwd, _pair_st_bwd)
+def check_weights(fn: str, w, scale_format: str) -> None:
+    """``fn``'s checks of expert weights ``w [G, K, N]`` (bf16 / f16 / f32, K
+    and N multiples of 128) and of ``scale_format``."""
+    _check_format(fn, scale_format)
+    _check_source(fn, w, 3, "w [G, K, N]", (1, 2))
 
 
 def check_quantized_pair(fn: str, arg: str, gkn_shape, layout: str, pair):

@@ -1,4 +1,4 @@
-// XLA FFI target of the fp8 quantization kernels (jax_ep/fp8_native.py),
+// XLA FFI target of the fp8 quantization kernels (jax_ep/gmm/cuda_quant.py),
 // one kernel on XLA's stream; no runtime needed (no jax_ep.initialize()).
 //
 // jax_ep_quantize_weights (quant/weights.cu): w [G, K, N] bf16 or f32 ->

@@ -164,7 +164,8 @@ from __future__ import annotations
 
 from .api import gmm, grouped_matmul, tgmm
 from .config import GROUP_ALIGNMENT, GroupedMatmulConfig
+from .quantize import quantize_weights_pair
 from .tiles import DwTiles, FwdTiles
 
 __all__ = ["GroupedMatmulConfig", "grouped_matmul", "gmm", "tgmm", "FwdTiles", "DwTiles",
-           "GROUP_ALIGNMENT"]
+           "GROUP_ALIGNMENT", "quantize_weights_pair"]

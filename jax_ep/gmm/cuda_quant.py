@@ -1,8 +1,9 @@
 """The native fp8 quantization kernel (``cc/quant/``, XLA FFI target
 ``jax_ep_quantize_weights``): expert weights to fp8 with 128 x 128 block
 scales in both layouts in one pass over ``w`` (one read, one write of each
-copy), the bits of :func:`jax_ep.quantize_weights` in each layout. Needs the
-native extension and a CUDA device; no runtime (``jax_ep.initialize``)."""
+copy), the bits of :func:`jax_ep.quantize_weights` in each layout
+(``quantize.quantize_weights_pair``). Needs the native extension and a CUDA
+device; no runtime (``jax_ep.initialize``)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -11,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import abi, extension
-from ._ffi import result_type
-from .mesh_axes import vma_of
+from .. import abi, extension
+from .._ffi import result_type
+from ..mesh_axes import vma_of
 
 TARGET = "jax_ep_quantize_weights"
 _DTYPES = ("bfloat16", "float32")
