@@ -429,6 +429,29 @@ def test_quantize_weights_pair(scale_format):
             jax_ep.quantize_weights_pair(w, impl="native")
 
 
+def test_quantize_weights_pair_lowering(monkeypatch):
+    """With the extension, ``impl="auto"`` lowers to the kernel's one custom
+    call for CUDA (also under vmap) and to XLA's quantization for the CPU,
+    where it runs with XLA's bits; an empty or f16 ``w`` stays on XLA."""
+    from jax_ep import extension
+    monkeypatch.setattr(extension, "load", lambda: object())
+    w = jnp.asarray(np.random.default_rng(3).standard_normal((2, 256, 128)), jnp.bfloat16)
+    f = jax.jit(jax_ep.quantize_weights_pair)
+
+    def cuda_text(fn, *a):
+        return fn.trace(*a).lower(lowering_platforms=("cuda",)).as_text()
+    assert cuda_text(f, w).count("jax_ep_quantize_weights") == 1
+    assert "jax_ep_quantize_weights" in cuda_text(jax.jit(jax.vmap(jax_ep.quantize_weights_pair)),
+                                                  jnp.stack([w, w]))
+    assert "jax_ep_quantize_weights" not in f.trace(w).lower(lowering_platforms=("cpu",)).as_text()
+    for a in (w.astype(jnp.float16), jnp.zeros((0, 256, 128), jnp.bfloat16)):
+        assert "jax_ep_quantize_weights" not in cuda_text(f, a)
+    if jax.devices()[0].platform == "cpu":
+        for got, want in zip(jax.tree.leaves(f(w)),
+                             jax.tree.leaves(jax_ep.quantize_weights_pair(w, impl="xla"))):
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 @jax.custom_vjp
 def _dequantized(q, s):
     """Rows ``q * s``, with the fp8 cotangent convention (q's cotangent is the

@@ -20,18 +20,23 @@ TARGET = "jax_ep_quantize_weights"
 _DTYPES = ("bfloat16", "float32")
 
 
-def unavailable(w) -> Optional[str]:
-    """Why the kernel cannot quantize ``w`` here (None: it can)."""
+def unavailable(w, need_gpu: bool = False) -> Optional[str]:
+    """Why the kernel cannot quantize ``w`` (None: it can, wherever the
+    program is lowered for CUDA). ``need_gpu``: also when the default device
+    is no CUDA device."""
     if extension.load() is None:
         return f"the native extension is not loaded: {extension.error()}"
-    try:
-        platform = jax.devices()[0].platform
-    except Exception:  # pragma: no cover -- no backend at all
-        platform = ""
-    if platform != "gpu":
-        return f"the kernel runs on CUDA devices (the default device is {platform or 'none'})"
     if jnp.dtype(w.dtype).name not in _DTYPES:
         return f"the kernel reads {'/'.join(_DTYPES)} weights, got {w.dtype}"
+    if w.size == 0:
+        return "w is empty"
+    if need_gpu:
+        try:
+            platform = jax.devices()[0].platform
+        except Exception:  # pragma: no cover -- no backend at all
+            platform = ""
+        if platform != "gpu":
+            return f"the kernel runs on CUDA devices (the default device is {platform or 'none'})"
     return None
 
 
@@ -47,5 +52,7 @@ def quantize_weights_pair(w, scale_format: str):
             result_type((G, K // 128, N // 128), jnp.float32, vma=vma),
             result_type((G, N, K), jnp.float8_e4m3fn, vma=vma),
             result_type((G, N // 128, K // 128), jnp.float32, vma=vma))
-    q, s, q_t, s_t = jax.ffi.ffi_call(TARGET, outs)(w, scale_mode=np.int32(mode))
+    # vmap: one call per batch element (a batch of expert stacks is rare)
+    q, s, q_t, s_t = jax.ffi.ffi_call(TARGET, outs, vmap_method="sequential")(
+        w, scale_mode=np.int32(mode))
     return (q, s), (q_t, s_t)

@@ -24,10 +24,10 @@ def quantize_weights_pair(w: jax.Array, *, scale_format: str = "f32", impl: str 
     Args:
       w: ``[G, K, N]`` bf16 / f16 / f32, ``K % 128 == N % 128 == 0``.
       scale_format: ``"f32"`` or ``"ue8m0"``, as ``jax_ep.quantize_weights``.
-      impl: ``"auto"`` (the native kernel, ``cc/quant/``, on a CUDA device
-        where the extension is built and ``w`` is bf16 / f32: one pass over
-        ``w``; else XLA), ``"native"`` (raises where it cannot run) or
-        ``"xla"``. The kernel is a custom call XLA does not partition: call
+      impl: ``"auto"`` (the native kernel, ``cc/quant/``, where the program
+        is lowered for CUDA, the extension is built and ``w`` is bf16 / f32:
+        one pass over ``w``; else XLA), ``"native"`` (raises where it cannot
+        run) or ``"xla"``. The kernel is a custom call XLA does not partition: call
         it per rank (inside ``shard_map``, as the MoE layer's experts do) or
         on unsharded weights; a sharded ``w`` under plain ``jit`` wants
         ``"xla"``.
@@ -35,7 +35,8 @@ def quantize_weights_pair(w: jax.Array, *, scale_format: str = "f32", impl: str 
     Returns:
       ``((q [G, K, N], scales [G, K/128, N/128]), (q_t [G, N, K], scales_t
       [G, N/128, K/128]))``: ``jax_ep.quantize_weights`` in ``"gkn"`` and in
-      ``"gnk"``, bit for bit (the kernel divides as XLA:GPU does).
+      ``"gnk"``, bit for bit for finite weights (the kernel divides as
+      XLA:GPU does; its block maximum skips a NaN that XLA's keeps).
       ``grouped_matmul(x, q, gs, x_scales=xs, w_scales=scales,
       w_transposed=(q_t, scales_t))``.
 
@@ -47,29 +48,42 @@ def quantize_weights_pair(w: jax.Array, *, scale_format: str = "f32", impl: str 
         raise ValueError(f"quantize_weights_pair: impl must be 'auto', 'native' or 'xla', got "
                          f"{impl!r}")
     check_weights("quantize_weights_pair", w, scale_format)
-    why = cuda_quant.unavailable(w) if impl != "xla" else "impl='xla'"
-    if impl == "native" and why is not None:
-        raise ValueError(f"quantize_weights_pair impl='native': {why}; use impl='auto' or 'xla'")
-    return _pair_st(w, scale_format, why is None)
+    if impl == "native":
+        why = cuda_quant.unavailable(w, need_gpu=True)
+        if why is not None:
+            raise ValueError(f"quantize_weights_pair impl='native': {why}; use impl='auto' or "
+                             "'xla'")
+    elif impl == "auto" and cuda_quant.unavailable(w) is not None:
+        impl = "xla"
+    return _pair_st(w, scale_format, impl)
 
 
-def _pair(w, scale_format, native):
-    if native:
-        return cuda_quant.quantize_weights_pair(w, scale_format)
+def _xla_pair(w, scale_format):
     q, s = weight_blocks_cast(w, scale_format)
     return (q, s), (jnp.swapaxes(q, 1, 2), jnp.swapaxes(s, 1, 2))
 
 
+def _pair(w, scale_format, impl):
+    """By ``impl``: "native", "xla", or "auto": the kernel where the program
+    is lowered for CUDA, XLA where for another platform (a CPU device on a GPU
+    host, an export for CPU)."""
+    xla = functools.partial(_xla_pair, scale_format=scale_format)
+    native = functools.partial(cuda_quant.quantize_weights_pair, scale_format=scale_format)
+    if impl == "auto":
+        return jax.lax.platform_dependent(w, cuda=native, default=xla)
+    return native(w) if impl == "native" else xla(w)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _pair_st(w, scale_format, native):
-    return _pair(w, scale_format, native)
+def _pair_st(w, scale_format, impl):
+    return _pair(w, scale_format, impl)
 
 
-def _pair_st_fwd(w, scale_format, native):
-    return _pair(w, scale_format, native), jnp.zeros((0,), w.dtype)
+def _pair_st_fwd(w, scale_format, impl):
+    return _pair(w, scale_format, impl), jnp.zeros((0,), w.dtype)
 
 
-def _pair_st_bwd(scale_format, native, like, g):
+def _pair_st_bwd(scale_format, impl, like, g):
     (dq, _), (dq_t, _) = g
     return ((dq.astype(F32) + jnp.swapaxes(dq_t, 1, 2).astype(F32)).astype(like.dtype),)
 
