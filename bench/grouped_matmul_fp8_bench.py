@@ -119,7 +119,7 @@ def _same_bits(ref, got, rows):
     return bool(jnp.array_equal(ref[:rows].view(jnp.uint16), got[:rows].view(jnp.uint16)))
 
 
-def rows_for(proj, kind, reps, clusters=(1,), variants=None):
+def rows_for(proj, kind, reps, clusters=(1,), variants=None, cuda=True):
     k, n = PROJ[proj]
     x, w, xq, xs, wq, ws, vq, vs = jax.block_until_ready(operands(k, n))
     gs = jnp.asarray(group_sizes(kind))
@@ -130,7 +130,7 @@ def rows_for(proj, kind, reps, clusters=(1,), variants=None):
             lambda a, s, v, vsc, g, c=c: gmm_fp8_nt(a, s, v, vsc, offsets(g, M), cluster=c),
             (xq, xs, vq, vs, gs), 2, 6, reps)
     kernels = dict(variants or {})
-    if extension.load() is not None:   # the native extension's kernel: row "fp8 nt [cuda]"
+    if cuda:   # the native extension's kernel: row "fp8 nt [cuda]"
         kernels["cuda"] = gmm_fp8_nt_cuda
     ref = gmm_fp8_nt(xq, xs, vq, vs, offsets(gs, M)) if kernels else None
     for name, kernel in kernels.items():
@@ -271,7 +271,7 @@ def decode_counts(kind, seed=0):
     return np.minimum(np.floor(p / p.sum() * total), d["C"]).astype(np.int32)
 
 
-def decode_rows(kind, reps):
+def decode_rows(kind, reps, cuda=True):
     d = DECODE
     L, C, k, n = d["L"], d["C"], d["K"], d["N"]
     kx, kw = jax.random.split(jax.random.key(3))
@@ -285,7 +285,7 @@ def decode_rows(kind, reps):
     fp8 = lambda cfg: (lambda a, s, w_, wsc, g: jax_ep.grouped_matmul(
         a, w_, g, x_scales=s, w_scales=wsc, config=cfg))
     t = {"fp8 masked": per_call_ms(fp8(None), (xq, xs, wq, ws, cnt), 2, 6, reps)}
-    if extension.load() is not None:
+    if cuda:
         t["fp8 masked [cuda]"] = per_call_ms(fp8(GroupedMatmulConfig(fp8_kernel="cuda")),
                                              (xq, xs, wq, ws, cnt), 2, 6, reps)
     t["bf16 masked"] = per_call_ms(lambda a, w_, g: jax_ep.grouped_matmul(a, w_, g),
@@ -324,16 +324,21 @@ def main():
                     help="also time fp8 vs bf16 fwd+bwd per projection and the weight quantization")
     ap.add_argument("--decode", action="store_true",
                     help="also time the decode table (the masked layout; DECODE)")
+    ap.add_argument("--kernels", default="pallas,cuda",
+                    help="fp8 kernel families timed (cuda: where the native extension is built)")
     ap.add_argument("--variants", default="",
                     help="name=module,...: kernel variants timed beside 'fp8 nt' (rows 'fp8 nt [name]')")
     args = ap.parse_args()
     variants = variant_kernels(args.variants)
+    families = [k for k in args.kernels.split(",")
+                if k == "pallas" or (k == "cuda" and extension.load() is not None)]
+    cuda = "cuda" in families
     clusters = [int(c) for c in args.clusters.split(",")]
     print(jax.devices()[0].device_kind, jax.__version__)
     rows = []
     for proj in args.proj.split(","):
         for kind in args.kinds.split(","):
-            rows += rows_for(proj, kind, args.reps, clusters, variants)
+            rows += rows_for(proj, kind, args.reps, clusters, variants, cuda)
             print(*rows[-1], flush=True)
     if args.sweep:
         rows += sweep_rows(args.reps, clusters)
@@ -347,12 +352,11 @@ def main():
                      + (f"{tf / df:.2f} |" if df else "— |"))
     table = "\n".join(lines)
     if args.steps:
-        kernels = ("pallas", "cuda") if extension.load() is not None else ("pallas",)
-        steps = [r for proj in args.proj.split(",") for r in step_rows(proj, args.reps, kernels)]
+        steps = [r for proj in args.proj.split(",") for r in step_rows(proj, args.reps, families)]
         table += "\n\n" + step_table(steps)
     if args.decode:
         table += "\n\n" + decode_table([r for kind in args.kinds.split(",")
-                                         for r in decode_rows(kind, args.reps)])
+                                         for r in decode_rows(kind, args.reps, cuda)])
     print(table)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "grouped_matmul_fp8.md"), "w") as f:

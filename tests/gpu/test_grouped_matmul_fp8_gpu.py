@@ -222,7 +222,9 @@ def test_fp8_dw_kernel_matches_reference(kind, total, kernel):
     assert np.all(np.isfinite(got))
     for e in np.flatnonzero(np.asarray(sizes) == 0):
         assert np.all(got[e] == 0)
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+    # the tensor core keeps fewer bits than f32 while it sums a 128-block of fp8
+    # products (measured on an H200: 2.2-2.4e-4 normwise), the reference none
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-3
 
 
 def test_cuda_fp8_dw_kernel_is_bitwise_the_pallas_kernel():
@@ -363,7 +365,7 @@ def test_native_weight_pair_is_bitwise_xla(dtype, scale_format):
         if got.dtype == jnp.float8_e4m3fn:
             got, want = got.view(jnp.uint8), want.view(jnp.uint8)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    mesh = jax.make_mesh((1,), ("ep",))
+    mesh = jax.make_mesh((1,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
     f = jax.jit(jax.shard_map(lambda a: jax_ep.quantize_weights_pair(a, scale_format=scale_format),
                               mesh=mesh, in_specs=jax.sharding.PartitionSpec("ep"),
                               out_specs=jax.sharding.PartitionSpec("ep")))
