@@ -562,7 +562,7 @@ def test_cuda_kernel_plan_and_its_ffi_call(monkeypatch):
     one error naming it and ``"auto"`` runs the reference; with it, the forward
     and dx plan the CUDA variant, whose call lowers (for CUDA) to one custom
     call of ``jax_ep_gmm_fp8_nt`` on the row scales block-major, the weight
-    scales padded to 4 and the forward's row-tile table; dw plans the CUDA dw
+    scales as given and the forward's row-tile table; dw plans the CUDA dw
     kernel (``jax_ep_gmm_fp8_dw``) on the regrouped operands."""
     from jax_ep import extension
     from jax_ep.gmm import cuda_fp8
@@ -608,7 +608,7 @@ def test_cuda_kernel_plan_and_its_ffi_call(monkeypatch):
     kb = K // 128
     _assert_one_call(cuda_fp8.gmm_fp8_nt_cuda, (x, xs, w, ws, off), "jax_ep_gmm_fp8_nt", (
         f"tensor<{M}x{K}xf8E4M3FN>", f"tensor<{kb}x{M}xf32>", f"tensor<{G}x{N}x{K}xf8E4M3FN>",
-        f"tensor<{G}x{N // 128}x4xf32>", "tensor<2xi32>", f"tensor<{M}x{N}xbf16>"))
+        f"tensor<{G}x{N // 128}x{kb}xf32>", "tensor<2xi32>", f"tensor<{M}x{N}xbf16>"))
     # dw: the regrouped, transposed operands (fp8_columns)
     dw_ops = fp8_columns.dw_operands(x, xs, jnp.ones((M, N), jnp.bfloat16), jnp.asarray(gs))
     assert select.plan_fp8(cfg, "dw", *dw_ops[:4], jnp.bfloat16) is registry.FP8_DW_CUDA

@@ -3,7 +3,7 @@
 // runtime (no jax_ep.initialize()). Attribute num_sms: CTAs (0: one per SM).
 //
 // jax_ep_gmm_fp8_nt (gmm/fp8_nt.cu): x [M, Kc] e4m3, xs_t [Kc/128, M] f32, v
-// [G, N, Kc] e4m3, vs [G, N/128, KBp] f32 (KBp: Kc/128 rounded up to 4), and
+// [G, N, Kc] e4m3, vs [G, N/128, Kc/128] f32, and
 // the int32 row-tile table row_start, lo, hi, group [T] with counts [2]
 // (gmm/kernels.h) -> out [M, N] bf16 or f32.
 //
@@ -40,7 +40,7 @@ ffi::Error Shapes(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& xs_t,
   JAX_EP_RETURN_IF_ERROR(CheckTypes(kOp, "x and v", x, v, out));
   if (xd.size() != 2 || vd.size() != 3 || sd.size() != 2 || wd.size() != 3 || od.size() != 2)
     return InvalidArgument(std::string(kOp) + ": expected x [M, Kc], xs_t [Kc/128, M], "
-                           "v [G, N, Kc], vs [G, N/128, KBp], out [M, N]");
+                           "v [G, N, Kc], vs [G, N/128, Kc/128], out [M, N]");
   const int64_t kMax = int64_t(1) << 30;
   if (xd[0] >= kMax || xd[1] >= kMax || vd[0] >= kMax || vd[1] >= kMax || wd[2] >= kMax)
     return InvalidArgument(std::string(kOp) + ": M, Kc, G and N must each be below 2^30");
@@ -48,11 +48,11 @@ ffi::Error Shapes(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& xs_t,
   a->kc = static_cast<int>(xd[1]);
   a->groups = static_cast<int>(vd[0]);
   a->n = static_cast<int>(vd[1]);
-  a->kb_pad = static_cast<int>(wd[2]);
+  a->vs_blocks = static_cast<int>(wd[2]);
   if (vd[2] != xd[1] || sd[0] * 128 != xd[1] || sd[1] != xd[0] || wd[0] != vd[0] ||
       wd[1] * 128 != vd[1] || od[0] != xd[0] || od[1] != vd[1])
     return InvalidArgument(std::string(kOp) + ": operand shapes disagree (x [M, Kc], "
-                           "xs_t [Kc/128, M], v [G, N, Kc], vs [G, N/128, KBp], out [M, N])");
+                           "xs_t [Kc/128, M], v [G, N, Kc], vs [G, N/128, Kc/128], out [M, N])");
   const std::string why = gmm_fp8_shape_error(*a);
   if (!why.empty()) return InvalidArgument(std::string(kOp) + ": " + why);
   return ffi::Error::Success();
@@ -147,7 +147,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGmmFp8Nt, jax_ep::GmmFp8NtImpl,
                                   .Arg<xla::ffi::AnyBuffer>()              // x [M, Kc] e4m3
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // xs_t [Kc/128, M]
                                   .Arg<xla::ffi::AnyBuffer>()              // v [G, N, Kc] e4m3
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // vs [G, N/128, KBp]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // vs [G, N/128, Kc/128]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // row_start [T]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // lo [T]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // hi [T]

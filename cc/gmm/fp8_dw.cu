@@ -38,8 +38,9 @@ __device__ void produce(const GmmFp8DwArgs& a, const Maps& m, const Ring& r, int
     const DwTile tl = dw_tile_at(a, t, grid_n, per_group);
     for (int k = 0; k < tl.blocks; ++k, ++i) {
       const int b = tl.block0 + k;
-      load_stage(m, r, i, b * kBK, tl.row * kBM, b * kBK, tl.col * kBN, tl.row * kBM, b,
-                 tl.col * kBN, b, kStageTx);
+      const int s = load_stage(m, r, i, b * kBK, tl.row * kBM, b * kBK, tl.col * kBN,
+                               tl.row * kBM, b, kStageTx);
+      sm90::tma_load_2d(r.b_scales + s * kScales, &m.b_scales, &r.full[s], tl.col * kBN, b);
     }
   }
 }

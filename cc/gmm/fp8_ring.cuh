@@ -4,8 +4,8 @@
 // the register layout of a consumer's 64 x 128 f32 accumulator.
 //
 // A stage holds an A tile and a B tile (128 rows of 128 e4m3 each, K-major,
-// 128-byte swizzled) and 128 f32 scales for each (the forward's B uses the
-// first one: its weight block's). A consumer waits for the stage's "full"
+// 128-byte swizzled) and 128 f32 scales for each (dw loads B's; the forward
+// reads its one weight-block scale from global memory). A consumer waits for the stage's "full"
 // barrier, runs four 64 x 128 x 32 WGMMAs of its 64 rows into a fresh
 // accumulator, waits for them, and releases the stage on its "empty" barrier
 // (one arrival per consumer warp): the forward before promoting the product
@@ -78,18 +78,20 @@ struct Ring {
 __device__ __forceinline__ int stage_of(uint32_t i) { return i % kStages; }
 __device__ __forceinline__ uint32_t parity_of(uint32_t i) { return (i / kStages) & 1; }
 
-// Producer: wait until use i's stage is free, then load it. Coordinates are
-// (innermost, outer) of each map's box; `tx`: the bytes the boxes bring.
-__device__ __forceinline__ void load_stage(const Maps& m, const Ring& r, uint32_t i, int a0,
-                                           int a1, int b0, int b1, int as0, int as1, int bs0,
-                                           int bs1, uint32_t tx) {
+// Producer: wait until use i's stage is free, expect `tx` bytes on its full
+// barrier, and load the A and B tiles and A's scales; returns the stage (the
+// caller may load more into it: `tx` counts those bytes too). Coordinates are
+// (innermost, outer) of each map's box.
+__device__ __forceinline__ int load_stage(const Maps& m, const Ring& r, uint32_t i, int a0,
+                                          int a1, int b0, int b1, int as0, int as1,
+                                          uint32_t tx) {
   const int s = stage_of(i);
   if (i >= kStages) sm90::bar_wait(&r.empty[s], parity_of(i) ^ 1);
   sm90::bar_arrive_tx(&r.full[s], tx);
   sm90::tma_load_2d(r.a + s * kTileBytes, &m.a, &r.full[s], a0, a1);
   sm90::tma_load_2d(r.b + s * kTileBytes, &m.b, &r.full[s], b0, b1);
   sm90::tma_load_2d(r.a_scales + s * kScales, &m.a_scales, &r.full[s], as0, as1);
-  sm90::tma_load_2d(r.b_scales + s * kScales, &m.b_scales, &r.full[s], bs0, bs1);
+  return s;
 }
 
 // Consumer wg: issue use i's product of its 64 rows of A with the 128 rows of B

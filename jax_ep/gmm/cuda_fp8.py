@@ -25,7 +25,6 @@ import numpy as np
 
 from .. import extension
 from .._ffi import result_type
-from ..fp8 import FP8_BLOCK
 from ..mesh_axes import to_vma, vma_of
 from .pallas_common import row_tile_table
 from .pallas_fp8 import check_fp8_nt
@@ -33,7 +32,6 @@ from .pallas_fp8_dw import check_fp8_dw
 
 TARGET = "jax_ep_gmm_fp8_nt"
 DW_TARGET = "jax_ep_gmm_fp8_dw"
-VS_BOX = 4   # weight scales per TMA box: the last dim padded to a multiple
 
 
 # The forward / dx kernel ends every call in CUDA_ERROR_ILLEGAL_INSTRUCTION on
@@ -74,13 +72,11 @@ def gmm_fp8_nt_cuda(x, xs, v, vs, offsets, *, out_dtype=None, num_sms: int = 0):
     if err is not None:
         raise ValueError(f"gmm_fp8_nt_cuda: {err}")
     out_dtype = _out_dtype("gmm_fp8_nt_cuda", out_dtype)
-    m, kc = x.shape
-    kb = kc // FP8_BLOCK
+    m = x.shape[0]
     counts, rs, lo, hi, grp = row_tile_table(offsets, m, 128)
     xs_t = xs.astype(jnp.float32).T                                  # a tile's scales: one run
-    vs = jnp.pad(vs.astype(jnp.float32), ((0, 0), (0, 0), (0, -kb % VS_BOX)))
-    return _call(TARGET, (m, v.shape[1]), out_dtype, (x, xs_t, v, vs, rs, lo, hi, grp, counts),
-                 num_sms)
+    return _call(TARGET, (m, v.shape[1]), out_dtype,
+                 (x, xs_t, v, vs.astype(jnp.float32), rs, lo, hi, grp, counts), num_sms)
 
 
 def check_fp8_dw_cuda(a, a_s, c, c_s, segments=None) -> Optional[str]:
