@@ -34,13 +34,16 @@ TARGET = "jax_ep_gmm_fp8_nt"
 DW_TARGET = "jax_ep_gmm_fp8_dw"
 
 
-# The forward / dx kernel ends every call in CUDA_ERROR_ILLEGAL_INSTRUCTION on
+# The forward / dx kernel ended every call in CUDA_ERROR_ILLEGAL_INSTRUCTION on
 # an H200 (bench/results/gpu-suite-shared-gpu.md), which kills the process's
-# CUDA context: grouped_matmul does not choose it (select.py) until it passes
-# tests/gpu/test_grouped_matmul_fp8_gpu.py; gmm_fp8_nt_cuda still runs it, for
-# those tests and the bench. The dw kernel passed (bit for bit the Pallas one).
-NT_FAILS_ON_GPU = ("the CUDA fp8 forward / dx kernel fails on the GPU (an illegal "
-                   "instruction; bench/results/gpu-suite-shared-gpu.md)")
+# CUDA context. Its present form (no 16-byte TMA box) passed
+# tests/gpu/test_grouped_matmul_fp8_gpu.py on an H100, where the old form also
+# ran clean: grouped_matmul does not choose it (select.py) until it passes on
+# an H200; gmm_fp8_nt_cuda still runs it, for those tests and the bench. The dw
+# kernel passed (bit for bit the Pallas one).
+NT_FAILS_ON_GPU = ("the CUDA fp8 forward / dx kernel is not yet shown to run on an H200 "
+                   "(an earlier form ended in an illegal instruction there; "
+                   "bench/results/gpu-suite-shared-gpu.md)")
 
 
 def _no_extension() -> Optional[str]:

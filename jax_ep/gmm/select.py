@@ -150,7 +150,7 @@ def _fp8_family(cfg: GroupedMatmulConfig, dev: DeviceInfo, op: str) -> str:
     """The fp8 kernel family of ``op``: the config's, else the device's tuned
     choice — "pallas" where the tuned "cuda" cannot run (interpret mode, no
     native extension), and for the forward and dx while their CUDA kernel is
-    known to fail (``cuda_fp8.NT_FAILS_ON_GPU``)."""
+    not shown to run on every GPU (``cuda_fp8.NT_FAILS_ON_GPU``)."""
     family = cfg.fp8_kernel or heuristic.fp8_kernel(dev.kind)
     if family == "cuda" and op != "dw" and cuda_fp8.NT_FAILS_ON_GPU:
         if cfg.fp8_kernel == "cuda":
