@@ -327,7 +327,7 @@ def main():
     ap.add_argument("--kernels", default="pallas",
                     help="fp8 kernel families timed, e.g. pallas,cuda (cuda: where the native "
                          "extension is built; its forward kernel is not chosen by grouped_matmul yet: "
-                         "jax_ep/gmm/cuda_fp8.py NT_FAILS_ON_GPU)")
+                         "jax_ep/gmm/cuda_fp8.py NT_HELD_BACK)")
     ap.add_argument("--variants", default="",
                     help="name=module,...: kernel variants timed beside 'fp8 nt' (rows 'fp8 nt [name]')")
     args = ap.parse_args()

@@ -53,7 +53,8 @@ __device__ void consume(const GmmFp8Args& a, const Ring& r, int tiles, int grid_
 #pragma unroll
     for (int j = 0; j < 64; ++j) sum[j] = 0.f;
     // the tile's weight-block scales, [vs_blocks] (a tail tile reads none)
-    const float* vs = a.vs + (static_cast<long long>(tl.group) * (a.n / kBN) + tl.col) * a.vs_blocks;
+    const float* vs =
+        a.vs + (static_cast<long long>(tl.group) * (a.n / kBN) + tl.col) * a.vs_blocks;
     for (int k = 0; tl.group >= 0 && k < ksteps; ++k, ++i) {
       const float w_scale = vs[k];   // in flight while this thread waits for the stage
       start_kstep(prod, r, i, wg);

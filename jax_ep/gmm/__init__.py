@@ -72,7 +72,7 @@ and ``dy`` recast per column and 128 rows (``fp8_columns``, ``pallas_fp8_dw``).
 extension's kernel (``cuda_fp8``; the Pallas kernel's bits), and would run the
 forward and dx there too: their CUDA kernel passed on an H100 but not yet on an
 H200 (where an earlier form failed), so they stay on ``pallas_fp8``
-(``cuda_fp8.NT_FAILS_ON_GPU``). The fp8 kernel can run on CTA pairs that share
+(``cuda_fp8.NT_HELD_BACK``). The fp8 kernel can run on CTA pairs that share
 the x tile by TMA multicast where the output width is a multiple of 256
 (``GroupedMatmulConfig.fp8_cluster=2``; by default where the device's table
 says pairs win: on an H200, nowhere yet). Cotangents of fp8 operands are those of their

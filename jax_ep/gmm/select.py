@@ -150,12 +150,12 @@ def _fp8_family(cfg: GroupedMatmulConfig, dev: DeviceInfo, op: str) -> str:
     """The fp8 kernel family of ``op``: the config's, else the device's tuned
     choice — "pallas" where the tuned "cuda" cannot run (interpret mode, no
     native extension), and for the forward and dx while their CUDA kernel is
-    not shown to run on every GPU (``cuda_fp8.NT_FAILS_ON_GPU``)."""
+    not shown to run on every GPU (``cuda_fp8.NT_HELD_BACK``)."""
     family = cfg.fp8_kernel or heuristic.fp8_kernel(dev.kind)
-    if family == "cuda" and op != "dw" and cuda_fp8.NT_FAILS_ON_GPU:
+    if family == "cuda" and op != "dw" and cuda_fp8.NT_HELD_BACK:
         if cfg.fp8_kernel == "cuda":
             warnings.warn(f"jax_ep.grouped_matmul: fp8_kernel='cuda' runs the fp8 {op} on the "
-                          f"Pallas kernel: {cuda_fp8.NT_FAILS_ON_GPU}")
+                          f"Pallas kernel: {cuda_fp8.NT_HELD_BACK}")
         return "pallas"
     if cfg.fp8_kernel is None and family == "cuda" and (cfg.interpret or extension.load() is None):
         return "pallas"
