@@ -8,7 +8,8 @@
 # jax_ep.shared_gpu): every multi-process path runs and is checked; no timing
 # from that mode means anything. Warm jobs (JAX_EP_TEST_WARM=1, the default
 # here) keep a job's processes between tests of one shape. On one H200 the
-# whole suite at N = 2, 4 and 8 side by side takes about 25 minutes, so on
+# whole suite at N = 2, 4 and 8 side by side takes about 25 minutes (on a GPU
+# with less memory the sessions run one after another: SUITE_MIN_POOL_GIB), so on
 # a machine whose calls last 10 minutes split it and give each N what is
 # left for it, e.g.
 #   SUITE_PART=families bash scripts/gpu_check.sh
@@ -19,6 +20,8 @@
 # Knobs:
 #   SUITE_N        process counts; each runs as its own pytest session, side by
 #                  side, with the GPU memory split between all their processes
+#   SUITE_MIN_POOL_GIB  the least memory pool per process for side by side
+#                  (default 5.5); below it the sessions run one after another
 #   SUITE_PART     core (runtime, mesh, hardening, timeout, dispatch) or
 #                  families (low latency, internode, ragged, examples); default both
 #   SUITE_TESTS    the multi-process test files or node ids (overrides SUITE_PART)
@@ -80,23 +83,40 @@ SUITE_N="${SUITE_N:-2 4 8}"
 total=0; for n in $SUITE_N; do total=$(( total + n )); done
 # Concurrent sessions share the GPU(s): each process gets the fair share of all
 # the processes on its GPU (jax_ep.shared_gpu.fair_fraction), or
-# $XLA_PYTHON_CLIENT_MEM_FRACTION when set.
-per_gpu=$(( (total + NGPU - 1) / (NGPU > 0 ? NGPU : 1) ))
-frac=${XLA_PYTHON_CLIENT_MEM_FRACTION:-$("$PY" -c "from jax_ep import shared_gpu as s; print(s.fair_fraction($per_gpu, s.gpu_memory_bytes()))")}
+# $XLA_PYTHON_CLIENT_MEM_FRACTION when set. Side by side only while that share
+# is at least SUITE_MIN_POOL_GIB (default 5.5: the suite passed with 5.9 GiB
+# per process, N = 2, 4 and 8 together on an H200, and ran out of memory in
+# the low-latency tests with 2.1 GiB, the same on an 80 GB H100); below it the
+# sessions run one after another, each with its own N's share.
+fraction() {   # fair_fraction for $1 processes on the GPU(s)
+  local g=$(( NGPU > 0 ? NGPU : 1 )); local per=$(( ($1 + g - 1) / g ))
+  echo "${XLA_PYTHON_CLIENT_MEM_FRACTION:-$("$PY" -c "from jax_ep import shared_gpu as s; print(s.fair_fraction($per, s.gpu_memory_bytes()))")}"
+}
+frac=$(fraction $total)
+side_by_side=$("$PY" -c "from jax_ep import shared_gpu as s; b = s.gpu_memory_bytes(); print(int(not b or $frac * b >= ${SUITE_MIN_POOL_GIB:-5.5} * 2**30))")
+
+run_session() {   # N, memory fraction
+  local per_n="SUITE_TESTS_N$1"
+  JAX_EP_TEST_NPROCS=$1 XLA_PYTHON_CLIENT_MEM_FRACTION=$2 \
+    JAX_EP_GPU_TEST_TIMEOUT=${JOB_TIMEOUT:-240} \
+    timeout -k 30 "${TEST_TIMEOUT:-540}" "$PY" -m pytest -m gpu ${!per_n:-${SUITE_TESTS:-$MP_TESTS}} -v -rs \
+    -p no:cacheprovider --durations=15 > "$OUT/suite_n$1.log" 2>&1
+}
 
 declare -A rc
 if [ "$build_rc" = 0 ] && [ "${SUITE_TESTS:-}" != none ]; then
-  echo "== multi-process suite at N = $SUITE_N ($NGPU GPU(s), memory fraction $frac each)" >&2
-  pids=()
-  for n in $SUITE_N; do
-    per_n="SUITE_TESTS_N$n"
-    JAX_EP_TEST_NPROCS=$n XLA_PYTHON_CLIENT_MEM_FRACTION=$frac \
-      JAX_EP_GPU_TEST_TIMEOUT=${JOB_TIMEOUT:-240} \
-      timeout -k 30 "${TEST_TIMEOUT:-540}" "$PY" -m pytest -m gpu ${!per_n:-${SUITE_TESTS:-$MP_TESTS}} -v -rs \
-      -p no:cacheprovider --durations=15 > "$OUT/suite_n$n.log" 2>&1 &
-    pids+=("$n:$!")
-  done
-  for p in "${pids[@]}"; do wait "${p#*:}"; rc[${p%%:*}]=$?; done
+  if [ "$side_by_side" = 1 ]; then
+    echo "== multi-process suite at N = $SUITE_N side by side ($NGPU GPU(s), memory fraction $frac each)" >&2
+    pids=()
+    for n in $SUITE_N; do run_session $n $frac & pids+=("$n:$!"); done
+    for p in "${pids[@]}"; do wait "${p#*:}"; rc[${p%%:*}]=$?; done
+  else
+    for n in $SUITE_N; do
+      f=$(fraction $n)
+      echo "== multi-process suite at N = $n ($NGPU GPU(s), memory fraction $f each)" >&2
+      run_session $n $f; rc[$n]=$?
+    done
+  fi
 fi
 
 reh_rc=skipped

@@ -576,7 +576,7 @@ def test_cuda_kernel_plan_and_its_ffi_call(monkeypatch):
     one error naming it and ``"auto"`` runs the reference; with it, the forward
     and dx plan the CUDA variant, whose call lowers (for CUDA) to one custom
     call of ``jax_ep_gmm_fp8_nt`` on the row scales block-major, the weight
-    scales as given and the forward's row-tile table; dw plans the CUDA dw
+    scales as given and the forward's table of 256-row tiles; dw plans the CUDA dw
     kernel (``jax_ep_gmm_fp8_dw``) on the regrouped operands."""
     from jax_ep import extension
     from jax_ep.gmm import cuda_fp8
@@ -621,9 +621,12 @@ def test_cuda_kernel_plan_and_its_ffi_call(monkeypatch):
         x, xs, S((2 ** 14, 2 ** 17, K), f8), S((2 ** 14, 2 ** 10, K // 128), jnp.float32))
     off = gm_ops.offsets(jnp.asarray(gs), M)
     kb = K // 128
+    # the row-tile table of 256-row tiles (pallas_common.row_tiles's static length)
+    table = (M + (G + 1) * (cuda_fp8.NT_TILE_ROWS + 7)) // cuda_fp8.NT_TILE_ROWS + 1
     _assert_one_call(cuda_fp8.gmm_fp8_nt_cuda, (x, xs, w, ws, off), "jax_ep_gmm_fp8_nt", (
         f"tensor<{M}x{K}xf8E4M3FN>", f"tensor<{kb}x{M}xf32>", f"tensor<{G}x{N}x{K}xf8E4M3FN>",
-        f"tensor<{G}x{N // 128}x{kb}xf32>", "tensor<2xi32>", f"tensor<{M}x{N}xbf16>"))
+        f"tensor<{G}x{N // 128}x{kb}xf32>", f"tensor<{table}xi32>", "tensor<2xi32>",
+        f"tensor<{M}x{N}xbf16>"))
     # dw: the regrouped, transposed operands (fp8_columns)
     dw_ops = fp8_columns.dw_operands(x, xs, jnp.ones((M, N), jnp.bfloat16), jnp.asarray(gs))
     assert select.plan_fp8(cfg, "dw", *dw_ops[:4], jnp.bfloat16) is registry.FP8_DW_CUDA

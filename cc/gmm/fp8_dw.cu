@@ -57,14 +57,12 @@ __device__ void consume(const GmmFp8DwArgs& a, const Ring& r, int tiles, int gri
     for (int j = 0; j < 64; ++j) sum[j] = 0.f;
     for (int k = 0; k < tl.blocks; ++k, ++i) {
       start_kstep(prod, r, i, wg);
-      const int s = stage_of(i);
+      const int s = Ring::stage_of(i);
       const float ra0 = r.a_scales[s * kScales + row], ra1 = r.a_scales[s * kScales + row + 8];
       const float* cs = r.b_scales + s * kScales + col;
       // the column scales are read after the wait (held across it they would
       // take 32 more registers), so the stage is released after the promotion
-      sm90::wgmma_wait<0>();
-#pragma unroll
-      for (int j = 0; j < 64; ++j) sm90::reg_fence(prod[j]);
+      wait_product(prod);
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         const float2 cb = *reinterpret_cast<const float2*>(cs + 8 * j);
@@ -90,7 +88,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ uint8_t smem[];
   const int grid_n = a.nc / kBN, per_group = (a.ka / kBM) * grid_n;
   const int tiles = a.groups * per_group;
-  run(smem, [&](const Ring& r) { produce(a, maps, r, tiles, grid_n, per_group); },
+  run<Ring>(smem, [&](const Ring& r) { produce(a, maps, r, tiles, grid_n, per_group); },
       [&](const Ring& r, int wg) { consume<Out>(a, r, tiles, grid_n, per_group, wg); });
 #else
   __trap();   // built for sm_90a only (CMakeLists.txt)
@@ -119,7 +117,7 @@ cudaError_t launch_gmm_fp8_dw(const GmmFp8DwArgs& a, cudaStream_t stream) {
       !encode_2d(&maps.a_scales, f32, a.a_scales, a.p / kBK, a.ka, 4, 1, kScales, plain) ||
       !encode_2d(&maps.b_scales, f32, a.c_scales, a.p / kBK, a.nc, 4, 1, kScales, plain))
     return cudaErrorInvalidValue;
-  return launch(a.out_f32 ? gmm_fp8_dw_kernel<float> : gmm_fp8_dw_kernel<__nv_bfloat16>, maps, a, a.num_sms,
+  return launch<Ring>(a.out_f32 ? gmm_fp8_dw_kernel<float> : gmm_fp8_dw_kernel<__nv_bfloat16>, maps, a, a.num_sms,
                 a.device, stream);
 }
 

@@ -1,18 +1,18 @@
-// What the fp8 grouped-matmul kernels (fp8_nt.cu, fp8_dw.cu) share: 128 x 128
+// What the fp8 grouped-matmul kernels (fp8_nt.cu, fp8_dw.cu) share: 128-column
 // CTA tiles, 128-wide k-steps, a ring of stages in shared memory filled by one
 // producer thread (TMA) and drained by two consumer warpgroups (WGMMA), and
 // the register layout of a consumer's 64 x 128 f32 accumulator.
 //
-// A stage holds an A tile and a B tile (128 rows of 128 e4m3 each, K-major,
-// 128-byte swizzled) and 128 f32 scales for each (dw loads B's; the forward
-// reads its one weight-block scale from global memory). A consumer waits for the stage's "full"
-// barrier, runs four 64 x 128 x 32 WGMMAs of its 64 rows into a fresh
-// accumulator, waits for them, and releases the stage on its "empty" barrier
-// (one arrival per consumer warp): the forward before promoting the product
-// (finish_kstep), dw after (its column scales are read from the stage then).
+// A stage holds an A tile (ARows rows of 128 e4m3: 128 for dw, 256 for the
+// forward), a B tile (128 rows), both K-major and 128-byte swizzled, and f32
+// scales for A's rows and B's rows (dw loads B's; the forward reads its one
+// weight-block scale from global memory). dw's consumer waits for the stage's
+// "full" barrier, runs four 64 x 128 x 32 WGMMAs of its 64 rows into a fresh
+// accumulator (start_kstep), waits for them, promotes the product and releases
+// the stage on its "empty" barrier (one arrival per consumer warp).
 //
-// Issue budget (cuobjdump of the sm_90a build): a forward k-step is 154
-// instructions per consumer warp (4 WGMMAs, 64 promoting FMAs, the rest
+// Issue budget (cuobjdump of the sm_90a build): a 128-row forward k-step was
+// 154 instructions per consumer warp (4 WGMMAs, 64 promoting FMAs, the rest
 // barrier, descriptor and scale work) and about 75 for the producer thread:
 // ~1,300 per CTA against the Pallas kernel's 2,525 (ncu), which is issue-bound.
 #pragma once
@@ -28,65 +28,73 @@ namespace jax_ep {
 namespace fp8_ring {
 
 constexpr int kBM = 128, kBN = 128, kBK = 128;
-constexpr int kStages = 6;
 constexpr int kConsumers = 2;                       // warpgroups, 64 rows each
 constexpr int kThreads = 128 * (kConsumers + 1);    // + the producer warpgroup
-constexpr uint32_t kTileBytes = kBM * kBK;          // one tile: 16 KB of e4m3
-constexpr int kScales = 128;                        // f32 scales per operand and stage
-constexpr size_t kSmemBytes =
-    1024 + kStages * (2 * kTileBytes + 2 * kScales * 4) + 2 * kStages * 8;
+constexpr uint32_t kTileBytes = kBM * kBK;          // a 128-row tile: 16 KB of e4m3
+constexpr int kScales = 128;                        // f32 scales per 128 rows of a stage
 
 // The tensor maps of a call: the A and B operands and their scales.
 struct Maps {
   CUtensorMap a, b, a_scales, b_scales;
 };
 
-struct Ring {
-  uint8_t* a;        // [kStages][kTileBytes]
-  uint8_t* b;        // [kStages][kTileBytes]
-  float* a_scales;   // [kStages][kScales]
-  float* b_scales;   // [kStages][kScales]
-  uint64_t* full;    // [kStages]: loaded
-  uint64_t* empty;   // [kStages]: released by every consumer warp
+// A ring of `Stages` stages of an ARows-row A tile, a 128-row B tile and their
+// rows' scales, with a "full" and an "empty" barrier per stage.
+template <int ARows, int Stages>
+struct RingOf {
+  static constexpr int kStages = Stages;
+  static constexpr uint32_t kABytes = ARows * kBK;
+  static constexpr size_t kSmemBytes =
+      1024 + Stages * (kABytes + kTileBytes + (ARows + kBN) * 4) + 2 * Stages * 8;
+
+  uint8_t* a;        // [Stages][kABytes]
+  uint8_t* b;        // [Stages][kTileBytes]
+  float* a_scales;   // [Stages][ARows]
+  float* b_scales;   // [Stages][kBN]
+  uint64_t* full;    // [Stages]: loaded
+  uint64_t* empty;   // [Stages]: released by every consumer warp
 
   // The ring in dynamic shared memory, 1024-byte aligned (the swizzle) by an
   // offset from its shared-space address, so the compiler keeps seeing a
   // shared-memory pointer.
-  __device__ static Ring at(uint8_t* smem) {
+  __device__ static RingOf at(uint8_t* smem) {
     uint8_t* base = smem + ((1024 - (sm90::smem_addr(smem) & 1023)) & 1023);
-    Ring r;
+    RingOf r;
     r.a = base;
-    r.b = r.a + kStages * kTileBytes;
-    r.a_scales = reinterpret_cast<float*>(r.b + kStages * kTileBytes);
-    r.b_scales = r.a_scales + kStages * kScales;
-    r.full = reinterpret_cast<uint64_t*>(r.b_scales + kStages * kScales);
-    r.empty = r.full + kStages;
+    r.b = r.a + Stages * kABytes;
+    r.a_scales = reinterpret_cast<float*>(r.b + Stages * kTileBytes);
+    r.b_scales = r.a_scales + Stages * ARows;
+    r.full = reinterpret_cast<uint64_t*>(r.b_scales + Stages * kBN);
+    r.empty = r.full + Stages;
     return r;
   }
 
   // Thread 0: the barriers; the caller then syncs the CTA.
   __device__ void init() const {
-    for (int s = 0; s < kStages; ++s) {
+    for (int s = 0; s < Stages; ++s) {
       sm90::bar_init(&full[s], 1);
       sm90::bar_init(&empty[s], kConsumers * 4);
     }
     sm90::bar_init_fence();
   }
+
+  // The i-th use of the ring: its stage and the parity of that stage's phase.
+  __device__ __forceinline__ static int stage_of(uint32_t i) { return i % Stages; }
+  __device__ __forceinline__ static uint32_t parity_of(uint32_t i) { return (i / Stages) & 1; }
 };
 
-// The i-th use of the ring: its stage and the parity of that stage's phase.
-__device__ __forceinline__ int stage_of(uint32_t i) { return i % kStages; }
-__device__ __forceinline__ uint32_t parity_of(uint32_t i) { return (i / kStages) & 1; }
+// dw's ring: 128-row A tiles, 6 stages (198 KB).
+using Ring = RingOf<kBM, 6>;
 
-// Producer: wait until use i's stage is free, expect `tx` bytes on its full
-// barrier, and load the A and B tiles and A's scales; returns the stage (the
-// caller may load more into it: `tx` counts those bytes too). Coordinates are
-// (innermost, outer) of each map's box.
+// dw's producer: wait until use i's stage is free, expect `tx` bytes on its
+// full barrier, and load the A and B tiles and A's scales; returns the stage
+// (the caller may load more into it: `tx` counts those bytes too). Coordinates
+// are (innermost, outer) of each map's box.
 __device__ __forceinline__ int load_stage(const Maps& m, const Ring& r, uint32_t i, int a0,
                                           int a1, int b0, int b1, int as0, int as1,
                                           uint32_t tx) {
-  const int s = stage_of(i);
-  if (i >= kStages) sm90::bar_wait(&r.empty[s], parity_of(i) ^ 1);
+  const int s = Ring::stage_of(i);
+  if (i >= Ring::kStages) sm90::bar_wait(&r.empty[s], Ring::parity_of(i) ^ 1);
   sm90::bar_arrive_tx(&r.full[s], tx);
   sm90::tma_load_2d(r.a + s * kTileBytes, &m.a, &r.full[s], a0, a1);
   sm90::tma_load_2d(r.b + s * kTileBytes, &m.b, &r.full[s], b0, b1);
@@ -94,15 +102,12 @@ __device__ __forceinline__ int load_stage(const Maps& m, const Ring& r, uint32_t
   return s;
 }
 
-// Consumer wg: issue use i's product of its 64 rows of A with the 128 rows of B
-// into `prod` (from zero). The caller reads the stage's scales, then waits
-// (finish_kstep).
-__device__ __forceinline__ void start_kstep(float (&prod)[64], const Ring& r, uint32_t i,
-                                            int wg) {
-  const int s = stage_of(i);
-  sm90::bar_wait(&r.full[s], parity_of(i));
-  const uint64_t da = sm90::kmajor_sw128_desc(r.a + s * kTileBytes + wg * 64 * kBK);
-  const uint64_t db = sm90::kmajor_sw128_desc(r.b + s * kTileBytes);
+// Consumer: issue the product of 64 rows of A (`a`: their first row in a
+// stage) with the 128 rows of B (`b`) into `prod` (from zero), one commit group.
+__device__ __forceinline__ void issue_product(float (&prod)[64], const uint8_t* a,
+                                              const uint8_t* b) {
+  const uint64_t da = sm90::kmajor_sw128_desc(a);
+  const uint64_t db = sm90::kmajor_sw128_desc(b);
 #pragma unroll
   for (int j = 0; j < 64; ++j) sm90::reg_fence(prod[j]);
   sm90::wgmma_fence();
@@ -111,14 +116,19 @@ __device__ __forceinline__ void start_kstep(float (&prod)[64], const Ring& r, ui
   sm90::wgmma_commit();
 }
 
-// Wait for the product, then release the stage (its scales already read):
-// the forward's order; dw waits and releases around its promotion itself.
-__device__ __forceinline__ void finish_kstep(float (&prod)[64], const Ring& r, uint32_t i) {
+// Wait for the products issued, then keep the compiler's hands off `prod` until here.
+__device__ __forceinline__ void wait_product(float (&prod)[64]) {
   sm90::wgmma_wait<0>();
 #pragma unroll
   for (int j = 0; j < 64; ++j) sm90::reg_fence(prod[j]);
-  __syncwarp();
-  if (threadIdx.x % 32 == 0) sm90::bar_arrive(&r.empty[stage_of(i)]);
+}
+
+// dw's consumer wg: wait for use i's stage and issue its 64 rows' product.
+__device__ __forceinline__ void start_kstep(float (&prod)[64], const Ring& r, uint32_t i,
+                                            int wg) {
+  const int s = Ring::stage_of(i);
+  sm90::bar_wait(&r.full[s], Ring::parity_of(i));
+  issue_product(prod, r.a + s * kTileBytes + wg * 64 * kBK, r.b + s * kTileBytes);
 }
 
 // A consumer thread's place in its 64 x 128 accumulator: registers 4j, 4j+1
@@ -155,12 +165,12 @@ __device__ __forceinline__ void store_tile(const float (&sum)[64], Out* out, lon
   }
 }
 
-// The kernels' body: the ring, then one thread of the producer warpgroup runs
-// produce(ring) and each consumer warpgroup consume(ring, wg), registers
+// The kernels' body: the ring R, then one thread of the producer warpgroup
+// runs produce(ring) and each consumer warpgroup consume(ring, wg), registers
 // handed from the producer warpgroup to the consumers.
-template <typename Produce, typename Consume>
+template <typename R, typename Produce, typename Consume>
 __device__ __forceinline__ void run(uint8_t* smem, Produce produce, Consume consume) {
-  const Ring ring = Ring::at(smem);
+  const R ring = R::at(smem);
   if (threadIdx.x == 0) ring.init();
   __syncthreads();
   const int wg = threadIdx.x / 128;
@@ -174,8 +184,8 @@ __device__ __forceinline__ void run(uint8_t* smem, Produce produce, Consume cons
 }
 
 // Host: kernel(maps, args) on `num_sms` CTAs (0: one per SM of `device`) with
-// the ring's shared memory.
-template <typename Args>
+// the shared memory of ring R.
+template <typename R, typename Args>
 cudaError_t launch(void (*kernel)(Maps, Args), const Maps& maps, const Args& args, int num_sms,
                    int device, cudaStream_t stream) {
   int blocks = num_sms;
@@ -186,9 +196,9 @@ cudaError_t launch(void (*kernel)(Maps, Args), const Maps& maps, const Args& arg
   // per launch: the attribute belongs to the current device's context (one
   // process may drive several GPUs), and setting it is cheap
   const cudaError_t attr = cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBytes));
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(R::kSmemBytes));
   if (attr != cudaSuccess) return attr;
-  kernel<<<blocks, kThreads, kSmemBytes, stream>>>(maps, args);
+  kernel<<<blocks, kThreads, R::kSmemBytes, stream>>>(maps, args);
   return cudaGetLastError();
 }
 

@@ -6,9 +6,10 @@
 // x [M, Kc] e4m3, xs [M, Kc/128] f32 (per row, per 128 of the contraction), v
 // [G, N, Kc] e4m3, vs [G, N/128, Kc/128] f32 (128 x 128 blocks), f32
 // accumulation promoted every 128 of the contraction, out [M, N] bf16 or f32.
-// The rows come as the forward's row-tile table (jax_ep/gmm/pallas_common.py
-// row_tiles): tile f loads rows [row_start[f], +128) and stores [lo[f], hi[f])
-// of group group[f]; group -1: zeros (rows past the groups' end).
+// The rows come as a row-tile table of 256-row tiles (jax_ep/gmm/pallas_common.py
+// row_tiles, bm = 256): tile f loads rows [row_start[f], +256) (rows past m
+// read as zeros) and stores [lo[f], hi[f]) of group group[f]; group -1: zeros
+// (rows past the groups' end).
 #pragma once
 
 #include <cuda_runtime.h>

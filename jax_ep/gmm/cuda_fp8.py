@@ -11,8 +11,10 @@ loads, two consumer warpgroups zero the tile's f32 sum once per tile and
 promote each 128-wide k-step's WGMMA product with one FMA per register (the
 Pallas kernel's producer runs its index maps on four warps and its consumers
 select the sum away on every tile's first step: that kernel is bound by
-instruction issue). Same tables, tiles, WGMMAs and promotion as the Pallas
-kernels, so the same bits (the GPU tests compare them). Needs the native
+instruction issue). The forward's row tiles are 256 rows (``NT_TILE_ROWS``:
+each group's weight tile read once per 256 rows, where 128-row tiles left the
+kernel waiting on L2); each row's products and promotions are the Pallas
+kernels', so the same bits (the GPU tests compare them). Needs the native
 extension (``jax_ep._C``) and a Hopper GPU.
 """
 from __future__ import annotations
@@ -32,6 +34,7 @@ from .pallas_fp8_dw import check_fp8_dw
 
 TARGET = "jax_ep_gmm_fp8_nt"
 DW_TARGET = "jax_ep_gmm_fp8_dw"
+NT_TILE_ROWS = 256   # the forward's row tiles (cc/gmm/fp8_nt.cu kRows)
 
 
 # The forward / dx kernel ended every call in CUDA_ERROR_ILLEGAL_INSTRUCTION on
@@ -76,7 +79,7 @@ def gmm_fp8_nt_cuda(x, xs, v, vs, offsets, *, out_dtype=None, num_sms: int = 0):
         raise ValueError(f"gmm_fp8_nt_cuda: {err}")
     out_dtype = _out_dtype("gmm_fp8_nt_cuda", out_dtype)
     m = x.shape[0]
-    counts, rs, lo, hi, grp = row_tile_table(offsets, m, 128)
+    counts, rs, lo, hi, grp = row_tile_table(offsets, m, NT_TILE_ROWS)
     xs_t = xs.astype(jnp.float32).T                                  # a tile's scales: one run
     return _call(TARGET, (m, v.shape[1]), out_dtype,
                  (x, xs_t, v, vs.astype(jnp.float32), rs, lo, hi, grp, counts), num_sms)
