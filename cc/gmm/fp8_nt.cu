@@ -27,7 +27,7 @@ namespace {
 using namespace fp8_ring;
 
 constexpr int kRows = 2 * kBM;          // a tile's rows
-using FwdRing = RingOf<kRows, 4>;       // 4 stages of 48.5 KB: what shared memory holds
+using FwdRing = RingOf<kRows, 4>;       // 4 stages of 49.5 KB: what shared memory holds
 constexpr uint32_t kStageTx = FwdRing::kABytes + kTileBytes + kRows * 4;
 
 struct Tile {

@@ -287,12 +287,22 @@ def test_cuda_fp8_kernel_f32_out_empty_and_v3_down():
     check(*case(m, g, 2048, 7168, sizes_for("skew", g, m), True, seed=5), kernel="cuda")
 
 
+@pytest.mark.parametrize("m,sizes", [(200, [150, 50]), (136, [100, 30]), (520, [300, 212])])
+def test_cuda_fp8_kernel_tiles_past_m(m, sizes):
+    """The kernel's 256-row tiles where M is under 256 (the tile starts at row
+    0 and its boxes reach past M: TMA reads zeros there) or the last tile is
+    moved back to end at M; tail rows NaN-scaled."""
+    _native()
+    check(*case(m, 2, 256, 256, np.array(sizes, np.int32), False, seed=13), kernel="cuda")
+
+
 @pytest.mark.parametrize("kind,n", [("skew", 512), ("unaligned", 768)])
 def test_cuda_fp8_kernel_is_bitwise_the_pallas_kernel(kind, n):
-    """Same tiles, the same four 64 x 128 x 32 WGMMAs per k-step, the same
-    promotion (one FMA of the product and xs * vs into the sum, from zero):
-    the same bits as the Pallas kernel. (Should Mosaic ever leave the Pallas
-    kernel's multiply and add uncontracted, they would differ by an ulp.)"""
+    """Per row the same four 64 x 128 x 32 WGMMAs per k-step (the CUDA kernel
+    on 256-row tiles, Pallas on 128), the same promotion (one FMA of the
+    product and xs * vs into the sum, from zero): the same bits as the Pallas
+    kernel. (Should Mosaic ever leave the Pallas kernel's multiply and add
+    uncontracted, they would differ by an ulp.)"""
     _native()
     ops = case(2048, 8, 1024, n, sizes_for(kind, 8, 1901), False, seed=9)
     np.testing.assert_array_equal(np.asarray(run(*ops, kernel="cuda"), np.float32),
