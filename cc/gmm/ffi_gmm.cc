@@ -48,9 +48,8 @@ ffi::Error Shapes(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& xs_t,
   a->kc = static_cast<int>(xd[1]);
   a->groups = static_cast<int>(vd[0]);
   a->n = static_cast<int>(vd[1]);
-  a->vs_blocks = static_cast<int>(wd[2]);
   if (vd[2] != xd[1] || sd[0] * 128 != xd[1] || sd[1] != xd[0] || wd[0] != vd[0] ||
-      wd[1] * 128 != vd[1] || od[0] != xd[0] || od[1] != vd[1])
+      wd[1] * 128 != vd[1] || wd[2] * 128 != xd[1] || od[0] != xd[0] || od[1] != vd[1])
     return InvalidArgument(std::string(kOp) + ": operand shapes disagree (x [M, Kc], "
                            "xs_t [Kc/128, M], v [G, N, Kc], vs [G, N/128, Kc/128], out [M, N])");
   const std::string why = gmm_fp8_shape_error(*a);

@@ -22,7 +22,7 @@ struct GmmFp8Args {
   const void* x = nullptr;          // [m, kc] e4m3
   const float* xs_t = nullptr;      // [kc/128, m]: the row scales, block-major
   const void* v = nullptr;          // [groups, n, kc] e4m3
-  const float* vs = nullptr;        // [groups, n/128, vs_blocks]: vs_blocks >= kc/128
+  const float* vs = nullptr;        // [groups, n/128, kc/128]
   const int32_t* row_start = nullptr;   // the row-tile table, [tiles]
   const int32_t* lo = nullptr;
   const int32_t* hi = nullptr;
@@ -30,13 +30,13 @@ struct GmmFp8Args {
   const int32_t* counts = nullptr;  // [2]: group tiles, then tail tiles, first in the table
   void* out = nullptr;              // [m, n]
   bool out_f32 = false;             // else bf16
-  int m = 0, kc = 0, n = 0, groups = 0, vs_blocks = 0;
+  int m = 0, kc = 0, n = 0, groups = 0;
   int num_sms = 0;                  // CTAs (persistent); 0: one per SM of `device`
   int device = 0;                   // XLA's (= CUDA's) ordinal of the call
 };
 
 // Why the kernel cannot run these shapes ("" if it can): multiples of 128,
-// m % 8 == 0 and m >= 128, vs_blocks >= kc/128.
+// m % 8 == 0 and m >= 128.
 const char* gmm_fp8_shape_error(const GmmFp8Args& a);
 
 cudaError_t launch_gmm_fp8_nt(const GmmFp8Args& a, cudaStream_t stream);
