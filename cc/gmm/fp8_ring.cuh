@@ -11,10 +11,11 @@
 // accumulator (start_kstep), waits for them, promotes the product and releases
 // the stage on its "empty" barrier (one arrival per consumer warp).
 //
-// Issue budget (cuobjdump of the sm_90a build): a 128-row forward k-step was
-// 154 instructions per consumer warp (4 WGMMAs, 64 promoting FMAs, the rest
-// barrier, descriptor and scale work) and about 75 for the producer thread:
-// ~1,300 per CTA against the Pallas kernel's 2,525 (ncu), which is issue-bound.
+// Issue budget (cuobjdump of the sm_90a build): per 64 x 128 x 128 product a
+// consumer warp issues about 150 instructions (4 WGMMAs, 64 promoting FMAs,
+// the rest barrier, descriptor and scale work), half the Pallas kernel's,
+// which is issue-bound; the forward waits on memory instead (ncu:
+// bench/results/2026-12-04-h200x1-fp8-grouped-matmul.md).
 #pragma once
 
 #include <cuda.h>
