@@ -70,8 +70,8 @@ after an fp8 product), or with ``GroupedMatmulConfig.fp8_dw`` in fp8 on ``x·xs`
 and ``dy`` recast per column and 128 rows (``fp8_columns``, ``pallas_fp8_dw``).
 ``GroupedMatmulConfig.fp8_kernel="cuda"`` runs the fp8 dw on the native
 extension's kernel (``cuda_fp8``; the Pallas kernel's bits), and would run the
-forward and dx there too: their CUDA kernel passed on an H100 but not yet on an
-H200 (where an earlier form failed), so they stay on ``pallas_fp8``
+forward and dx there too: their CUDA kernel (256-row tiles) has not yet passed
+on an H200 (where an earlier form failed), so they stay on ``pallas_fp8``
 (``cuda_fp8.NT_HELD_BACK``). The fp8 kernel can run on CTA pairs that share
 the x tile by TMA multicast where the output width is a multiple of 256
 (``GroupedMatmulConfig.fp8_cluster=2``; by default where the device's table
