@@ -72,8 +72,7 @@ __device__ void consume(const GmmFp8DwArgs& a, const Ring& r, int tiles, int gri
         sum[4 * j + 2] = fmaf(prod[4 * j + 2] * ra1, cb.x, sum[4 * j + 2]);
         sum[4 * j + 3] = fmaf(prod[4 * j + 3] * ra1, cb.y, sum[4 * j + 3]);
       }
-      __syncwarp();
-      if (threadIdx.x % 32 == 0) sm90::bar_arrive(&r.empty[s]);
+      r.release(s);
     }
     Out* out = static_cast<Out*>(a.out) + static_cast<long long>(tl.group) * a.ka * a.nc;
     store_tile(sum, out, a.nc, static_cast<long long>(tl.row) * kBM, tl.col * kBN, wg,

@@ -56,10 +56,8 @@ __device__ void produce(const GmmFp8Args& a, const Maps& m, const FwdRing& r, in
     const int v_row = tl.group * a.n + tl.col * kBN;
     const bool upper = tl.upper();
     for (int k = 0; k < ksteps; ++k, ++i) {
-      const int s = FwdRing::stage_of(i);
-      if (i >= FwdRing::kStages) sm90::bar_wait(&r.empty[s], FwdRing::parity_of(i) ^ 1);
+      const int s = r.fill(i, kStageTx - (upper ? 0 : kTileBytes));
       uint64_t* full = &r.full[s];
-      sm90::bar_arrive_tx(full, kStageTx - (upper ? 0 : kTileBytes));
       uint8_t* x_tile = r.a + s * FwdRing::kABytes;
       sm90::tma_load_2d(x_tile, &m.a, full, k * kBK, tl.row_start);
       if (upper) sm90::tma_load_2d(x_tile + kTileBytes, &m.a, full, k * kBK, tl.row_start + kBM);
@@ -101,12 +99,10 @@ __device__ void consume(const GmmFp8Args& a, const FwdRing& r, int tiles, int gr
     const float* vs = a.vs + (static_cast<long long>(tl.group) * (a.n / kBN) + tl.col) * ksteps;
     for (int k = 0; tl.group >= 0 && k < ksteps; ++k, ++i) {
       const float w_scale = vs[k];   // in flight while this thread waits for the stage
-      const int s = FwdRing::stage_of(i);
-      sm90::bar_wait(&r.full[s], FwdRing::parity_of(i));
+      const int s = r.wait_loaded(i);
       if (on_lower) block_kstep(lower, prod, r, s, wg, w_scale);
       if (on_upper) block_kstep(upper, prod, r, s, wg + 2, w_scale);
-      __syncwarp();
-      if (threadIdx.x % 32 == 0) sm90::bar_arrive(&r.empty[s]);
+      r.release(s);
     }
     // rows outside [lo, hi) belong to a neighbouring group (or the tail): not stored
     const auto keep = [&](long long rr) { return rr >= tl.lo && rr < tl.hi; };

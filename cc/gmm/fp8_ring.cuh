@@ -82,6 +82,28 @@ struct RingOf {
   // The i-th use of the ring: its stage and the parity of that stage's phase.
   __device__ __forceinline__ static int stage_of(uint32_t i) { return i % Stages; }
   __device__ __forceinline__ static uint32_t parity_of(uint32_t i) { return (i / Stages) & 1; }
+
+  // Producer: wait until use i's stage is free and expect `tx` bytes of loads
+  // on its full barrier; -> the stage.
+  __device__ __forceinline__ int fill(uint32_t i, uint32_t tx) const {
+    const int s = stage_of(i);
+    if (i >= Stages) sm90::bar_wait(&empty[s], parity_of(i) ^ 1);
+    sm90::bar_arrive_tx(&full[s], tx);
+    return s;
+  }
+
+  // Consumer: wait until use i's stage is loaded; -> the stage.
+  __device__ __forceinline__ int wait_loaded(uint32_t i) const {
+    const int s = stage_of(i);
+    sm90::bar_wait(&full[s], parity_of(i));
+    return s;
+  }
+
+  // Consumer warp: stage s read (every lane), one arrival on its empty barrier.
+  __device__ __forceinline__ void release(int s) const {
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) sm90::bar_arrive(&empty[s]);
+  }
 };
 
 // dw's ring: 128-row A tiles, 6 stages (198 KB).
@@ -94,9 +116,7 @@ using Ring = RingOf<kBM, 6>;
 __device__ __forceinline__ int load_stage(const Maps& m, const Ring& r, uint32_t i, int a0,
                                           int a1, int b0, int b1, int as0, int as1,
                                           uint32_t tx) {
-  const int s = Ring::stage_of(i);
-  if (i >= Ring::kStages) sm90::bar_wait(&r.empty[s], Ring::parity_of(i) ^ 1);
-  sm90::bar_arrive_tx(&r.full[s], tx);
+  const int s = r.fill(i, tx);
   sm90::tma_load_2d(r.a + s * kTileBytes, &m.a, &r.full[s], a0, a1);
   sm90::tma_load_2d(r.b + s * kTileBytes, &m.b, &r.full[s], b0, b1);
   sm90::tma_load_2d(r.a_scales + s * kScales, &m.a_scales, &r.full[s], as0, as1);
@@ -127,8 +147,7 @@ __device__ __forceinline__ void wait_product(float (&prod)[64]) {
 // dw's consumer wg: wait for use i's stage and issue its 64 rows' product.
 __device__ __forceinline__ void start_kstep(float (&prod)[64], const Ring& r, uint32_t i,
                                             int wg) {
-  const int s = Ring::stage_of(i);
-  sm90::bar_wait(&r.full[s], Ring::parity_of(i));
+  const int s = r.wait_loaded(i);
   issue_product(prod, r.a + s * kTileBytes + wg * 64 * kBK, r.b + s * kTileBytes);
 }
 

@@ -46,8 +46,8 @@ NT_TILE_ROWS = 256   # the forward's row tiles (cc/gmm/fp8_nt.cu kRows)
 # runs it, for those tests and the bench. The dw kernel passed (bit for bit the
 # Pallas one). None: grouped_matmul may choose it.
 NT_HELD_BACK = ("the CUDA fp8 forward / dx kernel is not yet shown to run on an H200 "
-                   "(an earlier form ended in an illegal instruction there; "
-                   "bench/results/gpu-suite-shared-gpu.md)")
+                "(an earlier form ended in an illegal instruction there; "
+                "bench/results/gpu-suite-shared-gpu.md)")
 
 
 def _no_extension() -> Optional[str]:
