@@ -17,6 +17,7 @@ from jax_ep.gmm import (GroupedMatmulConfig, fp8_columns, heuristic, pallas_fp8,
 from jax_ep.gmm import fp8 as gm_fp8
 from jax_ep.gmm import ops as gm_ops
 from jax_ep.gmm.devices import DEVICES
+from jax_ep.gmm.pallas_common import row_tile_table
 from jax_ep.gmm.xla import dequantize_columns, gmm_fp8_nt_xla, tgmm_fp8_nt_xla
 
 E4M3 = jnp.float8_e4m3fn
@@ -621,8 +622,9 @@ def test_cuda_kernel_plan_and_its_ffi_call(monkeypatch):
         x, xs, S((2 ** 14, 2 ** 17, K), f8), S((2 ** 14, 2 ** 10, K // 128), jnp.float32))
     off = gm_ops.offsets(jnp.asarray(gs), M)
     kb = K // 128
-    # the row-tile table of 256-row tiles (pallas_common.row_tiles's static length)
-    table = (M + (G + 1) * (cuda_fp8.NT_TILE_ROWS + 7)) // cuda_fp8.NT_TILE_ROWS + 1
+    # the table of 256-row tiles (its static length: 128-row tiles would give another)
+    table = row_tile_table(off, M, cuda_fp8.NT_TILE_ROWS)[1].shape[0]
+    assert table != row_tile_table(off, M, 128)[1].shape[0]
     _assert_one_call(cuda_fp8.gmm_fp8_nt_cuda, (x, xs, w, ws, off), "jax_ep_gmm_fp8_nt", (
         f"tensor<{M}x{K}xf8E4M3FN>", f"tensor<{kb}x{M}xf32>", f"tensor<{G}x{N}x{K}xf8E4M3FN>",
         f"tensor<{G}x{N // 128}x{kb}xf32>", f"tensor<{table}xi32>", "tensor<2xi32>",
