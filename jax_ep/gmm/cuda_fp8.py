@@ -60,12 +60,12 @@ def _no_extension() -> Optional[str]:
 def check_fp8_nt_cuda(x, xs, v, vs) -> Optional[str]:
     """None if the CUDA kernel runs these operands, else why not (also the
     kernel's int32 indexing: the weight's rows ``G * Nout`` and the output
-    tiles, at most ``M / 128 + G`` row tiles by ``Nout / 128``)."""
+    tiles, at most ``M / NT_TILE_ROWS + G + 1`` row tiles by ``Nout / 128``)."""
     err = _no_extension() or check_fp8_nt(x, xs, v, vs)   # v [G, Nout, Kc] past it
     if err is not None:
         return err
     g, n = v.shape[0], v.shape[1]
-    if g * n >= 2 ** 31 or (x.shape[0] // 128 + g + 1) * (n // 128) >= 2 ** 31:
+    if g * n >= 2 ** 31 or (x.shape[0] // NT_TILE_ROWS + g + 1) * (n // 128) >= 2 ** 31:
         return f"G * Nout ({g} * {n}) and the output tiles must fit in int32"
     return None
 
