@@ -55,8 +55,8 @@ struct Tile {
 template <int C>
 struct Walk {
   int units, per_row, rank;
-  __device__ Walk(const GmmFp8Args& a, int grid_n)
-      : units((a.counts[0] + a.counts[1]) * (grid_n / C)), per_row(grid_n / C),
+  __device__ Walk(int row_tiles, int grid_n)
+      : units(row_tiles * (grid_n / C)), per_row(grid_n / C),
         rank(C == 1 ? 0 : static_cast<int>(sm90::cluster_rank())) {}
   __device__ int first() const { return blockIdx.x / C; }
   __device__ int stride() const { return gridDim.x / C; }
@@ -70,10 +70,9 @@ struct Walk {
 // and the rows' scales. On CTA pairs the cluster's CTAs share the row tile:
 // rank 0 loads the lower box, rank 1 the upper one, each multicast to both.
 template <int C>
-__device__ void produce(const GmmFp8Args& a, const Maps& m, const FwdRing<C>& r, int grid_n,
-                        int ksteps) {
+__device__ void produce(const GmmFp8Args& a, const Maps& m, const FwdRing<C>& r,
+                        const Walk<C>& w, int grid_n, int ksteps) {
   for (const CUtensorMap* map : {&m.a, &m.b, &m.a_scales}) sm90::tma_prefetch(map);
-  const Walk<C> w(a, grid_n);
   uint32_t i = 0;
   for (int u = w.first(); u < w.units; u += w.stride()) {
     const Tile tl = w.tile(a, u, grid_n);
@@ -120,10 +119,9 @@ __device__ __forceinline__ void block_kstep(float (&sum)[64], float (&prod)[64],
 }
 
 template <typename Out, int C>
-__device__ void consume(const GmmFp8Args& a, const FwdRing<C>& r, int grid_n, int ksteps,
-                        int wg) {
+__device__ void consume(const GmmFp8Args& a, const FwdRing<C>& r, const Walk<C>& w, int grid_n,
+                        int ksteps, int wg) {
   float prod[64], lower[64], upper[64];   // the sums of blocks wg and wg + 2
-  const Walk<C> w(a, grid_n);
   uint32_t i = 0;
   for (int u = w.first(); u < w.units; u += w.stride()) {
     const Tile tl = w.tile(a, u, grid_n);
@@ -153,9 +151,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem[];
   const int grid_n = a.n / kBN, ksteps = a.kc / kBK;
+  const Walk<C> w(a.counts[0] + a.counts[1], grid_n);
   using R = FwdRing<C>;
-  run<R>(smem, [&](const R& r) { produce<C>(a, maps, r, grid_n, ksteps); },
-         [&](const R& r, int wg) { consume<Out, C>(a, r, grid_n, ksteps, wg); });
+  run<R>(smem, [&](const R& r) { produce<C>(a, maps, r, w, grid_n, ksteps); },
+         [&](const R& r, int wg) { consume<Out, C>(a, r, w, grid_n, ksteps, wg); });
 #else
   __trap();   // built for sm_90a only (CMakeLists.txt)
 #endif

@@ -104,7 +104,9 @@ struct RingOf {
   }
 
   // Consumer warp: stage s read (every lane), one arrival on its empty barrier
-  // in every CTA of the cluster (lane r on CTA r's).
+  // in every CTA of the cluster (lane r on CTA r's, all in one instruction: a
+  // CTA can reuse the stage only once every warp of the cluster released it
+  // to every CTA, so no warp's arrivals run a use ahead on another's barrier).
   __device__ __forceinline__ void release(int s) const {
     __syncwarp();
     const uint32_t lane = threadIdx.x % 32;
@@ -218,9 +220,11 @@ __device__ __forceinline__ void run(uint8_t* smem, Produce produce, Consume cons
 }
 
 // Host: kernel(maps, args) on `num_sms` CTAs (0: one per SM of `device`) with
-// the shared memory of ring R; on clusters of R::kCluster CTAs, as many as
-// are resident at once (a persistent grid: a cluster left waiting for an SM
-// would run its tiles after the others).
+// the shared memory of ring R; on clusters of R::kCluster CTAs, num_sms /
+// kCluster clusters (at least one) but no more than are resident at once (a
+// persistent grid: a cluster left waiting for SMs would run its tiles after
+// the others). The occupancy query runs per launch (tens of microseconds on
+// the host, ahead of the GPU).
 template <typename R, typename Args>
 cudaError_t launch(void (*kernel)(Maps, Args), const Maps& maps, const Args& args, int num_sms,
                    int device, cudaStream_t stream) {
@@ -241,8 +245,9 @@ cudaError_t launch(void (*kernel)(Maps, Args), const Maps& maps, const Args& arg
     cluster.id = cudaLaunchAttributeClusterDimension;
     cluster.val.clusterDim.x = R::kCluster;
     cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+    const int asked = blocks >= R::kCluster ? blocks / R::kCluster : 1;   // at least one
     cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(blocks / R::kCluster * R::kCluster);
+    cfg.gridDim = dim3(asked * R::kCluster);
     cfg.blockDim = dim3(kThreads);
     cfg.dynamicSmemBytes = R::kSmemBytes;
     cfg.stream = stream;
@@ -252,9 +257,7 @@ cudaError_t launch(void (*kernel)(Maps, Args), const Maps& maps, const Args& arg
     const cudaError_t occ = cudaOccupancyMaxActiveClusters(&resident, kernel, &cfg);
     if (occ != cudaSuccess) return occ;
     if (resident <= 0) return cudaErrorInvalidConfiguration;
-    const int clusters = blocks / R::kCluster < resident ? blocks / R::kCluster : resident;
-    if (clusters <= 0) return cudaErrorInvalidConfiguration;
-    cfg.gridDim = dim3(clusters * R::kCluster);
+    cfg.gridDim = dim3((asked < resident ? asked : resident) * R::kCluster);
     const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, maps, args);
     if (e != cudaSuccess) return e;
   }
