@@ -633,6 +633,10 @@ def test_cuda_kernel_plan_and_its_ffi_call(monkeypatch):
     pairs = functools.partial(cuda_fp8.gmm_fp8_nt_cuda, cluster=2)
     w4, ws4 = S((G, 512, K), f8), S((G, 4, kb), jnp.float32)
     _assert_one_call(pairs, (x, xs, w4, ws4, off), "jax_ep_gmm_fp8_nt", ("cluster = 2 : i32",))
+    pair_cfg = dataclasses.replace(cfg, fp8_cluster=2)   # the config reaches the kernel
+    _assert_one_call(lambda *a: gm_fp8.ops_nt(pair_cfg, "fwd", *a, jnp.bfloat16),
+                     (x, xs, w4, ws4, jnp.asarray(gs)), "jax_ep_gmm_fp8_nt",
+                     ("cluster = 2 : i32",))
     w3, ws3 = S((G, 384, K), f8), S((G, 3, kb), jnp.float32)
     assert "multiple of 256" in cuda_fp8.check_fp8_nt_cuda(x, xs, w3, ws3, cluster=2)
     assert cuda_fp8.check_fp8_nt_cuda(x, xs, w3, ws3) is None
@@ -738,6 +742,9 @@ def test_fp8_cluster_plan(monkeypatch):
     monkeypatch.setattr(probe, "compiles", lambda *a: False)   # e.g. does not compile
     assert select.fp8_cluster(auto, registry.FP8_PALLAS, v256) == 1
     assert select.fp8_cluster(pallas, registry.FP8_PALLAS, v256) == 2
+    # the CUDA kernel's pairs: the same rule, no compile probe (it is prebuilt)
+    assert [select.fp8_cluster(auto, registry.FP8_CUDA, v) for v in (v256, v384)] == [2, 1]
+    assert select.fp8_cluster(GroupedMatmulConfig(), registry.FP8_CUDA, v256) == 1
 
 
 def test_fp8_cluster_tuned_by_contraction_length(monkeypatch):
