@@ -23,6 +23,9 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "gmm/sm90.cuh"
 
@@ -219,12 +222,30 @@ __device__ __forceinline__ void run(uint8_t* smem, Produce produce, Consume cons
   if constexpr (R::kCluster > 1) sm90::cluster_sync();
 }
 
+// Host: how many clusters of cfg's shape `kernel` keeps resident on `device`,
+// queried once per kernel and device.
+template <typename Kernel>
+cudaError_t resident_clusters(Kernel kernel, int device, const cudaLaunchConfig_t& cfg,
+                              int* resident) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, int> known;
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), device);
+  const auto it = known.find(key);
+  if (it != known.end()) {
+    *resident = it->second;
+    return cudaSuccess;
+  }
+  const cudaError_t e = cudaOccupancyMaxActiveClusters(resident, kernel, &cfg);
+  if (e == cudaSuccess) known[key] = *resident;
+  return e;
+}
+
 // Host: kernel(maps, args) on `num_sms` CTAs (0: one per SM of `device`) with
 // the shared memory of ring R; on clusters of R::kCluster CTAs, num_sms /
 // kCluster clusters (at least one) but no more than are resident at once (a
 // persistent grid: a cluster left waiting for SMs would run its tiles after
-// the others). The occupancy query runs per launch (tens of microseconds on
-// the host, ahead of the GPU).
+// the others).
 template <typename R, typename Args>
 cudaError_t launch(void (*kernel)(Maps, Args), const Maps& maps, const Args& args, int num_sms,
                    int device, cudaStream_t stream) {
@@ -254,7 +275,7 @@ cudaError_t launch(void (*kernel)(Maps, Args), const Maps& maps, const Args& arg
     cfg.attrs = &cluster;
     cfg.numAttrs = 1;
     int resident = 0;
-    const cudaError_t occ = cudaOccupancyMaxActiveClusters(&resident, kernel, &cfg);
+    const cudaError_t occ = resident_clusters(kernel, device, cfg, &resident);
     if (occ != cudaSuccess) return occ;
     if (resident <= 0) return cudaErrorInvalidConfiguration;
     cfg.gridDim = dim3((asked < resident ? asked : resident) * R::kCluster);
