@@ -628,19 +628,7 @@ def test_cuda_kernel_plan_and_its_ffi_call(monkeypatch):
     _assert_one_call(cuda_fp8.gmm_fp8_nt_cuda, (x, xs, w, ws, off), "jax_ep_gmm_fp8_nt", (
         f"tensor<{M}x{K}xf8E4M3FN>", f"tensor<{kb}x{M}xf32>", f"tensor<{G}x{N}x{K}xf8E4M3FN>",
         f"tensor<{G}x{N // 128}x{kb}xf32>", f"tensor<{table}xi32>", "tensor<2xi32>",
-        f"tensor<{M}x{N}xbf16>", "cluster = 1 : i32"))
-    # CTA pairs: the attribute, and Nout a multiple of 256
-    pairs = functools.partial(cuda_fp8.gmm_fp8_nt_cuda, cluster=2)
-    w4, ws4 = S((G, 512, K), f8), S((G, 4, kb), jnp.float32)
-    _assert_one_call(pairs, (x, xs, w4, ws4, off), "jax_ep_gmm_fp8_nt", ("cluster = 2 : i32",))
-    pair_cfg = dataclasses.replace(cfg, fp8_cluster=2)   # the config reaches the kernel
-    _assert_one_call(lambda *a: gm_fp8.ops_nt(pair_cfg, "fwd", *a, jnp.bfloat16),
-                     (x, xs, w4, ws4, jnp.asarray(gs)), "jax_ep_gmm_fp8_nt",
-                     ("cluster = 2 : i32",))
-    w3, ws3 = S((G, 384, K), f8), S((G, 3, kb), jnp.float32)
-    assert "multiple of 256" in cuda_fp8.check_fp8_nt_cuda(x, xs, w3, ws3, cluster=2)
-    assert cuda_fp8.check_fp8_nt_cuda(x, xs, w3, ws3) is None
-    assert "cluster must be 1 or 2" in cuda_fp8.check_fp8_nt_cuda(x, xs, w, ws, cluster=4)
+        f"tensor<{M}x{N}xbf16>"))
     # dw: the regrouped, transposed operands (fp8_columns)
     dw_ops = fp8_columns.dw_operands(x, xs, jnp.ones((M, N), jnp.bfloat16), jnp.asarray(gs))
     assert select.plan_fp8(cfg, "dw", *dw_ops[:4], jnp.bfloat16) is registry.FP8_DW_CUDA
@@ -742,9 +730,6 @@ def test_fp8_cluster_plan(monkeypatch):
     monkeypatch.setattr(probe, "compiles", lambda *a: False)   # e.g. does not compile
     assert select.fp8_cluster(auto, registry.FP8_PALLAS, v256) == 1
     assert select.fp8_cluster(pallas, registry.FP8_PALLAS, v256) == 2
-    # the CUDA kernel's pairs: the same rule, no compile probe (it is prebuilt)
-    assert [select.fp8_cluster(auto, registry.FP8_CUDA, v) for v in (v256, v384)] == [2, 1]
-    assert select.fp8_cluster(GroupedMatmulConfig(), registry.FP8_CUDA, v256) == 1
 
 
 def test_fp8_cluster_tuned_by_contraction_length(monkeypatch):

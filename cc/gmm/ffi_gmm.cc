@@ -1,7 +1,6 @@
 // XLA FFI targets of the fp8 grouped matmul's CUDA kernels
 // (jax_ep/gmm/cuda_fp8.py), each one kernel on XLA's stream; they need no
-// runtime (no jax_ep.initialize()). Attribute num_sms: CTAs (0: one per SM);
-// the forward's cluster: CTAs per cluster (1, or 2: pairs sharing x).
+// runtime (no jax_ep.initialize()). Attribute num_sms: CTAs (0: one per SM).
 //
 // jax_ep_gmm_fp8_nt (gmm/fp8_nt.cu): x [M, Kc] e4m3, xs_t [Kc/128, M] f32, v
 // [G, N, Kc] e4m3, vs [G, N/128, Kc/128] f32, and
@@ -63,10 +62,9 @@ ffi::Error GmmFp8NtImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                         ffi::AnyBuffer v, ffi::Buffer<ffi::F32> vs,
                         ffi::Buffer<ffi::S32> row_start, ffi::Buffer<ffi::S32> lo,
                         ffi::Buffer<ffi::S32> hi, ffi::Buffer<ffi::S32> group,
-                        ffi::Buffer<ffi::S32> counts, int32_t num_sms, int32_t cluster,
+                        ffi::Buffer<ffi::S32> counts, int32_t num_sms,
                         ffi::Result<ffi::AnyBuffer> out) {
   GmmFp8Args a;
-  a.cluster = cluster;
   JAX_EP_RETURN_IF_ERROR(Shapes(x, xs_t, v, vs, *out, &a));
   if (counts.element_count() != 2 || lo.element_count() != row_start.element_count() ||
       hi.element_count() != row_start.element_count() ||
@@ -155,7 +153,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGmmFp8Nt, jax_ep::GmmFp8NtImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // group [T]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // counts [2]
                                   .Attr<int32_t>("num_sms")  // CTAs (0: one per SM)
-                                  .Attr<int32_t>("cluster")  // CTAs per cluster: 1 or 2
                                   .Ret<xla::ffi::AnyBuffer>());  // out [M, N] bf16 / f32
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGmmFp8Dw, jax_ep::GmmFp8DwImpl,

@@ -12,12 +12,6 @@
 // DeepSeek-V3 does. While one consumer promotes, the other's WGMMAs run. The
 // sums go to HBM from registers, only the rows [lo, hi) of the tile.
 //
-// On CTA pairs (GmmFp8Args::cluster 2) the two CTAs of a cluster take
-// adjacent column tiles of one row tile: rank 0 loads the lower 128 x rows,
-// rank 1 the upper ones, each by TMA multicast into both rings (L2 reads per
-// CTA and k-step 48 -> 32 KB); a stage is free once the consumers of both
-// CTAs released it. Per row the same products and promotions as single CTAs.
-//
 // Why 256 rows: with 128-row tiles the kernel waited on memory (ncu on an
 // H100, V3 up projection at 256 rows per group: L2 throughput 95%, DRAM 77%,
 // tensor work 53%): every 128 rows re-read the group's weight tile. A 256-row
@@ -33,10 +27,8 @@ namespace {
 using namespace fp8_ring;
 
 constexpr int kRows = 2 * kBM;          // a tile's rows
-template <int Cluster>
-using FwdRing = RingOf<kRows, 4, Cluster>;   // 4 stages of 49.5 KB: what shared memory holds
-constexpr uint32_t kABytes = FwdRing<1>::kABytes;
-constexpr uint32_t kStageTx = kABytes + kTileBytes + kRows * 4;
+using FwdRing = RingOf<kRows, 4>;       // 4 stages of 49.5 KB: what shared memory holds
+constexpr uint32_t kStageTx = FwdRing::kABytes + kTileBytes + kRows * 4;
 
 struct Tile {
   int row_start, lo, hi, group, col;
@@ -49,50 +41,26 @@ struct Tile {
   }
 };
 
-// The CTA's work: units u = blockIdx.x / C, + gridDim.x / C, ... (C: CTAs per
-// cluster); a unit is one row tile and C adjacent column tiles, the cluster's
-// CTA of rank r taking the r-th: its tile of the table's [row tiles, grid_n].
-template <int C>
-struct Walk {
-  int units, per_row, rank;
-  __device__ Walk(int row_tiles, int grid_n)
-      : units(row_tiles * (grid_n / C)), per_row(grid_n / C),
-        rank(C == 1 ? 0 : static_cast<int>(sm90::cluster_rank())) {}
-  __device__ int first() const { return blockIdx.x / C; }
-  __device__ int stride() const { return gridDim.x / C; }
-  __device__ Tile tile(const GmmFp8Args& a, int u, int grid_n) const {
-    const int f = u / per_row;
-    return {a.row_start[f], a.lo[f], a.hi[f], a.group[f], (u % per_row) * C + rank};
-  }
-};
+__device__ __forceinline__ Tile tile_at(const GmmFp8Args& a, int t, int grid_n) {
+  const int f = t / grid_n;
+  return {a.row_start[f], a.lo[f], a.hi[f], a.group[f], t % grid_n};
+}
 
-// Per k-step: the tile's x rows (one or two 128-row boxes), its weight tile
-// and the rows' scales. On CTA pairs the cluster's CTAs share the row tile:
-// rank 0 loads the lower box, rank 1 the upper one, each multicast to both.
-template <int C>
-__device__ void produce(const GmmFp8Args& a, const Maps& m, const FwdRing<C>& r,
-                        const Walk<C>& w, int grid_n, int ksteps) {
+__device__ void produce(const GmmFp8Args& a, const Maps& m, const FwdRing& r, int tiles,
+                        int grid_n, int ksteps) {
   for (const CUtensorMap* map : {&m.a, &m.b, &m.a_scales}) sm90::tma_prefetch(map);
   uint32_t i = 0;
-  for (int u = w.first(); u < w.units; u += w.stride()) {
-    const Tile tl = w.tile(a, u, grid_n);
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const Tile tl = tile_at(a, t, grid_n);
     if (tl.group < 0) continue;   // a tail tile: zeros, nothing to load
     const int v_row = tl.group * a.n + tl.col * kBN;
     const bool upper = tl.upper();
-    // on pairs not unrolled: the multicast's rank logic would not fit the
-    // producer's 40 registers unrolled (ptxas spilled)
-#pragma unroll(C == 1 ? 4 : 1)
     for (int k = 0; k < ksteps; ++k, ++i) {
       const int s = r.fill(i, kStageTx - (upper ? 0 : kTileBytes));
       uint64_t* full = &r.full[s];
-      uint8_t* x_tile = r.a + s * kABytes;
-      if constexpr (C == 1) {
-        sm90::tma_load_2d(x_tile, &m.a, full, k * kBK, tl.row_start);
-        if (upper) sm90::tma_load_2d(x_tile + kTileBytes, &m.a, full, k * kBK, tl.row_start + kBM);
-      } else if (w.rank == 0 || upper) {
-        sm90::tma_load_2d_multicast(x_tile + w.rank * kTileBytes, &m.a, full, k * kBK,
-                                    tl.row_start + w.rank * kBM, (1u << C) - 1);
-      }
+      uint8_t* x_tile = r.a + s * FwdRing::kABytes;
+      sm90::tma_load_2d(x_tile, &m.a, full, k * kBK, tl.row_start);
+      if (upper) sm90::tma_load_2d(x_tile + kTileBytes, &m.a, full, k * kBK, tl.row_start + kBM);
       sm90::tma_load_2d(r.b + s * kTileBytes, &m.b, full, k * kBK, v_row);
       sm90::tma_load_2d(r.a_scales + s * kRows, &m.a_scales, full, tl.row_start, k);
     }
@@ -100,10 +68,9 @@ __device__ void produce(const GmmFp8Args& a, const Maps& m, const FwdRing<C>& r,
 }
 
 // Consumer: block `b`'s product for use i's stage, promoted into `sum`.
-template <int C>
 __device__ __forceinline__ void block_kstep(float (&sum)[64], float (&prod)[64],
-                                            const FwdRing<C>& r, int s, int b, float w_scale) {
-  issue_product(prod, r.a + s * kABytes + b * 64 * kBK, r.b + s * kTileBytes);
+                                            const FwdRing& r, int s, int b, float w_scale) {
+  issue_product(prod, r.a + s * FwdRing::kABytes + b * 64 * kBK, r.b + s * kTileBytes);
   // the rows' scales while the tensor core runs
   const int row = 64 * b + acc_row(0);
   const float s0 = r.a_scales[s * kRows + row] * w_scale;
@@ -118,13 +85,13 @@ __device__ __forceinline__ void block_kstep(float (&sum)[64], float (&prod)[64],
   }
 }
 
-template <typename Out, int C>
-__device__ void consume(const GmmFp8Args& a, const FwdRing<C>& r, const Walk<C>& w, int grid_n,
+template <typename Out>
+__device__ void consume(const GmmFp8Args& a, const FwdRing& r, int tiles, int grid_n,
                         int ksteps, int wg) {
   float prod[64], lower[64], upper[64];   // the sums of blocks wg and wg + 2
   uint32_t i = 0;
-  for (int u = w.first(); u < w.units; u += w.stride()) {
-    const Tile tl = w.tile(a, u, grid_n);
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const Tile tl = tile_at(a, t, grid_n);
 #pragma unroll
     for (int j = 0; j < 64; ++j) lower[j] = upper[j] = 0.f;
     const bool on_lower = tl.block_on(wg), on_upper = tl.block_on(wg + 2);
@@ -145,16 +112,15 @@ __device__ void consume(const GmmFp8Args& a, const FwdRing<C>& r, const Walk<C>&
   }
 }
 
-template <typename Out, int C>
+template <typename Out>
 __global__ void __launch_bounds__(kThreads, 1)
     gmm_fp8_nt_kernel(const __grid_constant__ Maps maps, const __grid_constant__ GmmFp8Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem[];
   const int grid_n = a.n / kBN, ksteps = a.kc / kBK;
-  const Walk<C> w(a.counts[0] + a.counts[1], grid_n);
-  using R = FwdRing<C>;
-  run<R>(smem, [&](const R& r) { produce<C>(a, maps, r, w, grid_n, ksteps); },
-         [&](const R& r, int wg) { consume<Out, C>(a, r, w, grid_n, ksteps, wg); });
+  const int tiles = (a.counts[0] + a.counts[1]) * grid_n;
+  run<FwdRing>(smem, [&](const FwdRing& r) { produce(a, maps, r, tiles, grid_n, ksteps); },
+               [&](const FwdRing& r, int wg) { consume<Out>(a, r, tiles, grid_n, ksteps, wg); });
 #else
   __trap();   // built for sm_90a only (CMakeLists.txt)
 #endif
@@ -168,8 +134,6 @@ const char* gmm_fp8_shape_error(const GmmFp8Args& a) {
   if (a.m < kBM || a.m % 8) return "M must be a multiple of 8 and at least 128";
   if (a.groups <= 0) return "there must be at least one group";
   if (static_cast<long long>(a.groups) * a.n >= (1LL << 31)) return "G * N must fit in int32";
-  if (a.cluster != 1 && a.cluster != 2) return "cluster must be 1 or 2";
-  if ((a.n / kBN) % a.cluster) return "N must be a multiple of 256 on CTA pairs (cluster 2)";
   return "";
 }
 
@@ -183,13 +147,8 @@ cudaError_t launch_gmm_fp8_nt(const GmmFp8Args& a, cudaStream_t stream) {
       !encode_2d(&maps.b, e4m3, a.v, uint64_t(a.groups) * a.n, a.kc, 1, kBN, kBK, sw128) ||
       !encode_2d(&maps.a_scales, f32, a.xs_t, a.kc / kBK, a.m, 4, 1, kRows, plain))
     return cudaErrorInvalidValue;
-  if (a.cluster == 2)
-    return launch<FwdRing<2>>(a.out_f32 ? gmm_fp8_nt_kernel<float, 2>
-                                        : gmm_fp8_nt_kernel<__nv_bfloat16, 2>,
-                              maps, a, a.num_sms, a.device, stream);
-  return launch<FwdRing<1>>(a.out_f32 ? gmm_fp8_nt_kernel<float, 1>
-                                      : gmm_fp8_nt_kernel<__nv_bfloat16, 1>,
-                            maps, a, a.num_sms, a.device, stream);
+  return launch<FwdRing>(a.out_f32 ? gmm_fp8_nt_kernel<float> : gmm_fp8_nt_kernel<__nv_bfloat16>,
+                         maps, a, a.num_sms, a.device, stream);
 }
 
 }  // namespace jax_ep

@@ -9,8 +9,7 @@
 // weight-block scale from global memory). dw's consumer waits for the stage's
 // "full" barrier, runs four 64 x 128 x 32 WGMMAs of its 64 rows into a fresh
 // accumulator (start_kstep), waits for them, promotes the product and releases
-// the stage on its "empty" barrier (one arrival per consumer warp, in every
-// CTA of the cluster where the producers multicast: the forward's pairs).
+// the stage on its "empty" barrier (one arrival per consumer warp).
 //
 // Issue budget (cuobjdump of the sm_90a build): per 64 x 128 x 128 product a
 // consumer warp issues about 150 instructions (4 WGMMAs, 64 promoting FMAs,
@@ -23,9 +22,6 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
-#include <map>
-#include <mutex>
-#include <utility>
 
 #include "gmm/sm90.cuh"
 
@@ -44,13 +40,10 @@ struct Maps {
 };
 
 // A ring of `Stages` stages of an ARows-row A tile, a 128-row B tile and their
-// rows' scales, with a "full" and an "empty" barrier per stage. On a cluster
-// of `Cluster` CTAs whose producers multicast into every CTA's ring, a stage
-// is free once the consumers of every CTA of the cluster released it.
-template <int ARows, int Stages, int Cluster = 1>
+// rows' scales, with a "full" and an "empty" barrier per stage.
+template <int ARows, int Stages>
 struct RingOf {
   static constexpr int kStages = Stages;
-  static constexpr int kCluster = Cluster;
   static constexpr uint32_t kABytes = ARows * kBK;
   static constexpr size_t kSmemBytes =
       1024 + Stages * (kABytes + kTileBytes + (ARows + kBN) * 4) + 2 * Stages * 8;
@@ -81,7 +74,7 @@ struct RingOf {
   __device__ void init() const {
     for (int s = 0; s < Stages; ++s) {
       sm90::bar_init(&full[s], 1);
-      sm90::bar_init(&empty[s], kConsumers * 4 * Cluster);
+      sm90::bar_init(&empty[s], kConsumers * 4);
     }
     sm90::bar_init_fence();
   }
@@ -106,18 +99,10 @@ struct RingOf {
     return s;
   }
 
-  // Consumer warp: stage s read (every lane), one arrival on its empty barrier
-  // in every CTA of the cluster (lane r on CTA r's, all in one instruction: a
-  // CTA can reuse the stage only once every warp of the cluster released it
-  // to every CTA, so no warp's arrivals run a use ahead on another's barrier).
+  // Consumer warp: stage s read (every lane), one arrival on its empty barrier.
   __device__ __forceinline__ void release(int s) const {
     __syncwarp();
-    const uint32_t lane = threadIdx.x % 32;
-    if constexpr (Cluster == 1) {
-      if (lane == 0) sm90::bar_arrive(&empty[s]);
-    } else if (lane < Cluster) {
-      sm90::bar_arrive_in(&empty[s], lane);
-    }
+    if (threadIdx.x % 32 == 0) sm90::bar_arrive(&empty[s]);
   }
 };
 
@@ -202,15 +187,12 @@ __device__ __forceinline__ void store_tile(const float (&sum)[64], Out* out, lon
 
 // The kernels' body: the ring R, then one thread of the producer warpgroup
 // runs produce(ring) and each consumer warpgroup consume(ring, wg), registers
-// handed from the producer warpgroup to the consumers. On a cluster, no CTA
-// starts before every ring of the cluster is initialized, nor leaves while
-// another may still load into its ring or arrive on its barriers.
+// handed from the producer warpgroup to the consumers.
 template <typename R, typename Produce, typename Consume>
 __device__ __forceinline__ void run(uint8_t* smem, Produce produce, Consume consume) {
   const R ring = R::at(smem);
   if (threadIdx.x == 0) ring.init();
-  if constexpr (R::kCluster > 1) sm90::cluster_sync();
-  else __syncthreads();
+  __syncthreads();
   const int wg = threadIdx.x / 128;
   if (wg == kConsumers) {
     sm90::regs_decrease<40>();
@@ -219,33 +201,10 @@ __device__ __forceinline__ void run(uint8_t* smem, Produce produce, Consume cons
     sm90::regs_increase<232>();
     consume(ring, wg);
   }
-  if constexpr (R::kCluster > 1) sm90::cluster_sync();
-}
-
-// Host: how many clusters of cfg's shape `kernel` keeps resident on `device`,
-// queried once per kernel and device.
-template <typename Kernel>
-cudaError_t resident_clusters(Kernel kernel, int device, const cudaLaunchConfig_t& cfg,
-                              int* resident) {
-  static std::mutex mu;
-  static std::map<std::pair<const void*, int>, int> known;
-  std::lock_guard<std::mutex> lock(mu);
-  const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), device);
-  const auto it = known.find(key);
-  if (it != known.end()) {
-    *resident = it->second;
-    return cudaSuccess;
-  }
-  const cudaError_t e = cudaOccupancyMaxActiveClusters(resident, kernel, &cfg);
-  if (e == cudaSuccess) known[key] = *resident;
-  return e;
 }
 
 // Host: kernel(maps, args) on `num_sms` CTAs (0: one per SM of `device`) with
-// the shared memory of ring R; on clusters of R::kCluster CTAs, num_sms /
-// kCluster clusters (at least one) but no more than are resident at once (a
-// persistent grid: a cluster left waiting for SMs would run its tiles after
-// the others).
+// the shared memory of ring R.
 template <typename R, typename Args>
 cudaError_t launch(void (*kernel)(Maps, Args), const Maps& maps, const Args& args, int num_sms,
                    int device, cudaStream_t stream) {
@@ -259,29 +218,7 @@ cudaError_t launch(void (*kernel)(Maps, Args), const Maps& maps, const Args& arg
   const cudaError_t attr = cudaFuncSetAttribute(
       kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(R::kSmemBytes));
   if (attr != cudaSuccess) return attr;
-  if constexpr (R::kCluster == 1) {
-    kernel<<<blocks, kThreads, R::kSmemBytes, stream>>>(maps, args);
-  } else {
-    cudaLaunchAttribute cluster;
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = R::kCluster;
-    cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
-    const int asked = blocks >= R::kCluster ? blocks / R::kCluster : 1;   // at least one
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(asked * R::kCluster);
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = R::kSmemBytes;
-    cfg.stream = stream;
-    cfg.attrs = &cluster;
-    cfg.numAttrs = 1;
-    int resident = 0;
-    const cudaError_t occ = resident_clusters(kernel, device, cfg, &resident);
-    if (occ != cudaSuccess) return occ;
-    if (resident <= 0) return cudaErrorInvalidConfiguration;
-    cfg.gridDim = dim3((asked < resident ? asked : resident) * R::kCluster);
-    const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, maps, args);
-    if (e != cudaSuccess) return e;
-  }
+  kernel<<<blocks, kThreads, R::kSmemBytes, stream>>>(maps, args);
   return cudaGetLastError();
 }
 

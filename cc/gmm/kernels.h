@@ -32,12 +32,11 @@ struct GmmFp8Args {
   bool out_f32 = false;             // else bf16
   int m = 0, kc = 0, n = 0, groups = 0;
   int num_sms = 0;                  // CTAs (persistent); 0: one per SM of `device`
-  int cluster = 1;                  // CTAs per cluster: 1, or 2 (pairs share x by multicast)
   int device = 0;                   // XLA's (= CUDA's) ordinal of the call
 };
 
 // Why the kernel cannot run these shapes ("" if it can): multiples of 128,
-// m % 8 == 0 and m >= 128; on pairs n % 256 == 0.
+// m % 8 == 0 and m >= 128.
 const char* gmm_fp8_shape_error(const GmmFp8Args& a);
 
 cudaError_t launch_gmm_fp8_nt(const GmmFp8Args& a, cudaStream_t stream);

@@ -39,16 +39,6 @@ __device__ __forceinline__ void bar_arrive_tx(uint64_t* b, uint32_t bytes) {
                : "memory");
 }
 
-// One arrival on barrier `b` of cluster CTA `rank` (the same shared-memory
-// offset there). The default .cta release, as CUTLASS's cluster barriers: a
-// .cluster release compiles to MEMBAR.ALL.GPU before every arrival (SASS).
-__device__ __forceinline__ void bar_arrive_in(uint64_t* b, uint32_t rank) {
-  asm volatile("{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, %0, %1;\n\t"
-               "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}" ::"r"(smem_addr(b)),
-               "r"(rank)
-               : "memory");
-}
-
 // A pipeline wait longer than this is a bug (a stage never loaded or never
 // released): the kernel traps, so the stream's next synchronization reports
 // an error within seconds instead of hanging (a trap poisons the CUDA context:
@@ -92,32 +82,6 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, u
       " [%0], [%1, {%2, %3}], [%4];" ::"r"(smem_addr(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(smem_addr(bar))
       : "memory");
-}
-
-// The box into `dst` of every cluster CTA whose bit is set in `ctas`, each
-// completing on its own `bar` (the same shared-memory offsets in every CTA).
-__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorMap* map,
-                                                      uint64_t* bar, int c0, int c1,
-                                                      uint16_t ctas) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(smem_addr(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(smem_addr(bar)), "h"(ctas)
-      : "memory");
-}
-
-// ---------------------------------------------------------------- clusters
-
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-
-// Every thread of every CTA of the cluster (not .aligned: callable after a
-// warp's threads took different paths).
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
 }
 
 // ---------------------------------------------------------------- WGMMA

@@ -87,14 +87,13 @@ class GroupedMatmulConfig:
         warning while ``cuda_fp8.NT_HELD_BACK`` holds their kernel back), or
         None (default: the device's tuned choice, ``tuned_tiles.json``; on an
         H200 ``"pallas"`` until the CUDA kernels are measured there).
-      fp8_cluster: CTAs per cluster of the fp8 kernel (forward and fp8 dx,
-        Pallas or CUDA): None (default: the device's tuned choice,
-        ``heuristic.fp8_cluster``; on an H200 single CTAs, pairs not yet
-        measured ahead), 1, or 2 (CTA pairs own adjacent ``128``-column tiles
-        of one row tile and share its x rows by TMA multicast: L2 reads per
-        CTA and k-step 32 -> 24 KB in the Pallas kernel, 48 -> 32 KB in the
-        CUDA one). 2 applies where ``Nout % 256 == 0``, else 1; the Pallas
-        kernel in ``"auto"`` mode on a GPU: where it compiles, else 1.
+      fp8_cluster: CTAs per cluster of the Pallas fp8 kernel (forward and fp8 dx):
+        None (default: the device's tuned choice, ``heuristic.fp8_cluster``;
+        on an H200 single CTAs, pairs not yet measured ahead), 1,
+        or 2 (CTA pairs own adjacent ``128``-column tiles of one row tile and
+        share the x tile and its row scales by TMA multicast: L2 reads per
+        pair and k-step 64 -> 48 KB). 2 applies where ``Nout % 256 == 0``,
+        else 1; ``"auto"`` on a GPU: where it compiles, else 1.
       expected_rows: the mean rows per group the tuned tiles are chosen for
         (DeepGEMM's ``expected_m``): None (default) takes x's rows / groups,
         which for the masked layout is its capacity C, however few rows the

@@ -57,34 +57,25 @@ def _no_extension() -> Optional[str]:
     return None
 
 
-def check_fp8_nt_cuda(x, xs, v, vs, cluster: int = 1) -> Optional[str]:
-    """None if the CUDA kernel runs these operands on ``cluster`` CTAs per
-    cluster, else why not (also the kernel's int32 indexing: the weight's rows
-    ``G * Nout`` and the output tiles, at most ``M / NT_TILE_ROWS + G + 1``
-    row tiles by ``Nout / 128``)."""
+def check_fp8_nt_cuda(x, xs, v, vs) -> Optional[str]:
+    """None if the CUDA kernel runs these operands, else why not (also the
+    kernel's int32 indexing: the weight's rows ``G * Nout`` and the output
+    tiles, at most ``M / NT_TILE_ROWS + G + 1`` row tiles by ``Nout / 128``)."""
     err = _no_extension() or check_fp8_nt(x, xs, v, vs)   # v [G, Nout, Kc] past it
     if err is not None:
         return err
     g, n = v.shape[0], v.shape[1]
-    if cluster not in (1, 2):
-        return f"cluster must be 1 or 2, got {cluster!r}"
-    if n % (128 * cluster):
-        return f"on CTA pairs (cluster 2) Nout must be a multiple of 256, got {n}"
     if g * n >= 2 ** 31 or (x.shape[0] // NT_TILE_ROWS + g + 1) * (n // 128) >= 2 ** 31:
         return f"G * Nout ({g} * {n}) and the output tiles must fit in int32"
     return None
 
 
-def gmm_fp8_nt_cuda(x, xs, v, vs, offsets, *, out_dtype=None, num_sms: int = 0,
-                    cluster: int = 1):
+def gmm_fp8_nt_cuda(x, xs, v, vs, offsets, *, out_dtype=None, num_sms: int = 0):
     """``[M, Nout]`` in ``out_dtype`` (bfloat16 default, or float32); ``x [M,
     Kc]`` e4m3, ``xs [M, Kc/128]`` f32, ``v [G, Nout, Kc]`` e4m3, ``vs [G,
     Nout/128, Kc/128]`` f32, ``offsets`` int32 ``[G+1]`` (``ops.offsets``);
-    rows past ``offsets[-1]`` are zero. ``num_sms``: CTAs (0: one per SM).
-    ``cluster``: 1, or 2 (CTA pairs on adjacent 128-column tiles of one row
-    tile, each loading half of its x rows by TMA multicast to both; ``Nout %
-    256 == 0``; as many pairs as are resident at once); the same bits."""
-    err = check_fp8_nt_cuda(x, xs, v, vs, cluster)
+    rows past ``offsets[-1]`` are zero. ``num_sms``: CTAs (0: one per SM)."""
+    err = check_fp8_nt_cuda(x, xs, v, vs)
     if err is not None:
         raise ValueError(f"gmm_fp8_nt_cuda: {err}")
     out_dtype = _out_dtype("gmm_fp8_nt_cuda", out_dtype)
@@ -92,8 +83,7 @@ def gmm_fp8_nt_cuda(x, xs, v, vs, offsets, *, out_dtype=None, num_sms: int = 0,
     counts, rs, lo, hi, grp = row_tile_table(offsets, m, NT_TILE_ROWS)
     xs_t = xs.astype(jnp.float32).T                                  # a tile's scales: one run
     return _call(TARGET, (m, v.shape[1]), out_dtype,
-                 (x, xs_t, v, vs.astype(jnp.float32), rs, lo, hi, grp, counts), num_sms,
-                 cluster=np.int32(cluster))
+                 (x, xs_t, v, vs.astype(jnp.float32), rs, lo, hi, grp, counts), num_sms)
 
 
 def check_fp8_dw_cuda(a, a_s, c, c_s, segments=None) -> Optional[str]:
@@ -123,10 +113,10 @@ def _out_dtype(fn, out_dtype):
     return out_dtype
 
 
-def _call(target, shape, out_dtype, ops, num_sms, **attrs):
+def _call(target, shape, out_dtype, ops, num_sms):
     """The FFI call, its operands and result varying over the union of their
     mesh axes (inside ``shard_map(check_vma=True)``)."""
     axes = frozenset().union(*(vma_of(a) for a in ops))
     ops = tuple(to_vma(a, axes) for a in ops)
     out = result_type(shape, out_dtype, vma=axes)
-    return jax.ffi.ffi_call(target, out)(*ops, num_sms=np.int32(num_sms), **attrs)
+    return jax.ffi.ffi_call(target, out)(*ops, num_sms=np.int32(num_sms))

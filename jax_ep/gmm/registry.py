@@ -277,8 +277,7 @@ def _fp8_cuda_probe(op, tiles, dt, cluster):
 # the same contract as FP8_PALLAS, run by the CUDA kernel of the native extension
 FP8_CUDA = Fp8Variant(
     "gmm_fp8_cuda", ("fwd", "dx"), _HOPPER, ("bfloat16", "float32"),
-    lambda x, xs, v, vs, off, od, i, c: cuda_fp8.gmm_fp8_nt_cuda(x, xs, v, vs, off, out_dtype=od,
-                                                                 cluster=c),
+    lambda x, xs, v, vs, off, od, i, c: cuda_fp8.gmm_fp8_nt_cuda(x, xs, v, vs, off, out_dtype=od),
     _fp8_cuda_probe, "the dequantizing XLA reference", cuda_fp8.check_fp8_nt_cuda)
 FP8_XLA = Fp8Variant(
     "fp8_xla", ("fwd", "dx"), (), None,

@@ -166,18 +166,15 @@ def fp8_cluster(cfg: GroupedMatmulConfig, variant: Fp8Variant, v,
                 dev: Optional[DeviceInfo] = None) -> int:
     """CTAs per cluster of the fp8 kernel for ``v [G, Nout, Kc]``: the
     config's (else the device's tuned choice by ``Kc``, ``heuristic``) where
-    ``Nout % (cluster 128) == 0`` (``pallas_fp8.fp8_cluster``; the CUDA
-    kernel's pairs likewise) and, for the Pallas kernel in ``"auto"`` mode on
-    a device, a small instance compiles on clusters (checked once), else 1; 1
-    for the XLA reference."""
-    if variant is not FP8_PALLAS and variant is not FP8_CUDA:
+    ``Nout % (cluster 128) == 0`` (``pallas_fp8.fp8_cluster``) and, in
+    ``"auto"`` mode on a device, a small instance compiles on clusters
+    (checked once), else 1; 1 for the XLA reference."""
+    if variant is not FP8_PALLAS:
         return 1
     want = cfg.fp8_cluster
     if want is None:
         want = heuristic.fp8_cluster(v.shape[2] // FP8_BLOCK, (dev or device_info()).kind)
     c = pallas_fp8.fp8_cluster(v.shape[1], want)
-    if variant is FP8_CUDA:
-        return c
     if c > 1 and cfg.impl == "auto" and not cfg.interpret and not probe.compiles(
             FP8_PALLAS.name, "fwd+dx", None, "float8_e4m3fn", c):
         return 1

@@ -75,13 +75,11 @@ def reference(x, xs, v, vs, sizes):
 
 
 def run(x, xs, v, vs, gs, out_dtype=jnp.bfloat16, cluster=1, kernel="pallas"):
-    """The Pallas kernel, or (``kernel="cuda"``) the native extension's, on
-    ``cluster`` CTAs per cluster."""
+    """The Pallas kernel, or (``kernel="cuda"``) the native extension's."""
     if kernel == "cuda":
         from jax_ep.gmm.cuda_fp8 import gmm_fp8_nt_cuda
         return jax.jit(lambda *a: gmm_fp8_nt_cuda(*a, offsets(gs, x.shape[0]),
-                                                  out_dtype=out_dtype, cluster=cluster))(
-                                                      x, xs, v, vs)
+                                                  out_dtype=out_dtype))(x, xs, v, vs)
     return jax.jit(lambda *a: gmm_fp8_nt(*a, offsets(gs, x.shape[0]), out_dtype=out_dtype,
                                          cluster=cluster))(x, xs, v, vs)
 
@@ -289,31 +287,17 @@ def test_cuda_fp8_kernel_f32_out_empty_and_v3_down():
     check(*case(m, g, 2048, 7168, sizes_for("skew", g, m), True, seed=5), kernel="cuda")
 
 
-@pytest.mark.parametrize("cluster", [1, 2])
 @pytest.mark.parametrize("m,sizes", [(200, [150, 50]), (136, [100, 30]), (520, [300, 212])])
-def test_cuda_fp8_kernel_tiles_past_m(m, sizes, cluster):
+def test_cuda_fp8_kernel_tiles_past_m(m, sizes):
     """The kernel's 256-row tiles where M is under 256 (the tile starts at row
     0 and its boxes reach past M: TMA reads zeros there) or the last tile is
-    moved back to end at M; tail rows NaN-scaled. On pairs, tiles with and
-    without an upper half (rank 1 multicasts nothing for the latter)."""
+    moved back to end at M; tail rows NaN-scaled."""
     _native()
-    check(*case(m, 2, 256, 256, np.array(sizes, np.int32), False, seed=13), kernel="cuda",
-          cluster=cluster)
+    check(*case(m, 2, 256, 256, np.array(sizes, np.int32), False, seed=13), kernel="cuda")
 
 
-def test_cuda_fp8_kernel_pairs_small_and_f32():
-    """CTA pairs (x multicast to both) under the checks: skewed and unaligned
-    groups, an empty group, f32 out."""
-    _native()
-    check(*case(2048, 8, 512, 512, sizes_for("skew", 8, 2048), True), kernel="cuda", cluster=2)
-    sizes = np.array([0, 300, 0, 0, 129, 7, 0, 1], np.int32)
-    check(*case(1024, 8, 256, 256, sizes, False, seed=3), out_dtype=jnp.float32, kernel="cuda",
-          cluster=2)
-
-
-@pytest.mark.parametrize("cluster", [1, 2])
 @pytest.mark.parametrize("kind,n", [("skew", 512), ("unaligned", 768)])
-def test_cuda_fp8_kernel_is_bitwise_the_pallas_kernel(kind, n, cluster):
+def test_cuda_fp8_kernel_is_bitwise_the_pallas_kernel(kind, n):
     """Per row the same four 64 x 128 x 32 WGMMAs per k-step (the CUDA kernel
     on 256-row tiles, Pallas on 128), the same promotion (one FMA of the
     product and xs * vs into the sum, from zero): the same bits as the Pallas
@@ -321,8 +305,7 @@ def test_cuda_fp8_kernel_is_bitwise_the_pallas_kernel(kind, n, cluster):
     uncontracted, they would differ by an ulp.)"""
     _native()
     ops = case(2048, 8, 1024, n, sizes_for(kind, 8, 1901), False, seed=9)
-    np.testing.assert_array_equal(np.asarray(run(*ops, kernel="cuda", cluster=cluster),
-                                             np.float32),
+    np.testing.assert_array_equal(np.asarray(run(*ops, kernel="cuda"), np.float32),
                                   np.asarray(run(*ops), np.float32))
 
 
