@@ -56,8 +56,7 @@ __device__ void consume(const GmmFp8DwArgs& a, const Ring& r, int tiles, int gri
 #pragma unroll
     for (int j = 0; j < 64; ++j) sum[j] = 0.f;
     for (int k = 0; k < tl.blocks; ++k, ++i) {
-      start_kstep(prod, r, i, wg);
-      const int s = Ring::stage_of(i);
+      const int s = start_kstep(prod, r, i, wg);
       const float ra0 = r.a_scales[s * kScales + row], ra1 = r.a_scales[s * kScales + row + 8];
       const float* cs = r.b_scales + s * kScales + col;
       // the column scales are read after the wait (held across it they would

@@ -144,11 +144,12 @@ __device__ __forceinline__ void wait_product(float (&prod)[64]) {
   for (int j = 0; j < 64; ++j) sm90::reg_fence(prod[j]);
 }
 
-// dw's consumer wg: wait for use i's stage and issue its 64 rows' product.
-__device__ __forceinline__ void start_kstep(float (&prod)[64], const Ring& r, uint32_t i,
-                                            int wg) {
+// dw's consumer wg: wait for use i's stage and issue its 64 rows' product;
+// -> the stage.
+__device__ __forceinline__ int start_kstep(float (&prod)[64], const Ring& r, uint32_t i, int wg) {
   const int s = r.wait_loaded(i);
   issue_product(prod, r.a + s * kTileBytes + wg * 64 * kBK, r.b + s * kTileBytes);
+  return s;
 }
 
 // A consumer thread's place in its 64 x 128 accumulator: registers 4j, 4j+1
