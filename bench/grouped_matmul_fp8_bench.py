@@ -326,8 +326,7 @@ def main():
                     help="also time the decode table (the masked layout; DECODE)")
     ap.add_argument("--kernels", default="pallas",
                     help="fp8 kernel families timed, e.g. pallas,cuda (cuda: where the native "
-                         "extension is built; its forward kernel is not chosen by grouped_matmul yet: "
-                         "jax_ep/gmm/cuda_fp8.py NT_HELD_BACK)")
+                         "extension is built)")
     ap.add_argument("--variants", default="",
                     help="name=module,...: kernel variants timed beside 'fp8 nt' (rows 'fp8 nt [name]')")
     args = ap.parse_args()

@@ -49,9 +49,11 @@ def choice(cfg, op, m, k, n, g, dev):
 def test_table_entries():
     entries, fallback = tuning.load_tuned()
     assert set(entries) == {"NVIDIA H200", "NVIDIA H100 80GB HBM3"} and fallback == "NVIDIA H200"
-    # the H100 reuses the H200's measured tiles (no H100 measurements)
+    # the H100 reuses the H200's measured tiles (same_as) and overrides the
+    # fp8 kernel family it was measured on
     h200, h100 = entries["NVIDIA H200"], entries["NVIDIA H100 80GB HBM3"]
-    assert dataclasses.replace(h100, kind=h200.kind) == h200
+    assert h100.fp8_kernel == "cuda" and h200.fp8_kernel == "pallas"
+    assert dataclasses.replace(h100, kind=h200.kind, fp8_kernel="pallas") == h200
     assert h200.default.fwd == FwdTiles(128, 128, 64, 5, 2)
     assert h200.small.dw == DwTiles(64, 128, 64, 5, 4) and h200.small_group_rows == 96
     assert isinstance(h200.default.dw, DwTiles) and isinstance(h200.small.dx, FwdTiles)

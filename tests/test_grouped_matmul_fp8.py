@@ -584,18 +584,6 @@ def test_cuda_kernel_plan_and_its_ffi_call(monkeypatch):
 
     x, xs, w, ws, gs, _ = make(SIZES["skew_empty_nan_tail"], layout="gnk")
     cfg = GroupedMatmulConfig(impl="pallas", fp8_kernel="cuda")
-    # while the forward kernel is held back (cuda_fp8.NT_HELD_BACK), its ops
-    # plan Pallas with a warning naming why; dw keeps the CUDA kernel
-    monkeypatch.setattr(extension, "load", lambda: object())
-    for op in ("fwd", "dx"):
-        with pytest.warns(UserWarning, match="fp8_kernel='cuda' runs the fp8 .* "
-                                             "not yet shown to run on an H200"):
-            assert select.plan_fp8(cfg, op, x, xs, w, ws, jnp.bfloat16) is registry.FP8_PALLAS
-    monkeypatch.setattr(heuristic, "fp8_kernel", lambda kind: "cuda")
-    assert select.plan_fp8(GroupedMatmulConfig(impl="pallas"), "fwd", x, xs, w, ws,
-                           jnp.bfloat16) is registry.FP8_PALLAS
-    monkeypatch.undo()
-    monkeypatch.setattr(cuda_fp8, "NT_HELD_BACK", None)   # the plan once it passes
     monkeypatch.setattr(extension, "load", lambda: None)
     with pytest.raises(ValueError, match="needs the native extension"):
         select.plan_fp8(cfg, "fwd", x, xs, w, ws, jnp.bfloat16)

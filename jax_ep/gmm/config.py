@@ -83,10 +83,11 @@ class GroupedMatmulConfig:
         dw: ``"pallas"`` (``pallas_fp8``, ``pallas_fp8_dw``, Mosaic GPU),
         ``"cuda"`` (``cuda_fp8``: the native extension's kernels, one
         producer thread and the tile's sum zeroed once per tile; same
-        contracts; dw on CUDA, the forward and fp8 dx on Pallas with a
-        warning while ``cuda_fp8.NT_HELD_BACK`` holds their kernel back), or
-        None (default: the device's tuned choice, ``tuned_tiles.json``; on an
-        H200 ``"pallas"`` until the CUDA kernels are measured there).
+        contracts, the same bits), or None (default: the device's tuned
+        choice, ``tuned_tiles.json``: ``"cuda"`` on an H100, where it was
+        measured faster; ``"pallas"`` on an H200, where the CUDA forward's
+        present form has not run yet: an earlier form ended in an illegal
+        instruction there, bench/results/gpu-suite-shared-gpu.md).
       fp8_cluster: CTAs per cluster of the Pallas fp8 kernel (forward and fp8 dx):
         None (default: the device's tuned choice, ``heuristic.fp8_cluster``;
         on an H200 single CTAs, pairs not yet measured ahead), 1,

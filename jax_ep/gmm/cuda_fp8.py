@@ -37,19 +37,6 @@ DW_TARGET = "jax_ep_gmm_fp8_dw"
 NT_TILE_ROWS = 256   # the forward's row tiles (cc/gmm/fp8_nt.cu kRows)
 
 
-# The forward / dx kernel ended every call in CUDA_ERROR_ILLEGAL_INSTRUCTION on
-# an H200 (bench/results/gpu-suite-shared-gpu.md), which kills the process's
-# CUDA context. Its 128-row form without the 16-byte TMA box passed
-# tests/gpu/test_grouped_matmul_fp8_gpu.py on an H100, where the old form also
-# ran clean; the 256-row form has not run those tests yet. grouped_matmul does
-# not choose it (select.py) until it passes on an H200; gmm_fp8_nt_cuda still
-# runs it, for those tests and the bench. The dw kernel passed (bit for bit the
-# Pallas one). None: grouped_matmul may choose it.
-NT_HELD_BACK = ("the CUDA fp8 forward / dx kernel is not yet shown to run on an H200 "
-                "(an earlier form ended in an illegal instruction there; "
-                "bench/results/gpu-suite-shared-gpu.md)")
-
-
 def _no_extension() -> Optional[str]:
     """Why the CUDA kernels cannot run here at all (None: the extension is loaded)."""
     if extension.load() is None:

@@ -9,7 +9,7 @@ from typing import Optional
 
 from .. import extension
 from ..fp8 import FP8_BLOCK
-from . import cuda_fp8, heuristic, pallas_fp8, probe
+from . import heuristic, pallas_fp8, probe
 from .config import GroupedMatmulConfig
 from .devices import DeviceInfo, device_info
 from .registry import (BASE, DW_PIPELINE_VARIANT, FP8_CUDA, FP8_DW_CUDA, FP8_DW_PALLAS,
@@ -122,7 +122,7 @@ def plan_fp8(cfg: GroupedMatmulConfig, op: str, x, xs, v, vs, out_dtype,
     if cfg.impl == "xla":
         return FP8_DW_XLA if op == "dw" else FP8_XLA
     dev = dev or device_info()
-    cuda = _fp8_family(cfg, dev, op) == "cuda"
+    cuda = _fp8_family(cfg, dev) == "cuda"
     if op == "dw":
         kernel, reference, probe_op = FP8_DW_CUDA if cuda else FP8_DW_PALLAS, FP8_DW_XLA, "dw"
     else:
@@ -146,17 +146,11 @@ def plan_fp8(cfg: GroupedMatmulConfig, op: str, x, xs, v, vs, out_dtype,
     return kernel
 
 
-def _fp8_family(cfg: GroupedMatmulConfig, dev: DeviceInfo, op: str) -> str:
-    """The fp8 kernel family of ``op``: the config's, else the device's tuned
+def _fp8_family(cfg: GroupedMatmulConfig, dev: DeviceInfo) -> str:
+    """The fp8 kernel family: the config's, else the device's tuned
     choice — "pallas" where the tuned "cuda" cannot run (interpret mode, no
-    native extension), and for the forward and dx while their CUDA kernel is
-    not shown to run on every GPU (``cuda_fp8.NT_HELD_BACK``)."""
+    native extension)."""
     family = cfg.fp8_kernel or heuristic.fp8_kernel(dev.kind)
-    if family == "cuda" and op != "dw" and cuda_fp8.NT_HELD_BACK:
-        if cfg.fp8_kernel == "cuda":
-            warnings.warn(f"jax_ep.grouped_matmul: fp8_kernel='cuda' runs the fp8 {op} on the "
-                          f"Pallas kernel: {cuda_fp8.NT_HELD_BACK}")
-        return "pallas"
     if cfg.fp8_kernel is None and family == "cuda" and (cfg.interpret or extension.load() is None):
         return "pallas"
     return family

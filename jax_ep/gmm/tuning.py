@@ -43,8 +43,13 @@ file):
   ``fp8_cluster_min_k_steps`` = 0 keeps the fp8 kernel on single CTAs until
   pairs are measured ahead beyond the spread (skewed sizes, dx included).
 
-* fp8 kernel family: ``fp8_kernel`` = "pallas" until the native extension's
-  CUDA kernels (``cuda_fp8``) are measured on the device.
+* fp8 kernel family (bench/results/2026-12-04-h200x1-fp8-grouped-matmul.md):
+  on an H100 ``fp8_kernel`` = "cuda": its forward (256-row tiles) at V3
+  shapes, one run, against the Pallas kernel: up 899 vs 795 TF/s (uniform
+  sizes), 754 vs 616 (skewed); down 818 vs 796, 717 vs 662; the V3 layer
+  with the weights quantized outside the step 19.50 vs 20.07 ms; its GPU tests
+  passed there. On an H200 "pallas" until the CUDA forward's present form has
+  run there (an earlier form ended in an illegal instruction on one).
 """
 from __future__ import annotations
 
@@ -99,7 +104,7 @@ def load_tuned(text: Optional[str] = None):
     raw = data["devices"]
     entries: Dict[str, DeviceTuning] = {}
     for kind, e in raw.items():
-        src = raw[e["same_as"]] if "same_as" in e else e
+        src = {**raw[e["same_as"]], **e} if "same_as" in e else e   # same_as, then overrides
         entries[kind] = DeviceTuning(kind, int(src["small_group_rows"]),
                                      _tile_set(src["default"]), _tile_set(src["small"]),
                                      int(src.get("fp8_cluster_min_k_steps", 0)),
