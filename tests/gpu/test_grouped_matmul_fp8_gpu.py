@@ -148,16 +148,20 @@ def _api_operands(m, g, k, n, sizes, seed):
 
 @pytest.mark.parametrize("w_layout", ["gkn", "gnk"])
 @pytest.mark.parametrize("fp8_dx", [True, False])
-@pytest.mark.parametrize("fp8_cluster", [1, 2])
-def test_api_pallas_matches_reference_with_grads(w_layout, fp8_dx, fp8_cluster):
+@pytest.mark.parametrize("fp8_cluster,fp8_kernel", [(1, "pallas"), (2, "pallas"), (1, "cuda")])
+def test_api_kernels_match_reference_with_grads(w_layout, fp8_dx, fp8_cluster, fp8_kernel):
     """``jax_ep.grouped_matmul`` on fp8 operands: the kernel path (forward and
-    dx in fp8) against the dequantizing XLA reference, forward and both
-    gradients, skewed groups with an empty one and a tail (``fp8_cluster=2``:
-    the forward's N = 384 falls back to 1 CTA, dx's K = 512 runs on pairs)."""
+    dx in fp8, on the Pallas or the CUDA kernels) against the dequantizing XLA
+    reference, forward and both gradients, skewed groups with an empty one and
+    a tail (``fp8_cluster=2``: the forward's N = 384 falls back to 1 CTA, dx's
+    K = 512 runs on pairs)."""
     if fp8_cluster == 2 and not fp8_dx:
         pytest.skip("no pairs run: the forward falls back to 1 CTA and dx runs in bf16")
     import jax_ep
+    from jax_ep import extension
     from jax_ep.gmm import GroupedMatmulConfig
+    if fp8_kernel == "cuda" and extension.load() is None:
+        pytest.skip("needs the native extension")
 
     sizes = sizes_for("skew", 8, 1901)
     x, w, dy, gs = _api_operands(2048, 8, 512, 384, sizes, seed=11)
@@ -165,7 +169,8 @@ def test_api_pallas_matches_reference_with_grads(w_layout, fp8_dx, fp8_cluster):
     wq, ws = jax_ep.quantize_weights(w, layout=w_layout)
 
     def run(impl):
-        cfg = GroupedMatmulConfig(impl=impl, fp8_dx=fp8_dx, fp8_cluster=fp8_cluster)
+        cfg = GroupedMatmulConfig(impl=impl, fp8_dx=fp8_dx, fp8_cluster=fp8_cluster,
+                                  fp8_kernel=fp8_kernel)
 
         def f(a, b):
             return jax_ep.grouped_matmul(a, b, gs, x_scales=xs, w_scales=ws, w_layout=w_layout,
