@@ -70,7 +70,8 @@ after an fp8 product), or with ``GroupedMatmulConfig.fp8_dw`` in fp8 on ``x·xs`
 and ``dy`` recast per column and 128 rows (``fp8_columns``, ``pallas_fp8_dw``).
 ``GroupedMatmulConfig.fp8_kernel="cuda"`` runs the fp8 forward, dx and dw on
 the native extension's kernels (``cuda_fp8``; the Pallas kernels' bits; the
-forward on 256-row tiles); the device's table picks the family by default. The fp8 kernel can run on CTA pairs that share
+forward on 256-row tiles); the device's table picks the family by default.
+The fp8 kernel can run on CTA pairs that share
 the x tile by TMA multicast where the output width is a multiple of 256
 (``GroupedMatmulConfig.fp8_cluster=2``; by default where the device's table
 says pairs win: on an H200, nowhere yet). Cotangents of fp8 operands are those of their
