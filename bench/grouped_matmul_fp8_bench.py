@@ -348,8 +348,10 @@ def main():
     rows = []
     for proj in args.proj.split(","):
         for kind in args.kinds.split(","):
-            rows += rows_for(proj, kind, args.reps, clusters, variants, cuda)
-            print(*rows[-1], flush=True)
+            new = rows_for(proj, kind, args.reps, clusters, variants, cuda)
+            for r in new:   # as they come: a run cut short keeps its rows
+                print(*r, flush=True)
+            rows += new
     if args.sweep:
         rows += sweep_rows(args.reps, clusters)
     dense = {(p, n): tf for p, _, n, _, tf in rows if n.startswith("dense")}
