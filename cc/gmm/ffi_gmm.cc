@@ -5,7 +5,7 @@
 // jax_ep_gmm_fp8_nt (gmm/fp8_nt.cu): x [M, Kc] e4m3, xs_t [Kc/128, M] f32, v
 // [G, N, Kc] e4m3, vs [G, N/128, Kc/128] f32, and
 // the int32 row-tile table row_start, lo, hi, group [T] with counts [2]
-// (gmm/kernels.h) -> out [M, N] bf16 or f32.
+// (gmm/kernels.h), cut at attribute tile_rows rows -> out [M, N] bf16 or f32.
 //
 // jax_ep_gmm_fp8_dw (gmm/fp8_dw.cu): a [Ka, P] e4m3, as [P/128, Ka] f32, c
 // [Nc, P] e4m3, cs [P/128, Nc] f32, segments [G+1] int32 -> out [G, Ka, Nc]
@@ -62,9 +62,10 @@ ffi::Error GmmFp8NtImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                         ffi::AnyBuffer v, ffi::Buffer<ffi::F32> vs,
                         ffi::Buffer<ffi::S32> row_start, ffi::Buffer<ffi::S32> lo,
                         ffi::Buffer<ffi::S32> hi, ffi::Buffer<ffi::S32> group,
-                        ffi::Buffer<ffi::S32> counts, int32_t num_sms,
+                        ffi::Buffer<ffi::S32> counts, int32_t num_sms, int32_t tile_rows,
                         ffi::Result<ffi::AnyBuffer> out) {
   GmmFp8Args a;
+  a.tile_rows = tile_rows;
   JAX_EP_RETURN_IF_ERROR(Shapes(x, xs_t, v, vs, *out, &a));
   if (counts.element_count() != 2 || lo.element_count() != row_start.element_count() ||
       hi.element_count() != row_start.element_count() ||
@@ -152,7 +153,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGmmFp8Nt, jax_ep::GmmFp8NtImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // hi [T]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // group [T]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // counts [2]
-                                  .Attr<int32_t>("num_sms")  // CTAs (0: one per SM)
+                                  .Attr<int32_t>("num_sms")    // CTAs (0: one per SM)
+                                  .Attr<int32_t>("tile_rows")  // the table's rows per tile
                                   .Ret<xla::ffi::AnyBuffer>());  // out [M, N] bf16 / f32
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGmmFp8Dw, jax_ep::GmmFp8DwImpl,

@@ -7,7 +7,8 @@
 // [G, N, Kc] e4m3, vs [G, N/128, Kc/128] f32 (128 x 128 blocks), f32
 // accumulation promoted every 128 of the contraction, out [M, N] bf16 or f32.
 // The rows come as a row-tile table of 256-row tiles (jax_ep/gmm/pallas_common.py
-// row_tiles, bm = 256): tile f loads rows [row_start[f], +256) (rows past m
+// row_tiles, bm = 256; the caller names the rows it cut, tile_rows, and the
+// kernel refuses a table cut for other tiles): tile f loads rows [row_start[f], +256) (rows past m
 // read as zeros) and stores [lo[f], hi[f]) of group group[f]; group -1: zeros
 // (rows past the groups' end).
 #pragma once
@@ -28,6 +29,7 @@ struct GmmFp8Args {
   const int32_t* hi = nullptr;
   const int32_t* group = nullptr;
   const int32_t* counts = nullptr;  // [2]: group tiles, then tail tiles, first in the table
+  int tile_rows = 0;                // the rows per tile the table was cut at
   void* out = nullptr;              // [m, n]
   bool out_f32 = false;             // else bf16
   int m = 0, kc = 0, n = 0, groups = 0;
@@ -36,7 +38,7 @@ struct GmmFp8Args {
 };
 
 // Why the kernel cannot run these shapes ("" if it can): multiples of 128,
-// m % 8 == 0 and m >= 128.
+// m % 8 == 0 and m >= 128, a row-tile table of the kernel's tile rows.
 const char* gmm_fp8_shape_error(const GmmFp8Args& a);
 
 cudaError_t launch_gmm_fp8_nt(const GmmFp8Args& a, cudaStream_t stream);

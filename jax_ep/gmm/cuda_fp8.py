@@ -34,7 +34,7 @@ from .pallas_fp8_dw import check_fp8_dw
 
 TARGET = "jax_ep_gmm_fp8_nt"
 DW_TARGET = "jax_ep_gmm_fp8_dw"
-NT_TILE_ROWS = 256   # the forward's row tiles (cc/gmm/fp8_nt.cu kRows)
+NT_TILE_ROWS = 256   # the forward's row tiles (cc/gmm/fp8_nt.cu kRows, which checks it)
 
 
 def _no_extension() -> Optional[str]:
@@ -70,7 +70,8 @@ def gmm_fp8_nt_cuda(x, xs, v, vs, offsets, *, out_dtype=None, num_sms: int = 0):
     counts, rs, lo, hi, grp = row_tile_table(offsets, m, NT_TILE_ROWS)
     xs_t = xs.astype(jnp.float32).T                                  # a tile's scales: one run
     return _call(TARGET, (m, v.shape[1]), out_dtype,
-                 (x, xs_t, v, vs.astype(jnp.float32), rs, lo, hi, grp, counts), num_sms)
+                 (x, xs_t, v, vs.astype(jnp.float32), rs, lo, hi, grp, counts), num_sms,
+                 tile_rows=np.int32(NT_TILE_ROWS))
 
 
 def check_fp8_dw_cuda(a, a_s, c, c_s, segments=None) -> Optional[str]:
@@ -100,10 +101,11 @@ def _out_dtype(fn, out_dtype):
     return out_dtype
 
 
-def _call(target, shape, out_dtype, ops, num_sms):
-    """The FFI call, its operands and result varying over the union of their
-    mesh axes (inside ``shard_map(check_vma=True)``)."""
+def _call(target, shape, out_dtype, ops, num_sms, **attrs):
+    """The FFI call (typed attributes ``num_sms`` and ``attrs``), its operands
+    and result varying over the union of their mesh axes (inside
+    ``shard_map(check_vma=True)``)."""
     axes = frozenset().union(*(vma_of(a) for a in ops))
     ops = tuple(to_vma(a, axes) for a in ops)
     out = result_type(shape, out_dtype, vma=axes)
-    return jax.ffi.ffi_call(target, out)(*ops, num_sms=np.int32(num_sms))
+    return jax.ffi.ffi_call(target, out)(*ops, num_sms=np.int32(num_sms), **attrs)
