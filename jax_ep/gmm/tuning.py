@@ -45,10 +45,11 @@ file):
 
 * fp8 kernel family (bench/results/2026-12-04-h200x1-fp8-grouped-matmul.md):
   on an H100 ``fp8_kernel`` = "cuda": its forward (256-row tiles) at V3
-  shapes, one run, against the Pallas kernel: up 899 vs 795 TF/s (uniform
-  sizes), 754 vs 616 (skewed); down 818 vs 796, 717 vs 662; the V3 layer
-  with the weights quantized outside the step 19.50 vs 20.07 ms; its GPU tests
-  passed there. On an H200 "pallas" until the CUDA forward's present form has
+  shapes, one run, against the Pallas kernel: up 975 vs 799 TF/s (uniform
+  sizes), 789 vs 660 (skewed); down 811 vs 796, 709 vs 653 (an earlier run
+  on another H100: 899 vs 795, 754 vs 616, 818 vs 796, 717 vs 662); the V3
+  layer with the weights quantized outside the step 19.50 vs 20.07 ms; its
+  GPU tests passed there, the API with gradients on it included. On an H200 "pallas" until the CUDA forward's present form has
   run there (an earlier form ended in an illegal instruction on one).
 """
 from __future__ import annotations
