@@ -8,9 +8,9 @@
 // accumulation promoted every 128 of the contraction, out [M, N] bf16 or f32.
 // The rows come as a row-tile table of 256-row tiles (jax_ep/gmm/pallas_common.py
 // row_tiles, bm = 256; the caller names the rows it cut, tile_rows, and the
-// kernel refuses a table cut for other tiles): tile f loads rows [row_start[f], +256) (rows past m
-// read as zeros) and stores [lo[f], hi[f]) of group group[f]; group -1: zeros
-// (rows past the groups' end).
+// kernel refuses a table cut for other tiles): tile f loads rows
+// [row_start[f], +256) (rows past m read as zeros) and stores [lo[f], hi[f])
+// of group group[f]; group -1: zeros (rows past the groups' end).
 #pragma once
 
 #include <cuda_runtime.h>
