@@ -616,7 +616,8 @@ def test_cuda_kernel_plan_and_its_ffi_call(monkeypatch):
     _assert_one_call(cuda_fp8.gmm_fp8_nt_cuda, (x, xs, w, ws, off), "jax_ep_gmm_fp8_nt", (
         f"tensor<{M}x{K}xf8E4M3FN>", f"tensor<{kb}x{M}xf32>", f"tensor<{G}x{N}x{K}xf8E4M3FN>",
         f"tensor<{G}x{N // 128}x{kb}xf32>", f"tensor<{table}xi32>", "tensor<2xi32>",
-        f"tensor<{M}x{N}xbf16>", f"tile_rows = {cuda_fp8.NT_TILE_ROWS} : i32"))   # checked by the kernel
+        f"tensor<{M}x{N}xbf16>",
+        f"tile_rows = {cuda_fp8.NT_TILE_ROWS} : i32"))   # the kernel checks it
     # dw: the regrouped, transposed operands (fp8_columns)
     dw_ops = fp8_columns.dw_operands(x, xs, jnp.ones((M, N), jnp.bfloat16), jnp.asarray(gs))
     assert select.plan_fp8(cfg, "dw", *dw_ops[:4], jnp.bfloat16) is registry.FP8_DW_CUDA

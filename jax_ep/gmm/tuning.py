@@ -49,8 +49,9 @@ file):
   sizes), 789 vs 660 (skewed); down 811 vs 796, 709 vs 653 (an earlier run
   on another H100: 899 vs 795, 754 vs 616, 818 vs 796, 717 vs 662); the V3
   layer with the weights quantized outside the step 19.50 vs 20.07 ms; its
-  GPU tests passed there, the API with gradients on it included. On an H200 "pallas" until the CUDA forward's present form has
-  run there (an earlier form ended in an illegal instruction on one).
+  GPU tests passed there, the API with gradients on it included. On an H200
+  "pallas" until the CUDA forward's present form has run there (an earlier
+  form ended in an illegal instruction on one).
 """
 from __future__ import annotations
 

@@ -158,10 +158,9 @@ def test_api_kernels_match_reference_with_grads(w_layout, fp8_dx, fp8_cluster, f
     if fp8_cluster == 2 and not fp8_dx:
         pytest.skip("no pairs run: the forward falls back to 1 CTA and dx runs in bf16")
     import jax_ep
-    from jax_ep import extension
     from jax_ep.gmm import GroupedMatmulConfig
-    if fp8_kernel == "cuda" and extension.load() is None:
-        pytest.skip("needs the native extension")
+    if fp8_kernel == "cuda":
+        _native()
 
     sizes = sizes_for("skew", 8, 1901)
     x, w, dy, gs = _api_operands(2048, 8, 512, 384, sizes, seed=11)
@@ -323,9 +322,7 @@ def test_masked_layout_matches_reference(path):
     import jax_ep
     from jax_ep.gmm import GroupedMatmulConfig
     if path == "fp8-cuda":
-        from jax_ep import extension
-        if extension.load() is None:
-            pytest.skip("needs the native extension")
+        _native()
     sizes, c, k, n = [37, 0, 200, 130], 200, 512, 384
     g = len(sizes)
     valid = (np.arange(c)[None, :] < np.asarray(sizes)[:, None])[..., None]
