@@ -32,11 +32,13 @@ layer pays beside the bf16 one:
 - ``bf16 fwd+bwd``: ``grouped_matmul`` and its gradients (dx, dw) in bf16;
 - ``fp8 fwd+bwd, w quantized in the call``: the fp8 layer's expert matmul as
   the layer runs it (``x`` cast as dispatch casts it, ``w`` quantized to
-  128 x 128 blocks, the forward and dx in fp8, dw in bf16), ``x``, ``w`` and
-  ``dy`` chained so every cast runs in every call;
-- ``fp8 fwd+bwd, w quantized once``: the same with ``w`` left out of the
-  chain, so XLA hoists the loop-invariant weight quantization out of it
-  (weights quantized less often than used: inference, gradient accumulation);
+  128 x 128 blocks in both layouts by ``quantize_weights_pair``, the forward
+  and dx in fp8, dw in bf16), ``x``, ``w`` and ``dy`` chained so every cast
+  runs in every call;
+- ``fp8 fwd+bwd, w quantized once``: the same on both layouts quantized
+  before the timed chain (``quantize_weights(quantized=...)``, as
+  ``moe_layer_step --impls jax_ep_fp8_wq``: weights quantized less often
+  than used, as in inference or gradient accumulation);
 - ``..., dw fp8``: the same two with ``GroupedMatmulConfig(fp8_dw=True)``;
   ``..., cuda...``: the same on the native extension's kernels
   (``fp8_kernel="cuda"``) where it is built;
@@ -164,6 +166,14 @@ def rows_for(proj, kind, reps, clusters=(1,), variants=None, cuda=True):
     return [(proj, kind, name, ms, flops / ms / 1e9) for name, ms in t.items()]
 
 
+class Printed(dict):
+    """Times by row name, each printed as it is measured (a run cut short keeps them)."""
+
+    def __setitem__(self, name, ms):
+        print(name, f"{ms:.3f} ms", flush=True)
+        super().__setitem__(name, ms)
+
+
 def step_rows(proj, reps, kernels=("pallas",)):
     """``--steps``: (proj, op, ms, GB/s or None) for one projection, uniform sizes."""
     k, n = PROJ[proj]
@@ -174,28 +184,36 @@ def step_rows(proj, reps, kernels=("pallas",)):
     def grads(y_of):   # (dx, dw) of sum(y * dy)
         return lambda x_, w_, d: jax.vjp(y_of, x_, w_)[1](d)
 
-    def fp8_y(cfg):   # the default config: fp8 dx, bf16 dw
+    # both layouts of w quantized once, outside the timed chain (XLA does not
+    # hoist a quantization out of the chain's loop: such rows timed the same)
+    pair = jax.block_until_ready(jax.jit(jax_ep.quantize_weights_pair)(w))
+
+    def fp8_y(cfg, once):   # the default config: fp8 dx, bf16 dw
         def y(x_, w_):
             xq, xs = jax_ep.quantize_activations(x_)
-            wq, ws = jax_ep.quantize_weights(w_)
-            return jax_ep.grouped_matmul(xq, wq, gs, x_scales=xs, w_scales=ws, config=cfg)
+            if once:   # the cached pair, gradient still to w_ (as moe_layer.quantize_experts)
+                wq, ws = jax_ep.quantize_weights(w_, quantized=pair[0])
+                w_t = pair[1]
+            else:      # both layouts in the call, as the fp8 layer quantizes in its step
+                (wq, ws), w_t = jax_ep.quantize_weights_pair(w_)
+            return jax_ep.grouped_matmul(xq, wq, gs, x_scales=xs, w_scales=ws, w_transposed=w_t,
+                                         config=cfg)
         return y
 
     bf16 = grads(lambda x_, w_: jax_ep.grouped_matmul(x_, w_, gs))
-    t, gbs = {}, {}
-    # the chained operand (first) is recomputed from in every call; the others are
-    # loop-invariant, and XLA hoists what depends on them alone
-    # dy is chained too: its casts (dx's, and dw's with fp8_dw) run in every call
+    t, gbs = Printed(), {}
+    # the chained operands (first) are recomputed from in every call; dy is
+    # chained too: its casts (dx's, and dw's with fp8_dw) run in every call
     t["bf16 fwd+bwd"] = per_call_ms(lambda xwd: bf16(*xwd), ((x, w, dy),), 2, 6, reps)
     configs = [(f"{', ' + k if k != 'pallas' else ''}{dw}",
                 GroupedMatmulConfig(fp8_kernel=k, fp8_dw=bool(dw)))
                for k in kernels for dw in ("", ", dw fp8")]
     for tag, cfg in configs:
-        fp8 = grads(fp8_y(cfg))
+        in_call, once = grads(fp8_y(cfg, False)), grads(fp8_y(cfg, True))
         t[f"fp8 fwd+bwd{tag}, w quantized in the call"] = per_call_ms(
-            lambda xwd, f=fp8: f(*xwd), ((x, w, dy),), 2, 6, reps)
+            lambda xwd, f=in_call: f(*xwd), ((x, w, dy),), 2, 6, reps)
         t[f"fp8 fwd+bwd{tag}, w quantized once"] = per_call_ms(
-            lambda xd, w_, f=fp8: f(xd[0], w_, xd[1]), ((x, dy), w), 2, 6, reps)
+            lambda xd, w_, f=once: f(xd[0], w_, xd[1]), ((x, dy), w), 2, 6, reps)
     t.update(dw_rows(x, gs, dy, reps, kernels))
     one_layout = w.size * (w.dtype.itemsize + 1)   # bytes: read bf16, write fp8
     quant = {"quantize w gkn": (lambda w_: jax_ep.quantize_weights(w_), 1),
@@ -217,9 +235,10 @@ def dw_rows(x, gs, dy, reps, kernels=("pallas",)):
     xq, xs = jax_ep.quantize_activations(x)
     a, a_s, c, c_s, seg = fp8_columns.dw_operands(xq, xs, dy, gs)
     # x and dy chained: each call recasts both (the kernel alone: none)
-    t = {"dw bf16": per_call_ms(
+    t = Printed()
+    t["dw bf16"] = per_call_ms(
         lambda xd: gm_fp8.dw_bf16(GroupedMatmulConfig(), xd[0], xs, gs, xd[1]), ((xq, dy),),
-        2, 6, reps)}
+        2, 6, reps)
     for k in kernels:
         tag = "" if k == "pallas" else f" [{k}]"
         cfg = GroupedMatmulConfig(fp8_dw=True, fp8_kernel=k)
@@ -325,7 +344,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--proj", default="up,down")
-    ap.add_argument("--kinds", default="uniform,skew")
+    ap.add_argument("--kinds", default="uniform,skew",
+                    help="group-size kinds of the main table ('': no main table, e.g. with --steps)")
     ap.add_argument("--sweep", action="store_true", help="also time SWEEP's tiles")
     ap.add_argument("--clusters", default="1",
                     help="CTAs per cluster of the fp8 nt rows, e.g. 1,2 (2: rows 'fp8 nt c2')")
@@ -347,7 +367,7 @@ def main():
     print(jax.devices()[0].device_kind, jax.__version__)
     rows = []
     for proj in args.proj.split(","):
-        for kind in args.kinds.split(","):
+        for kind in filter(None, args.kinds.split(",")):
             new = rows_for(proj, kind, args.reps, clusters, variants, cuda)
             for r in new:   # as they come: a run cut short keeps its rows
                 print(*r, flush=True)
