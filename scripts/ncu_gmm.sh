@@ -46,6 +46,10 @@ PY
 # not place: producer, consumers' barrier waits or the epilogue).
 name=$(cat "$OUT/ncu_longest.txt" 2>/dev/null)
 echo "longest kernel: $name" | tee -a "$OUT/ncu_summary.txt"
+# -k matches the function's base name ("gmm_fp8_nt_kernel" of "void
+# (anonymous namespace)::gmm_fp8_nt_kernel<...>(Maps, GmmFp8Args)"): the
+# full name matched nothing
+name=$(python3 -c 'import re, sys; m = re.search(r"(\w+)[<(]", sys.argv[1]); print(m.group(1) if m else sys.argv[1])' "$name")
 OPS1="${OPS%%,*}"
 timeout ${NCU_TIMEOUT:-240} ncu --clock-control none -k "$name" --launch-skip 1 --launch-count 1 \
   --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \

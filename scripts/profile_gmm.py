@@ -7,6 +7,9 @@ fwd_up / fwd_down, dx_up, dense_dw_up (x^T @ dy over all rows, cuBLAS), bmm_up /
 bmm_down (XLA's batched matmul of the padded layer, x [G, M/G, K] @ w [G, K, N]),
 fp8_up / fp8_down (the fp8 kernel ``gmm_fp8_nt`` of the module $FP8_MODULE,
 default ``jax_ep.gmm.pallas_fp8``: a variant can be profiled beside it);
+fp8dw_up / fp8dw_down (the fp8 dw kernel ``tgmm_fp8_nt`` of $FP8_DW_MODULE,
+default ``jax_ep.gmm.pallas_fp8_dw``, on operands as ``fp8_columns`` lays
+them out: rows per group a multiple of 128);
 an op may end in ``:rows`` (e.g. ``fwd_up:8192``, 64 rows per group: the V3
 layer at T 128), default 32768. Each op
 runs once to compile and once more, then the device is synchronised: the
@@ -47,6 +50,23 @@ def fp8_operands(rng, m, k, n, gs):
             (e4m3((G, n, k)), scales((G, n // 128, k // 128)), offsets(gs, m)))
 
 
+def fp8_dw_operands(rng, m, k, n):
+    """((a e4m3 [k, m], its scales [m/128, k]), (c e4m3 [n, m], scales, segments)):
+    dw of uniform groups whose rows need no regrouping (m / G rows each)."""
+    def e4m3(shape):
+        return jax.device_put(rng.standard_normal(shape, np.float32).astype(ml_dtypes.float8_e4m3fn))
+
+    def scales(shape):
+        return jax.device_put(rng.uniform(0.5, 2.0, shape).astype(np.float32))
+    seg = jnp.arange(G + 1, dtype=jnp.int32) * (m // G)
+    return ((e4m3((k, m)), scales((m // 128, k))), (e4m3((n, m)), scales((m // 128, n)), seg))
+
+
+def fp8_dw_kernel():
+    mod = importlib.import_module(os.environ.get("FP8_DW_MODULE", "jax_ep.gmm.pallas_fp8_dw"))
+    return lambda a, b: mod.tgmm_fp8_nt(a[0], a[1], *b)
+
+
 def fp8_kernel():
     mod = importlib.import_module(os.environ.get("FP8_MODULE", "jax_ep.gmm.pallas_fp8"))
     return lambda a, b: mod.gmm_fp8_nt(a[0], a[1], *b)
@@ -76,6 +96,11 @@ def main(ops):
         elif kind == "fp8":
             a, b = fp8_operands(rng, m, k, n, gs)
             fn = jax.jit(fp8_kernel())
+        elif kind == "fp8dw":
+            if (m // G) % 128:
+                raise SystemExit(f"{op}: fp8dw needs rows per group a multiple of 128")
+            a, b = fp8_dw_operands(rng, m, k, n)
+            fn = jax.jit(fp8_dw_kernel())
         elif kind == "bmm":
             a, b = normal((G, m // G, k)), normal((G, k, n))
             fn = jax.jit(lambda a, b: jnp.einsum("gmk,gkn->gmn", a, b))
