@@ -52,11 +52,12 @@ echo "longest kernel: $name" | tee -a "$OUT/ncu_summary.txt"
 name=$(python3 -c 'import re, sys; m = re.search(r"(\w+)[<(]", sys.argv[1]); print(m.group(1) if m else sys.argv[1])' "$name")
 OPS1="${OPS%%,*}"
 timeout ${NCU_TIMEOUT:-240} ncu --clock-control none -k "$name" --launch-skip 1 --launch-count 1 \
-  --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+  --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+  --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy \
   --section SourceCounters --import-source no \
   python3 scripts/profile_gmm.py "$OPS1" > "$OUT/ncu_sections.txt" 2>&1
 echo "ncu sections rc=$?"
-grep -E "Duration|Throughput|Hit Rate|Stall|stall|Warp Cycles|Issued|Achieved|Busy|Bandwidth|Registers|Shared Memory|Location|0x" "$OUT/ncu_sections.txt" | head -90
+grep -E "Duration|Throughput|Hit Rate|Stall|stall|Warp Cycles|Issued|Achieved|Busy|Bandwidth|Registers|Shared|Pipe|Bank|Wavefront|Location|0x" "$OUT/ncu_sections.txt" | head -120
 # SASS=1: where the longest kernel's instructions go, per loop body
 # (scripts/sass_counts.py; an issue-bound kernel showed it: the fp8 forward).
 if [ "${SASS:-0}" = 1 ]; then
