@@ -38,38 +38,35 @@ G, M = 128, 32768
 PROJ = {"up": (7168, 4096), "down": (2048, 7168)}
 
 
+def e4m3(rng, shape):
+    """Random e4m3 values, made on the host."""
+    return jax.device_put(rng.standard_normal(shape, np.float32).astype(ml_dtypes.float8_e4m3fn))
+
+
+def scales(rng, shape):
+    """Random positive f32 scales, made on the host."""
+    return jax.device_put(rng.uniform(0.5, 2.0, shape).astype(np.float32))
+
+
 def fp8_operands(rng, m, k, n, gs):
     """((x e4m3 [m, k], its scales [m, k/128]), (v e4m3 [G, n, k], scales, group
-    offsets)): random values and positive scales, made on the host."""
-    def e4m3(shape):
-        return jax.device_put(rng.standard_normal(shape, np.float32).astype(ml_dtypes.float8_e4m3fn))
-
-    def scales(shape):
-        return jax.device_put(rng.uniform(0.5, 2.0, shape).astype(np.float32))
-    return ((e4m3((m, k)), scales((m, k // 128))),
-            (e4m3((G, n, k)), scales((G, n // 128, k // 128)), offsets(gs, m)))
+    offsets))."""
+    return ((e4m3(rng, (m, k)), scales(rng, (m, k // 128))),
+            (e4m3(rng, (G, n, k)), scales(rng, (G, n // 128, k // 128)), offsets(gs, m)))
 
 
 def fp8_dw_operands(rng, m, k, n):
     """((a e4m3 [k, m], its scales [m/128, k]), (c e4m3 [n, m], scales, segments)):
     dw of uniform groups whose rows need no regrouping (m / G rows each)."""
-    def e4m3(shape):
-        return jax.device_put(rng.standard_normal(shape, np.float32).astype(ml_dtypes.float8_e4m3fn))
-
-    def scales(shape):
-        return jax.device_put(rng.uniform(0.5, 2.0, shape).astype(np.float32))
     seg = jnp.arange(G + 1, dtype=jnp.int32) * (m // G)
-    return ((e4m3((k, m)), scales((m // 128, k))), (e4m3((n, m)), scales((m // 128, n)), seg))
+    return ((e4m3(rng, (k, m)), scales(rng, (m // 128, k))),
+            (e4m3(rng, (n, m)), scales(rng, (m // 128, n)), seg))
 
 
-def fp8_dw_kernel():
-    mod = importlib.import_module(os.environ.get("FP8_DW_MODULE", "jax_ep.gmm.pallas_fp8_dw"))
-    return lambda a, b: mod.tgmm_fp8_nt(a[0], a[1], *b)
-
-
-def fp8_kernel():
-    mod = importlib.import_module(os.environ.get("FP8_MODULE", "jax_ep.gmm.pallas_fp8"))
-    return lambda a, b: mod.gmm_fp8_nt(a[0], a[1], *b)
+def kernel_of(env, default, name):
+    """``fn(a, b) = name(*a, *b)`` of the module ``$env`` (default ``default``)."""
+    fn = getattr(importlib.import_module(os.environ.get(env, default)), name)
+    return lambda a, b: fn(*a, *b)
 
 
 def main(ops):
@@ -95,12 +92,13 @@ def main(ops):
             fn = jax.jit(lambda a, b, t=(kind == "dx"), gs=gs: gmm(a, b, gs, transpose_rhs=t))
         elif kind == "fp8":
             a, b = fp8_operands(rng, m, k, n, gs)
-            fn = jax.jit(fp8_kernel())
+            fn = jax.jit(kernel_of("FP8_MODULE", "jax_ep.gmm.pallas_fp8", "gmm_fp8_nt"))
         elif kind == "fp8dw":
             if (m // G) % 128:
                 raise SystemExit(f"{op}: fp8dw needs rows per group a multiple of 128")
             a, b = fp8_dw_operands(rng, m, k, n)
-            fn = jax.jit(fp8_dw_kernel())
+            fn = jax.jit(kernel_of("FP8_DW_MODULE", "jax_ep.gmm.pallas_fp8_dw",
+                                       "tgmm_fp8_nt"))
         elif kind == "bmm":
             a, b = normal((G, m // G, k)), normal((G, k, n))
             fn = jax.jit(lambda a, b: jnp.einsum("gmk,gkn->gmn", a, b))
