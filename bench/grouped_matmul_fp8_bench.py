@@ -46,6 +46,8 @@ layer pays beside the bf16 one:
   ``x * xs`` and ``dy`` rounded to bf16 (what the default fp8 path runs); the
   fp8 path's dw with ``fp8_dw`` (the recast of both operands per column,
   ``fp8_columns``, then the kernel); the fp8 dw kernel alone on recast operands;
+  ``dw recast (auto)`` / ``(xla)``: the recast alone, on the column kernel
+  (``cuda_quant``, where the extension is built) / on XLA's passes;
 - ``quantize w gkn`` / ``gnk`` / ``both``: ``quantize_weights`` alone, the
   forward's K-major copy, and both layouts in one call (what the layer needs);
   ``quantize w pair, one pass``: ``quantize_weights_pair`` (on a GPU with the
@@ -247,6 +249,11 @@ def dw_rows(x, gs, dy, reps, kernels=("pallas",)):
             lambda xd, c_=cfg: gm_fp8.dw_fp8(c_, xd[0], xs, gs, xd[1]), ((xq, dy),), 2, 6, reps)
         t["dw fp8 kernel" + tag] = per_call_ms(
             lambda ac, f=kernel: f(ac[0], a_s, ac[1], c_s, seg), ((a, c),), 2, 6, reps)
+    # the recast alone: the column kernel where the extension is built, XLA's passes
+    for impl in ("auto", "xla"):
+        t[f"dw recast ({impl})"] = per_call_ms(
+            lambda xd, i=impl: fp8_columns.dw_operands(xd[0], xs, xd[1], gs, impl=i)[:4],
+            ((xq, dy),), 2, 6, reps)
     return t
 
 

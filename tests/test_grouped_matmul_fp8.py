@@ -216,6 +216,58 @@ def _check_fp8_dw(dw, mdw, dw_bound, operands, sizes):
     assert_per_product(dw, mdw, dw_bound, 2 ** -3 + 2 ** -8 + 1e-2, "dw (fp8)")
 
 
+@pytest.mark.parametrize("sizes", [[40, 0, 100, 3, 90], [128, 0, 0, 256, 0], [0, 0, 0, 0, 0],
+                                   [384, 0, 0, 0, 0]])
+def test_dw_block_table_matches_the_regroup_index(sizes):
+    """The column kernel's block table (``fp8_columns.block_table``: per
+    128-row block a source row and a count) names the rows the XLA path's
+    regroup index does: regrouped row 128 b + i is source row src[b] + i
+    exactly when i < count[b]."""
+    gs = jnp.asarray(sizes, jnp.int32)
+    off = gm_ops.offsets(gs, M)
+    seg = fp8_columns.segments(off)
+    p = fp8_columns.padded_length(M, len(sizes))
+    src, valid = (np.asarray(a) for a in fp8_columns.regroup_index(off, seg, p))
+    b_src, b_count = (np.asarray(a) for a in fp8_columns.block_table(off, seg, p))
+    i = np.arange(p) % 128
+    want_valid = i < np.repeat(b_count, 128)
+    np.testing.assert_array_equal(valid, want_valid)
+    np.testing.assert_array_equal(src[valid], (np.repeat(b_src, 128) + i)[valid])
+
+
+def test_dw_operands_lowering(monkeypatch):
+    """With the extension, ``dw_operands`` lowers for CUDA to two custom calls
+    of the column kernel (x e4m3 with its row scales, dy without) and for the
+    CPU to XLA's passes (the CPU run gives XLA's bits); ``impl`` is checked."""
+    from jax_ep import extension
+    x, xs, _, _, gs, _ = make(SIZES["skew_empty_nan_tail"])
+    dy = jnp.ones((M, N), jnp.bfloat16)
+    gs = jnp.asarray(gs)
+    monkeypatch.setattr(extension, "load", lambda: None)
+    with pytest.raises(ValueError, match="impl='native'.*native extension"):
+        fp8_columns.dw_operands(x, xs, dy, gs, impl="native")
+    with pytest.raises(ValueError, match="impl must be one of"):
+        fp8_columns.dw_operands(x, xs, dy, gs, impl="cuda")
+    monkeypatch.setattr(extension, "load", lambda: object())
+    f = jax.jit(fp8_columns.dw_operands)
+    p = fp8_columns.padded_length(M, G)
+    calls = [ln for ln in f.trace(x, xs, dy, gs).lower(lowering_platforms=("cuda",)).as_text()
+             .splitlines() if "jax_ep_quantize_columns" in ln]
+    assert len(calls) == 2, calls
+    pb = f"tensor<{p // 128}xi32>"
+    for call, want in zip(calls, ((f"tensor<{M}x{K}xf8E4M3FN>", f"tensor<{M}x{K // 128}xf32>",
+                                   f"tensor<{K}x{p}xf8E4M3FN>", f"tensor<{p // 128}x{K}xf32>"),
+                                  (f"tensor<{M}x{N}xbf16>", "tensor<0xf32>",
+                                   f"tensor<{N}x{p}xf8E4M3FN>", f"tensor<{p // 128}x{N}xf32>"))):
+        for operand in (*want, pb, "scale_mode = 3 : i32"):
+            assert operand in call, (operand, call)
+    cpu = f.trace(x, xs, dy, gs).lower(lowering_platforms=("cpu",)).as_text()
+    assert "jax_ep_quantize_columns" not in cpu
+    if jax.devices()[0].platform == "cpu":
+        for got, want in zip(f(x, xs, dy, gs), fp8_columns.dw_operands(x, xs, dy, gs, impl="xla")):
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 def test_gradient_through_the_quantizers_is_straight_through():
     """jax.grad of a loss of bf16/f32 x and w through quantize_* and the fp8
     matmul: the cotangents of the dequantized values, in x's and w's dtypes."""

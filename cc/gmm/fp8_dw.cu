@@ -7,6 +7,17 @@
 // a and c tiles and both rows' scales; each consumer warpgroup adds its 64
 // rows' product times a_s[row] times c_s[col] (a multiply and an FMA per
 // register) to the tile's f32 sum. An empty group's tiles are zeros.
+//
+// A bf16 tile leaves through shared memory by TMA: at 256 rows per group a
+// tile has two blocks of the contraction, so the kernel mostly writes (V3 up:
+// 7.5 GB of dw for 1.9 PFLOP); from registers each warp store wrote 16 bytes
+// to each of 8 rows, as many L2 requests as 16-byte pieces of dw, and the
+// consumers waited on them before their next tile. Now each consumer
+// warpgroup puts its 64 rows in its 16 KB of the output tile (128-byte
+// swizzled, free of bank conflicts) and one thread stores them as two 64 x 64
+// boxes while the warpgroup runs the next tile. f32 dw stores from registers.
+#include <type_traits>
+
 #include "gmm/fp8_ring.cuh"
 #include "gmm/kernels.h"
 #include "gmm/tensor_map.h"
@@ -17,6 +28,24 @@ namespace {
 using namespace fp8_ring;
 
 constexpr uint32_t kStageTx = 2 * kTileBytes + 2 * kScales * 4;
+constexpr int kHalfBytes = 64 * 128;                // 64 rows x 64 bf16 columns: one TMA box
+constexpr int kOutBytes = kConsumers * 2 * kHalfBytes;   // a 128 x 128 bf16 tile
+
+// The ring, then the bf16 output tile [consumer][column half][64 rows][128
+// bytes], 1024-byte aligned for the 128-byte swizzle.
+struct DwSmem : Ring {
+  static constexpr size_t kSmemBytes = Ring::kSmemBytes + 1024 + kOutBytes;
+  uint8_t* out_tile;
+
+  __device__ static DwSmem at(uint8_t* smem) {
+    DwSmem d;
+    static_cast<Ring&>(d) = Ring::at(smem);
+    // d.a is the ring's 1024-byte aligned start
+    const long used = reinterpret_cast<const uint8_t*>(d.empty + Ring::kStages) - d.a;
+    d.out_tile = d.a + (used + 1023) / 1024 * 1024;
+    return d;
+  }
+};
 
 struct DwTile {
   int group, row, col;   // out[group], its row tile and column tile
@@ -45,9 +74,39 @@ __device__ void produce(const GmmFp8DwArgs& a, const Maps& m, const Ring& r, int
   }
 }
 
+// Consumer wg's 64 x 128 sum, rounded to bf16, into its 16 KB of the output
+// tile and stored by TMA to out rows [row0, +64), columns [col0, +128) (the
+// map's rows: G * Ka). Its thread 0 first waits until the previous tile's
+// stores have read the buffer.
+__device__ __forceinline__ void store_tile_tma(const float (&sum)[64], const DwSmem& r,
+                                               const Maps& m, int row0, int col0, int wg) {
+  const int t = threadIdx.x % 128;
+  uint8_t* tile = r.out_tile + wg * 2 * kHalfBytes;
+  if (t == 0) sm90::bulk_wait_read<0>();
+  sm90::named_bar_sync(1 + wg, 128);
+  // rows rr and rr + 8 (acc_row), 4 bytes at byte 4(t % 4) of 16-byte chunk
+  // j % 8 of column half j / 8; the chunk sits at (j % 8) ^ (row % 8)
+  const int rr = acc_row(0), within = 4 * (t % 4), sw = rr % 8;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    uint8_t* p = tile + (j / 8) * kHalfBytes + rr * 128 + (((j % 8) ^ sw) * 16) + within;
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(sum[4 * j], sum[4 * j + 1]);
+    const __nv_bfloat162 hi = __floats2bfloat162_rn(sum[4 * j + 2], sum[4 * j + 3]);
+    *reinterpret_cast<__nv_bfloat162*>(p) = lo;
+    *reinterpret_cast<__nv_bfloat162*>(p + 8 * 128) = hi;   // row rr + 8: same swizzle
+  }
+  sm90::fence_async_smem();
+  sm90::named_bar_sync(1 + wg, 128);
+  if (t == 0) {
+    sm90::tma_store_2d(&m.out, tile, col0, row0);
+    sm90::tma_store_2d(&m.out, tile + kHalfBytes, col0 + 64, row0);
+    sm90::bulk_commit();
+  }
+}
+
 template <typename Out>
-__device__ void consume(const GmmFp8DwArgs& a, const Ring& r, int tiles, int grid_n,
-                        int per_group, int wg) {
+__device__ void consume(const GmmFp8DwArgs& a, const Maps& m, const DwSmem& r, int tiles,
+                        int grid_n, int per_group, int wg) {
   const int row = acc_row(wg), col = acc_col();
   float prod[64], sum[64];
   uint32_t i = 0;
@@ -73,10 +132,15 @@ __device__ void consume(const GmmFp8DwArgs& a, const Ring& r, int tiles, int gri
       }
       r.release(s);
     }
-    Out* out = static_cast<Out*>(a.out) + static_cast<long long>(tl.group) * a.ka * a.nc;
-    store_tile(sum, out, a.nc, static_cast<long long>(tl.row) * kBM, tl.col * kBN, wg,
-               [](long long) { return true; });
+    if constexpr (std::is_same_v<Out, __nv_bfloat16>) {
+      store_tile_tma(sum, r, m, tl.group * a.ka + tl.row * kBM + wg * 64, tl.col * kBN, wg);
+    } else {
+      Out* out = static_cast<Out*>(a.out) + static_cast<long long>(tl.group) * a.ka * a.nc;
+      store_tile(sum, out, a.nc, static_cast<long long>(tl.row) * kBM, tl.col * kBN, wg,
+                 [](long long) { return true; });
+    }
   }
+  if (threadIdx.x % 128 == 0) sm90::bulk_wait<0>();   // the stores done before the CTA ends
 }
 
 template <typename Out>
@@ -86,8 +150,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ uint8_t smem[];
   const int grid_n = a.nc / kBN, per_group = (a.ka / kBM) * grid_n;
   const int tiles = a.groups * per_group;
-  run<Ring>(smem, [&](const Ring& r) { produce(a, maps, r, tiles, grid_n, per_group); },
-      [&](const Ring& r, int wg) { consume<Out>(a, r, tiles, grid_n, per_group, wg); });
+  run<DwSmem>(smem, [&](const DwSmem& r) { produce(a, maps, r, tiles, grid_n, per_group); },
+              [&](const DwSmem& r, int wg) {
+                consume<Out>(a, maps, r, tiles, grid_n, per_group, wg);
+              });
 #else
   __trap();   // built for sm_90a only (CMakeLists.txt)
 #endif
@@ -100,8 +166,8 @@ const char* gmm_fp8_dw_shape_error(const GmmFp8DwArgs& a) {
   if (a.nc <= 0 || a.nc % kBN) return "Nc must be a positive multiple of 128";
   if (a.p <= 0 || a.p % kBK) return "P must be a positive multiple of 128";
   if (a.groups <= 0) return "there must be at least one group";
-  if (static_cast<long long>(a.groups) * (a.ka / kBM) * (a.nc / kBN) >= (1LL << 31))
-    return "the tiles must fit in int32";
+  if (static_cast<long long>(a.groups) * a.ka >= (1LL << 31))
+    return "G * Ka must fit in int32";   // the output map's rows (and the tiles fewer)
   return "";
 }
 
@@ -115,8 +181,12 @@ cudaError_t launch_gmm_fp8_dw(const GmmFp8DwArgs& a, cudaStream_t stream) {
       !encode_2d(&maps.a_scales, f32, a.a_scales, a.p / kBK, a.ka, 4, 1, kScales, plain) ||
       !encode_2d(&maps.b_scales, f32, a.c_scales, a.p / kBK, a.nc, 4, 1, kScales, plain))
     return cudaErrorInvalidValue;
-  return launch<Ring>(a.out_f32 ? gmm_fp8_dw_kernel<float> : gmm_fp8_dw_kernel<__nv_bfloat16>, maps, a, a.num_sms,
-                a.device, stream);
+  // bf16 out [G * Ka, Nc] in 64 x 64 boxes (128 bytes wide: the swizzle's limit)
+  if (!a.out_f32 && !encode_2d(&maps.out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, a.out,
+                               uint64_t(a.groups) * a.ka, a.nc, 2, 64, 64, sw128))
+    return cudaErrorInvalidValue;
+  return launch<DwSmem>(a.out_f32 ? gmm_fp8_dw_kernel<float> : gmm_fp8_dw_kernel<__nv_bfloat16>,
+                        maps, a, a.num_sms, a.device, stream);
 }
 
 }  // namespace jax_ep

@@ -4,6 +4,11 @@
 // jax_ep_quantize_weights (quant/weights.cu): w [G, K, N] bf16 or f32 ->
 // q [G, K, N] e4m3, scales [G, K/128, N/128] f32, q_t [G, N, K] e4m3,
 // scales_t [G, N/128, K/128] f32. Attribute scale_mode: the Fp8ScaleMode.
+//
+// jax_ep_quantize_columns (quant/columns.cu): rows [M, C] e4m3 (with
+// row_scales [M, C/128] f32) or bf16 / f32 (row_scales [0]), block_src and
+// block_rows [P/128] int32 -> q_t [C, P] e4m3, scales [P/128, C] f32.
+// Attribute scale_mode: the Fp8ScaleMode.
 #include <string>
 
 #include "common/ffi_common.h"
@@ -14,6 +19,10 @@ namespace jax_ep {
 namespace {
 
 constexpr const char* kOp = "quantize_weights";
+
+bool KnownScaleMode(int32_t m) {
+  return m == kFp8ScaleXlaGpu || m == kFp8ScaleIeee || m == kFp8ScaleUe8m0;
+}
 
 ffi::Error QuantWeightsImpl(cudaStream_t stream, ffi::AnyBuffer w, int32_t scale_mode,
                             ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::Buffer<ffi::F32>> s,
@@ -43,7 +52,7 @@ ffi::Error QuantWeightsImpl(cudaStream_t stream, ffi::AnyBuffer w, int32_t scale
                            "scales [G, K/128, N/128], q_t [G, N, K], scales_t [G, N/128, K/128])");
   const char* why = quant_weights_shape_error(a);
   if (why[0] != '\0') return InvalidArgument(op + ": " + why);
-  if (scale_mode != kFp8ScaleXlaGpu && scale_mode != kFp8ScaleIeee && scale_mode != kFp8ScaleUe8m0)
+  if (!KnownScaleMode(scale_mode))
     return InvalidArgument(op + ": unknown scale_mode " + std::to_string(scale_mode));
   a.w = w.untyped_data();
   a.w_f32 = w.element_type() == ffi::F32;
@@ -53,6 +62,55 @@ ffi::Error QuantWeightsImpl(cudaStream_t stream, ffi::AnyBuffer w, int32_t scale
   a.scales_t = s_t->typed_data();
   a.scale_mode = scale_mode;
   JAX_EP_CUDA_RETURN(launch_quant_weights(a, stream));
+  return ffi::Error::Success();
+}
+
+ffi::Error QuantColumnsImpl(cudaStream_t stream, ffi::AnyBuffer rows,
+                            ffi::Buffer<ffi::F32> row_scales, ffi::Buffer<ffi::S32> block_src,
+                            ffi::Buffer<ffi::S32> block_rows, int32_t scale_mode,
+                            ffi::Result<ffi::AnyBuffer> q_t, ffi::Result<ffi::Buffer<ffi::F32>> s) {
+  const std::string op = "quantize_columns";
+  QuantColumnsArgs a;
+  switch (rows.element_type()) {
+    case ffi::F8E4M3FN: a.rows_dtype = kColumnsE4m3; break;
+    case ffi::BF16: a.rows_dtype = kColumnsBf16; break;
+    case ffi::F32: a.rows_dtype = kColumnsF32; break;
+    default: return InvalidArgument(op + ": rows must be float8_e4m3fn, bfloat16 or float32");
+  }
+  if (q_t->element_type() != ffi::F8E4M3FN) return InvalidArgument(op + ": q_t must be e4m3");
+  auto rd = rows.dimensions(), qd = q_t->dimensions(), sd = s->dimensions();
+  auto xd = row_scales.dimensions();
+  if (rd.size() != 2 || qd.size() != 2 || sd.size() != 2 || block_src.element_count() !=
+      block_rows.element_count())
+    return InvalidArgument(op + ": expected rows [M, C], q_t [C, P], scales [P/128, C] and "
+                           "block_src, block_rows [P/128]");
+  const int64_t kMax = int64_t(1) << 30;
+  if (rd[0] >= kMax || rd[1] >= kMax || qd[1] >= kMax)
+    return InvalidArgument(op + ": M, C and P must each be below 2^30");
+  a.m = static_cast<int>(rd[0]);
+  a.c = static_cast<int>(rd[1]);
+  a.p = static_cast<int>(qd[1]);
+  if (qd[0] != rd[1] || sd[1] != rd[1] || sd[0] * 128 != qd[1] ||
+      static_cast<int64_t>(block_src.element_count()) * 128 != qd[1])
+    return InvalidArgument(op + ": q_t [C, P], scales [P/128, C] and the block tables [P/128] "
+                           "disagree with rows [M, C]");
+  const bool scaled = a.rows_dtype == kColumnsE4m3;
+  if (scaled ? (xd.size() != 2 || xd[0] != rd[0] || xd[1] * 128 != rd[1])
+             : row_scales.element_count() != 0)
+    return InvalidArgument(op + ": e4m3 rows take row_scales [M, C/128]; bf16 and f32 rows "
+                           "take an empty row_scales");
+  const char* why = quant_columns_shape_error(a);
+  if (why[0] != '\0') return InvalidArgument(op + ": " + why);
+  if (!KnownScaleMode(scale_mode))
+    return InvalidArgument(op + ": unknown scale_mode " + std::to_string(scale_mode));
+  a.rows = rows.untyped_data();
+  a.row_scales = scaled ? row_scales.typed_data() : nullptr;
+  a.block_src = block_src.typed_data();
+  a.block_rows = block_rows.typed_data();
+  a.q_t = q_t->untyped_data();
+  a.scales = s->typed_data();
+  a.scale_mode = scale_mode;
+  JAX_EP_CUDA_RETURN(launch_quant_columns(a, stream));
   return ffi::Error::Success();
 }
 
@@ -69,3 +127,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpQuantizeWeights, jax_ep::QuantWeightsImpl,
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // scales
                                   .Ret<xla::ffi::AnyBuffer>()               // q_t [G, N, K] e4m3
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()); // scales_t
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpQuantizeColumns, jax_ep::QuantColumnsImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<jax_ep::Stream>()
+                                  .Arg<xla::ffi::AnyBuffer>()               // rows [M, C]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // row_scales
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // block_src
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // block_rows
+                                  .Attr<int32_t>("scale_mode")              // Fp8ScaleMode
+                                  .Ret<xla::ffi::AnyBuffer>()               // q_t [C, P] e4m3
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()); // scales

@@ -1,4 +1,5 @@
-// Host interface of the fp8 quantization kernels (jax_ep.quantize_weights_pair).
+// Host interface of the fp8 quantization kernels (jax_ep.quantize_weights_pair;
+// the fp8 dw kernel's operands, jax_ep.gmm.fp8_columns).
 //
 // Expert weights to fp8-e4m3 with one f32 scale per 128 x 128 block, in both
 // layouts at once: w [G, K, N] (bf16 or f32) -> q [G, K, N], scales
@@ -29,5 +30,28 @@ struct QuantWeightsArgs {
 const char* quant_weights_shape_error(const QuantWeightsArgs& a);
 
 cudaError_t launch_quant_weights(const QuantWeightsArgs& a, cudaStream_t stream);
+
+// The fp8 dw kernel's operands (jax_ep.gmm.fp8_columns): rows [m, c] regrouped
+// into P rows (block b of 128 takes block_rows[b] rows from row block_src[b]
+// on, the rest zeros), cast per column per 128 of them and transposed:
+// q_t [c, P] e4m3, scales [P/128, c] f32. e4m3 rows are dequantized by their
+// per-row scales [m, c/128] first (one f32 product); bf16 and f32 rows have
+// none. The bits of fp8_columns' XLA path (common/fp8_cast.cuh).
+struct QuantColumnsArgs {
+  const void* rows = nullptr;          // [m, c]
+  int rows_dtype = 0;                  // kColumnsE4m3 / kColumnsBf16 / kColumnsF32
+  const float* row_scales = nullptr;   // [m, c/128] (e4m3 rows only)
+  const int32_t* block_src = nullptr;  // [p/128]
+  const int32_t* block_rows = nullptr; // [p/128], each in [0, 128]
+  void* q_t = nullptr;                 // [c, p] e4m3
+  float* scales = nullptr;             // [p/128, c]
+  int m = 0, c = 0, p = 0;
+  int scale_mode = 0;                  // Fp8ScaleMode (jax_ep_abi.h)
+};
+constexpr int kColumnsE4m3 = 0, kColumnsBf16 = 1, kColumnsF32 = 2;
+
+const char* quant_columns_shape_error(const QuantColumnsArgs& a);
+
+cudaError_t launch_quant_columns(const QuantColumnsArgs& a, cudaStream_t stream);
 
 }  // namespace jax_ep

@@ -1,60 +1,42 @@
 // Expert weights to fp8 in both layouts in one pass (quant/kernels.h).
 //
-// One CTA per 128 x 128 block of w[g], 256 threads. Thread (warp w, lane l)
-// holds column chunk c = l % 16 (8 columns) of rows 4ρ..4ρ+3 and 64+4ρ..
-// (ρ = 2w + l/16): its loads are 16 lanes over one row (coalesced), and for
-// each of its 8 columns the 4 rows' fp8 bytes form one 32-bit word of the
-// transposed block, stored to shared memory and read back as the rows of
-// q_t (coalesced). The word at (column n, word wc) sits at n*33 + (wc ^
-// 2(n/8)): the padding and the swizzle make both the stores and the reads
-// free of bank conflicts.
+// One CTA per 128 x 128 block of w[g], 256 threads (quant/block_t.cuh: which
+// thread holds what, the transposed tile in shared memory): the block's
+// amax over all its threads, one scale, q stored as loaded and q_t through
+// the transposed tile.
 #include <cuda_bf16.h>
 
 #include "common/fp8_cast.cuh"
+#include "quant/block_t.cuh"
 #include "quant/kernels.h"
 
 namespace jax_ep {
 
 namespace {
 
-constexpr int kBlock = 128;
-constexpr int kThreads = 256;
-constexpr int kRowWords = kBlock / 4 + 1;   // a transposed row of 128 bytes, padded
-
-__device__ __forceinline__ int t_word(int n, int wc) { return n * kRowWords + (wc ^ ((n >> 3) << 1)); }
-
-// 8 values -> 8 e4m3 bytes (little-endian: column j is byte j % 4 of word j / 4).
-__device__ __forceinline__ uint2 cast8(const float* f, float inv) {
-  uint2 r;
-  unsigned short* h = reinterpret_cast<unsigned short*>(&r);
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-    h[i] = __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(f[2 * i], inv), __fmul_rn(f[2 * i + 1], inv)),
-                                    __NV_SATFINITE, __NV_E4M3);
-  return r;
-}
+using namespace block_t;
 
 template <typename Tin>
 __global__ void __launch_bounds__(kThreads) quant_weights_kernel(QuantWeightsArgs a) {
-  __shared__ uint32_t tile[kBlock * kRowWords];
+  __shared__ uint32_t tile[kTileWords];
   __shared__ float warp_max[kThreads / 32];
   const int kb_n = a.k / kBlock, nb_n = a.n / kBlock;
   const long long blk = blockIdx.x;
   const int nb = static_cast<int>(blk % nb_n), kb = static_cast<int>((blk / nb_n) % kb_n);
   const long long g = blk / (static_cast<long long>(nb_n) * kb_n);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int c = lane % 16, rho = 2 * warp + lane / 16;
 
-  // rows r(h, i) = 64h + 4rho + i of the block, columns 8c..8c+7
-  const Tin* src = static_cast<const Tin*>(a.w) +
-                   ((g * a.k + static_cast<long long>(kb) * kBlock) * a.n + nb * kBlock + 8 * c);
+  // rows row_of(h, i) of the block, columns 8c..8c+7
+  const long long first = (g * a.k + static_cast<long long>(kb) * kBlock) * a.n + nb * kBlock +
+                          8 * chunk();
+  const Tin* src = static_cast<const Tin*>(a.w) + first;
   float f[2][4][8];
   float amax = 0.f;
 #pragma unroll
   for (int h = 0; h < 2; ++h)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      Load8<Tin>::run(src + static_cast<long long>(64 * h + 4 * rho + i) * a.n, f[h][i]);
+      Load8<Tin>::run(src + static_cast<long long>(row_of(h, i)) * a.n, f[h][i]);
 #pragma unroll
       for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(f[h][i][j]));
     }
@@ -67,46 +49,31 @@ __global__ void __launch_bounds__(kThreads) quant_weights_kernel(QuantWeightsArg
   for (int i = 1; i < kThreads / 32; ++i) amax = fmaxf(amax, warp_max[i]);
   float scale, inv;
   fp8_block_scale(fmaxf(amax, 1e-4f), a.scale_mode, &scale, &inv);
+  float invs[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) invs[j] = inv;
 
-  char* q = static_cast<char*>(a.q) +
-            ((g * a.k + static_cast<long long>(kb) * kBlock) * a.n + nb * kBlock + 8 * c);
+  char* q = static_cast<char*>(a.q) + first;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     uint2 b[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      b[i] = cast8(f[h][i], inv);
-      *reinterpret_cast<uint2*>(q + static_cast<long long>(64 * h + 4 * rho + i) * a.n) = b[i];
+      b[i] = cast8(f[h][i], invs);
+      *reinterpret_cast<uint2*>(q + static_cast<long long>(row_of(h, i)) * a.n) = b[i];
     }
-    // column j's 4 bytes (rows 4rho..4rho+3) -> one word of transposed row 8c + j
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int sel = (j % 4) | ((4 + j % 4) << 4);
-      const uint32_t r01 = __byte_perm(j < 4 ? b[0].x : b[0].y, j < 4 ? b[1].x : b[1].y, sel);
-      const uint32_t r23 = __byte_perm(j < 4 ? b[2].x : b[2].y, j < 4 ? b[3].x : b[3].y, sel);
-      tile[t_word(8 * c + j, 16 * h + rho)] = __byte_perm(r01, r23, 0x5410);
-    }
+    put_t_words(tile, b, h);
   }
   if (threadIdx.x == 0) {
     a.scales[(g * kb_n + kb) * nb_n + nb] = scale;
     a.scales_t[(g * nb_n + nb) * kb_n + kb] = scale;
   }
   __syncthreads();
-
-  // q_t rows n0 + n, columns k0 .. k0+127: 8 threads x 16 bytes a row
-  const int q4 = threadIdx.x % 8;
-#pragma unroll
-  for (int p = 0; p < kBlock / (kThreads / 8); ++p) {
-    const int n = p * (kThreads / 8) + threadIdx.x / 8;
-    uint4 v;
-    v.x = tile[t_word(n, 4 * q4)];
-    v.y = tile[t_word(n, 4 * q4 + 1)];
-    v.z = tile[t_word(n, 4 * q4 + 2)];
-    v.w = tile[t_word(n, 4 * q4 + 3)];
-    char* dst = static_cast<char*>(a.q_t) +
-                ((g * a.n + static_cast<long long>(nb) * kBlock + n) * a.k + kb * kBlock + 16 * q4);
-    *reinterpret_cast<uint4*>(dst) = v;
-  }
+  // q_t rows n0 + n (n < 128), columns k0 .. k0+127
+  store_t_tile(tile,
+               static_cast<char*>(a.q_t) + (g * a.n + static_cast<long long>(nb) * kBlock) * a.k +
+                   kb * kBlock,
+               a.k);
 }
 
 }  // namespace

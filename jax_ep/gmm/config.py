@@ -78,10 +78,10 @@ class GroupedMatmulConfig:
         products' magnitudes); the training example's ``--fp8`` loss stays
         within 1.5-1.6% of bf16's over the first 12 steps (1.4-1.8% with dw in
         bf16; two runs of different lengths).
-        Off by default: slower as well as less accurate (V3 layer at T 4096
-        on one H100, weights quantized outside the step: 32.82 ms against
-        19.15 with dw in bf16; V3 up alone: the CUDA fp8 dw kernel 10.2 ms
-        plus 2.0 ms of recast against 3.6 ms in bf16).
+        Off by default: less accurate and no faster (V3 on one H100: up
+        dw 4.39 ms, the CUDA kernel 3.57 plus 0.82 of recast, against 3.61
+        in bf16; down 2.43 against 1.80): at 256 rows per group dw mostly
+        writes its bf16 output, at the same pace in either precision.
       fp8_kernel: which kernels run the fp8 path's forward, fp8 dx and fp8
         dw: ``"pallas"`` (``pallas_fp8``, ``pallas_fp8_dw``, Mosaic GPU),
         ``"cuda"`` (``cuda_fp8``: the native extension's kernels, one

@@ -1,9 +1,11 @@
-"""The native fp8 quantization kernel (``cc/quant/``, XLA FFI target
-``jax_ep_quantize_weights``): expert weights to fp8 with 128 x 128 block
-scales in both layouts in one pass over ``w`` (one read, one write of each
-copy), the bits of :func:`jax_ep.quantize_weights` in each layout
-(``quantize.quantize_weights_pair``). Needs the native extension and a CUDA
-device; no runtime (``jax_ep.initialize``)."""
+"""The native fp8 quantization kernels (``cc/quant/``): expert weights to
+fp8 with 128 x 128 block scales in both layouts in one pass over ``w``
+(``jax_ep_quantize_weights``: one read, one write of each copy), the bits of
+:func:`jax_ep.quantize_weights` in each layout (``quantize.quantize_weights_pair``);
+the fp8 dw kernel's operands cast per column per 128 regrouped rows and
+transposed in one pass (``jax_ep_quantize_columns``), the bits of
+``fp8_columns``' XLA path. Need the native extension and a CUDA device; no
+runtime (``jax_ep.initialize``)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -14,10 +16,12 @@ import numpy as np
 
 from .. import abi, extension
 from .._ffi import result_type
-from ..mesh_axes import vma_of
+from ..mesh_axes import to_vma, vma_of
 
 TARGET = "jax_ep_quantize_weights"
+COLUMNS_TARGET = "jax_ep_quantize_columns"
 _DTYPES = ("bfloat16", "float32")
+_COLUMN_DTYPES = ("float8_e4m3fn", "bfloat16", "float32")
 
 
 def unavailable(w, need_gpu: bool = False) -> Optional[str]:
@@ -56,3 +60,37 @@ def quantize_weights_pair(w, scale_format: str):
     q, s, q_t, s_t = jax.ffi.ffi_call(TARGET, outs, vmap_method="sequential")(
         w, scale_mode=np.int32(mode))
     return (q, s), (q_t, s_t)
+
+
+def columns_unavailable(*rows) -> Optional[str]:
+    """Why the column kernel cannot cast these ``[M, C]`` operands (None: it
+    can, wherever the program is lowered for CUDA)."""
+    if extension.load() is None:
+        return f"the native extension is not loaded: {extension.error()}"
+    for r in rows:
+        if jnp.dtype(r.dtype).name not in _COLUMN_DTYPES:
+            return f"the kernel reads {'/'.join(_COLUMN_DTYPES)} rows, got {r.dtype}"
+        if r.ndim != 2 or r.shape[0] == 0 or r.shape[1] % 128:
+            return f"the kernel casts [M, C] rows, M > 0, C a multiple of 128, got {r.shape}"
+    return None
+
+
+def cast_columns_t(rows, row_scales, blocks, p: int):
+    """``(q_t [C, P] e4m3, scales [P/128, C] f32)``: ``rows [M, C]`` (e4m3 with
+    ``row_scales [M, C/128]``, dequantized first; or bf16 / f32 with None)
+    regrouped into ``P`` rows by ``blocks = (src, count)`` (int32 ``[P/128]``:
+    block ``b`` takes ``count[b]`` rows from row ``src[b]`` on, zeros after)
+    and cast per column per 128 of them with ``f32`` scales, as
+    ``fp8_columns``' XLA path does on the same GPU (shapes checked by the
+    caller)."""
+    m, c = rows.shape
+    src, count = blocks
+    if row_scales is None:
+        row_scales = jnp.zeros((0,), jnp.float32)
+    ops = (rows, row_scales, src.astype(jnp.int32), count.astype(jnp.int32))
+    axes = frozenset().union(*(vma_of(a) for a in ops))
+    ops = tuple(to_vma(a, axes) for a in ops)
+    outs = (result_type((c, p), jnp.float8_e4m3fn, vma=axes),
+            result_type((p // 128, c), jnp.float32, vma=axes))
+    return jax.ffi.ffi_call(COLUMNS_TARGET, outs, vmap_method="sequential")(
+        *ops, scale_mode=np.int32(abi.fp8_scale_mode("xla_gpu")))

@@ -1,14 +1,20 @@
 """The fp8 dw kernel's operands: the rows of ``x`` and ``dy`` regrouped so
 that each group starts on a 128-row block (the gaps zero), cast per column
 per 128 rows, and transposed (dw contracts the rows; fp8 WGMMA reads K-major
-operands only). ``pallas_fp8_dw`` multiplies them."""
+operands only). ``pallas_fp8_dw`` multiplies them. On a CUDA device with the
+native extension one kernel per operand does it (``cuda_quant``), elsewhere
+XLA, with the same bits."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from ..fp8 import FP8_BLOCK, column_blocks_cast
+from . import cuda_quant
 from .ops import offsets as row_offsets
 from .xla import dequantize_rows
+
+DW_OPERAND_IMPLS = ("auto", "native", "xla")
 
 
 def padded_length(m: int, groups: int) -> int:
@@ -53,15 +59,52 @@ def cast_columns_t(rows, scale_format: str = "f32"):
     return q.T, s
 
 
-def dw_operands(x, xs, dy, group_sizes):
+def block_table(offsets, seg, p: int):
+    """(``src [P/128]``, ``count [P/128]``) int32: regrouped block ``b`` holds
+    source rows ``src[b] .. src[b] + count[b] - 1`` (``count`` 0: none; a
+    block never straddles two groups, whose segments are whole blocks)."""
+    g_count = offsets.shape[0] - 1
+    start = jnp.arange(p // FP8_BLOCK, dtype=jnp.int32) * FP8_BLOCK
+    g = jnp.searchsorted(seg[1:], start, side="right", method="compare_all").astype(jnp.int32)
+    gc = jnp.minimum(g, g_count - 1)
+    i0 = start - seg[gc]
+    size = offsets[gc + 1] - offsets[gc]
+    count = jnp.where(g < g_count, jnp.clip(size - i0, 0, FP8_BLOCK), 0)
+    return (offsets[gc] + i0).astype(jnp.int32), count.astype(jnp.int32)
+
+
+def dw_operands(x, xs, dy, group_sizes, impl: str = "auto"):
     """dw's operands for ``pallas_fp8_dw.tgmm_fp8_nt``: ``x [M, K]`` e4m3 with
     its row scales ``xs [M, K/128]`` (regrouped as fp8 and dequantized inside
     the cast: one byte per element moves), ``dy [M, N]`` -> ``(a [K, P], as
-    [P/128, K], c [N, P], cs [P/128, N], segments [G+1])``."""
+    [P/128, K], c [N, P], cs [P/128, N], segments [G+1])``. ``impl``:
+    ``"native"`` the column kernel (``cuda_quant``), ``"xla"`` XLA's passes,
+    ``"auto"`` the kernel where the program is lowered for CUDA and the
+    extension can cast these operands, else XLA."""
+    if impl not in DW_OPERAND_IMPLS:
+        raise ValueError(f"dw_operands: impl must be one of {DW_OPERAND_IMPLS}, got {impl!r}")
     m = x.shape[0]
     off = row_offsets(group_sizes, m)
     seg = segments(off)
-    index = regroup_index(off, seg, padded_length(m, group_sizes.shape[0]))
-    a, a_s = cast_columns_t(dequantize_rows(regroup(x, index), regroup(xs, index)))
-    c, c_s = cast_columns_t(regroup(dy, index))
-    return a, a_s, c, c_s, seg
+    p = padded_length(m, group_sizes.shape[0])
+
+    def xla(x, xs, dy):
+        index = regroup_index(off, seg, p)
+        a, a_s = cast_columns_t(dequantize_rows(regroup(x, index), regroup(xs, index)))
+        return (a, a_s, *cast_columns_t(regroup(dy, index)))
+
+    def native(x, xs, dy):
+        blocks = block_table(off, seg, p)
+        return (*cuda_quant.cast_columns_t(x, xs, blocks, p),
+                *cuda_quant.cast_columns_t(dy, None, blocks, p))
+
+    why = cuda_quant.columns_unavailable(x, dy)
+    if impl == "native" and why is not None:
+        raise ValueError(f"dw_operands impl='native': {why}; use impl='auto' or 'xla'")
+    if impl == "xla" or why is not None:
+        ops = xla(x, xs, dy)
+    elif impl == "native":
+        ops = native(x, xs, dy)
+    else:
+        ops = jax.lax.platform_dependent(x, xs, dy, cuda=native, default=xla)
+    return (*ops, seg)

@@ -12,8 +12,11 @@ dw kernel (``jax_ep.gmm.pallas_fp8_dw``) against its XLA contract, and the
 public call with ``fp8_dw``. The native extension's fp8 kernel
 (``jax_ep.gmm.cuda_fp8``) under the forward kernel's checks, and bit for bit
 against it. The masked layout through the public call on both families. The
-weight quantizer kernel (``quantize_weights_pair``) bit for bit against XLA.
+weight quantizer kernel (``quantize_weights_pair``) and the dw operands' column
+kernel (``fp8_columns.dw_operands``) bit for bit against XLA.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -238,6 +241,43 @@ def test_cuda_fp8_dw_kernel_is_bitwise_the_pallas_kernel():
     got = np.asarray(jax.jit(_dw_kernel("cuda"))(*ops), np.float32)
     np.testing.assert_array_equal(got, np.asarray(jax.jit(_dw_kernel("pallas"))(*ops),
                                                   np.float32))
+
+
+@pytest.mark.parametrize("num_sms", [1, 5])
+def test_cuda_fp8_dw_kernel_few_ctas_walk_many_tiles(num_sms):
+    """On 1 or 5 CTAs each CTA walks many tiles, its bf16 output tile reused
+    while the previous tile's TMA store may still read it: the bits of one
+    CTA per SM (at these shapes one tile each)."""
+    sizes, ops = _dw_operands("skew", 2048, seed=23)
+    fn = _dw_kernel("cuda")
+    want = np.asarray(jax.jit(fn)(*ops), np.float32)
+    got = np.asarray(jax.jit(functools.partial(fn, num_sms=num_sms))(*ops), np.float32)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dy_dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("kind,total", [("skew", 2048), ("unaligned", 1901)])
+def test_native_dw_operands_are_bitwise_xla(kind, total, dy_dtype):
+    """The column kernel (``cuda_quant.cast_columns_t``, one pass per operand)
+    gives the bits of ``fp8_columns``' XLA passes on the same GPU: x e4m3
+    with its row scales (NaN past the groups), dy bf16 or f32 (Inf past them),
+    skewed groups with an empty one; the tables' gaps zero."""
+    from jax_ep.gmm import fp8_columns
+
+    _native()
+    m, g, k, n = 2048, 8, 512, 384
+    sizes = jnp.asarray(sizes_for(kind, g, total), jnp.int32)
+    kx, kd = jax.random.split(jax.random.key(31))
+    xq, xs = block_quant(outliers(kx, (m, k)), 1, False)
+    xs = xs.at[total:].set(jnp.nan)
+    dy = jax.random.normal(kd, (m, n)).astype(dy_dtype).at[total:].set(jnp.inf)
+    got = jax.jit(functools.partial(fp8_columns.dw_operands, impl="native"))(xq, xs, dy, sizes)
+    want = jax.jit(functools.partial(fp8_columns.dw_operands, impl="xla"))(xq, xs, dy, sizes)
+    for name, a, b in zip(("a", "as", "c", "cs", "segments"), got, want):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.dtype.itemsize == 1:
+            a, b = a.view(np.uint8), b.view(np.uint8)
+        np.testing.assert_array_equal(a, b, err_msg=name)
 
 
 @pytest.mark.parametrize("kernel", ["pallas", "cuda"])
