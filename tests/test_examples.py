@@ -393,7 +393,11 @@ def test_ragged_moe_matches_dense():
     loss_dense = lambda p, x: jnp.sum(ragged_moe.moe_dense(p, x, 3) * ct)
     v1, g1 = jax.jit(jax.value_and_grad(loss_ep, (0, 1)))(params, x)
     v2, g2 = jax.jit(jax.value_and_grad(loss_dense, (0, 1)))(params, x)
-    np.testing.assert_allclose(float(v1), float(v2), rtol=1e-5)
+    # the loss sums terms whose magnitudes add to ~700x its value: the two
+    # paths' f32 summation orders differ by ~1e-5 of it (CPU-dependent), so
+    # the tolerance is taken on the terms' magnitude
+    terms = float(jnp.sum(jnp.abs(ragged_moe.moe_dense(params, x, 3) * ct)))
+    np.testing.assert_allclose(float(v1), float(v2), rtol=1e-5, atol=1e-6 * terms)
     _tree_close(g1, g2, rtol=1e-4, atol=1e-5)
 
 
