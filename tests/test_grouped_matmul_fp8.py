@@ -218,21 +218,29 @@ def _check_fp8_dw(dw, mdw, dw_bound, operands, sizes):
 
 @pytest.mark.parametrize("sizes", [[40, 0, 100, 3, 90], [128, 0, 0, 256, 0], [0, 0, 0, 0, 0],
                                    [384, 0, 0, 0, 0]])
-def test_dw_block_table_matches_the_regroup_index(sizes):
-    """The column kernel's block table (``fp8_columns.block_table``: per
-    128-row block a source row and a count) names the rows the XLA path's
-    regroup index does: regrouped row 128 b + i is source row src[b] + i
-    exactly when i < count[b]."""
+def test_dw_block_table_names_each_groups_rows(sizes):
+    """The regrouped rows (``fp8_columns.block_table``, and ``regroup_index``
+    on it): group g's rows start on block seg[g] / 128, regrouped row seg[g] + i
+    is source row offsets[g] + i for i < its size; every other row (a group's
+    padding, the tail past the last segment) is empty."""
     gs = jnp.asarray(sizes, jnp.int32)
-    off = gm_ops.offsets(gs, M)
-    seg = fp8_columns.segments(off)
+    off = np.asarray(gm_ops.offsets(gs, M))
+    seg = np.asarray(fp8_columns.segments(jnp.asarray(off)))
     p = fp8_columns.padded_length(M, len(sizes))
-    src, valid = (np.asarray(a) for a in fp8_columns.regroup_index(off, seg, p))
-    b_src, b_count = (np.asarray(a) for a in fp8_columns.block_table(off, seg, p))
+    want_src = np.full(p, -1)
+    for g in range(len(sizes)):
+        n = off[g + 1] - off[g]
+        assert seg[g] % 128 == 0 and seg[g + 1] - seg[g] == -(-n // 128) * 128
+        want_src[seg[g]:seg[g] + n] = np.arange(off[g], off[g + 1])
+    off_j, seg_j = jnp.asarray(off), jnp.asarray(seg)
+    b_src, b_count = (np.asarray(a) for a in fp8_columns.block_table(off_j, seg_j, p))
     i = np.arange(p) % 128
-    want_valid = i < np.repeat(b_count, 128)
-    np.testing.assert_array_equal(valid, want_valid)
-    np.testing.assert_array_equal(src[valid], (np.repeat(b_src, 128) + i)[valid])
+    valid = i < np.repeat(b_count, 128)
+    np.testing.assert_array_equal(valid, want_src >= 0)
+    np.testing.assert_array_equal((np.repeat(b_src, 128) + i)[valid], want_src[valid])
+    src, valid2 = (np.asarray(a) for a in fp8_columns.regroup_index(off_j, seg_j, p))
+    np.testing.assert_array_equal(valid2, valid)
+    np.testing.assert_array_equal(src[valid], want_src[valid])
 
 
 def test_dw_operands_lowering(monkeypatch):

@@ -167,13 +167,15 @@ const char* gmm_fp8_dw_shape_error(const GmmFp8DwArgs& a) {
   if (a.p <= 0 || a.p % kBK) return "P must be a positive multiple of 128";
   if (a.groups <= 0) return "there must be at least one group";
   if (static_cast<long long>(a.groups) * a.ka >= (1LL << 31))
-    return "G * Ka must fit in int32";   // the output map's rows (and the tiles fewer)
+    return "G * Ka must fit in int32";   // the output map's rows
+  if (static_cast<long long>(a.groups) * (a.ka / kBM) * (a.nc / kBN) >= (1LL << 31))
+    return "the output tiles G * Ka/128 * Nc/128 must fit in int32";
   return "";
 }
 
 cudaError_t launch_gmm_fp8_dw(const GmmFp8DwArgs& a, cudaStream_t stream) {
   if (!has_tensor_map_encoder()) return cudaErrorSymbolNotFound;
-  Maps maps;
+  Maps maps{};   // out stays zeros where the output is f32
   const auto e4m3 = CU_TENSOR_MAP_DATA_TYPE_UINT8, f32 = CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
   const auto sw128 = CU_TENSOR_MAP_SWIZZLE_128B, plain = CU_TENSOR_MAP_SWIZZLE_NONE;
   if (!encode_2d(&maps.a, e4m3, a.a, a.ka, a.p, 1, kBM, kBK, sw128) ||

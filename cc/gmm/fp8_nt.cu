@@ -143,7 +143,7 @@ const char* gmm_fp8_shape_error(const GmmFp8Args& a) {
 
 cudaError_t launch_gmm_fp8_nt(const GmmFp8Args& a, cudaStream_t stream) {
   if (!has_tensor_map_encoder()) return cudaErrorSymbolNotFound;
-  Maps maps;
+  Maps maps{};   // out unused: the sums are stored from registers
   const auto e4m3 = CU_TENSOR_MAP_DATA_TYPE_UINT8, f32 = CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
   const auto sw128 = CU_TENSOR_MAP_SWIZZLE_128B, plain = CU_TENSOR_MAP_SWIZZLE_NONE;
   // x in 128-row boxes (a tile loads one or two); rows past m read as zeros

@@ -41,6 +41,8 @@ struct QuantColumnsArgs {
   const void* rows = nullptr;          // [m, c]
   int rows_dtype = 0;                  // kColumnsE4m3 / kColumnsBf16 / kColumnsF32
   const float* row_scales = nullptr;   // [m, c/128] (e4m3 rows only)
+  // block b: rows block_src[b] .. + block_rows[b] - 1 of `rows`, zeros after;
+  // the caller keeps them in [0, m) (not checked on the device)
   const int32_t* block_src = nullptr;  // [p/128]
   const int32_t* block_rows = nullptr; // [p/128], each in [0, 128]
   void* q_t = nullptr;                 // [c, p] e4m3

@@ -83,7 +83,7 @@ def cast_columns_t(rows, row_scales, blocks, p: int):
     and cast per column per 128 of them with ``f32`` scales, as
     ``fp8_columns``' XLA path does on the same GPU (shapes checked by the
     caller)."""
-    m, c = rows.shape
+    c = rows.shape[1]
     src, count = blocks
     if row_scales is None:
         row_scales = jnp.zeros((0,), jnp.float32)

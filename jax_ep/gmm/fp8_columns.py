@@ -34,15 +34,13 @@ def segments(offsets):
 
 def regroup_index(offsets, seg, p: int):
     """(``src [P]``, ``valid [P]``): regrouped row ``seg[g] + i`` is source row
-    ``offsets[g] + i`` for ``i < size of g``; the others are not valid."""
-    g_count = offsets.shape[0] - 1
-    pos = jnp.arange(p, dtype=jnp.int32)
-    # compare_all: one fused elementwise kernel ([P, G] compares), not a loop
-    g = jnp.searchsorted(seg[1:], pos, side="right", method="compare_all").astype(jnp.int32)
-    gc = jnp.minimum(g, g_count - 1)
-    i = pos - seg[gc]
-    valid = (g < g_count) & (i < offsets[gc + 1] - offsets[gc])
-    return jnp.clip(offsets[gc] + i, 0, offsets[-1] - 1), valid
+    ``offsets[g] + i`` for ``i < size of g``; the others are not valid (the
+    rows of :func:`block_table`'s blocks)."""
+    b_src, count = block_table(offsets, seg, p)
+    i = jnp.arange(FP8_BLOCK, dtype=jnp.int32)
+    src = (b_src[:, None] + i).reshape(p)
+    valid = (i < count[:, None]).reshape(p)
+    return jnp.clip(src, 0, offsets[-1] - 1), valid
 
 
 def regroup(x, index):
@@ -78,7 +76,8 @@ def dw_operands(x, xs, dy, group_sizes, impl: str = "auto"):
     its row scales ``xs [M, K/128]`` (regrouped as fp8 and dequantized inside
     the cast: one byte per element moves), ``dy [M, N]`` -> ``(a [K, P], as
     [P/128, K], c [N, P], cs [P/128, N], segments [G+1])``. ``impl``:
-    ``"native"`` the column kernel (``cuda_quant``), ``"xla"`` XLA's passes,
+    ``"native"`` the column kernel (``cuda_quant``; the program must then be
+    lowered for CUDA), ``"xla"`` XLA's passes,
     ``"auto"`` the kernel where the program is lowered for CUDA and the
     extension can cast these operands, else XLA."""
     if impl not in DW_OPERAND_IMPLS:
@@ -98,7 +97,7 @@ def dw_operands(x, xs, dy, group_sizes, impl: str = "auto"):
         return (*cuda_quant.cast_columns_t(x, xs, blocks, p),
                 *cuda_quant.cast_columns_t(dy, None, blocks, p))
 
-    why = cuda_quant.columns_unavailable(x, dy)
+    why = None if impl == "xla" else cuda_quant.columns_unavailable(x, dy)
     if impl == "native" and why is not None:
         raise ValueError(f"dw_operands impl='native': {why}; use impl='auto' or 'xla'")
     if impl == "xla" or why is not None:
