@@ -47,14 +47,15 @@ __device__ __forceinline__ float fp8_inv(float amax, int scale_mode) {
   }
 }
 
-// The scale of a block whose largest magnitude is `am` (already floored at
-// 1e-4) and the multiplier its values are cast with, as the scale mode says:
-// UE8M0: the smallest 2^k with 448 * 2^k >= am (448 = 1.75 * 2^8; am = m *
-// 2^p, m in [0.5, 1)), exact like jax_ep.fp8_cast(scale_format="ue8m0");
-// else am * fl(1/448) (XLA turns the division by a constant into this
-// product) and 448 / am (fp8_inv).
-__device__ __forceinline__ void fp8_block_scale(float am, int scale_mode, float* scale,
+// The scale of a block whose largest magnitude is `amax` and the multiplier
+// its values are cast with, as the scale mode says, with am = max(amax, 1e-4)
+// (the floor keeps an all-zero block finite): UE8M0: the smallest 2^k with
+// 448 * 2^k >= am (448 = 1.75 * 2^8; am = m * 2^p, m in [0.5, 1)), exact like
+// jax_ep.fp8_cast(scale_format="ue8m0"); else am * fl(1/448) (XLA turns the
+// division by a constant into this product) and 448 / am (fp8_inv).
+__device__ __forceinline__ void fp8_block_scale(float amax, int scale_mode, float* scale,
                                                 float* inv) {
+  const float am = fmaxf(amax, 1e-4f);
   if (scale_mode == kFp8ScaleUe8m0) {
     int p;
     const float m = frexpf(am, &p);
@@ -115,7 +116,7 @@ __device__ __forceinline__ void warp_cast_row(const Tin* __restrict__ src, char*
       const int e0 = base + STEP * u + EPL * lane;
       if (e0 >= e_end) continue;
       float scale, inv;
-      fp8_block_scale(fmaxf(amax[u], 1e-4f), scale_mode, &scale, &inv);
+      fp8_block_scale(amax[u], scale_mode, &scale, &inv);
       Q q;
       unsigned short* qs = reinterpret_cast<unsigned short*>(&q);
 #pragma unroll

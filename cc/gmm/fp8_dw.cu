@@ -18,6 +18,7 @@
 // boxes while the warpgroup runs the next tile. f32 dw stores from registers.
 #include <type_traits>
 
+#include "common/sync.cuh"
 #include "gmm/fp8_ring.cuh"
 #include "gmm/kernels.h"
 #include "gmm/tensor_map.h"
@@ -83,7 +84,7 @@ __device__ __forceinline__ void store_tile_tma(const float (&sum)[64], const DwS
   const int t = threadIdx.x % 128;
   uint8_t* tile = r.out_tile + wg * 2 * kHalfBytes;
   if (t == 0) sm90::bulk_wait_read<0>();
-  sm90::named_bar_sync(1 + wg, 128);
+  named_barrier(1 + wg, 128);
   // rows rr and rr + 8 (acc_row), 4 bytes at byte 4(t % 4) of 16-byte chunk
   // j % 8 of column half j / 8; the chunk sits at (j % 8) ^ (row % 8)
   const int rr = acc_row(0), within = 4 * (t % 4), sw = rr % 8;
@@ -96,7 +97,7 @@ __device__ __forceinline__ void store_tile_tma(const float (&sum)[64], const DwS
     *reinterpret_cast<__nv_bfloat162*>(p + 8 * 128) = hi;   // row rr + 8: same swizzle
   }
   sm90::fence_async_smem();
-  sm90::named_bar_sync(1 + wg, 128);
+  named_barrier(1 + wg, 128);
   if (t == 0) {
     sm90::tma_store_2d(&m.out, tile, col0, row0);
     sm90::tma_store_2d(&m.out, tile + kHalfBytes, col0 + 64, row0);

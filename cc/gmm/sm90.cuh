@@ -112,10 +112,6 @@ __device__ __forceinline__ void bulk_wait() {
 __device__ __forceinline__ void fence_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
-// Named barrier `id` (1..15; 0 is __syncthreads') over `threads` threads.
-__device__ __forceinline__ void named_bar_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
 
 // ---------------------------------------------------------------- WGMMA
 

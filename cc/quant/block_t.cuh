@@ -44,6 +44,11 @@ __device__ __forceinline__ uint2 cast8(const float* f, const float* inv) {
         __NV_SATFINITE, __NV_E4M3);
   return r;
 }
+// The same with one multiplier for all 8 values.
+__device__ __forceinline__ uint2 cast8(const float* f, float inv) {
+  const float invs[8] = {inv, inv, inv, inv, inv, inv, inv, inv};
+  return cast8(f, invs);
+}
 
 // The bytes b[i] of rows row_of(h, i) (this thread's 8 columns each) into
 // the transposed tile: column j's 4 bytes make one word of transposed row

@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(kThreads) quant_columns_kernel(QuantColumnsArg
     float m = col_max[0][8 * c + j];
 #pragma unroll
     for (int w = 1; w < kThreads / 32; ++w) m = fmaxf(m, col_max[w][8 * c + j]);
-    fp8_block_scale(fmaxf(m, 1e-4f), a.scale_mode, &scale[j], &inv[j]);
+    fp8_block_scale(m, a.scale_mode, &scale[j], &inv[j]);
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {

@@ -20,8 +20,12 @@ namespace {
 
 constexpr const char* kOp = "quantize_weights";
 
-bool KnownScaleMode(int32_t m) {
-  return m == kFp8ScaleXlaGpu || m == kFp8ScaleIeee || m == kFp8ScaleUe8m0;
+// The kernel's own shape check (`why`, "" if none) and the scale mode.
+ffi::Error CheckKernelArgs(const std::string& op, const char* why, int32_t scale_mode) {
+  if (why[0] != '\0') return InvalidArgument(op + ": " + why);
+  if (scale_mode != kFp8ScaleXlaGpu && scale_mode != kFp8ScaleIeee && scale_mode != kFp8ScaleUe8m0)
+    return InvalidArgument(op + ": unknown scale_mode " + std::to_string(scale_mode));
+  return ffi::Error::Success();
 }
 
 ffi::Error QuantWeightsImpl(cudaStream_t stream, ffi::AnyBuffer w, int32_t scale_mode,
@@ -50,10 +54,7 @@ ffi::Error QuantWeightsImpl(cudaStream_t stream, ffi::AnyBuffer w, int32_t scale
       sd[2] * 128 != wd[2] || ud[0] != wd[0] || ud[1] != sd[2] || ud[2] != sd[1])
     return InvalidArgument(op + ": result shapes disagree with w [G, K, N] (q [G, K, N], "
                            "scales [G, K/128, N/128], q_t [G, N, K], scales_t [G, N/128, K/128])");
-  const char* why = quant_weights_shape_error(a);
-  if (why[0] != '\0') return InvalidArgument(op + ": " + why);
-  if (!KnownScaleMode(scale_mode))
-    return InvalidArgument(op + ": unknown scale_mode " + std::to_string(scale_mode));
+  JAX_EP_RETURN_IF_ERROR(CheckKernelArgs(op, quant_weights_shape_error(a), scale_mode));
   a.w = w.untyped_data();
   a.w_f32 = w.element_type() == ffi::F32;
   a.q = q->untyped_data();
@@ -99,10 +100,7 @@ ffi::Error QuantColumnsImpl(cudaStream_t stream, ffi::AnyBuffer rows,
              : row_scales.element_count() != 0)
     return InvalidArgument(op + ": e4m3 rows take row_scales [M, C/128]; bf16 and f32 rows "
                            "take an empty row_scales");
-  const char* why = quant_columns_shape_error(a);
-  if (why[0] != '\0') return InvalidArgument(op + ": " + why);
-  if (!KnownScaleMode(scale_mode))
-    return InvalidArgument(op + ": unknown scale_mode " + std::to_string(scale_mode));
+  JAX_EP_RETURN_IF_ERROR(CheckKernelArgs(op, quant_columns_shape_error(a), scale_mode));
   a.rows = rows.untyped_data();
   a.row_scales = scaled ? row_scales.typed_data() : nullptr;
   a.block_src = block_src.typed_data();

@@ -48,10 +48,7 @@ __global__ void __launch_bounds__(kThreads) quant_weights_kernel(QuantWeightsArg
 #pragma unroll
   for (int i = 1; i < kThreads / 32; ++i) amax = fmaxf(amax, warp_max[i]);
   float scale, inv;
-  fp8_block_scale(fmaxf(amax, 1e-4f), a.scale_mode, &scale, &inv);
-  float invs[8];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) invs[j] = inv;
+  fp8_block_scale(amax, a.scale_mode, &scale, &inv);
 
   char* q = static_cast<char*>(a.q) + first;
 #pragma unroll
@@ -59,7 +56,7 @@ __global__ void __launch_bounds__(kThreads) quant_weights_kernel(QuantWeightsArg
     uint2 b[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      b[i] = cast8(f[h][i], invs);
+      b[i] = cast8(f[h][i], inv);
       *reinterpret_cast<uint2*>(q + static_cast<long long>(row_of(h, i)) * a.n) = b[i];
     }
     put_t_words(tile, b, h);
