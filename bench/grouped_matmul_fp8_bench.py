@@ -15,7 +15,8 @@ of one table, one run:
 - ``fp8 nt [name]``: a kernel variant's ``gmm_fp8_nt`` (``--variants
   name=module``, e.g. a copy of ``pallas_fp8.py`` as ``jax_ep.gmm.pallas_fp8_x``)
   in the same run, its output compared bit for bit with ``fp8 nt``'s; ``fp8
-  nt [cuda]``: the native extension's kernel (``cuda_fp8``) where it is built;
+  nt [cuda]``: the native extension's kernel (``cuda_fp8``) where it is built,
+  ``fp8 nt [cuda tma]`` the same storing its tiles by TMA (``tma_store=True``);
 - ``bf16``: ``jax_ep.grouped_matmul`` on bf16 operands;
 - ``dense fp8`` / ``dense bf16``: XLA's ``x @ w[0]`` over the same rows (fp8:
   e4m3 operands, bf16 out; XLA:GPU calls cuBLASLt): the tensor-core roofs. A
@@ -77,6 +78,7 @@ Writes the table to $OUT/grouped_matmul_fp8.md when OUT is set.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import os
 import sys
@@ -140,8 +142,9 @@ def rows_for(proj, kind, reps, clusters=(1,), variants=None, cuda=True):
             lambda a, s, v, vsc, g, c=c: gmm_fp8_nt(a, s, v, vsc, offsets(g, M), cluster=c),
             (xq, xs, vq, vs, gs), 2, 6, reps)
     kernels = dict(variants or {})
-    if cuda:   # the native extension's kernel: row "fp8 nt [cuda]"
+    if cuda:   # the native extension's kernel, its bf16 tiles stored from registers / by TMA
         kernels["cuda"] = gmm_fp8_nt_cuda
+        kernels["cuda tma"] = functools.partial(gmm_fp8_nt_cuda, tma_store=True)
     ref = gmm_fp8_nt(xq, xs, vq, vs, offsets(gs, M)) if kernels else None
     for name, kernel in kernels.items():
         same = _same_bits(ref, kernel(xq, xs, vq, vs, offsets(gs, M)), int(jnp.sum(gs)))

@@ -50,10 +50,12 @@ def test_table_entries():
     entries, fallback = tuning.load_tuned()
     assert set(entries) == {"NVIDIA H200", "NVIDIA H100 80GB HBM3"} and fallback == "NVIDIA H200"
     # the H100 reuses the H200's measured tiles (same_as) and overrides the
-    # fp8 kernel family it was measured on
+    # fp8 kernel family and tile store it was measured on
     h200, h100 = entries["NVIDIA H200"], entries["NVIDIA H100 80GB HBM3"]
     assert h100.fp8_kernel == "cuda" and h200.fp8_kernel == "pallas"
-    assert dataclasses.replace(h100, kind=h200.kind, fp8_kernel="pallas") == h200
+    assert h100.fp8_tma_store_max_k_steps == 16 and h200.fp8_tma_store_max_k_steps == 0
+    assert dataclasses.replace(h100, kind=h200.kind, fp8_kernel="pallas",
+                               fp8_tma_store_max_k_steps=0) == h200
     assert h200.default.fwd == FwdTiles(128, 128, 64, 5, 2)
     assert h200.small.dw == DwTiles(64, 128, 64, 5, 4) and h200.small_group_rows == 96
     assert isinstance(h200.default.dw, DwTiles) and isinstance(h200.small.dx, FwdTiles)

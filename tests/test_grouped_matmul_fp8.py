@@ -625,6 +625,9 @@ def test_quantizer_and_config_errors():
         with pytest.raises(ValueError, match="fp8_cluster must be None, 1 or 2"):
             GroupedMatmulConfig(fp8_cluster=bad)
     assert GroupedMatmulConfig().fp8_cluster is None   # the device's tuned choice
+    for bad in (1, "yes"):
+        with pytest.raises(ValueError, match="fp8_tma_store must be None or a bool"):
+            GroupedMatmulConfig(fp8_tma_store=bad)
     with pytest.raises(ValueError, match="cluster must be one of"):
         pallas_fp8.fp8_cluster(256, 4)
     assert [pallas_fp8.fp8_cluster(n, 2) for n in (256, 384, 7168)] == [2, 1, 2]
@@ -677,7 +680,10 @@ def test_cuda_kernel_plan_and_its_ffi_call(monkeypatch):
         f"tensor<{M}x{K}xf8E4M3FN>", f"tensor<{kb}x{M}xf32>", f"tensor<{G}x{N}x{K}xf8E4M3FN>",
         f"tensor<{G}x{N // 128}x{kb}xf32>", f"tensor<{table}xi32>", "tensor<2xi32>",
         f"tensor<{M}x{N}xbf16>",
-        f"tile_rows = {cuda_fp8.NT_TILE_ROWS} : i32"))   # the kernel checks it
+        f"tile_rows = {cuda_fp8.NT_TILE_ROWS} : i32",   # the kernel checks it
+        "tma_store = 0 : i32"))
+    _assert_one_call(functools.partial(cuda_fp8.gmm_fp8_nt_cuda, tma_store=True),
+                     (x, xs, w, ws, off), "jax_ep_gmm_fp8_nt", ("tma_store = 1 : i32",))
     # dw: the regrouped, transposed operands (fp8_columns)
     dw_ops = fp8_columns.dw_operands(x, xs, jnp.ones((M, N), jnp.bfloat16), jnp.asarray(gs))
     assert select.plan_fp8(cfg, "dw", *dw_ops[:4], jnp.bfloat16) is registry.FP8_DW_CUDA
@@ -805,6 +811,26 @@ def test_fp8_cluster_tuned_by_contraction_length(monkeypatch):
     assert got == [2, 1, 2, 1, 1]   # the last: Nout % 256 != 0
     assert select.fp8_cluster(GroupedMatmulConfig(fp8_cluster=1), registry.FP8_PALLAS,
                               v(4096, 7168), h200) == 1
+
+
+def test_fp8_tma_store_tuned_by_contraction_length():
+    """``fp8_tma_store=None``: the CUDA kernel stores its tiles by TMA where the
+    device's table says so, contractions of at most
+    ``fp8_tma_store_max_k_steps`` steps of 128 (the H100's: 16, V3 down's K
+    2048 yes, up's 7168 no; the H200's: never); True / False in the config
+    override it; the other variants never."""
+    h100, h200 = DEVICES["NVIDIA H100 80GB HBM3"], DEVICES["NVIDIA H200"]
+    v = lambda kc: jax.ShapeDtypeStruct((4, 4096, kc), E4M3)   # noqa: E731
+    cfg = GroupedMatmulConfig()
+    assert tuning.tuning_for(h100.kind).fp8_tma_store_max_k_steps == 16
+    assert [select.fp8_tma_store(cfg, registry.FP8_CUDA, v(kc), h100)
+            for kc in (2048, 2176, 4096, 7168)] == [True, False, False, False]
+    assert not select.fp8_tma_store(cfg, registry.FP8_CUDA, v(2048), h200)
+    assert not select.fp8_tma_store(cfg, registry.FP8_PALLAS, v(2048), h100)
+    assert not select.fp8_tma_store(cfg, registry.FP8_XLA, v(2048), h100)
+    on, off = (GroupedMatmulConfig(fp8_tma_store=b) for b in (True, False))
+    assert select.fp8_tma_store(on, registry.FP8_CUDA, v(7168), h200)
+    assert not select.fp8_tma_store(off, registry.FP8_CUDA, v(2048), h100)
 
 
 def test_probe_of_the_kernel_fails_softly():

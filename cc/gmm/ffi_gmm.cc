@@ -63,9 +63,10 @@ ffi::Error GmmFp8NtImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                         ffi::Buffer<ffi::S32> row_start, ffi::Buffer<ffi::S32> lo,
                         ffi::Buffer<ffi::S32> hi, ffi::Buffer<ffi::S32> group,
                         ffi::Buffer<ffi::S32> counts, int32_t num_sms, int32_t tile_rows,
-                        ffi::Result<ffi::AnyBuffer> out) {
+                        int32_t tma_store, ffi::Result<ffi::AnyBuffer> out) {
   GmmFp8Args a;
   a.tile_rows = tile_rows;
+  a.tma_store = tma_store != 0;
   JAX_EP_RETURN_IF_ERROR(Shapes(x, xs_t, v, vs, *out, &a));
   if (counts.element_count() != 2 || lo.element_count() != row_start.element_count() ||
       hi.element_count() != row_start.element_count() ||
@@ -155,6 +156,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGmmFp8Nt, jax_ep::GmmFp8NtImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // counts [2]
                                   .Attr<int32_t>("num_sms")    // CTAs (0: one per SM)
                                   .Attr<int32_t>("tile_rows")  // the table's rows per tile
+                                  .Attr<int32_t>("tma_store")  // 1: TMA stores (bf16 out)
                                   .Ret<xla::ffi::AnyBuffer>());  // out [M, N] bf16 / f32
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGmmFp8Dw, jax_ep::GmmFp8DwImpl,

@@ -32,21 +32,8 @@ constexpr uint32_t kStageTx = 2 * kTileBytes + 2 * kScales * 4;
 constexpr int kHalfBytes = 64 * 128;                // 64 rows x 64 bf16 columns: one TMA box
 constexpr int kOutBytes = kConsumers * 2 * kHalfBytes;   // a 128 x 128 bf16 tile
 
-// The ring, then the bf16 output tile [consumer][column half][64 rows][128
-// bytes], 1024-byte aligned for the 128-byte swizzle.
-struct DwSmem : Ring {
-  static constexpr size_t kSmemBytes = Ring::kSmemBytes + 1024 + kOutBytes;
-  uint8_t* out_tile;
-
-  __device__ static DwSmem at(uint8_t* smem) {
-    DwSmem d;
-    static_cast<Ring&>(d) = Ring::at(smem);
-    // d.a is the ring's 1024-byte aligned start
-    const long used = reinterpret_cast<const uint8_t*>(d.empty + Ring::kStages) - d.a;
-    d.out_tile = d.a + (used + 1023) / 1024 * 1024;
-    return d;
-  }
-};
+// The ring, then the bf16 output tile [consumer][column half][64 rows][128 bytes].
+using DwSmem = WithOut<Ring, kOutBytes>;
 
 struct DwTile {
   int group, row, col;   // out[group], its row tile and column tile
@@ -85,17 +72,8 @@ __device__ __forceinline__ void store_tile_tma(const float (&sum)[64], const DwS
   uint8_t* tile = r.out_tile + wg * 2 * kHalfBytes;
   if (t == 0) sm90::bulk_wait_read<0>();
   named_barrier(1 + wg, 128);
-  // rows rr and rr + 8 (acc_row), 4 bytes at byte 4(t % 4) of 16-byte chunk
-  // j % 8 of column half j / 8; the chunk sits at (j % 8) ^ (row % 8)
-  const int rr = acc_row(0), within = 4 * (t % 4), sw = rr % 8;
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    uint8_t* p = tile + (j / 8) * kHalfBytes + rr * 128 + (((j % 8) ^ sw) * 16) + within;
-    const __nv_bfloat162 lo = __floats2bfloat162_rn(sum[4 * j], sum[4 * j + 1]);
-    const __nv_bfloat162 hi = __floats2bfloat162_rn(sum[4 * j + 2], sum[4 * j + 3]);
-    *reinterpret_cast<__nv_bfloat162*>(p) = lo;
-    *reinterpret_cast<__nv_bfloat162*>(p + 8 * 128) = hi;   // row rr + 8: same swizzle
-  }
+  put_box_bf16(sum, tile, 0);
+  put_box_bf16(sum, tile + kHalfBytes, 1);
   sm90::fence_async_smem();
   named_barrier(1 + wg, 128);
   if (t == 0) {

@@ -10,13 +10,22 @@
 // times xs[row] * vs[block] to the block's f32 sum (one FMA per register): the
 // tensor core's fp8 partial sums are promoted every 128 of the contraction, as
 // DeepSeek-V3 does. While one consumer promotes, the other's WGMMAs run. The
-// sums go to HBM from registers, only the rows [lo, hi) of the tile.
+// sums go to HBM only for the rows [lo, hi) of the tile: from registers, or
+// (GmmFp8Args::tma_store, bf16 only) through a shared-memory copy of the tile
+// stored by TMA where a 64-row block lies wholly inside [lo, hi), a ring of 3
+// stages then leaving room for it. The TMA store frees the consumers from the
+// global-store queue (ncu, V3 down on an H100: 17% of their stalls): it wins
+// where the tile's k-loop is short, the 4th stage where it is long
+// (tuning.py, fp8 tile store).
 //
 // Why 256 rows: with 128-row tiles the kernel waited on memory (ncu on an
 // H100, V3 up projection at 256 rows per group: L2 throughput 95%, DRAM 77%,
 // tensor work 53%): every 128 rows re-read the group's weight tile. A 256-row
 // tile reads it once per 256 rows, a quarter fewer L2 bytes per flop; the sums
 // of two blocks and one product buffer fit a consumer's 232 registers.
+#include <type_traits>
+
+#include "common/sync.cuh"
 #include "gmm/fp8_ring.cuh"
 #include "gmm/kernels.h"
 #include "gmm/tensor_map.h"
@@ -29,6 +38,11 @@ using namespace fp8_ring;
 constexpr int kRows = 2 * kBM;          // a tile's rows
 using FwdRing = RingOf<kRows, 4>;       // 4 stages of 49.5 KB: what shared memory holds
 constexpr uint32_t kStageTx = FwdRing::kABytes + kTileBytes + kRows * 4;
+constexpr int kBoxBytes = 64 * 128;     // 64 rows x 64 bf16 columns: one TMA store box
+// With TMA stores: 3 stages and the bf16 tile, 4 boxes per consumer (64 KB).
+using FwdTmaSmem = WithOut<RingOf<kRows, 3>, kConsumers * 4 * kBoxBytes>;
+template <bool Tma>
+using FwdSmem = std::conditional_t<Tma, FwdTmaSmem, FwdRing>;
 
 struct Tile {
   int row_start, lo, hi, group, col;
@@ -46,7 +60,8 @@ __device__ __forceinline__ Tile tile_at(const GmmFp8Args& a, int t, int grid_n) 
   return {a.row_start[f], a.lo[f], a.hi[f], a.group[f], t % grid_n};
 }
 
-__device__ void produce(const GmmFp8Args& a, const Maps& m, const FwdRing& r, int tiles,
+template <typename R>
+__device__ void produce(const GmmFp8Args& a, const Maps& m, const R& r, int tiles,
                         int grid_n, int ksteps) {
   for (const CUtensorMap* map : {&m.a, &m.b, &m.a_scales}) sm90::tma_prefetch(map);
   uint32_t i = 0;
@@ -58,7 +73,7 @@ __device__ void produce(const GmmFp8Args& a, const Maps& m, const FwdRing& r, in
     for (int k = 0; k < ksteps; ++k, ++i) {
       const int s = r.fill(i, kStageTx - (upper ? 0 : kTileBytes));
       uint64_t* full = &r.full[s];
-      uint8_t* x_tile = r.a + s * FwdRing::kABytes;
+      uint8_t* x_tile = r.a + s * R::kABytes;
       sm90::tma_load_2d(x_tile, &m.a, full, k * kBK, tl.row_start);
       if (upper) sm90::tma_load_2d(x_tile + kTileBytes, &m.a, full, k * kBK, tl.row_start + kBM);
       sm90::tma_load_2d(r.b + s * kTileBytes, &m.b, full, k * kBK, v_row);
@@ -68,9 +83,10 @@ __device__ void produce(const GmmFp8Args& a, const Maps& m, const FwdRing& r, in
 }
 
 // Consumer: block `b`'s product for use i's stage, promoted into `sum`.
+template <typename R>
 __device__ __forceinline__ void block_kstep(float (&sum)[64], float (&prod)[64],
-                                            const FwdRing& r, int s, int b, float w_scale) {
-  issue_product(prod, r.a + s * FwdRing::kABytes + b * 64 * kBK, r.b + s * kTileBytes);
+                                            const R& r, int s, int b, float w_scale) {
+  issue_product(prod, r.a + s * R::kABytes + b * 64 * kBK, r.b + s * kTileBytes);
   // the rows' scales while the tensor core runs
   const int row = 64 * b + acc_row(0);
   const float s0 = r.a_scales[s * kRows + row] * w_scale;
@@ -85,8 +101,44 @@ __device__ __forceinline__ void block_kstep(float (&sum)[64], float (&prod)[64],
   }
 }
 
-template <typename Out>
-__device__ void consume(const GmmFp8Args& a, const FwdRing& r, int tiles, int grid_n,
+// The TMA store: consumer wg's two blocks into its 32 KB of the tile buffer,
+// stored by TMA where all 64 rows of a block are the tile's; a block with
+// rows of a neighbouring group (or the tail) from registers.
+template <typename R>
+__device__ __forceinline__ void store_tile_tma(const float (&lower)[64], const float (&upper)[64],
+                                               const GmmFp8Args& a, const Maps& m, const R& r,
+                                               const Tile& tl, int wg) {
+  const bool lead = threadIdx.x % 128 == 0;
+  uint8_t* mine = r.out_tile + wg * 4 * kBoxBytes;
+  const int f0 = tl.row_start + 64 * wg, f1 = f0 + kBM;
+  const bool t0 = f0 >= tl.lo && f0 + 64 <= tl.hi, t1 = f1 >= tl.lo && f1 + 64 <= tl.hi;
+  const auto keep = [&](long long rr) { return rr >= tl.lo && rr < tl.hi; };
+  auto* out = static_cast<__nv_bfloat16*>(a.out);
+  if (!t0) store_tile(lower, out, a.n, tl.row_start, tl.col * kBN, wg, keep);
+  if (!t1) store_tile(upper, out, a.n, tl.row_start + kBM, tl.col * kBN, wg, keep);
+  if (!t0 && !t1) return;
+  if (lead) sm90::bulk_wait_read<0>();   // the last tile's stores have read the buffer
+  named_barrier(1 + wg, 128);
+  if (t0) { put_box_bf16(lower, mine, 0); put_box_bf16(lower, mine + kBoxBytes, 1); }
+  if (t1) { put_box_bf16(upper, mine + 2 * kBoxBytes, 0); put_box_bf16(upper, mine + 3 * kBoxBytes, 1); }
+  sm90::fence_async_smem();
+  named_barrier(1 + wg, 128);
+  if (lead) {
+    const int c0 = tl.col * kBN;
+    if (t0) {
+      sm90::tma_store_2d(&m.out, mine, c0, f0);
+      sm90::tma_store_2d(&m.out, mine + kBoxBytes, c0 + 64, f0);
+    }
+    if (t1) {
+      sm90::tma_store_2d(&m.out, mine + 2 * kBoxBytes, c0, f1);
+      sm90::tma_store_2d(&m.out, mine + 3 * kBoxBytes, c0 + 64, f1);
+    }
+    sm90::bulk_commit();
+  }
+}
+
+template <typename Out, bool Tma, typename R>
+__device__ void consume(const GmmFp8Args& a, const Maps& m, const R& r, int tiles, int grid_n,
                         int ksteps, int wg) {
   float prod[64], lower[64], upper[64];   // the sums of blocks wg and wg + 2
   uint32_t i = 0;
@@ -104,23 +156,32 @@ __device__ void consume(const GmmFp8Args& a, const FwdRing& r, int tiles, int gr
       if (on_upper) block_kstep(upper, prod, r, s, wg + 2, w_scale);
       r.release(s);
     }
-    // rows outside [lo, hi) belong to a neighbouring group (or the tail): not stored
-    const auto keep = [&](long long rr) { return rr >= tl.lo && rr < tl.hi; };
-    Out* out = static_cast<Out*>(a.out);
-    store_tile(lower, out, a.n, tl.row_start, tl.col * kBN, wg, keep);
-    store_tile(upper, out, a.n, tl.row_start + kBM, tl.col * kBN, wg, keep);
+    if constexpr (Tma) {
+      store_tile_tma(lower, upper, a, m, r, tl, wg);
+    } else {
+      // rows outside [lo, hi) belong to a neighbouring group (or the tail): not stored
+      const auto keep = [&](long long rr) { return rr >= tl.lo && rr < tl.hi; };
+      Out* out = static_cast<Out*>(a.out);
+      store_tile(lower, out, a.n, tl.row_start, tl.col * kBN, wg, keep);
+      store_tile(upper, out, a.n, tl.row_start + kBM, tl.col * kBN, wg, keep);
+    }
+  }
+  if constexpr (Tma) {
+    if (threadIdx.x % 128 == 0) sm90::bulk_wait<0>();   // the stores done before the CTA ends
   }
 }
 
-template <typename Out>
+template <typename Out, bool Tma>
 __global__ void __launch_bounds__(kThreads, 1)
     gmm_fp8_nt_kernel(const __grid_constant__ Maps maps, const __grid_constant__ GmmFp8Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem[];
   const int grid_n = a.n / kBN, ksteps = a.kc / kBK;
   const int tiles = (a.counts[0] + a.counts[1]) * grid_n;
-  run<FwdRing>(smem, [&](const FwdRing& r) { produce(a, maps, r, tiles, grid_n, ksteps); },
-               [&](const FwdRing& r, int wg) { consume<Out>(a, r, tiles, grid_n, ksteps, wg); });
+  static_assert(!Tma || std::is_same_v<Out, __nv_bfloat16>, "TMA stores bf16 tiles");
+  using S = FwdSmem<Tma>;
+  run<S>(smem, [&](const S& r) { produce(a, maps, r, tiles, grid_n, ksteps); },
+         [&](const S& r, int wg) { consume<Out, Tma>(a, maps, r, tiles, grid_n, ksteps, wg); });
 #else
   __trap();   // built for sm_90a only (CMakeLists.txt)
 #endif
@@ -143,7 +204,7 @@ const char* gmm_fp8_shape_error(const GmmFp8Args& a) {
 
 cudaError_t launch_gmm_fp8_nt(const GmmFp8Args& a, cudaStream_t stream) {
   if (!has_tensor_map_encoder()) return cudaErrorSymbolNotFound;
-  Maps maps{};   // out unused: the sums are stored from registers
+  Maps maps{};   // out: only for TMA stores
   const auto e4m3 = CU_TENSOR_MAP_DATA_TYPE_UINT8, f32 = CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
   const auto sw128 = CU_TENSOR_MAP_SWIZZLE_128B, plain = CU_TENSOR_MAP_SWIZZLE_NONE;
   // x in 128-row boxes (a tile loads one or two); rows past m read as zeros
@@ -151,8 +212,15 @@ cudaError_t launch_gmm_fp8_nt(const GmmFp8Args& a, cudaStream_t stream) {
       !encode_2d(&maps.b, e4m3, a.v, uint64_t(a.groups) * a.n, a.kc, 1, kBN, kBK, sw128) ||
       !encode_2d(&maps.a_scales, f32, a.xs_t, a.kc / kBK, a.m, 4, 1, kRows, plain))
     return cudaErrorInvalidValue;
-  return launch<FwdRing>(a.out_f32 ? gmm_fp8_nt_kernel<float> : gmm_fp8_nt_kernel<__nv_bfloat16>,
-                         maps, a, a.num_sms, a.device, stream);
+  if (a.out_f32) return launch<FwdRing>(gmm_fp8_nt_kernel<float, false>, maps, a, a.num_sms,
+                                        a.device, stream);
+  if (!a.tma_store)
+    return launch<FwdRing>(gmm_fp8_nt_kernel<__nv_bfloat16, false>, maps, a, a.num_sms, a.device,
+                           stream);
+  if (!encode_2d(&maps.out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, a.out, a.m, a.n, 2, 64, 64, sw128))
+    return cudaErrorInvalidValue;
+  return launch<FwdTmaSmem>(gmm_fp8_nt_kernel<__nv_bfloat16, true>, maps, a, a.num_sms, a.device,
+                            stream);
 }
 
 }  // namespace jax_ep

@@ -107,6 +107,23 @@ struct RingOf {
   }
 };
 
+// A ring R followed by `OutBytes` of output staging for TMA stores, 1024-byte
+// aligned for the 128-byte swizzle.
+template <typename R, int OutBytes>
+struct WithOut : R {
+  static constexpr size_t kSmemBytes = R::kSmemBytes + 1024 + OutBytes;
+  uint8_t* out_tile;
+
+  __device__ static WithOut at(uint8_t* smem) {
+    WithOut d;
+    static_cast<R&>(d) = R::at(smem);
+    // d.a is the ring's 1024-byte aligned start
+    const long used = reinterpret_cast<const uint8_t*>(d.empty + R::kStages) - d.a;
+    d.out_tile = d.a + (used + 1023) / 1024 * 1024;
+    return d;
+  }
+};
+
 // dw's ring: 128-row A tiles, 5 stages (165 KB; its output tile takes 32 KB more).
 using Ring = RingOf<kBM, 5>;
 
@@ -184,6 +201,23 @@ __device__ __forceinline__ void store_tile(const float (&sum)[64], Out* out, lon
   for (int j = 0; j < 16; ++j) {
     if (in0) store_pair(o0 + 8 * j, sum[4 * j], sum[4 * j + 1]);
     if (in1) store_pair(o1 + 8 * j, sum[4 * j + 2], sum[4 * j + 3]);
+  }
+}
+
+// Columns [64h, 64h + 64) of consumer wg's 64 x 128 sum, rounded to bf16, into
+// `box`: a TMA store's 64 x 64 box, 64 rows of 128 bytes, 128-byte swizzled
+// (free of bank conflicts). Each thread puts 4 bytes of rows rr and rr + 8
+// (acc_row) at byte 4(t % 4) of 16-byte chunk c; the chunk sits at c ^ (row % 8).
+__device__ __forceinline__ void put_box_bf16(const float (&sum)[64], uint8_t* box, int h) {
+  const int rr = acc_row(0), within = 4 * (threadIdx.x % 4), sw = rr % 8;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    const int j = 8 * h + c;
+    uint8_t* p = box + rr * 128 + ((c ^ sw) * 16) + within;
+    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(sum[4 * j], sum[4 * j + 1]);
+    // row rr + 8: the same swizzle
+    *reinterpret_cast<__nv_bfloat162*>(p + 8 * 128) =
+        __floats2bfloat162_rn(sum[4 * j + 2], sum[4 * j + 3]);
   }
 }
 

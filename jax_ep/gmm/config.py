@@ -91,6 +91,13 @@ class GroupedMatmulConfig:
         measured faster; ``"pallas"`` on an H200, where the CUDA forward's
         present form has not run yet: an earlier form ended in an illegal
         instruction there, bench/results/gpu-suite-shared-gpu.md).
+      fp8_tma_store: how the CUDA fp8 forward and dx store a bf16 result:
+        None (default: the device's tuned choice by the contraction's length,
+        ``heuristic.fp8_tma_store``; on an H100 TMA up to 16 k-steps of 128),
+        True (64-row blocks inside one group through a shared-memory tile and
+        TMA, the ring 3 stages: frees the consumers from the store queue, wins
+        on short contractions) or False (from registers, 4 stages). The same
+        bits either way; the Pallas kernel ignores it.
       fp8_cluster: CTAs per cluster of the Pallas fp8 kernel (forward and fp8 dx):
         None (default: the device's tuned choice, ``heuristic.fp8_cluster``;
         on an H200 single CTAs, pairs not yet measured ahead), 1,
@@ -118,6 +125,7 @@ class GroupedMatmulConfig:
     fp8_dx: bool = True
     fp8_dw: bool = False
     fp8_kernel: Optional[str] = None
+    fp8_tma_store: Optional[bool] = None
     fp8_cluster: Optional[int] = None
     expected_rows: Optional[int] = None
 
@@ -132,6 +140,8 @@ class GroupedMatmulConfig:
         for name in ("fp8_dx", "fp8_dw"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.fp8_tma_store is not None and not isinstance(self.fp8_tma_store, bool):
+            raise ValueError(f"fp8_tma_store must be None or a bool, got {self.fp8_tma_store!r}")
         for name in ("dw_warpgroups", "fwd_warpgroups", "dw_cluster"):
             _check_one_or_two(name, getattr(self, name), "1 or 2")
         if self.expected_rows is not None and (isinstance(self.expected_rows, bool) or

@@ -57,11 +57,16 @@ def check_fp8_nt_cuda(x, xs, v, vs) -> Optional[str]:
     return None
 
 
-def gmm_fp8_nt_cuda(x, xs, v, vs, offsets, *, out_dtype=None, num_sms: int = 0):
+def gmm_fp8_nt_cuda(x, xs, v, vs, offsets, *, out_dtype=None, num_sms: int = 0,
+                    tma_store: bool = False):
     """``[M, Nout]`` in ``out_dtype`` (bfloat16 default, or float32); ``x [M,
     Kc]`` e4m3, ``xs [M, Kc/128]`` f32, ``v [G, Nout, Kc]`` e4m3, ``vs [G,
     Nout/128, Kc/128]`` f32, ``offsets`` int32 ``[G+1]`` (``ops.offsets``);
-    rows past ``offsets[-1]`` are zero. ``num_sms``: CTAs (0: one per SM)."""
+    rows past ``offsets[-1]`` are zero. ``num_sms``: CTAs (0: one per SM).
+    ``tma_store``: a bf16 result's 64-row blocks inside one group go out by
+    TMA from a shared-memory copy of the tile, the ring one stage shorter
+    (the same bits; ``select.fp8_tma_store`` picks it by the contraction's
+    length)."""
     err = check_fp8_nt_cuda(x, xs, v, vs)
     if err is not None:
         raise ValueError(f"gmm_fp8_nt_cuda: {err}")
@@ -71,7 +76,7 @@ def gmm_fp8_nt_cuda(x, xs, v, vs, offsets, *, out_dtype=None, num_sms: int = 0):
     xs_t = xs.astype(jnp.float32).T                                  # a tile's scales: one run
     return _call(TARGET, (m, v.shape[1]), out_dtype,
                  (x, xs_t, v, vs.astype(jnp.float32), rs, lo, hi, grp, counts), num_sms,
-                 tile_rows=np.int32(NT_TILE_ROWS))
+                 tile_rows=np.int32(NT_TILE_ROWS), tma_store=np.int32(bool(tma_store)))
 
 
 def check_fp8_dw_cuda(a, a_s, c, c_s, segments=None) -> Optional[str]:

@@ -42,3 +42,10 @@ def fp8_cluster(k_steps: int, device_kind: str) -> int:
     contractions), else 1."""
     least = tuning_for(device_kind).fp8_cluster_min_k_steps
     return 2 if least and k_steps >= least else 1
+
+
+def fp8_tma_store(k_steps: int, device_kind: str) -> bool:
+    """Whether the CUDA fp8 forward stores its bf16 tiles by TMA over a
+    contraction of ``k_steps`` 128-wide steps: where the device's table says
+    the short k-loop gains more from it than from a 4th stage."""
+    return k_steps <= tuning_for(device_kind).fp8_tma_store_max_k_steps

@@ -225,7 +225,9 @@ class Fp8Variant:
     ops: Tuple[str, ...]
     archs: Tuple[str, ...]             # compute capability majors; (): any
     out_dtypes: Optional[Tuple[str, ...]]   # None: any float
-    launch: Callable                   # (x, xs, v, vs, offsets, out_dtype, interpret, cluster)
+    # (x, xs, v, vs, offsets, out_dtype, interpret, cluster[, tma_store]); tma_store:
+    # the CUDA forward's TMA tile stores (select.fp8_tma_store), the others ignore it
+    launch: Callable
     probe: Optional[Callable] = None   # (op, tiles, dtype, cluster) -> (fn, args)
     fallback: str = ""
     # (x, xs, v, vs) -> why the kernel cannot run them: shapes, alignment, the
@@ -263,9 +265,8 @@ def _fp8_probe(op, tiles, dt, cluster):
 # can stand a reference implementation of its contract in for it.
 FP8_PALLAS = Fp8Variant(
     "gmm_fp8", ("fwd", "dx"), _HOPPER, ("bfloat16", "float32"),
-    lambda x, xs, v, vs, off, od, i, c: pallas_fp8.gmm_fp8_nt(x, xs, v, vs, off, tiles=None,
-                                                              out_dtype=od, cluster=c,
-                                                              interpret=i),
+    lambda x, xs, v, vs, off, od, i, c, t=False: pallas_fp8.gmm_fp8_nt(
+        x, xs, v, vs, off, tiles=None, out_dtype=od, cluster=c, interpret=i),
     _fp8_probe, "the dequantizing XLA reference", pallas_fp8.check_fp8_nt)
 
 
@@ -277,11 +278,12 @@ def _fp8_cuda_probe(op, tiles, dt, cluster):
 # the same contract as FP8_PALLAS, run by the CUDA kernel of the native extension
 FP8_CUDA = Fp8Variant(
     "gmm_fp8_cuda", ("fwd", "dx"), _HOPPER, ("bfloat16", "float32"),
-    lambda x, xs, v, vs, off, od, i, c: cuda_fp8.gmm_fp8_nt_cuda(x, xs, v, vs, off, out_dtype=od),
+    lambda x, xs, v, vs, off, od, i, c, t=False: cuda_fp8.gmm_fp8_nt_cuda(
+        x, xs, v, vs, off, out_dtype=od, tma_store=t),
     _fp8_cuda_probe, "the dequantizing XLA reference", cuda_fp8.check_fp8_nt_cuda)
 FP8_XLA = Fp8Variant(
     "fp8_xla", ("fwd", "dx"), (), None,
-    lambda x, xs, v, vs, off, od, i, c: gmm_fp8_nt_xla(x, xs, v, vs, off, od))
+    lambda x, xs, v, vs, off, od, i, c, t=False: gmm_fp8_nt_xla(x, xs, v, vs, off, od))
 
 
 def _fp8_dw_probe(op, tiles, dt, cluster):

@@ -173,3 +173,15 @@ def fp8_cluster(cfg: GroupedMatmulConfig, variant: Fp8Variant, v,
             FP8_PALLAS.name, "fwd+dx", None, "float8_e4m3fn", c):
         return 1
     return c
+
+
+def fp8_tma_store(cfg: GroupedMatmulConfig, variant: Fp8Variant, v,
+                  dev: Optional[DeviceInfo] = None) -> bool:
+    """Whether the CUDA fp8 kernel stores its bf16 tiles by TMA for ``v [G,
+    Nout, Kc]``: the config's choice, else the device's by ``Kc / 128``
+    (``heuristic.fp8_tma_store``); False for the other variants."""
+    if variant is not FP8_CUDA:
+        return False
+    if cfg.fp8_tma_store is not None:
+        return cfg.fp8_tma_store
+    return heuristic.fp8_tma_store(v.shape[2] // FP8_BLOCK, (dev or device_info()).kind)

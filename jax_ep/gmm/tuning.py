@@ -52,6 +52,16 @@ file):
   GPU tests passed there, the API with gradients on it included. On an H200
   "pallas" until the CUDA forward's present form has run there (an earlier
   form ended in an illegal instruction on one).
+
+* fp8 tile store (bench/results/2026-12-04-h200x1-fp8-grouped-matmul.md, one H100, one binary
+  run with the store chosen per call): the CUDA forward storing its bf16
+  tiles by TMA (3 stages) against from registers (4 stages), V3 down
+  (K 2048, 16 k-steps of 128) 1.062 against 1.216 ms with uniform sizes,
+  1.355 against 1.342 skewed; V3 up (K 7168, 56 steps) 2.161 against 2.149
+  uniform, 2.678 against 2.523 skewed. ``fp8_tma_store_max_k_steps`` = 16
+  on an H100: TMA stores up to 16 k-steps (the measured gain), registers
+  beyond (contractions between 16 and 56 steps not measured); 0 (never) on
+  an H200 until measured there.
 """
 from __future__ import annotations
 
@@ -90,6 +100,7 @@ class DeviceTuning:
     small: TileSet
     fp8_cluster_min_k_steps: int = 0   # 0: the fp8 kernel never runs on clusters
     fp8_kernel: str = "pallas"         # the fp8 kernel family that wins here
+    fp8_tma_store_max_k_steps: int = 0  # the CUDA forward's TMA stores up to these k-steps
 
     def __post_init__(self):
         if self.fp8_kernel not in FP8_KERNELS:
@@ -110,7 +121,8 @@ def load_tuned(text: Optional[str] = None):
         entries[kind] = DeviceTuning(kind, int(src["small_group_rows"]),
                                      _tile_set(src["default"]), _tile_set(src["small"]),
                                      int(src.get("fp8_cluster_min_k_steps", 0)),
-                                     src.get("fp8_kernel", "pallas"))
+                                     src.get("fp8_kernel", "pallas"),
+                                     int(src.get("fp8_tma_store_max_k_steps", 0)))
     fallback = data["fallback"]
     if fallback not in entries:
         raise ValueError(f"tuned_tiles.json: fallback {fallback!r} is not an entry")

@@ -78,11 +78,12 @@ def reference(x, xs, v, vs, sizes):
 
 
 def run(x, xs, v, vs, gs, out_dtype=jnp.bfloat16, cluster=1, kernel="pallas"):
-    """The Pallas kernel, or (``kernel="cuda"``) the native extension's."""
-    if kernel == "cuda":
+    """The Pallas kernel, or (``kernel="cuda"``, ``"cuda tma"``: TMA tile
+    stores) the native extension's."""
+    if kernel.startswith("cuda"):
         from jax_ep.gmm.cuda_fp8 import gmm_fp8_nt_cuda
-        return jax.jit(lambda *a: gmm_fp8_nt_cuda(*a, offsets(gs, x.shape[0]),
-                                                  out_dtype=out_dtype))(x, xs, v, vs)
+        return jax.jit(lambda *a: gmm_fp8_nt_cuda(*a, offsets(gs, x.shape[0]), out_dtype=out_dtype,
+                                                  tma_store=kernel == "cuda tma"))(x, xs, v, vs)
     return jax.jit(lambda *a: gmm_fp8_nt(*a, offsets(gs, x.shape[0]), out_dtype=out_dtype,
                                          cluster=cluster))(x, xs, v, vs)
 
@@ -316,10 +317,12 @@ def _native():
 
 @pytest.mark.parametrize("kind,total", [("uniform", 2048), ("skew", 2048), ("unaligned", 1901)])
 @pytest.mark.parametrize("pow2", [False, True])
-def test_cuda_fp8_kernel_small(kind, total, pow2):
-    """The native extension's fp8 kernel (``cuda_fp8``) under the same checks."""
+@pytest.mark.parametrize("kernel", ["cuda", "cuda tma"])
+def test_cuda_fp8_kernel_small(kind, total, pow2, kernel):
+    """The native extension's fp8 kernel (``cuda_fp8``) under the same checks,
+    its tiles stored from registers and by TMA."""
     _native()
-    check(*case(2048, 8, 512, 384, sizes_for(kind, 8, total), pow2), kernel="cuda")
+    check(*case(2048, 8, 512, 384, sizes_for(kind, 8, total), pow2), kernel=kernel)
 
 
 def test_cuda_fp8_kernel_f32_out_empty_and_v3_down():
@@ -332,12 +335,26 @@ def test_cuda_fp8_kernel_f32_out_empty_and_v3_down():
 
 
 @pytest.mark.parametrize("m,sizes", [(200, [150, 50]), (136, [100, 30]), (520, [300, 212])])
-def test_cuda_fp8_kernel_tiles_past_m(m, sizes):
+@pytest.mark.parametrize("kernel", ["cuda", "cuda tma"])
+def test_cuda_fp8_kernel_tiles_past_m(m, sizes, kernel):
     """The kernel's 256-row tiles where M is under 256 (the tile starts at row
     0 and its boxes reach past M: TMA reads zeros there) or the last tile is
     moved back to end at M; tail rows NaN-scaled."""
     _native()
-    check(*case(m, 2, 256, 256, np.array(sizes, np.int32), False, seed=13), kernel="cuda")
+    check(*case(m, 2, 256, 256, np.array(sizes, np.int32), False, seed=13), kernel=kernel)
+
+
+@pytest.mark.parametrize("m,sizes", [(1024, [300, 0, 257, 130]), (2048, [128, 640, 1, 0, 700]),
+                                     (520, [300, 212]), (200, [150, 50])])
+def test_cuda_fp8_tma_store_is_bitwise_the_register_store(m, sizes):
+    """TMA tile stores (whole 64-row blocks of one group through shared
+    memory, the rest from registers) write every output element, tail rows
+    included, as the register stores do: same bits over the whole ``[M, N]``."""
+    _native()
+    ops = case(m, len(sizes), 512, 384, np.array(sizes, np.int32), False, seed=17)
+    tma = check(*ops, kernel="cuda tma")
+    np.testing.assert_array_equal(np.asarray(tma).view(np.uint16),
+                                  np.asarray(run(*ops, kernel="cuda")).view(np.uint16))
 
 
 @pytest.mark.parametrize("kind,n", [("skew", 512), ("unaligned", 768)])
