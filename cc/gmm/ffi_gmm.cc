@@ -156,7 +156,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGmmFp8Nt, jax_ep::GmmFp8NtImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // counts [2]
                                   .Attr<int32_t>("num_sms")    // CTAs (0: one per SM)
                                   .Attr<int32_t>("tile_rows")  // the table's rows per tile
-                                  .Attr<int32_t>("tma_store")  // 1: TMA stores (bf16 out)
+                                  .Attr<int32_t>("tma_store")  // 1: TMA stores (bf16 out; f32 ignores it)
                                   .Ret<xla::ffi::AnyBuffer>());  // out [M, N] bf16 / f32
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGmmFp8Dw, jax_ep::GmmFp8DwImpl,

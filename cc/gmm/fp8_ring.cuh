@@ -35,7 +35,7 @@ constexpr uint32_t kTileBytes = kBM * kBK;          // a 128-row tile: 16 KB of 
 constexpr int kScales = 128;                        // f32 scales per 128 rows of a stage
 
 // The tensor maps of a call: the A and B operands, their scales, and the
-// output where the kernel stores it by TMA (dw).
+// output where the kernel stores it by TMA (dw; the forward with tma_store).
 struct Maps {
   CUtensorMap a, b, a_scales, b_scales, out;
 };

@@ -30,7 +30,7 @@ struct GmmFp8Args {
   const int32_t* group = nullptr;
   const int32_t* counts = nullptr;  // [2]: group tiles, then tail tiles, first in the table
   int tile_rows = 0;                // the rows per tile the table was cut at
-  bool tma_store = false;           // bf16 out: full 64-row blocks stored by TMA (fp8_nt.cu)
+  bool tma_store = false;           // bf16 out: full 64-row blocks by TMA (fp8_nt.cu); f32: ignored
   void* out = nullptr;              // [m, n]
   bool out_f32 = false;             // else bf16
   int m = 0, kc = 0, n = 0, groups = 0;

@@ -88,7 +88,7 @@ the typed tile configs), ``registry`` (the kernel variants and what each
 supports: ops, dtypes, devices, shapes, shared memory), ``devices`` (SM count
 and shared memory per device kind), ``tuned_tiles.json`` + ``tuning`` (tuned
 tiles per device kind), ``heuristic`` (which tuned tiles an operation asks
-for), ``select`` (the plan: variant, tiles, cluster), ``probe`` (the
+for), ``select`` (the plan: variant, tiles, cluster, tile store), ``probe`` (the
 one-time compile check), ``xla`` (the ragged_dot fallback and the fp8
 reference), ``pallas_common``, ``pallas_fwd``, ``pallas_dw``, ``pallas_fp8``
 (the kernels).

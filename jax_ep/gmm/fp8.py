@@ -150,7 +150,7 @@ def ops_nt(cfg: GroupedMatmulConfig, op: str, x, xs, v, vs, group_sizes, out_dty
     off = offsets(group_sizes, x.shape[0]) if row_groups is None else row_groups
     variant = plan_fp8(cfg, op, x, xs, v, vs, out_dtype)
     out = variant.launch(x, xs, v, vs, off, out_dtype, cfg.interpret,
-                         fp8_cluster(cfg, variant, v), fp8_tma_store(cfg, variant, v))
+                         fp8_cluster(cfg, variant, v), fp8_tma_store(cfg, variant, v, out_dtype))
     axes = vma_of(x) | vma_of(xs) | vma_of(v) | vma_of(vs) | vma_of(group_sizes)
     return to_vma(out, axes)
 

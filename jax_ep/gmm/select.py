@@ -7,6 +7,8 @@ import dataclasses
 import warnings
 from typing import Optional
 
+import jax.numpy as jnp
+
 from .. import extension
 from ..fp8 import FP8_BLOCK
 from . import heuristic, pallas_fp8, probe
@@ -175,12 +177,13 @@ def fp8_cluster(cfg: GroupedMatmulConfig, variant: Fp8Variant, v,
     return c
 
 
-def fp8_tma_store(cfg: GroupedMatmulConfig, variant: Fp8Variant, v,
+def fp8_tma_store(cfg: GroupedMatmulConfig, variant: Fp8Variant, v, out_dtype,
                   dev: Optional[DeviceInfo] = None) -> bool:
     """Whether the CUDA fp8 kernel stores its bf16 tiles by TMA for ``v [G,
     Nout, Kc]``: the config's choice, else the device's by ``Kc / 128``
-    (``heuristic.fp8_tma_store``); False for the other variants."""
-    if variant is not FP8_CUDA:
+    (``heuristic.fp8_tma_store``); False for a float32 result (stored from
+    registers) and for the other variants."""
+    if variant is not FP8_CUDA or jnp.dtype(out_dtype) != jnp.dtype(jnp.bfloat16):
         return False
     if cfg.fp8_tma_store is not None:
         return cfg.fp8_tma_store

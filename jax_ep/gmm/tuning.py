@@ -60,7 +60,8 @@ file):
   1.355 against 1.342 skewed; V3 up (K 7168, 56 steps) 2.161 against 2.149
   uniform, 2.678 against 2.523 skewed. ``fp8_tma_store_max_k_steps`` = 16
   on an H100: TMA stores up to 16 k-steps (the measured gain), registers
-  beyond (contractions between 16 and 56 steps not measured); 0 (never) on
+  beyond (contractions between 16 and 56 steps not measured, nor dx, which
+  the bound governs too: V3's dx contracts 32 and 56 steps); 0 (never) on
   an H200 until measured there.
 """
 from __future__ import annotations
