@@ -3,8 +3,9 @@
     python bench/grouped_matmul_fp8_bench.py [--reps 10] [--clusters 1,2]
 
 DeepSeek-V3 per-rank shapes (G = 128 experts, M = 32768 rows, ~256 per
-expert): up x [M, 7168] @ w [G, 7168, 4096], down x [M, 2048] @ w [G, 2048, 7168];
-uniform and skewed group sizes (``grouped_matmul_bench.group_sizes``). Rows
+expert): up x [M, 7168] @ w [G, 7168, 4096], down x [M, 2048] @ w [G, 2048, 7168]
+(``--proj dx_up,dx_down``: the dx kernel's shapes, ``dy [M, 4096]`` into 7168
+outputs and ``dy [M, 7168]`` into 2048); uniform and skewed group sizes (``grouped_matmul_bench.group_sizes``). Rows
 of one table, one run:
 
 - ``fp8 nt``: ``pallas_fp8.gmm_fp8_nt`` on a weight stored K-major ``[G, N, K]``
@@ -93,6 +94,11 @@ import jax.numpy as jnp  # noqa: E402
 
 import jax_ep  # noqa: E402
 from grouped_matmul_bench import G, M, PROJ, group_sizes, per_call_ms  # noqa: E402
+
+# --proj also takes the dx shapes in the kernel's NT form: dx of up contracts
+# N 4096 into K 7168 outputs, dx of down 7168 into 2048 (the fp8 dx kernel
+# runs these; "bf16" is the bf16 grouped matmul of the same shape)
+NT_PROJ = {**PROJ, "dx_up": PROJ["up"][::-1], "dx_down": PROJ["down"][::-1]}
 from jax_ep import extension  # noqa: E402
 from jax_ep.gmm import GroupedMatmulConfig, fp8_columns  # noqa: E402
 from jax_ep.gmm import fp8 as gm_fp8  # noqa: E402
@@ -132,7 +138,7 @@ def _same_bits(ref, got, rows):
 
 
 def rows_for(proj, kind, reps, clusters=(1,), variants=None, cuda=True):
-    k, n = PROJ[proj]
+    k, n = NT_PROJ[proj]
     x, w, xq, xs, wq, ws, vq, vs = jax.block_until_ready(operands(k, n))
     gs = jnp.asarray(group_sizes(kind))
     flops = 2.0 * float(np.sum(group_sizes(kind))) * k * n
@@ -353,7 +359,9 @@ def decode_table(rows):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--proj", default="up,down")
+    ap.add_argument("--proj", default="up,down",
+                    help=f"shapes of the main table, of {', '.join(NT_PROJ)} (dx_*: the dx "
+                         "kernel's; --steps times up and down only)")
     ap.add_argument("--kinds", default="uniform,skew",
                     help="group-size kinds of the main table ('': no main table, e.g. with --steps)")
     ap.add_argument("--sweep", action="store_true", help="also time SWEEP's tiles")
@@ -395,7 +403,8 @@ def main():
                      f"{ratio(tf, dense.get((p, 'dense fp8')))} | {ratio(tf, roof.get(p))} |")
     table = "\n".join(lines)
     if args.steps:
-        steps = [r for proj in args.proj.split(",") for r in step_rows(proj, args.reps, families)]
+        steps = [r for proj in args.proj.split(",") if proj in PROJ
+                 for r in step_rows(proj, args.reps, families)]
         table += "\n\n" + step_table(steps)
     if args.decode:
         table += "\n\n" + decode_table([r for kind in args.kinds.split(",")
