@@ -18,7 +18,6 @@
 // boxes while the warpgroup runs the next tile. f32 dw stores from registers.
 #include <type_traits>
 
-#include "common/sync.cuh"
 #include "gmm/fp8_ring.cuh"
 #include "gmm/kernels.h"
 #include "gmm/tensor_map.h"
@@ -29,8 +28,7 @@ namespace {
 using namespace fp8_ring;
 
 constexpr uint32_t kStageTx = 2 * kTileBytes + 2 * kScales * 4;
-constexpr int kHalfBytes = 64 * 128;                // 64 rows x 64 bf16 columns: one TMA box
-constexpr int kOutBytes = kConsumers * 2 * kHalfBytes;   // a 128 x 128 bf16 tile
+constexpr int kOutBytes = kConsumers * 2 * kBoxBytes;   // a 128 x 128 bf16 tile
 
 // The ring, then the bf16 output tile [consumer][column half][64 rows][128 bytes].
 using DwSmem = WithOut<Ring, kOutBytes>;
@@ -64,23 +62,12 @@ __device__ void produce(const GmmFp8DwArgs& a, const Maps& m, const Ring& r, int
 
 // Consumer wg's 64 x 128 sum, rounded to bf16, into its 16 KB of the output
 // tile and stored by TMA to out rows [row0, +64), columns [col0, +128) (the
-// map's rows: G * Ka). Its thread 0 first waits until the previous tile's
-// stores have read the buffer.
+// map's rows: G * Ka).
 __device__ __forceinline__ void store_tile_tma(const float (&sum)[64], const DwSmem& r,
                                                const Maps& m, int row0, int col0, int wg) {
-  const int t = threadIdx.x % 128;
-  uint8_t* tile = r.out_tile + wg * 2 * kHalfBytes;
-  if (t == 0) sm90::bulk_wait_read<0>();
-  named_barrier(1 + wg, 128);
-  put_box_bf16(sum, tile, 0);
-  put_box_bf16(sum, tile + kHalfBytes, 1);
-  sm90::fence_async_smem();
-  named_barrier(1 + wg, 128);
-  if (t == 0) {
-    sm90::tma_store_2d(&m.out, tile, col0, row0);
-    sm90::tma_store_2d(&m.out, tile + kHalfBytes, col0 + 64, row0);
-    sm90::bulk_commit();
-  }
+  uint8_t* tile = r.out_tile + wg * 2 * kBoxBytes;
+  staged_tma_store(wg, [&] { put_block_bf16(sum, tile); },
+                   [&] { store_block_tma(&m.out, tile, col0, row0); });
 }
 
 template <typename Out>
@@ -119,7 +106,7 @@ __device__ void consume(const GmmFp8DwArgs& a, const Maps& m, const DwSmem& r, i
                  [](long long) { return true; });
     }
   }
-  if (threadIdx.x % 128 == 0) sm90::bulk_wait<0>();   // the stores done before the CTA ends
+  drain_tma_stores();
 }
 
 template <typename Out>

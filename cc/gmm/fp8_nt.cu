@@ -25,7 +25,6 @@
 // of two blocks and one product buffer fit a consumer's 232 registers.
 #include <type_traits>
 
-#include "common/sync.cuh"
 #include "gmm/fp8_ring.cuh"
 #include "gmm/kernels.h"
 #include "gmm/tensor_map.h"
@@ -38,7 +37,6 @@ using namespace fp8_ring;
 constexpr int kRows = 2 * kBM;          // a tile's rows
 using FwdRing = RingOf<kRows, 4>;       // 4 stages of 49.5 KB: what shared memory holds
 constexpr uint32_t kStageTx = FwdRing::kABytes + kTileBytes + kRows * 4;
-constexpr int kBoxBytes = 64 * 128;     // 64 rows x 64 bf16 columns: one TMA store box
 // With TMA stores: 3 stages and the bf16 tile, 4 boxes per consumer (64 KB).
 using FwdTmaSmem = WithOut<RingOf<kRows, 3>, kConsumers * 4 * kBoxBytes>;
 template <bool Tma>
@@ -52,6 +50,11 @@ struct Tile {
   __device__ bool block_on(int b) const {
     const int r = row_start + 64 * b;
     return group >= 0 && r < hi && r + 64 > lo;
+  }
+  // whether all 64 rows of block b are the tile's to store
+  __device__ bool block_whole(int b) const {
+    const int r = row_start + 64 * b;
+    return r >= lo && r + 64 <= hi;
   }
 };
 
@@ -101,40 +104,28 @@ __device__ __forceinline__ void block_kstep(float (&sum)[64], float (&prod)[64],
   }
 }
 
-// The TMA store: consumer wg's two blocks into its 32 KB of the tile buffer,
-// stored by TMA where all 64 rows of a block are the tile's; a block with
-// rows of a neighbouring group (or the tail) from registers.
+// Consumer wg's blocks block wg (where tma_lower) and block wg + 2 (where tma_upper) through
+// its 32 KB of the tile buffer, stored by TMA.
 template <typename R>
-__device__ __forceinline__ void store_tile_tma(const float (&lower)[64], const float (&upper)[64],
-                                               const GmmFp8Args& a, const Maps& m, const R& r,
-                                               const Tile& tl, int wg) {
-  const bool lead = threadIdx.x % 128 == 0;
+__device__ __forceinline__ void store_blocks_tma(const float (&lower)[64],
+                                                 const float (&upper)[64], bool tma_lower,
+                                                 bool tma_upper,
+                                                 const Maps& m, const R& r, const Tile& tl,
+                                                 int wg) {
+  if (!tma_lower && !tma_upper) return;
   uint8_t* mine = r.out_tile + wg * 4 * kBoxBytes;
   const int f0 = tl.row_start + 64 * wg, f1 = f0 + kBM;
-  const bool t0 = f0 >= tl.lo && f0 + 64 <= tl.hi, t1 = f1 >= tl.lo && f1 + 64 <= tl.hi;
-  const auto keep = [&](long long rr) { return rr >= tl.lo && rr < tl.hi; };
-  auto* out = static_cast<__nv_bfloat16*>(a.out);
-  if (!t0) store_tile(lower, out, a.n, tl.row_start, tl.col * kBN, wg, keep);
-  if (!t1) store_tile(upper, out, a.n, tl.row_start + kBM, tl.col * kBN, wg, keep);
-  if (!t0 && !t1) return;
-  if (lead) sm90::bulk_wait_read<0>();   // the last tile's stores have read the buffer
-  named_barrier(1 + wg, 128);
-  if (t0) { put_box_bf16(lower, mine, 0); put_box_bf16(lower, mine + kBoxBytes, 1); }
-  if (t1) { put_box_bf16(upper, mine + 2 * kBoxBytes, 0); put_box_bf16(upper, mine + 3 * kBoxBytes, 1); }
-  sm90::fence_async_smem();
-  named_barrier(1 + wg, 128);
-  if (lead) {
-    const int c0 = tl.col * kBN;
-    if (t0) {
-      sm90::tma_store_2d(&m.out, mine, c0, f0);
-      sm90::tma_store_2d(&m.out, mine + kBoxBytes, c0 + 64, f0);
-    }
-    if (t1) {
-      sm90::tma_store_2d(&m.out, mine + 2 * kBoxBytes, c0, f1);
-      sm90::tma_store_2d(&m.out, mine + 3 * kBoxBytes, c0 + 64, f1);
-    }
-    sm90::bulk_commit();
-  }
+  staged_tma_store(
+      wg,
+      [&] {
+        if (tma_lower) put_block_bf16(lower, mine);
+        if (tma_upper) put_block_bf16(upper, mine + 2 * kBoxBytes);
+      },
+      [&] {
+        const int c0 = tl.col * kBN;
+        if (tma_lower) store_block_tma(&m.out, mine, c0, f0);
+        if (tma_upper) store_block_tma(&m.out, mine + 2 * kBoxBytes, c0, f1);
+      });
 }
 
 template <typename Out, bool Tma, typename R>
@@ -156,19 +147,17 @@ __device__ void consume(const GmmFp8Args& a, const Maps& m, const R& r, int tile
       if (on_upper) block_kstep(upper, prod, r, s, wg + 2, w_scale);
       r.release(s);
     }
-    if constexpr (Tma) {
-      store_tile_tma(lower, upper, a, m, r, tl, wg);
-    } else {
-      // rows outside [lo, hi) belong to a neighbouring group (or the tail): not stored
-      const auto keep = [&](long long rr) { return rr >= tl.lo && rr < tl.hi; };
-      Out* out = static_cast<Out*>(a.out);
-      store_tile(lower, out, a.n, tl.row_start, tl.col * kBN, wg, keep);
-      store_tile(upper, out, a.n, tl.row_start + kBM, tl.col * kBN, wg, keep);
-    }
+    // rows outside [lo, hi) belong to a neighbouring group (or the tail): not
+    // stored; with TMA stores a block whose rows all are the tile's goes by
+    // TMA, the others from registers
+    const bool tma_lower = Tma && tl.block_whole(wg), tma_upper = Tma && tl.block_whole(wg + 2);
+    const auto keep = [&](long long rr) { return rr >= tl.lo && rr < tl.hi; };
+    Out* out = static_cast<Out*>(a.out);
+    if (!tma_lower) store_tile(lower, out, a.n, tl.row_start, tl.col * kBN, wg, keep);
+    if (!tma_upper) store_tile(upper, out, a.n, tl.row_start + kBM, tl.col * kBN, wg, keep);
+    if constexpr (Tma) store_blocks_tma(lower, upper, tma_lower, tma_upper, m, r, tl, wg);
   }
-  if constexpr (Tma) {
-    if (threadIdx.x % 128 == 0) sm90::bulk_wait<0>();   // the stores done before the CTA ends
-  }
+  if constexpr (Tma) drain_tma_stores();
 }
 
 template <typename Out, bool Tma>

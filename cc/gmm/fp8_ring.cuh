@@ -23,6 +23,7 @@
 
 #include <cstdint>
 
+#include "common/sync.cuh"
 #include "gmm/sm90.cuh"
 
 namespace jax_ep {
@@ -33,6 +34,7 @@ constexpr int kConsumers = 2;                       // warpgroups, 64 rows each
 constexpr int kThreads = 128 * (kConsumers + 1);    // + the producer warpgroup
 constexpr uint32_t kTileBytes = kBM * kBK;          // a 128-row tile: 16 KB of e4m3
 constexpr int kScales = 128;                        // f32 scales per 128 rows of a stage
+constexpr int kBoxBytes = 64 * 128;                 // 64 rows x 64 bf16 columns: a TMA store box
 
 // The tensor maps of a call: the A and B operands, their scales, and the
 // output where the kernel stores it by TMA (dw; the forward with tma_store).
@@ -219,6 +221,42 @@ __device__ __forceinline__ void put_box_bf16(const float (&sum)[64], uint8_t* bo
     *reinterpret_cast<__nv_bfloat162*>(p + 8 * 128) =
         __floats2bfloat162_rn(sum[4 * j + 2], sum[4 * j + 3]);
   }
+}
+
+// Consumer wg's whole 64 x 128 sum as two boxes at `dst` (columns [0, 64),
+// then [64, 128)), and those two boxes stored to rows [row0, +64), columns
+// [col0, +128) of `map`.
+__device__ __forceinline__ void put_block_bf16(const float (&sum)[64], uint8_t* dst) {
+  put_box_bf16(sum, dst, 0);
+  put_box_bf16(sum, dst + kBoxBytes, 1);
+}
+__device__ __forceinline__ void store_block_tma(const CUtensorMap* map, const uint8_t* src,
+                                                int col0, int row0) {
+  sm90::tma_store_2d(map, src, col0, row0);
+  sm90::tma_store_2d(map, src + kBoxBytes, col0 + 64, row0);
+}
+
+// A TMA store of consumer warpgroup wg through its own staging buffer: its
+// lead thread waits until the last stores have read the buffer, the 128
+// threads run put() (their values into the buffer) and fence it for the TMA,
+// then the lead runs issue() (the stores) and commits them as one bulk group.
+// Named barrier 1 + wg: the consumer's 128 threads only.
+template <typename Put, typename Issue>
+__device__ __forceinline__ void staged_tma_store(int wg, Put put, Issue issue) {
+  const bool lead = threadIdx.x % 128 == 0;
+  if (lead) sm90::bulk_wait_read<0>();
+  named_barrier(1 + wg, 128);
+  put();
+  sm90::fence_async_smem();
+  named_barrier(1 + wg, 128);
+  if (lead) {
+    issue();
+    sm90::bulk_commit();
+  }
+}
+// The consumer's stores complete before its CTA (and the buffer) ends.
+__device__ __forceinline__ void drain_tma_stores() {
+  if (threadIdx.x % 128 == 0) sm90::bulk_wait<0>();
 }
 
 // The kernels' body: the ring R, then one thread of the producer warpgroup
