@@ -5,8 +5,8 @@
 DeepSeek-V3 per-rank shapes (G = 128 experts, M = 32768 rows, ~256 per
 expert): up x [M, 7168] @ w [G, 7168, 4096], down x [M, 2048] @ w [G, 2048, 7168]
 (``--proj dx_up,dx_down``: the dx kernel's shapes, ``dy [M, 4096]`` into 7168
-outputs and ``dy [M, 7168]`` into 2048); uniform and skewed group sizes (``grouped_matmul_bench.group_sizes``). Rows
-of one table, one run:
+outputs and ``dy [M, 7168]`` into 2048); uniform and skewed group sizes
+(``grouped_matmul_bench.group_sizes``). Rows of one table, one run:
 
 - ``fp8 nt``: ``pallas_fp8.gmm_fp8_nt`` on a weight stored K-major ``[G, N, K]``
   (``fp8 nt c2``: on 2-CTA clusters, ``cluster=2``; one row per ``--clusters`` entry);
@@ -94,11 +94,6 @@ import jax.numpy as jnp  # noqa: E402
 
 import jax_ep  # noqa: E402
 from grouped_matmul_bench import G, M, PROJ, group_sizes, per_call_ms  # noqa: E402
-
-# --proj also takes the dx shapes in the kernel's NT form: dx of up contracts
-# N 4096 into K 7168 outputs, dx of down 7168 into 2048 (the fp8 dx kernel
-# runs these; "bf16" is the bf16 grouped matmul of the same shape)
-NT_PROJ = {**PROJ, "dx_up": PROJ["up"][::-1], "dx_down": PROJ["down"][::-1]}
 from jax_ep import extension  # noqa: E402
 from jax_ep.gmm import GroupedMatmulConfig, fp8_columns  # noqa: E402
 from jax_ep.gmm import fp8 as gm_fp8  # noqa: E402
@@ -107,6 +102,11 @@ from jax_ep.gmm.cuda_fp8 import gmm_fp8_nt_cuda, tgmm_fp8_nt_cuda  # noqa: E402
 from jax_ep.gmm.pallas_fp8 import gmm_fp8_nt  # noqa: E402
 from jax_ep.gmm.pallas_fp8_dw import tgmm_fp8_nt  # noqa: E402
 from jax_ep.gmm.tiles import FwdTiles  # noqa: E402
+
+# --proj also takes the dx shapes in the kernel's NT form: dx of up contracts
+# N 4096 into K 7168 outputs, dx of down 7168 into 2048 (the fp8 dx kernel
+# runs these; "bf16" is the bf16 grouped matmul of the same shape)
+NT_PROJ = {**PROJ, "dx_up": PROJ["up"][::-1], "dx_down": PROJ["down"][::-1]}
 
 
 def operands(k, n, seed=0):
