@@ -29,10 +29,11 @@ def _short(name: str, width: int = 70) -> str:
     return name if len(name) <= width else name[: width - 1] + "…"
 
 
-def kernel_table(fn, steps: int, top: int = 30):
+def kernel_table(fn, steps: int, top: int = 40):
     """-> dict(kernels=[{name, op, calls, us}] (per step, largest first, ``top``
-    of them), kernel_us (sum of all kernels per step), span_us (first kernel
-    start to last kernel end, per step), streams (line names seen))."""
+    of them), rest_us / rest_n (the others' sum per step and their number),
+    kernel_us (sum of all kernels per step), span_us (first kernel start to
+    last kernel end, per step), streams (line names seen))."""
     import jax
     from jax.profiler import ProfileData
 
@@ -69,7 +70,9 @@ def kernel_table(fn, steps: int, top: int = 30):
         total = sum(a["ns"] for a in rows)
         kern = [{"name": a["name"], "op": a["op"], "calls": a["calls"] / steps,
                  "us": a["ns"] / 1e3 / steps} for a in rows[:top]]
-        return {"kernels": kern, "kernel_us": total / 1e3 / steps,
+        rest = sum(a["ns"] for a in rows[top:])
+        return {"kernels": kern, "rest_us": rest / 1e3 / steps, "rest_n": len(rows[top:]),
+                "kernel_us": total / 1e3 / steps,
                 "span_us": (t1 - t0) / 1e3 / steps,
                 "distinct": len(rows), "streams": streams}
     finally:
@@ -89,4 +92,7 @@ def table_md(title: str, prof: dict, step_us: float | None = None):
     for k in prof["kernels"]:
         L.append(f"| `{k['name']}` | {k['op']} | {k['calls']:.1f} | {k['us']:.1f} "
                  f"| {100 * k['us'] / max(prof['kernel_us'], 1e-9):.1f} |")
+    if prof.get("rest_n"):
+        L.append(f"| ({prof['rest_n']} more) | | | {prof['rest_us']:.1f} "
+                 f"| {100 * prof['rest_us'] / max(prof['kernel_us'], 1e-9):.1f} |")
     return L + [""]

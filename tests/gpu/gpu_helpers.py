@@ -87,7 +87,52 @@ def per_rank_jit(fn, mesh, axes, *arrays):
         return jax.tree_util.tree_map(lambda o: o[None] if o.ndim == 0 else o, out)
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * len(ins), out_specs=spec))
-    return f, ins
+    return _RanksInStep(f), ins
+
+
+class _RanksInStep:
+    """A jitted function whose calls start on every rank together: compiled
+    first (once per input signature), then a host barrier (:func:`sync_ranks`),
+    then the call. The native kernels wait on the device for their peers for
+    at most 10 s (``kDefaultTimeoutNs``); ranks whose host work before a call
+    differs (compiles, numpy checks of outputs of a GB, N processes sharing one
+    GPU's host) must not reach a call further apart than that. Other attributes
+    (``lower``) are the jitted function's."""
+
+    def __init__(self, jitted):
+        self._jitted, self._compiled = jitted, set()
+
+    def __call__(self, *xs):
+        import jax
+
+        key = tuple((np.shape(x), str(getattr(x, "dtype", type(x))), str(getattr(x, "sharding", "")))
+                    for x in jax.tree_util.tree_leaves(xs))
+        if key not in self._compiled:
+            self._jitted.lower(*xs).compile()   # XLA's compilation cache serves the call
+            self._compiled.add(key)
+        sync_ranks()
+        return self._jitted(*xs)
+
+    def __getattr__(self, name):
+        return getattr(self._jitted, name)
+
+
+_BARRIERS = [0]
+
+
+def sync_ranks(timeout_s: float = 120.0) -> None:
+    """Every process of the job reaches this point before any goes on (JAX's
+    distributed client: host only, no GPU work); nothing with one process. A
+    rank that never arrives ends the wait in an error after ``timeout_s``."""
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed
+
+    _BARRIERS[0] += 1   # the ranks run the same sequence of calls
+    distributed.global_state.client.wait_at_barrier(f"jax_ep_tests_{_BARRIERS[0]}",
+                                                    int(timeout_s * 1000))
 
 
 class Checks:
