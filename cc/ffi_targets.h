@@ -30,6 +30,7 @@
   X("jax_ep_gmm_fp8_dw", JaxEpGmmFp8Dw)  \
   X("jax_ep_quantize_weights", JaxEpQuantizeWeights)  \
   X("jax_ep_quantize_columns", JaxEpQuantizeColumns)  \
+  X("jax_ep_quantize_rows", JaxEpQuantizeRows)  \
   JAX_EP_GRAPH_TARGETS(X)              \
   /* dispatch / combine targets: append here (one X(...) per line) */
 

@@ -120,7 +120,7 @@ def test_reference_keeps_the_fp8_rounding_of_a_cast_it_consumes():
     reference's fp8 dx 2.6% off the kernels' on a GPU; an optimization barrier
     between the fp8 values and their upcast keeps the pair (``xla.fp8_values``)."""
     def cast_then_reference(d, v, vs):
-        dq, ds = gm_fp8.fp8_cast(d)
+        dq, ds = jax_ep.fp8_cast(d)
         return gmm_fp8_nt_xla(dq, ds, v, vs, jnp.asarray([0, 256], jnp.int32), jnp.float32)
     _, _, w, ws, _, _ = make(SIZES["skew_empty_nan_tail"], layout="gnk")
     d = jax.ShapeDtypeStruct((256, w.shape[2]), jnp.float32)
@@ -524,6 +524,58 @@ def test_quantize_weights_pair_lowering(monkeypatch):
     if jax.devices()[0].platform == "cpu":
         for got, want in zip(jax.tree.leaves(f(w)),
                              jax.tree.leaves(jax_ep.quantize_weights_pair(w, impl="xla"))):
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_cast_rows_lowering_and_bits(monkeypatch):
+    """``quantize.cast_rows``: ``"auto"`` lowers to the row kernel's one custom
+    call for CUDA (f32 scales dividing as XLA:GPU does, ``scale_mode`` 1) and to
+    XLA's cast for the CPU, where its bits are ``jax_ep.fp8_cast``'s; f16 rows
+    and an empty x stay on XLA; ``"native"`` without the
+    extension and an unknown impl are errors naming the cause."""
+    from jax_ep import abi, extension
+    from jax_ep.gmm import quantize as gm_quantize
+    x = jnp.asarray(outliers(np.random.default_rng(5), (40, 256)), jnp.bfloat16)
+
+    def cuda_text(fn, *a):   # a fresh function: no trace cached under another extension state
+        return jax.jit(lambda *b: fn(*b)).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
+    monkeypatch.setattr(extension, "load", lambda: None)
+    with pytest.raises(ValueError, match="impl='native'.*native extension"):
+        gm_quantize.cast_rows(x, "native")
+    with pytest.raises(ValueError, match="impl must be one of"):
+        gm_quantize.cast_rows(x, "cuda")
+    assert "jax_ep_quantize_rows" not in cuda_text(gm_quantize.cast_rows, x)
+    monkeypatch.setattr(extension, "load", lambda: object())
+    calls = [ln for ln in cuda_text(gm_quantize.cast_rows, x).splitlines()
+             if "jax_ep_quantize_rows" in ln]
+    assert len(calls) == 1, calls
+    for want in ("tensor<40x256xbf16>", "tensor<40x256xf8E4M3FN>", "tensor<40x2xf32>",
+                 f"scale_mode = {abi.fp8_scale_mode('xla_gpu')} : i32"):
+        assert want in calls[0], (want, calls[0])
+    for a in (x.astype(jnp.float16), jnp.zeros((0, 256), jnp.bfloat16)):
+        assert "jax_ep_quantize_rows" not in cuda_text(gm_quantize.cast_rows, a)
+    cpu = jax.jit(gm_quantize.cast_rows).trace(x).lower(lowering_platforms=("cpu",)).as_text()
+    assert "jax_ep_quantize_rows" not in cpu
+    if jax.devices()[0].platform == "cpu":
+        for got, want in zip(jax.jit(gm_quantize.cast_rows)(x), jax_ep.fp8_cast(x)):
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("cast", ["xla", "auto"])
+def test_fp8_dx_cast_reaches_the_backward(monkeypatch, cast):
+    """``GroupedMatmulConfig.fp8_dx_cast``: the fp8 dx casts dy by the row
+    kernel (``"auto"``, lowered for CUDA) or by XLA (``"xla"``, the default);
+    the gradients on the CPU are the same bits either way."""
+    from jax_ep import extension
+    monkeypatch.setattr(extension, "load", lambda: object())
+    x, xs, wq, ws, gs, dy = make(SIZES["skew_empty_nan_tail"])
+    cfg = GroupedMatmulConfig(fp8_dx_cast=cast)
+    f = jax.jit(lambda a, b, g, d: vjp8(a, xs, b, ws, g, d, config=cfg)[1:])
+    text = f.trace(x, wq, jnp.asarray(gs), dy).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("jax_ep_quantize_rows") == (cast == "auto")
+    if jax.devices()[0].platform == "cpu":
+        base = vjp8(x, xs, wq, ws, jnp.asarray(gs), dy)[1:]
+        for got, want in zip(f(x, wq, jnp.asarray(gs), dy), base):
             np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 

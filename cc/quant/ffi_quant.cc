@@ -9,6 +9,9 @@
 // row_scales [M, C/128] f32) or bf16 / f32 (row_scales [0]), block_src and
 // block_rows [P/128] int32 -> q_t [C, P] e4m3, scales [P/128, C] f32.
 // Attribute scale_mode: the Fp8ScaleMode.
+//
+// jax_ep_quantize_rows (quant/rows.cu): x [M, H] bf16 or f32 -> q [M, H] e4m3,
+// scales [M, H/128] f32. Attribute scale_mode: the Fp8ScaleMode.
 #include <string>
 
 #include "common/ffi_common.h"
@@ -112,6 +115,30 @@ ffi::Error QuantColumnsImpl(cudaStream_t stream, ffi::AnyBuffer rows,
   return ffi::Error::Success();
 }
 
+ffi::Error QuantRowsImpl(cudaStream_t stream, ffi::AnyBuffer x, int32_t scale_mode,
+                         ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::Buffer<ffi::F32>> s) {
+  const std::string op = "quantize_rows";
+  if (x.element_type() != ffi::BF16 && x.element_type() != ffi::F32)
+    return InvalidArgument(op + ": x must be bfloat16 or float32");
+  if (q->element_type() != ffi::F8E4M3FN) return InvalidArgument(op + ": q must be e4m3");
+  auto xd = x.dimensions(), qd = q->dimensions(), sd = s->dimensions();
+  if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2 || qd[0] != xd[0] ||
+      qd[1] != xd[1] || sd[0] != xd[0] || sd[1] * 128 != xd[1])
+    return InvalidArgument(op + ": expected x, q [M, H] and scales [M, H/128]");
+  if (xd[1] >= (int64_t(1) << 30)) return InvalidArgument(op + ": H must be below 2^30");
+  QuantRowsArgs a;
+  a.m = xd[0];
+  a.h = static_cast<int>(xd[1]);
+  JAX_EP_RETURN_IF_ERROR(CheckKernelArgs(op, quant_rows_shape_error(a), scale_mode));
+  a.x = x.untyped_data();
+  a.x_f32 = x.element_type() == ffi::F32;
+  a.q = q->untyped_data();
+  a.scales = s->typed_data();
+  a.scale_mode = scale_mode;
+  JAX_EP_CUDA_RETURN(launch_quant_rows(a, stream));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 }  // namespace jax_ep
@@ -136,3 +163,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpQuantizeColumns, jax_ep::QuantColumnsImpl,
                                   .Attr<int32_t>("scale_mode")              // Fp8ScaleMode
                                   .Ret<xla::ffi::AnyBuffer>()               // q_t [C, P] e4m3
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()); // scales
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpQuantizeRows, jax_ep::QuantRowsImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<jax_ep::Stream>()
+                                  .Arg<xla::ffi::AnyBuffer>()               // x [M, H]
+                                  .Attr<int32_t>("scale_mode")              // Fp8ScaleMode
+                                  .Ret<xla::ffi::AnyBuffer>()               // q [M, H] e4m3
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()); // scales [M, H/128]

@@ -1,5 +1,6 @@
 // Host interface of the fp8 quantization kernels (jax_ep.quantize_weights_pair;
-// the fp8 dw kernel's operands, jax_ep.gmm.fp8_columns).
+// the fp8 dw kernel's operands, jax_ep.gmm.fp8_columns; activation rows,
+// jax_ep.gmm.cuda_quant.quantize_rows).
 //
 // Expert weights to fp8-e4m3 with one f32 scale per 128 x 128 block, in both
 // layouts at once: w [G, K, N] (bf16 or f32) -> q [G, K, N], scales
@@ -55,5 +56,22 @@ constexpr int kColumnsE4m3 = 0, kColumnsBf16 = 1, kColumnsF32 = 2;
 const char* quant_columns_shape_error(const QuantColumnsArgs& a);
 
 cudaError_t launch_quant_columns(const QuantColumnsArgs& a, cudaStream_t stream);
+
+// Activation rows to fp8-e4m3 with one f32 scale per row and 128 columns:
+// x [m, h] (bf16 or f32) -> q [m, h] e4m3, scales [m, h/128]; the bits of
+// dispatch's cast (common/fp8_cast.cuh) and of jax_ep.fp8_cast on the same GPU.
+struct QuantRowsArgs {
+  const void* x = nullptr;      // [m, h]
+  bool x_f32 = false;           // else bf16
+  void* q = nullptr;            // [m, h] e4m3
+  float* scales = nullptr;      // [m, h/128]
+  long long m = 0;
+  int h = 0;
+  int scale_mode = 0;           // Fp8ScaleMode (jax_ep_abi.h)
+};
+
+const char* quant_rows_shape_error(const QuantRowsArgs& a);
+
+cudaError_t launch_quant_rows(const QuantRowsArgs& a, cudaStream_t stream);
 
 }  // namespace jax_ep

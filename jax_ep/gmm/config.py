@@ -16,6 +16,7 @@ from .tuning import DW_PIPELINES, FP8_KERNELS
 GROUP_ALIGNMENT = 64
 
 _IMPLS = ("auto", "pallas", "xla")
+FP8_DX_CASTS = ("xla", "auto", "native")   # quantize.cast_rows's impls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +66,15 @@ class GroupedMatmulConfig:
         its products' magnitudes). False: in bf16 (``w`` dequantized to
         bf16, then the bf16 kernel). A switch so the speed side can be
         measured.
+      fp8_dx_cast: how the fp8 dx casts ``dy`` per row and 128 columns:
+        ``"xla"`` (default: XLA's fusions, which read ``dy`` twice: once for
+        the blocks' maxima, once for the cast), ``"auto"`` (the row kernel,
+        ``cuda_quant.quantize_rows``: one read of ``dy``, where the program
+        is lowered for CUDA and the extension can cast ``dy``, else XLA) or
+        ``"native"`` (the kernel or an error). The same bits on one GPU. The
+        kernel has not run on a GPU yet, hence the default; in the V3 layer
+        the second read costs about 0.3 ms of a 19 ms step (H100,
+        bench/results/2026-12-04-h200x1-fp8-grouped-matmul.md).
       fp8_dw: the fp8 path's ``dw = (x * xs)[rows of g]^T @ dy[rows of g]``.
         False (default): in bf16 (``x * xs`` and ``dy`` rounded to bf16, the
         bf16 dw kernel). True: in fp8 at the fp8 tensor-core rate: ``x``'s
@@ -123,6 +133,7 @@ class GroupedMatmulConfig:
     dw_cluster: int = 2
     dw_pipeline: Optional[str] = None
     fp8_dx: bool = True
+    fp8_dx_cast: str = "xla"
     fp8_dw: bool = False
     fp8_kernel: Optional[str] = None
     fp8_tma_store: Optional[bool] = None
@@ -137,6 +148,9 @@ class GroupedMatmulConfig:
         if self.fp8_kernel is not None and self.fp8_kernel not in FP8_KERNELS:
             raise ValueError(f"fp8_kernel must be None or one of {FP8_KERNELS}, got "
                              f"{self.fp8_kernel!r}")
+        if self.fp8_dx_cast not in FP8_DX_CASTS:
+            raise ValueError(f"fp8_dx_cast must be one of {FP8_DX_CASTS}, got "
+                             f"{self.fp8_dx_cast!r}")
         for name in ("fp8_dx", "fp8_dw"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -4,8 +4,10 @@ fp8 with 128 x 128 block scales in both layouts in one pass over ``w``
 :func:`jax_ep.quantize_weights` in each layout (``quantize.quantize_weights_pair``);
 the fp8 dw kernel's operands cast per column per 128 regrouped rows and
 transposed in one pass (``jax_ep_quantize_columns``), the bits of
-``fp8_columns``' XLA path. Need the native extension and a CUDA device; no
-runtime (``jax_ep.initialize``)."""
+``fp8_columns``' XLA path; activation rows cast per row and 128 columns in one
+read (``jax_ep_quantize_rows``), the bits of dispatch's cast and of
+:func:`jax_ep.fp8_cast` on the same GPU. Need the native extension and a CUDA
+device; no runtime (``jax_ep.initialize``)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -20,6 +22,7 @@ from ..mesh_axes import to_vma, vma_of
 
 TARGET = "jax_ep_quantize_weights"
 COLUMNS_TARGET = "jax_ep_quantize_columns"
+ROWS_TARGET = "jax_ep_quantize_rows"
 _DTYPES = ("bfloat16", "float32")
 _COLUMN_DTYPES = ("float8_e4m3fn", "bfloat16", "float32")
 
@@ -94,3 +97,28 @@ def cast_columns_t(rows, row_scales, blocks, p: int):
             result_type((p // 128, c), jnp.float32, vma=axes))
     return jax.ffi.ffi_call(COLUMNS_TARGET, outs, vmap_method="sequential")(
         *ops, scale_mode=np.int32(abi.fp8_scale_mode("xla_gpu")))
+
+
+def rows_unavailable(x) -> Optional[str]:
+    """Why the row kernel cannot cast ``x`` (None: it can, wherever the
+    program is lowered for CUDA)."""
+    if extension.load() is None:
+        return f"the native extension is not loaded: {extension.error()}"
+    if jnp.dtype(x.dtype).name not in _DTYPES:
+        return f"the kernel reads {'/'.join(_DTYPES)} rows, got {x.dtype}"
+    if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] == 0 or x.shape[1] % 128:
+        return f"the kernel casts [M, H] rows, M > 0, H a positive multiple of 128, got {x.shape}"
+    return None
+
+
+def quantize_rows(x):
+    """``(q [M, H] e4m3, scales [M, H/128] f32)`` of ``x [M, H]`` (bf16 / f32)
+    by the kernel: :func:`jax_ep.fp8_cast` with f32 scales, dividing as XLA:GPU
+    does, so the bits equal XLA's cast on the same GPU (shapes checked by the
+    caller)."""
+    m, h = x.shape
+    vma = vma_of(x)
+    outs = (result_type((m, h), jnp.float8_e4m3fn, vma=vma),
+            result_type((m, h // 128), jnp.float32, vma=vma))
+    return jax.ffi.ffi_call(ROWS_TARGET, outs, vmap_method="sequential")(
+        x, scale_mode=np.int32(abi.fp8_scale_mode("xla_gpu")))

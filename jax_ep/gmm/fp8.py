@@ -27,10 +27,11 @@ import jax
 import jax.numpy as jnp
 
 from .._ffi import to_vma, vma_of
-from ..fp8 import FP8_BLOCK, WEIGHT_LAYOUTS, check_quantized_pair, fp8_cast
+from ..fp8 import FP8_BLOCK, WEIGHT_LAYOUTS, check_quantized_pair
 from . import fp8_columns, rows
 from .config import GroupedMatmulConfig
 from .ops import gmm, offsets, tgmm
+from .quantize import cast_rows
 from .select import fp8_cluster, fp8_tma_store, plan_fp8
 from .xla import dequantize_blocks, dequantize_rows
 
@@ -188,7 +189,7 @@ def _dx(cfg, w_layout, w, ws, group_sizes, dy, w_t=None, row_groups=None):
     if cfg.fp8_dx:
         # rows past the groups' end may hold anything; each row is cast on its own
         # and those rows are never read
-        dq, ds = fp8_cast(dy)
+        dq, ds = cast_rows(dy, cfg.fp8_dx_cast)
         v, vs = _nt_weights(w, ws, w_layout, "dx", w_t)
         return ops_nt(cfg, "dx", dq, ds, v, vs, group_sizes, dy.dtype, row_groups)
     wd = dequantize_blocks(w, ws).astype(BF16)

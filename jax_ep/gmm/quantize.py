@@ -9,10 +9,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ..fp8 import F32, check_weights, weight_blocks_cast
+from ..fp8 import F32, check_weights, fp8_cast, weight_blocks_cast
 from . import cuda_quant
 
-__all__ = ["quantize_weights_pair"]
+__all__ = ["quantize_weights_pair", "cast_rows"]
+CAST_ROWS_IMPLS = ("auto", "native", "xla")
 
 
 def quantize_weights_pair(w: jax.Array, *, scale_format: str = "f32", impl: str = "auto"):
@@ -89,3 +90,22 @@ def _pair_st_bwd(scale_format, impl, like, g):
 
 
 _pair_st.defvjp(_pair_st_fwd, _pair_st_bwd)
+
+
+def cast_rows(x, impl: str = "auto"):
+    """:func:`jax_ep.fp8_cast` of ``x [M, H]`` with f32 scales, by ``impl``:
+    ``"native"`` the row kernel (``cuda_quant.quantize_rows``: one read of
+    ``x`` where XLA's cast reads it twice; the program must be lowered for
+    CUDA), ``"xla"``, or ``"auto"`` (the kernel where the program is lowered
+    for CUDA and it can cast ``x``, else XLA). The same bits on one GPU.
+    -> ``(q [M, H] e4m3, scales [M, H/128] f32)``; no gradient."""
+    if impl not in CAST_ROWS_IMPLS:
+        raise ValueError(f"cast_rows: impl must be one of {CAST_ROWS_IMPLS}, got {impl!r}")
+    why = None if impl == "xla" else cuda_quant.rows_unavailable(x)
+    if impl == "native" and why is not None:
+        raise ValueError(f"cast_rows impl='native': {why}; use impl='auto' or 'xla'")
+    if impl == "xla" or why is not None:
+        return fp8_cast(x)
+    if impl == "native":
+        return cuda_quant.quantize_rows(x)
+    return jax.lax.platform_dependent(x, cuda=cuda_quant.quantize_rows, default=fp8_cast)

@@ -415,6 +415,40 @@ def test_masked_layout_matches_reference(path):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_native_row_cast_is_bitwise_xla(dtype):
+    """The row kernel (``cc/quant/rows.cu``, dispatch's cast) against
+    ``jax_ep.fp8_cast`` compiled by XLA on this GPU, bit for bit: outliers, a
+    zero block (the 1e-4 floor), 1001 rows of 7168 (56 scales per row, the
+    scales gathered) and 3 of 16512 (129 blocks: stored one by one); then the
+    fp8 gradients with ``fp8_dx_cast="native"`` against ``"xla"``."""
+    import jax_ep
+    from jax_ep.gmm import GroupedMatmulConfig
+    from jax_ep.gmm.quantize import cast_rows
+    _native()
+    for i, shape in enumerate(((1001, 7168), (3, 16512))):
+        x = outliers(jax.random.key(31 + i), shape).astype(dtype)
+        x = x.at[0, 128:256].set(0)
+        got = jax.jit(lambda a: cast_rows(a, "native"))(x)
+        want = jax.jit(lambda a: cast_rows(a, "xla"))(x)
+        np.testing.assert_array_equal(np.asarray(got[0].view(jnp.uint8)),
+                                      np.asarray(want[0].view(jnp.uint8)))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    x, w = outliers(jax.random.key(41), (512, 256)), outliers(jax.random.key(42), (3, 256, 384))
+    xq, xs = jax_ep.quantize_activations(x)
+    wq, ws = jax_ep.quantize_weights(w)
+    gs = jnp.asarray([200, 0, 250], jnp.int32)
+    dy = outliers(jax.random.key(43), (512, 384)).astype(jnp.bfloat16)
+
+    def grads(cast):
+        cfg = GroupedMatmulConfig(fp8_dx_cast=cast)
+        f = lambda a, b: jax_ep.grouped_matmul(a, b, gs, x_scales=xs, w_scales=ws, config=cfg)
+        return jax.jit(lambda a, b, d: jax.vjp(f, a, b)[1](d))(xq, wq, dy)
+    for got, want in zip(grads("native"), grads("xla")):
+        np.testing.assert_array_equal(np.asarray(got[:450], np.float32),
+                                      np.asarray(want[:450], np.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("scale_format", ["f32", "ue8m0"])
 def test_native_weight_pair_is_bitwise_xla(dtype, scale_format):
     """``quantize_weights_pair`` on the kernel (``cc/quant/``: one pass, both

@@ -1,0 +1,47 @@
+// Activation rows to fp8 per row and 128 columns (quant/kernels.h): dispatch's
+// cast (common/fp8_cast.cuh warp_cast_row), so the bits are dispatch's. One
+// warp per row, eight rows per CTA: x is read once (XLA's cast reads it twice,
+// once for the blocks' maxima and once for the cast).
+#include <cuda_bf16.h>
+
+#include "common/fp8_cast.cuh"
+#include "quant/kernels.h"
+
+namespace jax_ep {
+
+namespace {
+
+constexpr int kRowWarps = 8;
+
+template <typename Tin>
+__global__ void __launch_bounds__(32 * kRowWarps) quant_rows_kernel(QuantRowsArgs a) {
+  __shared__ float gathered[kRowWarps][kSmScales];   // a row's scales, stored as one run
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const long long row = static_cast<long long>(blockIdx.x) * kRowWarps + warp;
+  if (row >= a.m) return;
+  const int groups = a.h / 128;
+  char* q = static_cast<char*>(a.q) + row * a.h;
+  char* s = reinterpret_cast<char*>(a.scales + row * groups);
+  warp_cast_row<Tin, 16>(static_cast<const Tin*>(a.x) + row * a.h, &q, &s, 1, 0, groups, lane,
+                         a.scale_mode, gathered[warp]);
+}
+
+}  // namespace
+
+const char* quant_rows_shape_error(const QuantRowsArgs& a) {
+  if (a.h <= 0 || a.h % 128) return "H must be a positive multiple of 128";
+  if (a.m <= 0) return "there must be at least one row";
+  if ((a.m + kRowWarps - 1) / kRowWarps >= (1LL << 31)) return "too many rows for one grid";
+  return "";
+}
+
+cudaError_t launch_quant_rows(const QuantRowsArgs& a, cudaStream_t stream) {
+  const unsigned blocks = static_cast<unsigned>((a.m + kRowWarps - 1) / kRowWarps);
+  if (a.x_f32)
+    quant_rows_kernel<float><<<blocks, 32 * kRowWarps, 0, stream>>>(a);
+  else
+    quant_rows_kernel<__nv_bfloat16><<<blocks, 32 * kRowWarps, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace jax_ep
