@@ -68,10 +68,24 @@ SWEEP["dx"] = SWEEP["fwd"]
 SWEEP_SMALL = {"fwd": [], "dx": [], "dw": []}
 
 
+LAYER_GROUPS = 112   # "layer" sizes: the groups that fit M rows
+
+
 def group_sizes(kind, seed=0):
+    """``[G]`` int32 rows per group, summing to at most M: ``"uniform"`` (M / G
+    each), ``"layer"`` (the V3 layer's groups at EP 1, T 4096, 128 experts:
+    routed rows ~N(256, 15.5), as its router gives at initialization, 222-305,
+    each padded by dispatch to a multiple of 64, so 256 or 320 rows; the
+    first LAYER_GROUPS of them, about 32000 rows, the rest empty), else
+    skewed."""
     rng = np.random.default_rng(seed)
     if kind == "uniform":
         s = np.full(G, M // G)
+    elif kind == "layer":
+        routed = np.clip(np.rint(rng.normal(256, 15.5, G)), 1, None)
+        s = (np.ceil(routed / 64) * 64).astype(np.int64)
+        s[LAYER_GROUPS:] = 0
+        assert s.sum() <= M
     else:   # Zipf-like (exponent 1.2), a quarter of the groups empty, sum = M
         p = 1.0 / np.arange(1, G + 1) ** 1.2
         rng.shuffle(p)

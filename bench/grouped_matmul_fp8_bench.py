@@ -5,7 +5,8 @@
 DeepSeek-V3 per-rank shapes (G = 128 experts, M = 32768 rows, ~256 per
 expert): up x [M, 7168] @ w [G, 7168, 4096], down x [M, 2048] @ w [G, 2048, 7168]
 (``--proj dx_up,dx_down``: the dx kernel's shapes, ``dy [M, 4096]`` into 7168
-outputs and ``dy [M, 7168]`` into 2048); uniform and skewed group sizes
+outputs and ``dy [M, 7168]`` into 2048); uniform and skewed group sizes,
+and (``--kinds layer``) the V3 layer's, padded to 64 rows
 (``grouped_matmul_bench.group_sizes``). Rows of one table, one run:
 
 - ``fp8 nt``: ``pallas_fp8.gmm_fp8_nt`` on a weight stored K-major ``[G, N, K]``
@@ -363,7 +364,9 @@ def main():
                     help=f"shapes of the main table, of {', '.join(NT_PROJ)} (dx_*: the dx "
                          "kernel's; --steps times up and down only)")
     ap.add_argument("--kinds", default="uniform,skew",
-                    help="group-size kinds of the main table ('': no main table, e.g. with --steps)")
+                    help="group-size kinds of the main table: uniform, skew, layer (the V3 "
+                         "layer's groups padded to 64 rows, grouped_matmul_bench.group_sizes); "
+                         "'': no main table, e.g. with --steps")
     ap.add_argument("--sweep", action="store_true", help="also time SWEEP's tiles")
     ap.add_argument("--clusters", default="1",
                     help="CTAs per cluster of the fp8 nt rows, e.g. 1,2 (2: rows 'fp8 nt c2')")
