@@ -85,7 +85,9 @@ def group_sizes(kind, seed=0):
         routed = np.clip(np.rint(rng.normal(256, 15.5, G)), 1, None)
         s = (np.ceil(routed / 64) * 64).astype(np.int64)
         s[LAYER_GROUPS:] = 0
-        assert s.sum() <= M
+        if s.sum() > M:
+            raise ValueError(f"group_sizes('layer'): its groups need {s.sum()} rows, M is {M} "
+                             "(the V3 layer's rows: run without --rows / --scale)")
     else:   # Zipf-like (exponent 1.2), a quarter of the groups empty, sum = M
         p = 1.0 / np.arange(1, G + 1) ** 1.2
         rng.shuffle(p)

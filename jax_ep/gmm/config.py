@@ -71,8 +71,11 @@ class GroupedMatmulConfig:
         the blocks' maxima, once for the cast), ``"auto"`` (the row kernel,
         ``cuda_quant.quantize_rows``: one read of ``dy``, where the program
         is lowered for CUDA and the extension can cast ``dy``, else XLA) or
-        ``"native"`` (the kernel or an error). The same bits on one GPU. The
-        kernel has not run on a GPU yet, hence the default; in the V3 layer
+        ``"native"`` (the kernel or an error). The same bits on one GPU for
+        finite ``dy`` (a NaN stays in its element rather than filling its
+        block); the kernel has no derivative, so a gradient of the backward
+        itself needs ``"xla"``. The kernel has not run on a GPU yet, hence the
+        default; in the V3 layer
         the second read costs about 0.3 ms of a 19 ms step (H100,
         bench/results/2026-12-04-h200x1-fp8-grouped-matmul.md).
       fp8_dw: the fp8 path's ``dw = (x * xs)[rows of g]^T @ dy[rows of g]``.

@@ -102,8 +102,11 @@ def cast_columns_t(rows, row_scales, blocks, p: int):
 def rows_unavailable(x) -> Optional[str]:
     """Why the row kernel cannot cast ``x`` (None: it can, wherever the
     program is lowered for CUDA)."""
-    if extension.load() is None:
+    ext = extension.load()
+    if ext is None:
         return f"the native extension is not loaded: {extension.error()}"
+    if ROWS_TARGET not in getattr(ext, "registrations", lambda: {ROWS_TARGET: None})():
+        return f"the built extension has no {ROWS_TARGET} (built before it): rebuild it"
     if jnp.dtype(x.dtype).name not in _DTYPES:
         return f"the kernel reads {'/'.join(_DTYPES)} rows, got {x.dtype}"
     if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] == 0 or x.shape[1] % 128:
@@ -115,7 +118,9 @@ def quantize_rows(x):
     """``(q [M, H] e4m3, scales [M, H/128] f32)`` of ``x [M, H]`` (bf16 / f32)
     by the kernel: :func:`jax_ep.fp8_cast` with f32 scales, dividing as XLA:GPU
     does, so the bits equal XLA's cast on the same GPU (shapes checked by the
-    caller)."""
+    caller). A NaN is the one difference: XLA's block maximum keeps it (the
+    block's scale and values NaN), the kernel's skips it (the NaN stays in its
+    element), as dispatch's cast does. No gradient (not differentiable)."""
     m, h = x.shape
     vma = vma_of(x)
     outs = (result_type((m, h), jnp.float8_e4m3fn, vma=vma),

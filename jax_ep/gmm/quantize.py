@@ -97,7 +97,8 @@ def cast_rows(x, impl: str = "auto"):
     ``"native"`` the row kernel (``cuda_quant.quantize_rows``: one read of
     ``x`` where XLA's cast reads it twice; the program must be lowered for
     CUDA), ``"xla"``, or ``"auto"`` (the kernel where the program is lowered
-    for CUDA and it can cast ``x``, else XLA). The same bits on one GPU.
+    for CUDA and it can cast ``x``, else XLA). The same bits on one GPU for
+    finite ``x`` (``cuda_quant.quantize_rows``: where a NaN goes).
     -> ``(q [M, H] e4m3, scales [M, H/128] f32)``; no gradient."""
     if impl not in CAST_ROWS_IMPLS:
         raise ValueError(f"cast_rows: impl must be one of {CAST_ROWS_IMPLS}, got {impl!r}")

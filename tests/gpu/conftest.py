@@ -7,6 +7,8 @@ import os
 import signal
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # The grouped-matmul tests run on GPU 0 inside this (parent) process; by default
@@ -22,3 +24,14 @@ if "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ and "XLA_PYTHON_CLIENT_ALLO
 # and pytest still prints its summary.
 if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test ends the warm job (harness.warm_jobs): a peer timeout or an
+    aborted NCCL communicator stays in its ranks and would fail the next test."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.failed:
+        import harness
+        harness.close_warm_job()

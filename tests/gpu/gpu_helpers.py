@@ -117,22 +117,68 @@ class _RanksInStep:
         return getattr(self._jitted, name)
 
 
-_BARRIERS = [0]
+# Where the ranks are, the same on every rank of a job (its workers run the
+# same requests, guards and calls): the request, the Checks.guard around the
+# call (by name and occurrence), the call's index inside it.
+_SCOPE = {"request": None, "name": "", "calls": 0, "seen": {}}
+BARRIER_TIMEOUT_S = 60.0
 
 
-def sync_ranks(timeout_s: float = 120.0) -> None:
-    """Every process of the job reaches this point before any goes on (JAX's
-    distributed client: host only, no GPU work); nothing with one process. A
-    rank that never arrives ends the wait in an error after ``timeout_s``."""
+def _request() -> str:
+    """This rank's request (harness._child), the scope reset when it changes."""
+    request = os.environ.get("JAX_EP_TEST_REQUEST", "0")
+    if _SCOPE["request"] != request:
+        _SCOPE.update(request=request, name="", calls=0, seen={})
+    return request
+
+
+def _barrier(tag: str, timeout_s: float) -> None:
+    from jax._src import distributed
+
+    distributed.global_state.client.wait_at_barrier(f"jax_ep_tests/{_request()}/{tag}",
+                                                    int(timeout_s * 1000))
+
+
+def sync_ranks(timeout_s: float = BARRIER_TIMEOUT_S) -> None:
+    """Every process of the job reaches this call before any goes on (JAX's
+    distributed client: host only, no GPU work); nothing with one process.
+    Barriers are named by request, guard and call index, so a rank that left
+    a guard early (its exception) cannot pair its next call with another
+    rank's different one: the others' wait ends in an error after
+    ``timeout_s`` and the guard's exit realigns them."""
     import jax
 
     if jax.process_count() == 1:
         return
-    from jax._src import distributed
+    _request()
+    _SCOPE["calls"] += 1
+    _barrier(f"{_SCOPE['name']}/{_SCOPE['calls']}", timeout_s)
 
-    _BARRIERS[0] += 1   # the ranks run the same sequence of calls
-    distributed.global_state.client.wait_at_barrier(f"jax_ep_tests_{_BARRIERS[0]}",
-                                                    int(timeout_s * 1000))
+
+@contextlib.contextmanager
+def _scope(name: str):
+    import jax
+
+    _request()
+    seen = _SCOPE["seen"]
+    seen[name] = seen.get(name, 0) + 1
+    outer = (_SCOPE["name"], _SCOPE["calls"])
+    _SCOPE["name"], _SCOPE["calls"] = f"{name}#{seen[name]}", 0
+    tag = f"{_SCOPE['name']}/end"
+
+    def leave():
+        _SCOPE["name"], _SCOPE["calls"] = outer
+        if jax.process_count() > 1:
+            _barrier(tag, BARRIER_TIMEOUT_S)
+    try:
+        yield
+    except BaseException:
+        try:    # the block's own error is the one to report
+            leave()
+        except Exception:  # noqa: BLE001
+            pass
+        raise
+    leave()
 
 
 class Checks:
@@ -150,9 +196,11 @@ class Checks:
 
     @contextlib.contextmanager
     def guard(self, name):
-        """An exception inside the block fails check ``name``; the worker goes on."""
+        """An exception inside the block fails check ``name``; the worker goes
+        on, its ranks together again once every one has left the block."""
         try:
-            yield
+            with _scope(name):
+                yield
         except Exception as e:  # noqa: BLE001 - reported as a failed check
             self.report(name, False, f"{type(e).__name__}: {str(e)[:800]}")
 
