@@ -88,6 +88,12 @@ def assert_per_product(got, want, bound, tol, what=""):
     assert np.all(err <= 0), f"{what}: worst excess {err.max():.3g} (tol {tol})"
 
 
+def lowered(fn, *args, platform="cuda"):
+    """The StableHLO text of ``fn(*args)`` lowered for ``platform``, traced
+    afresh (a trace cached under another ``extension.load`` would be reused)."""
+    return jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
 def gmm8(x, xs, w, ws, gs, **kw):
     return jax_ep.grouped_matmul(x, w, gs, x_scales=xs, w_scales=ws, **kw)
 
@@ -513,14 +519,12 @@ def test_quantize_weights_pair_lowering(monkeypatch):
     w = jnp.asarray(np.random.default_rng(3).standard_normal((2, 256, 128)), jnp.bfloat16)
     f = jax.jit(jax_ep.quantize_weights_pair)
 
-    def cuda_text(fn, *a):
-        return fn.trace(*a).lower(lowering_platforms=("cuda",)).as_text()
-    assert cuda_text(f, w).count("jax_ep_quantize_weights") == 1
-    assert "jax_ep_quantize_weights" in cuda_text(jax.jit(jax.vmap(jax_ep.quantize_weights_pair)),
-                                                  jnp.stack([w, w]))
-    assert "jax_ep_quantize_weights" not in f.trace(w).lower(lowering_platforms=("cpu",)).as_text()
+    assert lowered(f, w).count("jax_ep_quantize_weights") == 1
+    assert "jax_ep_quantize_weights" in lowered(jax.vmap(jax_ep.quantize_weights_pair),
+                                                jnp.stack([w, w]))
+    assert "jax_ep_quantize_weights" not in lowered(f, w, platform="cpu")
     for a in (w.astype(jnp.float16), jnp.zeros((0, 256, 128), jnp.bfloat16)):
-        assert "jax_ep_quantize_weights" not in cuda_text(f, a)
+        assert "jax_ep_quantize_weights" not in lowered(f, a)
     if jax.devices()[0].platform == "cpu":
         for got, want in zip(jax.tree.leaves(f(w)),
                              jax.tree.leaves(jax_ep.quantize_weights_pair(w, impl="xla"))):
@@ -537,25 +541,22 @@ def test_cast_rows_lowering_and_bits(monkeypatch):
     from jax_ep.gmm import quantize as gm_quantize
     x = jnp.asarray(outliers(np.random.default_rng(5), (40, 256)), jnp.bfloat16)
 
-    def cuda_text(fn, *a):   # a fresh function: no trace cached under another extension state
-        return jax.jit(lambda *b: fn(*b)).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
     monkeypatch.setattr(extension, "load", lambda: None)
     with pytest.raises(ValueError, match="impl='native'.*native extension"):
         gm_quantize.cast_rows(x, "native")
     with pytest.raises(ValueError, match="impl must be one of"):
         gm_quantize.cast_rows(x, "cuda")
-    assert "jax_ep_quantize_rows" not in cuda_text(gm_quantize.cast_rows, x)
+    assert "jax_ep_quantize_rows" not in lowered(gm_quantize.cast_rows, x)
     monkeypatch.setattr(extension, "load", lambda: object())
-    calls = [ln for ln in cuda_text(gm_quantize.cast_rows, x).splitlines()
+    calls = [ln for ln in lowered(gm_quantize.cast_rows, x).splitlines()
              if "jax_ep_quantize_rows" in ln]
     assert len(calls) == 1, calls
     for want in ("tensor<40x256xbf16>", "tensor<40x256xf8E4M3FN>", "tensor<40x2xf32>",
                  f"scale_mode = {abi.fp8_scale_mode('xla_gpu')} : i32"):
         assert want in calls[0], (want, calls[0])
     for a in (x.astype(jnp.float16), jnp.zeros((0, 256), jnp.bfloat16)):
-        assert "jax_ep_quantize_rows" not in cuda_text(gm_quantize.cast_rows, a)
-    cpu = jax.jit(gm_quantize.cast_rows).trace(x).lower(lowering_platforms=("cpu",)).as_text()
-    assert "jax_ep_quantize_rows" not in cpu
+        assert "jax_ep_quantize_rows" not in lowered(gm_quantize.cast_rows, a)
+    assert "jax_ep_quantize_rows" not in lowered(gm_quantize.cast_rows, x, platform="cpu")
     if jax.devices()[0].platform == "cpu":
         for got, want in zip(jax.jit(gm_quantize.cast_rows)(x), jax_ep.fp8_cast(x)):
             np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

@@ -23,8 +23,27 @@ from ..mesh_axes import to_vma, vma_of
 TARGET = "jax_ep_quantize_weights"
 COLUMNS_TARGET = "jax_ep_quantize_columns"
 ROWS_TARGET = "jax_ep_quantize_rows"
+IMPLS = ("auto", "native", "xla")   # how a cast with a kernel and an XLA form runs
 _DTYPES = ("bfloat16", "float32")
 _COLUMN_DTYPES = ("float8_e4m3fn", "bfloat16", "float32")
+
+
+def by_impl(what: str, impl: str, unavailable, native, xla, *operands):
+    """``native(*operands)`` or ``xla(*operands)`` as ``impl`` says:
+    ``"native"`` (the kernel; the program must be lowered for CUDA; an error
+    naming why where ``unavailable()`` says it cannot run), ``"xla"``, or
+    ``"auto"`` (the kernel where the program is lowered for CUDA and it can
+    run, else XLA). ``what``: the caller, for the errors."""
+    if impl not in IMPLS:
+        raise ValueError(f"{what}: impl must be one of {IMPLS}, got {impl!r}")
+    why = None if impl == "xla" else unavailable()
+    if impl == "native" and why is not None:
+        raise ValueError(f"{what} impl='native': {why}; use impl='auto' or 'xla'")
+    if impl == "xla" or why is not None:
+        return xla(*operands)
+    if impl == "native":
+        return native(*operands)
+    return jax.lax.platform_dependent(*operands, cuda=native, default=xla)
 
 
 def unavailable(w, need_gpu: bool = False) -> Optional[str]:
@@ -105,7 +124,7 @@ def rows_unavailable(x) -> Optional[str]:
     ext = extension.load()
     if ext is None:
         return f"the native extension is not loaded: {extension.error()}"
-    if ROWS_TARGET not in getattr(ext, "registrations", lambda: {ROWS_TARGET: None})():
+    if hasattr(ext, "registrations") and ROWS_TARGET not in ext.registrations():
         return f"the built extension has no {ROWS_TARGET} (built before it): rebuild it"
     if jnp.dtype(x.dtype).name not in _DTYPES:
         return f"the kernel reads {'/'.join(_DTYPES)} rows, got {x.dtype}"

@@ -14,7 +14,6 @@ from . import cuda_quant
 from .ops import offsets as row_offsets
 from .xla import dequantize_rows
 
-DW_OPERAND_IMPLS = ("auto", "native", "xla")
 
 
 def padded_length(m: int, groups: int) -> int:
@@ -80,8 +79,6 @@ def dw_operands(x, xs, dy, group_sizes, impl: str = "auto"):
     lowered for CUDA), ``"xla"`` XLA's passes,
     ``"auto"`` the kernel where the program is lowered for CUDA and the
     extension can cast these operands, else XLA."""
-    if impl not in DW_OPERAND_IMPLS:
-        raise ValueError(f"dw_operands: impl must be one of {DW_OPERAND_IMPLS}, got {impl!r}")
     m = x.shape[0]
     off = row_offsets(group_sizes, m)
     seg = segments(off)
@@ -97,13 +94,6 @@ def dw_operands(x, xs, dy, group_sizes, impl: str = "auto"):
         return (*cuda_quant.cast_columns_t(x, xs, blocks, p),
                 *cuda_quant.cast_columns_t(dy, None, blocks, p))
 
-    why = None if impl == "xla" else cuda_quant.columns_unavailable(x, dy)
-    if impl == "native" and why is not None:
-        raise ValueError(f"dw_operands impl='native': {why}; use impl='auto' or 'xla'")
-    if impl == "xla" or why is not None:
-        ops = xla(x, xs, dy)
-    elif impl == "native":
-        ops = native(x, xs, dy)
-    else:
-        ops = jax.lax.platform_dependent(x, xs, dy, cuda=native, default=xla)
+    ops = cuda_quant.by_impl("dw_operands", impl, lambda: cuda_quant.columns_unavailable(x, dy),
+                             native, xla, x, xs, dy)
     return (*ops, seg)

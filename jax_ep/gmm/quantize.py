@@ -13,7 +13,6 @@ from ..fp8 import F32, check_weights, fp8_cast, weight_blocks_cast
 from . import cuda_quant
 
 __all__ = ["quantize_weights_pair", "cast_rows"]
-CAST_ROWS_IMPLS = ("auto", "native", "xla")
 
 
 def quantize_weights_pair(w: jax.Array, *, scale_format: str = "f32", impl: str = "auto"):
@@ -100,13 +99,5 @@ def cast_rows(x, impl: str = "auto"):
     for CUDA and it can cast ``x``, else XLA). The same bits on one GPU for
     finite ``x`` (``cuda_quant.quantize_rows``: where a NaN goes).
     -> ``(q [M, H] e4m3, scales [M, H/128] f32)``; no gradient."""
-    if impl not in CAST_ROWS_IMPLS:
-        raise ValueError(f"cast_rows: impl must be one of {CAST_ROWS_IMPLS}, got {impl!r}")
-    why = None if impl == "xla" else cuda_quant.rows_unavailable(x)
-    if impl == "native" and why is not None:
-        raise ValueError(f"cast_rows impl='native': {why}; use impl='auto' or 'xla'")
-    if impl == "xla" or why is not None:
-        return fp8_cast(x)
-    if impl == "native":
-        return cuda_quant.quantize_rows(x)
-    return jax.lax.platform_dependent(x, cuda=cuda_quant.quantize_rows, default=fp8_cast)
+    return cuda_quant.by_impl("cast_rows", impl, lambda: cuda_quant.rows_unavailable(x),
+                              cuda_quant.quantize_rows, fp8_cast, x)
