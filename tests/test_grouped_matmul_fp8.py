@@ -565,7 +565,7 @@ def test_cast_rows_lowering_and_bits(monkeypatch):
 @pytest.mark.parametrize("cast", ["xla", "auto"])
 def test_fp8_dx_cast_reaches_the_backward(monkeypatch, cast):
     """``GroupedMatmulConfig.fp8_dx_cast``: the fp8 dx casts dy by the row
-    kernel (``"auto"``, lowered for CUDA) or by XLA (``"xla"``, the default);
+    kernel (``"auto"``, the default, lowered for CUDA) or by XLA (``"xla"``);
     the gradients on the CPU are the same bits either way."""
     from jax_ep import extension
     monkeypatch.setattr(extension, "load", lambda: object())

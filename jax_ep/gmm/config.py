@@ -67,16 +67,15 @@ class GroupedMatmulConfig:
         bf16, then the bf16 kernel). A switch so the speed side can be
         measured.
       fp8_dx_cast: how the fp8 dx casts ``dy`` per row and 128 columns:
-        ``"xla"`` (default: XLA's fusions, which read ``dy`` twice: once for
-        the blocks' maxima, once for the cast), ``"auto"`` (the row kernel,
-        ``cuda_quant.quantize_rows``: one read of ``dy``, where the program
-        is lowered for CUDA and the extension can cast ``dy``, else XLA) or
+        ``"auto"`` (default: the row kernel, ``cuda_quant.quantize_rows``,
+        one read of ``dy``, where the program is lowered for CUDA and the
+        extension can cast ``dy``; else XLA), ``"xla"`` (XLA's fusions, which
+        read ``dy`` twice: once for the blocks' maxima, once for the cast) or
         ``"native"`` (the kernel or an error). The same bits on one GPU for
         finite ``dy`` (a NaN stays in its element rather than filling its
         block); the kernel has no derivative, so a gradient of the backward
-        itself needs ``"xla"``. The kernel has not run on a GPU yet, hence the
-        default; in the V3 layer
-        the second read costs about 0.3 ms of a 19 ms step (H100,
+        itself needs ``"xla"``. In the V3 layer the kernel saves about
+        0.15 ms of a 19 ms step (H100,
         bench/results/2026-12-04-h200x1-fp8-grouped-matmul.md).
       fp8_dw: the fp8 path's ``dw = (x * xs)[rows of g]^T @ dy[rows of g]``.
         False (default): in bf16 (``x * xs`` and ``dy`` rounded to bf16, the
@@ -136,7 +135,7 @@ class GroupedMatmulConfig:
     dw_cluster: int = 2
     dw_pipeline: Optional[str] = None
     fp8_dx: bool = True
-    fp8_dx_cast: str = "xla"
+    fp8_dx_cast: str = "auto"
     fp8_dw: bool = False
     fp8_kernel: Optional[str] = None
     fp8_tma_store: Optional[bool] = None
