@@ -31,6 +31,7 @@
   X("jax_ep_quantize_weights", JaxEpQuantizeWeights)  \
   X("jax_ep_quantize_columns", JaxEpQuantizeColumns)  \
   X("jax_ep_quantize_rows", JaxEpQuantizeRows)  \
+  X("jax_ep_quantize_swiglu_rows", JaxEpQuantizeSwigluRows)  \
   JAX_EP_GRAPH_TARGETS(X)              \
   /* dispatch / combine targets: append here (one X(...) per line) */
 

@@ -14,7 +14,7 @@ The experts' grouped matmul: :func:`grouped_matmul` (bf16, or fp8 with
 from .api import combine, dispatch, get_dispatch_layout
 from .config import EpConfig, KernelTuning
 from .fp8 import fp8_cast, quantize_activations, quantize_weights
-from .gmm import GroupedMatmulConfig, grouped_matmul, quantize_weights_pair
+from .gmm import GroupedMatmulConfig, grouped_matmul, quantize_swiglu, quantize_weights_pair
 from .low_latency.api import (low_latency_combine, low_latency_combine_recv,
                               low_latency_combine_send, low_latency_dispatch,
                               low_latency_dispatch_recv, low_latency_dispatch_send)
@@ -38,7 +38,7 @@ __all__ = [
     "check_device_error",
     "initialize", "finalize", "is_initialized", "fp8_cast", "quantize_activations",
     "quantize_weights",
-    "quantize_weights_pair",
+    "quantize_weights_pair", "quantize_swiglu",
 ]
 __version__ = "0.1.0"
 

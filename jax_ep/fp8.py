@@ -189,6 +189,17 @@ def check_weights(fn: str, w, scale_format: str) -> None:
     _check_source(fn, w, 3, "w [G, K, N]", (1, 2))
 
 
+def check_gate_up(fn: str, gate_up, scale_format: str) -> None:
+    """``fn``'s checks of SwiGLU rows ``gate_up [T, 2H] = [gate | up]`` (bf16
+    / f16 / f32, H a multiple of 128) and of ``scale_format``."""
+    _check_format(fn, scale_format)
+    _check_source(fn, gate_up, 2, "gate_up [T, 2H]", ())
+    if gate_up.shape[1] % (2 * FP8_BLOCK):
+        raise ValueError(f"{fn}: gate_up [T, 2H] needs H divisible by {FP8_BLOCK} (the scale "
+                         f"blocks), got {gate_up.shape}; pad the expert width to a multiple "
+                         "of 128")
+
+
 def check_quantized_pair(fn: str, arg: str, gkn_shape, layout: str, pair):
     """``pair`` as ``(q, scales)`` of the weights ``[G, K, N]`` (``gkn_shape``)
     quantized in ``layout`` (what :func:`quantize_weights` returns) -> ``(q,

@@ -562,6 +562,50 @@ def test_cast_rows_lowering_and_bits(monkeypatch):
             np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+@pytest.mark.parametrize("scale_format", ["f32", "ue8m0"])
+def test_quantize_swiglu(monkeypatch, scale_format):
+    """``jax_ep.quantize_swiglu``: XLA by default; ``impl="auto"`` lowered for
+    CUDA is one SwiGLU row-kernel call ([T, 2H] in, [T, H] e4m3 and [T, H/128]
+    scales out, the format's scale mode); for the CPU, XLA's ``fp8_cast(swiglu_rows(gate_up))``, whose
+    SwiGLU is ``silu(g) * u`` in f32 rounded once; the gradient is the f32
+    SwiGLU's, of the dequantized rows' cotangent; bad shapes and dtypes are
+    errors naming the cause."""
+    from jax_ep import abi, extension
+    from jax_ep.gmm import quantize as gm_quantize
+    gu = jnp.asarray(outliers(np.random.default_rng(6), (40, 512)), jnp.bfloat16)
+    f = functools.partial(jax_ep.quantize_swiglu, scale_format=scale_format, impl="auto")
+    monkeypatch.setattr(extension, "load", lambda: object())
+    assert "quantize_swiglu_rows" not in lowered(jax_ep.quantize_swiglu, gu)   # default: XLA
+    calls = [ln for ln in lowered(f, gu).splitlines() if "jax_ep_quantize_swiglu_rows" in ln]
+    assert len(calls) == 1, calls
+    mode = abi.fp8_scale_mode("ue8m0" if scale_format == "ue8m0" else "xla_gpu")
+    for want in ("tensor<40x512xbf16>", "tensor<40x256xf8E4M3FN>", "tensor<40x2xf32>",
+                 f"scale_mode = {mode} : i32"):
+        assert want in calls[0], (want, calls[0])
+    assert "jax_ep_quantize_swiglu_rows" not in lowered(f, gu, platform="cpu")
+    monkeypatch.setattr(extension, "load", lambda: None)
+    h = np.asarray(jax.nn.silu(gu[:, :256].astype(jnp.float32)) * gu[:, 256:].astype(jnp.float32))
+    np.testing.assert_allclose(np.asarray(gm_quantize.swiglu_rows(gu), np.float32), h,
+                               rtol=2 ** -8, atol=1e-30)
+    q, sc = jax.jit(f)(gu)
+    want = jax_ep.fp8_cast(gm_quantize.swiglu_rows(gu), scale_format)
+    np.testing.assert_array_equal(np.asarray(q.view(jnp.uint8)), np.asarray(want[0].view(jnp.uint8)))
+    np.testing.assert_array_equal(np.asarray(sc), np.asarray(want[1]))
+    c = jnp.asarray(np.random.default_rng(7).standard_normal((40, 256)), jnp.float32)
+    got = jax.grad(lambda a: jnp.sum(_dequantized(*f(a)) * c))(gu)
+    silu_mul = lambda a: jax.nn.silu(a[:, :256]) * a[:, 256:]
+    ref = jax.vjp(silu_mul, gu.astype(jnp.float32))[1](c)[0]
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref), rtol=2 ** -7,
+                               atol=1e-6)
+    with pytest.raises(ValueError, match="H divisible by 128"):
+        jax_ep.quantize_swiglu(gu[:, :384])
+    with pytest.raises(TypeError, match="already quantized"):
+        jax_ep.quantize_swiglu(gu.astype(jnp.float8_e4m3fn))
+    with pytest.raises(ValueError, match="scale_format"):
+        jax_ep.quantize_swiglu(gu, "e8m0")
+
+
 @pytest.mark.parametrize("cast", ["xla", "auto"])
 def test_fp8_dx_cast_reaches_the_backward(monkeypatch, cast):
     """``GroupedMatmulConfig.fp8_dx_cast``: the fp8 dx casts dy by the row

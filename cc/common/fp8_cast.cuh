@@ -34,17 +34,17 @@ template <> struct Load8<float> {
   }
 };
 
+// a / b as XLA:GPU divides f32 (the approximate div.full.f32)
+__device__ __forceinline__ float div_full(float a, float b) {
+  float r;
+  asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
 // 448 / amax, rounded as the scale mode says (kFp8ScaleXlaGpu: as XLA:GPU's
 // f32 division; kFp8ScaleIeee: IEEE).
 __device__ __forceinline__ float fp8_inv(float amax, int scale_mode) {
-  switch (scale_mode) {
-    case kFp8ScaleXlaGpu: {
-      float r;
-      asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(448.0f), "f"(amax));
-      return r;
-    }
-    default: return __fdiv_rn(448.0f, amax);
-  }
+  return scale_mode == kFp8ScaleXlaGpu ? div_full(448.0f, amax) : __fdiv_rn(448.0f, amax);
 }
 
 // The scale of a block whose largest magnitude is `amax` and the multiplier
@@ -80,10 +80,13 @@ constexpr int kSmScales = 128;  // scales a warp collects before one coalesced s
 // Scales are collected in shared memory (sm, one slot per warp) and written as
 // one contiguous run per row: one 4-byte store per group would cost a whole
 // NVLink packet each.
-template <typename Tin, int EPL>
+// `load` reads 8 elements at src + e as f32 (Load8: the row as stored; the
+// SwiGLU cast's loader computes them from two halves of a wider row).
+template <typename Tin, int EPL, typename Load = Load8<Tin>>
 __device__ __forceinline__ void warp_cast_row(const Tin* __restrict__ src, char* const* dst,
                                               char* const* dst_scales, int n, int g0, int g1,
-                                              int lane, int scale_mode, float* sm) {
+                                              int lane, int scale_mode, float* sm,
+                                              const Load& load = Load()) {
   constexpr int LPG = 128 / EPL;  // lanes per group
   constexpr int STEP = 32 * EPL;  // elements per warp step
   static_assert(EPL == 16, "the fp8 cast moves 16 elements per lane");
@@ -100,7 +103,7 @@ __device__ __forceinline__ void warp_cast_row(const Tin* __restrict__ src, char*
       amax[u] = 0.f;
       if (e0 < e_end) {
 #pragma unroll
-        for (int h = 0; h < EPL; h += 8) Load8<Tin>::run(src + e0 + h, f[u] + h);
+        for (int h = 0; h < EPL; h += 8) load.run(src + e0 + h, f[u] + h);
 #pragma unroll
         for (int i = 0; i < EPL; ++i) amax[u] = fmaxf(amax[u], fabsf(f[u][i]));
       }

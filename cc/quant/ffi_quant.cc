@@ -12,6 +12,8 @@
 //
 // jax_ep_quantize_rows (quant/rows.cu): x [M, H] bf16 or f32 -> q [M, H] e4m3,
 // scales [M, H/128] f32. Attribute scale_mode: the Fp8ScaleMode.
+// jax_ep_quantize_swiglu_rows: the same of silu(gate) * up for x = [gate | up]
+// [M, 2H].
 #include <string>
 
 #include "common/ffi_common.h"
@@ -115,20 +117,24 @@ ffi::Error QuantColumnsImpl(cudaStream_t stream, ffi::AnyBuffer rows,
   return ffi::Error::Success();
 }
 
+template <bool Swiglu>
 ffi::Error QuantRowsImpl(cudaStream_t stream, ffi::AnyBuffer x, int32_t scale_mode,
                          ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::Buffer<ffi::F32>> s) {
-  const std::string op = "quantize_rows";
+  const std::string op = Swiglu ? "quantize_swiglu_rows" : "quantize_rows";
+  const int64_t width = Swiglu ? 2 : 1;   // x's columns per q column
   if (x.element_type() != ffi::BF16 && x.element_type() != ffi::F32)
     return InvalidArgument(op + ": x must be bfloat16 or float32");
   if (q->element_type() != ffi::F8E4M3FN) return InvalidArgument(op + ": q must be e4m3");
   auto xd = x.dimensions(), qd = q->dimensions(), sd = s->dimensions();
   if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2 || qd[0] != xd[0] ||
-      qd[1] != xd[1] || sd[0] != xd[0] || sd[1] * 128 != xd[1])
-    return InvalidArgument(op + ": expected x, q [M, H] and scales [M, H/128]");
-  if (xd[1] >= (int64_t(1) << 30)) return InvalidArgument(op + ": H must be below 2^30");
+      qd[1] * width != xd[1] || sd[0] != xd[0] || sd[1] * 128 != qd[1])
+    return InvalidArgument(op + (Swiglu ? ": expected x [M, 2H], q [M, H] and scales [M, H/128]"
+                                        : ": expected x, q [M, H] and scales [M, H/128]"));
+  if (xd[1] >= (int64_t(1) << 30)) return InvalidArgument(op + ": x's width must be below 2^30");
   QuantRowsArgs a;
   a.m = xd[0];
-  a.h = static_cast<int>(xd[1]);
+  a.h = static_cast<int>(qd[1]);
+  a.swiglu = Swiglu;
   JAX_EP_RETURN_IF_ERROR(CheckKernelArgs(op, quant_rows_shape_error(a), scale_mode));
   a.x = x.untyped_data();
   a.x_f32 = x.element_type() == ffi::F32;
@@ -164,10 +170,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpQuantizeColumns, jax_ep::QuantColumnsImpl,
                                   .Ret<xla::ffi::AnyBuffer>()               // q_t [C, P] e4m3
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()); // scales
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpQuantizeRows, jax_ep::QuantRowsImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpQuantizeRows, jax_ep::QuantRowsImpl<false>,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<jax_ep::Stream>()
                                   .Arg<xla::ffi::AnyBuffer>()               // x [M, H]
+                                  .Attr<int32_t>("scale_mode")              // Fp8ScaleMode
+                                  .Ret<xla::ffi::AnyBuffer>()               // q [M, H] e4m3
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()); // scales [M, H/128]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpQuantizeSwigluRows, jax_ep::QuantRowsImpl<true>,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<jax_ep::Stream>()
+                                  .Arg<xla::ffi::AnyBuffer>()               // x [M, 2H]
                                   .Attr<int32_t>("scale_mode")              // Fp8ScaleMode
                                   .Ret<xla::ffi::AnyBuffer>()               // q [M, H] e4m3
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()); // scales [M, H/128]

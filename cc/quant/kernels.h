@@ -61,8 +61,9 @@ cudaError_t launch_quant_columns(const QuantColumnsArgs& a, cudaStream_t stream)
 // x [m, h] (bf16 or f32) -> q [m, h] e4m3, scales [m, h/128]; the bits of
 // dispatch's cast (common/fp8_cast.cuh) and of jax_ep.fp8_cast on the same GPU.
 struct QuantRowsArgs {
-  const void* x = nullptr;      // [m, h]
+  const void* x = nullptr;      // [m, h], or [m, 2h] with swiglu
   bool x_f32 = false;           // else bf16
+  bool swiglu = false;          // x = [gate | up]: cast silu(gate) * up
   void* q = nullptr;            // [m, h] e4m3
   float* scales = nullptr;      // [m, h/128]
   long long m = 0;

@@ -166,8 +166,8 @@ from __future__ import annotations
 
 from .api import gmm, grouped_matmul, tgmm
 from .config import GROUP_ALIGNMENT, GroupedMatmulConfig
-from .quantize import quantize_weights_pair
+from .quantize import quantize_swiglu, quantize_weights_pair
 from .tiles import DwTiles, FwdTiles
 
 __all__ = ["GroupedMatmulConfig", "grouped_matmul", "gmm", "tgmm", "FwdTiles", "DwTiles",
-           "GROUP_ALIGNMENT", "quantize_weights_pair"]
+           "GROUP_ALIGNMENT", "quantize_weights_pair", "quantize_swiglu"]

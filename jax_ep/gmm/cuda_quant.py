@@ -6,8 +6,10 @@ the fp8 dw kernel's operands cast per column per 128 regrouped rows and
 transposed in one pass (``jax_ep_quantize_columns``), the bits of
 ``fp8_columns``' XLA path; activation rows cast per row and 128 columns in one
 read (``jax_ep_quantize_rows``), the bits of dispatch's cast and of
-:func:`jax_ep.fp8_cast` on the same GPU. Need the native extension and a CUDA
-device; no runtime (``jax_ep.initialize``)."""
+:func:`jax_ep.fp8_cast` on the same GPU, and that cast of the SwiGLU of
+``[gate | up]`` rows computed as they are read (``jax_ep_quantize_swiglu_rows``).
+Need the native extension and a CUDA device; no runtime
+(``jax_ep.initialize``)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -23,6 +25,7 @@ from ..mesh_axes import to_vma, vma_of
 TARGET = "jax_ep_quantize_weights"
 COLUMNS_TARGET = "jax_ep_quantize_columns"
 ROWS_TARGET = "jax_ep_quantize_rows"
+SWIGLU_ROWS_TARGET = "jax_ep_quantize_swiglu_rows"
 IMPLS = ("auto", "native", "xla")   # how a cast with a kernel and an XLA form runs
 _DTYPES = ("bfloat16", "float32")
 _COLUMN_DTYPES = ("float8_e4m3fn", "bfloat16", "float32")
@@ -118,31 +121,38 @@ def cast_columns_t(rows, row_scales, blocks, p: int):
         *ops, scale_mode=np.int32(abi.fp8_scale_mode("xla_gpu")))
 
 
-def rows_unavailable(x) -> Optional[str]:
-    """Why the row kernel cannot cast ``x`` (None: it can, wherever the
-    program is lowered for CUDA)."""
+def rows_unavailable(x, target: str = ROWS_TARGET, width: int = 1) -> Optional[str]:
+    """Why the row kernel (``target``: the plain cast, or the SwiGLU cast of
+    ``x = [gate | up]``, ``width`` 2) cannot cast ``x`` (None: it can,
+    wherever the program is lowered for CUDA)."""
     ext = extension.load()
     if ext is None:
         return f"the native extension is not loaded: {extension.error()}"
-    if hasattr(ext, "registrations") and ROWS_TARGET not in ext.registrations():
-        return f"the built extension has no {ROWS_TARGET} (built before it): rebuild it"
+    if hasattr(ext, "registrations") and target not in ext.registrations():
+        return f"the built extension has no {target} (built before it): rebuild it"
     if jnp.dtype(x.dtype).name not in _DTYPES:
         return f"the kernel reads {'/'.join(_DTYPES)} rows, got {x.dtype}"
-    if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] == 0 or x.shape[1] % 128:
-        return f"the kernel casts [M, H] rows, M > 0, H a positive multiple of 128, got {x.shape}"
+    if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] == 0 or x.shape[1] % (128 * width):
+        what = "[M, H] rows" if width == 1 else "[M, 2H] rows ([gate | up])"
+        return (f"the kernel casts {what}, M > 0, H a positive multiple of 128, got "
+                f"{x.shape}")
     return None
 
 
-def quantize_rows(x):
+def quantize_rows(x, scale_format: str = "f32", swiglu: bool = False):
     """``(q [M, H] e4m3, scales [M, H/128] f32)`` of ``x [M, H]`` (bf16 / f32)
-    by the kernel: :func:`jax_ep.fp8_cast` with f32 scales, dividing as XLA:GPU
-    does, so the bits equal XLA's cast on the same GPU (shapes checked by the
-    caller). A NaN is the one difference: XLA's block maximum keeps it (the
-    block's scale and values NaN), the kernel's skips it (the NaN stays in its
-    element), as dispatch's cast does. No gradient (not differentiable)."""
-    m, h = x.shape
+    by the kernel: :func:`jax_ep.fp8_cast` (``scale_format``), f32 scales
+    dividing as XLA:GPU does, so the bits equal XLA's cast on the same GPU
+    (shapes checked by the caller). A NaN is the one difference: XLA's block
+    maximum keeps it (the block's scale and values NaN), the kernel's skips it
+    (the NaN stays in its element), as dispatch's cast does. ``swiglu``: ``x
+    [M, 2H] = [gate | up]``, the rows cast are ``silu(gate) * up``
+    (``quantize.swiglu_rows``) computed as they are read. No gradient (not
+    differentiable)."""
+    m, h = x.shape[0], x.shape[1] // (2 if swiglu else 1)
     vma = vma_of(x)
     outs = (result_type((m, h), jnp.float8_e4m3fn, vma=vma),
             result_type((m, h // 128), jnp.float32, vma=vma))
-    return jax.ffi.ffi_call(ROWS_TARGET, outs, vmap_method="sequential")(
-        x, scale_mode=np.int32(abi.fp8_scale_mode("xla_gpu")))
+    mode = abi.fp8_scale_mode("ue8m0" if scale_format == "ue8m0" else "xla_gpu")
+    return jax.ffi.ffi_call(SWIGLU_ROWS_TARGET if swiglu else ROWS_TARGET, outs,
+                            vmap_method="sequential")(x, scale_mode=np.int32(mode))

@@ -9,10 +9,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ..fp8 import F32, check_weights, fp8_cast, weight_blocks_cast
+from ..fp8 import F32, check_gate_up, check_weights, fp8_cast, weight_blocks_cast
 from . import cuda_quant
 
-__all__ = ["quantize_weights_pair", "cast_rows"]
+__all__ = ["quantize_weights_pair", "cast_rows", "quantize_swiglu", "swiglu_rows"]
 
 
 def quantize_weights_pair(w: jax.Array, *, scale_format: str = "f32", impl: str = "auto"):
@@ -101,3 +101,67 @@ def cast_rows(x, impl: str = "auto"):
     -> ``(q [M, H] e4m3, scales [M, H/128] f32)``; no gradient."""
     return cuda_quant.by_impl("cast_rows", impl, lambda: cuda_quant.rows_unavailable(x),
                               cuda_quant.quantize_rows, fp8_cast, x)
+
+
+def swiglu_rows(gate_up):
+    """``silu(gate) * up`` of ``gate_up [M, 2H] = [gate | up]`` -> ``[M, H]``
+    in ``gate_up``'s dtype: ``g / (1 + exp(-g)) * u`` in f32, rounded once
+    (what the SwiGLU cast kernel computes as it reads the rows)."""
+    g, u = jnp.split(gate_up.astype(F32), 2, axis=-1)
+    return (g / (1 + jnp.exp(-g)) * u).astype(gate_up.dtype)
+
+
+def quantize_swiglu(gate_up: jax.Array, scale_format: str = "f32", impl: str = "xla"):
+    """The SwiGLU of the experts' fused gate/up output cast to fp8 as dispatch
+    casts (:func:`jax_ep.fp8_cast`): the down projection's fp8 rows in one
+    pass over ``gate_up``, where ``fp8_cast(silu(g) * u)`` through XLA reads
+    it twice (once for the blocks' maxima, once for the cast).
+
+    Args:
+      gate_up: ``[T, 2H]`` bf16 / f32, ``[gate | up]`` (the gate half first),
+        ``H % 128 == 0``.
+      scale_format: ``"f32"`` or ``"ue8m0"``, as :func:`jax_ep.fp8_cast`.
+      impl: ``"xla"`` (default, until the kernel has run on a GPU),
+        ``"auto"`` (the kernel, ``cc/quant/rows.cu``, where the program is
+        lowered for CUDA and the extension can cast ``gate_up``; else XLA) or
+        ``"native"`` (the kernel or an error).
+
+    Returns:
+      ``(q [T, H] float8_e4m3fn, scales [T, H/128] float32)`` =
+      ``fp8_cast(swiglu_rows(gate_up))``: ``silu(g) * u`` in f32 rounded once
+      to ``gate_up``'s dtype, then cast per row and 128 columns; what
+      ``jax_ep.grouped_matmul(x_scales=...)`` takes.
+
+    Gradient: the cotangent of ``q`` taken as that of the dequantized rows
+    (the fp8 grouped matmul's convention), passed straight through the cast
+    and back through the SwiGLU (f32) to ``gate_up``, in its dtype.
+    """
+    check_gate_up("quantize_swiglu", gate_up, scale_format)
+    return _swiglu_st(gate_up, scale_format, impl)
+
+
+def _swiglu_cast(gate_up, scale_format, impl):
+    xla = lambda gu: fp8_cast(swiglu_rows(gu), scale_format)
+    native = functools.partial(cuda_quant.quantize_rows, scale_format=scale_format, swiglu=True)
+    unavailable = lambda: cuda_quant.rows_unavailable(gate_up, cuda_quant.SWIGLU_ROWS_TARGET, 2)
+    return cuda_quant.by_impl("quantize_swiglu", impl, unavailable, native, xla, gate_up)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _swiglu_st(gate_up, scale_format, impl):
+    return _swiglu_cast(gate_up, scale_format, impl)
+
+
+def _swiglu_st_fwd(gate_up, scale_format, impl):
+    return _swiglu_cast(gate_up, scale_format, impl), gate_up
+
+
+def _swiglu_st_bwd(scale_format, impl, gate_up, g):
+    def f32_swiglu(gu):   # jax.nn.silu: a derivative without exp(-g)'s overflow
+        a, b = jnp.split(gu, 2, axis=-1)
+        return jax.nn.silu(a) * b
+    _, back = jax.vjp(f32_swiglu, gate_up.astype(F32))
+    return (back(g[0].astype(F32))[0].astype(gate_up.dtype),)
+
+
+_swiglu_st.defvjp(_swiglu_st_fwd, _swiglu_st_bwd)

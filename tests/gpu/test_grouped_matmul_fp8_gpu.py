@@ -450,6 +450,33 @@ def test_native_row_cast_is_bitwise_xla(dtype):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("scale_format", ["f32", "ue8m0"])
+def test_native_swiglu_cast_is_bitwise_xla(dtype, scale_format):
+    """``jax_ep.quantize_swiglu`` on the kernel (``cc/quant/rows.cu``, the
+    SwiGLU computed as the rows are read) against its XLA form compiled on
+    this GPU, bit for bit: outlier data (``silu`` of -2^8 .. 2^8, exp's
+    overflow included), a zero block, 1001 rows of 2 x 2048 (16 scales per
+    row) and 3 of 2 x 16512; then the gradients through it."""
+    import jax_ep
+    _native()
+    for i, shape in enumerate(((1001, 4096), (3, 33024))):
+        gu = outliers(jax.random.key(51 + i), shape).astype(dtype)
+        gu = gu.at[0, 128:256].set(0).at[0, shape[1] // 2 + 128:shape[1] // 2 + 256].set(0)
+        got = jax.jit(lambda a: jax_ep.quantize_swiglu(a, scale_format, impl="native"))(gu)
+        want = jax.jit(lambda a: jax_ep.quantize_swiglu(a, scale_format, impl="xla"))(gu)
+        np.testing.assert_array_equal(np.asarray(got[0].view(jnp.uint8)),
+                                      np.asarray(want[0].view(jnp.uint8)))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    c = outliers(jax.random.key(55), (1001, 2048))
+    grads = [jax.jit(jax.grad(lambda a, impl=impl: jnp.sum(
+        jax_ep.quantize_swiglu(a, scale_format, impl=impl)[0].astype(jnp.float32) * c)))(gu)
+        for impl, gu in (("native", outliers(jax.random.key(51), (1001, 4096)).astype(dtype)),
+                         ("xla", outliers(jax.random.key(51), (1001, 4096)).astype(dtype)))]
+    np.testing.assert_array_equal(np.asarray(grads[0], np.float32),
+                                  np.asarray(grads[1], np.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("scale_format", ["f32", "ue8m0"])
 def test_native_weight_pair_is_bitwise_xla(dtype, scale_format):
     """``quantize_weights_pair`` on the kernel (``cc/quant/``: one pass, both
     layouts) against XLA's quantization on this GPU, bit for bit: data with
