@@ -566,10 +566,10 @@ def test_cast_rows_lowering_and_bits(monkeypatch):
 def test_quantize_swiglu(monkeypatch, scale_format):
     """``jax_ep.quantize_swiglu``: XLA by default; ``impl="auto"`` lowered for
     CUDA is one SwiGLU row-kernel call ([T, 2H] in, [T, H] e4m3 and [T, H/128]
-    scales out, the format's scale mode); for the CPU, XLA's ``fp8_cast(swiglu_rows(gate_up))``, whose
-    SwiGLU is ``silu(g) * u`` in f32 rounded once; the gradient is the f32
-    SwiGLU's, of the dequantized rows' cotangent; bad shapes and dtypes are
-    errors naming the cause."""
+    scales out, the format's scale mode); for the CPU, XLA's
+    ``fp8_cast(swiglu_rows(gate_up))``, whose SwiGLU is ``silu(g) * u`` in f32
+    rounded once; the gradient is the f32 SwiGLU's, of the dequantized rows'
+    cotangent; bad shapes and dtypes are errors naming the cause."""
     from jax_ep import abi, extension
     from jax_ep.gmm import quantize as gm_quantize
     gu = jnp.asarray(outliers(np.random.default_rng(6), (40, 512)), jnp.bfloat16)
@@ -589,7 +589,8 @@ def test_quantize_swiglu(monkeypatch, scale_format):
                                rtol=2 ** -8, atol=1e-30)
     q, sc = jax.jit(f)(gu)
     want = jax_ep.fp8_cast(gm_quantize.swiglu_rows(gu), scale_format)
-    np.testing.assert_array_equal(np.asarray(q.view(jnp.uint8)), np.asarray(want[0].view(jnp.uint8)))
+    np.testing.assert_array_equal(np.asarray(q.view(jnp.uint8)),
+                                  np.asarray(want[0].view(jnp.uint8)))
     np.testing.assert_array_equal(np.asarray(sc), np.asarray(want[1]))
     c = jnp.asarray(np.random.default_rng(7).standard_normal((40, 256)), jnp.float32)
     got = jax.grad(lambda a: jnp.sum(_dequantized(*f(a)) * c))(gu)

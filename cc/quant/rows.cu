@@ -63,9 +63,11 @@ const char* quant_rows_shape_error(const QuantRowsArgs& a) {
 
 cudaError_t launch_quant_rows(const QuantRowsArgs& a, cudaStream_t stream) {
   const unsigned blocks = static_cast<unsigned>((a.m + kRowWarps - 1) / kRowWarps);
-  auto kernel = a.x_f32 ? (a.swiglu ? quant_rows_kernel<float, true> : quant_rows_kernel<float, false>)
-                       : (a.swiglu ? quant_rows_kernel<__nv_bfloat16, true>
-                                   : quant_rows_kernel<__nv_bfloat16, false>);
+  using Bf16 = __nv_bfloat16;
+  auto kernel = a.x_f32 ? (a.swiglu ? quant_rows_kernel<float, true>
+                                    : quant_rows_kernel<float, false>)
+                        : (a.swiglu ? quant_rows_kernel<Bf16, true>
+                                    : quant_rows_kernel<Bf16, false>);
   kernel<<<blocks, 32 * kRowWarps, 0, stream>>>(a);
   return cudaGetLastError();
 }
