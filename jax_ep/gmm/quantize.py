@@ -8,6 +8,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from ..fp8 import F32, check_gate_up, check_weights, fp8_cast, weight_blocks_cast
 from . import cuda_quant
@@ -106,20 +107,27 @@ def cast_rows(x, impl: str = "auto"):
 def swiglu_rows(gate_up):
     """``silu(gate) * up`` of ``gate_up [M, 2H] = [gate | up]`` -> ``[M, H]``
     in ``gate_up``'s dtype: ``g / (1 + exp(-g)) * u`` in f32, rounded once
-    (what the SwiGLU cast kernel computes as it reads the rows)."""
+    (what the SwiGLU cast kernel computes as it reads the rows). The rounding
+    is an explicit ``reduce_precision``: XLA:GPU drops an f32 -> bf16 -> f32
+    convert pair (excess precision allowed), which the cast would form."""
     g, u = jnp.split(gate_up.astype(F32), 2, axis=-1)
-    return (g / (1 + jnp.exp(-g)) * u).astype(gate_up.dtype)
+    h = g / (1 + jnp.exp(-g)) * u
+    info = jnp.finfo(gate_up.dtype)
+    if info.bits < 32:
+        h = lax.reduce_precision(h, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    return h.astype(gate_up.dtype)
 
 
 def quantize_swiglu(gate_up: jax.Array, scale_format: str = "f32", impl: str = "xla"):
     """The SwiGLU of the experts' fused gate/up output cast to fp8 as dispatch
-    casts (:func:`jax_ep.fp8_cast`): the down projection's fp8 rows in one
-    pass over ``gate_up``, where ``fp8_cast(silu(g) * u)`` through XLA reads
-    it twice (once for the blocks' maxima, once for the cast).
+    casts (:func:`jax_ep.fp8_cast`): the down projection's fp8 rows. The
+    kernel (``impl="auto"``) makes them in one pass over ``gate_up``; XLA's
+    fusions read it twice (once for the blocks' maxima, once for the cast).
 
     Args:
-      gate_up: ``[T, 2H]`` bf16 / f32, ``[gate | up]`` (the gate half first),
-        ``H % 128 == 0``.
+      gate_up: ``[T, 2H]`` bf16 / f32 (the kernel's dtypes) or f16 (XLA only;
+        a SwiGLU above 65504 rounds to inf, which empties its block),
+        ``[gate | up]`` (the gate half first), ``H % 128 == 0``.
       scale_format: ``"f32"`` or ``"ue8m0"``, as :func:`jax_ep.fp8_cast`.
       impl: ``"xla"`` (default, until the kernel has run on a GPU),
         ``"auto"`` (the kernel, ``cc/quant/rows.cu``, where the program is
@@ -130,7 +138,8 @@ def quantize_swiglu(gate_up: jax.Array, scale_format: str = "f32", impl: str = "
       ``(q [T, H] float8_e4m3fn, scales [T, H/128] float32)`` =
       ``fp8_cast(swiglu_rows(gate_up))``: ``silu(g) * u`` in f32 rounded once
       to ``gate_up``'s dtype, then cast per row and 128 columns; what
-      ``jax_ep.grouped_matmul(x_scales=...)`` takes.
+      ``jax_ep.grouped_matmul(x_scales=...)`` takes. The kernel's block
+      maximum skips a NaN that XLA's keeps (``cuda_quant.quantize_rows``).
 
     Gradient: the cotangent of ``q`` taken as that of the dequantized rows
     (the fp8 grouped matmul's convention), passed straight through the cast

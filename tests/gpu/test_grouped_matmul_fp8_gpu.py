@@ -455,7 +455,9 @@ def test_native_swiglu_cast_is_bitwise_xla(dtype, scale_format):
     SwiGLU computed as the rows are read) against its XLA form compiled on
     this GPU, bit for bit: outlier data (``silu`` of -2^8 .. 2^8, exp's
     overflow included), a zero block, 1001 rows of 2 x 2048 (16 scales per
-    row) and 3 of 2 x 16512; then the gradients through it."""
+    row) and 3 of 2 x 16512; then that the kernel's path is differentiable
+    under jit (its backward reads only ``gate_up``, so the gradients are
+    XLA's either way)."""
     import jax_ep
     _native()
     for i, shape in enumerate(((1001, 4096), (3, 33024))):
