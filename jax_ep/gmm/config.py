@@ -16,7 +16,8 @@ from .tuning import DW_PIPELINES, FP8_KERNELS
 GROUP_ALIGNMENT = 64
 
 _IMPLS = ("auto", "pallas", "xla")
-FP8_DX_CASTS = ("xla", "auto", "native")   # quantize.cast_rows's impls
+# How a cast with a CUDA kernel and an XLA form runs (fp8_dx_cast; cuda_quant.by_impl)
+CAST_IMPLS = ("auto", "native", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,8 +151,8 @@ class GroupedMatmulConfig:
         if self.fp8_kernel is not None and self.fp8_kernel not in FP8_KERNELS:
             raise ValueError(f"fp8_kernel must be None or one of {FP8_KERNELS}, got "
                              f"{self.fp8_kernel!r}")
-        if self.fp8_dx_cast not in FP8_DX_CASTS:
-            raise ValueError(f"fp8_dx_cast must be one of {FP8_DX_CASTS}, got "
+        if self.fp8_dx_cast not in CAST_IMPLS:
+            raise ValueError(f"fp8_dx_cast must be one of {CAST_IMPLS}, got "
                              f"{self.fp8_dx_cast!r}")
         for name in ("fp8_dx", "fp8_dw"):
             if not isinstance(getattr(self, name), bool):

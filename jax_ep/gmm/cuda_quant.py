@@ -21,12 +21,12 @@ import numpy as np
 from .. import abi, extension
 from .._ffi import result_type
 from ..mesh_axes import to_vma, vma_of
+from .config import CAST_IMPLS
 
 TARGET = "jax_ep_quantize_weights"
 COLUMNS_TARGET = "jax_ep_quantize_columns"
 ROWS_TARGET = "jax_ep_quantize_rows"
 SWIGLU_ROWS_TARGET = "jax_ep_quantize_swiglu_rows"
-IMPLS = ("auto", "native", "xla")   # how a cast with a kernel and an XLA form runs
 _DTYPES = ("bfloat16", "float32")
 _COLUMN_DTYPES = ("float8_e4m3fn", "bfloat16", "float32")
 
@@ -37,8 +37,8 @@ def by_impl(what: str, impl: str, unavailable, native, xla, *operands):
     naming why where ``unavailable()`` says it cannot run), ``"xla"``, or
     ``"auto"`` (the kernel where the program is lowered for CUDA and it can
     run, else XLA). ``what``: the caller, for the errors."""
-    if impl not in IMPLS:
-        raise ValueError(f"{what}: impl must be one of {IMPLS}, got {impl!r}")
+    if impl not in CAST_IMPLS:
+        raise ValueError(f"{what}: impl must be one of {CAST_IMPLS}, got {impl!r}")
     why = None if impl == "xla" else unavailable()
     if impl == "native" and why is not None:
         raise ValueError(f"{what} impl='native': {why}; use impl='auto' or 'xla'")
@@ -47,6 +47,12 @@ def by_impl(what: str, impl: str, unavailable, native, xla, *operands):
     if impl == "native":
         return native(*operands)
     return jax.lax.platform_dependent(*operands, cuda=native, default=xla)
+
+
+def scale_mode(scale_format: str = "f32") -> np.int32:
+    """The kernels' ``scale_mode`` attribute of a ``scale_format``: UE8M0, or
+    f32 scales dividing as XLA:GPU does (so the bits are XLA's on one GPU)."""
+    return np.int32(abi.fp8_scale_mode("ue8m0" if scale_format == "ue8m0" else "xla_gpu"))
 
 
 def unavailable(w, need_gpu: bool = False) -> Optional[str]:
@@ -75,7 +81,6 @@ def quantize_weights_pair(w, scale_format: str):
     f32 scales divide as XLA:GPU does (``div.full.f32``), so the bits equal
     XLA's quantization on the same GPU."""
     G, K, N = w.shape
-    mode = abi.fp8_scale_mode("ue8m0" if scale_format == "ue8m0" else "xla_gpu")
     vma = vma_of(w)
     outs = (result_type((G, K, N), jnp.float8_e4m3fn, vma=vma),
             result_type((G, K // 128, N // 128), jnp.float32, vma=vma),
@@ -83,7 +88,7 @@ def quantize_weights_pair(w, scale_format: str):
             result_type((G, N // 128, K // 128), jnp.float32, vma=vma))
     # vmap: one call per batch element (a batch of expert stacks is rare)
     q, s, q_t, s_t = jax.ffi.ffi_call(TARGET, outs, vmap_method="sequential")(
-        w, scale_mode=np.int32(mode))
+        w, scale_mode=scale_mode(scale_format))
     return (q, s), (q_t, s_t)
 
 
@@ -118,7 +123,7 @@ def cast_columns_t(rows, row_scales, blocks, p: int):
     outs = (result_type((c, p), jnp.float8_e4m3fn, vma=axes),
             result_type((p // 128, c), jnp.float32, vma=axes))
     return jax.ffi.ffi_call(COLUMNS_TARGET, outs, vmap_method="sequential")(
-        *ops, scale_mode=np.int32(abi.fp8_scale_mode("xla_gpu")))
+        *ops, scale_mode=scale_mode())
 
 
 def rows_unavailable(x, target: str = ROWS_TARGET, width: int = 1) -> Optional[str]:
@@ -153,6 +158,5 @@ def quantize_rows(x, scale_format: str = "f32", swiglu: bool = False):
     vma = vma_of(x)
     outs = (result_type((m, h), jnp.float8_e4m3fn, vma=vma),
             result_type((m, h // 128), jnp.float32, vma=vma))
-    mode = abi.fp8_scale_mode("ue8m0" if scale_format == "ue8m0" else "xla_gpu")
     return jax.ffi.ffi_call(SWIGLU_ROWS_TARGET if swiglu else ROWS_TARGET, outs,
-                            vmap_method="sequential")(x, scale_mode=np.int32(mode))
+                            vmap_method="sequential")(x, scale_mode=scale_mode(scale_format))

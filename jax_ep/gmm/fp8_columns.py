@@ -6,14 +6,12 @@ native extension one kernel per operand does it (``cuda_quant``), elsewhere
 XLA, with the same bits."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from ..fp8 import FP8_BLOCK, column_blocks_cast
 from . import cuda_quant
 from .ops import offsets as row_offsets
 from .xla import dequantize_rows
-
 
 
 def padded_length(m: int, groups: int) -> int:
