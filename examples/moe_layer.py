@@ -237,9 +237,10 @@ def routed_experts_fp8(x, x_scales, gate_up, down, group_sizes, gmm_config=None,
     ``jax_ep.quantize_weights_pair``: one pass over each weight on a GPU, and
     the fp8 kernel's K-major copy needs no transpose) -> bf16 ``[C, H]`` (zero past
     ``sum(group_sizes)``). The SwiGLU output is cast per row and 128 columns
-    (dispatch's cast) for the down projection. ``quantized``: this rank's
-    :func:`quantize_experts` made earlier, used instead of quantizing here
-    (both layouts: no transpose in the step either)."""
+    (dispatch's cast) for the down projection (``jax_ep.quantize_swiglu``).
+    ``quantized``: this rank's :func:`quantize_experts` made earlier, used
+    instead of quantizing here (both layouts: no transpose in the step
+    either)."""
     def weights(name, w):
         if quantized is None:
             return jax_ep.quantize_weights_pair(w)
@@ -248,9 +249,9 @@ def routed_experts_fp8(x, x_scales, gate_up, down, group_sizes, gmm_config=None,
 
     (gu_q, gu_s), gu_t = weights("gate_up", gate_up)
     (dn_q, dn_s), dn_t = weights("down", down)
-    h = silu_mul(grouped_matmul(x, gu_q, group_sizes, x_scales=x_scales, w_scales=gu_s,
-                                w_transposed=gu_t, config=gmm_config))
-    h_q, h_s = jax_ep.quantize_activations(h)
+    gu = grouped_matmul(x, gu_q, group_sizes, x_scales=x_scales, w_scales=gu_s,
+                        w_transposed=gu_t, config=gmm_config)
+    h_q, h_s = jax_ep.quantize_swiglu(gu)
     return grouped_matmul(h_q, dn_q, group_sizes, x_scales=h_s, w_scales=dn_s,
                           w_transposed=dn_t, config=gmm_config)
 

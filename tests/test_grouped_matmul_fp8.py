@@ -564,7 +564,7 @@ def test_cast_rows_lowering_and_bits(monkeypatch):
 
 @pytest.mark.parametrize("scale_format", ["f32", "ue8m0"])
 def test_quantize_swiglu(monkeypatch, scale_format):
-    """``jax_ep.quantize_swiglu``: XLA by default; ``impl="auto"`` lowered for
+    """``jax_ep.quantize_swiglu`` (``impl="auto"``, the default) lowered for
     CUDA is one SwiGLU row-kernel call ([T, 2H] in, [T, H] e4m3 and [T, H/128]
     scales out, the format's scale mode); for the CPU, XLA's
     ``fp8_cast(swiglu_rows(gate_up))``, whose SwiGLU is ``silu(g) * u`` in f32
@@ -573,9 +573,10 @@ def test_quantize_swiglu(monkeypatch, scale_format):
     from jax_ep import abi, extension
     from jax_ep.gmm import quantize as gm_quantize
     gu = jnp.asarray(outliers(np.random.default_rng(6), (40, 512)), jnp.bfloat16)
-    f = functools.partial(jax_ep.quantize_swiglu, scale_format=scale_format, impl="auto")
+    f = functools.partial(jax_ep.quantize_swiglu, scale_format=scale_format)
     monkeypatch.setattr(extension, "load", lambda: object())
-    assert "quantize_swiglu_rows" not in lowered(jax_ep.quantize_swiglu, gu)   # default: XLA
+    xla = functools.partial(jax_ep.quantize_swiglu, scale_format=scale_format, impl="xla")
+    assert "quantize_swiglu_rows" not in lowered(xla, gu)
     calls = [ln for ln in lowered(f, gu).splitlines() if "jax_ep_quantize_swiglu_rows" in ln]
     assert len(calls) == 1, calls
     mode = abi.fp8_scale_mode("ue8m0" if scale_format == "ue8m0" else "xla_gpu")

@@ -118,21 +118,20 @@ def swiglu_rows(gate_up):
     return h.astype(gate_up.dtype)
 
 
-def quantize_swiglu(gate_up: jax.Array, scale_format: str = "f32", impl: str = "xla"):
+def quantize_swiglu(gate_up: jax.Array, scale_format: str = "f32", impl: str = "auto"):
     """The SwiGLU of the experts' fused gate/up output cast to fp8 as dispatch
-    casts (:func:`jax_ep.fp8_cast`): the down projection's fp8 rows. The
-    kernel (``impl="auto"``) makes them in one pass over ``gate_up``; XLA's
-    fusions read it twice (once for the blocks' maxima, once for the cast).
+    casts (:func:`jax_ep.fp8_cast`): the down projection's fp8 rows. On a
+    GPU the kernel makes them in one pass over ``gate_up``; XLA's fusions read
+    it twice (once for the blocks' maxima, once for the cast).
 
     Args:
       gate_up: ``[T, 2H]`` bf16 / f32 (the kernel's dtypes) or f16 (XLA only;
         a SwiGLU above 65504 rounds to inf, which empties its block),
         ``[gate | up]`` (the gate half first), ``H % 128 == 0``.
       scale_format: ``"f32"`` or ``"ue8m0"``, as :func:`jax_ep.fp8_cast`.
-      impl: ``"xla"`` (default, until the kernel has run on a GPU),
-        ``"auto"`` (the kernel, ``cc/quant/rows.cu``, where the program is
-        lowered for CUDA and the extension can cast ``gate_up``; else XLA) or
-        ``"native"`` (the kernel or an error).
+      impl: ``"auto"`` (the kernel, ``cc/quant/rows.cu``, where the program
+        is lowered for CUDA and the extension can cast ``gate_up``; else XLA),
+        ``"native"`` (the kernel or an error) or ``"xla"``.
 
     Returns:
       ``(q [T, H] float8_e4m3fn, scales [T, H/128] float32)`` =
