@@ -56,7 +56,7 @@ def test_table_entries():
     assert h100.fp8_tma_store_max_k_steps == 16 and h200.fp8_tma_store_max_k_steps == 0
     assert dataclasses.replace(h100, kind=h200.kind, fp8_kernel="pallas",
                                fp8_tma_store_max_k_steps=0) == h200
-    assert h200.default.fwd == FwdTiles(128, 128, 64, 5, 2)
+    assert h200.default.fwd == FwdTiles(128, 128, 64, 5, 0)
     assert h200.small.dw == DwTiles(64, 128, 64, 5, 4) and h200.small_group_rows == 96
     assert isinstance(h200.default.dw, DwTiles) and isinstance(h200.small.dx, FwdTiles)
 
@@ -139,7 +139,7 @@ def test_auto_on_hopper_takes_the_same_kernels_where_they_compile(monkeypatch):
     fails("tgmm_ring", "tgmm_ws")
     assert choice(auto, "dw", *shape, H200) == ("tgmm_pallas", (128, 128, 64, 4, 4), 1)
     fails("gmm_ws")
-    assert choice(auto, "fwd", *shape, H200) == ("gmm_pallas", (128, 128, 64, 5, 2), 1)
+    assert choice(auto, "fwd", *shape, H200) == ("gmm_pallas", (128, 128, 64, 5, 0), 1)
     fails("gmm")
     assert choice(auto, "fwd", *shape, H200) == ("xla", None, 0)
 

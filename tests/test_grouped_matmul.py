@@ -14,7 +14,7 @@ from jax_ep.gmm import select as gm_select
 from jax_ep.gmm import DwTiles, FwdTiles, GroupedMatmulConfig, grouped_matmul
 from jax_ep.gmm.devices import device_info
 from jax_ep.gmm.tuning import tuning_for
-from jax_ep.gmm.pallas_common import row_tiles, step_has_outside_rows
+from jax_ep.gmm.pallas_common import group_spans, row_tiles, step_has_outside_rows, tile_at
 
 try:
     from jax.experimental.pallas import mosaic_gpu as _plgpu
@@ -502,6 +502,58 @@ def test_pallas_dw_output_slot_no_races(monkeypatch):
     assert not ipc.get_races().races_found
     ref = np_dw(np.asarray(xb, np.float32), np.asarray(dyb, np.float32), sizes)
     np.testing.assert_allclose(out, ref, rtol=2e-2, atol=0.3)
+
+
+@pytest.mark.parametrize("sizes", [[130, 0, 190, 64, 1, 7], [0, 0, 0], [256] * 4, [5, 700]])
+def test_group_order_visits_each_tile_once_by_group(sizes):
+    """The forward's group order (band 0, ``pallas_common.tile_at``) over the
+    row-tile table: every (row tile, column tile) once; the linear order runs
+    group by group, and inside a group its row tiles side by side at each
+    column tile (column tiles ascending), so a ``w[g]`` tile is wanted by
+    consecutive work items only."""
+    bm, grid_n, m = 64, 3, 1200
+    off = jnp.asarray(np.concatenate([[0], np.minimum(np.cumsum(sizes), m)]), jnp.int32)
+    _, _, _, grp = row_tiles(off, m, bm)
+    nf = grp.shape[0]
+    t = jnp.arange(nf * grid_n, dtype=jnp.int32)
+    r, c = (np.asarray(a) for a in tile_at(None, t, (nf, grid_n), 0, group_spans(grp)))
+    assert sorted(zip(r.tolist(), c.tolist())) == [(i, j) for i in range(nf) for j in range(grid_n)]
+    g = np.asarray(grp)[r]
+    assert np.all(np.diff(np.where(g < 0, nf, g)) >= 0)    # group by group, the tail last
+    for gi in np.unique(g):
+        rows, cols = r[g == gi], c[g == gi]
+        n_g = len(np.unique(rows))
+        assert np.all(np.diff(cols) >= 0) and np.all(np.bincount(cols) == n_g)
+
+
+@pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
+@pytest.mark.parametrize("warpgroups", [2, 1])
+def test_pallas_group_order_interpret(warpgroups):
+    """Forward and dx in the group order (band 0) on both forward kernels:
+    groups of 1-3 row tiles, an empty group, a 1-row group, a tail -- match
+    numpy, and the snake's (band 1) outputs."""
+    sizes = [130, 0, 190, 64, 1]
+    x, w, dy, gs = make(sizes, m=448, k=128, n=256, seed=13)
+    xb, wb, dyb = (jnp.asarray(a, jnp.bfloat16) for a in (x, w, dy))
+
+    def run(band):
+        t = (64, 64, 64, 2, band)
+        cfg = GroupedMatmulConfig(impl="pallas", interpret=True, fwd=t, dx=t,
+                                  fwd_warpgroups=warpgroups)
+        want = gm_registry.GMM_WS if warpgroups == 2 else gm_registry.GMM
+        assert _plan(cfg, "fwd", xb, wb).variant is want
+        return [np.asarray(a, np.float32) for a in (
+            gm_mod.gmm(xb, wb, gs, config=cfg),
+            gm_mod.gmm(dyb, wb, gs, transpose_rhs=True, config=cfg))]
+    (y, dx), (y1, dx1) = run(0), run(1)
+    xf, wf, dyf = (np.asarray(a, np.float32) for a in (xb, wb, dyb))
+    rdx, _ = np_grads(clean(xf, sizes), wf, sizes, clean(dyf, sizes))
+    np.testing.assert_allclose(y, np_gmm(clean(xf, sizes), wf, sizes), rtol=2e-2, atol=0.3)
+    np.testing.assert_allclose(dx, rdx, rtol=2e-2, atol=0.3)
+    np.testing.assert_allclose(y, y1, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(dx, dx1, rtol=1e-2, atol=1e-2)
+    tot = int(np.sum(sizes))
+    assert np.all(y[tot:] == 0) and np.all(dx[tot:] == 0)
 
 
 @pytest.mark.skipif(not HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")

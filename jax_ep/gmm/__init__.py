@@ -104,8 +104,10 @@ offsets of the tiled shared-memory layout are 8-aligned; the up to 7 rows of
 the previous group are computed and not stored), and the tail ``[total, M)``
 into zero-store tiles. The tile table (row start, rows to store, group) is
 computed on the device by XLA and handed to the kernel as int32 arrays; the
-kernel loops over ``tiles x column tiles`` (persistent over SMs, ``band`` row
-tiles iterated together for L2 reuse of ``w`` tiles), computes the full
+kernel loops over ``tiles x column tiles`` (persistent over SMs, in the group
+order by default: each group's row tiles together at each column tile, so a
+``w`` tile is read from HBM once while in use; or a snake of ``band`` row
+tiles), computes the full
 ``block_m x block_n`` tile against ``w[g]`` and stores only the group's rows
 (TMA stores of power-of-two row counts). Tail tiles skip the matmul and store
 zeros (in ``gmm_pallas_ws`` after the pipeline), so the output is fully written by the kernel (no extra masking pass);

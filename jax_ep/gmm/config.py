@@ -35,7 +35,9 @@ class GroupedMatmulConfig:
         ``None`` for the device's tuned tiles (``tuned_tiles.json``).
         ``stages`` is the number of shared-memory pipeline stages (>= 2);
         ``band`` is how many row tiles (forward/dx) or row tiles of ``dw``
-        are swept together per column tile (L2 locality).
+        are swept together per column tile (L2 locality); forward/dx ``band
+        0``: each group's row tiles together at each of its column tiles (the
+        group order, ``pallas_common.tile_at``).
       dw_warpgroups: consumer warpgroups of the dw kernel: 2 (a producer
         warpgroup feeds two consumers that own a ``2 block_m x block_n`` tile;
         used when ``K % (2 block_m) == 0``, else the 1-warpgroup kernel) or 1

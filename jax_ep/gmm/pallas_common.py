@@ -108,6 +108,44 @@ def row_tile_table(offsets, m, bm):
     return counts, rs, r0, r1, grp
 
 
+def group_spans(grp):
+    """Per row tile of :func:`row_tiles` (a group's tiles contiguous, the tail's
+    ``-1`` last): int32 ``(first, count)``, its group's first tile and the
+    group's tile count, which the group order (band 0) of :func:`tile_at`
+    reads."""
+    t = jnp.arange(grp.shape[0], dtype=jnp.int32)
+    starts = jnp.concatenate([jnp.ones((1,), bool), grp[1:] != grp[:-1]])
+    first = lax.cummax(jnp.where(starts, t, 0), axis=0)
+    ends = jnp.concatenate([starts[1:], jnp.ones((1,), bool)])
+    last = lax.cummin(jnp.where(ends, t, grp.shape[0]), axis=0, reverse=True)
+    return first, last - first + 1
+
+
+def spans_of(grp, band):
+    """The extra tables :func:`tile_at` reads for ``band``: ``group_spans``
+    for the group order (band 0), none for a snake."""
+    return group_spans(grp) if band == 0 else ()
+
+
+def tile_at(plgpu, t, grid, band, spans):
+    """The forward kernels' work order: linear index ``t`` over ``grid = (row
+    tiles, column tiles)`` -> ``(row tile, column tile)``. ``band >= 1``: a
+    planar snake of ``band`` row tiles per column tile. ``band 0``: group
+    order: group ``g``'s tiles fill ``[first, first + count) x grid[1]`` of the
+    linear order, its row tiles side by side at each column tile, so each
+    tile of ``w[g]`` is read from HBM once while it is in use; a snake's bands
+    straddle groups of 2-3 row tiles (the MoE layer's padded groups), and a
+    straddled group meets ``w[g]``'s column tiles at two times
+    (``spans``: the refs of :func:`group_spans`)."""
+    if band:
+        return plgpu.planar_snake(t, grid, 0, band)
+    first_ref, count_ref = spans
+    first = first_ref[t // grid[1]]
+    count = count_ref[t // grid[1]]
+    local = t - first * grid[1]
+    return first + lax.rem(local, count), lax.div(local, count)
+
+
 def dw_transforms(plgpu, dtype, bk, bn):
     """Shared-memory transforms of the dw kernels: the staged ``[bk, *]`` input
     tiles (swizzled along ``bk`` rows of 8) and the ``[*, bn]`` output tile."""

@@ -11,8 +11,9 @@ from jax import lax
 
 from .pallas_common import (EPILOGUE_ROWS, carried_acc_context, dw_transforms,
                             flush_on_last_step, kernel_params, num_sms, pallas_modules,
-                            round_robin_count, row_tile_table, row_tiles, store_rows,
-                            store_tail_tiles, transposed, two_consumer_kernel)
+                            round_robin_count, row_tile_table, row_tiles, spans_of,
+                            store_rows, store_tail_tiles, tile_at, transposed,
+                            two_consumer_kernel)
 
 
 def gmm_pallas(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
@@ -26,14 +27,17 @@ def gmm_pallas(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
         _, k2, n = w.shape
     assert k == k2, (x.shape, w.shape, transpose_rhs)
     rs, r0, r1, grp = row_tiles(offsets, m, bm)
+    spans = spans_of(grp, band)
     nf = r0.shape[0]
     grid_n = n // bn
     top = 1 << int(math.log2(bm))     # largest power of two <= bm
 
-    def body(rs_ref, r0_ref, r1_ref, g_ref, x_ref, w_ref, o_ref):
+    def body(rs_ref, r0_ref, r1_ref, g_ref, *refs):
+        *span_refs, x_ref, w_ref, o_ref = refs
+
         @plgpu.nd_loop((nf * grid_n,), collective_axes="sm")
         def _item(info):
-            fi, ni = plgpu.planar_snake(info.index[0], (nf, grid_n), 0, band)
+            fi, ni = tile_at(plgpu, info.index[0], (nf, grid_n), band, span_refs)
             lo = r0_ref[fi]
             hi = r1_ref[fi]
             g = g_ref[fi]
@@ -79,7 +83,7 @@ def gmm_pallas(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
         grid_names=("sm",),
         **kernel_params(plgpu, interpret),
     )
-    return kernel(rs, r0, r1, grp, x, w)
+    return kernel(rs, r0, r1, grp, *spans, x, w)
 
 
 def _ws_store(pl, plgpu, o_smem, o_ref, row_refs, wg, bm, bn):
@@ -149,17 +153,19 @@ def gmm_pallas_ws(x, w, offsets, transpose_rhs, tiles, out_dtype, interpret):
     m, k = x.shape
     n = w.shape[1] if transpose_rhs else w.shape[2]
     tables = row_tile_table(offsets, m, bm)
+    tables += spans_of(tables[4], band)
     grid_n, ksteps = n // (2 * bn), k // bk
     nsm = num_sms(interpret)
     tr, _ = dw_transforms(plgpu, x.dtype, bk, bn)
     w_block = (None, 2 * bn, bk) if transpose_rhs else (None, bk, 2 * bn)
 
-    def body(cnt_ref, rs_ref, r0_ref, r1_ref, g_ref, x_ref, w_ref, o_ref):
+    def body(cnt_ref, rs_ref, r0_ref, r1_ref, g_ref, *refs):
+        *span_refs, x_ref, w_ref, o_ref = refs
         sm = lax.axis_index("sm")
         n_grp = cnt_ref[0]
 
         def tile(j):   # this SM's j-th tile -> (row tile, column tile)
-            return plgpu.planar_snake(sm + j * nsm, (n_grp, grid_n), 0, band)
+            return tile_at(plgpu, sm + j * nsm, (n_grp, grid_n), band, span_refs)
 
         def x_index(j, kk):
             return pl.multiple_of(rs_ref[tile(j)[0]], 8), kk

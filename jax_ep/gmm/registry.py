@@ -134,8 +134,9 @@ def _tile_error(op, tiles, x, w) -> Optional[str]:
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     if bm % 64 or bk % 16 or bn % 8 or not 8 <= bn <= 256 or bm > 256:
         return f"bad tiles {tiles}"
-    if tiles.stages < 2 or tiles.band < 1:
-        return f"bad tiles {tiles} (stages >= 2, band >= 1)"
+    if tiles.stages < 2 or tiles.band < (1 if op == "dw" else 0):
+        return (f"bad tiles {tiles} (stages >= 2; band >= 1, or 0 for the group order of "
+                "the forward and dx)")
     m, k, n = op_dims(op, x, w)
     if m % 8:
         return f"needs M % 8 == 0 (tiled TMA layouts; the masked layout: G * C), got M={m}"

@@ -17,7 +17,7 @@ class _Tiles:
     block_n: int
     block_k: int
     stages: int    # shared-memory pipeline stages (the pipeline's max_concurrent_steps)
-    band: int      # row tiles swept together per column tile (L2 reuse)
+    band: int      # row tiles swept together per column tile (L2 reuse); fwd/dx 0: by group
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -34,7 +34,8 @@ class _Tiles:
 class FwdTiles(_Tiles):
     """Forward and dx (``x @ w[g]``, ``dy @ w[g]^T``): a ``block_m x block_n``
     output tile (the 2-consumer kernel's CTA owns ``block_m x 2 block_n``),
-    ``block_k`` of the contraction per stage; ``band``: row tiles per column tile."""
+    ``block_k`` of the contraction per stage; ``band``: row tiles per column tile
+    (0: a group's row tiles, the group order)."""
 
 
 @dataclasses.dataclass(frozen=True)

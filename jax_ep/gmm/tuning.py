@@ -4,9 +4,17 @@ Where the H200 numbers come from (one H200, bench/grouped_matmul_bench.py and
 the V3 layer of bench/moe_layer_step.py; the H100 entry reuses them, see the
 file):
 
-* default fwd/dx ``(128, 128, 64, 5, 2)``: best of the first H200 tile sweep
-  of bench/grouped_matmul_bench.py; the 2-consumer kernel runs it with the
-  stages cut to what fits (4).
+* default fwd/dx ``(128, 128, 64, 5, 0)``: tiles the best of the first H200
+  tile sweep of bench/grouped_matmul_bench.py (the 2-consumer kernel runs them
+  with the stages cut to what fits, 4), in the group order (band 0; measured
+  on one H100, bench/results/2026-12-03-h200x1-grouped-matmul-layer-ep1.md).
+  Against the snake of 2 row tiles that sweep chose on uniform 256-row groups:
+  the V3 layer at T 4096 21.02 against 23.76 ms; on the layer's groups
+  (256 or 320 rows) up fwd 3.261 against 4.873 ms, dx 3.398 against 4.790,
+  down fwd 1.680 against 2.112, dx 1.657 against 1.682; skewed sizes 1-7%
+  faster; uniform 256-row groups, where every band of 2 is one group, 2-7%
+  slower (up fwd 3.119 against 2.918). On an H200 by the same reasoning (its
+  SM, L2 and tile shapes are the H100's), not yet measured there.
 * default dw ``(128, 128, 64, 4, 4)``; a 1-warpgroup variant with one pipeline
   per (SM, group) measured slower and was deleted (docs/decisions.md).
 * small groups (at most ``small_group_rows`` = 96 rows per group on average,
