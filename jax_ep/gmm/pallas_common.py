@@ -140,8 +140,8 @@ def tile_at(plgpu, t, grid, band, spans):
     if band:
         return plgpu.planar_snake(t, grid, 0, band)
     first_ref, count_ref = spans
-    first = first_ref[t // grid[1]]
-    count = count_ref[t // grid[1]]
+    row = t // grid[1]   # a row tile of t's group: its span is the group's
+    first, count = first_ref[row], count_ref[row]
     local = t - first * grid[1]
     return first + lax.rem(local, count), lax.div(local, count)
 
