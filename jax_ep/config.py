@@ -6,6 +6,7 @@ Pure data and checks; each kernel family sizes its buffer region from it in
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from typing import Literal, Optional
 
@@ -57,12 +58,33 @@ def positive_int(obj, name: str, v) -> None:
     object.__setattr__(obj, name, int(iv))  # keep the config hashable and plain
 
 
+# The largest peer_timeout_s: its nanoseconds (the kernels' int64 timeout_ns
+# attribute, jax_ep/ffi_attrs.py timeout_ns) must fit an int64 (~292 years).
+MAX_PEER_TIMEOUT_S = float((2**63 - 1) // 10**9)
+
+
+def peer_timeout(obj, name: str = "peer_timeout_s") -> None:
+    """Set frozen dataclass field ``name`` of ``obj`` (seconds a native kernel
+    waits for a peer rank) to a plain float, or raise naming it: a finite
+    number > 0 (not a bool), at most :data:`MAX_PEER_TIMEOUT_S`."""
+    v = getattr(obj, name)
+    number = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(
+        v, (bool, np.bool_))
+    f = float(v) if number else math.nan
+    if not (math.isfinite(f) and 0 < f <= MAX_PEER_TIMEOUT_S):
+        raise ValueError(
+            f"{type(obj).__name__}.{name} must be a finite number of seconds > 0 (how long a "
+            f"native kernel waits for a peer rank before it gives up; at most "
+            f"{MAX_PEER_TIMEOUT_S:.0f}), got {v!r}")
+    object.__setattr__(obj, name, f)  # keep the config hashable and plain
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelTuning:
     """Tuning knobs of the native dispatch / combine kernels, passed to them as
-    FFI attributes (never read from the environment). The defaults are the
-    measured best (bench/results); every rank of an EP group must use the same
-    values, which holds as they come from the one ``EpConfig``.
+    FFI attributes (never read from the environment). The chunk and division
+    defaults are the measured best (bench/results); every rank of an EP group
+    must use the same values, which holds as they come from the one ``EpConfig``.
 
     Attributes:
       dispatch_chunk: tokens per flag of the dispatch kernels (dispatch, fp8
@@ -74,11 +96,25 @@ class KernelTuning:
         round-to-nearest division instead of rounding it as XLA:GPU's f32
         division does (the default, bit-identical to ``jax_ep.fp8_cast``
         compiled by XLA:GPU).
+      peer_timeout_s: seconds a native communication kernel (dispatch,
+        combine, the combine backward, the internode kernels and the
+        low-latency receives) waits for a peer rank's signal before it gives
+        up, so a peer that never arrives becomes an error instead of a hang:
+        the kernel stops waiting and the next native call of the process (or
+        ``jax_ep.check_device_error()``) raises an error saying a kernel
+        timed out waiting for a peer rank; the results since are invalid and
+        the job must restart. A rank's wait starts with its kernel, so every
+        rank must reach the call within this time of the first one: raise it
+        (e.g. to 100) when the ranks of a multi-host job reach their first
+        call far apart (compilation or loading that takes longer on some
+        hosts), or lower it to find a lost peer sooner. A finite number > 0,
+        passed to the kernels as the ``timeout_ns`` attribute (nanoseconds).
     """
 
     dispatch_chunk: int = 0
     combine_chunk: int = 0
     fp8_ieee_division: bool = False
+    peer_timeout_s: float = 10.0
 
     def __post_init__(self):
         for name in ("dispatch_chunk", "combine_chunk"):
@@ -95,6 +131,7 @@ class KernelTuning:
             raise TypeError(
                 f"KernelTuning.fp8_ieee_division must be a bool, got {self.fp8_ieee_division!r}")
         object.__setattr__(self, "fp8_ieee_division", bool(self.fp8_ieee_division))
+        peer_timeout(self)
 
 
 @dataclasses.dataclass(frozen=True)

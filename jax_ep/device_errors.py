@@ -6,7 +6,9 @@ out of order) and read on the host without synchronising.
 from __future__ import annotations
 
 _WHAT = {
-    1: "a kernel timed out waiting for a peer rank (ranks called different ops, or a peer died)",
+    1: "a kernel timed out waiting for a peer rank (ranks called different ops, a peer died, or a "
+       "peer reached the call later than peer_timeout_s: KernelTuning / RaggedConfig, 10 s by "
+       "default; raise it when hosts reach their first call far apart)",
     2: "a low-latency send ran before the previous receive of the same op finished (sends and "
        "receives of one op must alternate on every rank)",
     3: "a ragged_all_to_all slice of this rank ran past its operand or its receiver's output, or "

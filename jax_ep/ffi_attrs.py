@@ -5,6 +5,8 @@ names are those the handlers bind (cc/ffi_targets.h).
 """
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -64,6 +66,13 @@ def fp8_scale_mode(cfg: EpConfig, scale_format: str = None) -> np.int32:
     if fmt == "ue8m0":
         return np.int32(abi.fp8_scale_mode("ue8m0"))
     return np.int32(abi.fp8_scale_mode("ieee" if cfg.tuning.fp8_ieee_division else "xla_gpu"))
+
+
+def timeout_ns(peer_timeout_s: float) -> np.int64:
+    """The ``timeout_ns`` attribute of every target whose kernel waits for
+    peers: ``peer_timeout_s`` (``KernelTuning`` / ``RaggedConfig``, checked
+    there: finite, > 0) in int64 nanoseconds, rounded up (never 0)."""
+    return np.int64(math.ceil(float(peer_timeout_s) * 1e9))
 
 
 def row_attrs(handle: Handle, cfg: EpConfig) -> dict:

@@ -237,17 +237,14 @@ def test_internode_put_lowers_with_nvshmem_and_is_refused_without(native_everywh
         lower()
 
 
-@pytest.mark.parametrize("transport", ["auto", "p2p", "put"])
-@pytest.mark.parametrize("fp8", [True, False])
-def test_low_latency_calls_match_cc_bindings(monkeypatch, transport, fp8):
-    """The four low-latency targets (send and receive of dispatch and combine)
-    lower with their bindings, and each carries EpConfig.ll_transport as its
-    abi code in the ll_transport attribute."""
-    _native_runs(monkeypatch, backend.LOW_LATENCY)
+def _lower_low_latency(cfg_kw, fp8):
+    """StableHLO text of low_latency_dispatch -> low_latency_combine on a
+    (data 2, ep 4) mesh of CPU devices (T 4, H 128, K 2, E 8; EpConfig fields
+    ``cfg_kw``, the native backend)."""
     mesh = make_mesh((2, 4), ("data", "ep"))
     T, H, K, E = 4, 128, 2, 8
     cfg = jax_ep.EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H,
-                          backend="native", ll_transport=transport)
+                          backend="native", **cfg_kw)
 
     def step(x, idx, w):
         d = jax_ep.low_latency_dispatch(x, idx, cfg, fp8=fp8)
@@ -259,7 +256,17 @@ def test_low_latency_calls_match_cc_bindings(monkeypatch, transport, fp8):
     x = np.random.rand(32, H).astype(jnp.bfloat16)
     idx = np.random.randint(0, E, (32, K)).astype(np.int32)
     w = np.random.rand(32, K).astype(np.float32)
-    text = jax.jit(f).lower(x, idx, w).as_text()
+    return jax.jit(f).lower(x, idx, w).as_text()
+
+
+@pytest.mark.parametrize("transport", ["auto", "p2p", "put"])
+@pytest.mark.parametrize("fp8", [True, False])
+def test_low_latency_calls_match_cc_bindings(monkeypatch, transport, fp8):
+    """The four low-latency targets (send and receive of dispatch and combine)
+    lower with their bindings, and each carries EpConfig.ll_transport as its
+    abi code in the ll_transport attribute."""
+    _native_runs(monkeypatch, backend.LOW_LATENCY)
+    text = _lower_low_latency(dict(ll_transport=transport), fp8)
     binds = _bindings()
     calls = _calls(text)
     ll_targets = {"jax_ep_ll_dispatch_send", "jax_ep_ll_dispatch_recv", "jax_ep_ll_combine_send",
@@ -342,20 +349,9 @@ def test_ragged_calls_match_cc_binding(monkeypatch, groups):
     result, RaggedConfig's transport / num_sms as attributes, and the EP group
     rows of the ("data", "ep") mesh narrowed to axis_index_groups."""
     _native_runs(monkeypatch, backend.RAGGED)
-    mesh = make_mesh((2, 4), ("data", "ep"))
-    cfg = jax_ep.RaggedConfig(backend="native", transport="put", num_sms=5)
     R = 2 if groups else 4
-    tok = P(("data", "ep"))
-
-    def body(op, out, io, ss, oo, rs):
-        return jax_ep.ragged_all_to_all(op, out, io, ss, oo, rs, axis_name="ep",
-                                        axis_index_groups=groups, config=cfg)
-
-    f = jax.shard_map(body, mesh=mesh, in_specs=(tok,) * 6, out_specs=tok)
-    ints = [np.zeros((8 * R,), np.int32) for _ in range(4)]
-    loss = lambda op, out: jnp.sum(f(op, out, *ints))
-    text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(
-        np.ones((8 * 3, 2), np.float32), np.ones((8 * 5, 2), np.float32)).as_text()
+    text = _lower_ragged(jax_ep.RaggedConfig(backend="native", transport="put", num_sms=5),
+                         groups)
     calls = [c for c in _calls(text) if c[0] == "jax_ep_ragged_all_to_all"]
     assert len(calls) == 2, _calls(text)           # forward, and the backward's return
     for target, n_ops, n_res, attrs in calls:
@@ -367,3 +363,81 @@ def test_ragged_calls_match_cc_binding(monkeypatch, groups):
     want = [[row[i] for i in g] for row in rows for g in groups] if groups else rows
     flat = ", ".join(str(v) for r in want for v in r)
     assert f"ep_groups = dense<[{flat}]>" in text and f"num_ranks = {R} : i32" in text
+
+
+# The targets whose kernels wait for a peer's signal: each binds the int64
+# attribute timeout_ns (peer_timeout_s in ns). The low-latency sends never wait.
+WAITING_TARGETS = {"jax_ep_dispatch", "jax_ep_combine", "jax_ep_combine_bwd",
+                   "jax_ep_internode_dispatch", "jax_ep_internode_combine",
+                   "jax_ep_ll_dispatch_recv", "jax_ep_ll_combine_recv",
+                   "jax_ep_ragged_all_to_all"}
+
+
+def test_waiting_targets_bind_timeout_ns():
+    """Exactly the targets whose kernels wait for peers bind ``timeout_ns``, as
+    an int64, and peer_timeout_s's default is the kernels' kDefaultTimeoutNs."""
+    binds = _bindings()
+    assert {n for n, (_, _, attrs) in binds.items() if "timeout_ns" in attrs} == WAITING_TARGETS
+    types = []
+    for path in glob.glob(os.path.join(ROOT, "cc", "**", "ffi_*.cc"), recursive=True):
+        types += re.findall(r'\.Attr<([^>]*)>\("timeout_ns"\)', open(path).read())
+    assert types == ["int64_t"] * len(WAITING_TARGETS), types
+    header = open(os.path.join(ROOT, "cc", "common", "device_error.h")).read()
+    factors = re.search(r"kDefaultTimeoutNs = ([\d\s*ul]+);", header).group(1)
+    default_ns = int(np.prod([int(f.strip().rstrip("ul")) for f in factors.split("*")]))
+    for cfg in (jax_ep.KernelTuning(), jax_ep.RaggedConfig()):
+        assert cfg.peer_timeout_s * 1e9 == default_ns, (cfg, default_ns)
+
+
+def _lower_ragged(cfg, groups=None):
+    """StableHLO text of jax_ep.ragged_all_to_all's forward and backward over
+    "ep" of a (data 2, ep 4) mesh of CPU devices (R = 4, or the
+    ``axis_index_groups`` ``groups``), RaggedConfig ``cfg``."""
+    mesh = make_mesh((2, 4), ("data", "ep"))
+    R = len(groups[0]) if groups else 4
+    tok = P(("data", "ep"))
+
+    def body(op, out, io, ss, oo, rs):
+        return jax_ep.ragged_all_to_all(op, out, io, ss, oo, rs, axis_name="ep",
+                                        axis_index_groups=groups, config=cfg)
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(tok,) * 6, out_specs=tok)
+    ints = [np.zeros((8 * R,), np.int32) for _ in range(4)]
+    loss = lambda op, out: jnp.sum(f(op, out, *ints))
+    return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(
+        np.ones((8 * 3, 2), np.float32), np.ones((8 * 5, 2), np.float32)).as_text()
+
+
+def _lower_family(monkeypatch, family, peer_timeout_s):
+    """StableHLO text of ``family``'s native calls with peer_timeout_s (None:
+    the default) in its config."""
+    kw = {} if peer_timeout_s is None else dict(peer_timeout_s=peer_timeout_s)
+    if family == "ragged":
+        _native_runs(monkeypatch, backend.RAGGED)
+        return _lower_ragged(jax_ep.RaggedConfig(backend="native", **kw))
+    tuning = jax_ep.KernelTuning(**kw)
+    if family == "low_latency":
+        _native_runs(monkeypatch, backend.LOW_LATENCY)
+        return _lower_low_latency(dict(tuning=tuning), fp8=False)
+    _native_runs(monkeypatch, backend.INTRANODE, backend.INTERNODE)
+    nodes = dict(num_nodes=2) if family == "internode" else {}
+    return _lower_round_trip(dict(backend="native", tuning=tuning, **nodes), grad=True)
+
+
+@pytest.mark.parametrize("peer_timeout_s,want_ns", [(None, 10_000_000_000),
+                                                    (2.5, 2_500_000_000), (100, 10**11)])
+@pytest.mark.parametrize("family", ["intranode", "internode", "low_latency", "ragged"])
+def test_timeout_ns_follows_peer_timeout_s(monkeypatch, family, peer_timeout_s, want_ns):
+    """Every call of a waiting target carries ``timeout_ns`` = the config's
+    peer_timeout_s in ns (KernelTuning for the EpConfig families and low
+    latency, RaggedConfig for ragged; 10 s by default), and no other call
+    carries one."""
+    text = _lower_family(monkeypatch, family, peer_timeout_s)
+    calls = _calls(text)
+    waiting = [c for c in calls if c[0] in WAITING_TARGETS]
+    assert waiting, calls
+    for target, _, _, attrs in calls:
+        assert ("timeout_ns" in attrs) == (target in WAITING_TARGETS), (target, sorted(attrs))
+    assert len(re.findall(r"timeout_ns = ", text)) == len(waiting)
+    assert len(re.findall(rf"timeout_ns = {want_ns} : i64", text)) == len(waiting), (
+        sorted(set(re.findall(r"timeout_ns = [^,}]*", text))))

@@ -138,3 +138,38 @@ def test_combine_names_the_config_field_that_differs_from_dispatch(field, value)
     with pytest.raises(ValueError, match=rf"EpConfig\.{field} is .* here but the dispatch ran "
                                          rf"with .*; pass combine the config dispatch was given"):
         jax.jit(g).lower(x, np.zeros((16, 2), np.int32), np.ones((16, 2), np.float32))
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), 1e12, True, "10", None],
+                         ids=["zero", "negative", "nan", "inf", "too_large", "bool", "str",
+                              "none"])
+@pytest.mark.parametrize("cls", ["KernelTuning", "RaggedConfig"])
+def test_bad_peer_timeout_raises_naming_the_field(cls, value):
+    """peer_timeout_s (seconds a kernel waits for a peer) must be a finite
+    number > 0; anything else is refused when the config is built, so before
+    any call is traced."""
+    with pytest.raises(ValueError, match=rf"{cls}\.peer_timeout_s must be a finite number of "
+                                         r"seconds > 0"):
+        getattr(jax_ep, cls)(peer_timeout_s=value)
+
+
+def test_bad_peer_timeout_raises_inside_a_traced_function():
+    """A config built inside the traced function fails while tracing, with the
+    same message (no call is lowered)."""
+    def fn(x, i, w):
+        cfg = _cfg(tuning=jax_ep.KernelTuning(peer_timeout_s=-2))
+        return jax_ep.dispatch(x, i, w, cfg).x
+    with pytest.raises(ValueError, match=r"KernelTuning\.peer_timeout_s must be a finite"):
+        _trace(fn, *_args())
+
+
+def test_peer_timeout_numbers_are_plain_floats():
+    """Ints and NumPy numbers are taken as plain floats (the config stays
+    hashable and equal to its float spelling); the default is 10 s."""
+    assert jax_ep.KernelTuning().peer_timeout_s == 10.0
+    assert jax_ep.RaggedConfig().peer_timeout_s == 10.0
+    for v in (100, np.int64(100), np.float32(100.0)):
+        t = jax_ep.KernelTuning(peer_timeout_s=v)
+        assert type(t.peer_timeout_s) is float and t == jax_ep.KernelTuning(peer_timeout_s=100.0)
+        assert hash(_cfg(tuning=t)) == hash(_cfg(tuning=jax_ep.KernelTuning(peer_timeout_s=100.0)))
+    assert jax_ep.RaggedConfig(peer_timeout_s=np.float64(0.5)).peer_timeout_s == 0.5

@@ -25,7 +25,9 @@ int take_device_error();   // reads and clears it (host side, no sync)
 int peek_device_error();   // reads it, leaves it set
 void clear_device_error(); // back to kErrNone (a new runtime)
 
-// Default spin timeout.
+// Default spin timeout of the kernel argument structs. The FFI handlers set
+// theirs from the timeout_ns attribute (common/ffi_common.h PeerTimeoutNs),
+// whose default, peer_timeout_s = 10.0 (jax_ep/config.py), is this value.
 constexpr unsigned long long kDefaultTimeoutNs = 10ull * 1000 * 1000 * 1000;
 
 }  // namespace jax_ep

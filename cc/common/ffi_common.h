@@ -80,6 +80,22 @@ inline bool IsFp8ScaleMode(int32_t mode) {
   return mode == kFp8ScaleIeee || mode == kFp8ScaleXlaGpu || mode == kFp8ScaleUe8m0;
 }
 
+// The `timeout_ns` attribute (int64) of a target whose kernel waits for peers:
+// how long a spin on a peer's flag lasts before the kernel gives up and
+// raises kErrTimeout (common/sync.cuh). Python passes peer_timeout_s
+// (KernelTuning / RaggedConfig) in nanoseconds (jax_ep/ffi_attrs.py,
+// timeout_ns). Checked > 0 into *out; `op` names the target in the error.
+inline ffi::Error PeerTimeoutNs(const std::string& op, int64_t timeout_ns,
+                                unsigned long long* out) {
+  if (timeout_ns <= 0)
+    return InvalidArgument(op + ": timeout_ns (how long a kernel waits for a peer rank) must be "
+                           "> 0 nanoseconds, got " + std::to_string(timeout_ns) +
+                           "; set peer_timeout_s (KernelTuning, RaggedConfig) to a positive "
+                           "number of seconds");
+  *out = static_cast<unsigned long long>(timeout_ns);
+  return ffi::Error::Success();
+}
+
 // The live runtime, or the kNotInitialized error.
 inline ffi::Error GetRuntime(Runtime** out) {
   *out = runtime();
@@ -202,7 +218,9 @@ inline ffi::Error CheckDeviceError() {
     return ffi::Error(ffi::ErrorCode::kInternal,
                       "jax_ep: a previous dispatch/combine kernel timed out waiting for a peer "
                       "rank (error " + std::to_string(e) +
-                      "): ranks called different ops or a peer died; results since are "
+                      "): ranks called different ops, a peer died, or a peer reached the call "
+                      "later than peer_timeout_s (KernelTuning / RaggedConfig, 10 s by default: "
+                      "raise it when hosts reach their first call far apart); results since are "
                       "invalid, restart the job");
   }
   return ffi::Error::Success();

@@ -122,7 +122,7 @@ ffi::Error InterDispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
                              ffi::Span<const int32_t> ep_groups, int32_t num_ranks, int32_t nodes,
                              int32_t net_transport, int32_t mode, int32_t rank_major, int32_t align, int32_t zero_tail,
                              int32_t num_sms, int32_t chunk, int32_t fp8_scale_mode,
-                             ffi::Result<ffi::AnyBuffer> out,
+                             int64_t timeout_ns, ffi::Result<ffi::AnyBuffer> out,
                              ffi::Result<ffi::Buffer<ffi::F32>> out_scales) {
   const std::string o = "internode dispatch";
   JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
@@ -136,8 +136,8 @@ ffi::Error InterDispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
                                          fp8_scale_mode, &a));
   const int T = static_cast<int>(x.dimensions()[0]);
   const int C = static_cast<int>(out->dimensions()[0]);
-  JAX_EP_RETURN_IF_ERROR(
-      DispatchHandleArgs(o, R, T, C, row_src, slot_row, send_mask, align, zero_tail, chunk, &a));
+  JAX_EP_RETURN_IF_ERROR(DispatchHandleArgs(o, R, T, C, row_src, slot_row, send_mask, align,
+                                            zero_tail, chunk, timeout_ns, &a));
   ia.nodes = nodes;
   if (T == 0) {  // every rank has T = 0 (one shape): no kernel anywhere; rows have no source
     if (out->size_bytes()) JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.out, 0, out->size_bytes(), stream));
@@ -163,7 +163,7 @@ ffi::Error InterCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                             ffi::Buffer<ffi::S32> recv_local_idx, ffi::Buffer<ffi::PRED> send_mask,
                             ffi::Span<const int32_t> ep_groups, int32_t num_ranks, int32_t nodes,
                             int32_t net_transport, int32_t rank_major, int32_t weighted, int32_t num_sms, int32_t chunk,
-                            ffi::Result<ffi::AnyBuffer> out) {
+                            int64_t timeout_ns, ffi::Result<ffi::AnyBuffer> out) {
   const std::string o = "internode combine";
   JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
   InterCombineArgs ia;
@@ -172,7 +172,8 @@ ffi::Error InterCombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   const int R = a.peers.num_ranks;
 
   JAX_EP_RETURN_IF_ERROR(CombineArgsOf(o, R, y, row_weights, slot_row, recv_local_idx,
-                                       send_mask, *out, rank_major, weighted, chunk, &a));
+                                       send_mask, *out, rank_major, weighted, chunk, timeout_ns,
+                                       &a));
   const int T = a.T;
   ia.nodes = nodes;
   if (T == 0) return ffi::Error::Success();
@@ -209,6 +210,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpInternodeDispatch, jax_ep::InterDispatchImpl,
                                   .Attr<int32_t>("num_sms")
                                   .Attr<int32_t>("chunk")      // tokens per flag (0: default)
                                   .Attr<int32_t>("fp8_scale_mode")
+                                  .Attr<int64_t>("timeout_ns")  // peer wait bound (ffi_common.h)
                                   .Ret<xla::ffi::AnyBuffer>()                      // out [C, W]
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());        // out_scales [C, S]
 
@@ -229,4 +231,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpInternodeCombine, jax_ep::InterCombineImpl,
                                   .Attr<int32_t>("weighted")
                                   .Attr<int32_t>("num_sms")
                                   .Attr<int32_t>("chunk")
+                                  .Attr<int64_t>("timeout_ns")  // peer wait bound (ffi_common.h)
                                   .Ret<xla::ffi::AnyBuffer>());                // out [T, W]

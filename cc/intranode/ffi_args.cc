@@ -65,7 +65,7 @@ ffi::Error DispatchRowArgs(const std::string& o, ffi::AnyBuffer x, ffi::Buffer<f
 ffi::Error DispatchHandleArgs(const std::string& o, int R, int T, int C,
                               ffi::Buffer<ffi::S32> row_src, ffi::Buffer<ffi::S32> slot_row,
                               ffi::Buffer<ffi::PRED> send_mask, int32_t align, int32_t zero_tail,
-                              int32_t chunk, DispatchArgs* a) {
+                              int32_t chunk, int64_t timeout_ns, DispatchArgs* a) {
   int K = 0;
   JAX_EP_RETURN_IF_ERROR(SlotRowArgs(o, R, T, slot_row, &K));
   if (row_src.element_count() != static_cast<size_t>(C))
@@ -74,6 +74,7 @@ ffi::Error DispatchHandleArgs(const std::string& o, int R, int T, int C,
     return InvalidArgument(o + ": send_mask must be [T, R]");
   if (align < 1) return InvalidArgument(o + ": align must be >= 1");
   if (chunk < 0) return InvalidArgument(o + ": chunk must be >= 0 (0: the kernel default)");
+  JAX_EP_RETURN_IF_ERROR(PeerTimeoutNs(o, timeout_ns, &a->timeout_ns));
   a->row_src = row_src.typed_data();
   a->slot_row = slot_row.typed_data();
   a->send_mask = send_mask.typed_data();
@@ -90,7 +91,7 @@ ffi::Error CombineArgsOf(const std::string& o, int R, ffi::AnyBuffer y,
                          ffi::Buffer<ffi::F32> row_weights, ffi::Buffer<ffi::S32> slot_row,
                          ffi::Buffer<ffi::S32> recv_local_idx, ffi::Buffer<ffi::PRED> send_mask,
                          ffi::AnyBuffer out, int32_t rank_major, int32_t weighted, int32_t chunk,
-                         CombineArgs* a) {
+                         int64_t timeout_ns, CombineArgs* a) {
   auto yd = y.dimensions();
   auto od = out.dimensions();
   if (yd.size() != 2 || od.size() != 2 || yd[1] != od[1])
@@ -108,6 +109,7 @@ ffi::Error CombineArgsOf(const std::string& o, int R, ffi::AnyBuffer y,
   if (weighted && row_weights.element_count() != static_cast<size_t>(C))
     return InvalidArgument(o + ": row_weights must be [C]");
   if (chunk < 0) return InvalidArgument(o + ": chunk must be >= 0 (0: the kernel default)");
+  JAX_EP_RETURN_IF_ERROR(PeerTimeoutNs(o, timeout_ns, &a->timeout_ns));
   if (!RowDtypeOf(y.element_type(), &a->dtype))
     return InvalidArgument(o + ": y must be bf16, f16 or f32");
   a->y = y.untyped_data();

@@ -17,7 +17,7 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
                        ffi::Buffer<ffi::S32> slot_row, ffi::Buffer<ffi::S32> recv_local_idx,
                        ffi::Buffer<ffi::PRED> send_mask, ffi::Span<const int32_t> ep_groups,
                        int32_t num_ranks, int32_t rank_major, int32_t weighted, int32_t num_sms,
-                       int32_t chunk, ffi::Result<ffi::AnyBuffer> out) {
+                       int32_t chunk, int64_t timeout_ns, ffi::Result<ffi::AnyBuffer> out) {
   JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
   PeerTable peers;
   JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, device, &peers));
@@ -26,7 +26,8 @@ ffi::Error CombineImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
 
   CombineArgs a;
   JAX_EP_RETURN_IF_ERROR(CombineArgsOf("combine", R, y, row_weights, slot_row, recv_local_idx,
-                                       send_mask, *out, rank_major, weighted, chunk, &a));
+                                       send_mask, *out, rank_major, weighted, chunk, timeout_ns,
+                                       &a));
   const int T = a.T;
   a.peers = peers;
   a.ctrl_off = ctrl_offset(rt->region(kRegionNormal).bytes, kOpCombine);
@@ -62,4 +63,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombine, jax_ep::CombineImpl,
                                   .Attr<int32_t>("weighted")
                                   .Attr<int32_t>("num_sms")
                                   .Attr<int32_t>("chunk")       // tokens per ring slot (0: default)
+                                  .Attr<int64_t>("timeout_ns")  // peer wait bound (ffi_common.h)
                                   .Ret<xla::ffi::AnyBuffer>());                // out [T, W]

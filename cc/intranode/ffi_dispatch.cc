@@ -15,16 +15,16 @@ namespace jax_ep {
 
 namespace {
 
-// Checks the handle arrays (ffi_args.h), picks the grid and fits the staging
-// rings (*lc); fills the fields of `a` every dispatch-kernel call shares.
-// `a->row_bytes` / `s_row_bytes` must be set.
+// Checks the handle arrays and the peer timeout (ffi_args.h), picks the grid
+// and fits the staging rings (*lc); fills the fields of `a` every
+// dispatch-kernel call shares. `a->row_bytes` / `s_row_bytes` must be set.
 ffi::Error SetupDispatch(const char* op, int R, int T, int C, ffi::Buffer<ffi::S32> row_src,
                          ffi::Buffer<ffi::S32> slot_row, ffi::Buffer<ffi::PRED> send_mask,
                          int32_t align, int32_t zero_tail, int32_t num_sms, int32_t chunk,
-                         int32_t device, DispatchArgs* a, LaunchConfig* lc) {
+                         int64_t timeout_ns, int32_t device, DispatchArgs* a, LaunchConfig* lc) {
   const std::string o(op);
-  JAX_EP_RETURN_IF_ERROR(
-      DispatchHandleArgs(o, R, T, C, row_src, slot_row, send_mask, align, zero_tail, chunk, a));
+  JAX_EP_RETURN_IF_ERROR(DispatchHandleArgs(o, R, T, C, row_src, slot_row, send_mask, align,
+                                            zero_tail, chunk, timeout_ns, a));
   Runtime* rt = runtime();
   JAX_EP_RETURN_IF_ERROR(PlanLaunch(o, kOpDispatch, R, T, num_sms, chunk, a->row_bytes,
                                     a->s_row_bytes, device, lc));
@@ -43,7 +43,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, f
                         ffi::Buffer<ffi::PRED> send_mask, ffi::Span<const int32_t> ep_groups,
                         int32_t num_ranks, int32_t mode, int32_t rank_major, int32_t align,
                         int32_t zero_tail, int32_t num_sms, int32_t chunk, int32_t fp8_scale_mode,
-                        ffi::Result<ffi::AnyBuffer> out,
+                        int64_t timeout_ns, ffi::Result<ffi::AnyBuffer> out,
                         ffi::Result<ffi::Buffer<ffi::F32>> out_scales) {
   JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
   PeerTable peers;
@@ -59,7 +59,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, f
   const int C = static_cast<int>(out->dimensions()[0]);
   JAX_EP_RETURN_IF_ERROR(
       SetupDispatch("dispatch", R, T, C, row_src, slot_row, send_mask, align, zero_tail, num_sms,
-                    chunk, device, &a, &lc));
+                    chunk, timeout_ns, device, &a, &lc));
 
   if (T == 0 && C == 0) return ffi::Error::Success();
   if (debug_poison()) {
@@ -74,7 +74,7 @@ ffi::Error CombineBwdImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer g,
                           ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> row_src,
                           ffi::Buffer<ffi::S32> slot_row, ffi::Buffer<ffi::PRED> send_mask,
                           ffi::Span<const int32_t> ep_groups, int32_t num_ranks, int32_t align,
-                          int32_t zero_tail, int32_t num_sms, int32_t chunk,
+                          int32_t zero_tail, int32_t num_sms, int32_t chunk, int64_t timeout_ns,
                           ffi::Result<ffi::AnyBuffer> dy,
                           ffi::Result<ffi::Buffer<ffi::F32>> dw) {
   JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
@@ -109,7 +109,7 @@ ffi::Error CombineBwdImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer g,
   a.dw = dw->typed_data();
   JAX_EP_RETURN_IF_ERROR(
       SetupDispatch("combine_bwd", R, T, C, row_src, slot_row, send_mask, align, zero_tail,
-                    num_sms, chunk, device, &a, &lc));
+                    num_sms, chunk, timeout_ns, device, &a, &lc));
 
   if (T == 0 && C == 0) return ffi::Error::Success();
   if (debug_poison()) {
@@ -143,6 +143,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpDispatch, jax_ep::DispatchImpl,
                                   .Attr<int32_t>("num_sms")
                                   .Attr<int32_t>("chunk")         // tokens per ring slot (0: default)
                                   .Attr<int32_t>("fp8_scale_mode")  // Fp8ScaleMode
+                                  .Attr<int64_t>("timeout_ns")  // peer wait bound (ffi_common.h)
                                   .Ret<xla::ffi::AnyBuffer>()                      // out [C, W]
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());        // out_scales [C, S]
 
@@ -162,5 +163,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCombineBwd, jax_ep::CombineBwdImpl,
                                   .Attr<int32_t>("zero_tail")
                                   .Attr<int32_t>("num_sms")
                                   .Attr<int32_t>("chunk")       // tokens per ring slot (0: default)
+                                  .Attr<int64_t>("timeout_ns")  // peer wait bound (ffi_common.h)
                                   .Ret<xla::ffi::AnyBuffer>()                      // dy [C, W]
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());        // dw [C]

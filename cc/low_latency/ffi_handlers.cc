@@ -21,6 +21,10 @@
 // network). The receive handlers take it too: their kernels add NVSHMEM's
 // consistency step when some rank reaches them by puts.
 //
+// Peer timeout: the receive handlers take the int64 attribute timeout_ns
+// (common/ffi_common.h PeerTimeoutNs), how long their kernels wait for a
+// rank's signal. The send kernels never wait, so the sends take none.
+//
 // Command buffers: these handlers keep no host state and enqueue only on
 // XLA's stream (epochs live in the region), so they are registered as
 // command-buffer compatible. Inside a captured graph the host-side checks
@@ -163,7 +167,7 @@ ffi::Error LlDispatchSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
 
 ffi::Error LlDispatchRecvImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::U32> token,
                               ffi::Span<const int32_t> ep_groups, int32_t num_ranks, int32_t topk,
-                              int32_t ll_transport, int32_t num_sms,
+                              int32_t ll_transport, int32_t num_sms, int64_t timeout_ns,
                               ffi::Result<ffi::AnyBuffer> out,
                               ffi::Result<ffi::Buffer<ffi::F32>> out_scales,
                               ffi::Result<ffi::Buffer<ffi::S32>> out_info,
@@ -175,6 +179,7 @@ ffi::Error LlDispatchRecvImpl(cudaStream_t stream, int32_t device, ffi::Buffer<f
   LlDispatchRecvArgs a;
   JAX_EP_RETURN_IF_ERROR(LlBegin(stream, device, ep_groups, num_ranks, ll_transport, num_sms,
                                  &peers, &a.put_mask, &g));
+  JAX_EP_RETURN_IF_ERROR(PeerTimeoutNs("low_latency_dispatch", timeout_ns, &a.timeout_ns));
   const int R = peers.num_ranks;
   auto od = out->dimensions();
   int L = 0, H = 0;
@@ -243,13 +248,14 @@ ffi::Error LlCombineRecvImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ff
                              ffi::Buffer<ffi::S32> slot, ffi::Buffer<ffi::F32> weights,
                              ffi::Span<const int32_t> ep_groups, int32_t num_ranks,
                              int32_t num_experts, int32_t ll_transport, int32_t num_sms,
-                             ffi::Result<ffi::AnyBuffer> out) {
+                             int64_t timeout_ns, ffi::Result<ffi::AnyBuffer> out) {
   (void)token;
   PeerTable peers;
   LlGrid g;
   LlCombineRecvArgs a;
   JAX_EP_RETURN_IF_ERROR(LlBegin(stream, device, ep_groups, num_ranks, ll_transport, num_sms,
                                  &peers, &a.put_mask, &g));
+  JAX_EP_RETURN_IF_ERROR(PeerTimeoutNs("low_latency_combine", timeout_ns, &a.timeout_ns));
   auto sd = slot.dimensions();
   auto od = out->dimensions();
   if (sd.size() != 2 || od.size() != 2 || od[0] != sd[0] || !SameDims(weights.dimensions(), sd))
@@ -302,6 +308,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlDispatchRecv, jax_ep::LlDispatchRecvImpl,
                                   .Attr<int32_t>("topk")
                                   .Attr<int32_t>("ll_transport")
                                   .Attr<int32_t>("num_sms")
+                                  .Attr<int64_t>("timeout_ns")  // peer wait bound (ffi_common.h)
                                   .Ret<xla::ffi::AnyBuffer>()                // x [L, R*Tmax, H]
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()    // scales [L, R*Tmax, H/128] / [.., 0]
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    // info [L, R*Tmax]
@@ -335,4 +342,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLlCombineRecv, jax_ep::LlCombineRecvImpl,
                                   .Attr<int32_t>("num_experts")
                                   .Attr<int32_t>("ll_transport")
                                   .Attr<int32_t>("num_sms")
+                                  .Attr<int64_t>("timeout_ns")  // peer wait bound (ffi_common.h)
                                   .Ret<xla::ffi::AnyBuffer>());            // out [T, H]

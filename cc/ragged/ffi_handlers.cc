@@ -6,7 +6,8 @@
 // int32 [K] input_offsets, send_sizes, output_offsets, recv_sizes. Attributes:
 // ep_groups / num_ranks (the EP group, jax_ep/_ffi.py), transport (an
 // LlTransport code: how each rank is reached, common/ffi_common.h
-// TransportPutMask) and num_sms (blocks; 0: every SM).
+// TransportPutMask), num_sms (blocks; 0: every SM) and timeout_ns (int64: how
+// long the receive phase waits for a sender, common/ffi_common.h PeerTimeoutNs).
 //
 // The region: the runtime's ragged region (jax_ep.initialize(ragged_bytes=B)),
 // whose areas must hold N and M rows. Bad offsets and sizes are found by the
@@ -85,7 +86,7 @@ ffi::Error RaggedImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer operan
                       ffi::Buffer<ffi::S32> send_sizes, ffi::Buffer<ffi::S32> output_offsets,
                       ffi::Buffer<ffi::S32> recv_sizes, ffi::Span<const int32_t> ep_groups,
                       int32_t num_ranks, int32_t transport, int32_t num_sms,
-                      ffi::Result<ffi::AnyBuffer> out) {
+                      int64_t timeout_ns, ffi::Result<ffi::AnyBuffer> out) {
   JAX_EP_RETURN_IF_ERROR(CheckDeviceError());
   RaggedArgs a;
   JAX_EP_RETURN_IF_ERROR(GetPeerTable(ep_groups, num_ranks, device, &a.peers,
@@ -99,6 +100,7 @@ ffi::Error RaggedImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer operan
                            "recv_sizes must have one length");
   JAX_EP_RETURN_IF_ERROR(CheckShapes(operand, output, *out, K, a.peers, a.lay, &a));
   if (num_sms < 0) return InvalidArgument(std::string(kOp) + ": num_sms must be >= 0");
+  JAX_EP_RETURN_IF_ERROR(PeerTimeoutNs(kOp, timeout_ns, &a.timeout_ns));
   if (out->untyped_data() != output.untyped_data())   // XLA aliases them; a copy otherwise
     JAX_EP_CUDA_RETURN(cudaMemcpyAsync(out->untyped_data(), output.untyped_data(),
                                        output.size_bytes(), cudaMemcpyDeviceToDevice, stream));
@@ -132,4 +134,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpRaggedAllToAll, jax_ep::RaggedImpl,
                                   .Attr<int32_t>("num_ranks")
                                   .Attr<int32_t>("transport")  // LlTransport
                                   .Attr<int32_t>("num_sms")    // blocks (0: every SM)
+                                  .Attr<int64_t>("timeout_ns")  // peer wait bound (ffi_common.h)
                                   .Ret<xla::ffi::AnyBuffer>());  // result [M, ...] (= output)

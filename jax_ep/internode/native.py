@@ -69,7 +69,8 @@ def dispatch_raw(x, x_scales, handle: Handle, cfg: EpConfig, *, cast_fp8: bool =
         net_transport=_net_transport(cfg), mode=mode,
         rank_major=np.int32(handle.layout == "rank_major"),
         num_sms=ffi_attrs.num_sms(cfg, num_sms), fp8_scale_mode=ffi_attrs.fp8_scale_mode(cfg),
-        **ffi_attrs.row_attrs(handle, cfg), chunk=ffi_attrs.chunk(cfg, "dispatch"))
+        **ffi_attrs.row_attrs(handle, cfg), chunk=ffi_attrs.chunk(cfg, "dispatch"),
+        timeout_ns=ffi_attrs.timeout_ns(cfg.tuning.peer_timeout_s))
     return out, (out_scales if (cast_fp8 or x_scales is not None) else None)
 
 
@@ -89,7 +90,8 @@ def combine_raw(y, row_weights, handle: Handle, cfg: EpConfig, *, num_sms=None):
         ep_axis=cfg.axis_name, has_side_effect=True, nodes=np.int32(nodes),
         net_transport=_net_transport(cfg), rank_major=np.int32(rank_major),
         weighted=np.int32(weighted), num_sms=ffi_attrs.num_sms(cfg, num_sms),
-        chunk=ffi_attrs.chunk(cfg, "combine"))
+        chunk=ffi_attrs.chunk(cfg, "combine"),
+        timeout_ns=ffi_attrs.timeout_ns(cfg.tuning.peer_timeout_s))
     return out
 
 

@@ -62,7 +62,8 @@ def dispatch_raw(x, x_scales, handle: Handle, cfg: EpConfig, *, cast_fp8: bool =
         ep_axis=cfg.axis_name, has_side_effect=True,
         mode=mode, rank_major=np.int32(handle.layout == "rank_major"), num_sms=sms,
         fp8_scale_mode=ffi_attrs.fp8_scale_mode(cfg), **ffi_attrs.row_attrs(handle, cfg),
-        chunk=ffi_attrs.chunk(cfg, "dispatch"))
+        chunk=ffi_attrs.chunk(cfg, "dispatch"),
+        timeout_ns=ffi_attrs.timeout_ns(cfg.tuning.peer_timeout_s))
     return out, (out_scales if (cast_fp8 or x_scales is not None) else None)
 
 
@@ -82,7 +83,8 @@ def combine_bwd_raw(g, y, w, handle: Handle, cfg: EpConfig, *, num_sms: Optional
         [((C, W), y.dtype), ((C,), jnp.float32)],
         g, y, w.astype(jnp.float32), handle.row_src, handle.slot_row, handle.send_mask,
         ep_axis=cfg.axis_name, has_side_effect=True, num_sms=sms,
-        **ffi_attrs.row_attrs(handle, cfg), chunk=ffi_attrs.chunk(cfg, "dispatch"))
+        **ffi_attrs.row_attrs(handle, cfg), chunk=ffi_attrs.chunk(cfg, "dispatch"),
+        timeout_ns=ffi_attrs.timeout_ns(cfg.tuning.peer_timeout_s))
     return dy, dw
 
 
@@ -100,7 +102,8 @@ def combine_raw(y, row_weights, handle: Handle, cfg: EpConfig, *, num_sms: Optio
         y, w, handle.slot_row, handle.recv_local_idx, handle.send_mask,
         ep_axis=cfg.axis_name, has_side_effect=True,
         rank_major=np.int32(rank_major), weighted=np.int32(weighted), num_sms=sms,
-        chunk=ffi_attrs.chunk(cfg, "combine"))
+        chunk=ffi_attrs.chunk(cfg, "combine"),
+        timeout_ns=ffi_attrs.timeout_ns(cfg.tuning.peer_timeout_s))
     return out
 
 

@@ -32,7 +32,8 @@ class LowLatencyConfig:
       ll_transport: how the native kernels reach each rank: ``"auto"`` (P2P
         stores where NVSHMEM maps the peer, puts elsewhere), ``"p2p"`` or
         ``"put"`` (needs the NVSHMEM symmetric heap).
-      tuning: :class:`KernelTuning`; low latency reads ``fp8_ieee_division``.
+      tuning: :class:`KernelTuning`; low latency reads ``fp8_ieee_division`` and
+        ``peer_timeout_s`` (how long a receive waits for a peer rank).
     """
 
     num_experts: int

@@ -14,7 +14,9 @@ follow.
 
 Every call takes ``ll_transport`` (``LowLatencyConfig.ll_transport`` as its
 ``abi.LL_TRANSPORTS`` code): how the kernels reach each rank, P2P stores or
-NVSHMEM puts (cc/low_latency/ffi_handlers.cc).
+NVSHMEM puts (cc/low_latency/ffi_handlers.cc). The receives also take
+``timeout_ns`` (``LowLatencyConfig.tuning.peer_timeout_s``): how long they
+wait for a peer's signal (the send kernels never wait).
 """
 from __future__ import annotations
 
@@ -39,6 +41,11 @@ def _transport(cfg: LowLatencyConfig) -> np.int32:
                                abi.ll_transport(cfg.ll_transport))
 
 
+def _timeout_ns(cfg: LowLatencyConfig) -> int:
+    """The receives' ``timeout_ns``, kept in the pending op's meta (a plain int)."""
+    return int(ffi_attrs.timeout_ns(cfg.tuning.peer_timeout_s))
+
+
 def dispatch_send(x, idx, slot, per_expert, cfg: LowLatencyConfig, R: int, fp8: bool,
                   scale_format: str, after: tuple = ()) -> LowLatencyPending:
     """``after``: arrays the send takes as operands and never reads (its
@@ -58,18 +65,19 @@ def dispatch_send(x, idx, slot, per_expert, cfg: LowLatencyConfig, R: int, fp8: 
     L, Tm, H, K = cfg.num_experts // R, cfg.max_tokens_per_rank, x.shape[1], idx.shape[1]
     dtype = FP8 if fp8 else x.dtype
     meta = ("dispatch", L, R, Tm, H, K, jnp.dtype(dtype).name, bool(fp8), cfg.axis_name,
-            int(_num_sms(cfg)), int(transport))
+            int(_num_sms(cfg)), int(transport), _timeout_ns(cfg))
     return LowLatencyPending(token=token, arrays=(slot,), result=None, meta=meta)
 
 
 def dispatch_recv(p: LowLatencyPending) -> LowLatencyDispatched:
-    _, L, R, Tm, H, K, dtype, fp8, axis, num_sms, transport = p.meta
+    _, L, R, Tm, H, K, dtype, fp8, axis, num_sms, transport, timeout_ns = p.meta
     S = H // 128 if fp8 else 0
     results = [((L, R * Tm, H), jnp.dtype(dtype)), ((L, R * Tm, S), jnp.float32),
                ((L, R * Tm), jnp.int32), ((L, R), jnp.int32), ((L,), jnp.int32)]
     x, scales, info, src_count, count = _ffi.call(
         "jax_ep_ll_dispatch_recv", results, p.token, ep_axis=axis, has_side_effect=True,
-        topk=np.int32(K), ll_transport=np.int32(transport), num_sms=np.int32(num_sms))
+        topk=np.int32(K), ll_transport=np.int32(transport), num_sms=np.int32(num_sms),
+        timeout_ns=np.int64(timeout_ns))
     slot, = p.arrays
     handle = LowLatencyHandle(slot=slot, info=info, src_count=src_count, num_ranks=R,
                               max_tokens=Tm)
@@ -89,16 +97,17 @@ def combine_send(y, w, handle: LowLatencyHandle, cfg: LowLatencyConfig, R: int,
                        ll_transport=transport, num_sms=_num_sms(cfg))
     T, H = handle.slot.shape[0], y.shape[2]
     meta = ("combine", T, H, jnp.dtype(y.dtype).name, cfg.num_experts, cfg.axis_name,
-            int(_num_sms(cfg)), int(transport))
+            int(_num_sms(cfg)), int(transport), _timeout_ns(cfg))
     return LowLatencyPending(token=token, arrays=(handle.slot, w), result=None, meta=meta)
 
 
 def combine_recv(p: LowLatencyPending) -> jax.Array:
-    _, T, H, dtype, E, axis, num_sms, transport = p.meta
+    _, T, H, dtype, E, axis, num_sms, transport, timeout_ns = p.meta
     slot, w = p.arrays
     out, = _ffi.call("jax_ep_ll_combine_recv", [((T, H), jnp.dtype(dtype))], p.token, slot, w,
                      ep_axis=axis, has_side_effect=True, num_experts=np.int32(E),
-                     ll_transport=np.int32(transport), num_sms=np.int32(num_sms))
+                     ll_transport=np.int32(transport), num_sms=np.int32(num_sms),
+                     timeout_ns=np.int64(timeout_ns))
     return out
 
 

@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..config import BACKENDS, LL_TRANSPORTS, one_of
+from ..config import BACKENDS, LL_TRANSPORTS, one_of, peer_timeout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,11 +27,22 @@ class RaggedConfig:
         stores where NVSHMEM maps the peer, NVSHMEM puts where not), ``"p2p"``
         or ``"put"`` (puts to every rank; needs the NVSHMEM symmetric heap).
       num_sms: SMs the native kernel may occupy (None: every SM).
+      peer_timeout_s: seconds the native kernel's receive phase waits for a
+        sender's signal before it gives up (a peer that never arrives becomes
+        an error, not a hang): the next native call of the process (or
+        ``jax_ep.check_device_error()``) then raises an error saying a kernel
+        timed out waiting for a peer rank, and the job must restart. Every
+        rank must reach the call within this time of the first: raise it
+        (e.g. to 100) when the hosts of a multi-host job reach their first
+        call far apart (compilation or loading skew). A finite number > 0,
+        the kernel's ``timeout_ns`` attribute; as
+        :attr:`jax_ep.KernelTuning.peer_timeout_s` for the other families.
     """
 
     backend: str = "auto"
     transport: str = "auto"
     num_sms: Optional[int] = None
+    peer_timeout_s: float = 10.0
 
     def __post_init__(self):
         one_of(self, "backend", BACKENDS)
@@ -45,6 +56,7 @@ class RaggedConfig:
                 raise ValueError(f"RaggedConfig.num_sms must be a positive int or None, got "
                                  f"{self.num_sms!r}")
             object.__setattr__(self, "num_sms", int(n))
+        peer_timeout(self)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,8 @@ receiver's ``output``, or whose size differs from the receiver's
 jax_ep call, or ``jax_ep.check_device_error()``, reports it).
 
 Attributes: ``transport`` (``RaggedConfig.transport`` as its
-``abi.LL_TRANSPORTS`` code) and ``num_sms``; the EP group (``ep_groups``,
+``abi.LL_TRANSPORTS`` code), ``num_sms`` and ``timeout_ns``
+(``RaggedConfig.peer_timeout_s``); the EP group (``ep_groups``,
 narrowed to ``axis_index_groups``) is added when the call is lowered
 (jax_ep/_ffi.py).
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _ffi, abi, extension, runtime
+from .. import _ffi, abi, extension, ffi_attrs, runtime
 from . import region
 from .config import RaggedCall
 
@@ -30,7 +31,8 @@ TARGET = "jax_ep_ragged_all_to_all"
 def attrs(call: RaggedCall) -> dict:
     """The call's FFI attributes (besides the EP group)."""
     return dict(transport=np.int32(abi.ll_transport(call.config.transport)),
-                num_sms=np.int32(call.config.num_sms or 0))
+                num_sms=np.int32(call.config.num_sms or 0),
+                timeout_ns=ffi_attrs.timeout_ns(call.config.peer_timeout_s))
 
 
 def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,

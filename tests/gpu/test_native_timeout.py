@@ -19,10 +19,11 @@ def _absent_peer_worker(rank, n):
     from jax.sharding import PartitionSpec as P
 
     from jax_ep.intranode import native, reference
-    from jax_ep.config import EpConfig
+    from jax_ep.config import EpConfig, KernelTuning
 
     T, H, K, E = 64, 256, 2, 8 * n
-    cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout="rank_major")
+    cfg = EpConfig(num_experts=E, topk=K, max_tokens_per_rank=T, hidden=H, layout="rank_major",
+                   tuning=KernelTuning(peer_timeout_s=2))
     mesh = ep_mesh(n)
     rng = np.random.default_rng(rank)
     idx = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
@@ -37,7 +38,9 @@ def _absent_peer_worker(rank, n):
     send = jax.jit(jax.shard_map(lambda a, h: native.dispatch_raw(a, None, h, cfg)[0],
                                  mesh=mesh, in_specs=(spec, spec), out_specs=spec))
     if rank != 0:
-        time.sleep(25)  # ... but only rank 0 calls dispatch: its peer never arrives
+        # ... but only rank 0 calls dispatch: its peer never arrives (the sleep
+        # outlasts rank 0's compile, its 2 s wait and its second call)
+        time.sleep(17)
         return {"rank": rank}
     exe = send.lower(x, handle).compile()   # compiled first: the time below is the wait alone
     t0 = time.monotonic()
@@ -56,5 +59,6 @@ def test_absent_peer_times_out_with_clear_error():
     r0 = res[0]
     assert r0["error"] is not None, r0
     assert "timed out waiting for a peer" in r0["error"], r0["error"]
-    # one 10 s device timeout, not one per peer (N - 1 of them in turn: 70 s at N = 8)
-    assert 5 < r0["first_s"] < 25, r0
+    # one 2 s device timeout (peer_timeout_s), not one per peer (N - 1 of them in
+    # turn: 14 s at N = 8)
+    assert 1 < r0["first_s"] < 10, r0
