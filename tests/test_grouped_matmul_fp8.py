@@ -1029,3 +1029,27 @@ def test_fp8_dw_kernel_interpret_matches_reference():
     assert got.shape == (4, k, n) and np.all(np.isfinite(got))
     assert np.all(got[2] == 0)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.skipif(not _HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
+@pytest.mark.parametrize("cluster", [1, 2])
+def test_fp8_kernel_group_order_interpret_bitwise(cluster):
+    """``gmm_fp8_nt`` in the group order (band 0, ``pallas_common.tile_at``)
+    against its snake (band 4), Mosaic-GPU interpreter: the same bits (each
+    tile's k order is the same; only which CTA runs it and when differ), on
+    groups of 1-3 row tiles, an empty group and NaN tail rows, on single CTAs
+    and on pairs."""
+    m, g, k, n = 768, 5, 256, 512
+    rng = np.random.default_rng(11)
+    sizes = jnp.asarray([100, 0, 250, 30, 300], jnp.int32)
+    x = jnp.asarray(rng.normal(size=(m, k)) * np.exp2(rng.uniform(-8, 8, (m, k))), jnp.float32)
+    xq, xs = jax_ep.quantize_activations(x)
+    xq, xs = xq.at[680:].set(jnp.nan), xs.at[680:].set(jnp.nan)
+    vq, vs = jax_ep.quantize_weights(jnp.asarray(rng.normal(size=(g, k, n)), jnp.float32),
+                                     layout="gnk")
+    off = gm_ops.offsets(sizes, m)
+    snake, by_group = (np.asarray(pallas_fp8.gmm_fp8_nt(
+        xq, xs, vq, vs, off, cluster=cluster, interpret=True,
+        tiles=dataclasses.replace(pallas_fp8.FP8_TILES, band=band)), np.float32) for band in (4, 0))
+    np.testing.assert_array_equal(by_group, snake)
+    assert np.all(by_group[680:] == 0) and np.all(np.isfinite(by_group))
