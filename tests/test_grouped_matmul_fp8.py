@@ -727,6 +727,10 @@ def test_quantizer_and_config_errors():
     for bad in (1, "yes"):
         with pytest.raises(ValueError, match="fp8_tma_store must be None or a bool"):
             GroupedMatmulConfig(fp8_tma_store=bad)
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="fp8_band must be None or an int >= 0"):
+            GroupedMatmulConfig(fp8_band=bad)
+    assert GroupedMatmulConfig().fp8_band is None   # the device's tuned order
     with pytest.raises(ValueError, match="cluster must be one of"):
         pallas_fp8.fp8_cluster(256, 4)
     assert [pallas_fp8.fp8_cluster(n, 2) for n in (256, 384, 7168)] == [2, 1, 2]
@@ -836,8 +840,9 @@ def test_pallas_path_calls_the_kernel_with_k_major_operands(monkeypatch, layout,
     cfg = GroupedMatmulConfig(impl="pallas", fp8_cluster=cluster)
     got = jax.jit(functools.partial(f, config=cfg))(x, xs, w, ws, gs, dy)
     e4, f32, i32 = jnp.dtype(E4M3), jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)
-    common = dict(offsets=((G + 1,), i32), tiles=None, out_dtype=jnp.dtype(jnp.bfloat16),
-                  interpret=False)
+    # the device's tuned tile order (band 4 on the CPU's fallback entry, the H200's)
+    common = dict(offsets=((G + 1,), i32), tiles=pallas_fp8.FP8_TILES,
+                  out_dtype=jnp.dtype(jnp.bfloat16), interpret=False)
     fwd = dict(x=((M, K), e4), xs=((M, K // 128), f32), v=((G, N, K), e4),
                vs=((G, N // 128, K // 128), f32), cluster=1, **common)   # v = w^T ("gkn"): K-major
     dx = dict(x=((M, N), e4), xs=((M, N // 128), f32), v=((G, K, N), e4),
@@ -846,6 +851,9 @@ def test_pallas_path_calls_the_kernel_with_k_major_operands(monkeypatch, layout,
     want = jax.jit(functools.partial(f, impl="xla"))(x, xs, w, ws, gs, dy)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    calls.clear()
+    jax.jit(functools.partial(f, config=dataclasses.replace(cfg, fp8_band=0)))(x, xs, w, ws, gs, dy)
+    assert [c["tiles"].band for c in calls] == [0, 0]   # fp8_band reaches the kernel
     calls.clear()
     auto = GroupedMatmulConfig(fp8_cluster=cluster)
     jax.jit(functools.partial(f, config=auto))(x, xs, w, ws, gs, dy)   # CPU: the reference

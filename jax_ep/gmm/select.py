@@ -177,6 +177,14 @@ def fp8_cluster(cfg: GroupedMatmulConfig, variant: Fp8Variant, v,
     return c
 
 
+def fp8_band(cfg: GroupedMatmulConfig, dev: Optional[DeviceInfo] = None) -> int:
+    """The Pallas fp8 kernel's tile order: the config's, else the device's
+    (``heuristic.fp8_band``); the other variants ignore it."""
+    if cfg.fp8_band is not None:
+        return cfg.fp8_band
+    return heuristic.fp8_band((dev or device_info()).kind)
+
+
 def fp8_tma_store(cfg: GroupedMatmulConfig, variant: Fp8Variant, v, out_dtype,
                   dev: Optional[DeviceInfo] = None) -> bool:
     """Whether the CUDA fp8 kernel stores its bf16 tiles by TMA for ``v [G,
