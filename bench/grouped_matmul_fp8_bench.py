@@ -150,9 +150,13 @@ def rows_for(proj, kind, reps, clusters=(1,), variants=None, cuda=True, bands=()
         t[nt_name(c)] = per_call_ms(
             lambda a, s, v, vsc, g, c=c: gmm_fp8_nt(a, s, v, vsc, offsets(g, M), cluster=c),
             (xq, xs, vq, vs, gs), 2, 6, reps)
+    ref = gmm_fp8_nt(xq, xs, vq, vs, offsets(gs, M)) if bands else None
     for b in bands:   # the kernel's tile order: "fp8 nt" runs FP8_TILES' band
         tiles = dataclasses.replace(FP8_TILES, band=b)
-        t[f"fp8 nt b{b}"] = per_call_ms(
+        same = _same_bits(ref, gmm_fp8_nt(xq, xs, vq, vs, offsets(gs, M), tiles=tiles),
+                          int(jnp.sum(gs)))
+        print(f"fp8 nt b{b} ({proj}, {kind}): bits equal to fp8 nt: {same}", flush=True)
+        t[f"fp8 nt b{b}" + ("" if same else " (bits differ)")] = per_call_ms(
             lambda a, s, v, vsc, g, tiles=tiles: gmm_fp8_nt(a, s, v, vsc, offsets(g, M),
                                                             tiles=tiles),
             (xq, xs, vq, vs, gs), 2, 6, reps)

@@ -187,8 +187,9 @@ class EpConfig:
       buffer_bytes: NVSHMEM symmetric buffer per process that
         ``jax_ep.initialize(config=...)`` allocates (``None``: sized from the
         shapes above, ``jax_ep.intranode.region.buffer_bytes``).
-      tuning: :class:`KernelTuning`, the native kernels' tuning knobs (the
-        defaults are the measured best; the reference backend ignores them).
+      tuning: :class:`KernelTuning`, the native kernels' knobs (chunks and
+        division: the measured best; the peer timeout; the reference backend
+        ignores them).
       num_nodes: the EP group is ``num_nodes`` consecutive blocks of
         ``R / num_nodes`` ranks ("nodes": rank r is in node ``r // (R /
         num_nodes)``); R must be a multiple of it (checked at trace time).

@@ -121,7 +121,9 @@ def gmm_fp8_nt(x, xs, v, vs, offsets, *, tiles=None, out_dtype=None, cluster=1,
                interpret=False):
     """``[M, Nout]`` in ``out_dtype`` (default bfloat16; see the module
     docstring). ``cluster``: 1, or 2 for CTA pairs sharing the x tile (falls
-    back to 1 where ``Nout % (2 block_n) != 0``: :func:`fp8_cluster`)."""
+    back to 1 where ``Nout % (2 block_n) != 0``: :func:`fp8_cluster`).
+    ``tiles.band``: the tile order (0: group by group; ``b >= 1``: a snake of
+    ``b`` row tiles; ``pallas_common.tile_at``)."""
     tiles = tiles or FP8_TILES
     err = check_fp8_nt(x, xs, v, vs, tiles)
     if err is not None:

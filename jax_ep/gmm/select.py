@@ -143,9 +143,20 @@ def plan_fp8(cfg: GroupedMatmulConfig, op: str, x, xs, v, vs, out_dtype,
                           f"here ({err or 'it needs a Hopper GPU'}); using the dequantizing "
                           "XLA reference")
         return reference
-    if not cfg.interpret and not probe.compiles(kernel.name, probe_op, None, "float8_e4m3fn"):
+    if not cfg.interpret and not probe.compiles(kernel.name, probe_op,
+                                                _probe_tiles(cfg, kernel, dev), "float8_e4m3fn"):
         return reference
     return kernel
+
+
+def _probe_tiles(cfg: GroupedMatmulConfig, variant: Fp8Variant, dev: DeviceInfo):
+    """The tiles the probe compiles ``variant`` with: the Pallas forward's in
+    the config's tile order where it is not ``FP8_TILES``' own (its group
+    order takes two more tables), else None (the kernel's default)."""
+    band = fp8_band(cfg, dev)
+    if variant is not FP8_PALLAS or band == pallas_fp8.FP8_TILES.band:
+        return None
+    return dataclasses.replace(pallas_fp8.FP8_TILES, band=band)
 
 
 def _fp8_family(cfg: GroupedMatmulConfig, dev: DeviceInfo) -> str:
@@ -172,7 +183,8 @@ def fp8_cluster(cfg: GroupedMatmulConfig, variant: Fp8Variant, v,
         want = heuristic.fp8_cluster(v.shape[2] // FP8_BLOCK, (dev or device_info()).kind)
     c = pallas_fp8.fp8_cluster(v.shape[1], want)
     if c > 1 and cfg.impl == "auto" and not cfg.interpret and not probe.compiles(
-            FP8_PALLAS.name, "fwd+dx", None, "float8_e4m3fn", c):
+            FP8_PALLAS.name, "fwd+dx", _probe_tiles(cfg, variant, dev or device_info()),
+            "float8_e4m3fn", c):
         return 1
     return c
 

@@ -73,10 +73,10 @@ file):
   an H200 until measured there.
 
 * fp8 tile order: ``fp8_band`` = 4 (a snake of 4 row tiles per column tile)
-  on both devices, the Pallas fp8 kernel's order since it was written; its
-  group order (0, the bf16 forward's default since it made the V3 layer's
-  padded groups faster there) gives the same bits (interpreter test) and is
-  not yet timed on a GPU (``grouped_matmul_fp8_bench.py --bands 0``).
+  on both devices, the order the Pallas fp8 kernel was measured in. Its
+  group order (0; the bf16 forward's default, which made the V3 layer's
+  padded groups faster there) gives the same bits (interpreter test) and has
+  no GPU timing (``grouped_matmul_fp8_bench.py --bands 0``).
 """
 from __future__ import annotations
 
@@ -121,6 +121,8 @@ class DeviceTuning:
     def __post_init__(self):
         if self.fp8_kernel not in FP8_KERNELS:
             raise ValueError(f"fp8_kernel must be one of {FP8_KERNELS}, got {self.fp8_kernel!r}")
+        if self.fp8_band < 0:
+            raise ValueError(f"fp8_band must be >= 0 (0: the group order), got {self.fp8_band}")
 
 
 @functools.lru_cache(maxsize=None)

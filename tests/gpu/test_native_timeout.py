@@ -59,6 +59,6 @@ def test_absent_peer_times_out_with_clear_error():
     r0 = res[0]
     assert r0["error"] is not None, r0
     assert "timed out waiting for a peer" in r0["error"], r0["error"]
-    # one 2 s device timeout (peer_timeout_s), not one per peer (N - 1 of them in
-    # turn: 14 s at N = 8)
-    assert 1 < r0["first_s"] < 10, r0
+    # one 2 s device timeout (peer_timeout_s, not the 10 s default), not one per
+    # peer (N - 1 of them in turn: 4 s at N = 3)
+    assert 1.5 < r0["first_s"] < 3.9, r0
