@@ -178,13 +178,13 @@ def fp8_cluster(cfg: GroupedMatmulConfig, variant: Fp8Variant, v,
     (checked once), else 1; 1 for the XLA reference."""
     if variant is not FP8_PALLAS:
         return 1
+    dev = dev or device_info()
     want = cfg.fp8_cluster
     if want is None:
-        want = heuristic.fp8_cluster(v.shape[2] // FP8_BLOCK, (dev or device_info()).kind)
+        want = heuristic.fp8_cluster(v.shape[2] // FP8_BLOCK, dev.kind)
     c = pallas_fp8.fp8_cluster(v.shape[1], want)
     if c > 1 and cfg.impl == "auto" and not cfg.interpret and not probe.compiles(
-            FP8_PALLAS.name, "fwd+dx", _probe_tiles(cfg, variant, dev or device_info()),
-            "float8_e4m3fn", c):
+            FP8_PALLAS.name, "fwd+dx", _probe_tiles(cfg, variant, dev), "float8_e4m3fn", c):
         return 1
     return c
 
