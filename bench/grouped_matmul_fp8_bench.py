@@ -10,9 +10,7 @@ and (``--kinds layer``) the V3 layer's, padded to 64 rows
 (``grouped_matmul_bench.group_sizes``). Rows of one table, one run:
 
 - ``fp8 nt``: ``pallas_fp8.gmm_fp8_nt`` on a weight stored K-major ``[G, N, K]``
-  (``fp8 nt c2``: on 2-CTA clusters, ``cluster=2``; one row per ``--clusters`` entry;
-  ``fp8 nt [band 0]``: in another tile order, ``--bands 0``, band 0 = group by
-  group, its bits compared with ``fp8 nt``'s);
+  (``fp8 nt c2``: on 2-CTA clusters, ``cluster=2``; one row per ``--clusters`` entry);
 - ``fp8 api``: ``jax_ep.grouped_matmul(x, w, gs, x_scales=, w_scales=)`` (the
   default config: the device's tuned clusters) on
   ``w [G, K, N]`` (the forward transposes the fp8 weight first), when the API has it;
@@ -82,7 +80,6 @@ Writes the table to $OUT/grouped_matmul_fp8.md when OUT is set.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import importlib
 import os
@@ -103,7 +100,7 @@ from jax_ep.gmm import GroupedMatmulConfig, fp8_columns  # noqa: E402
 from jax_ep.gmm import fp8 as gm_fp8  # noqa: E402
 from jax_ep.gmm.ops import offsets  # noqa: E402
 from jax_ep.gmm.cuda_fp8 import gmm_fp8_nt_cuda, tgmm_fp8_nt_cuda  # noqa: E402
-from jax_ep.gmm.pallas_fp8 import FP8_TILES, gmm_fp8_nt  # noqa: E402
+from jax_ep.gmm.pallas_fp8 import gmm_fp8_nt  # noqa: E402
 from jax_ep.gmm.pallas_fp8_dw import tgmm_fp8_nt  # noqa: E402
 from jax_ep.gmm.tiles import FwdTiles  # noqa: E402
 
@@ -141,7 +138,7 @@ def _same_bits(ref, got, rows):
     return bool(jnp.array_equal(ref[:rows].view(jnp.uint16), got[:rows].view(jnp.uint16)))
 
 
-def rows_for(proj, kind, reps, clusters=(1,), variants=None, cuda=True, bands=()):
+def rows_for(proj, kind, reps, clusters=(1,), variants=None, cuda=True):
     k, n = NT_PROJ[proj]
     x, w, xq, xs, wq, ws, vq, vs = jax.block_until_ready(operands(k, n))
     gs = jnp.asarray(group_sizes(kind))
@@ -152,9 +149,6 @@ def rows_for(proj, kind, reps, clusters=(1,), variants=None, cuda=True, bands=()
             lambda a, s, v, vsc, g, c=c: gmm_fp8_nt(a, s, v, vsc, offsets(g, M), cluster=c),
             (xq, xs, vq, vs, gs), 2, 6, reps)
     kernels = dict(variants or {})
-    for b in bands:   # the Pallas kernel in another tile order ("fp8 nt": FP8_TILES' band)
-        kernels[f"band {b}"] = functools.partial(
-            gmm_fp8_nt, tiles=dataclasses.replace(FP8_TILES, band=b))
     if cuda:   # the native extension's kernel, its bf16 tiles stored from registers / by TMA
         kernels["cuda"] = gmm_fp8_nt_cuda
         kernels["cuda tma"] = functools.partial(gmm_fp8_nt_cuda, tma_store=True)
@@ -380,10 +374,6 @@ def main():
                     help="also time fp8 vs bf16 fwd+bwd per projection and the weight quantization")
     ap.add_argument("--decode", action="store_true",
                     help="also time the decode table (the masked layout; DECODE)")
-    ap.add_argument("--bands", default="",
-                    help="also time the Pallas kernel in these tile orders, e.g. 0 (rows "
-                         "'fp8 nt [band 0]': band 0 = group by group; 'fp8 nt' runs "
-                         "FP8_TILES' band)")
     ap.add_argument("--kernels", default="pallas",
                     help="fp8 kernel families timed, e.g. pallas,cuda (cuda: where the native "
                          "extension is built)")
@@ -395,12 +385,11 @@ def main():
                 if k == "pallas" or (k == "cuda" and extension.load() is not None)]
     cuda = "cuda" in families
     clusters = [int(c) for c in args.clusters.split(",")]
-    bands = [int(b) for b in filter(None, args.bands.split(","))]
     print(jax.devices()[0].device_kind, jax.__version__)
     rows = []
     for proj in args.proj.split(","):
         for kind in filter(None, args.kinds.split(",")):
-            new = rows_for(proj, kind, args.reps, clusters, variants, cuda, bands)
+            new = rows_for(proj, kind, args.reps, clusters, variants, cuda)
             for r in new:   # as they come: a run cut short keeps its rows
                 print(*r, flush=True)
             rows += new

@@ -326,7 +326,7 @@ def _kill_group(proc, term_wait=8.0):
 
 
 INT_GMM_FIELDS = ("dw_warpgroups", "fwd_warpgroups", "dw_cluster",   # GroupedMatmulConfig ints
-                  "fp8_cluster", "fp8_band")
+                  "fp8_cluster")
 STR_GMM_FIELDS = ("dw_pipeline", "fp8_kernel", "fp8_dx_cast")       # and strings
 BOOL_GMM_FIELDS = ("fp8_dx", "fp8_dw", "fp8_tma_store")               # and bools (0/1)
 

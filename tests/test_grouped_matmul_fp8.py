@@ -727,10 +727,6 @@ def test_quantizer_and_config_errors():
     for bad in (1, "yes"):
         with pytest.raises(ValueError, match="fp8_tma_store must be None or a bool"):
             GroupedMatmulConfig(fp8_tma_store=bad)
-    for bad in (-1, True, 1.5):
-        with pytest.raises(ValueError, match="fp8_band must be None or an int >= 0"):
-            GroupedMatmulConfig(fp8_band=bad)
-    assert GroupedMatmulConfig().fp8_band is None   # the device's tuned order
     with pytest.raises(ValueError, match="cluster must be one of"):
         pallas_fp8.fp8_cluster(256, 4)
     assert [pallas_fp8.fp8_cluster(n, 2) for n in (256, 384, 7168)] == [2, 1, 2]
@@ -840,9 +836,8 @@ def test_pallas_path_calls_the_kernel_with_k_major_operands(monkeypatch, layout,
     cfg = GroupedMatmulConfig(impl="pallas", fp8_cluster=cluster)
     got = jax.jit(functools.partial(f, config=cfg))(x, xs, w, ws, gs, dy)
     e4, f32, i32 = jnp.dtype(E4M3), jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)
-    # the device's tuned tile order (band 4 on the CPU's fallback entry, the H200's)
-    common = dict(offsets=((G + 1,), i32), tiles=pallas_fp8.FP8_TILES,
-                  out_dtype=jnp.dtype(jnp.bfloat16), interpret=False)
+    common = dict(offsets=((G + 1,), i32), tiles=None, out_dtype=jnp.dtype(jnp.bfloat16),
+                  interpret=False)
     fwd = dict(x=((M, K), e4), xs=((M, K // 128), f32), v=((G, N, K), e4),
                vs=((G, N // 128, K // 128), f32), cluster=1, **common)   # v = w^T ("gkn"): K-major
     dx = dict(x=((M, N), e4), xs=((M, N // 128), f32), v=((G, K, N), e4),
@@ -851,9 +846,6 @@ def test_pallas_path_calls_the_kernel_with_k_major_operands(monkeypatch, layout,
     want = jax.jit(functools.partial(f, impl="xla"))(x, xs, w, ws, gs, dy)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    calls.clear()
-    jax.jit(functools.partial(f, config=dataclasses.replace(cfg, fp8_band=0)))(x, xs, w, ws, gs, dy)
-    assert [c["tiles"].band for c in calls] == [0, 0]   # fp8_band reaches the kernel
     calls.clear()
     auto = GroupedMatmulConfig(fp8_cluster=cluster)
     jax.jit(functools.partial(f, config=auto))(x, xs, w, ws, gs, dy)   # CPU: the reference
@@ -1037,27 +1029,3 @@ def test_fp8_dw_kernel_interpret_matches_reference():
     assert got.shape == (4, k, n) and np.all(np.isfinite(got))
     assert np.all(got[2] == 0)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-
-
-@pytest.mark.skipif(not _HAS_INTERPRET, reason="needs jax with Mosaic-GPU interpret mode")
-@pytest.mark.parametrize("cluster", [1, 2])
-def test_fp8_kernel_group_order_interpret_bitwise(cluster):
-    """``gmm_fp8_nt`` in the group order (band 0, ``pallas_common.tile_at``)
-    against its snake (band 4), Mosaic-GPU interpreter: the same bits (each
-    tile's k order is the same; only which CTA runs it and when differ), on
-    groups of 1-3 row tiles, an empty group and NaN tail rows, on single CTAs
-    and on pairs."""
-    m, g, k, n = 768, 5, 256, 512
-    rng = np.random.default_rng(11)
-    sizes = jnp.asarray([100, 0, 250, 30, 300], jnp.int32)
-    x = jnp.asarray(rng.normal(size=(m, k)) * np.exp2(rng.uniform(-8, 8, (m, k))), jnp.float32)
-    xq, xs = jax_ep.quantize_activations(x)
-    xq, xs = xq.at[680:].set(jnp.nan), xs.at[680:].set(jnp.nan)
-    vq, vs = jax_ep.quantize_weights(jnp.asarray(rng.normal(size=(g, k, n)), jnp.float32),
-                                     layout="gnk")
-    off = gm_ops.offsets(sizes, m)
-    snake, by_group = (np.asarray(pallas_fp8.gmm_fp8_nt(
-        xq, xs, vq, vs, off, cluster=cluster, interpret=True,
-        tiles=dataclasses.replace(pallas_fp8.FP8_TILES, band=band)), np.float32) for band in (4, 0))
-    np.testing.assert_array_equal(by_group, snake)
-    assert np.all(by_group[680:] == 0) and np.all(np.isfinite(by_group))

@@ -120,13 +120,6 @@ class GroupedMatmulConfig:
         share the x tile and its row scales by TMA multicast: L2 reads per
         pair and k-step 64 -> 48 KB). 2 applies where ``Nout % 256 == 0``,
         else 1; ``"auto"`` on a GPU: where it compiles, else 1.
-      fp8_band: the order the Pallas fp8 kernel (forward and fp8 dx) walks
-        its tiles in: None (default: the device's tuned choice,
-        ``heuristic.fp8_band``; 4 on both devices, the order the kernel was
-        measured in), 0 (group by group, each group's row tiles side by side at
-        each column tile, as the bf16 forward's band 0) or ``b >= 1`` (a
-        snake of ``b`` row tiles per column tile). The same bits in any
-        order; the CUDA kernel ignores it (it walks row tiles in order).
       expected_rows: the mean rows per group the tuned tiles are chosen for
         (DeepGEMM's ``expected_m``): None (default) takes x's rows / groups,
         which for the masked layout is its capacity C, however few rows the
@@ -150,7 +143,6 @@ class GroupedMatmulConfig:
     fp8_kernel: Optional[str] = None
     fp8_tma_store: Optional[bool] = None
     fp8_cluster: Optional[int] = None
-    fp8_band: Optional[int] = None
     expected_rows: Optional[int] = None
 
     def __post_init__(self):
@@ -171,19 +163,16 @@ class GroupedMatmulConfig:
             raise ValueError(f"fp8_tma_store must be None or a bool, got {self.fp8_tma_store!r}")
         for name in ("dw_warpgroups", "fwd_warpgroups", "dw_cluster"):
             _check_one_or_two(name, getattr(self, name), "1 or 2")
-        _check_optional_int("expected_rows", self.expected_rows, 1, "a positive int")
+        if self.expected_rows is not None and (isinstance(self.expected_rows, bool) or
+                                               not isinstance(self.expected_rows, int) or
+                                               self.expected_rows < 1):
+            raise ValueError(f"expected_rows must be None or a positive int, got "
+                             f"{self.expected_rows!r}")
         if self.fp8_cluster is not None:   # None: the device's tuned choice
             _check_one_or_two("fp8_cluster", self.fp8_cluster, "None, 1 or 2")
-        _check_optional_int("fp8_band", self.fp8_band, 0, "an int >= 0 (0: the group order)")
         for name, cls in (("fwd", FwdTiles), ("dx", FwdTiles), ("dw", DwTiles)):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, as_tiles(cls, getattr(self, name)))
-
-
-def _check_optional_int(name: str, value, least: int, what: str) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or
-                              value < least):
-        raise ValueError(f"{name} must be None or {what}, got {value!r}")
 
 
 def _check_one_or_two(name: str, value, allowed: str) -> None:

@@ -32,7 +32,7 @@ from . import fp8_columns, rows
 from .config import GroupedMatmulConfig
 from .ops import gmm, offsets, tgmm
 from .quantize import cast_rows
-from .select import fp8_band, fp8_cluster, fp8_tma_store, plan_fp8
+from .select import fp8_cluster, fp8_tma_store, plan_fp8
 from .xla import dequantize_blocks, dequantize_rows
 
 E4M3 = jnp.float8_e4m3fn
@@ -146,14 +146,12 @@ def ops_nt(cfg: GroupedMatmulConfig, op: str, x, xs, v, vs, group_sizes, out_dty
            row_groups=None):
     """``out[rows of g] = (x * xs)[rows of g] @ ((v * vs)[g])^T`` on the variant
     ``select.plan_fp8`` picks, on ``select.fp8_cluster``'s clusters and with
-    ``select.fp8_tma_store``'s stores, in ``select.fp8_band``'s tile order;
-    ``x [M, Kc]``, ``v [G, Nout, Kc]`` ->
+    ``select.fp8_tma_store``'s stores; ``x [M, Kc]``, ``v [G, Nout, Kc]`` ->
     ``[M, Nout]``; ``row_groups``: as ``ops.gmm``'s."""
     off = offsets(group_sizes, x.shape[0]) if row_groups is None else row_groups
     variant = plan_fp8(cfg, op, x, xs, v, vs, out_dtype)
     out = variant.launch(x, xs, v, vs, off, out_dtype, cfg.interpret,
-                         fp8_cluster(cfg, variant, v), fp8_tma_store(cfg, variant, v, out_dtype),
-                         fp8_band(cfg))
+                         fp8_cluster(cfg, variant, v), fp8_tma_store(cfg, variant, v, out_dtype))
     axes = vma_of(x) | vma_of(xs) | vma_of(v) | vma_of(vs) | vma_of(group_sizes)
     return to_vma(out, axes)
 

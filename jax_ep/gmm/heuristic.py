@@ -44,12 +44,6 @@ def fp8_cluster(k_steps: int, device_kind: str) -> int:
     return 2 if least and k_steps >= least else 1
 
 
-def fp8_band(device_kind: str) -> int:
-    """The Pallas fp8 kernel's tile order on this device (0: group by group,
-    ``b >= 1``: a snake of ``b`` row tiles)."""
-    return tuning_for(device_kind).fp8_band
-
-
 def fp8_tma_store(k_steps: int, device_kind: str) -> bool:
     """Whether the CUDA fp8 forward stores its bf16 tiles by TMA over a
     contraction of ``k_steps`` 128-wide steps: where the device's table says

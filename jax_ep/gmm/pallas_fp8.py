@@ -52,9 +52,8 @@ from jax import lax
 
 from ..fp8 import FP8_BLOCK
 from .pallas_common import (cluster_member, dw_transforms, multicast_axes, num_sms,
-                            pallas_modules, round_robin_count, row_tile_table, spans_of,
-                            store_rows, store_tail_tiles, tile_at, transposed,
-                            two_consumer_kernel)
+                            pallas_modules, round_robin_count, row_tile_table, store_rows,
+                            store_tail_tiles, transposed, two_consumer_kernel)
 from .devices import device_info
 from .tiles import FwdTiles
 
@@ -121,9 +120,7 @@ def gmm_fp8_nt(x, xs, v, vs, offsets, *, tiles=None, out_dtype=None, cluster=1,
                interpret=False):
     """``[M, Nout]`` in ``out_dtype`` (default bfloat16; see the module
     docstring). ``cluster``: 1, or 2 for CTA pairs sharing the x tile (falls
-    back to 1 where ``Nout % (2 block_n) != 0``: :func:`fp8_cluster`).
-    ``tiles.band``: the tile order (0: group by group; ``b >= 1``: a snake of
-    ``b`` row tiles; ``pallas_common.tile_at``)."""
+    back to 1 where ``Nout % (2 block_n) != 0``: :func:`fp8_cluster`)."""
     tiles = tiles or FP8_TILES
     err = check_fp8_nt(x, xs, v, vs, tiles)
     if err is not None:
@@ -132,7 +129,6 @@ def gmm_fp8_nt(x, xs, v, vs, offsets, *, tiles=None, out_dtype=None, cluster=1,
     out_dtype = jnp.dtype(out_dtype or jnp.bfloat16)
     m, kc = x.shape
     counts, rs, r0, r1, grp = row_tile_table(offsets, m, tiles.block_m)
-    spans = spans_of(grp, tiles.band)
     # step k's scales of the rows r at k * M + r: one contiguous run per tile and step
     xs_flat = xs.astype(jnp.float32).T.reshape(-1)
     # a tile's weight scales come with each stage, padded to SCALE_ROW: rows
@@ -142,7 +138,7 @@ def gmm_fp8_nt(x, xs, v, vs, offsets, *, tiles=None, out_dtype=None, cluster=1,
     stages = fp8_stages(tiles, kc, out_dtype, device_info().smem_per_block)
     kernel = _kernel(m, kc, v.shape[1], dataclasses.replace(tiles, stages=stages), out_dtype,
                      cluster, interpret)
-    return kernel(counts, rs, r0, r1, grp, *spans, x, v, xs_flat, vs)
+    return kernel(counts, rs, r0, r1, grp, x, v, xs_flat, vs)
 
 
 def _kernel(m, kc, n, tiles, out_dtype, cluster, interpret):
@@ -153,12 +149,10 @@ def _kernel(m, kc, n, tiles, out_dtype, cluster, interpret):
     nsm = num_sms(interpret)
     units = nsm // cluster              # the CTAs, or CTA pairs, the tiles are dealt to
 
-    def body(cnt_ref, rs_ref, r0_ref, r1_ref, g_ref, *refs):
-        *span_refs, x_ref, v_ref, xs_ref, vs_ref, o_ref = refs
+    def body(cnt_ref, rs_ref, r0_ref, r1_ref, g_ref, x_ref, v_ref, xs_ref, vs_ref, o_ref):
         unit = lax.axis_index("sm")
         n_grp = cnt_ref[0]
-        tile = _tile_of(plgpu, unit, units, (n_grp, grid_n // cluster), tiles.band, span_refs,
-                        cluster)
+        tile = _tile_of(plgpu, unit, units, n_grp, grid_n, tiles.band, cluster)
         specs = _in_specs(pl, plgpu, tile, rs_ref, g_ref, (m, kc, n), tiles, cluster)
 
         def scoped(o_smem):
@@ -187,15 +181,13 @@ def _kernel(m, kc, n, tiles, out_dtype, cluster, interpret):
     return two_consumer_kernel(plgpu, body, (m, n), out_dtype, units, cluster, interpret)
 
 
-def _tile_of(plgpu, unit, units, grid, band, spans, cluster):
+def _tile_of(plgpu, unit, units, n_grp, grid_n, band, cluster):
     """``tile(j) -> (row tile, column tile)``: this CTA's ``j``-th tile. The
-    tiles (or, on clusters, pairs of adjacent column tiles: ``grid = (group
-    row tiles, column tiles / cluster)``) go to ``units`` CTAs (pairs) in
-    ``pallas_common.tile_at``'s order (``band`` 0: group by group; else a
-    snake of ``band`` row tiles; ``spans``: the group order's tables); a
-    pair's CTAs take columns ``2 nc`` and ``2 nc + 1`` of the same row tile."""
+    tiles (or, on clusters, pairs of adjacent column tiles) go to ``units``
+    CTAs (pairs) along a snake of ``band`` row tiles; a pair's CTAs take
+    columns ``2 nc`` and ``2 nc + 1`` of the same row tile."""
     def tile(j):
-        fi, nc = tile_at(plgpu, unit + j * units, grid, band, spans)
+        fi, nc = plgpu.planar_snake(unit + j * units, (n_grp, grid_n // cluster), 0, band)
         return fi, cluster_member(nc, cluster)
     return tile
 

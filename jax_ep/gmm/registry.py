@@ -226,10 +226,9 @@ class Fp8Variant:
     ops: Tuple[str, ...]
     archs: Tuple[str, ...]             # compute capability majors; (): any
     out_dtypes: Optional[Tuple[str, ...]]   # None: any float
-    # forward / dx: (x, xs, v, vs, offsets, out_dtype, interpret, cluster, tma_store,
-    # band), tma_store the CUDA kernel's TMA tile stores (select.fp8_tma_store) and
-    # band the Pallas kernel's tile order (select.fp8_band), each ignored by the
-    # others; dw: (a, as, c, cs, segments, out_dtype, interpret, cluster)
+    # forward / dx: (x, xs, v, vs, offsets, out_dtype, interpret, cluster, tma_store),
+    # tma_store the CUDA kernel's TMA tile stores (select.fp8_tma_store), ignored by
+    # the others; dw: (a, as, c, cs, segments, out_dtype, interpret, cluster)
     launch: Callable
     probe: Optional[Callable] = None   # (op, tiles, dtype, cluster) -> (fn, args)
     fallback: str = ""
@@ -268,9 +267,8 @@ def _fp8_probe(op, tiles, dt, cluster):
 # can stand a reference implementation of its contract in for it.
 FP8_PALLAS = Fp8Variant(
     "gmm_fp8", ("fwd", "dx"), _HOPPER, ("bfloat16", "float32"),
-    lambda x, xs, v, vs, off, od, i, c, t, b: pallas_fp8.gmm_fp8_nt(
-        x, xs, v, vs, off, tiles=dataclasses.replace(pallas_fp8.FP8_TILES, band=b),
-        out_dtype=od, cluster=c, interpret=i),
+    lambda x, xs, v, vs, off, od, i, c, t: pallas_fp8.gmm_fp8_nt(
+        x, xs, v, vs, off, tiles=None, out_dtype=od, cluster=c, interpret=i),
     _fp8_probe, "the dequantizing XLA reference", pallas_fp8.check_fp8_nt)
 
 
@@ -282,12 +280,12 @@ def _fp8_cuda_probe(op, tiles, dt, cluster):
 # the same contract as FP8_PALLAS, run by the CUDA kernel of the native extension
 FP8_CUDA = Fp8Variant(
     "gmm_fp8_cuda", ("fwd", "dx"), _HOPPER, ("bfloat16", "float32"),
-    lambda x, xs, v, vs, off, od, i, c, t, b: cuda_fp8.gmm_fp8_nt_cuda(
+    lambda x, xs, v, vs, off, od, i, c, t: cuda_fp8.gmm_fp8_nt_cuda(
         x, xs, v, vs, off, out_dtype=od, tma_store=t),
     _fp8_cuda_probe, "the dequantizing XLA reference", cuda_fp8.check_fp8_nt_cuda)
 FP8_XLA = Fp8Variant(
     "fp8_xla", ("fwd", "dx"), (), None,
-    lambda x, xs, v, vs, off, od, i, c, t, b: gmm_fp8_nt_xla(x, xs, v, vs, off, od))
+    lambda x, xs, v, vs, off, od, i, c, t: gmm_fp8_nt_xla(x, xs, v, vs, off, od))
 
 
 def _fp8_dw_probe(op, tiles, dt, cluster):

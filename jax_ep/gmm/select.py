@@ -143,20 +143,9 @@ def plan_fp8(cfg: GroupedMatmulConfig, op: str, x, xs, v, vs, out_dtype,
                           f"here ({err or 'it needs a Hopper GPU'}); using the dequantizing "
                           "XLA reference")
         return reference
-    if not cfg.interpret and not probe.compiles(kernel.name, probe_op,
-                                                _probe_tiles(cfg, kernel, dev), "float8_e4m3fn"):
+    if not cfg.interpret and not probe.compiles(kernel.name, probe_op, None, "float8_e4m3fn"):
         return reference
     return kernel
-
-
-def _probe_tiles(cfg: GroupedMatmulConfig, variant: Fp8Variant, dev: DeviceInfo):
-    """The tiles the probe compiles ``variant`` with: the Pallas forward's in
-    the config's tile order where it is not ``FP8_TILES``' own (its group
-    order takes two more tables), else None (the kernel's default)."""
-    band = fp8_band(cfg, dev)
-    if variant is not FP8_PALLAS or band == pallas_fp8.FP8_TILES.band:
-        return None
-    return dataclasses.replace(pallas_fp8.FP8_TILES, band=band)
 
 
 def _fp8_family(cfg: GroupedMatmulConfig, dev: DeviceInfo) -> str:
@@ -178,23 +167,14 @@ def fp8_cluster(cfg: GroupedMatmulConfig, variant: Fp8Variant, v,
     (checked once), else 1; 1 for the XLA reference."""
     if variant is not FP8_PALLAS:
         return 1
-    dev = dev or device_info()
     want = cfg.fp8_cluster
     if want is None:
-        want = heuristic.fp8_cluster(v.shape[2] // FP8_BLOCK, dev.kind)
+        want = heuristic.fp8_cluster(v.shape[2] // FP8_BLOCK, (dev or device_info()).kind)
     c = pallas_fp8.fp8_cluster(v.shape[1], want)
     if c > 1 and cfg.impl == "auto" and not cfg.interpret and not probe.compiles(
-            FP8_PALLAS.name, "fwd+dx", _probe_tiles(cfg, variant, dev), "float8_e4m3fn", c):
+            FP8_PALLAS.name, "fwd+dx", None, "float8_e4m3fn", c):
         return 1
     return c
-
-
-def fp8_band(cfg: GroupedMatmulConfig, dev: Optional[DeviceInfo] = None) -> int:
-    """The Pallas fp8 kernel's tile order: the config's, else the device's
-    (``heuristic.fp8_band``); the other variants ignore it."""
-    if cfg.fp8_band is not None:
-        return cfg.fp8_band
-    return heuristic.fp8_band((dev or device_info()).kind)
 
 
 def fp8_tma_store(cfg: GroupedMatmulConfig, variant: Fp8Variant, v, out_dtype,

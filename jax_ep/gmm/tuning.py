@@ -71,12 +71,6 @@ file):
   beyond (contractions between 16 and 56 steps not measured, nor dx, which
   the bound governs too: V3's dx contracts 32 and 56 steps); 0 (never) on
   an H200 until measured there.
-
-* fp8 tile order: ``fp8_band`` = 4 (a snake of 4 row tiles per column tile)
-  on both devices, the order the Pallas fp8 kernel was measured in. Its
-  group order (0; the bf16 forward's default, which made the V3 layer's
-  padded groups faster there) gives the same bits (interpreter test) and has
-  no GPU timing (``grouped_matmul_fp8_bench.py --bands 0``).
 """
 from __future__ import annotations
 
@@ -116,13 +110,10 @@ class DeviceTuning:
     fp8_cluster_min_k_steps: int = 0   # 0: the fp8 kernel never runs on clusters
     fp8_kernel: str = "pallas"         # the fp8 kernel family that wins here
     fp8_tma_store_max_k_steps: int = 0  # the CUDA forward's TMA stores up to these k-steps
-    fp8_band: int = 4                  # the Pallas fp8 kernel's tile order (0: by group)
 
     def __post_init__(self):
         if self.fp8_kernel not in FP8_KERNELS:
             raise ValueError(f"fp8_kernel must be one of {FP8_KERNELS}, got {self.fp8_kernel!r}")
-        if self.fp8_band < 0:
-            raise ValueError(f"fp8_band must be >= 0 (0: the group order), got {self.fp8_band}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -140,8 +131,7 @@ def load_tuned(text: Optional[str] = None):
                                      _tile_set(src["default"]), _tile_set(src["small"]),
                                      int(src.get("fp8_cluster_min_k_steps", 0)),
                                      src.get("fp8_kernel", "pallas"),
-                                     int(src.get("fp8_tma_store_max_k_steps", 0)),
-                                     int(src.get("fp8_band", 4)))
+                                     int(src.get("fp8_tma_store_max_k_steps", 0)))
     fallback = data["fallback"]
     if fallback not in entries:
         raise ValueError(f"tuned_tiles.json: fallback {fallback!r} is not an entry")
