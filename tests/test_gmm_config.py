@@ -53,7 +53,7 @@ def test_table_entries():
     # fp8 kernel family and tile store it was measured on
     h200, h100 = entries["NVIDIA H200"], entries["NVIDIA H100 80GB HBM3"]
     assert h100.fp8_kernel == "cuda" and h200.fp8_kernel == "pallas"
-    assert h100.fp8_tma_store_max_k_steps == 16 and h200.fp8_tma_store_max_k_steps == 0
+    assert h100.fp8_tma_store_max_k_steps == 56 and h200.fp8_tma_store_max_k_steps == 0
     assert dataclasses.replace(h100, kind=h200.kind, fp8_kernel="pallas",
                                fp8_tma_store_max_k_steps=0) == h200
     assert h200.default.fwd == FwdTiles(128, 128, 64, 5, 0)

@@ -915,16 +915,16 @@ def test_fp8_cluster_tuned_by_contraction_length(monkeypatch):
 def test_fp8_tma_store_tuned_by_contraction_length():
     """``fp8_tma_store=None``: the CUDA kernel stores its bf16 tiles by TMA
     where the device's table says so, contractions of at most
-    ``fp8_tma_store_max_k_steps`` steps of 128 (the H100's: 16, V3 down's K
-    2048 yes, up's 7168 no; the H200's: never); True / False in the config
+    ``fp8_tma_store_max_k_steps`` steps of 128 (the H100's: 56, V3 down's K
+    2048 and up's 7168 yes, longer no; the H200's: never); True / False in the config
     override it; a float32 result and the other variants never."""
     h100, h200 = DEVICES["NVIDIA H100 80GB HBM3"], DEVICES["NVIDIA H200"]
     v = lambda kc: jax.ShapeDtypeStruct((4, 4096, kc), E4M3)   # noqa: E731
     bf, f32 = jnp.bfloat16, jnp.float32
     cfg = GroupedMatmulConfig()
-    assert tuning.tuning_for(h100.kind).fp8_tma_store_max_k_steps == 16
+    assert tuning.tuning_for(h100.kind).fp8_tma_store_max_k_steps == 56
     assert [select.fp8_tma_store(cfg, registry.FP8_CUDA, v(kc), bf, h100)
-            for kc in (2048, 2176, 4096, 7168)] == [True, False, False, False]
+            for kc in (2048, 4096, 7168, 7296)] == [True, True, True, False]
     assert not select.fp8_tma_store(cfg, registry.FP8_CUDA, v(2048), f32, h100)
     assert not select.fp8_tma_store(cfg, registry.FP8_CUDA, v(2048), bf, h200)
     assert not select.fp8_tma_store(cfg, registry.FP8_PALLAS, v(2048), bf, h100)

@@ -14,9 +14,10 @@
 // (GmmFp8Args::tma_store, bf16 only) through a shared-memory copy of the tile
 // stored by TMA where a 64-row block lies wholly inside [lo, hi), a ring of 3
 // stages then leaving room for it. The TMA store frees the consumers from the
-// global-store queue (ncu, V3 down on an H100: 17% of their stalls): it wins
-// where the tile's k-loop is short, the 4th stage where it is long
-// (tuning.py, fp8 tile store).
+// global-store queue (ncu, V3 down on an H100: 17% of their stalls). A
+// consumer releases each stage as its last WGMMA on it completes, before that
+// block's promotion, so the producer refills it meanwhile: what lets 3 stages
+// keep up with 4 (tuning.py, fp8 tile store).
 //
 // Why 256 rows: with 128-row tiles the kernel waited on memory (ncu on an
 // H100, V3 up projection at 256 rows per group: L2 throughput 95%, DRAM 77%,
@@ -85,16 +86,20 @@ __device__ void produce(const GmmFp8Args& a, const Maps& m, const R& r, int tile
   }
 }
 
-// Consumer: block `b`'s product for use i's stage, promoted into `sum`.
+// Consumer: block `b`'s product for use i's stage, promoted into `sum`; `release`:
+// the consumer's last read of the stage, released before the promotion.
 template <typename R>
 __device__ __forceinline__ void block_kstep(float (&sum)[64], float (&prod)[64],
-                                            const R& r, int s, int b, float w_scale) {
+                                            const R& r, int s, int b, float w_scale,
+                                            bool release) {
   issue_product(prod, r.a + s * R::kABytes + b * 64 * kBK, r.b + s * kTileBytes);
   // the rows' scales while the tensor core runs
   const int row = 64 * b + acc_row(0);
   const float s0 = r.a_scales[s * kRows + row] * w_scale;
   const float s1 = r.a_scales[s * kRows + row + 8] * w_scale;
   wait_product(prod);
+  // the stage's last read is done: the producer may refill it during the promotion
+  if (release) r.release(s);
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
     sum[4 * j + 0] = fmaf(prod[4 * j + 0], s0, sum[4 * j + 0]);
@@ -143,9 +148,9 @@ __device__ void consume(const GmmFp8Args& a, const Maps& m, const R& r, int tile
     for (int k = 0; tl.group >= 0 && k < ksteps; ++k, ++i) {
       const float w_scale = vs[k];   // in flight while this thread waits for the stage
       const int s = r.wait_loaded(i);
-      if (on_lower) block_kstep(lower, prod, r, s, wg, w_scale);
-      if (on_upper) block_kstep(upper, prod, r, s, wg + 2, w_scale);
-      r.release(s);
+      if (on_lower) block_kstep(lower, prod, r, s, wg, w_scale, !on_upper);
+      if (on_upper) block_kstep(upper, prod, r, s, wg + 2, w_scale, true);
+      if (!on_lower && !on_upper) r.release(s);
     }
     // rows outside [lo, hi) belong to a neighbouring group (or the tail): not
     // stored; with TMA stores a block whose rows all are the tile's goes by

@@ -108,10 +108,10 @@ class GroupedMatmulConfig:
         instruction there, bench/results/gpu-suite-shared-gpu.md).
       fp8_tma_store: how the CUDA fp8 forward and dx store a bf16 result:
         None (default: the device's tuned choice by the contraction's length,
-        ``heuristic.fp8_tma_store``; on an H100 TMA up to 16 k-steps of 128),
+        ``heuristic.fp8_tma_store``; on an H100 TMA up to 56 k-steps of 128),
         True (64-row blocks inside one group through a shared-memory tile and
-        TMA, the ring 3 stages: frees the consumers from the store queue, wins
-        on short contractions) or False (from registers, 4 stages). The same
+        TMA, the ring 3 stages: frees the consumers from the store queue) or
+        False (from registers, 4 stages). The same
         bits either way; the Pallas kernel ignores it.
       fp8_cluster: CTAs per cluster of the Pallas fp8 kernel (forward and fp8 dx):
         None (default: the device's tuned choice, ``heuristic.fp8_cluster``;

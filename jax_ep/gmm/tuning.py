@@ -61,16 +61,17 @@ file):
   "pallas" until the CUDA forward's present form has run there (an earlier
   form ended in an illegal instruction on one).
 
-* fp8 tile store (bench/results/2026-12-04-h200x1-fp8-grouped-matmul.md, one H100, one binary
-  run with the store chosen per call): the CUDA forward storing its bf16
-  tiles by TMA (3 stages) against from registers (4 stages), V3 down
-  (K 2048, 16 k-steps of 128) 1.062 against 1.216 ms with uniform sizes,
-  1.355 against 1.342 skewed; V3 up (K 7168, 56 steps) 2.161 against 2.149
-  uniform, 2.678 against 2.523 skewed. ``fp8_tma_store_max_k_steps`` = 16
-  on an H100: TMA stores up to 16 k-steps (the measured gain), registers
-  beyond (contractions between 16 and 56 steps not measured, nor dx, which
-  the bound governs too: V3's dx contracts 32 and 56 steps); 0 (never) on
-  an H200 until measured there.
+* fp8 tile store (bench/results/2026-12-04-h200x1-fp8-grouped-matmul.md, one H100, one run):
+  the CUDA forward storing its bf16 tiles by TMA (3 stages) against from
+  registers (4 stages), with each stage released before its last
+  promotion: V3 up (K 7168, 56 k-steps of 128) 1.938 against 2.020 ms
+  with uniform sizes, 2.276 against 2.390 on the layer's groups, 2.461
+  against 2.453 skewed; V3 down (K 2048, 16 steps) 0.996 against 1.172,
+  1.160 against 1.309, 1.218 against 1.333. The V3 layer (its dx contracts
+  32 and 56 steps) 18.56 and 18.58 ms with TMA stores everywhere against
+  19.05 with them up to 16 steps only. ``fp8_tma_store_max_k_steps`` = 56
+  on an H100: TMA stores up to V3 up's contraction, the longest measured;
+  0 (never) on an H200 until measured there.
 """
 from __future__ import annotations
 
