@@ -69,9 +69,10 @@ file):
   against 2.453 skewed; V3 down (K 2048, 16 steps) 0.996 against 1.172,
   1.160 against 1.309, 1.218 against 1.333. The V3 layer (its dx contracts
   32 and 56 steps) 18.56 and 18.58 ms with TMA stores everywhere against
-  19.05 with them up to 16 steps only. ``fp8_tma_store_max_k_steps`` = 56
-  on an H100: TMA stores up to V3 up's contraction, the longest measured;
-  0 (never) on an H200 until measured there.
+  19.05 with them up to 16 steps only (the dx shapes not timed alone on
+  this build). ``fp8_tma_store_max_k_steps`` = 56 on an H100: TMA stores
+  up to V3 up's contraction, the longest measured; 0 (never) on an H200
+  until measured there.
 """
 from __future__ import annotations
 
