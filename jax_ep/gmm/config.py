@@ -111,8 +111,8 @@ class GroupedMatmulConfig:
         ``heuristic.fp8_tma_store``; on an H100 TMA up to 56 k-steps of 128),
         True (64-row blocks inside one group through a shared-memory tile and
         TMA, the ring 3 stages: frees the consumers from the store queue) or
-        False (from registers, 4 stages). The same
-        bits either way; the Pallas kernel ignores it.
+        False (from registers, 4 stages). The same bits either way; the Pallas
+        kernel ignores it.
       fp8_cluster: CTAs per cluster of the Pallas fp8 kernel (forward and fp8 dx):
         None (default: the device's tuned choice, ``heuristic.fp8_cluster``;
         on an H200 single CTAs, pairs not yet measured ahead), 1,
