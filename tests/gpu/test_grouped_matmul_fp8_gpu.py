@@ -357,6 +357,27 @@ def test_cuda_fp8_tma_store_is_bitwise_the_register_store(m, sizes):
                                   np.asarray(run(*ops, kernel="cuda")).view(np.uint16))
 
 
+@pytest.mark.parametrize("k", [384, 640, 512])
+@pytest.mark.parametrize("kernel", ["cuda", "cuda tma"])
+def test_cuda_fp8_kernel_lone_blocks(k, kernel):
+    """Tiles with one 64-row block to store (a 320-row group's second tile, a
+    group of 64 rows or fewer; in the tiles moved back to end at M, lone
+    blocks 1, 2 and 3: each consumer's both sums), an odd number of k-steps
+    among the cases: the reference's bound, and the Pallas kernel's bits; on
+    1 and 5 CTAs (lone and whole tiles in one CTA's ring, its stages reused
+    across them), the same bits."""
+    _native()
+    from jax_ep.gmm.cuda_fp8 import gmm_fp8_nt_cuda
+    sizes = np.array([320, 64, 300, 7, 0, 129, 1, 19, 20, 40, 50, 10, 41], np.int32)
+    ops = case(1024, len(sizes), k, 384, sizes, False, seed=21)
+    want = np.asarray(run(*ops), np.float32)
+    np.testing.assert_array_equal(np.asarray(check(*ops, kernel=kernel), np.float32), want)
+    for num_sms in (1, 5):
+        got = jax.jit(lambda *a: gmm_fp8_nt_cuda(*a, offsets(ops[4], 1024), num_sms=num_sms,
+                                                 tma_store=kernel == "cuda tma"))(*ops[:4])
+        np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+
+
 @pytest.mark.parametrize("kind,n", [("skew", 512), ("unaligned", 768)])
 def test_cuda_fp8_kernel_is_bitwise_the_pallas_kernel(kind, n):
     """Per row the same four 64 x 128 x 32 WGMMAs per k-step (the CUDA kernel
