@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from . import backend as _backend
 from . import validate
 from .config import EpConfig
+from .fp8 import first_order_only
 from .mesh_axes import to_vma, vma_of
 from .routing import merge_duplicate_weights
 from .types import Dispatched
@@ -109,6 +110,7 @@ def _fp8_rows(be, cfg, x_dtype, x, handle):
 
 
 def _fp8_rows_fwd(be, cfg, x_dtype, x, handle):
+    (x,) = first_order_only("dispatch", x)   # its fp8 rows carry no tangent
     return _fp8_rows(be, cfg, x_dtype, x, handle), handle
 
 

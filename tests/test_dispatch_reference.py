@@ -233,7 +233,8 @@ _dequantized.defvjp(lambda q, s: (_dequantized(q, s), None), lambda _, g: (g, No
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
 def test_fp8_dispatch_gradient_is_straight_through(dtype):
     """The fp8 rows' cotangent (that of the dequantized rows) reaches x exactly
-    as the bf16/f32 dispatch's row cotangent does; one for the scales is ignored."""
+    as the bf16/f32 dispatch's row cotangent does; one for the scales is ignored;
+    a second-order derivative raises."""
     R, T, H, K, E = 8, 4, 256, 2, 8
     mesh = make_mesh((R,), ("ep",))
     rng = np.random.default_rng(0)
@@ -258,3 +259,7 @@ def test_fp8_dispatch_gradient_is_straight_through(dtype):
     g = jax.jit(jax.grad(lambda x: loss(x, False)))(xs)
     assert g8.dtype == xs.dtype and float(jnp.max(jnp.abs(g.astype(jnp.float32)))) > 0
     np.testing.assert_array_equal(np.asarray(g8), np.asarray(g))
+    # first order only: a gradient of this gradient would carry a tangent into fp8 rows
+    grad_norm = lambda x: jnp.sum(jax.grad(lambda x: loss(x, True))(x).astype(jnp.float32) ** 2)
+    with pytest.raises(TypeError, match=r"jax_ep\.dispatch: a second-order derivative"):
+        jax.grad(grad_norm)(xs)

@@ -306,6 +306,38 @@ def test_gradient_through_the_quantizers_is_straight_through():
     np.testing.assert_array_equal(np.asarray(dw), np.asarray(vdw))
 
 
+def test_second_order_derivatives_raise_one_clear_error():
+    """The fp8 path is differentiable to first order only: a gradient of a
+    gradient, or a jvp of one, that would carry a tangent into fp8 values
+    (silently NaN before) raises a TypeError naming the op and the bf16
+    remedy. A second order that reaches no fp8 cast (``dy`` in bf16) runs."""
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((G, K, N)), jnp.float32)
+    gs = np.asarray([40, 0, 100, 3, 90], np.int32)
+
+    def loss(x, w, theta=1.0, config=None):
+        xq, xs = jax_ep.quantize_activations(x)
+        wq, ws = jax_ep.quantize_weights(w)
+        y = gmm8(xq, xs, wq, ws, gs, preferred_element_type=jnp.float32, config=config)
+        return jnp.sum((y * theta) ** 2)
+
+    def grad_norm(argnum, **kw):
+        return lambda *a: jnp.sum(jax.grad(loss, argnums=argnum)(*a, **kw) ** 2)
+
+    cases = [("quantize_activations", lambda: jax.grad(grad_norm(0))(x, w)),
+             ("quantize_activations", lambda: jax.jvp(jax.grad(loss), (x, w), (x, w))),
+             ("quantize_weights", lambda: jax.grad(grad_norm(1), argnums=1)(x, w)),
+             # only dy carries a tangent: the fp8 dx's cast of dy
+             ("grouped_matmul", lambda: jax.grad(grad_norm(0), argnums=2)(x, w, 2.0))]
+    for op, run in cases:
+        with pytest.raises(TypeError, match=rf"jax_ep\.{op}: a second-order derivative.*bf16"):
+            run()
+    bf16_dx = GroupedMatmulConfig(fp8_dx=False)
+    d_theta = jax.grad(grad_norm(0, config=bf16_dx), argnums=2)(x, w, 2.0)
+    assert np.isfinite(float(d_theta)) and float(d_theta) > 0
+
+
 @pytest.mark.parametrize("layout", ["gkn", "gnk"])
 def test_quantize_weights_reuses_an_earlier_quantization(layout):
     """``quantized=`` returns the given (q, scales) and the gradient to w is

@@ -69,7 +69,8 @@ def grouped_matmul(x, w, group_sizes, *, x_scales=None, w_scales=None, w_layout:
 
     Gradients (``jax.custom_vjp``): ``dx``, ``dw``; for fp8 operands the
     cotangent of the dequantized value (f32 for ``w``, ``dy``'s dtype for
-    ``x``), none for the scales (``jax_ep.gmm`` docstring, "fp8").
+    ``x``), none for the scales (``jax_ep.gmm`` docstring, "fp8"); first order
+    only there: a second-order one reaching fp8 values raises a ``TypeError``.
     """
     cfg = config if config is not None else GroupedMatmulConfig()
     if impl is not None:

@@ -76,8 +76,7 @@ class GroupedMatmulConfig:
         read ``dy`` twice: once for the blocks' maxima, once for the cast) or
         ``"native"`` (the kernel or an error). The same bits on one GPU for
         finite ``dy`` (a NaN stays in its element rather than filling its
-        block); the kernel has no derivative, so a gradient of the backward
-        itself needs ``"xla"``. In the V3 layer the kernel saves about
+        block). In the V3 layer the kernel saves about
         0.15 ms of a 19 ms step (H100,
         bench/results/2026-12-04-h200x1-fp8-grouped-matmul.md).
       fp8_dw: the fp8 path's ``dw = (x * xs)[rows of g]^T @ dy[rows of g]``.
