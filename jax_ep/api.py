@@ -57,8 +57,11 @@ def _move_rows(be, cfg, x, handle):
     return be.dispatch_rows(x, None, handle, cfg)[0]
 
 
+# The forward rules call the backend, not the custom_vjp function again: a
+# jax.jvp of a gradient differentiates them as ordinary code, and a jvp of a
+# nested custom_vjp call is an error.
 def _move_rows_fwd(be, cfg, x, handle):
-    return _move_rows(be, cfg, x, handle), handle
+    return be.dispatch_rows(x, None, handle, cfg)[0], handle
 
 
 def _move_rows_bwd(be, cfg, handle, g):
@@ -74,7 +77,7 @@ def _move_weights(be, cfg, w, handle):
 
 
 def _move_weights_fwd(be, cfg, w, handle):
-    return _move_weights(be, cfg, w, handle), handle
+    return be.router.dispatch_weights(w, handle, cfg), handle
 
 
 def _move_weights_bwd(be, cfg, handle, g):
@@ -90,7 +93,7 @@ def _combine(be, cfg, y, w, handle):
 
 
 def _combine_fwd(be, cfg, y, w, handle):
-    return _combine(be, cfg, y, w, handle), (y, w, handle)
+    return be.combine_rows(y, w, handle, cfg), (y, w, handle)
 
 
 def _combine_bwd(be, cfg, res, g):
@@ -111,7 +114,7 @@ def _fp8_rows(be, cfg, x_dtype, x, handle):
 
 def _fp8_rows_fwd(be, cfg, x_dtype, x, handle):
     (x,) = first_order_only("dispatch", x)   # its fp8 rows carry no tangent
-    return _fp8_rows(be, cfg, x_dtype, x, handle), handle
+    return be.dispatch_rows_fp8(x, handle, cfg), handle
 
 
 def _fp8_rows_bwd(be, cfg, x_dtype, handle, g):
