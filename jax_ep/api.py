@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from . import backend as _backend
 from . import validate
 from .config import EpConfig
-from .fp8 import first_order_only
+from .first_order import FP8_PATH, NATIVE_KERNELS, first_order_only
 from .mesh_axes import to_vma, vma_of
 from .routing import merge_duplicate_weights
 from .types import Dispatched
@@ -57,14 +57,21 @@ def _move_rows(be, cfg, x, handle):
     return be.dispatch_rows(x, None, handle, cfg)[0]
 
 
-# The forward rules call the backend, not the custom_vjp function again: a
-# jax.jvp of a gradient differentiates them as ordinary code, and a jvp of a
-# nested custom_vjp call is an error.
+# Second order differentiates these rules as ordinary code: so the forward
+# rules call the backend, not the custom_vjp function again (a jvp of a nested
+# custom_vjp call is an error), and on the native backend every rule passes its
+# arrays through _first_order, whose derivative raises one clear error.
+def _first_order(be, where, *arrays):
+    return arrays if be.name == "reference" else first_order_only(where, NATIVE_KERNELS, *arrays)
+
+
 def _move_rows_fwd(be, cfg, x, handle):
+    (x,) = _first_order(be, "dispatch", x)
     return be.dispatch_rows(x, None, handle, cfg)[0], handle
 
 
 def _move_rows_bwd(be, cfg, handle, g):
+    (g,) = _first_order(be, "dispatch", g)
     return be.combine_rows(g, None, handle, cfg), None
 
 
@@ -77,10 +84,12 @@ def _move_weights(be, cfg, w, handle):
 
 
 def _move_weights_fwd(be, cfg, w, handle):
+    (w,) = _first_order(be, "dispatch", w)
     return be.router.dispatch_weights(w, handle, cfg), handle
 
 
 def _move_weights_bwd(be, cfg, handle, g):
+    (g,) = _first_order(be, "dispatch", g)
     return be.router.return_weights(g, handle, cfg), None
 
 
@@ -93,11 +102,13 @@ def _combine(be, cfg, y, w, handle):
 
 
 def _combine_fwd(be, cfg, y, w, handle):
+    y, w = _first_order(be, "combine", y, w)
     return be.combine_rows(y, w, handle, cfg), (y, w, handle)
 
 
 def _combine_bwd(be, cfg, res, g):
     y, w, handle = res
+    (g,) = _first_order(be, "combine", g)
     # a dispatch of g, weighted on the expert side (w None: rank_major, the
     # user weighted there), plus dw = <g_t, y_row>; native: one fused kernel
     dy, dw = be.combine_backward(g, y, w, handle, cfg)
@@ -113,7 +124,7 @@ def _fp8_rows(be, cfg, x_dtype, x, handle):
 
 
 def _fp8_rows_fwd(be, cfg, x_dtype, x, handle):
-    (x,) = first_order_only("dispatch", x)   # its fp8 rows carry no tangent
+    (x,) = first_order_only("dispatch", FP8_PATH, x)   # its fp8 rows carry no tangent
     return be.dispatch_rows_fp8(x, handle, cfg), handle
 
 

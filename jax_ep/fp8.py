@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import FP8_SCALE_FORMATS
+from .first_order import FP8_PATH, first_order_only
 
 F32 = jnp.float32
 FP8 = jnp.float8_e4m3fn
@@ -39,27 +40,6 @@ def _cast_blocks(xf, axes, scale_format: str):
     amax = jnp.maximum(jnp.max(jnp.abs(xf), axis=axes, keepdims=True), F32(1e-4))
     scale, mult = _scale_and_multiplier(amax, scale_format)
     return _to_e4m3(xf, mult), jnp.squeeze(scale, axis=axes)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def first_order_only(where: str, *arrays):
-    """``arrays`` unchanged; one clear error where a second-order derivative
-    (``jax.grad`` of a gradient, ``jax.hessian``, ``jax.jvp`` of a gradient)
-    would carry a tangent into them. For the fp8 path's ``custom_vjp`` rules,
-    which JAX differentiates at second order as ordinary code: a tangent of an
-    fp8 cast is itself e4m3 (3 mantissa bits, ±448), so it would round away or
-    overflow to NaN, silently. A first-order gradient never reaches the rule."""
-    return arrays
-
-
-@first_order_only.defjvp
-def _first_order_only_jvp(where, primals, tangents):
-    raise TypeError(
-        f"jax_ep.{where}: a second-order derivative (a gradient of a gradient, jax.hessian, "
-        "jax.jvp of a gradient) reached the fp8 path, which is differentiable to first order "
-        "only: float8_e4m3fn cannot carry a tangent (3 mantissa bits, saturating at 448; it "
-        "would round away or become NaN). Take higher-order derivatives on the bf16 path "
-        "(bf16 operands to jax_ep.grouped_matmul, dispatch without fp8)")
 
 
 def _check_format(fn: str, scale_format: str):
@@ -136,7 +116,7 @@ def _activations_st(x, scale_format):
 
 
 def _activations_st_fwd(x, scale_format):
-    (x,) = first_order_only("quantize_activations", x)
+    (x,) = first_order_only("quantize_activations", FP8_PATH, x)
     return fp8_cast(x, scale_format), jnp.zeros((0,), x.dtype)
 
 
@@ -255,7 +235,7 @@ def _weights_st(w, layout, scale_format):
 
 
 def _weights_st_fwd(w, layout, scale_format):
-    (w,) = first_order_only("quantize_weights", w)
+    (w,) = first_order_only("quantize_weights", FP8_PATH, w)
     return _weights(w, layout, scale_format), jnp.zeros((0,), w.dtype)
 
 

@@ -97,3 +97,21 @@ def test_hessian_vector_products_match_dense(layout):
         for arg, a, b in zip(("x", "topk_weights", "W"), got, want):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-4,
                                        err_msg=f"{name}, {arg}")
+
+
+def test_second_order_on_the_native_backend_raises_clearly(monkeypatch):
+    """The native kernels have no derivative rules: a second-order derivative
+    through dispatch / combine on the native backend raises one TypeError
+    naming the reference backend (the reference backend, renamed, stands in
+    for it: the rules key on the backend's name); first order is unchanged."""
+    from jax_ep.intranode import reference
+    loss_ep, _, args, _ = _ep_and_dense_losses("expert_major", (2, 4), ragged_dot=False)
+    want = jax.jit(jax.grad(loss_ep, argnums=(0, 1, 2)))(*args)
+    monkeypatch.setattr(reference.ReferenceBackend, "name", "native")
+    got = jax.jit(jax.grad(loss_ep, argnums=(0, 1, 2)))(*args)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    grad_norm = lambda *a: sum(jnp.sum(g ** 2) for g in jax.grad(loss_ep, argnums=(0, 1, 2))(*a))
+    with pytest.raises(TypeError, match=r"jax_ep\.(dispatch|combine): a second-order .*"
+                                        r"backend='reference'"):
+        jax.grad(grad_norm)(*args)

@@ -20,8 +20,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "jax_ep")
 
 LAYERS = [
-    ("base", ["jax_ep.abi", "jax_ep.extension", "jax_ep.hosts", "jax_ep.shared_gpu",
-              "jax_ep.nvshmem_env", "jax_ep.device_errors", "jax_ep.mesh_axes", "jax_ep.region",
+    ("base", ["jax_ep.abi", "jax_ep.extension", "jax_ep.first_order", "jax_ep.hosts",
+              "jax_ep.shared_gpu", "jax_ep.nvshmem_env", "jax_ep.device_errors",
+              "jax_ep.mesh_axes", "jax_ep.region",
               "jax_ep.intranode", "jax_ep.internode", "jax_ep.low_latency",
               "jax_ep.low_latency.types", "jax_ep.ragged"]),
     ("config", ["jax_ep.config", "jax_ep.types", "jax_ep.fp8", "jax_ep.low_latency.config",

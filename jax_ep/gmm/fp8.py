@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from .._ffi import to_vma, vma_of
-from ..fp8 import FP8_BLOCK, WEIGHT_LAYOUTS, check_quantized_pair, first_order_only
+from ..first_order import FP8_PATH, first_order_only
+from ..fp8 import FP8_BLOCK, WEIGHT_LAYOUTS, check_quantized_pair
 from . import fp8_columns, rows
 from .config import GroupedMatmulConfig
 from .ops import gmm, offsets, tgmm
@@ -166,7 +167,7 @@ _fp8_vjp = functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))(_forw
 
 
 def _fp8_vjp_fwd(x, xs, w, ws, group_sizes, w_t, cfg, out_dtype, w_layout, c):
-    x, xs, w, ws = first_order_only("grouped_matmul", x, xs, w, ws)
+    x, xs, w, ws = first_order_only("grouped_matmul", FP8_PATH, x, xs, w, ws)
     return (_forward(x, xs, w, ws, group_sizes, w_t, cfg, out_dtype, w_layout, c),
             (x, xs, w, ws, group_sizes, w_t))
 
@@ -174,7 +175,7 @@ def _fp8_vjp_fwd(x, xs, w, ws, group_sizes, w_t, cfg, out_dtype, w_layout, c):
 def _fp8_vjp_bwd(cfg, out_dtype, w_layout, c, res, dy):
     x, xs, w, ws, group_sizes, w_t = res
     if cfg.fp8_dx or cfg.fp8_dw:   # dy is cast to fp8 below
-        (dy,) = first_order_only("grouped_matmul", dy)
+        (dy,) = first_order_only("grouped_matmul", FP8_PATH, dy)
     b = rows.backward_rows(group_sizes, c)   # masked: rows outside the groups get none
     dy = b.clean(dy)
     dx = b.clean(_dx(cfg, w_layout, w, ws, group_sizes, dy, w_t, b.row_groups))
