@@ -52,22 +52,25 @@ def _reject_forward_mode(fn: str, *arrays):
 
 
 # -- differentiable pieces (backend and config static) ------------------------
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _move_rows(be, cfg, x, handle):
-    return be.dispatch_rows(x, None, handle, cfg)[0]
-
-
-# Second order differentiates these rules as ordinary code: so the forward
-# rules call the backend, not the custom_vjp function again (a jvp of a nested
-# custom_vjp call is an error), and on the native backend every rule passes its
-# arrays through _first_order, whose derivative raises one clear error.
+# Second order differentiates these rules as ordinary code: so each op's
+# primal is a plain function that its forward rule calls, not the custom_vjp
+# function again (a jvp of a nested custom_vjp call is an error), and on the
+# native backend every rule passes its arrays through _first_order, whose
+# derivative raises one clear error.
 def _first_order(be, where, *arrays):
     return arrays if be.name == "reference" else first_order_only(where, NATIVE_KERNELS, *arrays)
 
 
+def _rows_forward(be, cfg, x, handle):
+    return be.dispatch_rows(x, None, handle, cfg)[0]
+
+
+_move_rows = partial(jax.custom_vjp, nondiff_argnums=(0, 1))(_rows_forward)
+
+
 def _move_rows_fwd(be, cfg, x, handle):
     (x,) = _first_order(be, "dispatch", x)
-    return be.dispatch_rows(x, None, handle, cfg)[0], handle
+    return _rows_forward(be, cfg, x, handle), handle
 
 
 def _move_rows_bwd(be, cfg, handle, g):
@@ -78,14 +81,16 @@ def _move_rows_bwd(be, cfg, handle, g):
 _move_rows.defvjp(_move_rows_fwd, _move_rows_bwd)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _move_weights(be, cfg, w, handle):
+def _weights_forward(be, cfg, w, handle):
     return be.router.dispatch_weights(w, handle, cfg)
+
+
+_move_weights = partial(jax.custom_vjp, nondiff_argnums=(0, 1))(_weights_forward)
 
 
 def _move_weights_fwd(be, cfg, w, handle):
     (w,) = _first_order(be, "dispatch", w)
-    return be.router.dispatch_weights(w, handle, cfg), handle
+    return _weights_forward(be, cfg, w, handle), handle
 
 
 def _move_weights_bwd(be, cfg, handle, g):
@@ -96,14 +101,16 @@ def _move_weights_bwd(be, cfg, handle, g):
 _move_weights.defvjp(_move_weights_fwd, _move_weights_bwd)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _combine(be, cfg, y, w, handle):
+def _combine_forward(be, cfg, y, w, handle):
     return be.combine_rows(y, w, handle, cfg)
+
+
+_combine = partial(jax.custom_vjp, nondiff_argnums=(0, 1))(_combine_forward)
 
 
 def _combine_fwd(be, cfg, y, w, handle):
     y, w = _first_order(be, "combine", y, w)
-    return be.combine_rows(y, w, handle, cfg), (y, w, handle)
+    return _combine_forward(be, cfg, y, w, handle), (y, w, handle)
 
 
 def _combine_bwd(be, cfg, res, g):
@@ -118,14 +125,16 @@ def _combine_bwd(be, cfg, res, g):
 _combine.defvjp(_combine_fwd, _combine_bwd)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _fp8_rows(be, cfg, x_dtype, x, handle):
+def _fp8_rows_forward(be, cfg, x_dtype, x, handle):
     return be.dispatch_rows_fp8(x, handle, cfg)
+
+
+_fp8_rows = partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))(_fp8_rows_forward)
 
 
 def _fp8_rows_fwd(be, cfg, x_dtype, x, handle):
     (x,) = first_order_only("dispatch", FP8_PATH, x)   # its fp8 rows carry no tangent
-    return be.dispatch_rows_fp8(x, handle, cfg), handle
+    return _fp8_rows_forward(be, cfg, x_dtype, x, handle), handle
 
 
 def _fp8_rows_bwd(be, cfg, x_dtype, handle, g):
