@@ -44,22 +44,21 @@ file):
   per-group pipeline there.
 
 * fp8 clusters (bench/results/2026-12-04-h200x1-fp8-grouped-matmul.md, one
-  run, uniform sizes): 2-CTA clusters sharing the x tile reached 767 TF/s at
-  V3 up (K 7168, 56 k-steps of 128) against 712 and 752 for two rows of the
-  1-CTA kernel in the same run (a spread as large as the gain), and lost at
-  V3 down (K 2048, 16 steps: 754 against 801 and 799).
-  ``fp8_cluster_min_k_steps`` = 0 keeps the fp8 kernel on single CTAs until
-  pairs are measured ahead beyond the spread (skewed sizes, dx included).
+  H200, one run, uniform sizes): the Pallas kernel's 2-CTA clusters sharing
+  the x tile ran V3 up at 742 TF/s against 776 and 807 for two rows of the
+  1-CTA kernel, V3 down at 793 against 787 and 808: level within the run's
+  spread (CTA pairs of the CUDA kernel, tried on an H100, were slower and
+  were removed: docs/decisions.md). ``fp8_cluster_min_k_steps`` = 0 keeps
+  the Pallas kernel on single CTAs.
 
-* fp8 kernel family (bench/results/2026-12-04-h200x1-fp8-grouped-matmul.md):
-  on an H100 ``fp8_kernel`` = "cuda": its forward (256-row tiles) at V3
-  shapes, one run, against the Pallas kernel: up 975 vs 799 TF/s (uniform
-  sizes), 789 vs 660 (skewed); down 811 vs 796, 709 vs 653 (an earlier run
-  on another H100: 899 vs 795, 754 vs 616, 818 vs 796, 717 vs 662); the V3
-  layer with the weights quantized outside the step 19.50 vs 20.07 ms; its
-  GPU tests passed there, the API with gradients on it included. On an H200
-  "pallas" until the CUDA forward's present form has run there (an earlier
-  form ended in an illegal instruction on one).
+* fp8 kernel family (bench/results/2026-12-04-h200x1-fp8-grouped-matmul.md,
+  one H100, one run): ``fp8_kernel`` = "cuda" on an H100: its forward
+  (256-row tiles, TMA store) at V3 shapes against the Pallas kernel, up
+  1.938 vs 2.451 ms (uniform sizes), 2.461 vs 2.922 (skewed); down 0.996 vs
+  1.265, 1.218 vs 1.426, bit for bit; its GPU tests passed there, the API
+  with gradients on it included. On an H200 "pallas" until the CUDA
+  forward's present form has run there (an earlier form ended in an
+  illegal instruction on one).
 
 * fp8 tile store (bench/results/2026-12-04-h200x1-fp8-grouped-matmul.md, one H100, one run):
   the CUDA forward storing its bf16 tiles by TMA (3 stages) against from
