@@ -16,6 +16,7 @@ from jax_ep.gmm import (GroupedMatmulConfig, fp8_columns, heuristic, pallas_fp8,
                         probe, registry, select, tuning)
 from jax_ep.gmm import fp8 as gm_fp8
 from jax_ep.gmm import ops as gm_ops
+from jax_ep.gmm import rows as gm_rows
 from jax_ep.gmm.devices import DEVICES
 from jax_ep.gmm.pallas_common import row_tile_table
 from jax_ep.gmm.xla import dequantize_columns, gmm_fp8_nt_xla, tgmm_fp8_nt_xla
@@ -825,6 +826,52 @@ def test_cuda_kernel_plan_and_its_ffi_call(monkeypatch):
     with pytest.raises(ValueError, match="no interpret mode"):
         select.plan_fp8(dataclasses.replace(cfg, interpret=True), "fwd", x, xs, w, ws,
                         jnp.bfloat16)
+
+
+@pytest.mark.parametrize("sizes, m", [
+    ([320, 64, 300, 7, 0, 129, 1, 19, 20, 40, 50, 10, 41], 1024),   # one-block tiles, a tail
+    ([256, 320] * 8 + [0, 320, 320, 64], 5120),                    # the V3 layer's padding
+    ([5, 0, 60, 300], 365),                                         # an odd count, no tail
+    ([0, 0, 0], 256),                                               # all empty
+    ([600, 700], 1300),                                             # no one-block tile
+    ("masked", 1024),                                               # fixed starts, no tail
+])
+def test_cuda_table_pairs_one_block_tiles(sizes, m):
+    """The CUDA forward's table pairs the tiles that store rows of their
+    first 64-row block only, in table order: the walked tiles (``counts``)
+    and their partners store every row of every group exactly once, a
+    partner sits past the walked tiles, and the tail tiles keep their place
+    after the group tiles (with offsets; fixed starts have no tail)."""
+    from jax_ep.gmm import cuda_fp8
+
+    if sizes == "masked":   # the masked layout [8, 128]: rows past a group's size get no tile
+        sizes = [128, 5, 64, 0, 70, 1, 127, 64]
+        off = gm_rows.masked(jnp.asarray(np.array(sizes, np.int32)), 128)
+        owned = np.concatenate([np.arange(128) < s for s in sizes])
+    else:
+        off = gm_ops.offsets(jnp.asarray(np.array(sizes, np.int32)), m)
+        owned = np.ones(m, bool)   # the groups' rows and the tail's zeros
+    before = row_tile_table(off, m, cuda_fp8.NT_TILE_ROWS)
+    counts, rs, lo, hi, grp, partner = (
+        np.asarray(a) for a in jax.jit(cuda_fp8.pair_one_block_tiles)(*before))
+    walked = int(counts.sum())
+    lone = [f for f in range(int(np.asarray(before[0])[0]))
+            if np.asarray(before[2])[f] >= np.asarray(before[1])[f]
+            and np.asarray(before[3])[f] <= np.asarray(before[1])[f] + 64]
+    assert int(counts[0]) == int(np.asarray(before[0])[0]) - len(lone) // 2
+    assert int(counts[1]) == int(np.asarray(before[0])[1])
+    stored = np.zeros(m, np.int32)
+    for f in range(walked):
+        for t in [f] + ([int(partner[f])] if partner[f] >= 0 else []):
+            stored[lo[t]:hi[t]] += 1
+        if partner[f] >= 0:
+            q = int(partner[f])
+            assert q >= walked and grp[f] >= 0 and grp[q] >= 0 and grp[q] != grp[f]
+            assert rs[f] <= lo[f] and hi[f] <= rs[f] + 64 and rs[q] <= lo[q] and hi[q] <= rs[q] + 64
+    np.testing.assert_array_equal(stored, owned.astype(np.int32))
+    assert (grp[:counts[0]] >= 0).all() and (grp[counts[0]:walked] < 0).all()
+    assert (partner[walked:] < 0).all()
+    assert int((partner[:walked] >= 0).sum()) == len(lone) // 2
 
 
 def _assert_one_call(fn, args, target, operands):

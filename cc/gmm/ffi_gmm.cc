@@ -4,7 +4,7 @@
 //
 // jax_ep_gmm_fp8_nt (gmm/fp8_nt.cu): x [M, Kc] e4m3, xs_t [Kc/128, M] f32, v
 // [G, N, Kc] e4m3, vs [G, N/128, Kc/128] f32, and
-// the int32 row-tile table row_start, lo, hi, group [T] with counts [2]
+// the int32 row-tile table row_start, lo, hi, group, partner [T] with counts [2]
 // (gmm/kernels.h), cut at attribute tile_rows rows -> out [M, N] bf16 or f32.
 //
 // jax_ep_gmm_fp8_dw (gmm/fp8_dw.cu): a [Ka, P] e4m3, as [P/128, Ka] f32, c
@@ -62,7 +62,8 @@ ffi::Error GmmFp8NtImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                         ffi::AnyBuffer v, ffi::Buffer<ffi::F32> vs,
                         ffi::Buffer<ffi::S32> row_start, ffi::Buffer<ffi::S32> lo,
                         ffi::Buffer<ffi::S32> hi, ffi::Buffer<ffi::S32> group,
-                        ffi::Buffer<ffi::S32> counts, int32_t num_sms, int32_t tile_rows,
+                        ffi::Buffer<ffi::S32> partner, ffi::Buffer<ffi::S32> counts,
+                        int32_t num_sms, int32_t tile_rows,
                         int32_t tma_store, ffi::Result<ffi::AnyBuffer> out) {
   GmmFp8Args a;
   a.tile_rows = tile_rows;
@@ -70,8 +71,9 @@ ffi::Error GmmFp8NtImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
   JAX_EP_RETURN_IF_ERROR(Shapes(x, xs_t, v, vs, *out, &a));
   if (counts.element_count() != 2 || lo.element_count() != row_start.element_count() ||
       hi.element_count() != row_start.element_count() ||
-      group.element_count() != row_start.element_count())
-    return InvalidArgument(std::string(kOp) + ": the row-tile table must be four int32 [T] "
+      group.element_count() != row_start.element_count() ||
+      partner.element_count() != row_start.element_count())
+    return InvalidArgument(std::string(kOp) + ": the row-tile table must be five int32 [T] "
                            "arrays and counts [2]");
   a.x = x.untyped_data();
   a.xs_t = xs_t.typed_data();
@@ -81,6 +83,7 @@ ffi::Error GmmFp8NtImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
   a.lo = lo.typed_data();
   a.hi = hi.typed_data();
   a.group = group.typed_data();
+  a.partner = partner.typed_data();
   a.counts = counts.typed_data();
   a.out = out->untyped_data();
   a.out_f32 = out->element_type() == ffi::F32;
@@ -153,6 +156,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGmmFp8Nt, jax_ep::GmmFp8NtImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // lo [T]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // hi [T]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // group [T]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // partner [T]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // counts [2]
                                   .Attr<int32_t>("num_sms")    // CTAs (0: one per SM)
                                   .Attr<int32_t>("tile_rows")  // the table's rows per tile

@@ -6,18 +6,22 @@
 // tile and the rows' scales. The tile's rows are four 64-row blocks; consumer
 // warpgroup wg owns blocks wg and wg + 2, so a tile with 128 rows or fewer to
 // store still keeps both consumers busy, and a block holding none of them
-// issues no WGMMA. Per block a consumer runs the block's product, then adds it
-// times xs[row] * vs[block] to the block's f32 sum (one FMA per register): the
-// tensor core's fp8 partial sums are promoted every 128 of the contraction, as
-// DeepSeek-V3 does. While one consumer promotes, the other's WGMMAs run. The
-// sums go to HBM only for the rows [lo, hi) of the tile: from registers, or
-// (GmmFp8Args::tma_store, bf16 only) through a shared-memory copy of the tile
-// stored by TMA where a 64-row block lies wholly inside [lo, hi), a ring of 3
-// stages then leaving room for it. The TMA store frees the consumers from the
-// global-store queue (ncu, V3 down on an H100: 17% of their stalls). A
-// consumer releases each stage as its last WGMMA on it completes, before that
-// block's promotion, so the producer refills it meanwhile: what lets 3 stages
-// keep up with 4 (tuning.py, fp8 tile store).
+// issues no WGMMA. Tiles that store rows of their first 64-row block only (a
+// small group, a group's last rows) come paired from the table
+// (cuda_fp8.pair_one_block_tiles): a pair's stage holds both 64-row x blocks
+// and both groups' weight tiles (the second in the x tile's upper half), and
+// each consumer runs one of them. Per block a consumer runs the block's
+// product, then adds it times xs[row] * vs[block] to the block's f32 sum (one
+// FMA per register): the tensor core's fp8 partial sums are promoted every 128
+// of the contraction, as DeepSeek-V3 does. While one consumer promotes, the
+// other's WGMMAs run. The sums go to HBM only for the rows [lo, hi) of the
+// tile: from registers, or (GmmFp8Args::tma_store, bf16 only) through a
+// shared-memory copy of the tile stored by TMA where a 64-row block lies wholly
+// inside [lo, hi), a ring of 3 stages then leaving room for it. The TMA store
+// frees the consumers from the global-store queue (ncu, V3 down on an H100: 17%
+// of their stalls). A consumer releases each stage as its last WGMMA on it
+// completes, before that block's promotion, so the producer refills it
+// meanwhile: what lets 3 stages keep up with 4 (tuning.py, fp8 tile store).
 //
 // Why 256 rows: with 128-row tiles the kernel waited on memory (ncu on an
 // H100, V3 up projection at 256 rows per group: L2 throughput 95%, DRAM 77%,
@@ -38,13 +42,24 @@ using namespace fp8_ring;
 constexpr int kRows = 2 * kBM;          // a tile's rows
 using FwdRing = RingOf<kRows, 4>;       // 4 stages of 49.5 KB: what shared memory holds
 constexpr uint32_t kStageTx = FwdRing::kABytes + kTileBytes + kRows * 4;
+// A pair of one-block tiles: two 64-row x blocks (rows 0-63 and 64-127 of the
+// stage's x tile), two weight tiles (the stage's B tile and the x tile's upper
+// half) and two blocks of row scales.
+constexpr uint32_t kPairTx = kTileBytes + 2 * kTileBytes + 2 * 64 * 4;
 // With TMA stores: 3 stages and the bf16 tile, 4 boxes per consumer (64 KB).
 using FwdTmaSmem = WithOut<RingOf<kRows, 3>, kConsumers * 4 * kBoxBytes>;
 template <bool Tma>
 using FwdSmem = std::conditional_t<Tma, FwdTmaSmem, FwdRing>;
 
+// A row tile of the table at one column tile; where it stores rows of its
+// first 64-row block only, perhaps paired with another such tile (p_*; p_group
+// -1: none), whose block the second consumer runs beside it.
 struct Tile {
   int row_start, lo, hi, group, col;
+  int p_row_start = 0, p_lo = 0, p_hi = 0, p_group = -1;
+  __device__ bool paired() const { return p_group >= 0; }
+  // the partner as consumer 1 sees it: its block 0 at this tile's block 1
+  __device__ Tile partner_view() const { return {p_row_start - 64, p_lo, p_hi, p_group, col}; }
   // whether the tile stores any of its rows [128, 256): the upper half is loaded
   __device__ bool upper() const { return row_start + kBM < hi; }
   // whether the tile stores any row of its 64-row block b
@@ -60,19 +75,60 @@ struct Tile {
 };
 
 __device__ __forceinline__ Tile tile_at(const GmmFp8Args& a, int t, int grid_n) {
-  const int f = t / grid_n;
-  return {a.row_start[f], a.lo[f], a.hi[f], a.group[f], t % grid_n};
+  const int f = t / grid_n, p = a.partner[f];
+  Tile tl{a.row_start[f], a.lo[f], a.hi[f], a.group[f], t % grid_n};
+  if (p >= 0) {
+    tl.p_row_start = a.row_start[p];
+    tl.p_lo = a.lo[p];
+    tl.p_hi = a.hi[p];
+    tl.p_group = a.group[p];
+  }
+  return tl;
+}
+
+// The consumers read the tile table a tile ahead, its entry for tile t spread
+// over lanes 0-3 of each warp (row_start, lo, hi, group) and its partner's
+// over lanes 4-7: each lane's load has its own address, so the values stay in
+// plain registers until the broadcast at the tile's start (loaded where the
+// tile starts, their latency from L2 would sit before its first WGMMAs).
+__device__ __forceinline__ int tile_entry_part(const GmmFp8Args& a, int t, int grid_n) {
+  const int f = t / grid_n, lane = threadIdx.x % 32;
+  const int* field = lane % 4 == 0 ? a.row_start : lane % 4 == 1 ? a.lo
+                     : lane % 4 == 2 ? a.hi : a.group;
+  const int src = lane < 4 ? f : lane < 8 ? a.partner[f] : -1;
+  return src >= 0 ? field[src] : (lane % 4 == 3 ? -1 : 0);
+}
+__device__ __forceinline__ Tile tile_from_parts(int part, int t, int grid_n) {
+  const auto at = [&](int lane) { return __shfl_sync(0xffffffffu, part, lane); };
+  return {at(0), at(1), at(2), at(3), t % grid_n, at(4), at(5), at(6), at(7)};
 }
 
 template <typename R>
 __device__ void produce(const GmmFp8Args& a, const Maps& m, const R& r, int tiles,
                         int grid_n, int ksteps) {
-  for (const CUtensorMap* map : {&m.a, &m.b, &m.a_scales}) sm90::tma_prefetch(map);
+  for (const CUtensorMap* map : {&m.a, &m.b, &m.a_scales, &m.a_block, &m.a_block_scales})
+    sm90::tma_prefetch(map);
   uint32_t i = 0;
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
     const Tile tl = tile_at(a, t, grid_n);
     if (tl.group < 0) continue;   // a tail tile: zeros, nothing to load
     const int v_row = tl.group * a.n + tl.col * kBN;
+    if (tl.paired()) {   // x blocks at rows 0 and 64, the partner's weight in the upper half
+      const int p_row = tl.p_group * a.n + tl.col * kBN;
+      for (int k = 0; k < ksteps; ++k, ++i) {
+        const int s = r.fill(i, kPairTx);
+        uint64_t* full = &r.full[s];
+        uint8_t* x_tile = r.a + s * R::kABytes;
+        sm90::tma_load_2d(x_tile, &m.a_block, full, k * kBK, tl.row_start);
+        sm90::tma_load_2d(x_tile + kTileBytes / 2, &m.a_block, full, k * kBK, tl.p_row_start);
+        sm90::tma_load_2d(r.b + s * kTileBytes, &m.b, full, k * kBK, v_row);
+        sm90::tma_load_2d(x_tile + kTileBytes, &m.b, full, k * kBK, p_row);
+        sm90::tma_load_2d(r.a_scales + s * kRows, &m.a_block_scales, full, tl.row_start, k);
+        sm90::tma_load_2d(r.a_scales + s * kRows + 64, &m.a_block_scales, full, tl.p_row_start,
+                          k);
+      }
+      continue;
+    }
     const bool upper = tl.upper();
     for (int k = 0; k < ksteps; ++k, ++i) {
       const int s = r.fill(i, kStageTx - (upper ? 0 : kTileBytes));
@@ -86,20 +142,20 @@ __device__ void produce(const GmmFp8Args& a, const Maps& m, const R& r, int tile
   }
 }
 
-// Consumer: block `b`'s product for use i's stage, promoted into `sum`; `release`:
-// the consumer's last read of the stage, released before the promotion.
+// Consumer: block `b`'s product for the current stage of `c`, promoted into
+// `sum`; `release`: the consumer's last read of the stage, released before the
+// promotion.
 template <typename R>
 __device__ __forceinline__ void block_kstep(float (&sum)[64], float (&prod)[64],
-                                            const R& r, int s, int b, float w_scale,
-                                            bool release) {
-  issue_product(prod, r.a + s * R::kABytes + b * 64 * kBK, r.b + s * kTileBytes);
+                                            const ConsumerRing<R>& c, int b, uint32_t w_desc,
+                                            float w_scale, bool release) {
+  issue_product(prod, c.a_desc(b), w_desc);
   // the rows' scales while the tensor core runs
-  const int row = 64 * b + acc_row(0);
-  const float s0 = r.a_scales[s * kRows + row] * w_scale;
-  const float s1 = r.a_scales[s * kRows + row + 8] * w_scale;
+  const float s0 = c.a_scale(b, 0) * w_scale;
+  const float s1 = c.a_scale(b, 8) * w_scale;
   wait_product(prod);
   // the stage's last read is done: the producer may refill it during the promotion
-  if (release) r.release(s);
+  c.release(release);
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
     sum[4 * j + 0] = fmaf(prod[4 * j + 0], s0, sum[4 * j + 0]);
@@ -137,20 +193,27 @@ template <typename Out, bool Tma, typename R>
 __device__ void consume(const GmmFp8Args& a, const Maps& m, const R& r, int tiles, int grid_n,
                         int ksteps, int wg) {
   float prod[64], lower[64], upper[64];   // the sums of blocks wg and wg + 2
-  uint32_t i = 0;
+  ConsumerRing<R> c(r);
+  int part = blockIdx.x < tiles ? tile_entry_part(a, blockIdx.x, grid_n) : 0;
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const Tile tl = tile_at(a, t, grid_n);
+    const Tile entry = tile_from_parts(part, t, grid_n);
+    if (t + gridDim.x < tiles) part = tile_entry_part(a, t + gridDim.x, grid_n);
+    // in a pair consumer 1 runs the partner's block, as block 1 of its view,
+    // against the partner's weight in the x tile's upper half
+    const bool partner = entry.paired() && wg == 1;
+    const Tile tl = partner ? entry.partner_view() : entry;
 #pragma unroll
     for (int j = 0; j < 64; ++j) lower[j] = upper[j] = 0.f;
     const bool on_lower = tl.block_on(wg), on_upper = tl.block_on(wg + 2);
     // the tile's weight-block scales, [ksteps] (a tail tile reads none)
     const float* vs = a.vs + (static_cast<long long>(tl.group) * (a.n / kBN) + tl.col) * ksteps;
-    for (int k = 0; tl.group >= 0 && k < ksteps; ++k, ++i) {
+    for (int k = 0; tl.group >= 0 && k < ksteps; ++k, c.next()) {
       const float w_scale = vs[k];   // in flight while this thread waits for the stage
-      const int s = r.wait_loaded(i);
-      if (on_lower) block_kstep(lower, prod, r, s, wg, w_scale, !on_upper);
-      if (on_upper) block_kstep(upper, prod, r, s, wg + 2, w_scale, true);
-      if (!on_lower && !on_upper) r.release(s);
+      c.wait_loaded();
+      const uint32_t w_desc = partner ? c.a_desc(2) : c.b_desc();
+      if (on_lower) block_kstep(lower, prod, c, wg, w_desc, w_scale, !on_upper);
+      if (on_upper) block_kstep(upper, prod, c, wg + 2, w_desc, w_scale, true);
+      if (!on_lower && !on_upper) c.release();
     }
     // rows outside [lo, hi) belong to a neighbouring group (or the tail): not
     // stored; with TMA stores a block whose rows all are the tile's goes by
@@ -204,7 +267,9 @@ cudaError_t launch_gmm_fp8_nt(const GmmFp8Args& a, cudaStream_t stream) {
   // x in 128-row boxes (a tile loads one or two); rows past m read as zeros
   if (!encode_2d(&maps.a, e4m3, a.x, a.m, a.kc, 1, kBM, kBK, sw128) ||
       !encode_2d(&maps.b, e4m3, a.v, uint64_t(a.groups) * a.n, a.kc, 1, kBN, kBK, sw128) ||
-      !encode_2d(&maps.a_scales, f32, a.xs_t, a.kc / kBK, a.m, 4, 1, kRows, plain))
+      !encode_2d(&maps.a_scales, f32, a.xs_t, a.kc / kBK, a.m, 4, 1, kRows, plain) ||
+      !encode_2d(&maps.a_block, e4m3, a.x, a.m, a.kc, 1, 64, kBK, sw128) ||
+      !encode_2d(&maps.a_block_scales, f32, a.xs_t, a.kc / kBK, a.m, 4, 1, 64, plain))
     return cudaErrorInvalidValue;
   if (a.out_f32) return launch<FwdRing>(gmm_fp8_nt_kernel<float, false>, maps, a, a.num_sms,
                                         a.device, stream);

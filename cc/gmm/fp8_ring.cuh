@@ -11,11 +11,13 @@
 // accumulator (start_kstep), waits for them, promotes the product and releases
 // the stage on its "empty" barrier (one arrival per consumer warp).
 //
-// Issue budget (cuobjdump of the sm_90a build): per 64 x 128 x 128 product a
-// consumer warp issues about 150 instructions (4 WGMMAs, 64 promoting FMAs,
-// the rest barrier, descriptor and scale work), half the Pallas kernel's,
-// which is issue-bound; the forward waits on memory instead (ncu:
-// bench/results/2026-12-04-h200x1-fp8-grouped-matmul.md).
+// Issue budget (nvdisasm of the sm_90a build, static count of a k-step): per
+// 64 x 128 x 128 product a forward consumer warp issues about 115 instructions
+// where both its blocks are on and 135 where one is (4 WGMMAs, 64 promoting
+// FMAs, the rest barrier, descriptor and scale work, mostly on the uniform
+// datapath: ConsumerRing keeps the ring's shared addresses as 32-bit values),
+// against 157 and 189 with the addresses recomputed from generic pointers at
+// each k-step.
 #pragma once
 
 #include <cuda.h>
@@ -40,6 +42,8 @@ constexpr int kBoxBytes = 64 * 128;                 // 64 rows x 64 bf16 columns
 // output where the kernel stores it by TMA (dw; the forward with tma_store).
 struct Maps {
   CUtensorMap a, b, a_scales, b_scales, out;
+  // the forward's 64-row boxes of A and of its row scales (paired tiles)
+  CUtensorMap a_block, a_block_scales;
 };
 
 // A ring of `Stages` stages of an ARows-row A tile, a 128-row B tile and their
@@ -47,6 +51,7 @@ struct Maps {
 template <int ARows, int Stages>
 struct RingOf {
   static constexpr int kStages = Stages;
+  static constexpr int kARows = ARows;
   static constexpr uint32_t kABytes = ARows * kBK;
   static constexpr size_t kSmemBytes =
       1024 + Stages * (kABytes + kTileBytes + (ARows + kBN) * 4) + 2 * Stages * 8;
@@ -145,16 +150,21 @@ __device__ __forceinline__ int load_stage(const Maps& m, const Ring& r, uint32_t
 
 // Consumer: issue the product of 64 rows of A (`a`: their first row in a
 // stage) with the 128 rows of B (`b`) into `prod` (from zero), one commit group.
-__device__ __forceinline__ void issue_product(float (&prod)[64], const uint8_t* a,
-                                              const uint8_t* b) {
-  const uint64_t da = sm90::kmajor_sw128_desc(a);
-  const uint64_t db = sm90::kmajor_sw128_desc(b);
+// The tiles given by their descriptors' low words (sm90::sw128_desc_lo).
+__device__ __forceinline__ void issue_product(float (&prod)[64], uint32_t a_lo, uint32_t b_lo) {
 #pragma unroll
   for (int j = 0; j < 64; ++j) sm90::reg_fence(prod[j]);
   sm90::wgmma_fence();
 #pragma unroll
-  for (int k = 0; k < kBK / 32; ++k) sm90::wgmma_m64n128k32_e4m3(prod, da + 2 * k, db + 2 * k, k > 0);
+  for (int k = 0; k < kBK / 32; ++k)
+    sm90::wgmma_m64n128k32_e4m3(prod, sm90::sw128_desc(a_lo + 2 * k),
+                                sm90::sw128_desc(b_lo + 2 * k), k > 0);
   sm90::wgmma_commit();
+}
+__device__ __forceinline__ void issue_product(float (&prod)[64], const uint8_t* a,
+                                              const uint8_t* b) {
+  issue_product(prod, sm90::sw128_desc_lo(sm90::smem_addr(a)),
+                sm90::sw128_desc_lo(sm90::smem_addr(b)));
 }
 
 // Wait for the products issued, then keep the compiler's hands off `prod` until here.
@@ -178,6 +188,49 @@ __device__ __forceinline__ int acc_row(int wg) {
   return 64 * wg + 16 * ((threadIdx.x % 128) / 32) + (threadIdx.x % 32) / 4;
 }
 __device__ __forceinline__ int acc_col() { return 2 * (threadIdx.x % 4); }
+
+// A consumer thread's view of ring R: the stage-0 addresses it uses, as 32-bit
+// shared addresses computed once (a k-step then adds a stage offset: no
+// generic-to-shared conversion, no 64-bit descriptor arithmetic), and its place
+// in the ring's sequence of uses (use i: stage i % Stages, parity (i / Stages) & 1).
+template <typename R>
+struct ConsumerRing {
+  uint32_t a_lo, b_lo;    // descriptor low words of stage 0's A and B tiles
+  uint32_t scale;         // stage 0's A scale of this thread's row acc_row(0)
+  uint32_t full, empty;   // stage 0's barriers
+  int s = 0;              // the stage of the current use
+  uint32_t parity = 0;    // its phase parity
+
+  __device__ explicit ConsumerRing(const R& r)
+      : a_lo(sm90::kept(sm90::sw128_desc_lo(sm90::smem_addr(r.a)))),
+        b_lo(sm90::kept(sm90::sw128_desc_lo(sm90::smem_addr(r.b)))),
+        scale(sm90::kept(sm90::smem_addr(r.a_scales + acc_row(0)))),
+        full(sm90::kept(sm90::smem_addr(r.full))),
+        empty(sm90::kept(sm90::smem_addr(r.empty))) {}
+
+  __device__ __forceinline__ void next() {
+    if (++s == R::kStages) {
+      s = 0;
+      parity ^= 1;
+    }
+  }
+  __device__ __forceinline__ void wait_loaded() const { sm90::bar_wait(full + 8 * s, parity); }
+  // this warp has read the stage (every lane): one arrival on its empty
+  // barrier, where `when`
+  __device__ __forceinline__ void release(bool when = true) const {
+    __syncwarp();
+    sm90::bar_arrive_if(empty + 8 * s, when && threadIdx.x % 32 == 0);
+  }
+  // 64-row block b of the stage's A tile, and its B tile: descriptor low words
+  __device__ __forceinline__ uint32_t a_desc(int b) const {
+    return a_lo + (s * R::kABytes + b * 64 * kBK) / 16;
+  }
+  __device__ __forceinline__ uint32_t b_desc() const { return b_lo + s * (kTileBytes / 16); }
+  // the stage's A scale of row acc_row(0) + 64 b + plus
+  __device__ __forceinline__ float a_scale(int b, int plus) const {
+    return sm90::lds_f32(scale + 4 * (s * R::kARows + 64 * b + plus));
+  }
+};
 
 template <typename Out>
 __device__ __forceinline__ void store_pair(Out* p, float a, float b);
@@ -267,7 +320,8 @@ __device__ __forceinline__ void run(uint8_t* smem, Produce produce, Consume cons
   const R ring = R::at(smem);
   if (threadIdx.x == 0) ring.init();
   __syncthreads();
-  const int wg = threadIdx.x / 128;
+  // warp-uniform to the compiler (the lane-0 value): index math stays scalar
+  const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
   if (wg == kConsumers) {
     sm90::regs_decrease<40>();
     if (threadIdx.x == 128 * kConsumers) produce(ring);

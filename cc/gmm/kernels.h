@@ -28,6 +28,9 @@ struct GmmFp8Args {
   const int32_t* lo = nullptr;
   const int32_t* hi = nullptr;
   const int32_t* group = nullptr;
+  // [tiles]: a tile storing rows of its first 64-row block only, paired with
+  // another such tile (its index, past the tiles counted), or -1
+  const int32_t* partner = nullptr;
   const int32_t* counts = nullptr;  // [2]: group tiles, then tail tiles, first in the table
   int tile_rows = 0;                // the rows per tile the table was cut at
   bool tma_store = false;           // bf16 out: full 64-row blocks by TMA (fp8_nt.cu); f32: ignored

@@ -15,6 +15,13 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// `v`, opaque to the compiler: kept in a register where it would otherwise
+// recompute it at each use (a shared address: a read of the CTA's id each time).
+__device__ __forceinline__ uint32_t kept(uint32_t v) {
+  asm volatile("mov.b32 %0, %0;" : "+r"(v));
+  return v;
+}
+
 // ---------------------------------------------------------------- mbarrier
 
 __device__ __forceinline__ void bar_init(uint64_t* b, uint32_t arrivals) {
@@ -28,8 +35,18 @@ __device__ __forceinline__ void bar_init_fence() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
-__device__ __forceinline__ void bar_arrive(uint64_t* b) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(b)) : "memory");
+__device__ __forceinline__ void bar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(uint64_t* b) { bar_arrive(smem_addr(b)); }
+// An arrival where `p`, predicated rather than branched around: the compiler
+// keeps it where it stands instead of sinking it below independent work.
+__device__ __forceinline__ void bar_arrive_if(uint32_t bar, bool p) {
+  asm volatile(
+      "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %1, 0;\n\t"
+      "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}" ::"r"(bar),
+      "r"(static_cast<uint32_t>(p))
+      : "memory");
 }
 
 // One arrival that also expects `bytes` of TMA transactions on the barrier.
@@ -49,7 +66,7 @@ constexpr unsigned long long kHangNs = 10ull * 1000 * 1000 * 1000;
 // Wait until the phase of parity `parity` has completed. One PTX block, so the
 // fast path stays a try and a branch; the clock is read only once a try fails
 // (the hardware suspends the thread a while before a try answers false).
-__device__ __forceinline__ void bar_wait(uint64_t* b, uint32_t parity) {
+__device__ __forceinline__ void bar_wait(uint32_t bar, uint32_t parity) {
   asm volatile(
       "{\n\t.reg .pred done, hung;\n\t.reg .u64 t0, t;\n\t"
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
@@ -63,9 +80,18 @@ __device__ __forceinline__ void bar_wait(uint64_t* b, uint32_t parity) {
       "setp.gt.u64 hung, t, %2;\n\t"
       "@hung trap;\n\t"
       "bra.uni RETRY;\n"
-      "DONE:\n}" ::"r"(smem_addr(b)),
+      "DONE:\n}" ::"r"(bar),
       "r"(parity), "l"(kHangNs)
       : "memory");
+}
+__device__ __forceinline__ void bar_wait(uint64_t* b, uint32_t parity) {
+  bar_wait(smem_addr(b), parity);
+}
+
+__device__ __forceinline__ float lds_f32(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+  return v;
 }
 
 // ---------------------------------------------------------------- TMA
@@ -118,12 +144,21 @@ __device__ __forceinline__ void fence_async_smem() {
 // Descriptor of a K-major tile of 128-byte rows in shared memory, 128-byte
 // swizzled as TMA writes it (the tile 1024-byte aligned): 8-row groups 1024
 // bytes apart. Adding 2 per 32 bytes of K steps along the row.
+// The descriptor's words: the low one holds the start address (a tile `bytes`
+// further on has a low word `bytes >> 4` larger, never carrying into the high
+// word: shared addresses stay under 2^18), the high one is the same for every
+// tile, so descriptor arithmetic stays 32-bit.
+__device__ __forceinline__ uint32_t sw128_desc_lo(uint32_t addr) {
+  return ((addr & 0x3FFFF) >> 4)   // start address
+         | (1u << 16);             // leading byte offset (unused when swizzled)
+}
+constexpr uint32_t kSw128DescHi = (1024 >> 4)   // stride byte offset: 8 rows of 128 bytes
+                                  | (1u << 30); // 128-byte swizzle (bit 62)
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t lo) {
+  return (uint64_t(kSw128DescHi) << 32) | lo;
+}
 __device__ __forceinline__ uint64_t kmajor_sw128_desc(const void* tile) {
-  const uint64_t addr = smem_addr(tile);
-  return ((addr & 0x3FFFF) >> 4)          // start address
-         | (uint64_t(1) << 16)            // leading byte offset (unused when swizzled)
-         | (uint64_t(1024 >> 4) << 32)    // stride byte offset: 8 rows of 128 bytes
-         | (uint64_t(1) << 62);           // 128-byte swizzle
+  return sw128_desc(sw128_desc_lo(smem_addr(tile)));
 }
 
 __device__ __forceinline__ void wgmma_fence() {

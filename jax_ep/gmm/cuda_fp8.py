@@ -72,11 +72,42 @@ def gmm_fp8_nt_cuda(x, xs, v, vs, offsets, *, out_dtype=None, num_sms: int = 0,
         raise ValueError(f"gmm_fp8_nt_cuda: {err}")
     out_dtype = _out_dtype("gmm_fp8_nt_cuda", out_dtype)
     m = x.shape[0]
-    counts, rs, lo, hi, grp = row_tile_table(offsets, m, NT_TILE_ROWS)
+    table = pair_one_block_tiles(*row_tile_table(offsets, m, NT_TILE_ROWS))
     xs_t = xs.astype(jnp.float32).T                                  # a tile's scales: one run
     return _call(TARGET, (m, v.shape[1]), out_dtype,
-                 (x, xs_t, v, vs.astype(jnp.float32), rs, lo, hi, grp, counts), num_sms,
+                 (x, xs_t, v, vs.astype(jnp.float32), *table[1:], table[0]), num_sms,
                  tile_rows=np.int32(NT_TILE_ROWS), tma_store=np.int32(bool(tma_store)))
+
+
+def pair_one_block_tiles(counts, rs, lo, hi, grp):
+    """The forward kernel's row-tile table with its one-block tiles paired:
+    ``row_tile_table``'s ``(counts, start, lo, hi, group)`` -> ``(counts,
+    start, lo, hi, group, partner)``.
+
+    A group tile whose stored rows lie in its first 64-row block (a group of
+    at most 64 rows, or a group's last rows) keeps one consumer warpgroup
+    busy and the other idle. Such tiles are paired in table order: the
+    first of a pair gets ``partner`` = the second's index, and the second
+    leaves the tiles the kernel walks (moved past ``counts``, where the
+    partner index finds it), so one CTA tile runs both blocks, one per
+    consumer, each against its own group's weight (``cc/gmm/fp8_nt.cu``).
+    Each row's products and promotions are unchanged: the same bits."""
+    n = rs.shape[0]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    lone = (idx < counts[0]) & (lo >= rs) & (hi <= rs + 64)
+    rank = jnp.cumsum(lone.astype(jnp.int32)) - 1
+    first = lone & (rank % 2 == 0) & (rank + 1 < jnp.sum(lone))
+    second = lone & (rank % 2 == 1)
+    by_rank = jnp.zeros((n,), jnp.int32).at[jnp.where(lone, rank, n)].set(idx, mode="drop")
+    partner = jnp.where(first, by_rank[jnp.minimum(rank + 1, n - 1)], -1)
+    # the tiles walked (group tiles, then the tail) first in table order, the seconds after
+    walked = idx < counts[0] + counts[1]
+    order = jnp.argsort(jnp.where(walked & ~second, 0, jnp.where(second, 1, 2)) * n + idx)
+    where = jnp.zeros((n,), jnp.int32).at[order].set(idx)      # a tile's new index
+    partner = partner[order]
+    partner = jnp.where(partner >= 0, where[jnp.maximum(partner, 0)], -1)
+    counts = jnp.stack([counts[0] - jnp.sum(second), counts[1]]).astype(jnp.int32)
+    return (counts, rs[order], lo[order], hi[order], grp[order], partner.astype(jnp.int32))
 
 
 def check_fp8_dw_cuda(a, a_s, c, c_s, segments=None) -> Optional[str]:

@@ -361,11 +361,12 @@ def test_cuda_fp8_tma_store_is_bitwise_the_register_store(m, sizes):
 @pytest.mark.parametrize("kernel", ["cuda", "cuda tma"])
 def test_cuda_fp8_kernel_lone_blocks(k, kernel):
     """Tiles with one 64-row block to store (a 320-row group's second tile, a
-    group of 64 rows or fewer; in the tiles moved back to end at M, lone
-    blocks 1, 2 and 3: each consumer's both sums), an odd number of k-steps
-    among the cases: the reference's bound, and the Pallas kernel's bits; on
-    1 and 5 CTAs (lone and whole tiles in one CTA's ring, its stages reused
-    across them), the same bits."""
+    group of 64 rows or fewer: those in block 0 run in pairs, one per
+    consumer; in the tiles moved back to end at M, lone blocks 1, 2 and 3:
+    each consumer's both sums), an odd number of k-steps among the cases:
+    the reference's bound, and the Pallas kernel's bits; on 1 and 5 CTAs
+    (pairs, lone and whole tiles in one CTA's ring, its stages reused across
+    them), the same bits."""
     _native()
     from jax_ep.gmm.cuda_fp8 import gmm_fp8_nt_cuda
     sizes = np.array([320, 64, 300, 7, 0, 129, 1, 19, 20, 40, 50, 10, 41], np.int32)
