@@ -30,8 +30,10 @@
 #                  fair memory fraction, two runs side by side would not
 #   ONE_GPU_TESTS  single-GPU test files run after (loopback kernels, grouped
 #                  matmul bf16 and fp8; default none)
-#   ONE_GPU_WORKERS  pytest-xdist workers for them (compile-bound: the grouped
-#                  matmul files' 31 cases took 190 s with 3; default 1)
+#   ONE_GPU_WORKERS  pytest-xdist workers for them (compile-bound: the bf16
+#                  grouped-matmul file's 31 cases took 190 s with 3; default 1).
+#                  The fp8 file runs with 8; the bf16 file's V3 cases need up to
+#                  14 GiB each and ran out of memory beside 7 others on 80 GB
 #   REHEARSAL=1    two launchers on this machine as two hosts (--host-id):
 #                  the training example and the internode workers (tests/gpu/rehearsal.py);
 #                  REHEARSAL=internode: the workers only
