@@ -157,9 +157,6 @@ constexpr uint32_t kSw128DescHi = (1024 >> 4)   // stride byte offset: 8 rows of
 __device__ __forceinline__ uint64_t sw128_desc(uint32_t lo) {
   return (uint64_t(kSw128DescHi) << 32) | lo;
 }
-__device__ __forceinline__ uint64_t kmajor_sw128_desc(const void* tile) {
-  return sw128_desc(sw128_desc_lo(smem_addr(tile)));
-}
 
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
