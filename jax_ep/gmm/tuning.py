@@ -70,9 +70,10 @@ file):
   1.036 against 1.255, 1.143 against 1.322. The V3 layer (its dx contracts
   32 and 56 steps; on the kernel before the pairing) 18.56 and 18.58 ms
   with TMA stores everywhere against 19.05 with them up to 16 steps only
-  (the dx shapes not timed alone on that build). ``fp8_tma_store_max_k_steps`` = 56 on an H100: TMA stores
-  up to V3 up's contraction, the longest measured; 0 (never) on an H200
-  until measured there.
+  (the dx shapes not timed alone on that build).
+  ``fp8_tma_store_max_k_steps`` = 56 on an H100: TMA stores up to V3 up's
+  contraction, the longest measured; 0 (never) on an H200 until measured
+  there.
 """
 from __future__ import annotations
 
