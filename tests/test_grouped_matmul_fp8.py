@@ -855,11 +855,10 @@ def test_cuda_table_pairs_one_block_tiles(sizes, m):
     counts, rs, lo, hi, grp, partner = (
         np.asarray(a) for a in jax.jit(cuda_fp8.pair_one_block_tiles)(*before))
     walked = int(counts.sum())
-    lone = [f for f in range(int(np.asarray(before[0])[0]))
-            if np.asarray(before[2])[f] >= np.asarray(before[1])[f]
-            and np.asarray(before[3])[f] <= np.asarray(before[1])[f] + 64]
-    assert int(counts[0]) == int(np.asarray(before[0])[0]) - len(lone) // 2
-    assert int(counts[1]) == int(np.asarray(before[0])[1])
+    counts0, rs0, lo0, hi0 = (np.asarray(a) for a in before[:4])
+    lone = [f for f in range(int(counts0[0])) if lo0[f] >= rs0[f] and hi0[f] <= rs0[f] + 64]
+    assert int(counts[0]) == int(counts0[0]) - len(lone) // 2
+    assert int(counts[1]) == int(counts0[1])
     stored = np.zeros(m, np.int32)
     for f in range(walked):
         for t in [f] + ([int(partner[f])] if partner[f] >= 0 else []):
