@@ -54,9 +54,9 @@ file):
 * fp8 kernel family (bench/results/2026-12-04-h200x1-fp8-grouped-matmul.md,
   one H100, one run): ``fp8_kernel`` = "cuda" on an H100: its forward
   (256-row tiles, one-block tiles paired, TMA store) at V3 shapes against
-  the Pallas kernel, up 1.821 vs 2.399 ms (uniform sizes), 2.289 vs 2.876
-  (skewed), 2.110 vs 2.909 (the layer's groups); down 0.981 vs 1.242, 1.143
-  vs 1.484, 1.036 vs 1.363, bit for bit; its GPU tests passed there, the API
+  the Pallas kernel, up 1.747 vs 2.363 ms (uniform sizes), 2.197 vs 2.857
+  (skewed), 1.925 vs 2.629 (the layer's groups); down 0.956 vs 1.191, 1.149
+  vs 1.496, 1.025 vs 1.358, bit for bit; its GPU tests passed there, the API
   with gradients on it included. On an H200 "pallas" until the CUDA
   forward's present form has run there (an earlier form ended in an
   illegal instruction on one).
@@ -64,10 +64,10 @@ file):
 * fp8 tile store (bench/results/2026-12-04-h200x1-fp8-grouped-matmul.md, one H100, one run):
   the CUDA forward storing its bf16 tiles by TMA (3 stages) against from
   registers (4 stages), with each stage released before its last
-  promotion: V3 up (K 7168, 56 k-steps of 128) 1.821 against 1.987 ms
-  with uniform sizes, 2.110 against 2.165 on the layer's groups, 2.289
-  against 2.421 skewed; V3 down (K 2048, 16 steps) 0.981 against 1.147,
-  1.036 against 1.255, 1.143 against 1.322. The V3 layer (its dx contracts
+  promotion: V3 up (K 7168, 56 k-steps of 128) 1.747 against 1.864 ms
+  with uniform sizes, 1.925 against 1.964 on the layer's groups, 2.197
+  against 2.276 skewed; V3 down (K 2048, 16 steps) 0.956 against 1.158,
+  1.025 against 1.227, 1.149 against 1.305. The V3 layer (its dx contracts
   32 and 56 steps; on the kernel before the pairing) 18.56 and 18.58 ms
   with TMA stores everywhere against 19.05 with them up to 16 steps only
   (the dx shapes not timed alone on that build).
