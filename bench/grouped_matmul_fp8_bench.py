@@ -26,8 +26,11 @@ and (``--kinds layer``) the V3 layer's, padded to 64 rows
   (V3 up: 3.8 GB of fp8 weights for 32768 rows);
 - ``roof: read w fp8``: an XLA reduction over the fp8 weights ``[G, N, K]``,
   one read of the bytes the grouped matmul must stream at least once;
-  ``roof``: the larger of it and ``dense fp8``, the time no fp8 grouped
-  matmul of these rows beats.
+  ``roof: bytes`` (derived, not timed): every byte the call moves (the
+  weights, x and its scales read once, the bf16 output written once) at that
+  read's rate; the output is a large share at V3 down (0.47 GB beside 1.9 GB
+  of weights); ``roof``: the larger of it and ``dense fp8``, about the time
+  no fp8 grouped matmul of these rows beats.
 
 ``--steps``: a second table per projection (uniform sizes), what the fp8
 layer pays beside the bf16 one:
@@ -120,6 +123,12 @@ def operands(k, n, seed=0):
     return x, w, xq, xs, wq, ws, vq, vs
 
 
+def bytes_moved(rows, k, n):
+    """What a grouped call must move at least: the fp8 weights (all G), the
+    rows' fp8 x and f32 scales read once, their bf16 output written once."""
+    return G * k * n + rows * (k + 4 * (k // 128)) + 2 * rows * n
+
+
 def nt_name(cluster):
     return "fp8 nt" if cluster == 1 else f"fp8 nt c{cluster}"
 
@@ -174,7 +183,9 @@ def rows_for(proj, kind, reps, clusters=(1,), variants=None, cuda=True):
         t["dense bf16"] = per_call_ms(lambda a, w0: a @ w0, (x, w[0]), 2, 6, reps)
         t["roof: read w fp8"] = per_call_ms(
             lambda v: jnp.max(v.astype(jnp.float32), axis=(1, 2)), (vq,), 2, 6, reps)
-        t["roof"] = max(t["dense fp8"], t["roof: read w fp8"])
+        moved = bytes_moved(int(jnp.sum(gs)), k, n)
+        t["roof: bytes"] = t["roof: read w fp8"] * moved / (G * k * n)
+        t["roof"] = max(t["dense fp8"], t["roof: bytes"])
     return [(proj, kind, name, ms, flops / ms / 1e9) for name, ms in t.items()]
 
 
