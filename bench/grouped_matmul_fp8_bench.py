@@ -151,7 +151,8 @@ def rows_for(proj, kind, reps, clusters=(1,), variants=None, cuda=True):
     k, n = NT_PROJ[proj]
     x, w, xq, xs, wq, ws, vq, vs = jax.block_until_ready(operands(k, n))
     gs = jnp.asarray(group_sizes(kind))
-    flops = 2.0 * float(np.sum(group_sizes(kind))) * k * n
+    rows = int(np.sum(group_sizes(kind)))
+    flops = 2.0 * rows * k * n
     t = {}
     for c in clusters:
         t[nt_name(c)] = per_call_ms(
@@ -163,7 +164,7 @@ def rows_for(proj, kind, reps, clusters=(1,), variants=None, cuda=True):
         kernels["cuda tma"] = functools.partial(gmm_fp8_nt_cuda, tma_store=True)
     ref = gmm_fp8_nt(xq, xs, vq, vs, offsets(gs, M)) if kernels else None
     for name, kernel in kernels.items():
-        same = _same_bits(ref, kernel(xq, xs, vq, vs, offsets(gs, M)), int(jnp.sum(gs)))
+        same = _same_bits(ref, kernel(xq, xs, vq, vs, offsets(gs, M)), rows)
         print(f"fp8 nt [{name}] ({proj}, {kind}): bits equal to fp8 nt: {same}", flush=True)
         t[f"fp8 nt [{name}]" + ("" if same else " (bits differ)")] = per_call_ms(
             lambda a, s, v, vsc, g, f=kernel: f(a, s, v, vsc, offsets(g, M)),
@@ -183,8 +184,7 @@ def rows_for(proj, kind, reps, clusters=(1,), variants=None, cuda=True):
         t["dense bf16"] = per_call_ms(lambda a, w0: a @ w0, (x, w[0]), 2, 6, reps)
         t["roof: read w fp8"] = per_call_ms(
             lambda v: jnp.max(v.astype(jnp.float32), axis=(1, 2)), (vq,), 2, 6, reps)
-        moved = bytes_moved(int(jnp.sum(gs)), k, n)
-        t["roof: bytes"] = t["roof: read w fp8"] * moved / (G * k * n)
+        t["roof: bytes"] = t["roof: read w fp8"] * bytes_moved(rows, k, n) / (G * k * n)
         t["roof"] = max(t["dense fp8"], t["roof: bytes"])
     return [(proj, kind, name, ms, flops / ms / 1e9) for name, ms in t.items()]
 
