@@ -5,19 +5,19 @@
 //
 // A stage holds an A tile (ARows rows of 128 e4m3: 128 for dw, 256 for the
 // forward), a B tile (128 rows), both K-major and 128-byte swizzled, and f32
-// scales for A's rows and B's rows (dw loads B's; the forward reads its one
-// weight-block scale from global memory). dw's consumer waits for the stage's
+// scales for A's rows and B's rows (dw loads B's; the forward reads its
+// weight-block scales from global memory, 32 k-steps at a time into the lanes
+// of each consumer warp). dw's consumer waits for the stage's
 // "full" barrier, runs four 64 x 128 x 32 WGMMAs of its 64 rows into a fresh
 // accumulator (start_kstep), waits for them, promotes the product and releases
 // the stage on its "empty" barrier (one arrival per consumer warp).
 //
-// Issue budget (nvdisasm of the sm_90a build, static count of a k-step): per
-// 64 x 128 x 128 product a forward consumer warp issues about 115 instructions
-// where both its blocks are on and 135 where one is (4 WGMMAs, 64 promoting
-// FMAs, the rest barrier, descriptor and scale work, mostly on the uniform
-// datapath: ConsumerRing keeps the ring's shared addresses as 32-bit values),
-// against 157 and 189 with the addresses recomputed from generic pointers at
-// each k-step.
+// Issue budget (nvdisasm of the sm_90a build, static count): a forward
+// consumer warp's k-step over its two 64-row blocks is 266 instructions: 8
+// WGMMAs, 128 promoting FFMAs, the rest barrier, descriptor and scale work,
+// mostly on the uniform datapath (ConsumerRing keeps the ring's shared
+// addresses as 32-bit values). Recomputing the addresses from generic pointers
+// at each k-step cost about 90 more.
 #pragma once
 
 #include <cuda.h>
