@@ -21,7 +21,7 @@ Pieces (all functional; parameters are plain dict pytrees):
   does: fp8 dispatch (``EpConfig.fp8_dispatch``: e4m3 rows with per-128
   scales), both expert matmuls as fp8 grouped matmuls (the weights quantized
   to 128 x 128 blocks inside the step, ``jax_ep.quantize_weights_pair``; the SwiGLU
-  output cast with ``jax_ep.quantize_activations``), the expert output in
+  output cast with ``jax_ep.quantize_swiglu``), the expert output in
   bf16 into combine. Gradients pass the casts straight through. Needs
   ``d_model`` and ``d_ff`` divisible by 128.
   ``expert_impl="padded"`` runs the experts as batched einsums over a fixed

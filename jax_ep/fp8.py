@@ -68,6 +68,10 @@ def fp8_cast(x: jax.Array, scale_format: str = "f32"):
     kernel follows XLA:GPU (``KernelTuning(fp8_ieee_division=True)`` switches it to IEEE), so
     native and reference agree bit for bit when both run on the GPU."""
     _check_format("fp8_cast", scale_format)
+    if getattr(x, "ndim", None) != 2 or x.shape[1] % FP8_BLOCK:
+        raise ValueError(f"fp8_cast: expected x [T, H] with H divisible by {FP8_BLOCK} (the "
+                         f"scale blocks), got shape {getattr(x, 'shape', None)}; pad the "
+                         "model width to a multiple of 128")
     T, H = x.shape
     q, scale = _cast_blocks(x.astype(F32).reshape(T, H // FP8_BLOCK, FP8_BLOCK), 2, scale_format)
     return q.reshape(T, H), scale
@@ -169,7 +173,9 @@ def quantize_weights(w: jax.Array, *, layout: str = "gkn", scale_format: str = "
         gradient to ``w``. None (default): quantize here.
 
     Returns:
-      ``(q float8_e4m3fn, scales float32)`` in ``layout``.
+      ``(q float8_e4m3fn, scales float32)`` in ``layout``: ``q [G, K, N]``,
+      ``scales [G, K/128, N/128]`` (``"gkn"``) or ``q [G, N, K]``, ``scales
+      [G, N/128, K/128]`` (``"gnk"``).
 
     Gradient: straight-through, as :func:`quantize_activations` (the cotangent
     of ``q`` is that of the dequantized weight; it reaches ``w`` cast to

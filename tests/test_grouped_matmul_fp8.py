@@ -326,11 +326,23 @@ def test_second_order_derivatives_raise_one_clear_error():
     def grad_norm(argnum, **kw):
         return lambda *a: jnp.sum(jax.grad(loss, argnums=argnum)(*a, **kw) ** 2)
 
+    def pair_loss(w):
+        (q, s), (q_t, s_t) = jax_ep.quantize_weights_pair(w)
+        return jnp.sum((q.astype(jnp.float32) * 2.0) ** 2) + jnp.sum(q_t.astype(jnp.float32) ** 2)
+
+    def swiglu_loss(x):   # x [M, K] as gate | up: [M, K/2] out, K/2 a multiple of 128
+        h, hs = jax_ep.quantize_swiglu(x)
+        return jnp.sum((h.astype(jnp.float32) * 2.0) ** 2)
+
     cases = [("quantize_activations", lambda: jax.grad(grad_norm(0))(x, w)),
              ("quantize_activations", lambda: jax.jvp(jax.grad(loss), (x, w), (x, w))),
              ("quantize_weights", lambda: jax.grad(grad_norm(1), argnums=1)(x, w)),
              # only dy carries a tangent: the fp8 dx's cast of dy
-             ("grouped_matmul", lambda: jax.grad(grad_norm(0), argnums=2)(x, w, 2.0))]
+             ("grouped_matmul", lambda: jax.grad(grad_norm(0), argnums=2)(x, w, 2.0)),
+             ("quantize_weights_pair", lambda: jax.grad(
+                 lambda w: jnp.sum(jax.grad(pair_loss)(w) ** 2))(w)),
+             ("quantize_swiglu", lambda: jax.grad(
+                 lambda x: jnp.sum(jax.grad(swiglu_loss)(x) ** 2))(x))]
     for op, run in cases:
         with pytest.raises(TypeError, match=rf"jax_ep\.{op}: a second-order derivative.*bf16"):
             run()

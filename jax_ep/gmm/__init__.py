@@ -68,9 +68,10 @@ for ``"gnk"``; dw in bf16 through ``tgmm`` on ``x·xs`` rounded to bf16
 (``x``'s per-row scales vary along dw's contraction and cannot be applied
 after an fp8 product), or with ``GroupedMatmulConfig.fp8_dw`` in fp8 on ``x·xs``
 and ``dy`` recast per column and 128 rows (``fp8_columns``, ``pallas_fp8_dw``).
-``GroupedMatmulConfig.fp8_kernel="cuda"`` runs the fp8 forward, dx and dw on
-the native extension's kernels (``cuda_fp8``; the Pallas kernels' bits; the
-forward on 256-row tiles); the device's table picks the family by default.
+``GroupedMatmulConfig.fp8_kernel="cuda"`` runs the fp8 forward, dx and (with
+``fp8_dw``) dw on the native extension's kernels (``cuda_fp8``; the Pallas
+kernels' bits; the forward on 256-row tiles); the device's table picks the
+family by default (CUDA on "NVIDIA H100 80GB HBM3", else Pallas).
 The fp8 kernel can run on CTA pairs that share
 the x tile by TMA multicast where the output width is a multiple of 256
 (``GroupedMatmulConfig.fp8_cluster=2``; by default where the device's table

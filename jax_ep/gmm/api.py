@@ -38,9 +38,8 @@ def grouped_matmul(x, w, group_sizes, *, x_scales=None, w_scales=None, w_layout:
         non-negative; ``sum(group_sizes) <= M`` (groups running past row ``M``
         are cut at ``M``).
       x_scales: fp8 path: ``[M, K/128]`` (masked layout: ``[G, C, K/128]``)
-        float32, ``x[r, c] * x_scales[r, c // 128]`` is the value (f32 or UE8M0 power-of-two values: exactly what
-        ``jax_ep.dispatch`` with ``fp8_dispatch`` and
-        ``jax_ep.quantize_activations`` give).
+        float32, f32 or UE8M0 (power-of-two) values, ``x[r, c] * x_scales[r, c
+        // 128]`` the value: what fp8 dispatch and ``quantize_activations`` give.
       w_scales: fp8 path: float32 ``[G, K/128, N/128]`` (``"gkn"``) or ``[G,
         N/128, K/128]`` (``"gnk"``), one per 128 x 128 block
         (``jax_ep.quantize_weights``). Give both scales or neither.
@@ -57,8 +56,9 @@ def grouped_matmul(x, w, group_sizes, *, x_scales=None, w_scales=None, w_layout:
       preferred_element_type: output dtype (default ``x.dtype``; fp8: bf16);
         accumulation is always f32.
       config: a :class:`GroupedMatmulConfig` (default ``GroupedMatmulConfig()``).
-      impl: shorthand overriding ``config.impl`` (``"auto"|"pallas"|"xla"``;
-        for fp8 ``"xla"`` is the dequantizing reference).
+      impl: overrides ``config.impl`` (``"auto"|"pallas"|"xla"``). fp8: ``"xla"``
+        is the dequantizing reference, which ``"auto"`` also runs where the fp8
+        kernels cannot (``M``, masked ``G * C``, not a multiple of 8 or < 128).
 
     Returns:
       ``[M, N]`` in ``preferred_element_type`` (else ``x.dtype``; fp8: bf16);

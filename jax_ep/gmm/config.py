@@ -25,9 +25,11 @@ class GroupedMatmulConfig:
     """How :func:`grouped_matmul` runs (hashable; safe as a static argument).
 
     Attributes:
-      impl: ``"auto"`` (Pallas Mosaic-GPU on Hopper where it applies, else
-        XLA), ``"pallas"`` (force; raises when unsupported) or ``"xla"``
-        (``jax.lax.ragged_dot``).
+      impl: ``"auto"`` (the device's kernel on Hopper where it applies, else
+        XLA), ``"pallas"`` (force the kernel; raises when unsupported) or
+        ``"xla"`` (``jax.lax.ragged_dot``; fp8: dequantize, then f32). On the
+        fp8 path the kernel is the ``fp8_kernel`` family's (CUDA on an H100),
+        so ``"pallas"`` forces that family's kernel there.
       fwd, dx, dw: tile configuration of the Pallas kernel for the forward
         ``x @ w[g]``, for ``dx = dy @ w[g]^T`` (:class:`FwdTiles`) and for
         ``dw[g] = x[g]^T @ dy[g]`` (:class:`DwTiles`), or a tuple
@@ -85,7 +87,7 @@ class GroupedMatmulConfig:
         per-row scales vary along dw's contraction (the rows), so ``x * xs``
         and ``dy`` are recast per column and 128 rows of their group, with
         the rows regrouped to start each group on a block and transposed
-        (``fp8_columns``), then the fp8 dw kernel (``pallas_fp8_dw``).
+        (``fp8_columns``), then the ``fp8_kernel`` family's fp8 dw kernel.
         Both casts cost accuracy: 3.3-3.6% normwise relative error of dw
         against 0.24% in bf16 (CPU reference, 1024 x 512 x 512, normal and
         2^±8-outlier data; per entry at most 4.2% of the sum of its
@@ -96,15 +98,17 @@ class GroupedMatmulConfig:
         dw 4.39 ms, the CUDA kernel 3.57 plus 0.82 of recast, against 3.61
         in bf16; down 2.43 against 1.80): at 256 rows per group dw mostly
         writes its bf16 output, at the same pace in either precision.
-      fp8_kernel: which kernels run the fp8 path's forward, fp8 dx and fp8
-        dw: ``"pallas"`` (``pallas_fp8``, ``pallas_fp8_dw``, Mosaic GPU),
+      fp8_kernel: which kernels run the fp8 path's forward, fp8 dx and (with
+        ``fp8_dw``) fp8 dw: ``"pallas"`` (``pallas_fp8``, ``pallas_fp8_dw``, Mosaic GPU),
         ``"cuda"`` (``cuda_fp8``: the native extension's kernels, one
         producer thread and the tile's sum zeroed once per tile; same
         contracts, the same bits), or None (default: the device's tuned
-        choice, ``tuned_tiles.json``: ``"cuda"`` on an H100, where it was
-        measured faster; ``"pallas"`` on an H200, where the CUDA forward's
-        present form has not run yet: an earlier form ended in an illegal
-        instruction there, bench/results/gpu-suite-shared-gpu.md).
+        choice, ``tuned_tiles.json``: ``"cuda"`` on the device kind ``"NVIDIA
+        H100 80GB HBM3"``, where it was measured faster; ``"pallas"`` on an
+        H200 and on kinds the table does not list, which take its H200 entry:
+        the CUDA forward's present form has not run on an H200 yet). Left None,
+        the Pallas kernels run without the native extension or with
+        ``interpret``.
       fp8_tma_store: how the CUDA fp8 forward and dx store a bf16 result:
         None (default: the device's tuned choice by the contraction's length,
         ``heuristic.fp8_tma_store``; on an H100 TMA up to 56 k-steps of 128),
@@ -118,7 +122,9 @@ class GroupedMatmulConfig:
         or 2 (CTA pairs own adjacent ``128``-column tiles of one row tile and
         share the x tile and its row scales by TMA multicast: L2 reads per
         pair and k-step 64 -> 48 KB). 2 applies where ``Nout % 256 == 0``,
-        else 1; ``"auto"`` on a GPU: where it compiles, else 1.
+        else 1, and only to the Pallas kernel (``fp8_kernel="pallas"``; the
+        CUDA kernel runs single CTAs); with ``impl="auto"`` on a GPU, 2 only
+        where it compiles, else 1.
       expected_rows: the mean rows per group the tuned tiles are chosen for
         (DeepGEMM's ``expected_m``): None (default) takes x's rows / groups,
         which for the masked layout is its capacity C, however few rows the

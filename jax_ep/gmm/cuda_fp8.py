@@ -8,10 +8,11 @@ and dw (``fp8_dw.cu``, ``jax_ep_gmm_fp8_dw``), the contract of
 :func:`pallas_fp8_dw.tgmm_fp8_nt`. Both are built the way DeepGEMM builds its
 SM90 fp8 GEMMs rather than through Pallas: one producer thread issues the TMA
 loads, two consumer warpgroups zero the tile's f32 sum once per tile and
-promote each 128-wide k-step's WGMMA product with one FMA per register (the
-Pallas kernel's producer runs its index maps on four warps and its consumers
-select the sum away on every tile's first step: that kernel is bound by
-instruction issue). The forward's row tiles are 256 rows (``NT_TILE_ROWS``:
+promote each 128-wide k-step's WGMMA product, the forward with one FMA per
+register and dw with a multiply and an FMA, each rounding as its Pallas
+kernel does. The Pallas kernel's producer runs its index maps on four warps
+and its consumers select the sum away on every tile's first step: that
+kernel is bound by instruction issue. The forward's row tiles are 256 rows (``NT_TILE_ROWS``:
 each group's weight tile read once per 256 rows, where 128-row tiles left the
 kernel waiting on L2); each row's products and promotions are the Pallas
 kernels', so the same bits (the GPU tests compare them). Needs the native
@@ -28,7 +29,7 @@ import numpy as np
 from .. import extension
 from .._ffi import result_type
 from ..mesh_axes import to_vma, vma_of
-from .pallas_common import row_tile_table
+from .pallas_common import max_row_tiles, row_tile_table
 from .pallas_fp8 import check_fp8_nt
 from .pallas_fp8_dw import check_fp8_dw
 
@@ -47,12 +48,12 @@ def _no_extension() -> Optional[str]:
 def check_fp8_nt_cuda(x, xs, v, vs) -> Optional[str]:
     """None if the CUDA kernel runs these operands, else why not (also the
     kernel's int32 indexing: the weight's rows ``G * Nout`` and the output
-    tiles, at most ``M / NT_TILE_ROWS + G + 1`` row tiles by ``Nout / 128``)."""
+    tiles, ``pallas_common.max_row_tiles`` row tiles by ``Nout / 128``)."""
     err = _no_extension() or check_fp8_nt(x, xs, v, vs)   # v [G, Nout, Kc] past it
     if err is not None:
         return err
     g, n = v.shape[0], v.shape[1]
-    if g * n >= 2 ** 31 or (x.shape[0] // NT_TILE_ROWS + g + 1) * (n // 128) >= 2 ** 31:
+    if g * n >= 2 ** 31 or max_row_tiles(x.shape[0], g, NT_TILE_ROWS) * (n // 128) >= 2 ** 31:
         return f"G * Nout ({g} * {n}) and the output tiles must fit in int32"
     return None
 

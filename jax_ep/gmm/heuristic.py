@@ -1,5 +1,7 @@
 """The one heuristic: which tuned tiles (and dw pipeline) an operation asks
-for, by device kind and group size. What a kernel can run is not decided here
+for, by device kind and group size, and the fp8 path's choices by device kind
+and contraction length (kernel family, CTA pairs, the CUDA forward's TMA tile
+store). What a kernel can run is not decided here
 (``registry``); the caller takes the first candidate its kernel supports."""
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ def fp8_cluster(k_steps: int, device_kind: str) -> int:
 
 def fp8_tma_store(k_steps: int, device_kind: str) -> bool:
     """Whether the CUDA fp8 forward stores its bf16 tiles by TMA over a
-    contraction of ``k_steps`` 128-wide steps: where the device's table says
-    the short k-loop gains more from it than from a 4th stage."""
+    contraction of ``k_steps`` 128-wide steps: up to the device's measured
+    threshold (``fp8_tma_store_max_k_steps``: 56 on an H100, the longest
+    contraction measured; 0 elsewhere: never)."""
     return k_steps <= tuning_for(device_kind).fp8_tma_store_max_k_steps

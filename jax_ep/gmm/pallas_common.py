@@ -50,6 +50,13 @@ def num_sms(interpret) -> int:
     return device_info().sm_count
 
 
+def max_row_tiles(m: int, groups: int, bm: int) -> int:
+    """The length of :func:`row_tiles`' table for ``m`` rows in ``groups``
+    groups cut at ``bm`` rows: a bound on the tiles in use (each group and
+    the tail waste less than ``bm + 7`` rows)."""
+    return (m + (groups + 1) * (bm + 7)) // bm + 1
+
+
 def row_tiles(offsets, m, bm):
     """Row tiles of the forward/dx kernel: int32 ``start, lo, hi, group`` of static length.
 
@@ -80,7 +87,7 @@ def row_tiles(offsets, m, bm):
     counts = jnp.concatenate([n_g, n_tail[None]])
     cum = jnp.cumsum(counts)
     first = cum - counts
-    n_max = (m + (g_count + 1) * (bm + 7)) // bm + 1    # bound on sum(counts)
+    n_max = max_row_tiles(m, g_count, bm)              # bound on sum(counts)
     t = jnp.arange(n_max, dtype=jnp.int32)
     # compare_all: one fused elementwise kernel ([n_max, G+1] compares). The
     # default 'scan' method is a while loop of small kernels on every call.

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..fp8 import F32, check_gate_up, check_weights, fp8_cast, weight_blocks_cast
+from ..first_order import FP8_PATH, first_order_only
 from . import cuda_quant
 
 __all__ = ["quantize_weights_pair", "cast_rows", "quantize_swiglu", "swiglu_rows"]
@@ -81,6 +82,7 @@ def _pair_st(w, scale_format, impl):
 
 
 def _pair_st_fwd(w, scale_format, impl):
+    (w,) = first_order_only("quantize_weights_pair", FP8_PATH, w)
     return _pair(w, scale_format, impl), jnp.zeros((0,), w.dtype)
 
 
@@ -161,6 +163,7 @@ def _swiglu_st(gate_up, scale_format, impl):
 
 
 def _swiglu_st_fwd(gate_up, scale_format, impl):
+    (gate_up,) = first_order_only("quantize_swiglu", FP8_PATH, gate_up)
     return _swiglu_cast(gate_up, scale_format, impl), gate_up
 
 

@@ -164,7 +164,7 @@ def fp8_cluster(cfg: GroupedMatmulConfig, variant: Fp8Variant, v,
     config's (else the device's tuned choice by ``Kc``, ``heuristic``) where
     ``Nout % (cluster 128) == 0`` (``pallas_fp8.fp8_cluster``) and, in
     ``"auto"`` mode on a device, a small instance compiles on clusters
-    (checked once), else 1; 1 for the XLA reference."""
+    (checked once), else 1; 1 for every variant but the Pallas kernel."""
     if variant is not FP8_PALLAS:
         return 1
     want = cfg.fp8_cluster
