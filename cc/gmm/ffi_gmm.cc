@@ -1,6 +1,8 @@
 // XLA FFI targets of the fp8 grouped matmul's CUDA kernels
 // (jax_ep/gmm/cuda_fp8.py), each one kernel on XLA's stream; they need no
-// runtime (no jax_ep.initialize()). Attribute num_sms: CTAs (0: one per SM).
+// runtime (no jax_ep.initialize()). Attribute num_sms: CTAs (0: one per SM);
+// the forward's tma_store: a bf16 result's 64-row blocks go out by TMA from a
+// shared-memory tile (the ring one stage shorter), else from registers.
 //
 // jax_ep_gmm_fp8_nt (gmm/fp8_nt.cu): x [M, Kc] e4m3, xs_t [Kc/128, M] f32, v
 // [G, N, Kc] e4m3, vs [G, N/128, Kc/128] f32, and
@@ -19,8 +21,9 @@ namespace jax_ep {
 
 namespace {
 
-constexpr const char* kOp = "gmm_fp8_nt";
+constexpr const char* kNtOp = "gmm_fp8_nt";
 constexpr const char* kDwOp = "gmm_fp8_dw";
+constexpr int64_t kMaxDim = int64_t(1) << 30;   // every dimension: int indexing with room
 
 // Both operands e4m3 (`names`: theirs, for the message), the result bf16 or f32.
 ffi::Error CheckTypes(const std::string& op, const char* names, const ffi::AnyBuffer& a,
@@ -32,28 +35,28 @@ ffi::Error CheckTypes(const std::string& op, const char* names, const ffi::AnyBu
   return ffi::Error::Success();
 }
 
-ffi::Error Shapes(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& xs_t,
-                  const ffi::AnyBuffer& v, const ffi::Buffer<ffi::F32>& vs,
-                  const ffi::AnyBuffer& out, GmmFp8Args* a) {
+ffi::Error NtShapes(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& xs_t,
+                    const ffi::AnyBuffer& v, const ffi::Buffer<ffi::F32>& vs,
+                    const ffi::AnyBuffer& out, GmmFp8Args* a) {
   auto xd = x.dimensions(), sd = xs_t.dimensions(), vd = v.dimensions(), wd = vs.dimensions(),
        od = out.dimensions();
-  JAX_EP_RETURN_IF_ERROR(CheckTypes(kOp, "x and v", x, v, out));
+  JAX_EP_RETURN_IF_ERROR(CheckTypes(kNtOp, "x and v", x, v, out));
   if (xd.size() != 2 || vd.size() != 3 || sd.size() != 2 || wd.size() != 3 || od.size() != 2)
-    return InvalidArgument(std::string(kOp) + ": expected x [M, Kc], xs_t [Kc/128, M], "
+    return InvalidArgument(std::string(kNtOp) + ": expected x [M, Kc], xs_t [Kc/128, M], "
                            "v [G, N, Kc], vs [G, N/128, Kc/128], out [M, N]");
-  const int64_t kMax = int64_t(1) << 30;
-  if (xd[0] >= kMax || xd[1] >= kMax || vd[0] >= kMax || vd[1] >= kMax || wd[2] >= kMax)
-    return InvalidArgument(std::string(kOp) + ": M, Kc, G and N must each be below 2^30");
+  if (xd[0] >= kMaxDim || xd[1] >= kMaxDim || vd[0] >= kMaxDim || vd[1] >= kMaxDim ||
+      wd[2] >= kMaxDim)
+    return InvalidArgument(std::string(kNtOp) + ": M, Kc, G and N must each be below 2^30");
   a->m = static_cast<int>(xd[0]);
   a->kc = static_cast<int>(xd[1]);
   a->groups = static_cast<int>(vd[0]);
   a->n = static_cast<int>(vd[1]);
   if (vd[2] != xd[1] || sd[0] * 128 != xd[1] || sd[1] != xd[0] || wd[0] != vd[0] ||
       wd[1] * 128 != vd[1] || wd[2] * 128 != xd[1] || od[0] != xd[0] || od[1] != vd[1])
-    return InvalidArgument(std::string(kOp) + ": operand shapes disagree (x [M, Kc], "
+    return InvalidArgument(std::string(kNtOp) + ": operand shapes disagree (x [M, Kc], "
                            "xs_t [Kc/128, M], v [G, N, Kc], vs [G, N/128, Kc/128], out [M, N])");
   const std::string why = gmm_fp8_shape_error(*a);
-  if (!why.empty()) return InvalidArgument(std::string(kOp) + ": " + why);
+  if (!why.empty()) return InvalidArgument(std::string(kNtOp) + ": " + why);
   return ffi::Error::Success();
 }
 
@@ -68,13 +71,18 @@ ffi::Error GmmFp8NtImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
   GmmFp8Args a;
   a.tile_rows = tile_rows;
   a.tma_store = tma_store != 0;
-  JAX_EP_RETURN_IF_ERROR(Shapes(x, xs_t, v, vs, *out, &a));
+  JAX_EP_RETURN_IF_ERROR(NtShapes(x, xs_t, v, vs, *out, &a));
   if (counts.element_count() != 2 || lo.element_count() != row_start.element_count() ||
       hi.element_count() != row_start.element_count() ||
       group.element_count() != row_start.element_count() ||
       partner.element_count() != row_start.element_count())
-    return InvalidArgument(std::string(kOp) + ": the row-tile table must be five int32 [T] "
+    return InvalidArgument(std::string(kNtOp) + ": the row-tile table must be five int32 [T] "
                            "arrays and counts [2]");
+  if (row_start.element_count() * (a.n / 128) >= (int64_t(1) << 31))
+    return InvalidArgument(std::string(kNtOp) + ": the row-tile table's T x N/128 output "
+                           "tiles must fit in int32");
+  if (num_sms < 0)
+    return InvalidArgument(std::string(kNtOp) + ": num_sms must be >= 0 (0: one CTA per SM)");
   a.x = x.untyped_data();
   a.xs_t = xs_t.typed_data();
   a.v = v.untyped_data();
@@ -105,9 +113,9 @@ ffi::Error DwShapes(const ffi::AnyBuffer& a, const ffi::Buffer<ffi::F32>& as,
       seg.dimensions().size() != 1 || seg.element_count() < 2)
     return InvalidArgument(op + ": expected a [Ka, P], as [P/128, Ka], c [Nc, P], "
                            "cs [P/128, Nc], segments [G+1], out [G, Ka, Nc]");
-  const int64_t kMax = int64_t(1) << 30;
-  if (ad[0] >= kMax || ad[1] >= kMax || cd[0] >= kMax)
-    return InvalidArgument(op + ": Ka, Nc and P must each be below 2^30");
+  if (ad[0] >= kMaxDim || ad[1] >= kMaxDim || cd[0] >= kMaxDim ||
+      seg.element_count() - 1 >= kMaxDim)
+    return InvalidArgument(op + ": Ka, Nc, P and G must each be below 2^30");
   d->ka = static_cast<int>(ad[0]);
   d->p = static_cast<int>(ad[1]);
   d->nc = static_cast<int>(cd[0]);
@@ -127,6 +135,8 @@ ffi::Error GmmFp8DwImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
                         ffi::Result<ffi::AnyBuffer> out) {
   GmmFp8DwArgs d;
   JAX_EP_RETURN_IF_ERROR(DwShapes(a, as, c, cs, segments, *out, &d));
+  if (num_sms < 0)
+    return InvalidArgument(std::string(kDwOp) + ": num_sms must be >= 0 (0: one CTA per SM)");
   d.a = a.untyped_data();
   d.a_scales = as.typed_data();
   d.c = c.untyped_data();

@@ -31,7 +31,7 @@ constexpr uint32_t kStageTx = 2 * kTileBytes + 2 * kScales * 4;
 constexpr int kOutBytes = kConsumers * 2 * kBoxBytes;   // a 128 x 128 bf16 tile
 
 // The ring, then the bf16 output tile [consumer][column half][64 rows][128 bytes].
-using DwSmem = WithOut<Ring, kOutBytes>;
+using DwSmem = WithOut<DwRing, kOutBytes>;
 
 struct DwTile {
   int group, row, col;   // out[group], its row tile and column tile
@@ -45,7 +45,7 @@ __device__ __forceinline__ DwTile dw_tile_at(const GmmFp8DwArgs& a, int t, int g
   return {g, u / grid_n, u % grid_n, b0, a.segments[g + 1] / kBK - b0};
 }
 
-__device__ void produce(const GmmFp8DwArgs& a, const Maps& m, const Ring& r, int tiles,
+__device__ void produce(const GmmFp8DwArgs& a, const Maps& m, const DwRing& r, int tiles,
                         int grid_n, int per_group) {
   for (const CUtensorMap* map : {&m.a, &m.b, &m.a_scales, &m.b_scales}) sm90::tma_prefetch(map);
   uint32_t i = 0;
@@ -53,7 +53,7 @@ __device__ void produce(const GmmFp8DwArgs& a, const Maps& m, const Ring& r, int
     const DwTile tl = dw_tile_at(a, t, grid_n, per_group);
     for (int k = 0; k < tl.blocks; ++k, ++i) {
       const int b = tl.block0 + k;
-      const int s = load_stage(m, r, i, b * kBK, tl.row * kBM, b * kBK, tl.col * kBN,
+      const int s = dw_load_stage(m, r, i, b * kBK, tl.row * kBM, b * kBK, tl.col * kBN,
                                tl.row * kBM, b, kStageTx);
       sm90::tma_load_2d(r.b_scales + s * kScales, &m.b_scales, &r.full[s], tl.col * kBN, b);
     }
@@ -81,7 +81,7 @@ __device__ void consume(const GmmFp8DwArgs& a, const Maps& m, const DwSmem& r, i
 #pragma unroll
     for (int j = 0; j < 64; ++j) sum[j] = 0.f;
     for (int k = 0; k < tl.blocks; ++k, ++i) {
-      const int s = start_kstep(prod, r, i, wg);
+      const int s = dw_start_kstep(prod, r, i, wg);
       const float ra0 = r.a_scales[s * kScales + row], ra1 = r.a_scales[s * kScales + row + 8];
       const float* cs = r.b_scales + s * kScales + col;
       // the column scales are read after the wait (held across it they would

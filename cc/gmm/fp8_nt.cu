@@ -46,7 +46,7 @@ constexpr uint32_t kStageTx = FwdRing::kABytes + kTileBytes + kRows * 4;
 // stage's x tile), two weight tiles (the stage's B tile and the x tile's upper
 // half) and two blocks of row scales.
 constexpr uint32_t kPairTx = kTileBytes + 2 * kTileBytes + 2 * 64 * 4;
-// With TMA stores: 3 stages and the bf16 tile, 4 boxes per consumer (64 KB).
+// With TMA stores: 3 stages and the bf16 tile, 4 boxes per consumer (32 KB each, 64 KB in all).
 using FwdTmaSmem = WithOut<RingOf<kRows, 3>, kConsumers * 4 * kBoxBytes>;
 template <bool Tma>
 using FwdSmem = std::conditional_t<Tma, FwdTmaSmem, FwdRing>;
@@ -159,13 +159,14 @@ __device__ void produce(const GmmFp8Args& a, const Maps& m, const R& r, int tile
       }
       continue;
     }
-    const bool upper = tl.upper();
+    const bool load_upper = tl.upper();
     for (int k = 0; k < ksteps; ++k, ++i) {
-      const int s = r.fill(i, kStageTx - (upper ? 0 : kTileBytes));
+      const int s = r.fill(i, kStageTx - (load_upper ? 0 : kTileBytes));
       uint64_t* full = &r.full[s];
       uint8_t* x_tile = r.a + s * R::kABytes;
       sm90::tma_load_2d(x_tile, &m.a, full, k * kBK, tl.row_start);
-      if (upper) sm90::tma_load_2d(x_tile + kTileBytes, &m.a, full, k * kBK, tl.row_start + kBM);
+      if (load_upper)
+        sm90::tma_load_2d(x_tile + kTileBytes, &m.a, full, k * kBK, tl.row_start + kBM);
       sm90::tma_load_2d(r.b + s * kTileBytes, &m.b, full, k * kBK, v_row);
       sm90::tma_load_2d(r.a_scales + s * kRows, &m.a_scales, full, tl.row_start, k);
     }
@@ -205,7 +206,7 @@ __device__ __forceinline__ void store_blocks_tma(const float (&lower)[64],
                                                  int wg) {
   if (!tma_lower && !tma_upper) return;
   uint8_t* mine = r.out_tile + wg * 4 * kBoxBytes;
-  const int f0 = tl.row_start + 64 * wg, f1 = f0 + kBM;
+  const int row0 = tl.row_start + 64 * wg, row1 = row0 + kBM;
   staged_tma_store(
       wg,
       [&] {
@@ -214,8 +215,8 @@ __device__ __forceinline__ void store_blocks_tma(const float (&lower)[64],
       },
       [&] {
         const int c0 = tl.col * kBN;
-        if (tma_lower) store_block_tma(&m.out, mine, c0, f0);
-        if (tma_upper) store_block_tma(&m.out, mine + 2 * kBoxBytes, c0, f1);
+        if (tma_lower) store_block_tma(&m.out, mine, c0, row0);
+        if (tma_upper) store_block_tma(&m.out, mine + 2 * kBoxBytes, c0, row1);
       });
 }
 
@@ -230,8 +231,8 @@ __device__ void consume(const GmmFp8Args& a, const Maps& m, const R& r, int tile
     if (t + gridDim.x < tiles) part = tile_entry_part(a, t + gridDim.x, grid_n);
     // in a pair consumer 1 runs the partner's block, as block 1 of its view,
     // against the partner's weight in the x tile's upper half
-    const bool partner = entry.paired() && wg == 1;
-    const Tile tl = partner ? entry.partner_view() : entry;
+    const bool runs_partner = entry.paired() && wg == 1;
+    const Tile tl = runs_partner ? entry.partner_view() : entry;
 #pragma unroll
     for (int j = 0; j < 64; ++j) lower[j] = upper[j] = 0.f;
     const bool on_lower = tl.block_on(wg), on_upper = tl.block_on(wg + 2);
@@ -241,7 +242,7 @@ __device__ void consume(const GmmFp8Args& a, const Maps& m, const R& r, int tile
     for (int k = 0; tl.group >= 0 && k < ksteps; ++k, c.next()) {
       const float w_scale = ws.at(k);   // the shuffle runs while this thread waits for the stage
       c.wait_loaded();
-      const uint32_t w_desc = partner ? c.a_desc(2) : c.b_desc();
+      const uint32_t w_desc = runs_partner ? c.a_desc(2) : c.b_desc();
       if (on_lower) block_kstep(lower, prod, c, wg, w_desc, w_scale, !on_upper);
       if (on_upper) block_kstep(upper, prod, c, wg + 2, w_desc, w_scale, true);
       if (!on_lower && !on_upper) c.release();

@@ -9,7 +9,7 @@
 // weight-block scales from global memory, 32 k-steps at a time into the lanes
 // of each consumer warp). dw's consumer waits for the stage's
 // "full" barrier, runs four 64 x 128 x 32 WGMMAs of its 64 rows into a fresh
-// accumulator (start_kstep), waits for them, promotes the product and releases
+// accumulator (dw_start_kstep), waits for them, promotes the product and releases
 // the stage on its "empty" barrier (one arrival per consumer warp).
 //
 // Issue budget (nvdisasm of the sm_90a build, static count): a forward
@@ -131,16 +131,16 @@ struct WithOut : R {
   }
 };
 
-// dw's ring: 128-row A tiles, 5 stages (165 KB; its output tile takes 32 KB more).
-using Ring = RingOf<kBM, 5>;
+// dw's ring: 128-row A tiles, 5 stages (164 KiB; its output tile takes 32 KB more).
+using DwRing = RingOf<kBM, 5>;
 
 // dw's producer: wait until use i's stage is free, expect `tx` bytes on its
 // full barrier, and load the A and B tiles and A's scales; returns the stage
 // (the caller may load more into it: `tx` counts those bytes too). Coordinates
 // are (innermost, outer) of each map's box.
-__device__ __forceinline__ int load_stage(const Maps& m, const Ring& r, uint32_t i, int a0,
-                                          int a1, int b0, int b1, int as0, int as1,
-                                          uint32_t tx) {
+__device__ __forceinline__ int dw_load_stage(const Maps& m, const DwRing& r, uint32_t i,
+                                             int a0, int a1, int b0, int b1, int as0, int as1,
+                                             uint32_t tx) {
   const int s = r.fill(i, tx);
   sm90::tma_load_2d(r.a + s * kTileBytes, &m.a, &r.full[s], a0, a1);
   sm90::tma_load_2d(r.b + s * kTileBytes, &m.b, &r.full[s], b0, b1);
@@ -176,14 +176,16 @@ __device__ __forceinline__ void wait_product(float (&prod)[64]) {
 
 // dw's consumer wg: wait for use i's stage and issue its 64 rows' product;
 // -> the stage.
-__device__ __forceinline__ int start_kstep(float (&prod)[64], const Ring& r, uint32_t i, int wg) {
+__device__ __forceinline__ int dw_start_kstep(float (&prod)[64], const DwRing& r, uint32_t i,
+                                              int wg) {
   const int s = r.wait_loaded(i);
   issue_product(prod, r.a + s * kTileBytes + wg * 64 * kBK, r.b + s * kTileBytes);
   return s;
 }
 
 // A consumer thread's place in its 64 x 128 accumulator: registers 4j, 4j+1
-// hold row `row()` and 4j+2, 4j+3 row `row() + 8`, at columns 8j + col() + {0, 1}.
+// hold row `acc_row(wg)` and 4j+2, 4j+3 row `acc_row(wg) + 8`, at columns
+// 8j + acc_col() + {0, 1}.
 __device__ __forceinline__ int acc_row(int wg) {
   return 64 * wg + 16 * ((threadIdx.x % 128) / 32) + (threadIdx.x % 32) / 4;
 }
@@ -196,17 +198,17 @@ __device__ __forceinline__ int acc_col() { return 2 * (threadIdx.x % 4); }
 template <typename R>
 struct ConsumerRing {
   uint32_t a_lo, b_lo;    // descriptor low words of stage 0's A and B tiles
-  uint32_t scale;         // stage 0's A scale of this thread's row acc_row(0)
-  uint32_t full, empty;   // stage 0's barriers
+  uint32_t a_scales0;     // stage 0's A scale of this thread's row acc_row(0)
+  uint32_t full0, empty0; // stage 0's barriers
   int s = 0;              // the stage of the current use
   uint32_t parity = 0;    // its phase parity
 
   __device__ explicit ConsumerRing(const R& r)
       : a_lo(sm90::kept(sm90::sw128_desc_lo(sm90::smem_addr(r.a)))),
         b_lo(sm90::kept(sm90::sw128_desc_lo(sm90::smem_addr(r.b)))),
-        scale(sm90::kept(sm90::smem_addr(r.a_scales + acc_row(0)))),
-        full(sm90::kept(sm90::smem_addr(r.full))),
-        empty(sm90::kept(sm90::smem_addr(r.empty))) {}
+        a_scales0(sm90::kept(sm90::smem_addr(r.a_scales + acc_row(0)))),
+        full0(sm90::kept(sm90::smem_addr(r.full))),
+        empty0(sm90::kept(sm90::smem_addr(r.empty))) {}
 
   __device__ __forceinline__ void next() {
     if (++s == R::kStages) {
@@ -214,12 +216,12 @@ struct ConsumerRing {
       parity ^= 1;
     }
   }
-  __device__ __forceinline__ void wait_loaded() const { sm90::bar_wait(full + 8 * s, parity); }
+  __device__ __forceinline__ void wait_loaded() const { sm90::bar_wait(full0 + 8 * s, parity); }
   // this warp has read the stage (every lane): one arrival on its empty
   // barrier, where `when`
   __device__ __forceinline__ void release(bool when = true) const {
     __syncwarp();
-    sm90::bar_arrive_if(empty + 8 * s, when && threadIdx.x % 32 == 0);
+    sm90::bar_arrive_if(empty0 + 8 * s, when && threadIdx.x % 32 == 0);
   }
   // 64-row block b of the stage's A tile, and its B tile: descriptor low words
   __device__ __forceinline__ uint32_t a_desc(int b) const {
@@ -228,7 +230,7 @@ struct ConsumerRing {
   __device__ __forceinline__ uint32_t b_desc() const { return b_lo + s * (kTileBytes / 16); }
   // the stage's A scale of row acc_row(0) + 64 b + plus
   __device__ __forceinline__ float a_scale(int b, int plus) const {
-    return sm90::lds_f32(scale + 4 * (s * R::kARows + 64 * b + plus));
+    return sm90::lds_f32(a_scales0 + 4 * (s * R::kARows + 64 * b + plus));
   }
 };
 
@@ -276,13 +278,14 @@ __device__ __forceinline__ void put_box_bf16(const float (&sum)[64], uint8_t* bo
   }
 }
 
-// Consumer wg's whole 64 x 128 sum as two boxes at `dst` (columns [0, 64),
-// then [64, 128)), and those two boxes stored to rows [row0, +64), columns
-// [col0, +128) of `map`.
+// Consumer wg's whole 64 x 128 sum as two boxes at `dst`: columns [0, 64),
+// then [64, 128).
 __device__ __forceinline__ void put_block_bf16(const float (&sum)[64], uint8_t* dst) {
   put_box_bf16(sum, dst, 0);
   put_box_bf16(sum, dst + kBoxBytes, 1);
 }
+// The two boxes at `src` stored to rows [row0, +64), columns [col0, +128) of
+// `map` (TMA coordinates: the column first).
 __device__ __forceinline__ void store_block_tma(const CUtensorMap* map, const uint8_t* src,
                                                 int col0, int row0) {
   sm90::tma_store_2d(map, src, col0, row0);

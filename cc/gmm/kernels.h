@@ -3,11 +3,13 @@
 //
 // fp8 NT grouped matmul, the contract of jax_ep/gmm/pallas_fp8.py:
 //   out[rows of g] = (x * xs)[rows of g] @ ((v * vs)[g])^T
-// x [M, Kc] e4m3, xs [M, Kc/128] f32 (per row, per 128 of the contraction), v
+// x [M, Kc] e4m3, xs_t [Kc/128, M] f32 (x's scales transposed: per 128 of the
+// contraction, per row), v
 // [G, N, Kc] e4m3, vs [G, N/128, Kc/128] f32 (128 x 128 blocks), f32
 // accumulation promoted every 128 of the contraction, out [M, N] bf16 or f32.
 // The rows come as a row-tile table of 256-row tiles (jax_ep/gmm/pallas_common.py
-// row_tiles, bm = 256; the caller names the rows it cut, tile_rows, and the
+// row_tiles, bm = 256, its one-block tiles paired by jax_ep/gmm/cuda_fp8.py
+// pair_one_block_tiles; the caller names the rows it cut, tile_rows, and the
 // kernel refuses a table cut for other tiles): tile f loads rows
 // [row_start[f], +256) (rows past m read as zeros) and stores [lo[f], hi[f])
 // of group group[f]; group -1: zeros (rows past the groups' end).
