@@ -128,21 +128,38 @@ def chained(fn):
     return jax.jit(run)
 
 
-def per_call_ms(fn, args, n1, n2, reps):
+def _one_rep(fn, args, n1, n2):
+    """A warmed-up timer of ``fn``: each call times n1 and n2 chained calls
+    and returns the seconds per call, (t(n2) - t(n1)) / (n2 - n1)."""
     f = chained(fn)
     f1 = lambda *a: f(jnp.int32(n1), *a)
     f2 = lambda *a: f(jnp.int32(n2), *a)
     jax.block_until_ready(f1(*args))
     jax.block_until_ready(f2(*args))
-    ts = []
-    for _ in range(reps):
+
+    def rep():
         t0 = time.perf_counter()
         jax.block_until_ready(f1(*args))
         t1 = time.perf_counter()
         jax.block_until_ready(f2(*args))
         t2 = time.perf_counter()
-        ts.append(((t2 - t1) - (t1 - t0)) / (n2 - n1))
-    return float(np.median(ts)) * 1e3
+        return ((t2 - t1) - (t1 - t0)) / (n2 - n1)
+    return rep
+
+
+def per_call_ms(fn, args, n1, n2, reps):
+    rep = _one_rep(fn, args, n1, n2)
+    return float(np.median([rep() for _ in range(reps)])) * 1e3
+
+
+def paired_ms(fn_a, args_a, fn_b, args_b, n1, n2, reps):
+    """``fn_a`` and ``fn_b`` timed alternately, rep by rep, so both see the
+    same clocks (a GPU's clock moves with its power and heat between runs):
+    -> (median ms of a, median ms of b, the per-rep ratios b / a)."""
+    rep_a, rep_b = _one_rep(fn_a, args_a, n1, n2), _one_rep(fn_b, args_b, n1, n2)
+    pairs = [(rep_a(), rep_b()) for _ in range(reps)]
+    a, b = (np.array(v) for v in zip(*pairs))
+    return float(np.median(a)) * 1e3, float(np.median(b)) * 1e3, b / a
 
 
 def ops(cfg):
