@@ -27,7 +27,8 @@ and (``--kinds layer``) the V3 layer's, padded to 64 rows
   alternately with the API, rep by rep (its partner row ``fp8 api,
   alternating with dense``; the per-rep ratios are printed): a GPU's clock
   moves with power and heat between runs, and dense fp8 moved 0.615-0.805
-  ms at V3 down between runs on one H100 while the grouped call did not;
+  ms at V3 down between runs on one H100 while the grouped call moved far
+  less (0.895-0.970);
 - ``roof: read w fp8``: an XLA reduction over the fp8 weights ``[G, N, K]``,
   one read of the bytes the grouped matmul must stream at least once;
   ``roof: bytes`` (derived, not timed): every byte the call moves (the

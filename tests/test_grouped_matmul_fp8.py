@@ -326,6 +326,12 @@ def test_second_order_derivatives_raise_one_clear_error():
     def grad_norm(argnum, **kw):
         return lambda *a: jnp.sum(jax.grad(loss, argnums=argnum)(*a, **kw) ** 2)
 
+    earlier = jax_ep.quantize_weights(w)
+
+    def reused_loss(w):   # quantized earlier, outside the derivative (quantized=)
+        q, s = jax_ep.quantize_weights(w, quantized=earlier)
+        return jnp.sum((q.astype(jnp.float32) * 2.0) ** 2)
+
     def pair_loss(w):
         (q, s), (q_t, s_t) = jax_ep.quantize_weights_pair(w)
         return jnp.sum((q.astype(jnp.float32) * 2.0) ** 2) + jnp.sum(q_t.astype(jnp.float32) ** 2)
@@ -339,6 +345,8 @@ def test_second_order_derivatives_raise_one_clear_error():
              ("quantize_weights", lambda: jax.grad(grad_norm(1), argnums=1)(x, w)),
              # only dy carries a tangent: the fp8 dx's cast of dy
              ("grouped_matmul", lambda: jax.grad(grad_norm(0), argnums=2)(x, w, 2.0)),
+             ("quantize_weights", lambda: jax.grad(
+                 lambda w: jnp.sum(jax.grad(reused_loss)(w) ** 2))(w)),
              ("quantize_weights_pair", lambda: jax.grad(
                  lambda w: jnp.sum(jax.grad(pair_loss)(w) ** 2))(w)),
              ("quantize_swiglu", lambda: jax.grad(

@@ -45,7 +45,7 @@ ffi::Error NtShapes(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& xs_t,
     return InvalidArgument(std::string(kNtOp) + ": expected x [M, Kc], xs_t [Kc/128, M], "
                            "v [G, N, Kc], vs [G, N/128, Kc/128], out [M, N]");
   if (xd[0] >= kMaxDim || xd[1] >= kMaxDim || vd[0] >= kMaxDim || vd[1] >= kMaxDim ||
-      wd[2] >= kMaxDim)
+      vd[2] >= kMaxDim)
     return InvalidArgument(std::string(kNtOp) + ": M, Kc, G and N must each be below 2^30");
   a->m = static_cast<int>(xd[0]);
   a->kc = static_cast<int>(xd[1]);

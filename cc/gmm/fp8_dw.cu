@@ -54,7 +54,7 @@ __device__ void produce(const GmmFp8DwArgs& a, const Maps& m, const DwRing& r, i
     for (int k = 0; k < tl.blocks; ++k, ++i) {
       const int b = tl.block0 + k;
       const int s = dw_load_stage(m, r, i, b * kBK, tl.row * kBM, b * kBK, tl.col * kBN,
-                               tl.row * kBM, b, kStageTx);
+                                  tl.row * kBM, b, kStageTx);
       sm90::tma_load_2d(r.b_scales + s * kScales, &m.b_scales, &r.full[s], tl.col * kBN, b);
     }
   }

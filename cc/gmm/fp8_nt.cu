@@ -46,7 +46,7 @@ constexpr uint32_t kStageTx = FwdRing::kABytes + kTileBytes + kRows * 4;
 // stage's x tile), two weight tiles (the stage's B tile and the x tile's upper
 // half) and two blocks of row scales.
 constexpr uint32_t kPairTx = kTileBytes + 2 * kTileBytes + 2 * 64 * 4;
-// With TMA stores: 3 stages and the bf16 tile, 4 boxes per consumer (32 KB each, 64 KB in all).
+// With TMA stores: 3 stages and the bf16 tile, 4 boxes of 8 KB per consumer (64 KB in all).
 using FwdTmaSmem = WithOut<RingOf<kRows, 3>, kConsumers * 4 * kBoxBytes>;
 template <bool Tma>
 using FwdSmem = std::conditional_t<Tma, FwdTmaSmem, FwdRing>;

@@ -131,7 +131,7 @@ struct WithOut : R {
   }
 };
 
-// dw's ring: 128-row A tiles, 5 stages (164 KiB; its output tile takes 32 KB more).
+// dw's ring: 128-row A tiles, 5 stages (165 KiB; its output tile takes 32 KB more).
 using DwRing = RingOf<kBM, 5>;
 
 // dw's producer: wait until use i's stage is free, expect `tx` bytes on its
