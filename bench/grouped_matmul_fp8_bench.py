@@ -23,12 +23,11 @@ and (``--kinds layer``) the V3 layer's, padded to 64 rows
 - ``dense fp8`` / ``dense bf16``: XLA's ``x @ w[0]`` over the same rows (fp8:
   e4m3 operands, bf16 out; XLA:GPU calls cuBLASLt): the tensor-core roofs. A
   dense matmul reads one weight; the grouped one streams all G of them
-  (V3 up: 3.8 GB of fp8 weights for 32768 rows). ``dense fp8`` is timed
-  alternately with the API, rep by rep (its partner row ``fp8 api,
-  alternating with dense``; the per-rep ratios are printed): a GPU's clock
-  moves with power and heat between runs, and dense fp8 moved 0.615-0.805
-  ms at V3 down between runs on one H100 while the grouped call moved far
-  less (0.895-0.970);
+  (V3 up: 3.8 GB of fp8 weights for 32768 rows). At uniform sizes ``dense
+  fp8`` and ``fp8 api`` are timed alternately, rep by rep (the per-rep
+  ratios are printed): a GPU's clock moves with power and heat between
+  runs, and dense fp8 moved 0.615-0.805 ms at V3 down between runs on one
+  H100 while the grouped call moved far less (0.895-0.970);
 - ``roof: read w fp8``: an XLA reduction over the fp8 weights ``[G, N, K]``,
   one read of the bytes the grouped matmul must stream at least once;
   ``roof: bytes`` (derived, not timed): every byte the call moves (the
@@ -175,17 +174,20 @@ def rows_for(proj, kind, reps, clusters=(1,), variants=None, cuda=True):
             lambda a, s, v, vsc, g, f=kernel: f(a, s, v, vsc, offsets(g, M)),
             (xq, xs, vq, vs, gs), 2, 6, reps)
     api = lambda a, s, w_, wsc, g: jax_ep.grouped_matmul(a, w_, g, x_scales=s, w_scales=wsc)
-    t["fp8 api"] = per_call_ms(api, (xq, xs, wq, ws, gs), 2, 6, reps)
-    t["bf16"] = per_call_ms(lambda a, w_, g: jax_ep.grouped_matmul(a, w_, g), (x, w, gs), 2, 6, reps)
     if kind == "uniform":
         # dense fp8 timed alternately with the API, rep by rep: the ratio
         # between the two then does not follow the GPU's clock between runs
         dense = lambda a, v0: jax.lax.dot_general(a, v0, (((1,), (1,)), ((), ())),
                                                   preferred_element_type=jnp.bfloat16)
-        t["fp8 api, alternating with dense"], t["dense fp8"], r = paired_ms(
-            api, (xq, xs, wq, ws, gs), dense, (xq, vq[0]), 2, 6, reps)
+        t["fp8 api"], dense_ms, r = paired_ms(api, (xq, xs, wq, ws, gs), dense, (xq, vq[0]),
+                                              2, 6, reps)
         print(f"{proj}: dense fp8 / fp8 api per rep, timed alternately: "
               f"{' '.join(f'{v:.3f}' for v in r)}", flush=True)
+    else:
+        t["fp8 api"] = per_call_ms(api, (xq, xs, wq, ws, gs), 2, 6, reps)
+    t["bf16"] = per_call_ms(lambda a, w_, g: jax_ep.grouped_matmul(a, w_, g), (x, w, gs), 2, 6, reps)
+    if kind == "uniform":
+        t["dense fp8"] = dense_ms
         t["dense bf16"] = per_call_ms(lambda a, w0: a @ w0, (x, w[0]), 2, 6, reps)
         t["roof: read w fp8"] = per_call_ms(
             lambda v: jnp.max(v.astype(jnp.float32), axis=(1, 2)), (vq,), 2, 6, reps)

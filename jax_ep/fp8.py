@@ -68,10 +68,7 @@ def fp8_cast(x: jax.Array, scale_format: str = "f32"):
     kernel follows XLA:GPU (``KernelTuning(fp8_ieee_division=True)`` switches it to IEEE), so
     native and reference agree bit for bit when both run on the GPU."""
     _check_format("fp8_cast", scale_format)
-    if getattr(x, "ndim", None) != 2 or x.shape[1] % FP8_BLOCK:
-        raise ValueError(f"fp8_cast: expected x [T, H] with H divisible by {FP8_BLOCK} (the "
-                         f"scale blocks), got shape {getattr(x, 'shape', None)}; pad the "
-                         "model width to a multiple of 128")
+    _check_source("fp8_cast", x, 2, "x [T, H]", (1,))
     T, H = x.shape
     q, scale = _cast_blocks(x.astype(F32).reshape(T, H // FP8_BLOCK, FP8_BLOCK), 2, scale_format)
     return q.reshape(T, H), scale

@@ -323,34 +323,27 @@ def test_second_order_derivatives_raise_one_clear_error():
         y = gmm8(xq, xs, wq, ws, gs, preferred_element_type=jnp.float32, config=config)
         return jnp.sum((y * theta) ** 2)
 
-    def grad_norm(argnum, **kw):
-        return lambda *a: jnp.sum(jax.grad(loss, argnums=argnum)(*a, **kw) ** 2)
+    def grad_norm(argnum, f=loss, **kw):   # a scalar of f's gradient, to differentiate again
+        return lambda *a: jnp.sum(jax.grad(f, argnums=argnum)(*a, **kw) ** 2)
+
+    def square_sum(*qs):   # a loss on fp8 values
+        return sum(jnp.sum((q.astype(jnp.float32) * 2.0) ** 2) for q in qs)
 
     earlier = jax_ep.quantize_weights(w)
-
-    def reused_loss(w):   # quantized earlier, outside the derivative (quantized=)
-        q, s = jax_ep.quantize_weights(w, quantized=earlier)
-        return jnp.sum((q.astype(jnp.float32) * 2.0) ** 2)
-
-    def pair_loss(w):
-        (q, s), (q_t, s_t) = jax_ep.quantize_weights_pair(w)
-        return jnp.sum((q.astype(jnp.float32) * 2.0) ** 2) + jnp.sum(q_t.astype(jnp.float32) ** 2)
-
-    def swiglu_loss(x):   # x [M, K] as gate | up: [M, K/2] out, K/2 a multiple of 128
-        h, hs = jax_ep.quantize_swiglu(x)
-        return jnp.sum((h.astype(jnp.float32) * 2.0) ** 2)
+    reused_loss = lambda w: square_sum(jax_ep.quantize_weights(w, quantized=earlier)[0])
+    pair_loss = lambda w: square_sum(*(q for q, _ in jax_ep.quantize_weights_pair(w)))
+    # x [M, K] as gate | up: [M, K/2] out, K/2 a multiple of 128
+    swiglu_loss = lambda x: square_sum(jax_ep.quantize_swiglu(x)[0])
 
     cases = [("quantize_activations", lambda: jax.grad(grad_norm(0))(x, w)),
              ("quantize_activations", lambda: jax.jvp(jax.grad(loss), (x, w), (x, w))),
              ("quantize_weights", lambda: jax.grad(grad_norm(1), argnums=1)(x, w)),
              # only dy carries a tangent: the fp8 dx's cast of dy
              ("grouped_matmul", lambda: jax.grad(grad_norm(0), argnums=2)(x, w, 2.0)),
-             ("quantize_weights", lambda: jax.grad(
-                 lambda w: jnp.sum(jax.grad(reused_loss)(w) ** 2))(w)),
-             ("quantize_weights_pair", lambda: jax.grad(
-                 lambda w: jnp.sum(jax.grad(pair_loss)(w) ** 2))(w)),
-             ("quantize_swiglu", lambda: jax.grad(
-                 lambda x: jnp.sum(jax.grad(swiglu_loss)(x) ** 2))(x))]
+             # the weights quantized earlier, outside the derivative (quantized=)
+             ("quantize_weights", lambda: jax.grad(grad_norm(0, reused_loss))(w)),
+             ("quantize_weights_pair", lambda: jax.grad(grad_norm(0, pair_loss))(w)),
+             ("quantize_swiglu", lambda: jax.grad(grad_norm(0, swiglu_loss))(x))]
     for op, run in cases:
         with pytest.raises(TypeError, match=rf"jax_ep\.{op}: a second-order derivative.*bf16"):
             run()

@@ -35,6 +35,13 @@ ffi::Error CheckTypes(const std::string& op, const char* names, const ffi::AnyBu
   return ffi::Error::Success();
 }
 
+// num_sms: CTAs of the persistent kernel, 0 for one per SM.
+ffi::Error CheckNumSms(const char* op, int32_t num_sms) {
+  if (num_sms < 0)
+    return InvalidArgument(std::string(op) + ": num_sms must be >= 0 (0: one CTA per SM)");
+  return ffi::Error::Success();
+}
+
 ffi::Error NtShapes(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& xs_t,
                     const ffi::AnyBuffer& v, const ffi::Buffer<ffi::F32>& vs,
                     const ffi::AnyBuffer& out, GmmFp8Args* a) {
@@ -81,8 +88,7 @@ ffi::Error GmmFp8NtImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
   if (row_start.element_count() * (a.n / 128) >= (int64_t(1) << 31))
     return InvalidArgument(std::string(kNtOp) + ": the row-tile table's T x N/128 output "
                            "tiles must fit in int32");
-  if (num_sms < 0)
-    return InvalidArgument(std::string(kNtOp) + ": num_sms must be >= 0 (0: one CTA per SM)");
+  JAX_EP_RETURN_IF_ERROR(CheckNumSms(kNtOp, num_sms));
   a.x = x.untyped_data();
   a.xs_t = xs_t.typed_data();
   a.v = v.untyped_data();
@@ -135,8 +141,7 @@ ffi::Error GmmFp8DwImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
                         ffi::Result<ffi::AnyBuffer> out) {
   GmmFp8DwArgs d;
   JAX_EP_RETURN_IF_ERROR(DwShapes(a, as, c, cs, segments, *out, &d));
-  if (num_sms < 0)
-    return InvalidArgument(std::string(kDwOp) + ": num_sms must be >= 0 (0: one CTA per SM)");
+  JAX_EP_RETURN_IF_ERROR(CheckNumSms(kDwOp, num_sms));
   d.a = a.untyped_data();
   d.a_scales = as.typed_data();
   d.c = c.untyped_data();
