@@ -75,19 +75,18 @@ ffi::Error GmmFp8NtImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                         ffi::Buffer<ffi::S32> partner, ffi::Buffer<ffi::S32> counts,
                         int32_t num_sms, int32_t tile_rows,
                         int32_t tma_store, ffi::Result<ffi::AnyBuffer> out) {
-  GmmFp8Args a;
-  a.tile_rows = tile_rows;
-  a.tma_store = tma_store != 0;
-  JAX_EP_RETURN_IF_ERROR(NtShapes(x, xs_t, v, vs, *out, &a));
   if (counts.element_count() != 2 || lo.element_count() != row_start.element_count() ||
       hi.element_count() != row_start.element_count() ||
       group.element_count() != row_start.element_count() ||
-      partner.element_count() != row_start.element_count())
+      partner.element_count() != row_start.element_count() ||
+      row_start.element_count() >= kMaxDim)
     return InvalidArgument(std::string(kNtOp) + ": the row-tile table must be five int32 [T] "
-                           "arrays and counts [2]");
-  if (row_start.element_count() * (a.n / 128) >= (int64_t(1) << 31))
-    return InvalidArgument(std::string(kNtOp) + ": the row-tile table's T x N/128 output "
-                           "tiles must fit in int32");
+                           "arrays (T below 2^30) and counts [2]");
+  GmmFp8Args a;
+  a.tiles = static_cast<int>(row_start.element_count());
+  a.tile_rows = tile_rows;
+  a.tma_store = tma_store != 0;
+  JAX_EP_RETURN_IF_ERROR(NtShapes(x, xs_t, v, vs, *out, &a));
   JAX_EP_RETURN_IF_ERROR(CheckNumSms(kNtOp, num_sms));
   a.x = x.untyped_data();
   a.xs_t = xs_t.typed_data();

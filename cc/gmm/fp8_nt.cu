@@ -284,6 +284,8 @@ const char* gmm_fp8_shape_error(const GmmFp8Args& a) {
   if (a.m < kBM || a.m % 8) return "M must be a multiple of 8 and at least 128";
   if (a.groups <= 0) return "there must be at least one group";
   if (static_cast<long long>(a.groups) * a.n >= (1LL << 31)) return "G * N must fit in int32";
+  if (a.tiles < 0 || static_cast<long long>(a.tiles) * (a.n / kBN) >= (1LL << 31))
+    return "the row-tile table's T x N/128 output tiles must fit in int32";
   static_assert(kRows == 256, "the message below names the tile rows");
   if (a.tile_rows != kRows)   // jax_ep/gmm/cuda_fp8.py NT_TILE_ROWS and kRows disagree
     return "the row-tile table must be cut at 256 rows (cuda_fp8.NT_TILE_ROWS); the Python "

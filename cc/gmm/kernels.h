@@ -34,6 +34,7 @@ struct GmmFp8Args {
   // another such tile (its index, past the tiles counted), or -1
   const int32_t* partner = nullptr;
   const int32_t* counts = nullptr;  // [2]: group tiles, then tail tiles, first in the table
+  int tiles = 0;                    // T, the table's length
   int tile_rows = 0;                // the rows per tile the table was cut at
   bool tma_store = false;           // bf16 out: full 64-row blocks by TMA (fp8_nt.cu); f32: ignored
   void* out = nullptr;              // [m, n]
@@ -44,7 +45,8 @@ struct GmmFp8Args {
 };
 
 // Why the kernel cannot run these shapes ("" if it can): multiples of 128,
-// m % 8 == 0 and m >= 128, a row-tile table of the kernel's tile rows.
+// m % 8 == 0 and m >= 128, a row-tile table of the kernel's tile rows whose
+// T x N/128 output tiles fit in int32.
 const char* gmm_fp8_shape_error(const GmmFp8Args& a);
 
 cudaError_t launch_gmm_fp8_nt(const GmmFp8Args& a, cudaStream_t stream);
