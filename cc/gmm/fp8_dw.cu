@@ -134,8 +134,9 @@ const char* gmm_fp8_dw_shape_error(const GmmFp8DwArgs& a) {
   if (a.groups <= 0) return "there must be at least one group";
   if (static_cast<long long>(a.groups) * a.ka >= (1LL << 31))
     return "G * Ka must fit in int32";   // the output map's rows
-  if (static_cast<long long>(a.groups) * (a.ka / kBM) * (a.nc / kBN) >= (1LL << 31))
-    return "the output tiles G * Ka/128 * Nc/128 must fit in int32";
+  // below 2^30, not 2^31: a CTA's next tile, t + gridDim.x, stays in int
+  if (static_cast<long long>(a.groups) * (a.ka / kBM) * (a.nc / kBN) >= (1LL << 30))
+    return "the output tiles G * Ka/128 * Nc/128 must be below 2^30";
   return "";
 }
 

@@ -77,7 +77,7 @@ struct Tile {
 __device__ __forceinline__ Tile tile_at(const GmmFp8Args& a, int t, int grid_n) {
   const int f = t / grid_n, p = a.partner[f];
   Tile tl{a.row_start[f], a.lo[f], a.hi[f], a.group[f], t % grid_n};
-  if (p >= 0) {
+  if (p >= 0 && p < a.tiles) {
     tl.p_row_start = a.row_start[p];
     tl.p_lo = a.lo[p];
     tl.p_hi = a.hi[p];
@@ -95,7 +95,8 @@ __device__ __forceinline__ int tile_entry_part(const GmmFp8Args& a, int t, int g
   const int f = t / grid_n, lane = threadIdx.x % 32;
   const int* field = lane % 4 == 0 ? a.row_start : lane % 4 == 1 ? a.lo
                      : lane % 4 == 2 ? a.hi : a.group;
-  const int src = lane < 4 ? f : lane < 8 ? a.partner[f] : -1;
+  int src = lane < 4 ? f : lane < 8 ? a.partner[f] : -1;
+  if (src >= a.tiles) src = -1;   // a partner past the table: none
   return src >= 0 ? field[src] : (lane % 4 == 3 ? -1 : 0);
 }
 __device__ __forceinline__ Tile tile_from_parts(int part, int t, int grid_n) {
@@ -266,7 +267,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem[];
   const int grid_n = a.n / kBN, ksteps = a.kc / kBK;
-  const int tiles = (a.counts[0] + a.counts[1]) * grid_n;
+  // the counts come from device memory: never past the table
+  const int tiles = min(a.counts[0] + a.counts[1], a.tiles) * grid_n;
   static_assert(!Tma || std::is_same_v<Out, __nv_bfloat16>, "TMA stores bf16 tiles");
   using S = FwdSmem<Tma>;
   run<S>(smem, [&](const S& r) { produce(a, maps, r, tiles, grid_n, ksteps); },
@@ -284,8 +286,9 @@ const char* gmm_fp8_shape_error(const GmmFp8Args& a) {
   if (a.m < kBM || a.m % 8) return "M must be a multiple of 8 and at least 128";
   if (a.groups <= 0) return "there must be at least one group";
   if (static_cast<long long>(a.groups) * a.n >= (1LL << 31)) return "G * N must fit in int32";
-  if (a.tiles < 0 || static_cast<long long>(a.tiles) * (a.n / kBN) >= (1LL << 31))
-    return "the row-tile table's T x N/128 output tiles must fit in int32";
+  // below 2^30, not 2^31: a CTA's next tile, t + gridDim.x, stays in int
+  if (a.tiles < 0 || static_cast<long long>(a.tiles) * (a.n / kBN) >= (1LL << 30))
+    return "the row-tile table's T x N/128 output tiles must be below 2^30";
   static_assert(kRows == 256, "the message below names the tile rows");
   if (a.tile_rows != kRows)   // jax_ep/gmm/cuda_fp8.py NT_TILE_ROWS and kRows disagree
     return "the row-tile table must be cut at 256 rows (cuda_fp8.NT_TILE_ROWS); the Python "

@@ -46,7 +46,7 @@ struct GmmFp8Args {
 
 // Why the kernel cannot run these shapes ("" if it can): multiples of 128,
 // m % 8 == 0 and m >= 128, a row-tile table of the kernel's tile rows whose
-// T x N/128 output tiles fit in int32.
+// T x N/128 output tiles stay below 2^30.
 const char* gmm_fp8_shape_error(const GmmFp8Args& a);
 
 cudaError_t launch_gmm_fp8_nt(const GmmFp8Args& a, cudaStream_t stream);

@@ -47,14 +47,17 @@ def _no_extension() -> Optional[str]:
 
 def check_fp8_nt_cuda(x, xs, v, vs) -> Optional[str]:
     """None if the CUDA kernel runs these operands, else why not (also the
-    kernel's int32 indexing: the weight's rows ``G * Nout`` and the output
-    tiles, ``pallas_common.max_row_tiles`` row tiles by ``Nout / 128``)."""
+    kernel's int32 indexing: the weight's rows ``G * Nout``, and the output
+    tiles, ``pallas_common.max_row_tiles`` row tiles by ``Nout / 128``, below
+    2^30)."""
     err = _no_extension() or check_fp8_nt(x, xs, v, vs)   # v [G, Nout, Kc] past it
     if err is not None:
         return err
     g, n = v.shape[0], v.shape[1]
-    if g * n >= 2 ** 31 or max_row_tiles(x.shape[0], g, NT_TILE_ROWS) * (n // 128) >= 2 ** 31:
-        return f"G * Nout ({g} * {n}) and the output tiles must fit in int32"
+    tiles = max_row_tiles(x.shape[0], g, NT_TILE_ROWS) * (n // 128)
+    if g * n >= 2 ** 31 or tiles >= 2 ** 30:   # 2^30: a CTA's next tile index stays in int32
+        return (f"G * Nout ({g} * {n}) must fit in int32 and the output tiles ({tiles}) "
+                "stay below 2^30")
     return None
 
 
