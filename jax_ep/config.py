@@ -166,8 +166,9 @@ class EpConfig:
         per-128-channel f32 scales before sending (H % 128 == 0).
       fp8_scale_format: the scales of that cast: ``"f32"`` (``amax / 448``)
         or ``"ue8m0"`` (powers of two: an exact cast, the same bits on every
-        platform; in the native cast kernel too, bit-identical in the one-GPU
-        loopback harness, not yet run across GPUs).
+        platform; in the native cast kernel too: bit-identical to the
+        reference's cast in the one-GPU loopback harness and through JAX with
+        2, 4 and 8 processes sharing one GPU, tests/gpu/test_native_dispatch.py).
       check_overflow: raise ``OverflowError`` when any rank drops a pair
         (capacity overflow or an expert id outside ``[-1, E)``) instead of
         only reporting ``num_dropped``. The drop count is summed over every
@@ -206,7 +207,11 @@ class EpConfig:
         leg goes through the same P2P stores). Pass the config to
         ``jax_ep.initialize(config=...)`` so the buffer gets the internode
         region (it follows the hosts for ``num_nodes=1`` too). The reference
-        backend ignores it (same semantics). Not yet run on GPUs through JAX.
+        backend ignores it (same semantics). Run through JAX with 2, 4 and 8
+        processes sharing one GPU as emulated nodes
+        (tests/gpu/test_native_internode.py) and with two launchers as two
+        hosts on one machine (``scripts/gpu_check.sh`` REHEARSAL); not yet
+        across physical hosts.
       ll_transport: how the native low-latency (decode) kernels reach each
         rank of the EP group: ``"auto"`` (P2P stores to the ranks whose memory
         NVSHMEM maps, over NVLink; NVSHMEM puts to the others, e.g. a PE

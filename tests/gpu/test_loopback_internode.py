@@ -80,7 +80,7 @@ def test_internode_put():
     the quiet at the end): this process the only PE, every rank's buffer in its
     heap (cc/testing/loopback_put.h). Dispatch, fp8 and combine cases at
     2 x 4, 4 x 2 and 8 x 1, checked as the P2P ones; then three of
-    test_internode_windows' calls (not yet run on a GPU)."""
+    test_internode_windows' calls."""
     _run("_put_worker")
 
 

@@ -94,7 +94,7 @@ def test_loopback_ll_put():
 def test_loopback_ll_mixed():
     """Mixed transports in one kernel (odd ranks by puts, even ones by P2P
     stores, as ll_transport "auto" across nodes): a token's destination list
-    holds P2P rows and the one staged row (not yet run)."""
+    holds P2P rows and the one staged row."""
     _run("_mixed_worker")
 
 
