@@ -12,8 +12,8 @@
 // capture them into a CUDA graph, which a decode step needs): each enqueues
 // only on XLA's stream, its launch depends only on its attributes and shapes,
 // and its epochs live in device memory. Inside a graph the host-side check of
-// the kernels' error word runs at capture only: jax_ep.check_device_error()
-// reads it between steps. The normal-mode targets are not (yet): their ring
+// the kernels' error words runs at capture only: jax_ep.check_device_error()
+// reads them between steps. The normal-mode targets are not (yet): their ring
 // kernels have not been measured in graphs, and XLA's default flags capture
 // custom calls, so marking them would change every training step.
 #pragma once

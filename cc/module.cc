@@ -84,9 +84,11 @@ NB_MODULE(_C, m) {
     return d;
   }, "{target name: PyCapsule of its XLA FFI handler}");
   m.def("device_error", &jax_ep::peek_device_error,
-        "The kernels' error word (0: none; KernelError codes), left as it is.");
+        "The first error the kernels left (0: none; KernelError code in the low 8 bits, ErrorOp "
+        "above), left as it is.");
   m.def("take_device_error", &jax_ep::take_device_error,
-        "The kernels' error word, then cleared.");
+        "The first error the kernels left, as device_error, then cleared.");
+  m.def("error_op_name", &jax_ep::error_op_name, "The op family of an error's ErrorOp index.");
   m.def("graph_capture_count", &jax_ep::graph_capture_count,
         "Low-latency FFI calls this process made while XLA captured a CUDA graph.");
   m.def("command_buffer_targets", [] {

@@ -1,12 +1,14 @@
-"""The error word jax_ep's kernels leave in mapped host memory, as a Python error.
+"""The error words jax_ep's kernels leave in mapped host memory, as a Python error.
 
 Codes are set by the kernels (a peer that never answered, a low-latency send
-out of order) and read on the host without synchronising.
+out of order), one word per op family, and read on the host without
+synchronising. The extension hands one error as an int: its code in the low 8
+bits, its op family above them (``cc/common/device_error.h``).
 """
 from __future__ import annotations
 
 _WHAT = {
-    1: "a kernel timed out waiting for a peer rank (ranks called different ops, a peer died, or a "
+    1: "timed out waiting for a peer rank (ranks called different ops, a peer died, or a "
        "peer reached the call later than peer_timeout_s: KernelTuning / RaggedConfig, 10 s by "
        "default; raise it when hosts reach their first call far apart)",
     2: "a low-latency send ran before the previous receive of the same op finished (sends and "
@@ -23,18 +25,23 @@ _WHAT = {
 RECOVERABLE = frozenset({3, 4})
 
 
-def describe(code: int) -> str:
-    return _WHAT.get(code, f"kernel error {code}")
+def describe(code: int, op: str = "") -> str:
+    """What error ``code`` (the low 8 bits) of a kernel of family ``op`` means."""
+    kernel = f"a previous {op} kernel" if op else "a previous kernel"
+    if code == 1:
+        return f"{kernel} {_WHAT[1]}"
+    return _WHAT.get(code, f"{kernel} raised error {code}")
 
 
 def check(C, keep: bool) -> None:
-    """Raise if the extension ``C`` holds an error code. ``keep``: read it and
-    leave it set (peer memory: one word shared by every GPU of the process,
-    whose next calls must all fail); else take it (read and clear)."""
-    code = int(C.device_error() if keep else C.take_device_error())
+    """Raise if the extension ``C`` holds an error. ``keep``: read it and leave
+    it set (peer memory: words shared by every GPU of the process, whose next
+    calls must all fail); else take it (read, then clear every word)."""
+    raised = int(C.device_error() if keep else C.take_device_error())
+    code, op = raised & 0xFF, C.error_op_name(raised >> 8) if raised else ""
     if code in RECOVERABLE:
         if keep:
             C.take_device_error()
-        raise ValueError(f"jax_ep: {describe(code)}; that call's result is incomplete")
+        raise ValueError(f"jax_ep: {describe(code, op)}; that call's result is incomplete")
     if code:
-        raise RuntimeError(f"jax_ep: {describe(code)}; results since are invalid, restart the job")
+        raise RuntimeError(f"jax_ep: {describe(code, op)}; results since are invalid, restart the job")

@@ -16,7 +16,7 @@ why) and ``backend="auto"`` falls back to the pure-JAX reference backend.
 Each GPU's buffer is a list of regions, one per kernel family, each sized by
 its family (``jax_ep/<family>/region.py``); :func:`region` gives the live one.
 The NVSHMEM environment is ``jax_ep.nvshmem_env``, the hosts ``jax_ep.hosts``,
-the device error word ``jax_ep.device_errors``.
+the device error words ``jax_ep.device_errors``.
 """
 from __future__ import annotations
 
@@ -117,15 +117,16 @@ def not_initialized_error() -> RuntimeError:
 
 def check_device_error() -> None:
     """Raise if a jax_ep kernel has left an error (a peer timeout, a low-latency
-    send out of order) since the last check; clears it.
+    send out of order) since the last check, naming the op family whose kernel
+    raised it; clears it.
 
-    Every jax_ep custom call checks this word before it launches. Inside an
+    Every jax_ep custom call checks these words before it launches. Inside an
     XLA command buffer (CUDA graph: the low-latency ops may be captured) that
     check runs only when the graph is recorded, so a decode loop that runs
     captured steps should call this between steps (a host read of mapped
     memory, no synchronisation: call it after ``block_until_ready`` to cover
     the step just finished). No-op when the runtime is not up. With peer
-    memory (one process, several GPUs, one shared word) the error is read and
+    memory (one process, several GPUs, words they share) the error is read and
     kept, as the FFI handlers keep it: every GPU's next call must fail, or the
     others would launch, spin and fall an epoch apart.
     """

@@ -162,8 +162,8 @@ def test_initialize_on_a_live_runtime_refuses_another_symmetric_memory(monkeypat
 
 
 def test_check_device_error_keeps_the_peer_memory_word(monkeypatch):
-    """check_device_error reads the shared error word of the peer-memory
-    transport without clearing it (the FFI handlers keep it set: every GPU's
+    """check_device_error reads the shared error words of the peer-memory
+    transport without clearing them (the FFI handlers keep it set: every GPU's
     next call fails); one GPU per process takes (clears) it."""
     from jax_ep import extension, runtime
 
@@ -178,10 +178,13 @@ def test_check_device_error_keeps_the_peer_memory_word(monkeypatch):
             calls.append("take")
             return 1
 
+        def error_op_name(self, op):
+            return ("dispatch", "combine")[op]
+
     monkeypatch.setattr(extension, "load", lambda: FakeC())
     monkeypatch.setitem(runtime._state, "initialized", True)
     for transport, want in (("peer_memory", "peek"), ("nvshmem", "take")):
         monkeypatch.setitem(runtime._state, "symmetric_memory", transport)
-        with pytest.raises(RuntimeError, match="timed out"):
+        with pytest.raises(RuntimeError, match="a previous dispatch kernel timed out"):
             runtime.check_device_error()
         assert calls[-1] == want

@@ -19,11 +19,31 @@ enum KernelError : int {
   kErrRaggedSizes = 4,
 };
 
-// Host-mapped error word the kernels write on timeout (one per process).
-int* device_error_word();  // device pointer of the mapped word
-int take_device_error();   // reads and clears it (host side, no sync)
-int peek_device_error();   // reads it, leaves it set
-void clear_device_error(); // back to kErrNone (a new runtime)
+// The op family whose kernels raise into a word: one host-mapped word per
+// family, so the error names the op that raised it (the host cannot: the
+// kernel that times out may have been launched several calls before the call
+// that reads the words). The words follow a first word, in one 64-byte-aligned
+// block, that the first error of any family sets with its op: the waits read
+// it to give up on any family's error (common/sync.cuh), the host reports it.
+enum class ErrorOp : int {
+  kDispatch = 0,        // intranode and internode dispatch
+  kCombine,             // intranode and internode combine, and its backward
+  kLowLatencyDispatch,  // its send and receive
+  kLowLatencyCombine,
+  kRaggedAllToAll,
+  kTesting,             // cc/testing's transfer bench
+  kCount,
+};
+const char* error_op_name(int op);   // "dispatch", ...; "" past kCount
+
+// An error as read: its KernelError in the low 8 bits, its ErrorOp above
+// them (0: none). Host side, no stream sync.
+int* device_error_word(ErrorOp op);  // device pointer of the op's mapped word
+int take_device_error();   // the first error raised; then every word is cleared
+int peek_device_error();   // the same, every word left as it is
+void clear_device_error(); // every word back to kErrNone (a new runtime)
+constexpr int error_code(int e) { return e & 0xff; }
+constexpr int error_op(int e) { return e >> 8; }
 
 // Default spin timeout of the kernel argument structs. The FFI handlers set
 // theirs from the timeout_ns attribute (common/ffi_common.h PeerTimeoutNs),

@@ -195,16 +195,17 @@ inline std::string RaggedErrorMessage(int e) {
 
 // Surfaces a spin timeout a previous kernel of this process left behind.
 inline ffi::Error CheckDeviceError() {
-  // One process per GPU: the word is this rank's, read once. One process
-  // driving several GPUs shares one word: it stays set, so every GPU's next
+  // One process per GPU: the words are this rank's, read once. One process
+  // driving several GPUs shares them: an error stays set, so every GPU's next
   // call fails (else the others would launch, spin and time out again, and
   // the GPU that failed would fall an epoch behind).
   const Runtime* rt = runtime();
   const bool sticky = rt && rt->transport == Transport::kPeerMemory;
-  if (int e = sticky ? peek_device_error() : take_device_error()) {
+  if (const int raised = sticky ? peek_device_error() : take_device_error()) {
+    const int e = error_code(raised);
     if (e == kErrRaggedBounds || e == kErrRaggedSizes) {
-      // a bad argument, not a lost peer: the ranks stay in step, so the word
-      // is cleared (with peer memory too) and later calls run
+      // a bad argument, not a lost peer: the ranks stay in step, so the
+      // words are cleared (with peer memory too) and later calls run
       if (sticky) take_device_error();
       return ffi::Error(ffi::ErrorCode::kInvalidArgument, RaggedErrorMessage(e));
     }
@@ -216,8 +217,8 @@ inline ffi::Error CheckDeviceError() {
                         "still reads); its peers time out; results since are invalid, restart "
                         "the job");
     return ffi::Error(ffi::ErrorCode::kInternal,
-                      "jax_ep: a previous dispatch/combine kernel timed out waiting for a peer "
-                      "rank (error " + std::to_string(e) +
+                      std::string("jax_ep: a previous ") + error_op_name(error_op(raised)) +
+                      " kernel timed out waiting for a peer rank (error " + std::to_string(e) +
                       "): ranks called different ops, a peer died, or a peer reached the call "
                       "later than peer_timeout_s (KernelTuning / RaggedConfig, 10 s by default: "
                       "raise it when hosts reach their first call far apart); results since are "

@@ -6,6 +6,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include "common/device_error.h"
 
 namespace jax_ep {
@@ -60,27 +62,37 @@ __device__ __forceinline__ void named_barrier(int id, int nthreads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(nthreads) : "memory");
 }
 
-// Raise a kernel error in host-mapped memory; the first error stays (an
-// order error, kErrLlOrder, is the cause of the timeouts that follow it, and
-// the host reports whichever word it finds). A plain check-then-store: two
-// errors racing may leave either, which is fine; atomics on host memory are
-// not used.
+// host_err is its op family's word in a 64-byte-aligned block whose word 0
+// holds the first error raised, with its family (common/device_error.h): a
+// wait that reads word 0 gives up on any family's error, not only its own.
+__device__ __forceinline__ volatile int* first_error_word(const int* host_err) {
+  return reinterpret_cast<volatile int*>(reinterpret_cast<uintptr_t>(host_err) & ~uintptr_t(63));
+}
+
+// Raise a kernel error in host-mapped memory: in the family's word, and in
+// word 0 with the family (device_error.h's encoding) if no error is there
+// yet. The first error of each stays (an order error, kErrLlOrder, is the
+// cause of the timeouts that follow it). Plain check-then-stores: two errors
+// racing may leave either, which is fine; atomics on host memory are not used.
 __device__ __forceinline__ void raise_error(int* host_err, int code) {
   if (!host_err) return;
   volatile int* w = reinterpret_cast<volatile int*>(host_err);
   if (*w == kErrNone) *w = code;
+  volatile int* first = first_error_word(host_err);
+  const int op = static_cast<int>(w - first) - 1;
+  if (*first == kErrNone) *first = code | (op << 8);
 }
 
 // A wait this long also gives up as soon as an error has been raised (by
 // another wait of this call, or a call before): the waits of one kernel run
 // one after another (peers, chunks, blocks not yet resident), so each paying
 // its own timeout turned one missing peer at EP 8 into 7 timeouts, 70 s. Only
-// a wait longer than 1 ms (ranks far apart, or a dead peer) reads the host
-// word, once per 64 polls; a short wait never does.
+// a wait longer than 1 ms (ranks far apart, or a dead peer) reads the host's
+// word 0, once per 64 polls; a short wait never does.
 constexpr unsigned long long kErrorPollAfterNs = 1000ull * 1000;
 
 __device__ __forceinline__ bool error_raised(const int* host_err) {
-  return host_err && *reinterpret_cast<const volatile int*>(host_err) != kErrNone;
+  return host_err && *first_error_word(host_err) != kErrNone;
 }
 
 // true: keep waiting; false: the wait gave up (timeout raised, or an error

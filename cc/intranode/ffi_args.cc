@@ -83,7 +83,7 @@ ffi::Error DispatchHandleArgs(const std::string& o, int R, int T, int C,
   a->C = C;
   a->align = align;
   a->zero_tail = zero_tail != 0;
-  a->host_err = device_error_word();
+  a->host_err = device_error_word(ErrorOp::kDispatch);
   return ffi::Error::Success();
 }
 
@@ -125,7 +125,7 @@ ffi::Error CombineArgsOf(const std::string& o, int R, ffi::AnyBuffer y,
   a->K = K;
   a->C = C;
   a->rank_major = rank_major != 0;
-  a->host_err = device_error_word();
+  a->host_err = device_error_word(ErrorOp::kCombine);
   return ffi::Error::Success();
 }
 

@@ -110,6 +110,7 @@ ffi::Error CombineBwdImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer g,
   JAX_EP_RETURN_IF_ERROR(
       SetupDispatch("combine_bwd", R, T, C, row_src, slot_row, send_mask, align, zero_tail,
                     num_sms, chunk, timeout_ns, device, &a, &lc));
+  a.host_err = device_error_word(ErrorOp::kCombine);   // the combine's backward: named as combine
 
   if (T == 0 && C == 0) return ffi::Error::Success();
   if (debug_poison()) {

@@ -159,7 +159,7 @@ ffi::Error LlDispatchSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffe
   a.hidden = H;
   a.mode = mode;
   a.scale_mode = fp8_scale_mode;
-  a.host_err = device_error_word();
+  a.host_err = device_error_word(ErrorOp::kLowLatencyDispatch);
   // T == 0 still runs: its count words (all 0) are what the receivers wait for.
   JAX_EP_CUDA_RETURN(launch_ll_dispatch_send(a, g, stream));
   return ffi::Error::Success();
@@ -199,7 +199,7 @@ ffi::Error LlDispatchRecvImpl(cudaStream_t stream, int32_t device, ffi::Buffer<f
   a.out_info = out_info->typed_data();
   a.src_count = src_count->typed_data();
   a.count = count->typed_data();
-  a.host_err = device_error_word();
+  a.host_err = device_error_word(ErrorOp::kLowLatencyDispatch);
   if (debug_poison()) {
     JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.out, 0xFF, out->size_bytes(), stream));
     JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.out_scales, 0xFF, out_scales->size_bytes(), stream));
@@ -239,7 +239,7 @@ ffi::Error LlCombineSendImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   a.y = y.untyped_data();
   a.info = info.typed_data();
   a.src_count = src_count.typed_data();
-  a.host_err = device_error_word();
+  a.host_err = device_error_word(ErrorOp::kLowLatencyCombine);
   JAX_EP_CUDA_RETURN(launch_ll_combine_send(a, g, stream));
   return ffi::Error::Success();
 }
@@ -272,7 +272,7 @@ ffi::Error LlCombineRecvImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ff
   a.slot = slot.typed_data();
   a.weights = weights.typed_data();
   a.out = out->untyped_data();
-  a.host_err = device_error_word();
+  a.host_err = device_error_word(ErrorOp::kLowLatencyCombine);
   if (debug_poison()) JAX_EP_CUDA_RETURN(cudaMemsetAsync(a.out, 0xFF, out->size_bytes(), stream));
   JAX_EP_CUDA_RETURN(launch_ll_combine_recv(a, g, stream));
   return ffi::Error::Success();

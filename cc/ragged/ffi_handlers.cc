@@ -110,7 +110,7 @@ ffi::Error RaggedImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer operan
   a.send_sizes = send_sizes.typed_data();
   a.output_offsets = output_offsets.typed_data();
   a.recv_sizes = recv_sizes.typed_data();
-  a.host_err = device_error_word();
+  a.host_err = device_error_word(ErrorOp::kRaggedAllToAll);
   const int sms = runtime()->sms_of(device);
   JAX_EP_CUDA_RETURN(launch_ragged_all_to_all(a, num_sms > 0 && num_sms < sms ? num_sms : sms,
                                               stream));

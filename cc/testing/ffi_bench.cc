@@ -20,7 +20,7 @@ ffi::Error BenchTransferImpl(cudaStream_t stream, int32_t device, ffi::Buffer<ff
     return InvalidArgument("bench_transfer: larger than a staging half");
   const int blocks = num_sms > 0 ? num_sms : 2 * rt->sms_of(device);
   JAX_EP_CUDA_RETURN(launch_bench_transfer(peers, normal_bytes, src.untyped_data(), bytes, mode,
-                                           blocks, device_error_word(), stream));
+                                           blocks, device_error_word(ErrorOp::kTesting), stream));
   JAX_EP_CUDA_RETURN(cudaMemcpyAsync(token_out->untyped_data(), token.untyped_data(),
                                      token.size_bytes(), cudaMemcpyDeviceToDevice, stream));
   return ffi::Error::Success();

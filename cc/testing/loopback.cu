@@ -48,7 +48,7 @@ DispatchArgs loopback_dispatch_args(const std::vector<uint64_t>& ptrs,
   a.zero_tail = ints[12] != 0;
   a.align = int(ints[13]);
   a.dtype = int(ints[14]);
-  a.host_err = device_error_word();
+  a.host_err = device_error_word(ErrorOp::kDispatch);
   a.timeout_ns = kLoopbackTimeoutNs;
   return a;
 }
@@ -73,7 +73,7 @@ CombineArgs loopback_combine_args(const std::vector<uint64_t>& ptrs,
   a.dtype = int(ints[4]);
   a.row_bytes = ints[5];
   a.rank_major = ints[6] != 0;
-  a.host_err = device_error_word();
+  a.host_err = device_error_word(ErrorOp::kCombine);
   a.timeout_ns = kLoopbackTimeoutNs;
   return a;
 }
@@ -99,7 +99,7 @@ std::string run_ranks(int R, int iters, double* seconds,
   for (auto& s : streams)
     if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) err = "stream creation failed";
   cudaDeviceSynchronize();
-  take_device_error();  // a stale timeout from before this run is not ours
+  clear_device_error();  // a stale timeout from before this run is not ours
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < iters && err.empty(); ++i) {
     for (int r = 0; r < R && err.empty(); ++r) {

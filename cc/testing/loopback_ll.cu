@@ -78,7 +78,7 @@ std::string loopback_ll(const std::vector<uint64_t>& ptrs, const std::vector<int
       s.mode = int(ints[kMode]);
       s.scale_mode = int(ints[kScaleMode]);
       s.put_mask = put_mask;
-      s.host_err = device_error_word();
+      s.host_err = device_error_word(ErrorOp::kLowLatencyDispatch);
       if (cudaError_t e = launch_ll_dispatch_send(s, grid, st); e != cudaSuccess) return e;
       LlDispatchRecvArgs v;
       v.peers = peers;
@@ -89,7 +89,7 @@ std::string loopback_ll(const std::vector<uint64_t>& ptrs, const std::vector<int
       v.src_count = I32(r, kSrcCount);
       v.count = I32(r, kCount);
       v.put_mask = put_mask;
-      v.host_err = device_error_word();
+      v.host_err = device_error_word(ErrorOp::kLowLatencyDispatch);
       v.timeout_ns = kLoopbackTimeoutNs;
       if (cudaError_t e = launch_ll_dispatch_recv(v, grid, st); e != cudaSuccess) return e;
     }
@@ -101,7 +101,7 @@ std::string loopback_ll(const std::vector<uint64_t>& ptrs, const std::vector<int
       s.info = I32(r, kCInfo);
       s.src_count = I32(r, kCSrcCount);
       s.put_mask = put_mask;
-      s.host_err = device_error_word();
+      s.host_err = device_error_word(ErrorOp::kLowLatencyCombine);
       if (cudaError_t e = launch_ll_combine_send(s, grid, st); e != cudaSuccess) return e;
       LlCombineRecvArgs v;
       v.peers = peers;
@@ -112,7 +112,7 @@ std::string loopback_ll(const std::vector<uint64_t>& ptrs, const std::vector<int
       v.dtype = int(ints[kYDtype]);
       v.out = P(r, kCOut);
       v.put_mask = put_mask;
-      v.host_err = device_error_word();
+      v.host_err = device_error_word(ErrorOp::kLowLatencyCombine);
       v.timeout_ns = kLoopbackTimeoutNs;
       if (cudaError_t e = launch_ll_combine_recv(v, grid, st); e != cudaSuccess) return e;
     }
