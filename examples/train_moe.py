@@ -37,7 +37,7 @@ without ``--fp8``, both at ``--dtype bfloat16`` with ``--d-model 128 --d-ff
 128 --batch 16`` on CPU (tests/test_examples.py checks it; 1.6% with
 ``--fp8-dw``, the weight gradients in fp8 too). ``--fp8-kernel`` picks the fp8
 kernels' family on a Hopper GPU (default: the device's tuned choice, CUDA on an
-H100 80GB HBM3, Pallas on an H200). Later the copy
+H200 and an H100). Later the copy
 task's sharp drop in loss can come a few steps after bf16's (30 steps, seed 0:
 the last loss 0.40 against 0.19)::
 

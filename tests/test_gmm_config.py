@@ -49,13 +49,11 @@ def choice(cfg, op, m, k, n, g, dev):
 def test_table_entries():
     entries, fallback = tuning.load_tuned()
     assert set(entries) == {"NVIDIA H200", "NVIDIA H100 80GB HBM3"} and fallback == "NVIDIA H200"
-    # the H100 reuses the H200's measured tiles (same_as) and overrides the
-    # fp8 kernel family and tile store it was measured on
+    # the H100 reuses the H200's measured entry (same_as), the fp8 kernel
+    # family and its tile store (measured on both) included
     h200, h100 = entries["NVIDIA H200"], entries["NVIDIA H100 80GB HBM3"]
-    assert h100.fp8_kernel == "cuda" and h200.fp8_kernel == "pallas"
-    assert h100.fp8_tma_store_max_k_steps == 56 and h200.fp8_tma_store_max_k_steps == 0
-    assert dataclasses.replace(h100, kind=h200.kind, fp8_kernel="pallas",
-                               fp8_tma_store_max_k_steps=0) == h200
+    assert h200.fp8_kernel == "cuda" and h200.fp8_tma_store_max_k_steps == 56
+    assert dataclasses.replace(h100, kind=h200.kind) == h200
     assert h200.default.fwd == FwdTiles(128, 128, 64, 5, 0)
     assert h200.small.dw == DwTiles(64, 128, 64, 5, 4) and h200.small_group_rows == 96
     assert isinstance(h200.default.dw, DwTiles) and isinstance(h200.small.dx, FwdTiles)
@@ -93,10 +91,10 @@ def test_table_loader_rejects_a_missing_fallback():
 
 
 def test_table_fp8_kernel_family():
-    """The table's fp8 kernel family: "pallas" on the H200 until the CUDA
-    kernels are measured; a name outside FP8_KERNELS is rejected."""
+    """The table's fp8 kernel family: "cuda" on the H200 and the H100 (faster
+    than the Pallas kernel on both); a name outside FP8_KERNELS is rejected."""
     entries, _ = tuning.load_tuned()
-    assert entries["NVIDIA H200"].fp8_kernel == "pallas"
+    assert {e.fp8_kernel for e in entries.values()} == {"cuda"}
     raw = json.loads(tuning.resources.files("jax_ep.gmm").joinpath("tuned_tiles.json").read_text())
     raw["devices"]["NVIDIA H200"]["fp8_kernel"] = "triton"
     with pytest.raises(ValueError, match="fp8_kernel must be one of"):

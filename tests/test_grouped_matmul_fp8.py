@@ -801,11 +801,12 @@ def test_cuda_kernel_plan_and_its_ffi_call(monkeypatch):
     monkeypatch.setattr(extension, "load", lambda: object())
     for op in ("fwd", "dx"):
         assert select.plan_fp8(cfg, op, x, xs, w, ws, jnp.bfloat16) is registry.FP8_CUDA
-    # fp8_kernel=None: the device's tuned choice (the H200 table: pallas)
+    # fp8_kernel=None: the device's tuned choice (the table's fallback, the H200: cuda)
     tuned = GroupedMatmulConfig(impl="pallas")
+    assert select.plan_fp8(tuned, "fwd", x, xs, w, ws, jnp.bfloat16) is registry.FP8_CUDA
+    monkeypatch.setattr(heuristic, "fp8_kernel", lambda kind: "pallas")
     assert select.plan_fp8(tuned, "fwd", x, xs, w, ws, jnp.bfloat16) is registry.FP8_PALLAS
     monkeypatch.setattr(heuristic, "fp8_kernel", lambda kind: "cuda")
-    assert select.plan_fp8(tuned, "fwd", x, xs, w, ws, jnp.bfloat16) is registry.FP8_CUDA
     # a tuned "cuda" gives way to Pallas where it cannot run: interpret mode, no extension
     interp = dataclasses.replace(tuned, interpret=True)
     assert select.plan_fp8(interp, "fwd", x, xs, w, ws, jnp.bfloat16) is registry.FP8_PALLAS
@@ -924,7 +925,7 @@ def test_pallas_path_calls_the_kernel_with_k_major_operands(monkeypatch, layout,
     sizes = SIZES["skew_empty_nan_tail"]
     x, xs, w, ws, gs, dy = make(sizes, layout=layout)
     f = functools.partial(vjp8, w_layout=layout)
-    cfg = GroupedMatmulConfig(impl="pallas", fp8_cluster=cluster)
+    cfg = GroupedMatmulConfig(impl="pallas", fp8_kernel="pallas", fp8_cluster=cluster)
     got = jax.jit(functools.partial(f, config=cfg))(x, xs, w, ws, gs, dy)
     e4, f32, i32 = jnp.dtype(E4M3), jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)
     common = dict(offsets=((G + 1,), i32), tiles=None, out_dtype=jnp.dtype(jnp.bfloat16),
@@ -944,6 +945,7 @@ def test_pallas_path_calls_the_kernel_with_k_major_operands(monkeypatch, layout,
 
 
 def test_auto_plan_on_hopper(monkeypatch):
+    from jax_ep import extension
     h200 = DEVICES["NVIDIA H200"]
     sds = jax.ShapeDtypeStruct
     ops = (sds((256, 256), E4M3), sds((256, 2), jnp.float32), sds((4, 384, 256), E4M3),
@@ -955,8 +957,11 @@ def test_auto_plan_on_hopper(monkeypatch):
     if host.platform != "gpu":
         assert select.plan_fp8(auto, "fwd", *ops, bf) is registry.FP8_XLA
     monkeypatch.setattr(probe, "compiles", lambda *a, **k: True)
-    assert select.plan_fp8(auto, "fwd", *ops, bf, h200) is registry.FP8_PALLAS
-    assert select.plan_fp8(auto, "dx", *ops, jnp.dtype(jnp.float16), h200) is registry.FP8_XLA
+    # the H200's tuned family, CUDA, where the native extension is built; else Pallas
+    for built, kernel in ((object(), registry.FP8_CUDA), (None, registry.FP8_PALLAS)):
+        monkeypatch.setattr(extension, "load", lambda built=built: built)
+        assert select.plan_fp8(auto, "fwd", *ops, bf, h200) is kernel
+        assert select.plan_fp8(auto, "dx", *ops, jnp.dtype(jnp.float16), h200) is registry.FP8_XLA
     monkeypatch.setattr(probe, "compiles", lambda *a, **k: False)   # e.g. does not compile
     assert select.plan_fp8(auto, "fwd", *ops, bf, h200) is registry.FP8_XLA
 
@@ -1006,18 +1011,18 @@ def test_fp8_cluster_tuned_by_contraction_length(monkeypatch):
 def test_fp8_tma_store_tuned_by_contraction_length():
     """``fp8_tma_store=None``: the CUDA kernel stores its bf16 tiles by TMA
     where the device's table says so, contractions of at most
-    ``fp8_tma_store_max_k_steps`` steps of 128 (the H100's: 56, V3 down's K
-    2048 and up's 7168 yes, longer no; the H200's: never); True / False in the config
+    ``fp8_tma_store_max_k_steps`` steps of 128 (the H200's and H100's: 56, V3
+    down's K 2048 and up's 7168 yes, longer no); True / False in the config
     override it; a float32 result and the other variants never."""
     h100, h200 = DEVICES["NVIDIA H100 80GB HBM3"], DEVICES["NVIDIA H200"]
     v = lambda kc: jax.ShapeDtypeStruct((4, 4096, kc), E4M3)   # noqa: E731
     bf, f32 = jnp.bfloat16, jnp.float32
     cfg = GroupedMatmulConfig()
-    assert tuning.tuning_for(h100.kind).fp8_tma_store_max_k_steps == 56
-    assert [select.fp8_tma_store(cfg, registry.FP8_CUDA, v(kc), bf, h100)
-            for kc in (2048, 4096, 7168, 7296)] == [True, True, True, False]
-    assert not select.fp8_tma_store(cfg, registry.FP8_CUDA, v(2048), f32, h100)
-    assert not select.fp8_tma_store(cfg, registry.FP8_CUDA, v(2048), bf, h200)
+    for dev in (h100, h200):
+        assert tuning.tuning_for(dev.kind).fp8_tma_store_max_k_steps == 56
+        assert [select.fp8_tma_store(cfg, registry.FP8_CUDA, v(kc), bf, dev)
+                for kc in (2048, 4096, 7168, 7296)] == [True, True, True, False]
+        assert not select.fp8_tma_store(cfg, registry.FP8_CUDA, v(2048), f32, dev)
     assert not select.fp8_tma_store(cfg, registry.FP8_PALLAS, v(2048), bf, h100)
     assert not select.fp8_tma_store(cfg, registry.FP8_XLA, v(2048), bf, h100)
     on, off = (GroupedMatmulConfig(fp8_tma_store=b) for b in (True, False))

@@ -28,7 +28,7 @@ class GroupedMatmulConfig:
       impl: ``"auto"`` (the device's kernel on Hopper where it applies, else
         XLA), ``"pallas"`` (force the kernel; raises when unsupported) or
         ``"xla"`` (``jax.lax.ragged_dot``; fp8: dequantize, then f32). On the
-        fp8 path the kernel is the ``fp8_kernel`` family's (CUDA on an H100),
+        fp8 path the kernel is the ``fp8_kernel`` family's (CUDA on Hopper),
         so ``"pallas"`` forces that family's kernel there.
       fwd, dx, dw: tile configuration of the Pallas kernel for the forward
         ``x @ w[g]``, for ``dx = dy @ w[g]^T`` (:class:`FwdTiles`) and for
