@@ -71,7 +71,7 @@ and ``dy`` recast per column and 128 rows (``fp8_columns``, ``pallas_fp8_dw``).
 ``GroupedMatmulConfig.fp8_kernel="cuda"`` runs the fp8 forward, dx and (with
 ``fp8_dw``) dw on the native extension's kernels (``cuda_fp8``; the Pallas
 kernels' bits; the forward on 256-row tiles); the device's table picks the
-family by default (CUDA on "NVIDIA H100 80GB HBM3", else Pallas).
+family by default (CUDA; Pallas where the native extension is not loaded).
 The fp8 kernel can run on CTA pairs that share
 the x tile by TMA multicast where the output width is a multiple of 256
 (``GroupedMatmulConfig.fp8_cluster=2``; by default where the device's table

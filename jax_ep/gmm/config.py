@@ -103,15 +103,13 @@ class GroupedMatmulConfig:
         ``"cuda"`` (``cuda_fp8``: the native extension's kernels, one
         producer thread and the tile's sum zeroed once per tile; same
         contracts, the same bits), or None (default: the device's tuned
-        choice, ``tuned_tiles.json``: ``"cuda"`` on the device kind ``"NVIDIA
-        H100 80GB HBM3"``, where it was measured faster; ``"pallas"`` on an
-        H200 and on kinds the table does not list, which take its H200 entry:
-        the CUDA forward's present form has not run on an H200 yet). Left None,
-        the Pallas kernels run without the native extension or with
-        ``interpret``.
+        choice, ``tuned_tiles.json``: ``"cuda"`` on an H200 and an H100,
+        where it was measured faster, and on kinds the table does not list,
+        which take its H200 entry). Left None, the Pallas kernels run
+        without the native extension or with ``interpret``.
       fp8_tma_store: how the CUDA fp8 forward and dx store a bf16 result:
         None (default: the device's tuned choice by the contraction's length,
-        ``heuristic.fp8_tma_store``; on an H100 TMA up to 56 k-steps of 128),
+        ``heuristic.fp8_tma_store``; on an H200 and an H100 TMA up to 56 k-steps of 128),
         True (64-row blocks inside one group through a shared-memory tile and
         TMA, the ring 3 stages: frees the consumers from the store queue) or
         False (from registers, 4 stages). The same bits either way; the Pallas

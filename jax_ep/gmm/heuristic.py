@@ -49,6 +49,6 @@ def fp8_cluster(k_steps: int, device_kind: str) -> int:
 def fp8_tma_store(k_steps: int, device_kind: str) -> bool:
     """Whether the CUDA fp8 forward stores its bf16 tiles by TMA over a
     contraction of ``k_steps`` 128-wide steps: up to the device's measured
-    threshold (``fp8_tma_store_max_k_steps``: 56 on an H100, the longest
-    contraction measured; 0 elsewhere: never)."""
+    threshold (``fp8_tma_store_max_k_steps``: 56 on an H200 and an H100,
+    the longest contraction measured; 0 would mean never)."""
     return k_steps <= tuning_for(device_kind).fp8_tma_store_max_k_steps

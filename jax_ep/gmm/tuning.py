@@ -2,8 +2,9 @@
 
 Where the numbers come from: the tiles from one H200
 (bench/grouped_matmul_bench.py and the V3 layer of bench/moe_layer_step.py;
-the H100 entry reuses them, see the file); the group order (band 0), the
-fp8 kernel family and the fp8 tile store from one H100, as each entry says:
+the H100 entry reuses them, see the file); the group order (band 0) from
+one H100; the fp8 kernel family and the fp8 tile store from one H200 and
+one H100, as each entry says:
 
 * default fwd/dx ``(128, 128, 64, 5, 0)``: tiles the best of the first H200
   tile sweep of bench/grouped_matmul_bench.py (the 2-consumer kernel runs them
